@@ -1,0 +1,35 @@
+# Two commands: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv and install what they need. Override the torch build for ROCm or CUDA, e.g.
+#   make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/rocm6.4"
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[dev,plot]"
+	echo "$(TORCH)" > $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/resilient demo --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/checkpoint_save.py
+	$(BIN)/python benchmarks/checkpoint_load.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

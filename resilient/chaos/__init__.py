@@ -1,0 +1,1 @@
+"""Chaos testing: fault injectors.  So far: the fault-injecting fsspec filesystem (faultfs)."""

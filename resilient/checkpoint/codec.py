@@ -1,0 +1,88 @@
+"""Block checksums, optional chunk compression, and the safetensors header.
+
+Owns the byte-level encodings of format v1: crc32 per fixed-size block, zstd with byte grouping
+(the k bytes of each k-byte element are gathered into k planes, which is what makes float data
+compressible), and the safetensors header that makes every rank file a valid safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+__all__ = [
+    "block_checksums",
+    "compress",
+    "decompress",
+    "safetensors_header",
+    "parse_safetensors_header",
+]
+
+# zlib.crc32 releases the GIL for large buffers, so blocks checksum in parallel threads.
+_CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resilient-crc")
+
+
+def block_checksums(data: memoryview, block_bytes: int, *, parallel: bool = True) -> list[int]:
+    """crc32 of each ``block_bytes`` block of ``data`` (the last block may be short)."""
+    n = len(data)
+    spans = [(i, min(i + block_bytes, n)) for i in range(0, n, block_bytes)]
+    if not parallel or len(spans) < 4:
+        return [zlib.crc32(data[a:b]) for a, b in spans]
+    return list(_CRC_POOL.map(lambda s: zlib.crc32(data[s[0]:s[1]]), spans))
+
+
+def _zstd():
+    import zstandard
+
+    return zstandard
+
+
+def compress(data: memoryview, itemsize: int, bytegroup: bool, level: int = 3) -> bytes:
+    if bytegroup and itemsize > 1 and len(data) % itemsize == 0:
+        arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
+        data = memoryview(np.ascontiguousarray(arr.T).reshape(-1))
+    return _zstd().ZstdCompressor(level=level, write_content_size=True).compress(data)
+
+
+def decompress(data: bytes, raw_bytes: int, itemsize: int, bytegroup: bool) -> bytes:
+    """Inverse of :func:`compress`; refuses output of any size but ``raw_bytes``."""
+    zstd = _zstd()
+    params = zstd.get_frame_parameters(data)
+    if params.content_size != raw_bytes:
+        raise ValueError(f"compressed frame declares {params.content_size} bytes, expected {raw_bytes}")
+    out = zstd.ZstdDecompressor().decompress(data, max_output_size=raw_bytes)
+    if len(out) != raw_bytes:
+        raise ValueError(f"decompressed to {len(out)} bytes, expected {raw_bytes}")
+    if bytegroup and itemsize > 1 and raw_bytes % itemsize == 0:
+        arr = np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1)
+        out = np.ascontiguousarray(arr.T).tobytes()
+    return out
+
+
+def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int, int]],
+                       metadata: dict[str, str]) -> bytes:
+    """The 8-byte length plus JSON header of a safetensors file.
+
+    ``entries``: (name, safetensors dtype code, shape, begin, end) with offsets relative to the data
+    section.  The header is padded with spaces to a multiple of 8 bytes so that the data section
+    stays aligned.
+    """
+    header: dict[str, object] = {"__metadata__": metadata}
+    for name, code, shape, begin, end in entries:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def parse_safetensors_header(prefix: bytes) -> tuple[int, dict]:
+    """``(data_start, header)`` from the first bytes of a safetensors file (at least 8)."""
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if len(prefix) < 8 + n:
+        raise ValueError(f"header declares {n} bytes but only {len(prefix) - 8} are present")
+    return 8 + n, json.loads(prefix[8:8 + n])

@@ -1,0 +1,363 @@
+"""Loading: plan which byte ranges each rank needs, read them ranged, verify, and place them.
+
+1. ``plan_reads`` (pure): for every tensor of the target state, the overlap of this rank's target
+   chunk with each stored chunk, in the expanded view (fused dims split into blocks), and the
+   smallest block-aligned byte span of the stored chunk that holds it.
+2. ``execute_reads``: coalesce spans per file, read them (ranged reads, concurrently where the
+   backend can), verify the crc32 of every block read, and copy each overlap into its destination.
+
+Also owns ``verify_step``: read every byte of a step and check it against the manifest.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from resilient.checkpoint.codec import decompress, parse_safetensors_header
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    ChunkEntry,
+    Manifest,
+    TensorEntry,
+    dtype_info,
+    manifest_from_bytes,
+    step_dir_name,
+)
+from resilient.checkpoint.state import TensorLeaf
+from resilient.checkpoint.storage import Storage
+from resilient.errors import CheckpointCorruptError, LayoutError, StateMismatchError
+from resilient.layout import Box, Layout, Placement, Shard, chunk_offsets_sizes
+
+__all__ = ["ReadItem", "plan_reads", "execute_reads", "read_manifest", "verify_step", "VerifyReport"]
+
+# Coalesced reads are grouped into batches of about this many bytes to bound memory.
+BATCH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy ``overlap`` (expanded, global coordinates) from a stored chunk into a destination."""
+
+    key: str
+    chunk: ChunkEntry
+    src_box: Box  # the stored chunk, expanded global coordinates
+    dst_box: Box  # this rank's target chunk, expanded global coordinates
+    overlap: Box
+    span: tuple[int, int]  # absolute, block-aligned byte span of the file to read
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    return manifest_from_bytes(storage.read(rel), storage.display(rel))
+
+
+def _union_parts(key: str, src: Placement, dst: Placement, ndim: int) -> dict[int, int]:
+    """The fused-dim view both placements can be expressed in (conflicts are a LayoutError)."""
+    s = {p.dim: p.parts for _, p in src if isinstance(p, Shard)}
+    d = {p.dim: p.parts for _, p in dst if isinstance(p, Shard)}
+    out = {}
+    for dim in set(s) | set(d):
+        if dim in s and dim in d and s[dim] != d[dim]:
+            raise LayoutError(
+                f"tensor {key!r}: dim {dim} was saved split with parts={s[dim]} but the state splits "
+                f"it with parts={d[dim]}; a fused dim must keep its number of parts"
+            )
+        out[dim] = s.get(dim, d.get(dim, 1))
+    return {k: v for k, v in out.items() if v > 1 and k < ndim}
+
+
+def _box_in_view(offsets, sizes, own_parts: Mapping[int, int], view_parts: Mapping[int, int],
+                 shape) -> Box:
+    """A chunk (per-dim offsets/sizes, per block for its own fused dims) in the expanded view."""
+    eo, es = [], []
+    for dim, (o, s) in enumerate(zip(offsets, sizes)):
+        p = view_parts.get(dim, 1)
+        if p == 1:
+            eo.append(o)
+            es.append(s)
+        elif own_parts.get(dim, 1) == p:
+            eo += [0, o]
+            es += [p, s]
+        else:  # not split along this dim: it covers the whole dim, i.e. every block entirely
+            assert o == 0 and s == shape[dim], "an unsplit dim covers the whole dim"
+            eo += [0, 0]
+            es += [p, shape[dim] // p]
+    return Box(tuple(eo), tuple(es))
+
+
+def _strides(sizes) -> list[int]:
+    st, acc = [], 1
+    for s in reversed(sizes):
+        st.append(acc)
+        acc *= s
+    return st[::-1]
+
+
+def plan_reads(manifest: Manifest, leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> list[ReadItem]:
+    """Every (stored chunk, overlap) this rank needs to fill ``leaves``; pure arithmetic."""
+    items: list[ReadItem] = []
+    missing = sorted(set(leaves) - set(manifest.tensors))
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise StateMismatchError(
+            f"step {manifest.step} has no tensors {shown} ({len(missing)} missing); the checkpoint "
+            f"holds {len(manifest.tensors)} tensors — was it saved from a different model or optimizer?"
+        )
+    for key, leaf in sorted(leaves.items()):
+        entry = manifest.tensors[key]
+        _check_match(key, entry, leaf, manifest.step)
+        view = _union_parts(key, entry.placement, leaf.placement, len(entry.shape))
+        dst_own = {p.dim: p.parts for _, p in leaf.placement if isinstance(p, Shard)}
+        src_own = {p.dim: p.parts for _, p in entry.placement if isinstance(p, Shard)}
+        do, ds = chunk_offsets_sizes(entry.shape, leaf.placement, layout, rank)
+        dst_box = _box_in_view(do, ds, dst_own, view, entry.shape)
+        if dst_box.numel == 0:
+            continue
+        itemsize = dtype_info(entry.dtype).itemsize
+        for c in entry.chunks:
+            src_box = _box_in_view(c.offsets, c.sizes, src_own, view, entry.shape)
+            ov = src_box.intersect(dst_box)
+            if ov is None:
+                continue
+            items.append(ReadItem(key, c, src_box, dst_box, ov,
+                                  _span(c, src_box, ov, itemsize, manifest.block_bytes)))
+    return items
+
+
+def _span(c: ChunkEntry, src: Box, ov: Box, itemsize: int, block: int) -> tuple[int, int]:
+    start, end = c.byte_range
+    if c.codec != "none":
+        return start, end  # a compressed chunk is read whole
+    st = _strides(src.sizes)
+    rel = [o - so for o, so in zip(ov.offsets, src.offsets)]
+    first = sum(r * s for r, s in zip(rel, st))
+    last = sum((r + n - 1) * s for r, n, s in zip(rel, ov.sizes, st))
+    b0, b1 = first * itemsize, (last + 1) * itemsize
+    b0 = (b0 // block) * block
+    b1 = min(-(-b1 // block) * block, end - start)
+    return start + b0, start + b1
+
+
+def _check_match(key: str, entry: TensorEntry, leaf: TensorLeaf, step: int) -> None:
+    from resilient.checkpoint.format import dtype_name
+
+    if tuple(entry.shape) != tuple(leaf.shape):
+        raise StateMismatchError(
+            f"tensor {key!r}: step {step} holds global shape {list(entry.shape)}, but the state "
+            f"being loaded has global shape {list(leaf.shape)}; load into a model built with the "
+            f"same configuration"
+        )
+    dt = dtype_name(leaf.local.dtype)
+    if dt != entry.dtype:
+        raise StateMismatchError(
+            f"tensor {key!r}: step {step} holds {entry.dtype}, but the state being loaded has {dt}; "
+            f"cast the model to {entry.dtype} before loading (or after)"
+        )
+
+
+class _Verifier:
+    """Checks each block once, however many read items share it."""
+
+    def __init__(self, manifest: Manifest, storage: Storage) -> None:
+        self.m, self.storage = manifest, storage
+        self.done: set[tuple[str, int, int]] = set()
+        self.bytes_verified = 0
+
+    def check(self, key: str, c: ChunkEntry, span: tuple[int, int], data: memoryview) -> None:
+        bb = self.m.block_bytes
+        start = c.byte_range[0]
+        first_block = (span[0] - start) // bb
+        for i in range(first_block, len(c.checksums)):
+            b0 = start + i * bb
+            if b0 >= span[1]:
+                break
+            b1 = min(b0 + bb, c.byte_range[1])
+            tag = (c.file, start, i)
+            if tag in self.done:
+                continue
+            got = zlib.crc32(data[b0 - span[0]:b1 - span[0]])
+            if got != c.checksums[i]:
+                raise CheckpointCorruptError(
+                    f"checksum mismatch in {self.storage.display(step_dir_name(self.m.step) + '/' + c.file)}, "
+                    f"tensor {key!r}, step {self.m.step}, block {i} (bytes [{b0}, {b1})): expected "
+                    f"crc32 {c.checksums[i]:08x}, found {got:08x}; the file is corrupt — load an "
+                    f"earlier step (Checkpointer.load(..., fallback=True))"
+                )
+            self.done.add(tag)
+            self.bytes_verified += b1 - b0
+
+
+@dataclass
+class ReadStats:
+    bytes_read: int = 0
+    bytes_verified: int = 0
+    num_requests: int = 0
+
+
+def execute_reads(storage: Storage, manifest: Manifest, items: list[ReadItem],
+                  leaves: Mapping[str, TensorLeaf]) -> ReadStats:
+    """Read, verify and place every item; memory stays near ``BATCH_BYTES`` plus a chunk."""
+    step_rel = step_dir_name(manifest.step)
+    stats = ReadStats()
+    verifier = _Verifier(manifest, storage)
+    by_file: dict[str, list[ReadItem]] = {}
+    for it in items:
+        by_file.setdefault(it.chunk.file, []).append(it)
+    for file, file_items in sorted(by_file.items()):
+        rel = f"{step_rel}/{file}"
+        actual = storage.size(rel)
+        declared = manifest.files[file].size_bytes
+        if actual != declared:
+            raise CheckpointCorruptError(
+                f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the manifest "
+                f"declares {declared}; the file is truncated or was replaced — load an earlier step"
+            )
+        for batch in _batches(_coalesce(file_items)):
+            datas = storage.read_ranges(rel, [r for r, _ in batch])
+            stats.num_requests += len(batch)
+            for (r, group), data in zip(batch, datas):
+                if len(data) != r[1] - r[0]:
+                    raise CheckpointCorruptError(
+                        f"{storage.display(rel)} (step {manifest.step}): read of bytes [{r[0]}, {r[1]}) "
+                        f"returned {len(data)} bytes; the file is truncated — load an earlier step"
+                    )
+                stats.bytes_read += len(data)
+                mv = memoryview(data)
+                for it in group:
+                    piece = mv[it.span[0] - r[0]:it.span[1] - r[0]]
+                    verifier.check(it.key, it.chunk, it.span, piece)
+                    _place(it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step)
+    stats.bytes_verified = verifier.bytes_verified
+    return stats
+
+
+def _coalesce(items: list[ReadItem]) -> list[tuple[tuple[int, int], list[ReadItem]]]:
+    """Merge overlapping or touching spans of one file into single reads."""
+    out: list[tuple[tuple[int, int], list[ReadItem]]] = []
+    for it in sorted(items, key=lambda i: i.span):
+        if out and it.span[0] <= out[-1][0][1]:
+            (a, b), group = out[-1]
+            out[-1] = ((a, max(b, it.span[1])), group + [it])
+        else:
+            out.append((it.span, [it]))
+    return out
+
+
+def _batches(ranges):
+    batch, size = [], 0
+    for r in ranges:
+        n = r[0][1] - r[0][0]
+        if batch and size + n > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(r)
+        size += n
+    if batch:
+        yield batch
+
+
+def _place(it: ReadItem, data: memoryview, entry: TensorEntry, leaf: TensorLeaf, storage: Storage,
+           step: int) -> None:
+    info = dtype_info(entry.dtype)
+    c = it.chunk
+    if c.codec != "none":
+        try:
+            raw = decompress(bytes(data), c.raw_bytes, info.itemsize, c.codec == "zstd+bytegroup")
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"tensor {it.key!r} in {c.file} (step {step}) does not decompress ({e}); the file is "
+                f"corrupt — load an earlier step"
+            ) from None
+        data = memoryview(raw)
+        first_elem = 0
+    else:
+        first_elem = (it.span[0] - c.byte_range[0]) // info.itemsize
+    if len(data):
+        with warnings.catch_warnings():  # read-only bytes: we only ever read from this view
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8).view(info.torch_dtype)
+    else:
+        flat = torch.empty(0, dtype=info.torch_dtype)
+    src_st = _strides(it.src_box.sizes)
+    rel = [o - so for o, so in zip(it.overlap.offsets, it.src_box.offsets)]
+    src = flat.as_strided(it.overlap.sizes, src_st, sum(r * s for r, s in zip(rel, src_st)) - first_elem)
+    dst_full = leaf.local.view(it.dst_box.sizes) if leaf.local.is_contiguous() else None
+    if dst_full is None:
+        raise LayoutError(f"tensor {it.key!r}: cannot load into a non-contiguous tensor; call .contiguous() first")
+    drel = [o - do for o, do in zip(it.overlap.offsets, it.dst_box.offsets)]
+    dst = dst_full
+    for d, (o, n) in enumerate(zip(drel, it.overlap.sizes)):
+        dst = dst.narrow(d, o, n)
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+# --- full verification -------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    step: int
+    files_checked: int
+    bytes_checked: int
+    tensors: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
+    """Read every byte of ``step``: manifest, file sizes, safetensors headers, every checksum."""
+    problems: list[str] = []
+    try:
+        m = read_manifest(storage, step)
+    except CheckpointCorruptError as e:
+        return VerifyReport(step, 0, 0, 0, [str(e)])
+    rel = step_dir_name(step)
+    by_file: dict[str, list[tuple[str, ChunkEntry]]] = {f: [] for f in m.files}
+    for key, t in m.tensors.items():
+        for c in t.chunks:
+            by_file[c.file].append((key, c))
+    checked = 0
+    for file, chunks in sorted(by_file.items()):
+        path = f"{rel}/{file}"
+        try:
+            data = storage.read(path)
+        except Exception as e:
+            problems.append(f"{storage.display(path)}: cannot be read ({e})")
+            continue
+        if len(data) != m.files[file].size_bytes:
+            problems.append(f"{storage.display(path)}: {len(data)} bytes, manifest declares {m.files[file].size_bytes}")
+            continue
+        try:
+            data_start, header = parse_safetensors_header(data)
+        except Exception as e:
+            problems.append(f"{storage.display(path)}: not a valid safetensors file ({e})")
+            continue
+        mv = memoryview(data)
+        for key, c in chunks:
+            h = header.get(c.name)
+            if not h or [data_start + h["data_offsets"][0], data_start + h["data_offsets"][1]] != list(c.byte_range):
+                problems.append(f"{storage.display(path)}: safetensors header disagrees with the manifest for tensor {key!r}")
+                continue
+            bb = m.block_bytes
+            for i, want in enumerate(c.checksums):
+                b0 = c.byte_range[0] + i * bb
+                b1 = min(b0 + bb, c.byte_range[1])
+                got = zlib.crc32(mv[b0:b1])
+                if got != want:
+                    problems.append(
+                        f"{storage.display(path)}: tensor {key!r} (step {step}) block {i} bytes "
+                        f"[{b0}, {b1}): crc32 expected {want:08x}, found {got:08x}"
+                    )
+        checked += len(data)
+        if progress is not None:
+            progress(len(data))
+    return VerifyReport(step, len(m.files), checked, len(m.tensors), problems)

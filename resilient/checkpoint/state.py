@@ -1,0 +1,301 @@
+"""Turning a user's nested ``state`` into flat, named leaves, and writing loaded values back.
+
+This module owns what the Checkpointer accepts: plain tensors (replicated), DTensors, tensors
+annotated with :func:`sharded`, ``nn.Module`` and ``torch.optim.Optimizer`` objects, any other
+Stateful object (``state_dict()``/``load_state_dict()``), nested mappings and lists, and JSON-able
+values.  Keys are joined with ``.``: ``model.layers.0.attn.qkv.weight``,
+``optim.state.model.layers.0.attn.qkv.weight.exp_avg``.  It does not own files or bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from resilient.errors import LayoutError
+from resilient.layout import (
+    AxisPlacement,
+    Layout,
+    Placement,
+    fused_parts,
+    local_shape,
+    normalize_placement,
+    placement_from_dtensor,
+)
+
+__all__ = ["sharded", "TensorLeaf", "FlatState", "flatten_state", "json_snapshot"]
+
+_ATTR = "_resilient_sharding"
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    placement: Mapping[str, AxisPlacement]
+    global_shape: tuple[int, ...] | None
+    layout: Layout | None
+    rank: int | None
+
+
+def sharded(
+    tensor: torch.Tensor,
+    placement: Mapping[str, AxisPlacement],
+    *,
+    global_shape: tuple[int, ...] | list[int] | None = None,
+    layout: Layout | None = None,
+    rank: int | None = None,
+) -> torch.Tensor:
+    """Declare that ``tensor`` is this rank's chunk of a global tensor split by ``placement``.
+
+    Annotates the tensor in place (parameters keep the annotation, and so optimizer state of the
+    same shape inherits it) and returns it.  ``placement`` maps layout axes to ``Shard(dim,
+    parts)``/``Replicate()``; unnamed axes replicate.  Pass ``global_shape`` when a split is
+    uneven; otherwise it is inferred as an even split.  ``layout``/``rank``, when given, are checked
+    against the Checkpointer's.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"sharded() takes a tensor, got {type(tensor).__name__}")
+    setattr(
+        tensor,
+        _ATTR,
+        _Sharding(dict(placement), tuple(global_shape) if global_shape is not None else None, layout, rank),
+    )
+    return tensor
+
+
+@dataclass
+class TensorLeaf:
+    key: str
+    local: torch.Tensor  # the rank-local tensor (a DTensor's local shard); a load destination
+    shape: tuple[int, ...]  # global
+    placement: Placement
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.numel() * self.local.element_size()
+
+
+@dataclass
+class FlatState:
+    tensors: dict[str, TensorLeaf] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    # load only: how to put a loaded JSON value back, and what to call once everything is filled
+    setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)
+    finalizers: list[Callable[[], None]] = field(default_factory=list)
+
+
+def _is_json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _contains_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, Mapping):
+        return any(_contains_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_contains_tensor(x) for x in v)
+    return False
+
+
+def json_snapshot(key: str, value: Any) -> Any:
+    """A deep, JSON-only copy of ``value`` (tuples become lists), or a TypeError naming the key."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"state key {key!r}: value of type {type(value).__name__} is neither a tensor nor "
+            f"JSON-able ({e}); convert it (for example to a list or a string) or wrap it in an "
+            f"object with state_dict()/load_state_dict()"
+        ) from None
+
+
+def flatten_state(state: Mapping[str, Any], layout: Layout, rank: int, *, for_load: bool = False) -> FlatState:
+    """Flatten ``state`` into tensor leaves and JSON values (and, for loads, setters/finalizers)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to values, got {type(state).__name__}")
+    flat = FlatState()
+    param_names = _param_names(state)
+    _Walker(flat, layout, rank, for_load, param_names).walk(state, "")
+    return flat
+
+
+def _param_names(state: Mapping[str, Any]) -> dict[int, str]:
+    """id(parameter) -> fully qualified key, for the modules anywhere in ``state``."""
+    names: dict[int, str] = {}
+
+    def visit(obj: Any, prefix: str) -> None:
+        if isinstance(obj, torch.nn.Module):
+            for n, p in obj.named_parameters():
+                names.setdefault(id(p), prefix + n)
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                visit(v, f"{prefix}{k}.")
+
+    visit(state, "")
+    return names
+
+
+class _Walker:
+    def __init__(self, flat: FlatState, layout: Layout, rank: int, for_load: bool,
+                 param_names: dict[int, str]) -> None:
+        self.flat, self.layout, self.rank, self.for_load = flat, layout, rank, for_load
+        self.param_names = param_names
+
+    def walk(self, obj: Any, prefix: str, setter: Callable[[Any], None] | None = None,
+             inherit: torch.Tensor | None = None) -> None:
+        if isinstance(obj, torch.Tensor):
+            self.tensor(prefix.rstrip("."), obj, inherit)
+        elif isinstance(obj, torch.nn.Module):
+            for k, v in obj.state_dict(keep_vars=True).items():
+                self.tensor(prefix + k, v, None)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.optimizer(obj, prefix)
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(obj, Mapping):
+            sd = obj.state_dict()
+            if not isinstance(sd, MutableMapping):
+                raise TypeError(f"{prefix.rstrip('.')}: state_dict() returned {type(sd).__name__}, expected a dict")
+            self.mapping(sd, prefix)
+            if self.for_load:
+                self.flat.finalizers.append(lambda obj=obj, sd=sd: obj.load_state_dict(sd))
+        elif isinstance(obj, Mapping):
+            self.mapping(obj, prefix)
+        elif isinstance(obj, (list, tuple)) and _contains_tensor(obj):
+            for i, v in enumerate(obj):
+                item_setter = None
+                if isinstance(obj, list):
+                    item_setter = lambda val, obj=obj, i=i: obj.__setitem__(i, val)  # noqa: E731
+                self.walk(v, f"{prefix}{i}.", item_setter)
+        else:
+            key = prefix.rstrip(".")
+            self.flat.values[key] = obj if self.for_load else json_snapshot(key, obj)
+            if setter is not None:
+                self.flat.setters[key] = setter
+
+    def mapping(self, m: Mapping[str, Any], prefix: str) -> None:
+        for k, v in m.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"state key {prefix}{k!r} must be a str or int, got {type(k).__name__}")
+            setter = None
+            if isinstance(m, MutableMapping):
+                setter = lambda val, m=m, k=k: m.__setitem__(k, val)  # noqa: E731
+            self.walk(v, f"{prefix}{k}.", setter)
+
+    def tensor(self, key: str, t: torch.Tensor, inherit: torch.Tensor | None) -> None:
+        if key in self.flat.tensors:
+            raise ValueError(f"state key {key!r} appears twice; give each tensor a unique name")
+        self.flat.tensors[key] = describe_tensor(key, t, self.layout, self.rank, inherit)
+
+    def optimizer(self, opt: torch.optim.Optimizer, prefix: str) -> None:
+        if self.for_load:
+            _init_optimizer_state(opt)
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                name = self.param_names.get(id(p), f"{gi}.{pi}")
+                st = opt.state.get(p, {})
+                for k, v in st.items():
+                    key = f"{prefix}state.{name}.{k}"
+                    if isinstance(v, torch.Tensor):
+                        same = v.shape == p.shape and v.dim() > 0
+                        self.tensor(key, v, p if same else None)
+                    else:
+                        self.walk(v, key + ".", lambda val, st=st, k=k: st.__setitem__(k, val))
+            for hp, v in group.items():
+                if hp == "params":
+                    continue
+                self.walk(v, f"{prefix}param_groups.{gi}.{hp}.",
+                          lambda val, group=group, hp=hp: group.__setitem__(hp, val))
+
+
+def describe_tensor(key: str, t: torch.Tensor, layout: Layout, rank: int,
+                    inherit: torch.Tensor | None = None) -> TensorLeaf:
+    """The global shape and placement of ``t``: from a DTensor, a ``sharded`` annotation (its own
+    or, for optimizer state, its parameter's), or replicated."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        try:
+            placement = placement_from_dtensor(t, layout)
+        except LayoutError as e:
+            raise LayoutError(f"tensor {key!r}: {e}") from None
+        local = t.to_local()
+        return _checked(key, local.detach(), tuple(t.shape), placement, layout, rank)
+    spec: _Sharding | None = getattr(t, _ATTR, None)
+    if spec is None and inherit is not None:
+        spec = getattr(inherit, _ATTR, None)
+    if spec is None:
+        return TensorLeaf(key, t.detach(), tuple(t.shape), normalize_placement(None, layout))
+    if spec.layout is not None and spec.layout != layout:
+        raise LayoutError(
+            f"tensor {key!r} was annotated for layout {spec.layout}, but the checkpointer uses "
+            f"{layout}; pass the same layout to Checkpointer(layout=...)"
+        )
+    if spec.rank is not None and spec.rank != rank:
+        raise LayoutError(f"tensor {key!r} was annotated for rank {spec.rank}, but this is rank {rank}")
+    try:
+        placement = normalize_placement(spec.placement, layout)
+    except LayoutError as e:
+        raise LayoutError(f"tensor {key!r}: {e}") from None
+    shape = spec.global_shape
+    if shape is None:  # even split: multiply each sharded dim by the axes that split it
+        shape_l = list(t.shape)
+        for axis, p in placement:
+            if hasattr(p, "dim"):
+                if p.dim >= t.dim():
+                    raise LayoutError(f"tensor {key!r}: axis {axis!r} shards dim {p.dim}, but the tensor has {t.dim()} dims")
+                shape_l[p.dim] *= layout.size(axis)
+        shape = tuple(shape_l)
+    return _checked(key, t.detach(), shape, placement, layout, rank)
+
+
+def _checked(key: str, local: torch.Tensor, shape: tuple[int, ...], placement: Placement,
+             layout: Layout, rank: int) -> TensorLeaf:
+    try:
+        fused_parts(shape, placement)
+        expected = local_shape(shape, placement, layout, rank)
+    except LayoutError as e:
+        raise LayoutError(f"tensor {key!r}: {e}") from None
+    if tuple(local.shape) != expected:
+        raise LayoutError(
+            f"tensor {key!r}: rank {rank} holds a local shape {list(local.shape)}, but global shape "
+            f"{list(shape)} split by {_fmt(placement)} on {layout.describe()} gives {list(expected)} "
+            f"for this rank; pass global_shape= to sharded() for uneven splits"
+        )
+    return TensorLeaf(key, local, shape, placement)
+
+
+def _fmt(placement: Placement) -> str:
+    parts = [f"{a}:Shard({p.dim}{', parts=' + str(p.parts) if p.parts > 1 else ''})"
+             for a, p in placement if hasattr(p, "dim")]
+    return "{" + ", ".join(parts) + "}" if parts else "replicate"
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create a lazily initialised optimizer's state so that it can be loaded into in place.
+
+    Optimizers like Adam create their state on the first step.  Take one step with zero
+    gradients and a learning rate of zero (so parameters do not move), then drop the gradients;
+    the load overwrites the state that step created.
+    """
+    if opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return
+    saved = []
+    for g in opt.param_groups:
+        saved.append(g.get("lr"))
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    with torch.no_grad():
+        opt.step()
+    for g, lr in zip(opt.param_groups, saved):
+        if lr is not None:
+            g["lr"] = lr
+    opt.zero_grad(set_to_none=True)

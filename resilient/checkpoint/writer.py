@@ -1,0 +1,309 @@
+"""Saving: which rank writes what, staging into reused CPU buffers, background persist, commit.
+
+The call sequence of one save (DESIGN.md section 4):
+
+1. (every rank, caller's thread) ``plan_writes``: a pure function of the flat state that picks one
+   writer per distinct chunk, balancing bytes across replicas; cached while the state's shapes do
+   not change.
+2. (every rank, caller's thread) ``Stager.stage``: copy the chunks this rank writes into one flat
+   CPU buffer laid out exactly like the safetensors data section.  Allocated once, reused; pinned
+   when a GPU is present.  ``save`` returns after this step.
+3. (every rank, background thread) ``persist``: checksum blocks (in parallel threads) while writing
+   header + buffer to ``rank_NNNNN.safetensors``; fsync.
+4. (every rank, background thread) report the written chunks to the coordinator over the c10d
+   store; (coordinator) wait for every report, check coverage, write MANIFEST.json atomically, run
+   retention, publish the outcome; (other ranks) wait for the outcome.
+
+Never a collective from a background thread: the training process group stays the loop's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from resilient.checkpoint.codec import block_checksums, compress, safetensors_header
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    dtype_info,
+    dtype_name,
+    manifest_from_bytes,
+    rank_file_name,
+    step_dir_name,
+)
+from resilient.checkpoint.state import TensorLeaf
+from resilient.checkpoint.storage import Storage
+from resilient.errors import CheckpointCorruptError, ResilientError
+from resilient.layout import Layout, Placement, placement_to_json, unique_chunks
+
+__all__ = ["WriteItem", "WritePlan", "plan_writes", "Stager", "persist_rank_file", "Committer"]
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    key: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    begin: int  # in the staged data buffer
+    end: int
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What one rank writes, and the global tensor table every rank agrees on."""
+
+    rank: int
+    items: tuple[WriteItem, ...]
+    data_bytes: int
+    tensors: Mapping[str, tuple[str, tuple[int, ...], Placement]]  # key -> dtype, shape, placement
+    digest: str  # of the tensor table: ranks with different states must not commit together
+    bytes_per_rank: tuple[int, ...]
+
+
+def plan_writes(leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> WritePlan:
+    """Pick one writer for every distinct non-empty chunk, spreading bytes evenly over replicas.
+
+    Pure and deterministic: every rank computes the same assignment from the same tensor table.
+    Largest chunks are placed first, each on the replica with the fewest bytes so far.
+    """
+    table = {k: (dtype_name(v.local.dtype), v.shape, v.placement) for k, v in sorted(leaves.items())}
+    digest = hashlib.sha256(
+        json.dumps([[k, d, list(s), placement_to_json(p)] for k, (d, s, p) in table.items()]).encode()
+    ).hexdigest()
+    load = [0] * layout.world_size
+    mine: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+    jobs = []
+    for key, (dt, shape, placement) in table.items():
+        itemsize = dtype_info(dt).itemsize
+        parts = math.prod({p.dim: p.parts for _, p in placement if hasattr(p, "parts")}.values() or [1])
+        for offsets, sizes, replicas in unique_chunks(shape, placement, layout):
+            nbytes = math.prod(sizes) * parts * itemsize
+            if nbytes:
+                jobs.append((-nbytes, key, offsets, sizes, replicas, nbytes, itemsize))
+    jobs.sort(key=lambda j: (j[0], j[1], j[2]))
+    for _, key, offsets, sizes, replicas, nbytes, itemsize in jobs:
+        writer = min(replicas, key=lambda r: (load[r], r))
+        load[writer] += nbytes
+        if writer == rank:
+            mine.append((key, offsets, sizes, itemsize))
+    # Larger elements first keeps every tensor aligned to its element size inside the buffer.
+    mine.sort(key=lambda m: (-m[3], m[0]))
+    items, pos = [], 0
+    for key, offsets, sizes, itemsize in mine:
+        leaf = leaves[key]
+        n = leaf.nbytes
+        items.append(WriteItem(key, table[key][0], tuple(leaf.local.shape), offsets, sizes, pos, pos + n))
+        pos += n
+    return WritePlan(rank, tuple(items), pos, table, digest, tuple(load))
+
+
+class Stager:
+    """One flat CPU buffer, reused across saves, holding the chunks this rank writes."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def stage(self, plan: WritePlan, leaves: Mapping[str, TensorLeaf]) -> torch.Tensor:
+        need = plan.data_bytes
+        on_gpu = any(leaves[i.key].local.is_cuda for i in plan.items)
+        if self._buffer is None or self._buffer.numel() < need or (on_gpu and not self._buffer.is_pinned()):
+            self._buffer = None  # free the old one first: peak memory is one buffer
+            self._buffer = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=on_gpu)
+        buf = self._buffer
+        with torch.no_grad():
+            for it in plan.items:
+                src = leaves[it.key].local
+                dst = buf[it.begin:it.end].view(src.dtype).view(src.shape)
+                dst.copy_(src, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize()
+        return buf[:need]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    file: str
+    size_bytes: int
+    chunks: dict[str, ChunkEntry]
+    write_s: float
+
+
+def persist_rank_file(storage: Storage, step_rel: str, file: str, plan: WritePlan,
+                      data: torch.Tensor, *, block_bytes: int, compression: str | None,
+                      step: int) -> PersistResult:
+    """Write this rank's safetensors file (header + staged data), checksummed per block."""
+    t0 = time.monotonic()
+    view = memoryview(data.numpy()) if plan.data_bytes else memoryview(b"")
+    codec = "none"
+    if compression == "zstd":
+        codec = "zstd+bytegroup"
+        blobs = [compress(view[it.begin:it.end], dtype_info(it.dtype).itemsize, True) for it in plan.items]
+        spans, pos = [], 0
+        for b in blobs:
+            spans.append((pos, pos + len(b)))
+            pos += len(b)
+        header_entries = [(it.key, "U8", [e - b], b, e) for it, (b, e) in zip(plan.items, spans)]
+        body: list[memoryview | bytes] = blobs
+        payload = memoryview(b"".join(blobs))
+    else:
+        spans = [(it.begin, it.end) for it in plan.items]
+        header_entries = [(it.key, dtype_info(it.dtype).safetensors, it.local_shape, it.begin, it.end)
+                          for it in plan.items]
+        body = [view]
+        payload = view
+    header = safetensors_header(header_entries, {"format": "resilient-v1", "step": str(step)})
+    # Checksums run in worker threads (crc32 drops the GIL) while this thread writes.
+    from resilient.checkpoint.codec import _CRC_POOL
+
+    crc_futures = [
+        _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False) for b, e in spans
+    ]
+    size = storage.write_file(f"{step_rel}/{file}", [header, *body])
+    base = len(header)
+    chunks = {}
+    for it, (b, e), fut in zip(plan.items, spans, crc_futures):
+        chunks[it.key] = ChunkEntry(
+            offsets=it.offsets, sizes=it.sizes, file=file, name=it.key,
+            byte_range=(base + b, base + e), checksums=tuple(fut.result()), codec=codec,
+            raw_bytes=it.end - it.begin,
+        )
+    return PersistResult(file, size, chunks, time.monotonic() - t0)
+
+
+def next_generation(storage: Storage, step_rel: str) -> int:
+    """0 for a new step; one past the committed manifest's generation when re-saving a step.
+
+    A re-save writes files under new names, so the committed step stays intact until the new
+    manifest replaces the old one.
+    """
+    if not storage.exists(f"{step_rel}/{MANIFEST_NAME}"):
+        return 0
+    try:
+        old = manifest_from_bytes(storage.read(f"{step_rel}/{MANIFEST_NAME}"), storage.display(step_rel))
+        return old.generation + 1
+    except CheckpointCorruptError:
+        return 1 + int(time.time()) % 1000  # a broken old manifest: any fresh name will do
+
+
+class CommitError(ResilientError):
+    """A save could not be committed (a rank failed, timed out, or the chunks did not tile)."""
+
+
+class Committer:
+    """The commit handshake over the c10d store (or directly, in a world of one).
+
+    Rank r publishes ``{prefix}/report/{r}``; the coordinator (rank 0) waits for all of them,
+    writes the manifest and publishes ``{prefix}/done``; every other rank waits for ``done``.
+    """
+
+    def __init__(self, store: Any | None, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.timeout_s = timeout_s
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def report(self, payload: dict[str, Any]) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(payload))
+
+    def gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
+        reports = [own]
+        deadline = time.monotonic() + self.timeout_s
+        for r in range(1, self.world_size):
+            key = f"{self.prefix}/report/{r}"
+            remaining = max(deadline - time.monotonic(), 0.001)
+            try:
+                self.store.wait([key], timedelta(seconds=remaining))
+            except Exception as e:  # the store raises its own timeout types
+                raise CommitError(
+                    f"rank {r} did not report its checkpoint file within {self.timeout_s:.0f}s "
+                    f"(commit_timeout_s); it may have died or be hung ({type(e).__name__})"
+                ) from None
+            reports.append(json.loads(self.store.get(key)))
+        return reports
+
+    def publish(self, outcome: str) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/done", outcome)
+
+    def wait_outcome(self) -> str:
+        key = f"{self.prefix}/done"
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            raise CommitError(
+                f"rank {self.rank}: the coordinator (rank 0) did not publish the commit outcome "
+                f"within {self.timeout_s:.0f}s ({type(e).__name__})"
+            ) from None
+        return self.store.get(key).decode()
+
+    def cleanup(self) -> None:
+        if self.store is None:
+            return
+        for r in range(self.world_size):
+            try:
+                self.store.delete_key(f"{self.prefix}/report/{r}")
+            except Exception:  # best effort; not every store deletes keys
+                pass
+
+
+def build_manifest(step: int, layout: Layout, plan: WritePlan, reports: list[dict[str, Any]],
+                   *, block_bytes: int, generation: int, version: str) -> Manifest:
+    """The coordinator's view: every rank's chunks, checked to tile every tensor exactly once."""
+    failed = [r for r in reports if r.get("error")]
+    if failed:
+        raise CommitError("; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed))
+    for r in reports:
+        if r["digest"] != plan.digest:
+            raise CommitError(
+                f"rank {r['rank']} saved a different state than rank 0 ({r['num_tensors']} tensors "
+                f"vs {len(plan.tensors)}, or different shapes/dtypes/placements); every rank must save "
+                f"the same keys with the same global shapes"
+            )
+    chunks: dict[str, list[ChunkEntry]] = {k: [] for k in plan.tensors}
+    files = {}
+    for r in reports:
+        files[r["file"]] = FileEntry(rank=r["rank"], size_bytes=r["size_bytes"])
+        for key, c in r["chunks"].items():
+            chunks[key].append(ChunkEntry.from_json(c, f"rank {r['rank']} chunk {key!r}"))
+    tensors = {
+        k: TensorEntry(dtype=d, shape=s, placement=p, chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+        for k, (d, s, p) in plan.tensors.items()
+    }
+    extras = reports[0]["values"]
+    rank_extras = {}
+    for r in reports[1:]:
+        diff = {k: v for k, v in r["values"].items() if extras.get(k, _MISSING) != v}
+        if diff:
+            rank_extras[r["rank"]] = diff
+    m = Manifest(step=step, layout=layout, tensors=tensors, files=files, extras=extras,
+                 rank_extras=rank_extras, block_bytes=block_bytes, generation=generation,
+                 created_unix_s=time.time(), toolkit_version=version)
+    try:
+        m.validate()
+    except CheckpointCorruptError as e:
+        raise CommitError(f"refusing to commit step {step}: {e}") from None
+    return m
+
+
+_MISSING = object()

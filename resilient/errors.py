@@ -1,0 +1,50 @@
+"""The exception hierarchy of the toolkit.
+
+Every message names the thing (tensor key, rank, file, step, URL), says what was expected and what
+was found, and what to do about it. Tests assert the message text, so treat it as an interface.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ResilientError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "LayoutError",
+    "StorageError",
+    "StateMismatchError",
+    "RankFailureError",
+]
+
+
+class ResilientError(Exception):
+    """Base class of every error this toolkit raises on purpose."""
+
+
+class CheckpointNotFoundError(ResilientError, FileNotFoundError):
+    """The requested step (or any committed step) does not exist."""
+
+
+class CheckpointCorruptError(ResilientError):
+    """A checkpoint's bytes or manifest are damaged or inconsistent."""
+
+
+class LayoutError(ResilientError, ValueError):
+    """A layout or placement does not fit the world size or a tensor's shape."""
+
+
+class StateMismatchError(ResilientError, ValueError):
+    """The state being loaded into does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+class StorageError(ResilientError, OSError):
+    """A storage operation failed permanently (or kept failing after retries)."""
+
+    def __init__(self, message: str, *, url: str = "", operation: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.operation = operation
+
+
+class RankFailureError(ResilientError):
+    """A peer rank was declared dead or hung; this rank must stop."""

@@ -1,0 +1,71 @@
+"""Run a function on N real processes joined in a gloo process group.
+
+Processes fork from a forkserver that has torch imported already, so a world of 4 starts in well
+under a second and never inherits OpenMP thread pools from the pytest process.  A child's
+exception comes back with its traceback and fails the test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "resilient"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
+    port = free_port()
+    queue = _CTX.Queue()
+    procs = [_CTX.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
