@@ -332,6 +332,11 @@ class Manifest:
         found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         for c in t.chunks:
             where = f"tensor {key!r} chunk {list(c.offsets)} in file {c.file!r} (step {self.step})"
+            if not _FILE_RE.match(c.file):
+                raise CheckpointCorruptError(
+                    f"{where}: files must be plain names like 'rank_00000.safetensors' inside the "
+                    f"step directory (no paths, no URLs)"
+                )
             if c.file not in self.files:
                 raise CheckpointCorruptError(f"{where}: the file is not listed in manifest.files")
             if c.codec not in CODECS:

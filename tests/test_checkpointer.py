@@ -1,0 +1,380 @@
+"""The Checkpointer in one process: round trips, async semantics, retention, and bad input."""
+
+import json
+import os
+import threading
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from resilient import Checkpointer, Layout, RetryPolicy, Shard, sharded
+from resilient.chaos.faultfs import FaultyFileSystem
+from resilient.checkpoint.format import MANIFEST_NAME
+from resilient.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    LayoutError,
+    StateMismatchError,
+    StorageError,
+)
+
+FAST_RETRY = RetryPolicy(max_attempts=3, max_total_s=5, initial_backoff_s=0.001, max_backoff_s=0.01)
+
+
+def make_state(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    sched.step()
+    return {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "emb": torch.randn(10, 6).bfloat16(),
+        "extra": {"counter": 7, "names": ["a", "b"], "nested": {"x": 1.5, "none": None}},
+        "pair": [torch.arange(3), {"k": 2}],
+    }
+
+
+def fresh_state():
+    s = make_state(seed=123)
+    s["emb"].zero_()
+    s["extra"] = {"counter": 0, "names": [], "nested": {"x": 0.0, "none": 1}}
+    s["pair"] = [torch.zeros(3, dtype=torch.int64), {"k": 0}]
+    return s
+
+
+def assert_same(a, b):
+    for (ka, va), (kb, vb) in zip(a["model"].state_dict().items(), b["model"].state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka
+    sa, sb = a["optim"].state_dict(), b["optim"].state_dict()
+    for i in sa["state"]:
+        for k in sa["state"][i]:
+            assert torch.equal(sa["state"][i][k], sb["state"][i][k]), (i, k)
+    assert sa["param_groups"] == sb["param_groups"]
+    assert a["sched"].state_dict() == b["sched"].state_dict()
+    assert torch.equal(a["emb"], b["emb"])
+    assert a["extra"] == b["extra"]
+    assert torch.equal(a["pair"][0], b["pair"][0]) and a["pair"][1] == b["pair"][1]
+
+
+def test_round_trip_of_model_optimizer_scheduler_and_values(tmp_path):
+    src = make_state()
+    with Checkpointer(str(tmp_path)) as ck:
+        stats = ck.save(10, src).wait()
+        assert stats.committed and stats.bytes_written > 0
+        assert ck.steps() == [10] and ck.latest_step() == 10
+    dst = fresh_state()
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.load(dst) == 10
+        assert not ck.last_load.resharded
+    assert_same(src, dst)
+    # an optimizer that never stepped is initialised and filled in place
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    lazy = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=5.0)}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.load({**fresh_state(), **lazy})
+    assert lazy["optim"].param_groups[0]["lr"] == src["optim"].param_groups[0]["lr"]
+    assert torch.equal(lazy["optim"].state_dict()["state"][0]["exp_avg"],
+                       src["optim"].state_dict()["state"][0]["exp_avg"])
+
+
+def test_rank_files_are_valid_safetensors_with_the_right_bytes(tmp_path):
+    src = make_state()
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, src).wait()
+    tensors = load_file(str(tmp_path / "step_00000001" / "rank_00000.safetensors"))
+    assert torch.equal(tensors["model.0.weight"], src["model"][0].weight.detach())
+    assert torch.equal(tensors["emb"], src["emb"])
+    manifest = json.loads((tmp_path / "step_00000001" / MANIFEST_NAME).read_text())
+    assert manifest["format_version"] == 1 and manifest["layout"] == [["dp", 1]]
+    assert manifest["extras"]["extra.counter"] == 7
+
+
+def test_compression_round_trips_and_shrinks(tmp_path):
+    state = {"w": torch.zeros(256, 256), "b": torch.randn(300).bfloat16()}
+    with Checkpointer(str(tmp_path / "z"), compression="zstd") as ck:
+        ck.save(1, state).wait()
+    with Checkpointer(str(tmp_path / "plain")) as ck:
+        ck.save(1, state).wait()
+    z = os.path.getsize(tmp_path / "z/step_00000001/rank_00000.safetensors")
+    plain = os.path.getsize(tmp_path / "plain/step_00000001/rank_00000.safetensors")
+    assert z < plain / 10
+    out = {"w": torch.ones(256, 256), "b": torch.zeros(300).bfloat16()}
+    with Checkpointer(str(tmp_path / "z")) as ck:
+        ck.load(out)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+
+
+class GatedFileSystem(FaultyFileSystem):
+    """Writes block until the test opens the gate: makes 'save returned before persisting' exact."""
+
+    protocol = "gated"
+    gate = threading.Event()
+    writes_started = threading.Event()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return path[len("gated://"):] if path.startswith("gated://") else path
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode and path.endswith(".safetensors"):
+            GatedFileSystem.writes_started.set()
+            assert GatedFileSystem.gate.wait(30)
+        return super()._open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("gated", GatedFileSystem, clobber=True)
+
+
+def test_save_returns_after_staging_and_training_may_mutate(tmp_path):
+    GatedFileSystem.gate.clear()
+    GatedFileSystem.writes_started.clear()
+    w = torch.arange(1000, dtype=torch.float32)
+    state = {"w": w, "meta": {"epoch": 1}}
+    ck = Checkpointer(f"gated://{tmp_path}")
+    handle = ck.save(1, state)
+    assert GatedFileSystem.writes_started.wait(30)
+    assert not handle.done()  # persisting is blocked, yet save() has returned
+    w.mul_(-1)  # training goes on and mutates the live tensors
+    state["meta"]["epoch"] = 99
+    # a second save waits for the first (one in flight)
+    second_started = threading.Event()
+    second_done = threading.Event()
+
+    def second():
+        second_started.set()
+        ck.save(2, state)
+        second_done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert second_started.wait(5)
+    assert not second_done.wait(0.2)
+    GatedFileSystem.gate.set()
+    t.join(30)
+    assert second_done.is_set()
+    ck.close()
+    out = {"w": torch.zeros(1000), "meta": {"epoch": 0}}
+    with Checkpointer(str(tmp_path)) as ck2:
+        ck2.load(out, step=1)
+        assert torch.equal(out["w"], torch.arange(1000, dtype=torch.float32)) and out["meta"]["epoch"] == 1
+        ck2.load(out, step=2)
+        assert torch.equal(out["w"], -torch.arange(1000, dtype=torch.float32)) and out["meta"]["epoch"] == 99
+
+
+def test_staging_buffer_is_reused_across_saves(tmp_path):
+    state = {"w": torch.randn(100, 100)}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state)
+        buf = ck._stager._buffer
+        ck.save(2, state)
+        assert ck._stager._buffer is buf
+        ck.wait()
+
+
+def faulty(tmp_path, faults, **kw):
+    return Checkpointer(f"faulty://{tmp_path}", storage_options={"faults": faults}, retry=FAST_RETRY, **kw)
+
+
+def test_transient_storage_errors_are_retried(tmp_path):
+    ck = faulty(tmp_path, [{"op": "write", "error": "transient", "count": 2, "path": "rank_"},
+                           {"op": "read", "error": "timeout", "count": 1}])
+    ck.save(3, {"w": torch.arange(5.0)}).wait()
+    out = {"w": torch.zeros(5)}
+    assert ck.load(out) == 3 and torch.equal(out["w"], torch.arange(5.0))
+    fired = ck.storage.fs.fired
+    assert [f[2] for f in fired].count("transient") == 2 and [f[2] for f in fired].count("timeout") == 1
+    assert ck.storage.retries_done == 3
+    ck.close()
+
+
+def test_permanent_storage_error_surfaces_at_the_next_call_and_nothing_is_committed(tmp_path):
+    ck = faulty(tmp_path, [{"op": "write", "error": "enospc", "path": "rank_", "skip": 2}])  # header + body of step 1
+    ck.save(1, {"w": torch.arange(5.0)}).wait()
+    ck.save(2, {"w": torch.arange(5.0) + 1})  # the background write fails
+    with pytest.raises(StorageError, match=r"storage write of faulty://.*step_00000002/rank_00000.safetensors failed .*No space left on device.*free space"):
+        ck.wait()
+    assert ck.steps() == [1]
+    ck.close()  # the failure was reported once; close does not raise it again
+    ck = faulty(tmp_path, [{"op": "write", "error": "permanent", "path": "rank_"}])
+    ck.save(3, {"w": torch.zeros(5)})
+    with pytest.raises(StorageError, match="step_00000003"):
+        ck.save(4, {"w": torch.zeros(5)})  # the next save raises the previous failure...
+    ck.close()  # ...and did not start, so nothing is left to fail
+    ck = faulty(tmp_path, [{"op": "write", "error": "permanent", "path": "rank_"}])
+    ck.save(5, {"w": torch.zeros(5)})
+    with pytest.raises(StorageError, match="step_00000005"):
+        ck.close()  # close raises a failure nobody has seen yet
+    assert Checkpointer(str(tmp_path)).steps() == [1]
+
+
+def test_retries_are_bounded(tmp_path):
+    ck = faulty(tmp_path, [{"op": "write", "error": "transient", "path": "rank_"}])
+    ck.save(1, {"w": torch.zeros(3)})
+    with pytest.raises(StorageError, match=r"kept failing after 3 attempt\(s\)"):
+        ck.wait()
+    ck.close()
+
+
+def test_retention_keeps_last_and_every_and_collects_garbage(tmp_path):
+    os.makedirs(tmp_path / "step_00000003")
+    (tmp_path / "step_00000003" / "rank_00000.safetensors").write_bytes(b"half-written")
+    with Checkpointer(str(tmp_path), keep_last=2, keep_every=4) as ck:
+        for step in range(1, 10):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+        ck.wait()
+        assert ck.steps() == [4, 8, 9]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000008", "step_00000009"]
+
+
+def test_resaving_a_committed_step_replaces_it_safely(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(5, {"w": torch.ones(4)}).wait()
+        ck.save(5, {"w": torch.full((4,), 2.0)}).wait()
+        out = {"w": torch.zeros(4)}
+        ck.load(out)
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+    assert sorted(os.listdir(tmp_path / "step_00000005")) == [MANIFEST_NAME, "rank_00000.g1.safetensors"]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def saved(tmp_path, steps=(1, 2)):
+    with Checkpointer(str(tmp_path)) as ck:
+        for s in steps:
+            ck.save(s, {"w": torch.arange(3000.0) * s, "v": {"s": s}}).wait()
+    return tmp_path
+
+
+def test_missing_step_lists_the_steps_that_exist(tmp_path):
+    saved(tmp_path)
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(CheckpointNotFoundError, match=r"step 7 is not a committed checkpoint under .*; committed steps: 1, 2"):
+            ck.load({"w": torch.zeros(3000), "v": {"s": 0}}, step=7)
+    with Checkpointer(str(tmp_path / "empty")) as ck:
+        with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint under"):
+            ck.load({"w": torch.zeros(3)})
+
+
+def test_shape_dtype_and_key_mismatches_name_the_key(tmp_path):
+    saved(tmp_path)
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(StateMismatchError, match=r"tensor 'w': step 2 holds global shape \[3000\], but the state being loaded has global shape \[30, 100\]"):
+            ck.load({"w": torch.zeros(30, 100), "v": {"s": 0}})
+        with pytest.raises(StateMismatchError, match=r"tensor 'w': step 2 holds float32, but the state being loaded has bfloat16"):
+            ck.load({"w": torch.zeros(3000).bfloat16(), "v": {"s": 0}})
+        with pytest.raises(StateMismatchError, match=r"step 2 has no tensors 'other'"):
+            ck.load({"w": torch.zeros(3000), "other": torch.zeros(2), "v": {"s": 0}})
+
+
+def flip_byte(path, offset_from_end=10):
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_bit_flip_is_caught_and_fallback_only_when_asked(tmp_path):
+    saved(tmp_path)
+    flip_byte(tmp_path / "step_00000002" / "rank_00000.safetensors")
+    out = {"w": torch.zeros(3000), "v": {"s": 0}}
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(CheckpointCorruptError, match=r"checksum mismatch in .*step_00000002/rank_00000.safetensors, tensor 'w', step 2"):
+            ck.load(out)
+        with pytest.warns(UserWarning, match="falling back to step 1"):
+            assert ck.load(out, fallback=True) == 1
+        assert ck.last_load.skipped_steps == [2]
+        report = ck.verify(2)
+        assert not report.ok and "crc32 expected" in report.problems[0]
+        assert ck.verify(1).ok
+    assert torch.equal(out["w"], torch.arange(3000.0)) and out["v"]["s"] == 1
+
+
+def test_truncated_shard(tmp_path):
+    saved(tmp_path)
+    f = tmp_path / "step_00000002" / "rank_00000.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(CheckpointCorruptError, match=r"rank_00000.safetensors \(step 2\) is \d+ bytes, but the manifest declares \d+; the file is truncated"):
+            ck.load({"w": torch.zeros(3000), "v": {"s": 0}})
+
+
+def edit_manifest(tmp_path, fn, step=2):
+    p = tmp_path / f"step_{step:08d}" / MANIFEST_NAME
+    m = json.loads(p.read_text())
+    fn(m)
+    p.write_text(json.dumps(m))
+
+
+def load_latest(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.load({"w": torch.zeros(3000), "v": {"s": 0}})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m.update(format_version=9), "format_version 9, but this toolkit reads version 1"),
+    (lambda m: m["tensors"]["w"]["chunks"][0].update(file="../step_00000001/rank_00000.safetensors"), "files must be plain names"),
+    (lambda m: m["files"].update({"/etc/passwd": {"rank": 0, "size_bytes": 1}}), r"names file '/etc/passwd'"),
+    (lambda m: m["files"].update({"s3://bucket/x.safetensors": {"rank": 0, "size_bytes": 1}}), "no paths, no URLs"),
+    (lambda m: m["tensors"]["w"]["chunks"][0].update(byte_range=[0, 10**12]), r"does not fit the file's"),
+    (lambda m: m["tensors"]["w"].update(shape=[3000000]), "do not tile shape"),
+    (lambda m: m["tensors"]["w"]["chunks"][0].update(sizes=[10**9]), "need 4000000000"),
+    (lambda m: m.pop("layout"), r"missing fields \['layout'\]"),
+    (lambda m: m["tensors"]["w"]["chunks"][0].update(checksums=[]), "has 0 checksums for 1 blocks"),
+    (lambda m: m["tensors"]["w"].update(dtype="complex64"), "unknown dtype 'complex64'"),
+])
+def test_bad_manifests_are_rejected_with_a_named_reason(tmp_path, edit, message):
+    saved(tmp_path)
+    edit_manifest(tmp_path, edit)
+    with pytest.raises(CheckpointCorruptError, match=message):
+        load_latest(tmp_path)
+
+
+def test_manifest_that_is_not_json(tmp_path):
+    saved(tmp_path)
+    (tmp_path / "step_00000002" / MANIFEST_NAME).write_text('{"format_version": 1, "step": ')
+    with pytest.raises(CheckpointCorruptError, match=r"MANIFEST.json is not valid JSON .*load an earlier step"):
+        load_latest(tmp_path)
+
+
+def test_declared_sizes_are_checked_against_the_real_file_before_reading(tmp_path):
+    saved(tmp_path)
+    # a consistent manifest whose file claims to be a petabyte: rejected before any read
+    edit_manifest(tmp_path, lambda m: m["files"]["rank_00000.safetensors"].update(size_bytes=10**15))
+    with pytest.raises(CheckpointCorruptError, match=r"is \d+ bytes, but the manifest declares 1000000000000000"):
+        load_latest(tmp_path)
+
+
+def test_layout_that_does_not_fit_the_world(tmp_path):
+    with pytest.raises(LayoutError, match=r"layout dp=2 x tp=2 = 4 ranks, but the process group has 1 ranks"):
+        Checkpointer(str(tmp_path), layout=Layout(dp=2, tp=2))
+
+
+def test_sharded_annotation_must_match_the_local_shape(tmp_path):
+    t = sharded(torch.zeros(5, 3), {"dp": Shard(0)}, global_shape=(12, 3))
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(LayoutError, match=r"tensor 'w': rank 0 holds a local shape \[5, 3\], but global shape \[12, 3\] split by \{dp:Shard\(0\)\} on dp=1 = 1 ranks gives \[12, 3\]"):
+            ck.save(1, {"w": t})
+
+
+def test_values_that_are_not_json_are_refused_by_name(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(TypeError, match=r"state key 'cfg.when': value of type set is neither a tensor nor JSON-able"):
+            ck.save(1, {"cfg": {"when": {1, 2}}})
+        with pytest.raises(TypeError, match="state key 'x'"):
+            ck.save(1, {"x": float("nan")})
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
+        Checkpointer("memory://x", keep_last=0)
+    with pytest.raises(ValueError, match="compression must be None or 'zstd'"):
+        Checkpointer("memory://x", compression="lz4")
+    with pytest.raises(StorageError, match=r"cannot open checkpoint URL 'nosuchproto://x'"):
+        Checkpointer("nosuchproto://x")
