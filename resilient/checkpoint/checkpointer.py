@@ -287,16 +287,18 @@ class Checkpointer:
         from resilient.checkpoint.format import manifest_to_bytes
 
         self.storage.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(manifest))
+        # Committed.  Housekeeping failures from here on are logged, never a failed save.  The
+        # outcome is published after it, so every rank's wait() sees the same set of steps.
+        try:
+            # Files of an older generation of this step, and temp files, are garbage now.
+            for name in self.storage.listdir(step_rel):
+                if name != MANIFEST_NAME and name not in manifest.files:
+                    self.storage.remove(f"{step_rel}/{name}")
+            apply_retention(self.storage, self.keep_last, self.keep_every, in_progress=step)
+        except Exception as e:
+            log.warning("housekeeping after committing step %d failed: %s", step, e)
         committer.publish("ok")
         committer.cleanup()
-        # Files of an older generation of this step, and temp files, are garbage now.
-        for name in self.storage.listdir(step_rel):
-            if name != MANIFEST_NAME and name not in manifest.files:
-                self.storage.remove(f"{step_rel}/{name}")
-        try:
-            apply_retention(self.storage, self.keep_last, self.keep_every, in_progress=step)
-        except Exception as e:  # retention failing must not fail a committed save
-            log.warning("retention after step %d failed: %s", step, e)
 
     def _committer(self) -> Committer:
         if self.world_size == 1:
