@@ -146,17 +146,23 @@ class Storage:
     def makedirs(self, rel: str) -> None:
         self._call("makedirs", rel, lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
 
+    def _fresh(self, rel: str) -> str:
+        """The path, with any cached listing of it dropped (other ranks write here too)."""
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        return path
+
     def exists(self, rel: str) -> bool:
-        return self._call("exists", rel, lambda: self.fs.exists(self.path(rel)))
+        return self._call("exists", rel, lambda: self.fs.exists(self._fresh(rel)))
 
     def size(self, rel: str) -> int:
-        return int(self._call("size", rel, lambda: self.fs.size(self.path(rel))))
+        return int(self._call("size", rel, lambda: self.fs.size(self._fresh(rel))))
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
         def ls() -> list[str]:
             try:
-                entries = self.fs.ls(self.path(rel), detail=False, refresh=True)
+                entries = self.fs.ls(self._fresh(rel), detail=False)
             except FileNotFoundError:
                 return []
             base = self.path(rel).rstrip("/")

@@ -1,0 +1,96 @@
+"""One storage contract, run against every backend: local disk, memory://, S3 (moto over HTTP)."""
+
+import pytest
+import torch
+
+from resilient import Checkpointer, Layout, Shard, sharded
+from resilient.checkpoint.storage import RetryPolicy, Storage, is_transient
+from resilient.errors import StorageError
+
+
+def test_storage_contract(storage_url):
+    url, opts = storage_url
+    st = Storage(url, opts)
+    st.makedirs("step_00000001")
+    data = bytes(range(256)) * 100
+    n = st.write_file("step_00000001/a.bin", [data[:1000], memoryview(data[1000:])])
+    assert n == len(data)
+    assert st.exists("step_00000001/a.bin") and not st.exists("step_00000001/b.bin")
+    assert st.size("step_00000001/a.bin") == len(data)
+    assert st.read("step_00000001/a.bin") == data
+    assert st.read_range("step_00000001/a.bin", 10, 300) == data[10:300]
+    assert st.read_ranges("step_00000001/a.bin", [(0, 5), (500, 600), (25000, 25600)]) == [
+        data[0:5], data[500:600], data[25000:25600]]
+    st.write_atomic("step_00000001/MANIFEST.json", b'{"x": 1}')
+    st.write_atomic("step_00000001/MANIFEST.json", b'{"x": 2}')  # replaces
+    assert st.read("step_00000001/MANIFEST.json") == b'{"x": 2}'
+    assert st.listdir("") == ["step_00000001"]
+    assert st.listdir("step_00000001") == ["MANIFEST.json", "a.bin"]
+    assert st.listdir("nothing-here") == []
+    st.remove("step_00000001/a.bin")
+    assert st.listdir("step_00000001") == ["MANIFEST.json"]
+    st.remove_tree("step_00000001")
+    assert not st.exists("step_00000001/MANIFEST.json")
+    with pytest.raises(StorageError, match=r"storage read of .*missing.bin failed after 1 attempt.*FileNotFoundError"):
+        st.read("missing.bin")
+
+
+def test_checkpointer_on_every_backend(storage_url):
+    url, opts = storage_url
+    lay = Layout(dp=1)
+    state = {"w": torch.randn(300, 7), "b": torch.arange(10).bfloat16(), "meta": {"k": [1, 2]}}
+    with Checkpointer(url, layout=lay, storage_options=opts, keep_last=1, block_bytes=4096) as ck:
+        ck.save(1, state)
+        ck.save(2, state).wait()
+        assert ck.steps() == [2]
+        out = {"w": torch.zeros(300, 7), "b": torch.zeros(10).bfloat16(), "meta": {"k": []}}
+        assert ck.load(out) == 2
+        assert ck.verify(2).ok
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["meta"] == {"k": [1, 2]}
+
+
+def test_transient_classification():
+    import errno
+
+    assert is_transient(ConnectionError()) and is_transient(TimeoutError())
+    assert is_transient(OSError(errno.EIO, "io"))
+    assert not is_transient(OSError(errno.ENOSPC, "full")) and not is_transient(FileNotFoundError())
+    assert not is_transient(PermissionError())
+
+
+def test_latency_injection_slows_but_does_not_break(tmp_path):
+    with Checkpointer(f"faulty://{tmp_path}", storage_options={"latency_s": 0.01}) as ck:
+        ck.save(1, {"w": torch.ones(3)}).wait()
+        out = {"w": torch.zeros(3)}
+        ck.load(out)
+    assert torch.equal(out["w"], torch.ones(3))
+
+
+def test_retry_policy_validation():
+    with pytest.raises(ValueError, match="max_attempts must be >= 1"):
+        RetryPolicy(max_attempts=0)
+
+
+def _s3_rank(rank, world, url, opts, sizes, step, mode):
+    lay = Layout(list(sizes))
+    g = torch.arange(96.0).reshape(12, 8)
+    from tests.ckpt_sim import local_chunk
+
+    if mode == "save":
+        with Checkpointer(url, layout=lay, storage_options=opts) as ck:
+            ck.save(step, {"w": sharded(local_chunk(g, {"tp": Shard(0)}, lay, rank), {"tp": Shard(0)})}).wait()
+        return True
+    out = {"w": sharded(torch.zeros_like(local_chunk(g, {"tp": Shard(0)}, lay, rank)), {"tp": Shard(0)})}
+    with Checkpointer(url, layout=lay, storage_options=opts) as ck:
+        ck.load(out)
+    return torch.equal(out["w"], local_chunk(g, {"tp": Shard(0)}, lay, rank))
+
+
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_s3_two_ranks_save_and_reshard(s3):
+    from tests.dist import run_distributed
+
+    url = f"s3://{s3.new_bucket()}/job"
+    run_distributed(_s3_rank, 2, url, s3.options, (("tp", 2),), 4, "save")
+    assert run_distributed(_s3_rank, 4, url, s3.options, (("tp", 4),), 4, "load") == [True] * 4
