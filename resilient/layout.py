@@ -58,7 +58,9 @@ class Shard:
         if not isinstance(self.dim, int) or self.dim < 0:
             raise LayoutError(f"Shard(dim={self.dim!r}): dim must be a non-negative int")
         if not isinstance(self.parts, int) or self.parts < 1:
-            raise LayoutError(f"Shard(dim={self.dim}, parts={self.parts!r}): parts must be an int >= 1")
+            raise LayoutError(
+                f"Shard(dim={self.dim}, parts={self.parts!r}): parts must be an int >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Replicate:
     """Every rank along the axis holds the same data."""
 
 
-AxisPlacement = Union[Shard, Replicate]
+AxisPlacement = Union[Shard, Replicate]  # noqa: UP007 (a runtime alias on Python 3.10)
 # A normalized placement: one (axis name, Shard | Replicate) per layout axis, in layout order.
 Placement = tuple[tuple[str, AxisPlacement], ...]
 
@@ -79,8 +81,12 @@ class Layout:
 
     __slots__ = ("_axes",)
 
-    def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, **sizes: int):
-        items = list(axes.items() if isinstance(axes, Mapping) else (axes or [])) + list(sizes.items())
+    def __init__(
+        self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, **sizes: int
+    ):
+        items = list(axes.items() if isinstance(axes, Mapping) else (axes or [])) + list(
+            sizes.items()
+        )
         if not items:
             raise LayoutError("Layout needs at least one axis, e.g. Layout(dp=2, tp=2)")
         names = [n for n, _ in items]
@@ -199,9 +205,7 @@ def normalize_placement(
 
 def placement_to_json(placement: Placement) -> dict[str, Any]:
     """Only the sharded axes are written: ``{"tp": {"dim": 0, "parts": 3}}``."""
-    return {
-        n: {"dim": p.dim, "parts": p.parts} for n, p in placement if isinstance(p, Shard)
-    }
+    return {n: {"dim": p.dim, "parts": p.parts} for n, p in placement if isinstance(p, Shard)}
 
 
 def placement_from_json(data: Any, layout: Layout) -> Placement:
@@ -325,7 +329,9 @@ def chunk_offsets_sizes(
     return tuple(o), tuple(s)
 
 
-def local_shape(shape: Sequence[int], placement: Placement, layout: Layout, rank: int) -> tuple[int, ...]:
+def local_shape(
+    shape: Sequence[int], placement: Placement, layout: Layout, rank: int
+) -> tuple[int, ...]:
     """The shape of the local tensor ``rank`` holds (fused dims hold ``parts`` slices)."""
     parts = fused_parts(shape, placement)
     _, sizes = _chunk_1d(shape, placement, layout, rank)

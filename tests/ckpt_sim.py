@@ -11,12 +11,24 @@ import math
 
 import torch
 
-from resilient.checkpoint.format import MANIFEST_NAME, manifest_to_bytes, rank_file_name, step_dir_name
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    manifest_to_bytes,
+    rank_file_name,
+    step_dir_name,
+)
 from resilient.checkpoint.reader import execute_reads, plan_reads, read_manifest
 from resilient.checkpoint.state import flatten_state, sharded
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import Stager, build_manifest, persist_rank_file, plan_writes
-from resilient.layout import Layout, chunk_box, expanded_shape, fused_parts, local_shape, normalize_placement
+from resilient.layout import (
+    Layout,
+    chunk_box,
+    expanded_shape,
+    fused_parts,
+    local_shape,
+    normalize_placement,
+)
 
 
 def local_chunk(g: torch.Tensor, placement: dict, layout: Layout, rank: int) -> torch.Tensor:
@@ -32,13 +44,26 @@ def local_chunk(g: torch.Tensor, placement: dict, layout: Layout, rank: int) -> 
 
 
 def distribute(globals_: dict, placements: dict, layout: Layout, rank: int) -> dict:
-    return {k: sharded(local_chunk(g, placements.get(k, {}), layout, rank), placements.get(k, {}),
-                       global_shape=tuple(g.shape))
-            for k, g in globals_.items()}
+    return {
+        k: sharded(
+            local_chunk(g, placements.get(k, {}), layout, rank),
+            placements.get(k, {}),
+            global_shape=tuple(g.shape),
+        )
+        for k, g in globals_.items()
+    }
 
 
-def save_world(url: str, step: int, states: list[dict], layout: Layout, *, block_bytes: int = 4096,
-               compression: str | None = None, storage_options: dict | None = None) -> dict:
+def save_world(
+    url: str,
+    step: int,
+    states: list[dict],
+    layout: Layout,
+    *,
+    block_bytes: int = 4096,
+    compression: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     storage = Storage(url, storage_options)
     rel = step_dir_name(step)
     storage.makedirs(rel)
@@ -47,18 +72,41 @@ def save_world(url: str, step: int, states: list[dict], layout: Layout, *, block
         flat = flatten_state(state, layout, r)
         plan = plan_writes(flat.tensors, layout, r)
         data = Stager().stage(plan, flat.tensors)
-        res = persist_rank_file(storage, rel, rank_file_name(r), plan, data, block_bytes=block_bytes,
-                                compression=compression, step=step)
+        res = persist_rank_file(
+            storage,
+            rel,
+            rank_file_name(r),
+            plan,
+            data,
+            block_bytes=block_bytes,
+            compression=compression,
+            step=step,
+        )
         plans.append(plan)
-        reports.append({"rank": r, "file": res.file, "size_bytes": res.size_bytes,
-                        "chunks": {k: c.to_json() for k, c in res.chunks.items()},
-                        "digest": plan.digest, "num_tensors": len(plan.tensors), "values": flat.values})
-    m = build_manifest(step, layout, plans[0], reports, block_bytes=block_bytes, generation=0, version="test")
+        reports.append(
+            {
+                "rank": r,
+                "file": res.file,
+                "size_bytes": res.size_bytes,
+                "chunks": {k: c.to_json() for k, c in res.chunks.items()},
+                "digest": plan.digest,
+                "num_tensors": len(plan.tensors),
+                "values": flat.values,
+            }
+        )
+    m = build_manifest(
+        step, layout, plans[0], reports, block_bytes=block_bytes, generation=0, version="test"
+    )
     storage.write_atomic(f"{rel}/{MANIFEST_NAME}", manifest_to_bytes(m))
-    return {"bytes_per_rank": [r["size_bytes"] for r in reports], "plan_load": plans[0].bytes_per_rank}
+    return {
+        "bytes_per_rank": [r["size_bytes"] for r in reports],
+        "plan_load": plans[0].bytes_per_rank,
+    }
 
 
-def load_world(url: str, step: int, states: list[dict], layout: Layout, storage_options: dict | None = None):
+def load_world(
+    url: str, step: int, states: list[dict], layout: Layout, storage_options: dict | None = None
+):
     storage = Storage(url, storage_options)
     m = read_manifest(storage, step)
     stats = []

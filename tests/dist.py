@@ -24,13 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -42,12 +45,16 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180
+) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
     port = free_port()
     queue = _CTX.Queue()
-    procs = [_CTX.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        _CTX.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -22,8 +22,12 @@ class LocalS3:
 
     @property
     def options(self) -> dict:
-        return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": self.endpoint},
-                "skip_instance_cache": True}
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint},
+            "skip_instance_cache": True,
+        }
 
     def new_bucket(self) -> str:
         import s3fs

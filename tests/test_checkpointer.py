@@ -80,8 +80,10 @@ def test_round_trip_of_model_optimizer_scheduler_and_values(tmp_path):
     with Checkpointer(str(tmp_path)) as ck:
         ck.load({**fresh_state(), **lazy})
     assert lazy["optim"].param_groups[0]["lr"] == src["optim"].param_groups[0]["lr"]
-    assert torch.equal(lazy["optim"].state_dict()["state"][0]["exp_avg"],
-                       src["optim"].state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        lazy["optim"].state_dict()["state"][0]["exp_avg"],
+        src["optim"].state_dict()["state"][0]["exp_avg"],
+    )
 
 
 def test_rank_files_are_valid_safetensors_with_the_right_bytes(tmp_path):
@@ -120,7 +122,7 @@ class GatedFileSystem(FaultyFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path):
-        return path[len("gated://"):] if path.startswith("gated://") else path
+        return path[len("gated://") :] if path.startswith("gated://") else path
 
     def _open(self, path, mode="rb", **kwargs):
         if "w" in mode and path.endswith(".safetensors"):
@@ -163,9 +165,15 @@ def test_save_returns_after_staging_and_training_may_mutate(tmp_path):
     out = {"w": torch.zeros(1000), "meta": {"epoch": 0}}
     with Checkpointer(str(tmp_path)) as ck2:
         ck2.load(out, step=1)
-        assert torch.equal(out["w"], torch.arange(1000, dtype=torch.float32)) and out["meta"]["epoch"] == 1
+        assert (
+            torch.equal(out["w"], torch.arange(1000, dtype=torch.float32))
+            and out["meta"]["epoch"] == 1
+        )
         ck2.load(out, step=2)
-        assert torch.equal(out["w"], -torch.arange(1000, dtype=torch.float32)) and out["meta"]["epoch"] == 99
+        assert (
+            torch.equal(out["w"], -torch.arange(1000, dtype=torch.float32))
+            and out["meta"]["epoch"] == 99
+        )
 
 
 def test_staging_buffer_is_reused_across_saves(tmp_path):
@@ -179,26 +187,40 @@ def test_staging_buffer_is_reused_across_saves(tmp_path):
 
 
 def faulty(tmp_path, faults, **kw):
-    return Checkpointer(f"faulty://{tmp_path}", storage_options={"faults": faults}, retry=FAST_RETRY, **kw)
+    return Checkpointer(
+        f"faulty://{tmp_path}", storage_options={"faults": faults}, retry=FAST_RETRY, **kw
+    )
 
 
 def test_transient_storage_errors_are_retried(tmp_path):
-    ck = faulty(tmp_path, [{"op": "write", "error": "transient", "count": 2, "path": "rank_"},
-                           {"op": "read", "error": "timeout", "count": 1}])
+    ck = faulty(
+        tmp_path,
+        [
+            {"op": "write", "error": "transient", "count": 2, "path": "rank_"},
+            {"op": "read", "error": "timeout", "count": 1},
+        ],
+    )
     ck.save(3, {"w": torch.arange(5.0)}).wait()
     out = {"w": torch.zeros(5)}
     assert ck.load(out) == 3 and torch.equal(out["w"], torch.arange(5.0))
     fired = ck.storage.fs.fired
-    assert [f[2] for f in fired].count("transient") == 2 and [f[2] for f in fired].count("timeout") == 1
+    assert [f[2] for f in fired].count("transient") == 2 and [f[2] for f in fired].count(
+        "timeout"
+    ) == 1
     assert ck.storage.retries_done == 3
     ck.close()
 
 
 def test_permanent_storage_error_surfaces_at_the_next_call_and_nothing_is_committed(tmp_path):
-    ck = faulty(tmp_path, [{"op": "write", "error": "enospc", "path": "rank_", "skip": 2}])  # header + body of step 1
+    ck = faulty(
+        tmp_path, [{"op": "write", "error": "enospc", "path": "rank_", "skip": 2}]
+    )  # header + body of step 1
     ck.save(1, {"w": torch.arange(5.0)}).wait()
     ck.save(2, {"w": torch.arange(5.0) + 1})  # the background write fails
-    with pytest.raises(StorageError, match=r"storage write of faulty://.*step_00000002/rank_00000.safetensors failed .*No space left on device.*free space"):
+    with pytest.raises(
+        StorageError,
+        match=r"storage write of faulty://.*step_00000002/rank_00000.safetensors failed .*No space left on device.*free space",
+    ):
         ck.wait()
     assert ck.steps() == [1]
     ck.close()  # the failure was reported once; close does not raise it again
@@ -240,7 +262,10 @@ def test_resaving_a_committed_step_replaces_it_safely(tmp_path):
         out = {"w": torch.zeros(4)}
         ck.load(out)
     assert torch.equal(out["w"], torch.full((4,), 2.0))
-    assert sorted(os.listdir(tmp_path / "step_00000005")) == [MANIFEST_NAME, "rank_00000.g1.safetensors"]
+    assert sorted(os.listdir(tmp_path / "step_00000005")) == [
+        MANIFEST_NAME,
+        "rank_00000.g1.safetensors",
+    ]
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -256,7 +281,10 @@ def saved(tmp_path, steps=(1, 2)):
 def test_missing_step_lists_the_steps_that_exist(tmp_path):
     saved(tmp_path)
     with Checkpointer(str(tmp_path)) as ck:
-        with pytest.raises(CheckpointNotFoundError, match=r"step 7 is not a committed checkpoint under .*; committed steps: 1, 2"):
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=r"step 7 is not a committed checkpoint under .*; committed steps: 1, 2",
+        ):
             ck.load({"w": torch.zeros(3000), "v": {"s": 0}}, step=7)
     with Checkpointer(str(tmp_path / "empty")) as ck:
         with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint under"):
@@ -266,9 +294,15 @@ def test_missing_step_lists_the_steps_that_exist(tmp_path):
 def test_shape_dtype_and_key_mismatches_name_the_key(tmp_path):
     saved(tmp_path)
     with Checkpointer(str(tmp_path)) as ck:
-        with pytest.raises(StateMismatchError, match=r"tensor 'w': step 2 holds global shape \[3000\], but the state being loaded has global shape \[30, 100\]"):
+        with pytest.raises(
+            StateMismatchError,
+            match=r"tensor 'w': step 2 holds global shape \[3000\], but the state being loaded has global shape \[30, 100\]",
+        ):
             ck.load({"w": torch.zeros(30, 100), "v": {"s": 0}})
-        with pytest.raises(StateMismatchError, match=r"tensor 'w': step 2 holds float32, but the state being loaded has bfloat16"):
+        with pytest.raises(
+            StateMismatchError,
+            match=r"tensor 'w': step 2 holds float32, but the state being loaded has bfloat16",
+        ):
             ck.load({"w": torch.zeros(3000).bfloat16(), "v": {"s": 0}})
         with pytest.raises(StateMismatchError, match=r"step 2 has no tensors 'other'"):
             ck.load({"w": torch.zeros(3000), "other": torch.zeros(2), "v": {"s": 0}})
@@ -285,7 +319,10 @@ def test_bit_flip_is_caught_and_fallback_only_when_asked(tmp_path):
     flip_byte(tmp_path / "step_00000002" / "rank_00000.safetensors")
     out = {"w": torch.zeros(3000), "v": {"s": 0}}
     with Checkpointer(str(tmp_path)) as ck:
-        with pytest.raises(CheckpointCorruptError, match=r"checksum mismatch in .*step_00000002/rank_00000.safetensors, tensor 'w', step 2"):
+        with pytest.raises(
+            CheckpointCorruptError,
+            match=r"checksum mismatch in .*step_00000002/rank_00000.safetensors, tensor 'w', step 2",
+        ):
             ck.load(out)
         with pytest.warns(UserWarning, match="falling back to step 1"):
             assert ck.load(out, fallback=True) == 1
@@ -301,7 +338,10 @@ def test_truncated_shard(tmp_path):
     f = tmp_path / "step_00000002" / "rank_00000.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
     with Checkpointer(str(tmp_path)) as ck:
-        with pytest.raises(CheckpointCorruptError, match=r"rank_00000.safetensors \(step 2\) is \d+ bytes, but the manifest declares \d+; the file is truncated"):
+        with pytest.raises(
+            CheckpointCorruptError,
+            match=r"rank_00000.safetensors \(step 2\) is \d+ bytes, but the manifest declares \d+; the file is truncated",
+        ):
             ck.load({"w": torch.zeros(3000), "v": {"s": 0}})
 
 
@@ -317,18 +357,43 @@ def load_latest(tmp_path):
         ck.load({"w": torch.zeros(3000), "v": {"s": 0}})
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda m: m.update(format_version=9), "format_version 9, but this toolkit reads version 1"),
-    (lambda m: m["tensors"]["w"]["chunks"][0].update(file="../step_00000001/rank_00000.safetensors"), "files must be plain names"),
-    (lambda m: m["files"].update({"/etc/passwd": {"rank": 0, "size_bytes": 1}}), r"names file '/etc/passwd'"),
-    (lambda m: m["files"].update({"s3://bucket/x.safetensors": {"rank": 0, "size_bytes": 1}}), "no paths, no URLs"),
-    (lambda m: m["tensors"]["w"]["chunks"][0].update(byte_range=[0, 10**12]), r"does not fit the file's"),
-    (lambda m: m["tensors"]["w"].update(shape=[3000000]), "do not tile shape"),
-    (lambda m: m["tensors"]["w"]["chunks"][0].update(sizes=[10**9]), "need 4000000000"),
-    (lambda m: m.pop("layout"), r"missing fields \['layout'\]"),
-    (lambda m: m["tensors"]["w"]["chunks"][0].update(checksums=[]), "has 0 checksums for 1 blocks"),
-    (lambda m: m["tensors"]["w"].update(dtype="complex64"), "unknown dtype 'complex64'"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda m: m.update(format_version=9),
+            "format_version 9, but this toolkit reads version 1",
+        ),
+        (
+            lambda m: m["tensors"]["w"]["chunks"][0].update(
+                file="../step_00000001/rank_00000.safetensors"
+            ),
+            "files must be plain names",
+        ),
+        (
+            lambda m: m["files"].update({"/etc/passwd": {"rank": 0, "size_bytes": 1}}),
+            r"names file '/etc/passwd'",
+        ),
+        (
+            lambda m: m["files"].update(
+                {"s3://bucket/x.safetensors": {"rank": 0, "size_bytes": 1}}
+            ),
+            "no paths, no URLs",
+        ),
+        (
+            lambda m: m["tensors"]["w"]["chunks"][0].update(byte_range=[0, 10**12]),
+            r"does not fit the file's",
+        ),
+        (lambda m: m["tensors"]["w"].update(shape=[3000000]), "do not tile shape"),
+        (lambda m: m["tensors"]["w"]["chunks"][0].update(sizes=[10**9]), "need 4000000000"),
+        (lambda m: m.pop("layout"), r"missing fields \['layout'\]"),
+        (
+            lambda m: m["tensors"]["w"]["chunks"][0].update(checksums=[]),
+            "has 0 checksums for 1 blocks",
+        ),
+        (lambda m: m["tensors"]["w"].update(dtype="complex64"), "unknown dtype 'complex64'"),
+    ],
+)
 def test_bad_manifests_are_rejected_with_a_named_reason(tmp_path, edit, message):
     saved(tmp_path)
     edit_manifest(tmp_path, edit)
@@ -339,33 +404,47 @@ def test_bad_manifests_are_rejected_with_a_named_reason(tmp_path, edit, message)
 def test_manifest_that_is_not_json(tmp_path):
     saved(tmp_path)
     (tmp_path / "step_00000002" / MANIFEST_NAME).write_text('{"format_version": 1, "step": ')
-    with pytest.raises(CheckpointCorruptError, match=r"MANIFEST.json is not valid JSON .*load an earlier step"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"MANIFEST.json is not valid JSON .*load an earlier step"
+    ):
         load_latest(tmp_path)
 
 
 def test_declared_sizes_are_checked_against_the_real_file_before_reading(tmp_path):
     saved(tmp_path)
     # a consistent manifest whose file claims to be a petabyte: rejected before any read
-    edit_manifest(tmp_path, lambda m: m["files"]["rank_00000.safetensors"].update(size_bytes=10**15))
-    with pytest.raises(CheckpointCorruptError, match=r"is \d+ bytes, but the manifest declares 1000000000000000"):
+    edit_manifest(
+        tmp_path, lambda m: m["files"]["rank_00000.safetensors"].update(size_bytes=10**15)
+    )
+    with pytest.raises(
+        CheckpointCorruptError, match=r"is \d+ bytes, but the manifest declares 1000000000000000"
+    ):
         load_latest(tmp_path)
 
 
 def test_layout_that_does_not_fit_the_world(tmp_path):
-    with pytest.raises(LayoutError, match=r"layout dp=2 x tp=2 = 4 ranks, but the process group has 1 ranks"):
+    with pytest.raises(
+        LayoutError, match=r"layout dp=2 x tp=2 = 4 ranks, but the process group has 1 ranks"
+    ):
         Checkpointer(str(tmp_path), layout=Layout(dp=2, tp=2))
 
 
 def test_sharded_annotation_must_match_the_local_shape(tmp_path):
     t = sharded(torch.zeros(5, 3), {"dp": Shard(0)}, global_shape=(12, 3))
     with Checkpointer(str(tmp_path)) as ck:
-        with pytest.raises(LayoutError, match=r"tensor 'w': rank 0 holds a local shape \[5, 3\], but global shape \[12, 3\] split by \{dp:Shard\(0\)\} on dp=1 = 1 ranks gives \[12, 3\]"):
+        with pytest.raises(
+            LayoutError,
+            match=r"tensor 'w': rank 0 holds a local shape \[5, 3\], but global shape \[12, 3\] split by \{dp:Shard\(0\)\} on dp=1 = 1 ranks gives \[12, 3\]",
+        ):
             ck.save(1, {"w": t})
 
 
 def test_values_that_are_not_json_are_refused_by_name(tmp_path):
     with Checkpointer(str(tmp_path)) as ck:
-        with pytest.raises(TypeError, match=r"state key 'cfg.when': value of type set is neither a tensor nor JSON-able"):
+        with pytest.raises(
+            TypeError,
+            match=r"state key 'cfg.when': value of type set is neither a tensor nor JSON-able",
+        ):
             ck.save(1, {"cfg": {"when": {1, 2}}})
         with pytest.raises(TypeError, match="state key 'x'"):
             ck.save(1, {"x": float("nan")})

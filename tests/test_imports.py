@@ -51,7 +51,9 @@ def test_the_checker_catches_a_crossing(tmp_path):
     fake.mkdir()
     (fake / "bad.py").write_text("import reshape.plan\nfrom reference_trainer import model\n")
     (tmp_path / "reshape").mkdir()
-    (tmp_path / "reshape" / "bad.py").write_text("from resilient.loop import Run\nfrom resilient.layout import Layout\n")
+    (tmp_path / "reshape" / "bad.py").write_text(
+        "from resilient.loop import Run\nfrom resilient.layout import Layout\n"
+    )
     assert violations("resilient", tmp_path) == [
         "resilient/bad.py:1 imports reshape.plan",
         "resilient/bad.py:2 imports reference_trainer.model",
@@ -63,5 +65,7 @@ def test_no_pickle_in_the_toolkit():
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             for _, name in imports_of(path):
-                assert name.split(".")[0] not in ("pickle", "dill", "cloudpickle"), f"{path} imports {name}"
+                assert name.split(".")[0] not in ("pickle", "dill", "cloudpickle"), (
+                    f"{path} imports {name}"
+                )
             assert "torch.load(" not in path.read_text(), f"{path} uses torch.load (pickle)"

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from resilient.errors import LayoutError
 from resilient.layout import (
     Layout,
-    Replicate,
     Shard,
     chunk_box,
     chunk_offsets_sizes,
@@ -36,7 +35,9 @@ def test_rank_order_is_row_major():
 
 def test_layout_errors_spell_out_every_factor():
     lay = Layout(dp=2, ep=1, tp=2)
-    with pytest.raises(LayoutError, match=r"layout dp=2 x ep=1 x tp=2 = 4 ranks, but the process group has 8 ranks"):
+    with pytest.raises(
+        LayoutError, match=r"layout dp=2 x ep=1 x tp=2 = 4 ranks, but the process group has 8 ranks"
+    ):
         lay.check_world_size(8)
     with pytest.raises(LayoutError, match="axis 'tp' has size 0"):
         Layout(dp=2, tp=0)
@@ -171,6 +172,7 @@ def test_chunk_box_matches_torch_chunk_on_a_real_tensor(case):
     for r in range(lay.world_size):
         # the reference: split the real tensor with torch.chunk, axis by axis, block by block
         coords = lay.coords(r)
+
         def split(t):
             for axis, p in pl:
                 if isinstance(p, Shard):
@@ -188,6 +190,7 @@ def test_chunk_box_matches_torch_chunk_on_a_real_tensor(case):
                         cs += [t.narrow(p.dim, 0, 0)] * (n - len(cs))
                         t = cs[coords[axis]]
             return t
+
         ref = split(g)
         assert tuple(ref.shape) == local_shape(shape, pl, lay, r)
         box = chunk_box(shape, pl, lay, r)

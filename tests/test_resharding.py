@@ -34,11 +34,17 @@ def zoo():
         "qkv": (torch.randn(12, 6, generator=g).bfloat16(), {"tp": Shard(0, parts=3)}),  # fused
         "gate_up": (torch.randn(5, 8, generator=g), {"tp": Shard(1, parts=2)}),  # fused dim 1
         "experts": (torch.randn(6, 4, 3, generator=g), {"ep": Shard(0), "tp": Shard(2)}),
-        "tiny": (torch.arange(2, dtype=torch.int64), {"dp": Shard(0), "tp": Shard(0)}),  # empty chunks
+        "tiny": (
+            torch.arange(2, dtype=torch.int64),
+            {"dp": Shard(0), "tp": Shard(0)},
+        ),  # empty chunks
         "empty": (torch.zeros(0, 5), {"tp": Shard(1)}),  # zero-size
         "norm": (torch.randn(6, generator=g), {}),  # replicated
         "scalar": (torch.tensor(3.5), {}),
-        "zero_opt": (torch.randn(7, 3, generator=g), {"dp": Shard(0), "ep": Shard(0)}),  # ZeRO-style
+        "zero_opt": (
+            torch.randn(7, 3, generator=g),
+            {"dp": Shard(0), "ep": Shard(0)},
+        ),  # ZeRO-style
         "mask": (torch.rand(9, generator=g) > 0.5, {"ep": Shard(0)}),
         "half": (torch.randn(4, 5, generator=g).half(), {"tp": Shard(1), "dp": Shard(0)}),
     }
@@ -54,8 +60,11 @@ def _zeros_like(globals_, placements, lay):
     return _place(zeros, placements, lay)
 
 
-@pytest.mark.parametrize("src,dst", list(itertools.permutations(LAYOUTS, 2)) + [(LAYOUTS[2], LAYOUTS[2])],
-                         ids=lambda lay: "x".join(map(str, lay.sizes)))
+@pytest.mark.parametrize(
+    "src,dst",
+    list(itertools.permutations(LAYOUTS, 2)) + [(LAYOUTS[2], LAYOUTS[2])],
+    ids=lambda lay: "x".join(map(str, lay.sizes)),
+)
 def test_every_layout_pair_round_trips_bit_for_bit(tmp_path, src, dst):
     z = zoo()
     globals_ = {k: v[0] for k, v in z.items()}
@@ -96,7 +105,9 @@ def test_partial_reads_only_touch_needed_blocks(tmp_path):
 @st.composite
 def reshard_case(draw):
     def lay():
-        return Layout(dp=draw(st.integers(1, 3)), ep=draw(st.integers(1, 2)), tp=draw(st.integers(1, 4)))
+        return Layout(
+            dp=draw(st.integers(1, 3)), ep=draw(st.integers(1, 2)), tp=draw(st.integers(1, 4))
+        )
 
     ndim = draw(st.integers(1, 3))
     shape = [draw(st.integers(0, 9)) for _ in range(ndim)]
@@ -107,12 +118,16 @@ def reshard_case(draw):
     fused_dim = draw(st.one_of(st.none(), st.integers(0, ndim - 1)))
     if fused_dim is not None and draw(st.booleans()):
         shape[fused_dim] *= 2
-        placement = {a: (Shard(p.dim, 2) if p.dim == fused_dim else p) for a, p in placement.items()}
+        placement = {
+            a: (Shard(p.dim, 2) if p.dim == fused_dim else p) for a, p in placement.items()
+        }
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int32, torch.float16]))
     return lay(), lay(), tuple(shape), placement, dtype
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(reshard_case())
 def test_random_tensors_reshard_bit_for_bit(tmp_path_factory, case):
     src, dst, shape, placement, dtype = case

@@ -20,7 +20,10 @@ def test_storage_contract(storage_url):
     assert st.read("step_00000001/a.bin") == data
     assert st.read_range("step_00000001/a.bin", 10, 300) == data[10:300]
     assert st.read_ranges("step_00000001/a.bin", [(0, 5), (500, 600), (25000, 25600)]) == [
-        data[0:5], data[500:600], data[25000:25600]]
+        data[0:5],
+        data[500:600],
+        data[25000:25600],
+    ]
     st.write_atomic("step_00000001/MANIFEST.json", b'{"x": 1}')
     st.write_atomic("step_00000001/MANIFEST.json", b'{"x": 2}')  # replaces
     assert st.read("step_00000001/MANIFEST.json") == b'{"x": 2}'
@@ -31,7 +34,10 @@ def test_storage_contract(storage_url):
     assert st.listdir("step_00000001") == ["MANIFEST.json"]
     st.remove_tree("step_00000001")
     assert not st.exists("step_00000001/MANIFEST.json")
-    with pytest.raises(StorageError, match=r"storage read of .*missing.bin failed after 1 attempt.*FileNotFoundError"):
+    with pytest.raises(
+        StorageError,
+        match=r"storage read of .*missing.bin failed after 1 attempt.*FileNotFoundError",
+    ):
         st.read("missing.bin")
 
 
@@ -46,7 +52,11 @@ def test_checkpointer_on_every_backend(storage_url):
         out = {"w": torch.zeros(300, 7), "b": torch.zeros(10).bfloat16(), "meta": {"k": []}}
         assert ck.load(out) == 2
         assert ck.verify(2).ok
-    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["meta"] == {"k": [1, 2]}
+    assert (
+        torch.equal(out["w"], state["w"])
+        and torch.equal(out["b"], state["b"])
+        and out["meta"] == {"k": [1, 2]}
+    )
 
 
 def test_transient_classification():
@@ -78,9 +88,15 @@ def _s3_rank(rank, world, url, opts, sizes, step, mode):
 
     if mode == "save":
         with Checkpointer(url, layout=lay, storage_options=opts) as ck:
-            ck.save(step, {"w": sharded(local_chunk(g, {"tp": Shard(0)}, lay, rank), {"tp": Shard(0)})}).wait()
+            ck.save(
+                step, {"w": sharded(local_chunk(g, {"tp": Shard(0)}, lay, rank), {"tp": Shard(0)})}
+            ).wait()
         return True
-    out = {"w": sharded(torch.zeros_like(local_chunk(g, {"tp": Shard(0)}, lay, rank)), {"tp": Shard(0)})}
+    out = {
+        "w": sharded(
+            torch.zeros_like(local_chunk(g, {"tp": Shard(0)}, lay, rank)), {"tp": Shard(0)}
+        )
+    }
     with Checkpointer(url, layout=lay, storage_options=opts) as ck:
         ck.load(out)
     return torch.equal(out["w"], local_chunk(g, {"tp": Shard(0)}, lay, rank))

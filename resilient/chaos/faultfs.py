@@ -47,8 +47,14 @@ class FaultyFileSystem(AbstractFileSystem):
     protocol = "faulty"
     cachable = False
 
-    def __init__(self, target_protocol: str = "file", target_options: dict | None = None,
-                 latency_s: float = 0.0, faults: list[dict[str, Any]] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        target_protocol: str = "file",
+        target_options: dict | None = None,
+        latency_s: float = 0.0,
+        faults: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.target = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.latency_s = latency_s
@@ -63,7 +69,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
-        path = path[len("faulty://"):] if path.startswith("faulty://") else path
+        path = path[len("faulty://") :] if path.startswith("faulty://") else path
         return path.rstrip("/") or "/"
 
     # --- fault core ---------------------------------------------------------------------------

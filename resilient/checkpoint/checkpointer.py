@@ -25,9 +25,15 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.reader import ReadStats, execute_reads, plan_reads, read_manifest, verify_step
+from resilient.checkpoint.reader import (
+    ReadStats,
+    execute_reads,
+    plan_reads,
+    read_manifest,
+    verify_step,
+)
 from resilient.checkpoint.retention import apply_retention, committed_steps
-from resilient.checkpoint.state import FlatState, flatten_state
+from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import (
     CommitError,
@@ -130,7 +136,9 @@ class Checkpointer:
         store: Any | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1 (the newest step is always kept), got {keep_last!r}")
+            raise ValueError(
+                f"keep_last must be an int >= 1 (the newest step is always kept), got {keep_last!r}"
+            )
         if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
             raise ValueError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
         if compression not in (None, "zstd"):
@@ -201,8 +209,10 @@ class Checkpointer:
         committer = self._committer()
         self._pending = handle
         self._thread = threading.Thread(
-            target=self._persist, args=(handle, step, layout, plan, data, dict(flat.values), committer),
-            name=f"resilient-ckpt-save-{step}", daemon=True,
+            target=self._persist,
+            args=(handle, step, layout, plan, data, dict(flat.values), committer),
+            name=f"resilient-ckpt-save-{step}",
+            daemon=True,
         )
         self._thread.start()
         return handle
@@ -233,8 +243,16 @@ class Checkpointer:
             return handle.stats  # the caller already saw this failure through the handle
         return handle.wait()
 
-    def _persist(self, handle: SaveHandle, step: int, layout: Layout, plan: WritePlan,
-                 data: torch.Tensor, values: dict[str, Any], committer: Committer) -> None:
+    def _persist(
+        self,
+        handle: SaveHandle,
+        step: int,
+        layout: Layout,
+        plan: WritePlan,
+        data: torch.Tensor,
+        values: dict[str, Any],
+        committer: Committer,
+    ) -> None:
         error: BaseException | None = None
         step_rel = step_dir_name(step)
         try:
@@ -243,13 +261,27 @@ class Checkpointer:
                 self.storage.makedirs(step_rel)
                 generation = next_generation(self.storage, step_rel)
                 file = rank_file_name(self.rank, generation)
-                res = persist_rank_file(self.storage, step_rel, file, plan, data,
-                                        block_bytes=self.block_bytes, compression=self.compression, step=step)
+                res = persist_rank_file(
+                    self.storage,
+                    step_rel,
+                    file,
+                    plan,
+                    data,
+                    block_bytes=self.block_bytes,
+                    compression=self.compression,
+                    step=step,
+                )
                 handle.stats.write_s = time.monotonic() - t0
                 handle.stats.bytes_written = res.size_bytes
-                report = {"rank": self.rank, "file": res.file, "size_bytes": res.size_bytes,
-                          "chunks": {k: c.to_json() for k, c in res.chunks.items()},
-                          "digest": plan.digest, "num_tensors": len(plan.tensors), "values": values}
+                report = {
+                    "rank": self.rank,
+                    "file": res.file,
+                    "size_bytes": res.size_bytes,
+                    "chunks": {k: c.to_json() for k, c in res.chunks.items()},
+                    "digest": plan.digest,
+                    "num_tensors": len(plan.tensors),
+                    "values": values,
+                }
             except BaseException as e:
                 report = {"rank": self.rank, "error": f"{type(e).__name__}: {e}"}
                 raise
@@ -266,8 +298,13 @@ class Checkpointer:
             handle.stats.commit_s = time.monotonic() - t1
             handle.stats.committed = True
         except BaseException as e:  # stored, re-raised at the next save/wait/close
-            error = e if isinstance(e, ResilientError) else CommitError(
-                f"save of step {step} to {self.url} failed on rank {self.rank}: {type(e).__name__}: {e}")
+            error = (
+                e
+                if isinstance(e, ResilientError)
+                else CommitError(
+                    f"save of step {step} to {self.url} failed on rank {self.rank}: {type(e).__name__}: {e}"
+                )
+            )
             if error is not e:
                 error.__cause__ = e
             if committer.is_coordinator and committer.store is not None:
@@ -278,11 +315,26 @@ class Checkpointer:
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
         handle._finish(error)
 
-    def _coordinate(self, committer: Committer, own: dict[str, Any], step: int, step_rel: str,
-                    layout: Layout, plan: WritePlan, generation: int) -> None:
+    def _coordinate(
+        self,
+        committer: Committer,
+        own: dict[str, Any],
+        step: int,
+        step_rel: str,
+        layout: Layout,
+        plan: WritePlan,
+        generation: int,
+    ) -> None:
         reports = committer.gather(own) if committer.store is not None else [own]
-        manifest = build_manifest(step, layout, plan, reports, block_bytes=self.block_bytes,
-                                  generation=generation, version=_version())
+        manifest = build_manifest(
+            step,
+            layout,
+            plan,
+            reports,
+            block_bytes=self.block_bytes,
+            generation=generation,
+            version=_version(),
+        )
         self.storage.sync_dir(step_rel)
         from resilient.checkpoint.format import manifest_to_bytes
 
@@ -313,12 +365,22 @@ class Checkpointer:
             n = store.add("resilient/ckpt/instances", 1)
             self._uid = (n - 1) // self.world_size
         self._seq += 1
-        return Committer(store, f"resilient/ckpt/{self._uid}/{self._seq}", self.rank, self.world_size,
-                         self.commit_timeout_s)
+        return Committer(
+            store,
+            f"resilient/ckpt/{self._uid}/{self._seq}",
+            self.rank,
+            self.world_size,
+            self.commit_timeout_s,
+        )
 
     def _plan(self, flat: FlatState, layout: Layout) -> WritePlan:
-        sig = (layout, tuple((k, v.local.dtype, v.shape, v.placement, tuple(v.local.shape))
-                             for k, v in sorted(flat.tensors.items())))
+        sig = (
+            layout,
+            tuple(
+                (k, v.local.dtype, v.shape, v.placement, tuple(v.local.shape))
+                for k, v in sorted(flat.tensors.items())
+            ),
+        )
         if self._plan_cache is None or self._plan_cache[0] != sig:
             self._plan_cache = (sig, plan_writes(flat.tensors, layout, self.rank))
         return self._plan_cache[1]
@@ -333,7 +395,9 @@ class Checkpointer:
         return self.layout
 
     # --- load ---------------------------------------------------------------------------------
-    def load(self, state: Mapping[str, Any], step: int | None = None, *, fallback: bool = False) -> int:
+    def load(
+        self, state: Mapping[str, Any], step: int | None = None, *, fallback: bool = False
+    ) -> int:
         """Fill ``state`` in place from ``step`` (default: the newest committed); returns the step.
 
         Reshards when the saving layout differs.  With ``fallback=True`` and ``step=None``, a newest
@@ -371,7 +435,12 @@ class Checkpointer:
             if i + 1 == len(candidates):
                 raise error
             warnings.warn(f"{error}; falling back to step {candidates[i + 1]}", stacklevel=2)
-            log.warning("step %d failed verification (%s); falling back to step %d", s, error, candidates[i + 1])
+            log.warning(
+                "step %d failed verification (%s); falling back to step %d",
+                s,
+                error,
+                candidates[i + 1],
+            )
             skipped.append(s)
         raise AssertionError("unreachable")
 
@@ -387,8 +456,11 @@ class Checkpointer:
         flat = flatten_state(state, layout, self.rank, for_load=True)
         items = plan_reads(manifest, flat.tensors, layout, self.rank)
         rs: ReadStats = execute_reads(self.storage, manifest, items, flat.tensors)
-        missing = [k for k in flat.values if k not in manifest.extras
-                   and k not in manifest.rank_extras.get(self.rank, {})]
+        missing = [
+            k
+            for k in flat.values
+            if k not in manifest.extras and k not in manifest.rank_extras.get(self.rank, {})
+        ]
         if missing:
             raise StateMismatchError(
                 f"step {step} has no values for {missing[:8]}; it was saved from a different state"
@@ -408,14 +480,21 @@ class Checkpointer:
                 )
         for fin in flat.finalizers:
             fin()
-        return LoadStats(step, rs.bytes_read, rs.bytes_verified, rs.num_requests,
-                         resharded=manifest.layout != layout)
+        return LoadStats(
+            step,
+            rs.bytes_read,
+            rs.bytes_verified,
+            rs.num_requests,
+            resharded=manifest.layout != layout,
+        )
 
     def _resolve_step(self, step: int | None) -> int:
         steps = self.steps()
         if step is None:
             if not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}; save one first, or check the URL")
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.url}; save one first, or check the URL"
+                )
             return steps[-1]
         if step not in steps:
             shown = ", ".join(map(str, steps[-10:])) if steps else "none"
@@ -430,13 +509,11 @@ class Checkpointer:
 
 
 def _find_mesh(state: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
+    if is_dtensor(state):
         return state.device_mesh
     if isinstance(state, torch.nn.Module):
         for p in state.parameters():
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 return p.device_mesh
         return None
     if isinstance(state, Mapping):
@@ -445,5 +522,3 @@ def _find_mesh(state: Any) -> Any:
             if m is not None:
                 return m
     return None
-
-

@@ -33,7 +33,7 @@ def block_checksums(data: memoryview, block_bytes: int, *, parallel: bool = True
     spans = [(i, min(i + block_bytes, n)) for i in range(0, n, block_bytes)]
     if not parallel or len(spans) < 4:
         return [zlib.crc32(data[a:b]) for a, b in spans]
-    return list(_CRC_POOL.map(lambda s: zlib.crc32(data[s[0]:s[1]]), spans))
+    return list(_CRC_POOL.map(lambda s: zlib.crc32(data[s[0] : s[1]]), spans))
 
 
 def _zstd():
@@ -54,7 +54,9 @@ def decompress(data: bytes, raw_bytes: int, itemsize: int, bytegroup: bool) -> b
     zstd = _zstd()
     params = zstd.get_frame_parameters(data)
     if params.content_size != raw_bytes:
-        raise ValueError(f"compressed frame declares {params.content_size} bytes, expected {raw_bytes}")
+        raise ValueError(
+            f"compressed frame declares {params.content_size} bytes, expected {raw_bytes}"
+        )
     out = zstd.ZstdDecompressor().decompress(data, max_output_size=raw_bytes)
     if len(out) != raw_bytes:
         raise ValueError(f"decompressed to {len(out)} bytes, expected {raw_bytes}")
@@ -64,8 +66,9 @@ def decompress(data: bytes, raw_bytes: int, itemsize: int, bytegroup: bool) -> b
     return out
 
 
-def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int, int]],
-                       metadata: dict[str, str]) -> bytes:
+def safetensors_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int, int]], metadata: dict[str, str]
+) -> bytes:
     """The 8-byte length plus JSON header of a safetensors file.
 
     ``entries``: (name, safetensors dtype code, shape, begin, end) with offsets relative to the data
@@ -85,4 +88,4 @@ def parse_safetensors_header(prefix: bytes) -> tuple[int, dict]:
     (n,) = struct.unpack("<Q", prefix[:8])
     if len(prefix) < 8 + n:
         raise ValueError(f"header declares {n} bytes but only {len(prefix) - 8} are present")
-    return 8 + n, json.loads(prefix[8:8 + n])
+    return 8 + n, json.loads(prefix[8 : 8 + n])

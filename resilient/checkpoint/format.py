@@ -114,7 +114,11 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def rank_file_name(rank: int, generation: int = 0) -> str:
-    return f"rank_{rank:05d}.safetensors" if generation == 0 else f"rank_{rank:05d}.g{generation}.safetensors"
+    return (
+        f"rank_{rank:05d}.safetensors"
+        if generation == 0
+        else f"rank_{rank:05d}.g{generation}.safetensors"
+    )
 
 
 # --- the dataclasses -----------------------------------------------------------------------------
@@ -147,7 +151,11 @@ class ChunkEntry:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ChunkEntry:
-        _keys(d, {"offsets", "sizes", "file", "name", "byte_range", "checksums", "codec", "raw_bytes"}, where)
+        _keys(
+            d,
+            {"offsets", "sizes", "file", "name", "byte_range", "checksums", "codec", "raw_bytes"},
+            where,
+        )
         return cls(
             offsets=_ints(d["offsets"], f"{where}.offsets"),
             sizes=_ints(d["sizes"], f"{where}.sizes"),
@@ -188,12 +196,16 @@ class TensorEntry:
             raise CheckpointCorruptError(f"{where}.placement: {e}") from None
         chunks = d["chunks"]
         if not isinstance(chunks, list):
-            raise CheckpointCorruptError(f"{where}.chunks must be a list, found {type(chunks).__name__}")
+            raise CheckpointCorruptError(
+                f"{where}.chunks must be a list, found {type(chunks).__name__}"
+            )
         return cls(
             dtype=_str(d["dtype"], f"{where}.dtype"),
             shape=_ints(d["shape"], f"{where}.shape"),
             placement=placement,
-            chunks=tuple(ChunkEntry.from_json(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)),
+            chunks=tuple(
+                ChunkEntry.from_json(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)
+            ),
         )
 
     @property
@@ -212,7 +224,10 @@ class FileEntry:
     @classmethod
     def from_json(cls, d: Any, where: str) -> FileEntry:
         _keys(d, {"rank", "size_bytes"}, where)
-        return cls(rank=_int(d["rank"], f"{where}.rank"), size_bytes=_int(d["size_bytes"], f"{where}.size_bytes"))
+        return cls(
+            rank=_int(d["rank"], f"{where}.rank"),
+            size_bytes=_int(d["size_bytes"], f"{where}.size_bytes"),
+        )
 
 
 @dataclass(frozen=True)
@@ -222,7 +237,9 @@ class Manifest:
     tensors: Mapping[str, TensorEntry]
     files: Mapping[str, FileEntry]
     extras: Mapping[str, Any] = field(default_factory=dict)  # JSON values (rank 0's)
-    rank_extras: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # where a rank differs
+    rank_extras: Mapping[int, Mapping[str, Any]] = field(
+        default_factory=dict
+    )  # where a rank differs
     block_bytes: int = DEFAULT_BLOCK_BYTES
     generation: int = 0
     created_unix_s: float = 0.0
@@ -249,7 +266,9 @@ class Manifest:
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
         if not isinstance(d, dict):
-            raise CheckpointCorruptError(f"manifest must be a JSON object, found {type(d).__name__}")
+            raise CheckpointCorruptError(
+                f"manifest must be a JSON object, found {type(d).__name__}"
+            )
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise CheckpointCorruptError(
@@ -258,8 +277,20 @@ class Manifest:
             )
         _keys(
             d,
-            {"format_version", "step", "created_unix_s", "toolkit_version", "layout", "block_bytes",
-             "checksum", "generation", "files", "tensors", "extras", "rank_extras"},
+            {
+                "format_version",
+                "step",
+                "created_unix_s",
+                "toolkit_version",
+                "layout",
+                "block_bytes",
+                "checksum",
+                "generation",
+                "files",
+                "tensors",
+                "extras",
+                "rank_extras",
+            },
             "manifest",
         )
         try:
@@ -268,16 +299,24 @@ class Manifest:
             raise CheckpointCorruptError(f"manifest.layout: {e}") from None
         for name in ("files", "tensors", "extras", "rank_extras"):
             if not isinstance(d[name], dict):
-                raise CheckpointCorruptError(f"manifest.{name} must be an object, found {type(d[name]).__name__}")
+                raise CheckpointCorruptError(
+                    f"manifest.{name} must be an object, found {type(d[name]).__name__}"
+                )
         if d["checksum"] != "crc32":
-            raise CheckpointCorruptError(f"manifest.checksum is {d['checksum']!r}; format v1 knows 'crc32'")
+            raise CheckpointCorruptError(
+                f"manifest.checksum is {d['checksum']!r}; format v1 knows 'crc32'"
+            )
         created = d["created_unix_s"]
         if not isinstance(created, (int, float)) or isinstance(created, bool):
-            raise CheckpointCorruptError(f"manifest.created_unix_s must be a number, found {created!r}")
+            raise CheckpointCorruptError(
+                f"manifest.created_unix_s must be a number, found {created!r}"
+            )
         rank_extras = {}
         for r, v in d["rank_extras"].items():
             if not r.isdigit() or not isinstance(v, dict):
-                raise CheckpointCorruptError(f"manifest.rank_extras[{r!r}] must map a rank to an object")
+                raise CheckpointCorruptError(
+                    f"manifest.rank_extras[{r!r}] must map a rank to an object"
+                )
             rank_extras[int(r)] = v
         return cls(
             format_version=version,
@@ -288,9 +327,12 @@ class Manifest:
             block_bytes=_int(d["block_bytes"], "manifest.block_bytes"),
             checksum="crc32",
             generation=_int(d["generation"], "manifest.generation"),
-            files={k: FileEntry.from_json(v, f"manifest.files[{k!r}]") for k, v in d["files"].items()},
+            files={
+                k: FileEntry.from_json(v, f"manifest.files[{k!r}]") for k, v in d["files"].items()
+            },
             tensors={
-                k: TensorEntry.from_json(v, layout, f"tensor {k!r}") for k, v in d["tensors"].items()
+                k: TensorEntry.from_json(v, layout, f"tensor {k!r}")
+                for k, v in d["tensors"].items()
             },
             extras=d["extras"],
             rank_extras=rank_extras,
@@ -305,7 +347,9 @@ class Manifest:
         global tensor is covered once and no size is absurd).  Raises CheckpointCorruptError.
         """
         if self.block_bytes < 4096 or self.block_bytes > 1 << 30:
-            raise CheckpointCorruptError(f"manifest.block_bytes={self.block_bytes} is outside [4 KiB, 1 GiB]")
+            raise CheckpointCorruptError(
+                f"manifest.block_bytes={self.block_bytes} is outside [4 KiB, 1 GiB]"
+            )
         for fname, f in self.files.items():
             if not _FILE_RE.match(fname):
                 raise CheckpointCorruptError(
@@ -313,19 +357,27 @@ class Manifest:
                     f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
                 )
             if not 0 <= f.rank < self.layout.world_size:
-                raise CheckpointCorruptError(f"file {fname!r} claims rank {f.rank}, outside {self.layout.describe()}")
+                raise CheckpointCorruptError(
+                    f"file {fname!r} claims rank {f.rank}, outside {self.layout.describe()}"
+                )
             if f.size_bytes < 0:
-                raise CheckpointCorruptError(f"file {fname!r} declares a negative size {f.size_bytes}")
+                raise CheckpointCorruptError(
+                    f"file {fname!r} declares a negative size {f.size_bytes}"
+                )
         for key, t in self.tensors.items():
             self._validate_tensor(key, t)
 
     def _validate_tensor(self, key: str, t: TensorEntry) -> None:
         info = dtype_info(t.dtype)
         if any(n < 0 for n in t.shape):
-            raise CheckpointCorruptError(f"tensor {key!r} has a negative dim in shape {list(t.shape)}")
+            raise CheckpointCorruptError(
+                f"tensor {key!r} has a negative dim in shape {list(t.shape)}"
+            )
         try:
             expected = {
-                (o, s) for o, s, _ in unique_chunks(t.shape, t.placement, self.layout) if math.prod(s) > 0
+                (o, s)
+                for o, s, _ in unique_chunks(t.shape, t.placement, self.layout)
+                if math.prod(s) > 0
             }
         except LayoutError as e:
             raise CheckpointCorruptError(f"tensor {key!r}: {e}") from None
@@ -340,9 +392,13 @@ class Manifest:
             if c.file not in self.files:
                 raise CheckpointCorruptError(f"{where}: the file is not listed in manifest.files")
             if c.codec not in CODECS:
-                raise CheckpointCorruptError(f"{where}: unknown codec {c.codec!r}; known: {list(CODECS)}")
+                raise CheckpointCorruptError(
+                    f"{where}: unknown codec {c.codec!r}; known: {list(CODECS)}"
+                )
             if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape):
-                raise CheckpointCorruptError(f"{where}: offsets/sizes have the wrong rank for shape {list(t.shape)}")
+                raise CheckpointCorruptError(
+                    f"{where}: offsets/sizes have the wrong rank for shape {list(t.shape)}"
+                )
             start, end = c.byte_range
             if not 0 <= start <= end <= self.files[c.file].size_bytes:
                 raise CheckpointCorruptError(
@@ -375,7 +431,9 @@ def _parts_factor(t: TensorEntry) -> int:
     return math.prod(parts.values()) if parts else 1
 
 
-def expected_chunk(t: TensorEntry, layout: Layout, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def expected_chunk(
+    t: TensorEntry, layout: Layout, rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return chunk_offsets_sizes(t.shape, t.placement, layout, rank)
 
 

@@ -33,7 +33,14 @@ from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, LayoutError, StateMismatchError
 from resilient.layout import Box, Layout, Placement, Shard, chunk_offsets_sizes
 
-__all__ = ["ReadItem", "plan_reads", "execute_reads", "read_manifest", "verify_step", "VerifyReport"]
+__all__ = [
+    "ReadItem",
+    "plan_reads",
+    "execute_reads",
+    "read_manifest",
+    "verify_step",
+    "VerifyReport",
+]
 
 # Coalesced reads are grouped into batches of about this many bytes to bound memory.
 BATCH_BYTES = 256 << 20
@@ -71,8 +78,9 @@ def _union_parts(key: str, src: Placement, dst: Placement, ndim: int) -> dict[in
     return {k: v for k, v in out.items() if v > 1 and k < ndim}
 
 
-def _box_in_view(offsets, sizes, own_parts: Mapping[int, int], view_parts: Mapping[int, int],
-                 shape) -> Box:
+def _box_in_view(
+    offsets, sizes, own_parts: Mapping[int, int], view_parts: Mapping[int, int], shape
+) -> Box:
     """A chunk (per-dim offsets/sizes, per block for its own fused dims) in the expanded view."""
     eo, es = [], []
     for dim, (o, s) in enumerate(zip(offsets, sizes)):
@@ -98,7 +106,9 @@ def _strides(sizes) -> list[int]:
     return st[::-1]
 
 
-def plan_reads(manifest: Manifest, leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> list[ReadItem]:
+def plan_reads(
+    manifest: Manifest, leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int
+) -> list[ReadItem]:
     """Every (stored chunk, overlap) this rank needs to fill ``leaves``; pure arithmetic."""
     items: list[ReadItem] = []
     missing = sorted(set(leaves) - set(manifest.tensors))
@@ -124,8 +134,16 @@ def plan_reads(manifest: Manifest, leaves: Mapping[str, TensorLeaf], layout: Lay
             ov = src_box.intersect(dst_box)
             if ov is None:
                 continue
-            items.append(ReadItem(key, c, src_box, dst_box, ov,
-                                  _span(c, src_box, ov, itemsize, manifest.block_bytes)))
+            items.append(
+                ReadItem(
+                    key,
+                    c,
+                    src_box,
+                    dst_box,
+                    ov,
+                    _span(c, src_box, ov, itemsize, manifest.block_bytes),
+                )
+            )
     return items
 
 
@@ -180,7 +198,7 @@ class _Verifier:
             tag = (c.file, start, i)
             if tag in self.done:
                 continue
-            got = zlib.crc32(data[b0 - span[0]:b1 - span[0]])
+            got = zlib.crc32(data[b0 - span[0] : b1 - span[0]])
             if got != c.checksums[i]:
                 raise CheckpointCorruptError(
                     f"checksum mismatch in {self.storage.display(step_dir_name(self.m.step) + '/' + c.file)}, "
@@ -199,8 +217,9 @@ class ReadStats:
     num_requests: int = 0
 
 
-def execute_reads(storage: Storage, manifest: Manifest, items: list[ReadItem],
-                  leaves: Mapping[str, TensorLeaf]) -> ReadStats:
+def execute_reads(
+    storage: Storage, manifest: Manifest, items: list[ReadItem], leaves: Mapping[str, TensorLeaf]
+) -> ReadStats:
     """Read, verify and place every item; memory stays near ``BATCH_BYTES`` plus a chunk."""
     step_rel = step_dir_name(manifest.step)
     stats = ReadStats()
@@ -229,9 +248,11 @@ def execute_reads(storage: Storage, manifest: Manifest, items: list[ReadItem],
                 stats.bytes_read += len(data)
                 mv = memoryview(data)
                 for it in group:
-                    piece = mv[it.span[0] - r[0]:it.span[1] - r[0]]
+                    piece = mv[it.span[0] - r[0] : it.span[1] - r[0]]
                     verifier.check(it.key, it.chunk, it.span, piece)
-                    _place(it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step)
+                    _place(
+                        it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step
+                    )
     stats.bytes_verified = verifier.bytes_verified
     return stats
 
@@ -261,8 +282,14 @@ def _batches(ranges):
         yield batch
 
 
-def _place(it: ReadItem, data: memoryview, entry: TensorEntry, leaf: TensorLeaf, storage: Storage,
-           step: int) -> None:
+def _place(
+    it: ReadItem,
+    data: memoryview,
+    entry: TensorEntry,
+    leaf: TensorLeaf,
+    storage: Storage,
+    step: int,
+) -> None:
     info = dtype_info(entry.dtype)
     c = it.chunk
     if c.codec != "none":
@@ -285,10 +312,14 @@ def _place(it: ReadItem, data: memoryview, entry: TensorEntry, leaf: TensorLeaf,
         flat = torch.empty(0, dtype=info.torch_dtype)
     src_st = _strides(it.src_box.sizes)
     rel = [o - so for o, so in zip(it.overlap.offsets, it.src_box.offsets)]
-    src = flat.as_strided(it.overlap.sizes, src_st, sum(r * s for r, s in zip(rel, src_st)) - first_elem)
+    src = flat.as_strided(
+        it.overlap.sizes, src_st, sum(r * s for r, s in zip(rel, src_st)) - first_elem
+    )
     dst_full = leaf.local.view(it.dst_box.sizes) if leaf.local.is_contiguous() else None
     if dst_full is None:
-        raise LayoutError(f"tensor {it.key!r}: cannot load into a non-contiguous tensor; call .contiguous() first")
+        raise LayoutError(
+            f"tensor {it.key!r}: cannot load into a non-contiguous tensor; call .contiguous() first"
+        )
     drel = [o - do for o, do in zip(it.overlap.offsets, it.dst_box.offsets)]
     dst = dst_full
     for d, (o, n) in enumerate(zip(drel, it.overlap.sizes)):
@@ -334,7 +365,9 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
             problems.append(f"{storage.display(path)}: cannot be read ({e})")
             continue
         if len(data) != m.files[file].size_bytes:
-            problems.append(f"{storage.display(path)}: {len(data)} bytes, manifest declares {m.files[file].size_bytes}")
+            problems.append(
+                f"{storage.display(path)}: {len(data)} bytes, manifest declares {m.files[file].size_bytes}"
+            )
             continue
         try:
             data_start, header = parse_safetensors_header(data)
@@ -344,8 +377,13 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
         mv = memoryview(data)
         for key, c in chunks:
             h = header.get(c.name)
-            if not h or [data_start + h["data_offsets"][0], data_start + h["data_offsets"][1]] != list(c.byte_range):
-                problems.append(f"{storage.display(path)}: safetensors header disagrees with the manifest for tensor {key!r}")
+            if not h or [
+                data_start + h["data_offsets"][0],
+                data_start + h["data_offsets"][1],
+            ] != list(c.byte_range):
+                problems.append(
+                    f"{storage.display(path)}: safetensors header disagrees with the manifest for tensor {key!r}"
+                )
                 continue
             bb = m.block_bytes
             for i, want in enumerate(c.checksums):

@@ -25,7 +25,7 @@ def steps_to_delete(committed: Iterable[int], keep_last: int, keep_every: int | 
     steps = sorted(set(committed))
     if not steps:
         return []
-    keep = set(steps[-max(keep_last, 1):])  # the newest is always among them
+    keep = set(steps[-max(keep_last, 1) :])  # the newest is always among them
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     return [s for s in steps if s not in keep]
@@ -42,12 +42,14 @@ def step_dirs(storage: Storage) -> dict[int, str]:
 
 def committed_steps(storage: Storage) -> list[int]:
     """Steps whose manifest exists, ascending (a directory without one does not exist to readers)."""
-    return sorted(s for s, name in step_dirs(storage).items()
-                  if storage.exists(f"{name}/{MANIFEST_NAME}"))
+    return sorted(
+        s for s, name in step_dirs(storage).items() if storage.exists(f"{name}/{MANIFEST_NAME}")
+    )
 
 
-def apply_retention(storage: Storage, keep_last: int, keep_every: int | None,
-                    *, in_progress: int | None = None) -> list[int]:
+def apply_retention(
+    storage: Storage, keep_last: int, keep_every: int | None, *, in_progress: int | None = None
+) -> list[int]:
     """Delete steps retention drops and uncommitted step directories; returns what was removed."""
     dirs = step_dirs(storage)
     committed = [s for s, name in dirs.items() if storage.exists(f"{name}/{MANIFEST_NAME}")]

@@ -10,7 +10,7 @@ values.  Keys are joined with ``.``: ``model.layers.0.attn.qkv.weight``,
 from __future__ import annotations
 
 import json
-import math
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +62,9 @@ def sharded(
     setattr(
         tensor,
         _ATTR,
-        _Sharding(dict(placement), tuple(global_shape) if global_shape is not None else None, layout, rank),
+        _Sharding(
+            dict(placement), tuple(global_shape) if global_shape is not None else None, layout, rank
+        ),
     )
     return tensor
 
@@ -114,7 +116,9 @@ def json_snapshot(key: str, value: Any) -> Any:
         ) from None
 
 
-def flatten_state(state: Mapping[str, Any], layout: Layout, rank: int, *, for_load: bool = False) -> FlatState:
+def flatten_state(
+    state: Mapping[str, Any], layout: Layout, rank: int, *, for_load: bool = False
+) -> FlatState:
     """Flatten ``state`` into tensor leaves and JSON values (and, for loads, setters/finalizers)."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to values, got {type(state).__name__}")
@@ -141,13 +145,24 @@ def _param_names(state: Mapping[str, Any]) -> dict[int, str]:
 
 
 class _Walker:
-    def __init__(self, flat: FlatState, layout: Layout, rank: int, for_load: bool,
-                 param_names: dict[int, str]) -> None:
+    def __init__(
+        self,
+        flat: FlatState,
+        layout: Layout,
+        rank: int,
+        for_load: bool,
+        param_names: dict[int, str],
+    ) -> None:
         self.flat, self.layout, self.rank, self.for_load = flat, layout, rank, for_load
         self.param_names = param_names
 
-    def walk(self, obj: Any, prefix: str, setter: Callable[[Any], None] | None = None,
-             inherit: torch.Tensor | None = None) -> None:
+    def walk(
+        self,
+        obj: Any,
+        prefix: str,
+        setter: Callable[[Any], None] | None = None,
+        inherit: torch.Tensor | None = None,
+    ) -> None:
         if isinstance(obj, torch.Tensor):
             self.tensor(prefix.rstrip("."), obj, inherit)
         elif isinstance(obj, torch.nn.Module):
@@ -155,10 +170,16 @@ class _Walker:
                 self.tensor(prefix + k, v, None)
         elif isinstance(obj, torch.optim.Optimizer):
             self.optimizer(obj, prefix)
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(obj, Mapping):
+        elif (
+            hasattr(obj, "state_dict")
+            and hasattr(obj, "load_state_dict")
+            and not isinstance(obj, Mapping)
+        ):
             sd = obj.state_dict()
             if not isinstance(sd, MutableMapping):
-                raise TypeError(f"{prefix.rstrip('.')}: state_dict() returned {type(sd).__name__}, expected a dict")
+                raise TypeError(
+                    f"{prefix.rstrip('.')}: state_dict() returned {type(sd).__name__}, expected a dict"
+                )
             self.mapping(sd, prefix)
             if self.for_load:
                 self.flat.finalizers.append(lambda obj=obj, sd=sd: obj.load_state_dict(sd))
@@ -179,7 +200,9 @@ class _Walker:
     def mapping(self, m: Mapping[str, Any], prefix: str) -> None:
         for k, v in m.items():
             if not isinstance(k, (str, int)):
-                raise TypeError(f"state key {prefix}{k!r} must be a str or int, got {type(k).__name__}")
+                raise TypeError(
+                    f"state key {prefix}{k!r} must be a str or int, got {type(k).__name__}"
+                )
             setter = None
             if isinstance(m, MutableMapping):
                 setter = lambda val, m=m, k=k: m.__setitem__(k, val)  # noqa: E731
@@ -207,17 +230,25 @@ class _Walker:
             for hp, v in group.items():
                 if hp == "params":
                     continue
-                self.walk(v, f"{prefix}param_groups.{gi}.{hp}.",
-                          lambda val, group=group, hp=hp: group.__setitem__(hp, val))
+                self.walk(
+                    v,
+                    f"{prefix}param_groups.{gi}.{hp}.",
+                    lambda val, group=group, hp=hp: group.__setitem__(hp, val),
+                )
 
 
-def describe_tensor(key: str, t: torch.Tensor, layout: Layout, rank: int,
-                    inherit: torch.Tensor | None = None) -> TensorLeaf:
+def is_dtensor(obj: Any) -> bool:
+    """Without importing torch.distributed.tensor (slow): no DTensor exists until someone has."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(obj, mod.DTensor)
+
+
+def describe_tensor(
+    key: str, t: torch.Tensor, layout: Layout, rank: int, inherit: torch.Tensor | None = None
+) -> TensorLeaf:
     """The global shape and placement of ``t``: from a DTensor, a ``sharded`` annotation (its own
     or, for optimizer state, its parameter's), or replicated."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         try:
             placement = placement_from_dtensor(t, layout)
         except LayoutError as e:
@@ -235,7 +266,9 @@ def describe_tensor(key: str, t: torch.Tensor, layout: Layout, rank: int,
             f"{layout}; pass the same layout to Checkpointer(layout=...)"
         )
     if spec.rank is not None and spec.rank != rank:
-        raise LayoutError(f"tensor {key!r} was annotated for rank {spec.rank}, but this is rank {rank}")
+        raise LayoutError(
+            f"tensor {key!r} was annotated for rank {spec.rank}, but this is rank {rank}"
+        )
     try:
         placement = normalize_placement(spec.placement, layout)
     except LayoutError as e:
@@ -246,14 +279,22 @@ def describe_tensor(key: str, t: torch.Tensor, layout: Layout, rank: int,
         for axis, p in placement:
             if hasattr(p, "dim"):
                 if p.dim >= t.dim():
-                    raise LayoutError(f"tensor {key!r}: axis {axis!r} shards dim {p.dim}, but the tensor has {t.dim()} dims")
+                    raise LayoutError(
+                        f"tensor {key!r}: axis {axis!r} shards dim {p.dim}, but the tensor has {t.dim()} dims"
+                    )
                 shape_l[p.dim] *= layout.size(axis)
         shape = tuple(shape_l)
     return _checked(key, t.detach(), shape, placement, layout, rank)
 
 
-def _checked(key: str, local: torch.Tensor, shape: tuple[int, ...], placement: Placement,
-             layout: Layout, rank: int) -> TensorLeaf:
+def _checked(
+    key: str,
+    local: torch.Tensor,
+    shape: tuple[int, ...],
+    placement: Placement,
+    layout: Layout,
+    rank: int,
+) -> TensorLeaf:
     try:
         fused_parts(shape, placement)
         expected = local_shape(shape, placement, layout, rank)
@@ -269,8 +310,11 @@ def _checked(key: str, local: torch.Tensor, shape: tuple[int, ...], placement: P
 
 
 def _fmt(placement: Placement) -> str:
-    parts = [f"{a}:Shard({p.dim}{', parts=' + str(p.parts) if p.parts > 1 else ''})"
-             for a, p in placement if hasattr(p, "dim")]
+    parts = [
+        f"{a}:Shard({p.dim}{', parts=' + str(p.parts) if p.parts > 1 else ''})"
+        for a, p in placement
+        if hasattr(p, "dim")
+    ]
     return "{" + ", ".join(parts) + "}" if parts else "replicate"
 
 

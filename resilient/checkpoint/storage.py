@@ -38,8 +38,18 @@ T = TypeVar("T")
 
 # Errors that say "this will not get better by trying again".
 _PERMANENT_ERRNOS = {
-    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
-    errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EINVAL, errno.EFBIG,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOENT,
+    errno.EISDIR,
+    errno.ENOTDIR,
+    errno.EEXIST,
+    errno.ENAMETOOLONG,
+    errno.EINVAL,
+    errno.EFBIG,
 }
 
 
@@ -49,15 +59,33 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                        FileExistsError)):
+    if isinstance(
+        exc,
+        (
+            FileNotFoundError,
+            PermissionError,
+            IsADirectoryError,
+            NotADirectoryError,
+            FileExistsError,
+        ),
+    ):
         return False
     if isinstance(exc, OSError):
         return exc.errno not in _PERMANENT_ERRNOS
     # botocore / aiohttp errors that s3fs lets through are transient by nature.
     name = type(exc).__name__
-    return any(s in name for s in ("Timeout", "Connection", "Throttl", "SlowDown", "ServerError",
-                                   "EndpointConnectionError", "ClientPayloadError"))
+    return any(
+        s in name
+        for s in (
+            "Timeout",
+            "Connection",
+            "Throttl",
+            "SlowDown",
+            "ServerError",
+            "EndpointConnectionError",
+            "ClientPayloadError",
+        )
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +111,12 @@ class Storage:
     the root and use ``/``.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"checkpoint URL must be a non-empty string, got {url!r}")
         self.url = url.rstrip("/") or url
@@ -94,11 +126,15 @@ class Storage:
         except (ImportError, ValueError) as e:
             raise StorageError(
                 f"cannot open checkpoint URL {url!r}: {e}; install the fsspec backend for its "
-                f"protocol (for example s3fs for s3://)", url=url, operation="open"
+                f"protocol (for example s3fs for s3://)",
+                url=url,
+                operation="open",
             ) from e
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.retries_done = 0  # how many retries this Storage has made (for the event log and tests)
+        self.retries_done = (
+            0  # how many retries this Storage has made (for the event log and tests)
+        )
 
     # --- paths --------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -114,14 +150,22 @@ class Storage:
         def before_sleep(state: RetryCallState) -> None:
             self.retries_done += 1
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("storage %s %s failed (attempt %d): %r; retrying in %.2fs", operation,
-                        self.display(rel), state.attempt_number, exc,
-                        state.next_action.sleep if state.next_action else 0.0)
+            log.warning(
+                "storage %s %s failed (attempt %d): %r; retrying in %.2fs",
+                operation,
+                self.display(rel),
+                state.attempt_number,
+                exc,
+                state.next_action.sleep if state.next_action else 0.0,
+            )
 
         retrying = Retrying(
-            stop=stop_after_attempt(self.retry.max_attempts) | stop_after_delay(self.retry.max_total_s),
+            stop=stop_after_attempt(self.retry.max_attempts)
+            | stop_after_delay(self.retry.max_total_s),
             # exponential backoff plus random jitter, so that many ranks do not retry in lockstep
-            wait=wait_exponential(multiplier=self.retry.initial_backoff_s, max=self.retry.max_backoff_s)
+            wait=wait_exponential(
+                multiplier=self.retry.initial_backoff_s, max=self.retry.max_backoff_s
+            )
             + wait_random(0, self.retry.initial_backoff_s),
             retry=retry_if_exception(is_transient),
             before_sleep=before_sleep,
@@ -139,7 +183,8 @@ class Storage:
             raise StorageError(
                 f"storage {operation} of {self.display(rel)} {why} after {attempts} attempt(s) in "
                 f"{time.monotonic() - start:.1f}s: {type(e).__name__}: {e}{hint}",
-                url=self.display(rel), operation=operation,
+                url=self.display(rel),
+                operation=operation,
             ) from e
 
     # --- operations ---------------------------------------------------------------------------
@@ -160,25 +205,33 @@ class Storage:
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
+
         def ls() -> list[str]:
             try:
                 entries = self.fs.ls(self._fresh(rel), detail=False)
             except FileNotFoundError:
                 return []
             base = self.path(rel).rstrip("/")
-            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries
-                           if e.rstrip("/") != base})
+            return sorted(
+                {e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != base}
+            )
+
         return self._call("list", rel, ls)
 
     def read(self, rel: str) -> bytes:
         return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
-        data = self._call(f"read [{start}, {end})", rel,
-                          lambda: self.fs.cat_file(self.path(rel), start=start, end=end))
+        data = self._call(
+            f"read [{start}, {end})",
+            rel,
+            lambda: self.fs.cat_file(self.path(rel), start=start, end=end),
+        )
         return data
 
-    def write_file(self, rel: str, parts: Iterable[memoryview | bytes], *, fsync: bool = True) -> int:
+    def write_file(
+        self, rel: str, parts: Iterable[memoryview | bytes], *, fsync: bool = True
+    ) -> int:
         """Stream ``parts`` into a new file at ``rel`` (replacing it) and make it durable.
 
         The retry unit is the whole file: a partly written file is simply rewritten.  ``parts``
@@ -215,6 +268,7 @@ class Storage:
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Publish a small file so that readers see all of it or nothing."""
         if self.is_local:
+
             def publish() -> None:
                 final = self.path(rel)
                 tmp = f"{final}.tmp.{os.getpid()}"
@@ -228,6 +282,7 @@ class Storage:
                     os.fsync(dfd)
                 finally:
                     os.close(dfd)
+
             self._call("atomic write", rel, publish)
         else:
             # Object stores make a single PUT visible all at once; memory:// likewise.
@@ -236,12 +291,14 @@ class Storage:
     def sync_dir(self, rel: str) -> None:
         """Make directory entries (new files) durable where that means anything."""
         if self.is_local:
+
             def sync() -> None:
                 fd = os.open(self.path(rel), os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+
             self._call("sync", rel, sync)
 
     def remove(self, rel: str) -> None:
@@ -250,6 +307,7 @@ class Storage:
                 self.fs.rm(self.path(rel))
             except FileNotFoundError:
                 pass
+
         self._call("remove", rel, rm)
 
     def remove_tree(self, rel: str) -> None:
@@ -258,6 +316,7 @@ class Storage:
                 self.fs.rm(self.path(rel), recursive=True)
             except FileNotFoundError:
                 pass
+
         self._call("remove", rel, rm)
 
     def read_ranges(self, rel: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
@@ -267,9 +326,14 @@ class Storage:
         path = self.path(rel)
 
         def cat() -> list[bytes]:
-            out = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
-                                     [r[1] for r in ranges], on_error="raise")
+            out = self.fs.cat_ranges(
+                [path] * len(ranges),
+                [r[0] for r in ranges],
+                [r[1] for r in ranges],
+                on_error="raise",
+            )
             return list(out)
+
         return self._call(f"read {len(ranges)} ranges", rel, cat)
 
 

@@ -40,8 +40,6 @@ from resilient.checkpoint.format import (
     dtype_info,
     dtype_name,
     manifest_from_bytes,
-    rank_file_name,
-    step_dir_name,
 )
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.storage import Storage
@@ -80,16 +78,22 @@ def plan_writes(leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> 
     Pure and deterministic: every rank computes the same assignment from the same tensor table.
     Largest chunks are placed first, each on the replica with the fewest bytes so far.
     """
-    table = {k: (dtype_name(v.local.dtype), v.shape, v.placement) for k, v in sorted(leaves.items())}
+    table = {
+        k: (dtype_name(v.local.dtype), v.shape, v.placement) for k, v in sorted(leaves.items())
+    }
     digest = hashlib.sha256(
-        json.dumps([[k, d, list(s), placement_to_json(p)] for k, (d, s, p) in table.items()]).encode()
+        json.dumps(
+            [[k, d, list(s), placement_to_json(p)] for k, (d, s, p) in table.items()]
+        ).encode()
     ).hexdigest()
     load = [0] * layout.world_size
     mine: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
     jobs = []
     for key, (dt, shape, placement) in table.items():
         itemsize = dtype_info(dt).itemsize
-        parts = math.prod({p.dim: p.parts for _, p in placement if hasattr(p, "parts")}.values() or [1])
+        parts = math.prod(
+            {p.dim: p.parts for _, p in placement if hasattr(p, "parts")}.values() or [1]
+        )
         for offsets, sizes, replicas in unique_chunks(shape, placement, layout):
             nbytes = math.prod(sizes) * parts * itemsize
             if nbytes:
@@ -103,10 +107,12 @@ def plan_writes(leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> 
     # Larger elements first keeps every tensor aligned to its element size inside the buffer.
     mine.sort(key=lambda m: (-m[3], m[0]))
     items, pos = [], 0
-    for key, offsets, sizes, itemsize in mine:
+    for key, offsets, sizes, _ in mine:
         leaf = leaves[key]
         n = leaf.nbytes
-        items.append(WriteItem(key, table[key][0], tuple(leaf.local.shape), offsets, sizes, pos, pos + n))
+        items.append(
+            WriteItem(key, table[key][0], tuple(leaf.local.shape), offsets, sizes, pos, pos + n)
+        )
         pos += n
     return WritePlan(rank, tuple(items), pos, table, digest, tuple(load))
 
@@ -120,14 +126,18 @@ class Stager:
     def stage(self, plan: WritePlan, leaves: Mapping[str, TensorLeaf]) -> torch.Tensor:
         need = plan.data_bytes
         on_gpu = any(leaves[i.key].local.is_cuda for i in plan.items)
-        if self._buffer is None or self._buffer.numel() < need or (on_gpu and not self._buffer.is_pinned()):
+        if (
+            self._buffer is None
+            or self._buffer.numel() < need
+            or (on_gpu and not self._buffer.is_pinned())
+        ):
             self._buffer = None  # free the old one first: peak memory is one buffer
             self._buffer = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=on_gpu)
         buf = self._buffer
         with torch.no_grad():
             for it in plan.items:
                 src = leaves[it.key].local
-                dst = buf[it.begin:it.end].view(src.dtype).view(src.shape)
+                dst = buf[it.begin : it.end].view(src.dtype).view(src.shape)
                 dst.copy_(src, non_blocking=on_gpu)
         if on_gpu:
             torch.cuda.synchronize()
@@ -146,16 +156,27 @@ class PersistResult:
     write_s: float
 
 
-def persist_rank_file(storage: Storage, step_rel: str, file: str, plan: WritePlan,
-                      data: torch.Tensor, *, block_bytes: int, compression: str | None,
-                      step: int) -> PersistResult:
+def persist_rank_file(
+    storage: Storage,
+    step_rel: str,
+    file: str,
+    plan: WritePlan,
+    data: torch.Tensor,
+    *,
+    block_bytes: int,
+    compression: str | None,
+    step: int,
+) -> PersistResult:
     """Write this rank's safetensors file (header + staged data), checksummed per block."""
     t0 = time.monotonic()
     view = memoryview(data.numpy()) if plan.data_bytes else memoryview(b"")
     codec = "none"
     if compression == "zstd":
         codec = "zstd+bytegroup"
-        blobs = [compress(view[it.begin:it.end], dtype_info(it.dtype).itemsize, True) for it in plan.items]
+        blobs = [
+            compress(view[it.begin : it.end], dtype_info(it.dtype).itemsize, True)
+            for it in plan.items
+        ]
         spans, pos = [], 0
         for b in blobs:
             spans.append((pos, pos + len(b)))
@@ -165,8 +186,10 @@ def persist_rank_file(storage: Storage, step_rel: str, file: str, plan: WritePla
         payload = memoryview(b"".join(blobs))
     else:
         spans = [(it.begin, it.end) for it in plan.items]
-        header_entries = [(it.key, dtype_info(it.dtype).safetensors, it.local_shape, it.begin, it.end)
-                          for it in plan.items]
+        header_entries = [
+            (it.key, dtype_info(it.dtype).safetensors, it.local_shape, it.begin, it.end)
+            for it in plan.items
+        ]
         body = [view]
         payload = view
     header = safetensors_header(header_entries, {"format": "resilient-v1", "step": str(step)})
@@ -174,15 +197,21 @@ def persist_rank_file(storage: Storage, step_rel: str, file: str, plan: WritePla
     from resilient.checkpoint.codec import _CRC_POOL
 
     crc_futures = [
-        _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False) for b, e in spans
+        _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False)
+        for b, e in spans
     ]
     size = storage.write_file(f"{step_rel}/{file}", [header, *body])
     base = len(header)
     chunks = {}
     for it, (b, e), fut in zip(plan.items, spans, crc_futures):
         chunks[it.key] = ChunkEntry(
-            offsets=it.offsets, sizes=it.sizes, file=file, name=it.key,
-            byte_range=(base + b, base + e), checksums=tuple(fut.result()), codec=codec,
+            offsets=it.offsets,
+            sizes=it.sizes,
+            file=file,
+            name=it.key,
+            byte_range=(base + b, base + e),
+            checksums=tuple(fut.result()),
+            codec=codec,
             raw_bytes=it.end - it.begin,
         )
     return PersistResult(file, size, chunks, time.monotonic() - t0)
@@ -197,7 +226,9 @@ def next_generation(storage: Storage, step_rel: str) -> int:
     if not storage.exists(f"{step_rel}/{MANIFEST_NAME}"):
         return 0
     try:
-        old = manifest_from_bytes(storage.read(f"{step_rel}/{MANIFEST_NAME}"), storage.display(step_rel))
+        old = manifest_from_bytes(
+            storage.read(f"{step_rel}/{MANIFEST_NAME}"), storage.display(step_rel)
+        )
         return old.generation + 1
     except CheckpointCorruptError:
         return 1 + int(time.time()) % 1000  # a broken old manifest: any fresh name will do
@@ -214,7 +245,9 @@ class Committer:
     writes the manifest and publishes ``{prefix}/done``; every other rank waits for ``done``.
     """
 
-    def __init__(self, store: Any | None, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: Any | None, prefix: str, rank: int, world_size: int, timeout_s: float
+    ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.timeout_s = timeout_s
 
@@ -267,12 +300,22 @@ class Committer:
                 pass
 
 
-def build_manifest(step: int, layout: Layout, plan: WritePlan, reports: list[dict[str, Any]],
-                   *, block_bytes: int, generation: int, version: str) -> Manifest:
+def build_manifest(
+    step: int,
+    layout: Layout,
+    plan: WritePlan,
+    reports: list[dict[str, Any]],
+    *,
+    block_bytes: int,
+    generation: int,
+    version: str,
+) -> Manifest:
     """The coordinator's view: every rank's chunks, checked to tile every tensor exactly once."""
     failed = [r for r in reports if r.get("error")]
     if failed:
-        raise CommitError("; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed))
+        raise CommitError(
+            "; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed)
+        )
     for r in reports:
         if r["digest"] != plan.digest:
             raise CommitError(
@@ -287,7 +330,9 @@ def build_manifest(step: int, layout: Layout, plan: WritePlan, reports: list[dic
         for key, c in r["chunks"].items():
             chunks[key].append(ChunkEntry.from_json(c, f"rank {r['rank']} chunk {key!r}"))
     tensors = {
-        k: TensorEntry(dtype=d, shape=s, placement=p, chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+        k: TensorEntry(
+            dtype=d, shape=s, placement=p, chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets))
+        )
         for k, (d, s, p) in plan.tensors.items()
     }
     extras = reports[0]["values"]
@@ -296,9 +341,18 @@ def build_manifest(step: int, layout: Layout, plan: WritePlan, reports: list[dic
         diff = {k: v for k, v in r["values"].items() if extras.get(k, _MISSING) != v}
         if diff:
             rank_extras[r["rank"]] = diff
-    m = Manifest(step=step, layout=layout, tensors=tensors, files=files, extras=extras,
-                 rank_extras=rank_extras, block_bytes=block_bytes, generation=generation,
-                 created_unix_s=time.time(), toolkit_version=version)
+    m = Manifest(
+        step=step,
+        layout=layout,
+        tensors=tensors,
+        files=files,
+        extras=extras,
+        rank_extras=rank_extras,
+        block_bytes=block_bytes,
+        generation=generation,
+        created_unix_s=time.time(),
+        toolkit_version=version,
+    )
     try:
         m.validate()
     except CheckpointCorruptError as e:

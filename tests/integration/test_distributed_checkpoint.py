@@ -16,7 +16,10 @@ pytestmark = pytest.mark.distributed
 GLOBALS = {
     "emb": (lambda: torch.arange(70.0).reshape(10, 7), {"tp": Shard(0)}),  # uneven over 4
     "qkv": (lambda: torch.arange(72.0).reshape(12, 6).bfloat16(), {"tp": Shard(0, parts=3)}),
-    "opt": (lambda: torch.arange(9.0) * 3, {"dp": Shard(0), "tp": Shard(0)}),  # ZeRO-like, empty chunks
+    "opt": (
+        lambda: torch.arange(9.0) * 3,
+        {"dp": Shard(0), "tp": Shard(0)},
+    ),  # ZeRO-like, empty chunks
     "norm": (lambda: torch.ones(5), {}),
     "empty": (lambda: torch.zeros(0, 3), {"tp": Shard(1)}),
 }
@@ -81,7 +84,8 @@ def test_load_reshards_across_world_sizes(tmp_path):
 
 def _dtensor_save_load(rank, world, url):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard as DShard, distribute_tensor
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     w = distribute_tensor(torch.arange(40.0).reshape(10, 4), mesh, [Replicate(), DShard(0)])
@@ -91,12 +95,19 @@ def _dtensor_save_load(rank, world, url):
         assert ck.layout == Layout(dp=2, tp=2)
     # load the DTensor checkpoint into plain annotated tensors in another layout (tp=4)
     lay = Layout(dp=1, tp=4)
-    out = {"w": sharded(torch.zeros(local_chunk(torch.zeros(10, 4), {"tp": Shard(0)}, lay, rank).shape),
-                        {"tp": Shard(0)}, global_shape=(10, 4)),
-           "b": torch.zeros(6)}
+    out = {
+        "w": sharded(
+            torch.zeros(local_chunk(torch.zeros(10, 4), {"tp": Shard(0)}, lay, rank).shape),
+            {"tp": Shard(0)},
+            global_shape=(10, 4),
+        ),
+        "b": torch.zeros(6),
+    }
     with Checkpointer(url, layout=lay) as ck:
         ck.load(out)
-    assert torch.equal(out["w"], local_chunk(torch.arange(40.0).reshape(10, 4), {"tp": Shard(0)}, lay, rank))
+    assert torch.equal(
+        out["w"], local_chunk(torch.arange(40.0).reshape(10, 4), {"tp": Shard(0)}, lay, rank)
+    )
     assert torch.equal(out["b"], torch.arange(6.0))
     # and back into DTensors with yet another placement
     w2 = distribute_tensor(torch.zeros(10, 4), mesh, [DShard(1), Replicate()])
@@ -113,7 +124,11 @@ def test_dtensors_save_and_reshard(tmp_path):
 def _failing_rank(rank, world, url):
     from resilient.errors import ResilientError
 
-    opts = {"faults": [{"op": "write", "error": "permanent", "path": "step_00000002/rank_"}]} if rank == 1 else None
+    opts = (
+        {"faults": [{"op": "write", "error": "permanent", "path": "step_00000002/rank_"}]}
+        if rank == 1
+        else None
+    )
     u = f"faulty://{url}" if rank == 1 else url
     fast = RetryPolicy(max_attempts=2, max_total_s=5, initial_backoff_s=0.001, max_backoff_s=0.01)
     with Checkpointer(u, storage_options=opts, retry=fast, commit_timeout_s=60) as ck:
@@ -130,7 +145,9 @@ def test_a_rank_failing_to_write_fails_the_commit_everywhere(tmp_path):
     out = run_distributed(_failing_rank, 2, str(tmp_path))
     for msg, steps in out:
         assert steps == [1]
-        assert msg is not None and "rank 1 failed to write" in msg or "injected permanent fault" in msg
+        assert (
+            msg is not None and "rank 1 failed to write" in msg or "injected permanent fault" in msg
+        )
     assert "rank 1 failed to write: StorageError" in out[0][0]
 
 

@@ -19,12 +19,16 @@ CTX = mp.get_context("forkserver")
 def state_for(step: int) -> dict:
     # a few MB over several tensors so that a kill lands inside staging, writing, or committing
     return {f"w{i}": torch.full((64 * 1024 + i,), float(step * 10 + i)) for i in range(8)} | {
-        "meta": {"step": step}}
+        "meta": {"step": step}
+    }
 
 
 def check(state: dict, step: int) -> None:
     for i in range(8):
-        assert torch.equal(state[f"w{i}"], torch.full((64 * 1024 + i,), float(step * 10 + i))), (step, i)
+        assert torch.equal(state[f"w{i}"], torch.full((64 * 1024 + i,), float(step * 10 + i))), (
+            step,
+            i,
+        )
     assert state["meta"]["step"] == step
 
 
