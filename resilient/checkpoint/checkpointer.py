@@ -32,7 +32,7 @@ from resilient.checkpoint.reader import (
     read_manifest,
     verify_step,
 )
-from resilient.checkpoint.retention import apply_retention, committed_steps
+from resilient.checkpoint.retention import committed_steps, delete_dirs, retire_steps
 from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import (
@@ -255,6 +255,7 @@ class Checkpointer:
     ) -> None:
         error: BaseException | None = None
         step_rel = step_dir_name(step)
+        garbage: list[str] = []
         try:
             try:
                 t0 = time.monotonic()
@@ -290,7 +291,7 @@ class Checkpointer:
                     committer.report(report)
             t1 = time.monotonic()
             if committer.is_coordinator:
-                self._coordinate(committer, report, step, step_rel, layout, plan, generation)
+                garbage = self._coordinate(committer, report, step, step_rel, layout, plan, generation)
             else:
                 outcome = committer.wait_outcome()
                 if outcome != "ok":
@@ -314,6 +315,12 @@ class Checkpointer:
                     pass
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
         handle._finish(error)
+        # Deleting retired bytes is not part of making this step durable, but it stays on this
+        # thread, so the next save (which joins it) never overlaps it.
+        try:
+            delete_dirs(self.storage, garbage)
+        except Exception as e:
+            log.warning("deleting retired checkpoint files failed: %s", e)
 
     def _coordinate(
         self,
@@ -339,18 +346,21 @@ class Checkpointer:
         from resilient.checkpoint.format import manifest_to_bytes
 
         self.storage.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(manifest))
-        # Committed.  Housekeeping failures from here on are logged, never a failed save.  The
-        # outcome is published after it, so every rank's wait() sees the same set of steps.
+        # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps
+        # that retention drops are uncommitted before the outcome is published, so every rank's
+        # wait() sees the same steps; their bytes are deleted after (see _persist).
+        garbage: list[str] = []
         try:
             # Files of an older generation of this step, and temp files, are garbage now.
             for name in self.storage.listdir(step_rel):
                 if name != MANIFEST_NAME and name not in manifest.files:
-                    self.storage.remove(f"{step_rel}/{name}")
-            apply_retention(self.storage, self.keep_last, self.keep_every, in_progress=step)
+                    garbage.append(f"{step_rel}/{name}")
+            garbage += retire_steps(self.storage, self.keep_last, self.keep_every, in_progress=step)
         except Exception as e:
-            log.warning("housekeeping after committing step %d failed: %s", step, e)
+            log.warning("retention after committing step %d failed: %s", step, e)
         committer.publish("ok")
         committer.cleanup()
+        return garbage
 
     def _committer(self) -> Committer:
         if self.world_size == 1:

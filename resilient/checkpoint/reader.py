@@ -11,9 +11,12 @@ Also owns ``verify_step``: read every byte of a step and check it against the ma
 
 from __future__ import annotations
 
+import threading
 import warnings
 import zlib
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +45,9 @@ __all__ = [
     "VerifyReport",
 ]
 
-# Coalesced reads are grouped into batches of about this many bytes to bound memory.
+# Bytes of coalesced reads in flight at once (bounds memory), and the reader threads.
 BATCH_BYTES = 256 << 20
+READ_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,7 @@ class _Verifier:
         self.m, self.storage = manifest, storage
         self.done: set[tuple[str, int, int]] = set()
         self.bytes_verified = 0
+        self._lock = threading.Lock()  # reader threads verify concurrently
 
     def check(self, key: str, c: ChunkEntry, span: tuple[int, int], data: memoryview) -> None:
         bb = self.m.block_bytes
@@ -196,8 +201,9 @@ class _Verifier:
                 break
             b1 = min(b0 + bb, c.byte_range[1])
             tag = (c.file, start, i)
-            if tag in self.done:
-                continue
+            with self._lock:
+                if tag in self.done:
+                    continue
             got = zlib.crc32(data[b0 - span[0] : b1 - span[0]])
             if got != c.checksums[i]:
                 raise CheckpointCorruptError(
@@ -206,8 +212,10 @@ class _Verifier:
                     f"crc32 {c.checksums[i]:08x}, found {got:08x}; the file is corrupt — load an "
                     f"earlier step (Checkpointer.load(..., fallback=True))"
                 )
-            self.done.add(tag)
-            self.bytes_verified += b1 - b0
+            with self._lock:
+                if tag not in self.done:
+                    self.done.add(tag)
+                    self.bytes_verified += b1 - b0
 
 
 @dataclass
@@ -220,13 +228,19 @@ class ReadStats:
 def execute_reads(
     storage: Storage, manifest: Manifest, items: list[ReadItem], leaves: Mapping[str, TensorLeaf]
 ) -> ReadStats:
-    """Read, verify and place every item; memory stays near ``BATCH_BYTES`` plus a chunk."""
+    """Read, verify and place every item.
+
+    Coalesced ranges are fetched by a few reader threads that also verify the blocks they read
+    (crc32 drops the GIL), while this thread places finished ranges into their destinations, in
+    order.  At most ``BATCH_BYTES`` (or one range, if larger) are in flight.
+    """
     step_rel = step_dir_name(manifest.step)
     stats = ReadStats()
     verifier = _Verifier(manifest, storage)
     by_file: dict[str, list[ReadItem]] = {}
     for it in items:
         by_file.setdefault(it.chunk.file, []).append(it)
+    requests: list[tuple[str, tuple[int, int], list[ReadItem]]] = []
     for file, file_items in sorted(by_file.items()):
         rel = f"{step_rel}/{file}"
         actual = storage.size(rel)
@@ -236,23 +250,45 @@ def execute_reads(
                 f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the manifest "
                 f"declares {declared}; the file is truncated or was replaced — load an earlier step"
             )
-        for batch in _batches(_coalesce(file_items)):
-            datas = storage.read_ranges(rel, [r for r, _ in batch])
-            stats.num_requests += len(batch)
-            for (r, group), data in zip(batch, datas):
-                if len(data) != r[1] - r[0]:
-                    raise CheckpointCorruptError(
-                        f"{storage.display(rel)} (step {manifest.step}): read of bytes [{r[0]}, {r[1]}) "
-                        f"returned {len(data)} bytes; the file is truncated — load an earlier step"
-                    )
-                stats.bytes_read += len(data)
-                mv = memoryview(data)
+        requests += [(rel, r, group) for r, group in _coalesce(file_items)]
+
+    def fetch(req: tuple[str, tuple[int, int], list[ReadItem]]) -> memoryview:
+        rel, (a, b), group = req
+        data = storage.read_range(rel, a, b)
+        if len(data) != b - a:
+            raise CheckpointCorruptError(
+                f"{storage.display(rel)} (step {manifest.step}): read of bytes [{a}, {b}) "
+                f"returned {len(data)} bytes; the file is truncated — load an earlier step"
+            )
+        mv = memoryview(data)
+        for it in group:
+            verifier.check(it.key, it.chunk, it.span, mv[it.span[0] - a : it.span[1] - a])
+        return mv
+
+    inflight: deque[tuple[tuple[str, tuple[int, int], list[ReadItem]], Future[memoryview]]] = deque()
+    inflight_bytes, nxt = 0, 0
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
+        try:
+            while nxt < len(requests) or inflight:
+                while nxt < len(requests) and len(inflight) < READ_THREADS * 2:
+                    a, b = requests[nxt][1]
+                    if inflight and inflight_bytes + (b - a) > BATCH_BYTES:
+                        break
+                    inflight.append((requests[nxt], pool.submit(fetch, requests[nxt])))
+                    inflight_bytes += b - a
+                    nxt += 1
+                (rel, (a, b), group), fut = inflight.popleft()
+                mv = fut.result()
+                inflight_bytes -= b - a
+                stats.bytes_read += b - a
+                stats.num_requests += 1
                 for it in group:
-                    piece = mv[it.span[0] - r[0] : it.span[1] - r[0]]
-                    verifier.check(it.key, it.chunk, it.span, piece)
-                    _place(
-                        it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step
-                    )
+                    piece = mv[it.span[0] - a : it.span[1] - a]
+                    _place(it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step)
+        except BaseException:
+            for _, fut in inflight:
+                fut.cancel()
+            raise
     stats.bytes_verified = verifier.bytes_verified
     return stats
 
@@ -267,19 +303,6 @@ def _coalesce(items: list[ReadItem]) -> list[tuple[tuple[int, int], list[ReadIte
         else:
             out.append((it.span, [it]))
     return out
-
-
-def _batches(ranges):
-    batch, size = [], 0
-    for r in ranges:
-        n = r[0][1] - r[0][0]
-        if batch and size + n > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(r)
-        size += n
-    if batch:
-        yield batch
 
 
 def _place(

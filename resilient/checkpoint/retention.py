@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from resilient.checkpoint.format import MANIFEST_NAME, parse_step_dir, step_dir_name
 from resilient.checkpoint.storage import Storage
 
-__all__ = ["steps_to_delete", "committed_steps", "apply_retention"]
+__all__ = ["steps_to_delete", "committed_steps", "retire_steps", "delete_dirs"]
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +47,25 @@ def committed_steps(storage: Storage) -> list[int]:
     )
 
 
-def apply_retention(
-    storage: Storage, keep_last: int, keep_every: int | None, *, in_progress: int | None = None
-) -> list[int]:
-    """Delete steps retention drops and uncommitted step directories; returns what was removed."""
+def retire_steps(storage: Storage, keep_last: int, keep_every: int | None,
+                 *, in_progress: int | None = None) -> list[str]:
+    """Uncommit the steps retention drops (their manifests go first, which is quick) and return
+    the step directories to delete: those, and directories of saves that never committed.
+
+    Readers stop seeing a retired step as soon as this returns; deleting its bytes
+    (:func:`delete_dirs`) can happen later, off the critical path.
+    """
     dirs = step_dirs(storage)
     committed = [s for s, name in dirs.items() if storage.exists(f"{name}/{MANIFEST_NAME}")]
-    removed = []
+    doomed = []
     for step in steps_to_delete(committed, keep_last, keep_every):
-        name = step_dir_name(step)
-        storage.remove(f"{name}/{MANIFEST_NAME}")  # uncommit first
+        storage.remove(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+        doomed.append(step_dir_name(step))
+    doomed += [name for step, name in dirs.items() if step not in committed and step != in_progress]
+    return sorted(doomed)
+
+
+def delete_dirs(storage: Storage, names: Iterable[str]) -> None:
+    for name in names:
         storage.remove_tree(name)
-        removed.append(step)
-    for step, name in dirs.items():
-        if step not in committed and step != in_progress:
-            storage.remove_tree(name)  # a save that never committed
-            removed.append(step)
-    if removed:
-        log.info("retention removed steps %s from %s", sorted(removed), storage.url)
-    return sorted(removed)
+        log.info("removed %s", storage.display(name))

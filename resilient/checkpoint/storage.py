@@ -230,14 +230,27 @@ class Storage:
         return data
 
     def write_file(
-        self, rel: str, parts: Iterable[memoryview | bytes], *, fsync: bool = True
+        self,
+        rel: str,
+        parts: Iterable[memoryview | bytes],
+        *,
+        fsync: bool = True,
+        on_written: Callable[[], None] | None = None,
     ) -> int:
         """Stream ``parts`` into a new file at ``rel`` (replacing it) and make it durable.
 
-        The retry unit is the whole file: a partly written file is simply rewritten.  ``parts``
-        must therefore be re-iterable (a list).
+        ``on_written`` runs once, after the bytes are handed to the filesystem and before the
+        flush that makes them durable (fsync, or the final upload), so CPU work such as
+        checksumming overlaps the wait for the disk.  The retry unit is the whole file: a partly
+        written file is simply rewritten.
         """
         parts = list(parts)
+        hook = [on_written]
+
+        def written() -> None:
+            if hook[0] is not None:
+                fn, hook[0] = hook[0], None
+                fn()
 
         def write_local() -> int:
             n = 0
@@ -249,6 +262,7 @@ class Storage:
                         w = os.write(fd, mv)
                         n += w
                         mv = mv[w:]
+                written()
                 if fsync:
                     os.fsync(fd)
             finally:
@@ -261,6 +275,7 @@ class Storage:
                 for p in parts:
                     n += len(memoryview(p).cast("B"))
                     f.write(p)
+                written()
             return n
 
         return self._call("write", rel, write_local if self.is_local else write_fs)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from resilient.checkpoint.codec import block_checksums, compress, safetensors_header
+from resilient.checkpoint.codec import _CRC_POOL, block_checksums, compress, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     ChunkEntry,
@@ -193,14 +193,17 @@ def persist_rank_file(
         body = [view]
         payload = view
     header = safetensors_header(header_entries, {"format": "resilient-v1", "step": str(step)})
-    # Checksums run in worker threads (crc32 drops the GIL) while this thread writes.
-    from resilient.checkpoint.codec import _CRC_POOL
+    # Checksums run in worker threads (crc32 drops the GIL) while the disk flushes the file.
+    crc_futures: list = []
 
-    crc_futures = [
-        _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False)
-        for b, e in spans
-    ]
-    size = storage.write_file(f"{step_rel}/{file}", [header, *body])
+    def start_checksums() -> None:
+        crc_futures.extend(
+            _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False) for b, e in spans
+        )
+
+    size = storage.write_file(f"{step_rel}/{file}", [header, *body], on_written=start_checksums)
+    if not crc_futures:
+        start_checksums()
     base = len(header)
     chunks = {}
     for it, (b, e), fut in zip(plan.items, spans, crc_futures):

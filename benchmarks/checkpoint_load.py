@@ -1,0 +1,238 @@
+"""Load benchmark: the same checkpoint loaded with and without a layout change.
+
+A ~512 MiB bf16 state is saved by 4 ranks in layout tp=4 (row- and column-sharded weights, one
+replicated).  Then it is loaded by: 4 ranks in the same layout; 2 ranks in tp=2 (resharding);
+1 rank (everything).  For each: the slowest rank's time, bytes read against bytes needed (read
+amplification), and, side by side, torch.distributed.checkpoint doing the same tp=4 -> tp=2 change
+with DTensors (dcp.load into the new placements), and a raw sequential read of the files.  Page
+caches are dropped before each load when the process may (root), so reads come from the disk.
+
+    python benchmarks/checkpoint_load.py [--mib 512] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, markdown_table  # noqa: E402
+
+NUM_ROWS = 8
+
+
+def _shapes(total_bytes: int) -> dict[str, tuple[int, int]]:
+    cols = 4096
+    rows = total_bytes // NUM_ROWS // 2 // cols
+    return {f"w{i}": (rows, cols) for i in range(NUM_ROWS)}
+
+
+def _placement(key: str):
+    from resilient import Shard
+
+    if key == "w0":
+        return {}  # replicated
+    if key == "w1":
+        return {"tp": Shard(1)}
+    return {"tp": Shard(0)}
+
+
+def _global(key: str, shape):
+    import torch
+
+    g = torch.Generator().manual_seed(int(key[1:]))
+    return torch.randn(shape, generator=g).bfloat16()
+
+
+def _worker(rank, world, port, task, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, task(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(task, world, *args):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(r, world, port, task, args, q)) for r in range(world)]
+    for p in ps:
+        p.start()
+    out = dict(q.get(timeout=600) for _ in ps)
+    for p in ps:
+        p.join()
+    return [out[r] for r in range(world)]
+
+
+def _local(key, shape, layout, rank):
+    from resilient.checkpoint.state import sharded
+    from resilient.layout import chunk_box, normalize_placement
+
+    g = _global(key, shape)
+    box = chunk_box(shape, normalize_placement(_placement(key), layout), layout, rank)
+    v = g
+    for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
+        v = v.narrow(d, o, s)
+    return sharded(v.clone(), _placement(key), global_shape=shape)
+
+
+def save_task(rank, world, url, shapes):
+    from resilient import Checkpointer, Layout
+
+    lay = Layout(tp=world)
+    with Checkpointer(url, layout=lay) as ck:
+        ck.save(1, {k: _local(k, s, lay, rank) for k, s in shapes.items()}).wait()
+    return True
+
+
+def load_task(rank, world, url, shapes, drop):
+    import torch
+    import torch.distributed as dist
+
+    from resilient import Checkpointer, Layout
+
+    lay = Layout(tp=world)
+    state = {k: _local(k, s, lay, rank) for k, s in shapes.items()}
+    expect = {k: v.clone() for k, v in state.items()}
+    for v in state.values():
+        v.zero_()
+    needed = sum(v.numel() * v.element_size() for v in state.values())
+    dist.barrier()
+    if rank == 0 and drop:
+        _drop_caches()
+    dist.barrier()
+    t0 = time.perf_counter()
+    with Checkpointer(url, layout=lay) as ck:
+        ck.load(state)
+        stats = ck.last_load
+    dt = time.perf_counter() - t0
+    ok = all(torch.equal(state[k], expect[k]) for k in state)
+    return {"seconds": dt, "bytes_read": stats.bytes_read, "needed": needed, "ok": ok,
+            "resharded": stats.resharded}
+
+
+def dcp_save_task(rank, world, path, shapes):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    state = {}
+    for k, s in shapes.items():
+        p = _placement(k)
+        placements = [Shard(p["tp"].dim)] if p else [Replicate()]
+        state[k] = distribute_tensor(_global(k, s), mesh, placements)
+    dcp.save(state, checkpoint_id=path)
+    return True
+
+
+def dcp_load_task(rank, world, path, shapes, drop):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    state = {}
+    for k, s in shapes.items():
+        p = _placement(k)
+        placements = [Shard(p["tp"].dim)] if p else [Replicate()]
+        state[k] = distribute_tensor(torch.zeros(s, dtype=torch.bfloat16), mesh, placements)
+    dist.barrier()
+    if rank == 0 and drop:
+        _drop_caches()
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(state, checkpoint_id=path)
+    dt = time.perf_counter() - t0
+    ok = all(torch.equal(state[k].full_tensor(), _global(k, s)) for k, s in shapes.items())
+    return {"seconds": dt, "ok": ok}
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_read(root: str) -> tuple[float, int]:
+    _drop_caches()
+    total = 0
+    t0 = time.perf_counter()
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                while chunk := fh.read(64 << 20):
+                    total += len(chunk)
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=512)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    shapes = _shapes(args.mib << 20)
+    root = tempfile.mkdtemp(prefix="ckpt-load-bench-", dir=args.dir)
+    url, dcp_path = os.path.join(root, "resilient"), os.path.join(root, "dcp")
+    drop = _drop_caches()
+    print(f"state: {len(shapes)} bf16 tensors of {shapes['w0']}, {args.mib} MiB; caches dropped: {drop}", flush=True)
+    run(save_task, 4, url, shapes)
+    run(dcp_save_task, 4, dcp_path, shapes)
+    raw_s, raw_bytes = raw_read(url)
+    rows, results = [], {"raw_read_s": raw_s, "raw_bytes": raw_bytes}
+    rows.append(["raw sequential read of the files", "-", f"{raw_bytes / 2**20:.0f}", "-", "-",
+                 f"{raw_s:.3f}", f"{raw_bytes / raw_s / 2**30:.2f}"])
+    for label, world in (("resilient, same layout (tp=4, 4 ranks)", 4),
+                         ("resilient, tp=4 -> tp=2 (2 ranks)", 2),
+                         ("resilient, tp=4 -> 1 rank (everything)", 1)):
+        out = run(load_task, world, url, shapes, drop)
+        assert all(o["ok"] for o in out), f"{label}: loaded values differ"
+        read = sum(o["bytes_read"] for o in out)
+        needed = sum(o["needed"] for o in out)
+        slowest = max(o["seconds"] for o in out)
+        results[label] = out
+        rows.append([label, str(world), f"{read / 2**20:.0f}", f"{needed / 2**20:.0f}", f"{read / needed:.2f}",
+                     f"{slowest:.3f}", f"{needed / slowest / 2**30:.2f}"])
+        print(f"  {label}: {slowest:.3f}s", flush=True)
+    out = run(dcp_load_task, 2, dcp_path, shapes, drop)
+    assert all(o["ok"] for o in out)
+    slowest = max(o["seconds"] for o in out)
+    results["dcp tp=4 -> tp=2"] = out
+    needed2 = sum(results["resilient, tp=4 -> tp=2 (2 ranks)"][r]["needed"] for r in range(2))
+    rows.append(["dcp.load, tp=4 -> tp=2 (2 ranks, DTensor)", "2", "?", f"{needed2 / 2**20:.0f}", "?",
+                 f"{slowest:.3f}", f"{needed2 / slowest / 2**30:.2f}"])
+    shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(f"machine: {machine()}; page caches dropped before each load: {drop}")
+    print(markdown_table(["load", "ranks", "MiB read", "MiB needed", "read / needed", "slowest rank s",
+                          "GiB/s (needed / time)"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Shared helpers for the benchmarks: timing, machine description, table output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import torch
+
+    return f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB RAM, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def write_results(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def fsync_dir_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
