@@ -433,10 +433,12 @@ class Checkpointer:
             error: BaseException | None = None
             try:
                 stats = self._load_step(state, s, layout)
-            except CheckpointCorruptError as e:
+            except Exception as e:  # every rank must reach the agreement below, whatever failed
                 error = e
             if not self._all_ok(error is None) and error is None:
-                error = CheckpointCorruptError(f"step {s} failed verification on another rank")
+                error = CheckpointCorruptError(f"step {s} failed to load on another rank")
+            if error is not None and not isinstance(error, CheckpointCorruptError):
+                raise error  # a mismatched state or a storage failure: an older step will not help
             if error is None:
                 stats.skipped_steps = skipped
                 stats.seconds = time.monotonic() - t0

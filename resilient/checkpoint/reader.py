@@ -48,6 +48,8 @@ __all__ = [
 # Bytes of coalesced reads in flight at once (bounds memory), and the reader threads.
 BATCH_BYTES = 256 << 20
 READ_THREADS = 4
+# verify_step reads this much at a time (rounded to whole blocks).
+VERIFY_READ_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -368,7 +370,12 @@ class VerifyReport:
 
 
 def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
-    """Read every byte of ``step``: manifest, file sizes, safetensors headers, every checksum."""
+    """Read every byte of ``step``: manifest, file sizes, safetensors headers, every checksum.
+
+    Streams each file in ranged reads of whole blocks, so memory stays at one read however large
+    the files are.  Problems are collected (not raised) so one run reports all of them;
+    ``progress(nbytes)`` is called as bytes are checked.
+    """
     problems: list[str] = []
     try:
         m = read_manifest(storage, step)
@@ -379,46 +386,48 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     for key, t in m.tensors.items():
         for c in t.chunks:
             by_file[c.file].append((key, c))
+    bb = m.block_bytes
+    per_read = max(VERIFY_READ_BYTES // bb, 1) * bb
     checked = 0
     for file, chunks in sorted(by_file.items()):
         path = f"{rel}/{file}"
+        where = storage.display(path)
         try:
-            data = storage.read(path)
-        except Exception as e:
-            problems.append(f"{storage.display(path)}: cannot be read ({e})")
-            continue
-        if len(data) != m.files[file].size_bytes:
-            problems.append(
-                f"{storage.display(path)}: {len(data)} bytes, manifest declares {m.files[file].size_bytes}"
-            )
-            continue
-        try:
-            data_start, header = parse_safetensors_header(data)
-        except Exception as e:
-            problems.append(f"{storage.display(path)}: not a valid safetensors file ({e})")
-            continue
-        mv = memoryview(data)
-        for key, c in chunks:
-            h = header.get(c.name)
-            if not h or [
-                data_start + h["data_offsets"][0],
-                data_start + h["data_offsets"][1],
-            ] != list(c.byte_range):
-                problems.append(
-                    f"{storage.display(path)}: safetensors header disagrees with the manifest for tensor {key!r}"
-                )
+            size = storage.size(path)
+            if size != m.files[file].size_bytes:
+                problems.append(f"{where}: {size} bytes, manifest declares {m.files[file].size_bytes}")
                 continue
-            bb = m.block_bytes
-            for i, want in enumerate(c.checksums):
-                b0 = c.byte_range[0] + i * bb
-                b1 = min(b0 + bb, c.byte_range[1])
-                got = zlib.crc32(mv[b0:b1])
-                if got != want:
-                    problems.append(
-                        f"{storage.display(path)}: tensor {key!r} (step {step}) block {i} bytes "
-                        f"[{b0}, {b1}): crc32 expected {want:08x}, found {got:08x}"
-                    )
-        checked += len(data)
-        if progress is not None:
-            progress(len(data))
+            prefix = storage.read_range(path, 0, min(size, 8))
+            header_len = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
+            if not 0 <= header_len <= size - 8:
+                problems.append(f"{where}: not a valid safetensors file (header length {header_len})")
+                continue
+            data_start, header = parse_safetensors_header(prefix + storage.read_range(path, 8, 8 + header_len))
+        except CheckpointCorruptError:
+            raise
+        except Exception as e:
+            problems.append(f"{where}: cannot be read as a safetensors file ({type(e).__name__}: {e})")
+            continue
+        checked += data_start
+        for key, c in sorted(chunks, key=lambda kc: kc[1].byte_range):
+            h = header.get(c.name)
+            offsets = h.get("data_offsets") if isinstance(h, dict) else None
+            if offsets is None or [data_start + offsets[0], data_start + offsets[1]] != list(c.byte_range):
+                problems.append(f"{where}: safetensors header disagrees with the manifest for tensor {key!r}")
+                continue
+            start, end = c.byte_range
+            for r0 in range(start, end, per_read):
+                r1 = min(r0 + per_read, end)
+                data = memoryview(storage.read_range(path, r0, r1))
+                for i in range((r0 - start) // bb, -(-(r1 - start) // bb)):
+                    b0, b1 = start + i * bb, min(start + (i + 1) * bb, end)
+                    got = zlib.crc32(data[b0 - r0 : b1 - r0])
+                    if got != c.checksums[i]:
+                        problems.append(
+                            f"{where}: tensor {key!r} (step {step}) block {i} bytes [{b0}, {b1}): "
+                            f"crc32 expected {c.checksums[i]:08x}, found {got:08x}"
+                        )
+                checked += r1 - r0
+                if progress is not None:
+                    progress(r1 - r0)
     return VerifyReport(step, len(m.files), checked, len(m.tensors), problems)
