@@ -81,15 +81,9 @@ def run(task, world, *args):
 
 
 def _local(key, shape, layout, rank):
-    from resilient.checkpoint.state import sharded
-    from resilient.layout import chunk_box, normalize_placement
+    from resilient.checkpoint.state import shard_of
 
-    g = _global(key, shape)
-    box = chunk_box(shape, normalize_placement(_placement(key), layout), layout, rank)
-    v = g
-    for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-        v = v.narrow(d, o, s)
-    return sharded(v.clone(), _placement(key), global_shape=shape)
+    return shard_of(_global(key, shape), _placement(key), layout, rank)
 
 
 def save_task(rank, world, url, shapes):
@@ -123,8 +117,13 @@ def load_task(rank, world, url, shapes, drop):
         stats = ck.last_load
     dt = time.perf_counter() - t0
     ok = all(torch.equal(state[k], expect[k]) for k in state)
-    return {"seconds": dt, "bytes_read": stats.bytes_read, "needed": needed, "ok": ok,
-            "resharded": stats.resharded}
+    return {
+        "seconds": dt,
+        "bytes_read": stats.bytes_read,
+        "needed": needed,
+        "ok": ok,
+        "resharded": stats.resharded,
+    }
 
 
 def dcp_save_task(rank, world, path, shapes):
@@ -189,7 +188,9 @@ def raw_read(root: str) -> tuple[float, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
@@ -198,37 +199,81 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="ckpt-load-bench-", dir=args.dir)
     url, dcp_path = os.path.join(root, "resilient"), os.path.join(root, "dcp")
     drop = _drop_caches()
-    print(f"state: {len(shapes)} bf16 tensors of {shapes['w0']}, {args.mib} MiB; caches dropped: {drop}", flush=True)
+    print(
+        f"state: {len(shapes)} bf16 tensors of {shapes['w0']}, {args.mib} MiB; caches dropped: {drop}",
+        flush=True,
+    )
     run(save_task, 4, url, shapes)
     run(dcp_save_task, 4, dcp_path, shapes)
     raw_s, raw_bytes = raw_read(url)
     rows, results = [], {"raw_read_s": raw_s, "raw_bytes": raw_bytes}
-    rows.append(["raw sequential read of the files", "-", f"{raw_bytes / 2**20:.0f}", "-", "-",
-                 f"{raw_s:.3f}", f"{raw_bytes / raw_s / 2**30:.2f}"])
-    for label, world in (("resilient, same layout (tp=4, 4 ranks)", 4),
-                         ("resilient, tp=4 -> tp=2 (2 ranks)", 2),
-                         ("resilient, tp=4 -> 1 rank (everything)", 1)):
+    rows.append(
+        [
+            "raw sequential read of the files",
+            "-",
+            f"{raw_bytes / 2**20:.0f}",
+            "-",
+            "-",
+            f"{raw_s:.3f}",
+            f"{raw_bytes / raw_s / 2**30:.2f}",
+        ]
+    )
+    for label, world in (
+        ("resilient, same layout (tp=4, 4 ranks)", 4),
+        ("resilient, tp=4 -> tp=2 (2 ranks)", 2),
+        ("resilient, tp=4 -> 1 rank (everything)", 1),
+    ):
         out = run(load_task, world, url, shapes, drop)
         assert all(o["ok"] for o in out), f"{label}: loaded values differ"
         read = sum(o["bytes_read"] for o in out)
         needed = sum(o["needed"] for o in out)
         slowest = max(o["seconds"] for o in out)
         results[label] = out
-        rows.append([label, str(world), f"{read / 2**20:.0f}", f"{needed / 2**20:.0f}", f"{read / needed:.2f}",
-                     f"{slowest:.3f}", f"{needed / slowest / 2**30:.2f}"])
+        rows.append(
+            [
+                label,
+                str(world),
+                f"{read / 2**20:.0f}",
+                f"{needed / 2**20:.0f}",
+                f"{read / needed:.2f}",
+                f"{slowest:.3f}",
+                f"{needed / slowest / 2**30:.2f}",
+            ]
+        )
         print(f"  {label}: {slowest:.3f}s", flush=True)
     out = run(dcp_load_task, 2, dcp_path, shapes, drop)
     assert all(o["ok"] for o in out)
     slowest = max(o["seconds"] for o in out)
     results["dcp tp=4 -> tp=2"] = out
     needed2 = sum(results["resilient, tp=4 -> tp=2 (2 ranks)"][r]["needed"] for r in range(2))
-    rows.append(["dcp.load, tp=4 -> tp=2 (2 ranks, DTensor)", "2", "?", f"{needed2 / 2**20:.0f}", "?",
-                 f"{slowest:.3f}", f"{needed2 / slowest / 2**30:.2f}"])
+    rows.append(
+        [
+            "dcp.load, tp=4 -> tp=2 (2 ranks, DTensor)",
+            "2",
+            "?",
+            f"{needed2 / 2**20:.0f}",
+            "?",
+            f"{slowest:.3f}",
+            f"{needed2 / slowest / 2**30:.2f}",
+        ]
+    )
     shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"machine: {machine()}; page caches dropped before each load: {drop}")
-    print(markdown_table(["load", "ranks", "MiB read", "MiB needed", "read / needed", "slowest rank s",
-                          "GiB/s (needed / time)"], rows))
+    print(
+        markdown_table(
+            [
+                "load",
+                "ranks",
+                "MiB read",
+                "MiB needed",
+                "read / needed",
+                "slowest rank s",
+                "GiB/s (needed / time)",
+            ],
+            rows,
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

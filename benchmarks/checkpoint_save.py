@@ -31,8 +31,12 @@ from resilient import Checkpointer  # noqa: E402
 def make_state(total_bytes: int, num_tensors: int = 64) -> dict[str, torch.Tensor]:
     per = total_bytes // num_tensors // 2
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(per, generator=g).bfloat16().reshape(-1, 1024)[: per // 1024]
-            for i in range(num_tensors)}
+    return {
+        f"layer{i}.weight": torch.randn(per, generator=g)
+        .bfloat16()
+        .reshape(-1, 1024)[: per // 1024]
+        for i in range(num_tensors)
+    }
 
 
 def nbytes(state) -> int:
@@ -66,7 +70,11 @@ def bench(args) -> dict:
         for name, ss in samples.items():
             results[name] = {k: median([s[k] for s in ss]) for k in ss[0]}
             results[name]["samples"] = ss
-            print(f"  {name}: " + ", ".join(f"{k}={v:.3f}s" for k, v in results[name].items() if k != "samples"), flush=True)
+            print(
+                f"  {name}: "
+                + ", ".join(f"{k}={v:.3f}s" for k, v in results[name].items() if k != "samples"),
+                flush=True,
+            )
 
     # 1. bare copy into preallocated buffers
     bufs = {k: torch.empty_like(v) for k, v in state.items()}
@@ -82,7 +90,7 @@ def bench(args) -> dict:
     pos = 0
     for v in state.values():
         n = v.numel() * 2
-        flat[pos:pos + n].copy_(v.reshape(-1).view(torch.uint8))
+        flat[pos : pos + n].copy_(v.reshape(-1).view(torch.uint8))
         pos += n
     mv = memoryview(flat.numpy())
 
@@ -147,9 +155,18 @@ def bench(args) -> dict:
         shutil.rmtree(path)
         return {"blocking": blocking, "total": dt}
 
-    print(f"state: {len(state)} bf16 tensors, {gib(total)}; dir {root}; {args.repeats} rounds", flush=True)
-    methods += [("bare copy", bare_copy), ("raw write+fsync", raw_write), ("resilient", ours),
-                ("torch.save", tsave), ("dcp.save", dcp_save), ("dcp.async_save", dcp_async)]
+    print(
+        f"state: {len(state)} bf16 tensors, {gib(total)}; dir {root}; {args.repeats} rounds",
+        flush=True,
+    )
+    methods += [
+        ("bare copy", bare_copy),
+        ("raw write+fsync", raw_write),
+        ("resilient", ours),
+        ("torch.save", tsave),
+        ("dcp.save", dcp_save),
+        ("dcp.async_save", dcp_async),
+    ]
     run_all()
     ck.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -166,27 +183,50 @@ def report(out: dict) -> str:
     r = out["results"]
     copy, raw = r["bare copy"]["blocking"], r["raw write+fsync"]["total"]
     rows = []
-    for name in ("bare copy", "raw write+fsync", "resilient", "torch.save", "dcp.save", "dcp.async_save"):
+    for name in (
+        "bare copy",
+        "raw write+fsync",
+        "resilient",
+        "torch.save",
+        "dcp.save",
+        "dcp.async_save",
+    ):
         b, t = r[name].get("blocking"), r[name].get("total")
-        rows.append([
-            name,
-            f"{b:.3f}" if b is not None else "-",
-            f"{b / copy:.2f}x" if b is not None else "-",
-            f"{t:.3f}" if t is not None else "-",
-            f"{t / raw:.2f}x" if t is not None else "-",
-            f"{out['bytes'] / t / 2**30:.2f}" if t else "-",
-            _spread(r[name]["samples"]),
-        ])
-    return markdown_table(["method", "blocking s", "blocking / bare copy", "total s", "total / raw write",
-                           "GiB/s", "total range s"], rows)
+        rows.append(
+            [
+                name,
+                f"{b:.3f}" if b is not None else "-",
+                f"{b / copy:.2f}x" if b is not None else "-",
+                f"{t:.3f}" if t is not None else "-",
+                f"{t / raw:.2f}x" if t is not None else "-",
+                f"{out['bytes'] / t / 2**30:.2f}" if t else "-",
+                _spread(r[name]["samples"]),
+            ]
+        )
+    return markdown_table(
+        [
+            "method",
+            "blocking s",
+            "blocking / bare copy",
+            "total s",
+            "total / raw write",
+            "GiB/s",
+            "total range s",
+        ],
+        rows,
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--settle-s", type=float, default=1.0, help="pause after os.sync() between samples")
+    p.add_argument(
+        "--settle-s", type=float, default=1.0, help="pause after os.sync() between samples"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -201,9 +241,15 @@ def main() -> None:
     print(report(out))
     ours = r["resilient"]
     print()
-    print(f"blocking vs bare copy: {ours['blocking'] / r['bare copy']['blocking']:.2f}x (target <= 1.3x)")
-    print(f"blocking vs DCP async_save blocking: {ours['blocking'] / r['dcp.async_save']['blocking']:.2f}x (target <= 0.33x)")
-    print(f"total vs raw write+fsync: {ours['total'] / r['raw write+fsync']['total']:.2f}x (target <= 1.25x)")
+    print(
+        f"blocking vs bare copy: {ours['blocking'] / r['bare copy']['blocking']:.2f}x (target <= 1.3x)"
+    )
+    print(
+        f"blocking vs DCP async_save blocking: {ours['blocking'] / r['dcp.async_save']['blocking']:.2f}x (target <= 0.33x)"
+    )
+    print(
+        f"total vs raw write+fsync: {ours['total'] / r['raw write+fsync']['total']:.2f}x (target <= 1.25x)"
+    )
     out["machine"] = machine()
     write_results(args.json, out)
 

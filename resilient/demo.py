@@ -55,29 +55,9 @@ def _global(step: int) -> dict[str, torch.Tensor]:
 
 
 def _local(layout, rank: int, step: int) -> dict:
-    from resilient.checkpoint.state import sharded
-    from resilient.layout import (
-        chunk_box,
-        expanded_shape,
-        fused_parts,
-        local_shape,
-        normalize_placement,
-    )
+    from resilient.checkpoint.state import shard_of
 
-    out = {}
-    for key, g in _global(step).items():
-        pl = normalize_placement(_placements()[key], layout)
-        shape = tuple(g.shape)
-        box = chunk_box(shape, pl, layout, rank)
-        v = g.reshape(expanded_shape(shape, fused_parts(shape, pl)))
-        for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-            v = v.narrow(d, o, s)
-        out[key] = sharded(
-            v.reshape(local_shape(shape, pl, layout, rank)).clone(),
-            _placements()[key],
-            global_shape=shape,
-        )
-    return out
+    return {k: shard_of(g, _placements()[k], layout, rank) for k, g in _global(step).items()}
 
 
 def _worker(phase: str, url: str, out: str) -> None:

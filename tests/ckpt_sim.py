@@ -18,40 +18,21 @@ from resilient.checkpoint.format import (
     step_dir_name,
 )
 from resilient.checkpoint.reader import execute_reads, plan_reads, read_manifest
-from resilient.checkpoint.state import flatten_state, sharded
+from resilient.checkpoint.state import flatten_state, shard_of
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import Stager, build_manifest, persist_rank_file, plan_writes
 from resilient.layout import (
     Layout,
-    chunk_box,
-    expanded_shape,
-    fused_parts,
-    local_shape,
-    normalize_placement,
 )
 
 
 def local_chunk(g: torch.Tensor, placement: dict, layout: Layout, rank: int) -> torch.Tensor:
     """This rank's chunk of global tensor ``g`` (fused dims: its slice of every block)."""
-    pl = normalize_placement(placement, layout)
-    shape = tuple(g.shape)
-    parts = fused_parts(shape, pl)
-    box = chunk_box(shape, pl, layout, rank)
-    v = g.reshape(expanded_shape(shape, parts)) if shape else g
-    for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-        v = v.narrow(d, o, s)
-    return v.reshape(local_shape(shape, pl, layout, rank)).clone()
+    return shard_of(g, placement, layout, rank)
 
 
 def distribute(globals_: dict, placements: dict, layout: Layout, rank: int) -> dict:
-    return {
-        k: sharded(
-            local_chunk(g, placements.get(k, {}), layout, rank),
-            placements.get(k, {}),
-            global_shape=tuple(g.shape),
-        )
-        for k, g in globals_.items()
-    }
+    return {k: shard_of(g, placements.get(k, {}), layout, rank) for k, g in globals_.items()}
 
 
 def save_world(

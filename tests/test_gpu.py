@@ -22,7 +22,10 @@ def test_gpu_tensors_round_trip_through_pinned_buffers(tmp_path):
     with Checkpointer(str(tmp_path)) as ck:
         ck.save(1, state).wait()
         assert ck._stager._buffer.is_pinned()
-        out = {"model": torch.nn.Linear(64, 32).to(dev), "w": sharded(torch.zeros(12, 8, device=dev).bfloat16(), {"dp": Shard(0)})}
+        out = {
+            "model": torch.nn.Linear(64, 32).to(dev),
+            "w": sharded(torch.zeros(12, 8, device=dev).bfloat16(), {"dp": Shard(0)}),
+        }
         ck.load(out)
     assert out["w"].device.type == "cuda" and torch.equal(out["w"], w)
     assert torch.equal(out["model"].weight, model.weight)

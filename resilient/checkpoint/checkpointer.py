@@ -291,7 +291,9 @@ class Checkpointer:
                     committer.report(report)
             t1 = time.monotonic()
             if committer.is_coordinator:
-                garbage = self._coordinate(committer, report, step, step_rel, layout, plan, generation)
+                garbage = self._coordinate(
+                    committer, report, step, step_rel, layout, plan, generation
+                )
             else:
                 outcome = committer.wait_outcome()
                 if outcome != "ok":

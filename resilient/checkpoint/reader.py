@@ -267,7 +267,9 @@ def execute_reads(
             verifier.check(it.key, it.chunk, it.span, mv[it.span[0] - a : it.span[1] - a])
         return mv
 
-    inflight: deque[tuple[tuple[str, tuple[int, int], list[ReadItem]], Future[memoryview]]] = deque()
+    inflight: deque[tuple[tuple[str, tuple[int, int], list[ReadItem]], Future[memoryview]]] = (
+        deque()
+    )
     inflight_bytes, nxt = 0, 0
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
         try:
@@ -286,7 +288,9 @@ def execute_reads(
                 stats.num_requests += 1
                 for it in group:
                     piece = mv[it.span[0] - a : it.span[1] - a]
-                    _place(it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step)
+                    _place(
+                        it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step
+                    )
         except BaseException:
             for _, fut in inflight:
                 fut.cancel()
@@ -395,25 +399,37 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
         try:
             size = storage.size(path)
             if size != m.files[file].size_bytes:
-                problems.append(f"{where}: {size} bytes, manifest declares {m.files[file].size_bytes}")
+                problems.append(
+                    f"{where}: {size} bytes, manifest declares {m.files[file].size_bytes}"
+                )
                 continue
             prefix = storage.read_range(path, 0, min(size, 8))
             header_len = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
             if not 0 <= header_len <= size - 8:
-                problems.append(f"{where}: not a valid safetensors file (header length {header_len})")
+                problems.append(
+                    f"{where}: not a valid safetensors file (header length {header_len})"
+                )
                 continue
-            data_start, header = parse_safetensors_header(prefix + storage.read_range(path, 8, 8 + header_len))
+            data_start, header = parse_safetensors_header(
+                prefix + storage.read_range(path, 8, 8 + header_len)
+            )
         except CheckpointCorruptError:
             raise
         except Exception as e:
-            problems.append(f"{where}: cannot be read as a safetensors file ({type(e).__name__}: {e})")
+            problems.append(
+                f"{where}: cannot be read as a safetensors file ({type(e).__name__}: {e})"
+            )
             continue
         checked += data_start
         for key, c in sorted(chunks, key=lambda kc: kc[1].byte_range):
             h = header.get(c.name)
             offsets = h.get("data_offsets") if isinstance(h, dict) else None
-            if offsets is None or [data_start + offsets[0], data_start + offsets[1]] != list(c.byte_range):
-                problems.append(f"{where}: safetensors header disagrees with the manifest for tensor {key!r}")
+            if offsets is None or [data_start + offsets[0], data_start + offsets[1]] != list(
+                c.byte_range
+            ):
+                problems.append(
+                    f"{where}: safetensors header disagrees with the manifest for tensor {key!r}"
+                )
                 continue
             start, end = c.byte_range
             for r0 in range(start, end, per_read):

@@ -47,8 +47,9 @@ def committed_steps(storage: Storage) -> list[int]:
     )
 
 
-def retire_steps(storage: Storage, keep_last: int, keep_every: int | None,
-                 *, in_progress: int | None = None) -> list[str]:
+def retire_steps(
+    storage: Storage, keep_last: int, keep_every: int | None, *, in_progress: int | None = None
+) -> list[str]:
     """Uncommit the steps retention drops (their manifests go first, which is quick) and return
     the step directories to delete: those, and directories of saves that never committed.
 

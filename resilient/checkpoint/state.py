@@ -22,13 +22,15 @@ from resilient.layout import (
     AxisPlacement,
     Layout,
     Placement,
+    chunk_box,
+    expanded_shape,
     fused_parts,
     local_shape,
     normalize_placement,
     placement_from_dtensor,
 )
 
-__all__ = ["sharded", "TensorLeaf", "FlatState", "flatten_state", "json_snapshot"]
+__all__ = ["sharded", "shard_of", "TensorLeaf", "FlatState", "flatten_state", "json_snapshot"]
 
 _ATTR = "_resilient_sharding"
 
@@ -67,6 +69,28 @@ def sharded(
         ),
     )
     return tensor
+
+
+def shard_of(
+    global_tensor: torch.Tensor, placement: Mapping[str, AxisPlacement], layout: Layout, rank: int
+) -> torch.Tensor:
+    """``rank``'s chunk of a global tensor (a copy), annotated with :func:`sharded`.
+
+    Fused dims give the rank its slice of every block.  Handy for building sharded state from a
+    full tensor (tests, demos, single-process conversions).
+    """
+    pl = normalize_placement(placement, layout)
+    shape = tuple(global_tensor.shape)
+    box = chunk_box(shape, pl, layout, rank)
+    view = (
+        global_tensor.reshape(expanded_shape(shape, fused_parts(shape, pl)))
+        if shape
+        else global_tensor
+    )
+    for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+        view = view.narrow(d, o, n)
+    local = view.reshape(local_shape(shape, pl, layout, rank)).clone()
+    return sharded(local, placement, global_shape=shape)
 
 
 @dataclass

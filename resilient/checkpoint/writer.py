@@ -198,7 +198,8 @@ def persist_rank_file(
 
     def start_checksums() -> None:
         crc_futures.extend(
-            _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False) for b, e in spans
+            _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False)
+            for b, e in spans
         )
 
     size = storage.write_file(f"{step_rel}/{file}", [header, *body], on_written=start_checksums)
