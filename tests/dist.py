@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -59,14 +61,22 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout_s)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:  # a child died without reporting (killed, or failed to start)
+                    errors.append(f"rank process exited with code {dead[0].exitcode} before reporting")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout_s}s with {len(results)} of {world_size} ranks done")
+                continue
             if status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

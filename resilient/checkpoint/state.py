@@ -30,7 +30,7 @@ from resilient.layout import (
     placement_from_dtensor,
 )
 
-__all__ = ["sharded", "shard_of", "TensorLeaf", "FlatState", "flatten_state", "json_snapshot"]
+__all__ = ["sharded", "shard_of", "init_optimizer_state", "TensorLeaf", "FlatState", "flatten_state", "json_snapshot"]
 
 _ATTR = "_resilient_sharding"
 
@@ -239,7 +239,7 @@ class _Walker:
 
     def optimizer(self, opt: torch.optim.Optimizer, prefix: str) -> None:
         if self.for_load:
-            _init_optimizer_state(opt)
+            init_optimizer_state(opt)
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 name = self.param_names.get(id(p), f"{gi}.{pi}")
@@ -342,7 +342,7 @@ def _fmt(placement: Placement) -> str:
     return "{" + ", ".join(parts) + "}" if parts else "replicate"
 
 
-def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create a lazily initialised optimizer's state so that it can be loaded into in place.
 
     Optimizers like Adam create their state on the first step.  Take one step with zero

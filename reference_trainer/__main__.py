@@ -1,0 +1,122 @@
+"""``python -m reference_trainer``: the command line (a thin layer over TrainConfig and train).
+
+    python -m reference_trainer --nproc N --tp T --ep E --dp D [--zero] --steps S --save-every K \\
+        --ckpt URL [--preset tiny|small|zaya1-mini] [--data PATH] [--seed S] [--metrics FILE.jsonl]
+    torchrun --nproc-per-node N -m reference_trainer ...      (same flags, without --nproc)
+
+With ``--nproc`` it launches N local ranks through torch.distributed.run itself.  Bad flags fail
+here, before any process group exists, with a message naming the flag (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from reference_trainer.config import ConfigError, TrainConfig, preset
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m reference_trainer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="launch this many local ranks with torchrun")
+    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--zero", action="store_true", help="ZeRO-1: shard optimizer state over dp replicas")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--data", default=None, help="a text file or a directory (default: Python's stdlib)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--metrics", default=None, help="append one JSON line per step (rank 0)")
+    return p
+
+
+def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig:
+    return TrainConfig(
+        preset=args.preset, model=preset(args.preset), dp=args.dp, ep=args.ep, tp=args.tp, zero=args.zero,
+        steps=args.steps, save_every=args.save_every, ckpt=args.ckpt, keep_last=args.keep_last,
+        data=args.data, seed=args.seed, global_batch=args.global_batch, lr=args.lr,
+        warmup_steps=args.warmup_steps, device=args.device, metrics=args.metrics, world_size=world_size,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    under_launcher = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else (args.nproc or 1)
+    try:
+        if args.nproc is not None and args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+        cfg = config_from(args, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.nproc is not None and not under_launcher:
+        return _launch(args.nproc, args.max_restarts, _without_launcher_flags(argv))
+    if not under_launcher:  # a world of one, in this process
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    from reference_trainer.train import train
+
+    train(cfg)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _without_launcher_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--max-restarts"):
+            skip = True
+            continue
+        if a.startswith(("--nproc=", "--max-restarts=")):
+            continue
+        out.append(a)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun(["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                  "-m", "reference_trainer", *rest])
+    except ChildFailedError as e:
+        print(f"error: training failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

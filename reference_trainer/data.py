@@ -1,0 +1,98 @@
+"""Byte-level training data and its deterministic order.
+
+The embedded default corpus is the Python standard library's own source files (present on every
+machine; sorted and read deterministically), so the demo needs no download; ``--data PATH`` takes a
+text file or a directory of them.  Tokens are bytes (vocabulary 256), prepared once into a cached
+token file.
+
+The global sample order is a pure function of (seed, global step), independent of the data-parallel
+size: step s draws ``global_batch`` window starts, and data replica r of R reads samples
+[r * B/R, (r+1) * B/R).  A run resumed in another layout therefore sees exactly the samples the
+original would have.  The loader is Stateful: its state is the next step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["corpus_files", "load_tokens", "Loader"]
+
+
+def corpus_files(data: str | None) -> list[Path]:
+    if data is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    path = Path(data)
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    if not files:
+        raise ValueError(f"--data {data}: the directory holds no files")
+    return files
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("RESILIENT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "resilient")
+    return Path(base)
+
+
+def load_tokens(data: str | None) -> np.ndarray:
+    """All tokens of the corpus as a read-only uint8 array (memory-mapped from the cache)."""
+    files = corpus_files(data)
+    key = hashlib.sha256(json.dumps(
+        [[str(f), f.stat().st_size, int(f.stat().st_mtime)] for f in files]).encode()).hexdigest()[:16]
+    cache = _cache_dir() / f"tokens-{key}.u8"
+    if not cache.exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as out:
+            for f in files:
+                out.write(f.read_bytes())
+                out.write(b"\n\n")
+        os.replace(tmp, cache)  # concurrent ranks may race; the content is the same
+    return np.memmap(cache, dtype=np.uint8, mode="r")
+
+
+class Loader:
+    """Batches for one data replica; Stateful (``state_dict`` is the next step)."""
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int,
+                 replica: int, num_replicas: int) -> None:
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.replica, self.num_replicas = replica, num_replicas
+        self.next_step = 1
+
+    def starts(self, step: int) -> torch.Tensor:
+        """The window starts of global step ``step``: a pure function of (seed, step)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
+
+    def sample_ids(self, step: int) -> list[int]:
+        """Global ids of the samples this replica reads at ``step``."""
+        per = self.global_batch // self.num_replicas
+        first = (step - 1) * self.global_batch + self.replica * per
+        return list(range(first, first + per))
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per = self.global_batch // self.num_replicas
+        starts = self.starts(step)[self.replica * per:(self.replica + 1) * per].tolist()
+        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        w = torch.from_numpy(windows)
+        self.next_step = step + 1
+        return w[:, :-1], w[:, 1:]  # inputs, targets: (B/R, T)
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.next_step = int(sd["next_step"])

@@ -1,0 +1,154 @@
+"""The training loop: AdamW (or ZeRO-1), warmup + cosine LR, clipping, checkpoints, metrics.
+
+Library code: ``train(cfg)`` runs on every rank of an initialised (or launcher-provided) process
+group and returns a summary.  The command line lives in ``__main__.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reference_trainer.config import TrainConfig, sizing_warnings
+from reference_trainer.data import Loader, load_tokens
+from reference_trainer.model import MoETransformer, init_parameters
+from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
+from resilient import Checkpointer
+
+__all__ = ["train", "lr_at", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto``: the GPU when torch sees one (on ROCm torch.cuda is HIP), else the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no CUDA or ROCm device")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2 and p is not model.embed.weight]
+    rest = [p for _, p in model.named_parameters() if not (p.dim() >= 2 and p is not model.embed.weight)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on every rank; resumes from the newest committed checkpoint under ``cfg.ckpt``."""
+    device = resolve_device(cfg.device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cfg = cfg.with_(world_size=dist.get_world_size())
+    pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
+    rank = pc.rank
+    tokens_per_rank = cfg.global_batch // cfg.data_replicas * cfg.model.seq_len
+    if rank == 0:
+        for w in sizing_warnings(cfg.model, cfg.tp, on_gpu=device.type == "cuda", tokens_per_rank=tokens_per_rank):
+            warnings.warn(f"sizing: {w}", stacklevel=2)
+
+    model = MoETransformer(cfg.model, pc).to(device)
+    init_parameters(model, pc, cfg.seed)
+    groups = _param_groups(model, cfg.weight_decay)
+    adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
+    optim: Any = ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
+    loader = Loader(load_tokens(cfg.data), seq_len=cfg.model.seq_len, global_batch=cfg.global_batch,
+                    seed=cfg.seed, replica=pc.data_replica, num_replicas=cfg.data_replicas)
+    counters = {"step": 0, "tokens": 0}
+    state = {"model": model, "optim": optim, "data": loader, "train": counters,
+             "config": {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}}
+
+    ck = Checkpointer(cfg.ckpt, layout=pc.layout, keep_last=cfg.keep_last) if cfg.ckpt else None
+    start = 0
+    if ck is not None and ck.latest_step() is not None:
+        loaded = ck.load(state, fallback=True)
+        start = counters["step"]
+        if rank == 0:
+            log.info("resumed from step %d (checkpoint %d) of %s", start, loaded, cfg.ckpt)
+    metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
+    losses: list[float] = []
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            pc.timers.reset()
+            lr = lr_at(step, cfg)
+            for g in optim.param_groups:
+                g["lr"] = lr
+            x, y = (t.to(device) for t in loader.batch(step))
+            with autocast:
+                logits, aux = model(x)
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            (ce + cfg.model.aux_loss_coef * aux).backward()
+            sync_gradients(model, pc)
+            grad_norm = clip_grad_norm(model, cfg.grad_clip, pc)
+            t_opt = time.perf_counter()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            opt_s = time.perf_counter() - t_opt
+            loss = _global_mean(ce.detach(), pc)
+            counters["step"] = step
+            counters["tokens"] += cfg.global_batch * cfg.model.seq_len
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t_step
+            comm = pc.timers.reset()
+            losses.append(loss)
+            if metrics is not None:
+                metrics.write(json.dumps({
+                    "step": step, "loss": loss, "aux_loss": float(aux.detach()), "lr": lr, "grad_norm": grad_norm,
+                    "tokens_per_s": cfg.global_batch * cfg.model.seq_len / step_s, "wall_time": time.time(),
+                    "step_s": step_s, "optimizer_s": opt_s,
+                    "compute_s": max(step_s - opt_s - sum(comm.values()), 0.0),
+                    **{f"{k}_s": v for k, v in comm.items()},
+                    "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
+                    "samples": [loader.sample_ids(step)[0], cfg.global_batch],
+                }) + "\n")
+            if ck is not None and cfg.save_every and step % cfg.save_every == 0:
+                ck.save(step, state)
+        if ck is not None:
+            ck.wait()
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if ck is not None:
+            ck.close()
+    return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+def _global_mean(x: torch.Tensor, pc: ParallelContext) -> float:
+    """Mean over the data replicas (tp ranks hold the same value)."""
+    if pc.dp * pc.ep == 1:
+        return float(x)
+    x = x.clone().float()
+    dist.all_reduce(x, group=pc.dense_dp_group)
+    return float(x) / (pc.dp * pc.ep)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
