@@ -18,20 +18,29 @@ from reference_trainer.config import ConfigError, TrainConfig, preset
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m reference_trainer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=None, help="launch this many local ranks with torchrun")
+    p = argparse.ArgumentParser(
+        prog="python -m reference_trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="launch this many local ranks with torchrun"
+    )
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--zero", action="store_true", help="ZeRO-1: shard optimizer state over dp replicas")
+    p.add_argument(
+        "--zero", action="store_true", help="ZeRO-1: shard optimizer state over dp replicas"
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--data", default=None, help="a text file or a directory (default: Python's stdlib)")
+    p.add_argument(
+        "--data", default=None, help="a text file or a directory (default: Python's stdlib)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -43,10 +52,24 @@ def parser() -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig:
     return TrainConfig(
-        preset=args.preset, model=preset(args.preset), dp=args.dp, ep=args.ep, tp=args.tp, zero=args.zero,
-        steps=args.steps, save_every=args.save_every, ckpt=args.ckpt, keep_last=args.keep_last,
-        data=args.data, seed=args.seed, global_batch=args.global_batch, lr=args.lr,
-        warmup_steps=args.warmup_steps, device=args.device, metrics=args.metrics, world_size=world_size,
+        preset=args.preset,
+        model=preset(args.preset),
+        dp=args.dp,
+        ep=args.ep,
+        tp=args.tp,
+        zero=args.zero,
+        steps=args.steps,
+        save_every=args.save_every,
+        ckpt=args.ckpt,
+        keep_last=args.keep_last,
+        data=args.data,
+        seed=args.seed,
+        global_batch=args.global_batch,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        device=args.device,
+        metrics=args.metrics,
+        world_size=world_size,
     )
 
 
@@ -109,9 +132,21 @@ def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        torchrun(["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-                  "-m", "reference_trainer", *rest])
+        torchrun(
+            [
+                "--nproc-per-node",
+                str(nproc),
+                "--max-restarts",
+                str(max_restarts),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{_free_port()}",
+                "-m",
+                "reference_trainer",
+                *rest,
+            ]
+        )
     except ChildFailedError as e:
         print(f"error: training failed: {e}", file=sys.stderr)
         return 1

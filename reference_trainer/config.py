@@ -36,7 +36,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ConfigError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.head_dim % 2:
@@ -53,7 +55,9 @@ class ModelConfig:
 
     @property
     def active_params(self) -> int:
-        inactive = (self.num_experts - self.top_k) * 3 * self.dim * self.expert_ffn_dim * self.num_layers
+        inactive = (
+            (self.num_experts - self.top_k) * 3 * self.dim * self.expert_ffn_dim * self.num_layers
+        )
         return self.num_params - inactive
 
 
@@ -61,13 +65,31 @@ PRESETS = {
     # well under a million parameters: tests on 2 CPU cores
     "tiny": ModelConfig(),
     # tens of millions: a real CPU or small-GPU run
-    "small": ModelConfig(dim=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, num_experts=8,
-                         top_k=2, expert_ffn_dim=512, seq_len=256),
+    "small": ModelConfig(
+        dim=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        num_experts=8,
+        top_k=2,
+        expert_ffn_dim=512,
+        seq_len=256,
+    ),
     # ZAYA1's shape ratios scaled down (top-1 routing over 16 experts, grouped KV heads, head dim
     # 128, no shared expert); sized for one GPU
-    "zaya1-mini": ModelConfig(dim=1024, num_layers=12, num_heads=8, num_kv_heads=2, head_dim=128,
-                              num_experts=16, top_k=1, expert_ffn_dim=2048, shared_expert=False,
-                              seq_len=1024),
+    "zaya1-mini": ModelConfig(
+        dim=1024,
+        num_layers=12,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        num_experts=16,
+        top_k=1,
+        expert_ffn_dim=2048,
+        shared_expert=False,
+        seq_len=1024,
+    ),
 }
 
 
@@ -75,7 +97,9 @@ def preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(f"--preset {name!r} is not a preset; choose one of {sorted(PRESETS)}") from None
+        raise ConfigError(
+            f"--preset {name!r} is not a preset; choose one of {sorted(PRESETS)}"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +149,9 @@ class TrainConfig:
                 f"KV heads of preset {self.preset!r}; choose a --tp that divides {m.num_kv_heads}"
             )
         if m.expert_ffn_dim % self.tp:
-            raise ConfigError(f"--tp {self.tp} does not divide the expert FFN width {m.expert_ffn_dim}")
+            raise ConfigError(
+                f"--tp {self.tp} does not divide the expert FFN width {m.expert_ffn_dim}"
+            )
         if self.global_batch % (self.dp * self.ep):
             raise ConfigError(
                 f"--global-batch {self.global_batch} must be divisible by the {self.dp * self.ep} data "
@@ -138,7 +164,9 @@ class TrainConfig:
         if self.save_every and not self.ckpt:
             raise ConfigError(f"--save-every {self.save_every} needs --ckpt URL to save to")
         if self.data is not None and not os.path.exists(self.data):
-            raise ConfigError(f"--data {self.data}: no such file or directory; give a text file or a directory of them")
+            raise ConfigError(
+                f"--data {self.data}: no such file or directory; give a text file or a directory of them"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r}: one of auto, cpu, cuda")
 
@@ -158,14 +186,20 @@ def sizing_warnings(m: ModelConfig, tp: int, *, on_gpu: bool, tokens_per_rank: i
     """MI300X-aware sizing rules (they hold for recent NVIDIA parts too); never fatal."""
     out = []
     if m.head_dim not in (64, 128):
-        out.append(f"head_dim {m.head_dim}: attention kernels are fastest at 64 or 128; set head_dim to 64 or 128")
+        out.append(
+            f"head_dim {m.head_dim}: attention kernels are fastest at 64 or 128; set head_dim to 64 or 128"
+        )
     for name, width in (("dim", m.dim), ("expert_ffn_dim", m.expert_ffn_dim)):
         if (width // tp) % 64:
-            out.append(f"{name} {width} / tp {tp} = {width // tp} per rank is not a multiple of 64; "
-                       f"pick {name} so that {name} / tp is a multiple of 64 (GEMM tiles)")
+            out.append(
+                f"{name} {width} / tp {tp} = {width // tp} per rank is not a multiple of 64; "
+                f"pick {name} so that {name} / tp is a multiple of 64 (GEMM tiles)"
+            )
     if on_gpu:
         smallest = min(m.dim, m.expert_ffn_dim // tp, m.num_heads // tp * m.head_dim)
         if smallest < 1024 or tokens_per_rank < 4096:
-            out.append(f"GEMM dims (smallest {smallest}, {tokens_per_rank} tokens per rank) are too small "
-                       f"to fill the GPU; raise dim / expert_ffn_dim or the tokens per rank (global batch x seq_len)")
+            out.append(
+                f"GEMM dims (smallest {smallest}, {tokens_per_rank} tokens per rank) are too small "
+                f"to fill the GPU; raise dim / expert_ffn_dim or the tokens per rank (global batch x seq_len)"
+            )
     return out

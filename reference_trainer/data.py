@@ -40,15 +40,17 @@ def corpus_files(data: str | None) -> list[Path]:
 
 def _cache_dir() -> Path:
     base = os.environ.get("RESILIENT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "resilient")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "resilient"
+    )
     return Path(base)
 
 
 def load_tokens(data: str | None) -> np.ndarray:
     """All tokens of the corpus as a read-only uint8 array (memory-mapped from the cache)."""
     files = corpus_files(data)
-    key = hashlib.sha256(json.dumps(
-        [[str(f), f.stat().st_size, int(f.stat().st_mtime)] for f in files]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([[str(f), f.stat().st_size, int(f.stat().st_mtime)] for f in files]).encode()
+    ).hexdigest()[:16]
     cache = _cache_dir() / f"tokens-{key}.u8"
     if not cache.exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -64,18 +66,35 @@ def load_tokens(data: str | None) -> np.ndarray:
 class Loader:
     """Batches for one data replica; Stateful (``state_dict`` is the next step)."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int,
-                 replica: int, num_replicas: int) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        replica: int,
+        num_replicas: int,
+    ) -> None:
         if len(tokens) < seq_len + 2:
-            raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
-        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+            raise ValueError(
+                f"the corpus has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}"
+            )
+        self.tokens, self.seq_len, self.global_batch, self.seed = (
+            tokens,
+            seq_len,
+            global_batch,
+            seed,
+        )
         self.replica, self.num_replicas = replica, num_replicas
         self.next_step = 1
 
     def starts(self, step: int) -> torch.Tensor:
         """The window starts of global step ``step``: a pure function of (seed, step)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
+        return torch.randint(
+            0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g
+        )
 
     def sample_ids(self, step: int) -> list[int]:
         """Global ids of the samples this replica reads at ``step``."""
@@ -85,8 +104,8 @@ class Loader:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         per = self.global_batch // self.num_replicas
-        starts = self.starts(step)[self.replica * per:(self.replica + 1) * per].tolist()
-        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        starts = self.starts(step)[self.replica * per : (self.replica + 1) * per].tolist()
+        windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         w = torch.from_numpy(windows)
         self.next_step = step + 1
         return w[:, :-1], w[:, 1:]  # inputs, targets: (B/R, T)

@@ -36,7 +36,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,9 @@ class Attention(nn.Module):
         self.pc, self.hd = pc, cfg.head_dim
         self.h, self.kv = cfg.num_heads // pc.tp, cfg.num_kv_heads // pc.tp
         self.wq = nn.Linear(cfg.dim, self.h * self.hd, bias=False)  # column-parallel
-        self.wkv = nn.Linear(cfg.dim, 2 * self.kv * self.hd, bias=False)  # fused [k; v], column-parallel
+        self.wkv = nn.Linear(
+            cfg.dim, 2 * self.kv * self.hd, bias=False
+        )  # fused [k; v], column-parallel
         self.wo = nn.Linear(self.h * self.hd, cfg.dim, bias=False)  # row-parallel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,8 +66,9 @@ class Attention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         rep = self.h // self.kv  # grouped KV: each kv head serves `rep` query heads
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # (B, T, H, hd)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)  # (B, H, T, hd)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(B, T, self.h * self.hd)  # (B, T, H*hd)
         return reduce_from_tp(self.wo(out), self.pc)  # (B, T, D), summed over tp
 
@@ -74,9 +79,15 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, pc: ParallelContext) -> None:
         super().__init__()
         self.pc, self.cfg = pc, cfg
-        self.E, self.El, self.F = cfg.num_experts, cfg.num_experts // pc.ep, cfg.expert_ffn_dim // pc.tp
+        self.E, self.El, self.F = (
+            cfg.num_experts,
+            cfg.num_experts // pc.ep,
+            cfg.expert_ffn_dim // pc.tp,
+        )
         self.router = nn.Linear(cfg.dim, self.E, bias=False)  # replicated
-        self.w_gate_up = nn.Parameter(torch.empty(self.El, 2 * self.F, cfg.dim))  # (El, 2F, D) [gate; up]
+        self.w_gate_up = nn.Parameter(
+            torch.empty(self.El, 2 * self.F, cfg.dim)
+        )  # (El, 2F, D) [gate; up]
         self.w_down = nn.Parameter(torch.empty(self.El, cfg.dim, self.F))  # (El, D, F)
         if cfg.shared_expert:
             self.shared_gate_up = nn.Linear(cfg.dim, 2 * self.F, bias=False)
@@ -103,14 +114,18 @@ class MoE(nn.Module):
             recv_counts = exchange_counts(by_rank, pc)  # (ep, El): rows from rank j for my expert e
             send_sizes, recv_sizes = by_rank.sum(1).tolist(), recv_counts.sum(1).tolist()
             recv = all_to_all(send, send_sizes, recv_sizes, pc)  # (M, D), source-major
-            expert_of = torch.arange(self.El, device=x.device).repeat(pc.ep).repeat_interleave(recv_counts.reshape(-1))
+            expert_of = (
+                torch.arange(self.El, device=x.device)
+                .repeat(pc.ep)
+                .repeat_interleave(recv_counts.reshape(-1))
+            )
             perm = torch.argsort(expert_of, stable=True)  # source-major -> expert-major
             xe, per_expert = recv[perm], recv_counts.sum(0).tolist()
         else:
             xe, per_expert = send, counts.tolist()
         outs, pos = [], 0
         for e, n in enumerate(per_expert):  # SwiGLU per local expert
-            gate, up = (xe[pos:pos + n] @ self.w_gate_up[e].t()).chunk(2, dim=-1)  # (n, F) each
+            gate, up = (xe[pos : pos + n] @ self.w_gate_up[e].t()).chunk(2, dim=-1)  # (n, F) each
             outs.append((F.silu(gate) * up) @ self.w_down[e].t())  # (n, D), partial over tp
             pos += n
         ye = torch.cat(outs) if outs else xe.new_zeros(0, D)
@@ -153,7 +168,9 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
         angles = torch.outer(torch.arange(cfg.seq_len).float(), inv)  # (T, hd/2)
-        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)  # (1, T, 1, hd/2)
+        self.register_buffer(
+            "cos", angles.cos()[None, :, None, :], persistent=False
+        )  # (1, T, 1, hd/2)
         self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +207,9 @@ def init_parameters(model: MoETransformer, pc: ParallelContext, seed: int) -> No
             if name.endswith("norm.weight"):
                 full = torch.ones(shape)
             else:
-                std = 0.02 * (out_scale if any(s in name for s in ("wo.", "w_down", "shared_down")) else 1.0)
+                std = 0.02 * (
+                    out_scale if any(s in name for s in ("wo.", "w_down", "shared_down")) else 1.0
+                )
                 full = torch.randn(shape, generator=g) * std
             p.copy_(shard_of(full, placement_of(name), pc.layout, pc.rank))
             pc.annotate(name, p, shape)

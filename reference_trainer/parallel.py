@@ -31,8 +31,19 @@ from resilient import Layout, Shard, sharded
 from resilient.checkpoint.state import init_optimizer_state
 from resilient.layout import chunk_offsets_sizes, normalize_placement
 
-__all__ = ["ParallelContext", "PLACEMENTS", "placement_of", "is_expert", "Timers", "copy_to_tp",
-           "reduce_from_tp", "all_to_all", "sync_gradients", "clip_grad_norm", "ZeroAdamW"]
+__all__ = [
+    "ParallelContext",
+    "PLACEMENTS",
+    "placement_of",
+    "is_expert",
+    "Timers",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "all_to_all",
+    "sync_gradients",
+    "clip_grad_norm",
+    "ZeroAdamW",
+]
 
 PLACEMENTS: list[tuple[str, dict]] = [
     (r"embed\.weight", {}),
@@ -54,7 +65,9 @@ def placement_of(name: str) -> dict:
     for pattern, placement in PLACEMENTS:
         if re.fullmatch(pattern, name):
             return placement
-    raise KeyError(f"parameter {name!r} has no entry in the placement table (reference_trainer/parallel.py)")
+    raise KeyError(
+        f"parameter {name!r} has no entry in the placement table (reference_trainer/parallel.py)"
+    )
 
 
 def is_expert(name: str) -> bool:
@@ -122,8 +135,14 @@ class ParallelContext:
         layout = Layout(dp=dp, ep=ep, tp=tp)
         layout.check_world_size(dist.get_world_size())
         mesh = init_device_mesh(device_type, (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
-        ctx = cls(layout, dist.get_rank(), mesh.get_group("tp"), mesh.get_group("ep"), mesh.get_group("dp"),
-                  mesh=mesh)
+        ctx = cls(
+            layout,
+            dist.get_rank(),
+            mesh.get_group("tp"),
+            mesh.get_group("ep"),
+            mesh.get_group("dp"),
+            mesh=mesh,
+        )
         # dp x ep flattened: new_group must be called by every rank for every group, in order.
         for t in range(tp):
             ranks = [layout.rank({"dp": d, "ep": e, "tp": t}) for d in range(dp) for e in range(ep)]
@@ -185,7 +204,12 @@ def reduce_from_tp(x: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_sizes, recv_sizes, group, timers):
-        ctx.group, ctx.send_sizes, ctx.recv_sizes, ctx.timers = group, send_sizes, recv_sizes, timers
+        ctx.group, ctx.send_sizes, ctx.recv_sizes, ctx.timers = (
+            group,
+            send_sizes,
+            recv_sizes,
+            timers,
+        )
         out = x.new_empty((sum(recv_sizes),) + tuple(x.shape[1:]))
         t0 = time.perf_counter()
         dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
@@ -201,7 +225,9 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], pc: ParallelContext) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], pc: ParallelContext
+) -> torch.Tensor:
     """Rows of ``x`` go to the ep ranks in ``send_sizes`` order; returns the rows received."""
     return _AllToAll.apply(x, send_sizes, recv_sizes, pc.ep_group, pc.timers)
 
@@ -238,7 +264,7 @@ def sync_gradients(model: torch.nn.Module, pc: ParallelContext) -> None:
         pos = 0
         for g in grads:
             n = g.numel()
-            g.copy_(flat[pos:pos + n].view_as(g))
+            g.copy_(flat[pos : pos + n].view_as(g))
             pos += n
     pc.timers.add("all_reduce", t0)
     if pc.dp * pc.ep > 1:
@@ -301,8 +327,18 @@ class ZeroAdamW:
     between ZeRO and plain AdamW, and between dp sizes, like any other sharded tensor.
     """
 
-    def __init__(self, model: torch.nn.Module, pc: ParallelContext, param_groups: list[dict], **adamw) -> None:
-        self.pc = pc
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pc: ParallelContext,
+        param_groups: list[dict],
+        *,
+        key_prefix: str = "model.",
+        **adamw,
+    ) -> None:
+        # state keys match what the checkpointer gives a plain optimizer: the parameter's path in
+        # the saved state (the model is saved under "model")
+        self.pc, self.key_prefix = pc, key_prefix
         self.entries = []  # (name, param, master slice, dim, [(offset, size) per member], group)
         names = {id(p): n for n, p in model.named_parameters()}
         layout, coords = pc.layout, pc.coords
@@ -320,9 +356,21 @@ class ZeroAdamW:
                 global_shape = tuple(p._resilient_sharding.global_shape)
                 norm = normalize_placement(placement, layout)
                 # the replicas in group-rank order (ascending global rank), and each one's slice
-                members = [r for r in range(layout.world_size)
-                           if all(layout.coords(r)[a] == coords[a] for a in layout.names if a not in replica_axes)]
-                slices = [(o[d], s[d]) for o, s in (chunk_offsets_sizes(global_shape, norm, layout, r) for r in members)]
+                members = [
+                    r
+                    for r in range(layout.world_size)
+                    if all(
+                        layout.coords(r)[a] == coords[a]
+                        for a in layout.names
+                        if a not in replica_axes
+                    )
+                ]
+                slices = [
+                    (o[d], s[d])
+                    for o, s in (
+                        chunk_offsets_sizes(global_shape, norm, layout, r) for r in members
+                    )
+                ]
                 off, n = slices[members.index(pc.rank)]
                 master = torch.nn.Parameter(p.detach().narrow(d, off, n).clone().float())
                 sharded(master, placement, global_shape=global_shape)
@@ -353,7 +401,11 @@ class ZeroAdamW:
                 mine.narrow(d, 0, master.shape[d]).copy_(master)
                 parts = [torch.empty_like(mine) for _ in slices]
                 dist.all_gather(parts, mine, group=group)
-                p.copy_(torch.cat([part.narrow(d, 0, n) for part, (_, n) in zip(parts, slices)], d).to(p.dtype))
+                p.copy_(
+                    torch.cat([part.narrow(d, 0, n) for part, (_, n) in zip(parts, slices)], d).to(
+                        p.dtype
+                    )
+                )
         self.pc.timers.add("all_gather", t0)
 
     def _index(self, slices, master) -> int:
@@ -369,26 +421,33 @@ class ZeroAdamW:
         self._ensure_state()
         state = {}
         for name, _p, master, *_ in self.entries:
-            state[name] = dict(self.inner.state[master])
-            for k, v in state[name].items():
+            st = state[self.key_prefix + name] = dict(self.inner.state[master])
+            for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.shape == master.shape:
-                    sharded(v, master._resilient_sharding.placement,
-                            global_shape=master._resilient_sharding.global_shape)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+                    sharded(
+                        v,
+                        master._resilient_sharding.placement,
+                        global_shape=master._resilient_sharding.global_shape,
+                    )
+        # keyed by index, so the keys are those of a plain optimizer: optim.param_groups.0.lr
+        groups = {
+            str(i): {k: v for k, v in g.items() if k != "params"}
+            for i, g in enumerate(self.inner.param_groups)
+        }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, sd: dict) -> None:
         """State tensors were filled in place; refresh the master slices from the loaded weights."""
         for name, p, master, d, slices, _group in self.entries:
             st = self.inner.state[master]
-            for k, v in sd["state"][name].items():
+            for k, v in sd["state"][self.key_prefix + name].items():
                 if st.get(k) is not v:
                     st[k] = v
             off, n = slices[self._where[id(master)]]
             with torch.no_grad():
                 master.copy_(p.detach().narrow(d, off, n).float())
-        for g, loaded in zip(self.inner.param_groups, sd["param_groups"]):
-            g.update({k: v for k, v in loaded.items() if k != "params"})
+        for i, g in enumerate(self.inner.param_groups):
+            g.update({k: v for k, v in sd["param_groups"][str(i)].items() if k != "params"})
 
     def _ensure_state(self) -> None:
         if self.inner.state:

@@ -51,7 +51,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2 and p is not model.embed.weight]
-    rest = [p for _, p in model.named_parameters() if not (p.dim() >= 2 and p is not model.embed.weight)]
+    rest = [
+        p for _, p in model.named_parameters() if not (p.dim() >= 2 and p is not model.embed.weight)
+    ]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
@@ -65,19 +67,34 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     rank = pc.rank
     tokens_per_rank = cfg.global_batch // cfg.data_replicas * cfg.model.seq_len
     if rank == 0:
-        for w in sizing_warnings(cfg.model, cfg.tp, on_gpu=device.type == "cuda", tokens_per_rank=tokens_per_rank):
+        for w in sizing_warnings(
+            cfg.model, cfg.tp, on_gpu=device.type == "cuda", tokens_per_rank=tokens_per_rank
+        ):
             warnings.warn(f"sizing: {w}", stacklevel=2)
 
     model = MoETransformer(cfg.model, pc).to(device)
     init_parameters(model, pc, cfg.seed)
     groups = _param_groups(model, cfg.weight_decay)
     adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
-    optim: Any = ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
-    loader = Loader(load_tokens(cfg.data), seq_len=cfg.model.seq_len, global_batch=cfg.global_batch,
-                    seed=cfg.seed, replica=pc.data_replica, num_replicas=cfg.data_replicas)
+    optim: Any = (
+        ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
+    )
+    loader = Loader(
+        load_tokens(cfg.data),
+        seq_len=cfg.model.seq_len,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+        replica=pc.data_replica,
+        num_replicas=cfg.data_replicas,
+    )
     counters = {"step": 0, "tokens": 0}
-    state = {"model": model, "optim": optim, "data": loader, "train": counters,
-             "config": {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}}
+    state = {
+        "model": model,
+        "optim": optim,
+        "data": loader,
+        "train": counters,
+        "config": {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch},
+    }
 
     ck = Checkpointer(cfg.ckpt, layout=pc.layout, keep_last=cfg.keep_last) if cfg.ckpt else None
     start = 0
@@ -87,7 +104,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if rank == 0:
             log.info("resumed from step %d (checkpoint %d) of %s", start, loaded, cfg.ckpt)
     metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
+    )
     losses: list[float] = []
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -116,15 +135,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             comm = pc.timers.reset()
             losses.append(loss)
             if metrics is not None:
-                metrics.write(json.dumps({
-                    "step": step, "loss": loss, "aux_loss": float(aux.detach()), "lr": lr, "grad_norm": grad_norm,
-                    "tokens_per_s": cfg.global_batch * cfg.model.seq_len / step_s, "wall_time": time.time(),
-                    "step_s": step_s, "optimizer_s": opt_s,
-                    "compute_s": max(step_s - opt_s - sum(comm.values()), 0.0),
-                    **{f"{k}_s": v for k, v in comm.items()},
-                    "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
-                    "samples": [loader.sample_ids(step)[0], cfg.global_batch],
-                }) + "\n")
+                metrics.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": loss,
+                            "aux_loss": float(aux.detach()),
+                            "lr": lr,
+                            "grad_norm": grad_norm,
+                            "tokens_per_s": cfg.global_batch * cfg.model.seq_len / step_s,
+                            "wall_time": time.time(),
+                            "step_s": step_s,
+                            "optimizer_s": opt_s,
+                            "compute_s": max(step_s - opt_s - sum(comm.values()), 0.0),
+                            **{f"{k}_s": v for k, v in comm.items()},
+                            "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
+                            "samples": [loader.sample_ids(step)[0], cfg.global_batch],
+                        }
+                    )
+                    + "\n"
+                )
             if ck is not None and cfg.save_every and step % cfg.save_every == 0:
                 ck.save(step, state)
         if ck is not None:

@@ -69,9 +69,13 @@ def run_distributed(
             except queue_mod.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:  # a child died without reporting (killed, or failed to start)
-                    errors.append(f"rank process exited with code {dead[0].exitcode} before reporting")
+                    errors.append(
+                        f"rank process exited with code {dead[0].exitcode} before reporting"
+                    )
                 elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout_s}s with {len(results)} of {world_size} ranks done")
+                    errors.append(
+                        f"timed out after {timeout_s}s with {len(results)} of {world_size} ranks done"
+                    )
                 continue
             if status == "ok":
                 results[rank] = payload

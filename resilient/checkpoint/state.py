@@ -30,7 +30,15 @@ from resilient.layout import (
     placement_from_dtensor,
 )
 
-__all__ = ["sharded", "shard_of", "init_optimizer_state", "TensorLeaf", "FlatState", "flatten_state", "json_snapshot"]
+__all__ = [
+    "sharded",
+    "shard_of",
+    "init_optimizer_state",
+    "TensorLeaf",
+    "FlatState",
+    "flatten_state",
+    "json_snapshot",
+]
 
 _ATTR = "_resilient_sharding"
 

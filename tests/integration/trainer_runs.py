@@ -30,7 +30,10 @@ def gather_checkpoint(url: str, step: int | None = None) -> dict[str, torch.Tens
 
     with Checkpointer(url, layout=Layout(dp=1, ep=1, tp=1)) as ck:
         m = ck.manifest(step)
-        state = {k: sharded(torch.zeros(t.shape, dtype=getattr(torch, t.dtype)), {}) for k, t in m.tensors.items()
-                 if k.startswith(("model.", "optim."))}
+        state = {
+            k: sharded(torch.zeros(t.shape, dtype=getattr(torch, t.dtype)), {})
+            for k, t in m.tensors.items()
+            if k.startswith(("model.", "optim."))
+        }
         ck.load(state, step=step)
     return state
