@@ -316,6 +316,21 @@ def zero_dim(name: str, shape: torch.Size) -> int:
     raise ValueError(f"parameter {name!r}: every dim is split by tp/ep; ZeRO needs one left whole")
 
 
+@dataclass
+class _ZeroEntry:
+    name: str
+    param: torch.Tensor
+    master: torch.Tensor  # fp32 copy of this rank's slice: what the inner AdamW steps
+    dim: int  # the dim ZeRO splits
+    slices: list[tuple[int, int]]  # (offset, size) of every replica's slice, in group-rank order
+    index: int  # this rank's place in ``slices``
+    group: object | None
+
+    @property
+    def mine(self) -> tuple[int, int]:
+        return self.slices[self.index]
+
+
 class ZeroAdamW:
     """AdamW whose state is split over each parameter's data-parallel replicas (ZeRO stage 1).
 
@@ -339,7 +354,7 @@ class ZeroAdamW:
         # state keys match what the checkpointer gives a plain optimizer: the parameter's path in
         # the saved state (the model is saved under "model")
         self.pc, self.key_prefix = pc, key_prefix
-        self.entries = []  # (name, param, master slice, dim, [(offset, size) per member], group)
+        self.entries: list[_ZeroEntry] = []
         names = {id(p): n for n, p in model.named_parameters()}
         layout, coords = pc.layout, pc.coords
         groups = []
@@ -371,64 +386,54 @@ class ZeroAdamW:
                         chunk_offsets_sizes(global_shape, norm, layout, r) for r in members
                     )
                 ]
-                off, n = slices[members.index(pc.rank)]
+                index = members.index(pc.rank)
+                off, n = slices[index]
                 master = torch.nn.Parameter(p.detach().narrow(d, off, n).clone().float())
                 sharded(master, placement, global_shape=global_shape)
-                self.entries.append((name, p, master, d, slices, group))
+                self.entries.append(_ZeroEntry(name, p, master, d, slices, index, group))
                 masters.append(master)
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
-        self._where = {}
-        for _name, _p, master, d, slices, group in self.entries:
-            self._where[id(master)] = dist.get_rank(group) if len(slices) > 1 else 0
         self.inner = torch.optim.AdamW(groups, **adamw)
         self.param_groups = self.inner.param_groups
 
     def step(self) -> None:
-        for _name, p, master, d, slices, _group in self.entries:
-            off, n = slices[self._index(slices, master)]
-            master.grad = p.grad.narrow(d, off, n).float()
+        for e in self.entries:
+            off, n = e.mine
+            e.master.grad = e.param.grad.narrow(e.dim, off, n).float()
         self.inner.step()
         t0 = time.perf_counter()
         with torch.no_grad():
-            for _name, p, master, d, slices, group in self.entries:
-                if len(slices) == 1:
-                    p.copy_(master.to(p.dtype))
+            for e in self.entries:
+                p, d = e.param, e.dim
+                if len(e.slices) == 1:
+                    p.copy_(e.master.to(p.dtype))
                     continue
                 # all_gather needs equal sizes: pad every slice to the largest one
                 pad_shape = list(p.shape)
-                pad_shape[d] = max(n for _, n in slices)
-                mine = master.new_zeros(pad_shape)
-                mine.narrow(d, 0, master.shape[d]).copy_(master)
-                parts = [torch.empty_like(mine) for _ in slices]
-                dist.all_gather(parts, mine, group=group)
-                p.copy_(
-                    torch.cat([part.narrow(d, 0, n) for part, (_, n) in zip(parts, slices)], d).to(
-                        p.dtype
-                    )
-                )
+                pad_shape[d] = max(n for _, n in e.slices)
+                mine = e.master.new_zeros(pad_shape)
+                mine.narrow(d, 0, e.master.shape[d]).copy_(e.master)
+                parts = [torch.empty_like(mine) for _ in e.slices]
+                dist.all_gather(parts, mine, group=e.group)
+                full = torch.cat([part.narrow(d, 0, n) for part, (_, n) in zip(parts, e.slices)], d)
+                p.copy_(full.to(p.dtype))
         self.pc.timers.add("all_gather", t0)
-
-    def _index(self, slices, master) -> int:
-        return self._where[id(master)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (what the loop accumulates into) and the slices'."""
         self.inner.zero_grad(set_to_none=set_to_none)
-        for _name, p, *_ in self.entries:
-            p.grad = None
+        for e in self.entries:
+            e.param.grad = None
 
     def state_dict(self) -> dict:
         self._ensure_state()
         state = {}
-        for name, _p, master, *_ in self.entries:
-            st = state[self.key_prefix + name] = dict(self.inner.state[master])
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.shape == master.shape:
-                    sharded(
-                        v,
-                        master._resilient_sharding.placement,
-                        global_shape=master._resilient_sharding.global_shape,
-                    )
+        for e in self.entries:
+            st = state[self.key_prefix + e.name] = dict(self.inner.state[e.master])
+            spec = e.master._resilient_sharding
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.shape == e.master.shape:
+                    sharded(v, spec.placement, global_shape=spec.global_shape)
         # keyed by index, so the keys are those of a plain optimizer: optim.param_groups.0.lr
         groups = {
             str(i): {k: v for k, v in g.items() if k != "params"}
@@ -438,14 +443,14 @@ class ZeroAdamW:
 
     def load_state_dict(self, sd: dict) -> None:
         """State tensors were filled in place; refresh the master slices from the loaded weights."""
-        for name, p, master, d, slices, _group in self.entries:
-            st = self.inner.state[master]
-            for k, v in sd["state"][self.key_prefix + name].items():
+        for e in self.entries:
+            st = self.inner.state[e.master]
+            for k, v in sd["state"][self.key_prefix + e.name].items():
                 if st.get(k) is not v:
                     st[k] = v
-            off, n = slices[self._where[id(master)]]
+            off, n = e.mine
             with torch.no_grad():
-                master.copy_(p.detach().narrow(d, off, n).float())
+                e.master.copy_(e.param.detach().narrow(e.dim, off, n).float())
         for i, g in enumerate(self.inner.param_groups):
             g.update({k: v for k, v in sd["param_groups"][str(i)].items() if k != "params"})
 

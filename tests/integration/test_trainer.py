@@ -168,3 +168,20 @@ def test_command_line_launches_ranks_through_torchrun(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "--tp 3" in bad.stderr
+
+
+def test_zero_with_uneven_shards_over_three_replicas(tmp_path):
+    ref = run_distributed(run_train, 1, {"steps": 5, "global_batch": 6})[0]
+    got = run_distributed(run_train, 3, {"steps": 5, "global_batch": 6, "dp": 3, "zero": True,
+                                         "save_every": 5, "ckpt": str(tmp_path)})[0]
+    assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=CURVE_RTOL, atol=0)
+    from resilient import Checkpointer
+
+    with Checkpointer(str(tmp_path)) as ck:
+        m = ck.manifest()
+    # the checkpoint records how each tensor is split, ZeRO shards included
+    wkv = m.tensors["model.layers.0.attn.wkv.weight"]
+    assert dict(wkv.placement)["tp"].parts == 2  # the fused k/v dim, recorded even at tp=1
+    emb_state = m.tensors["optim.state.model.embed.weight.exp_avg"]
+    assert dict(emb_state.placement)["dp"].dim == 0
+    assert sorted(c.sizes[0] for c in emb_state.chunks) == [84, 86, 86]  # 256 rows over 3: uneven

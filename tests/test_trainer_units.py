@@ -1,0 +1,64 @@
+"""The trainer's pieces without processes: config checks, presets, sizing rules, data order."""
+
+import numpy as np
+import pytest
+import torch
+
+from reference_trainer.config import PRESETS, ConfigError, TrainConfig, preset, sizing_warnings
+from reference_trainer.data import Loader
+from reference_trainer.model import global_shapes
+from reference_trainer.parallel import PLACEMENTS, placement_of, zero_dim
+
+
+def test_presets_sizes():
+    assert PRESETS["tiny"].num_params < 1_000_000
+    assert 10_000_000 < PRESETS["small"].num_params < 100_000_000
+    z = preset("zaya1-mini")
+    assert z.top_k == 1 and z.head_dim == 128 and z.num_params > PRESETS["small"].num_params
+    with pytest.raises(ConfigError, match="not a preset"):
+        preset("nope")
+
+
+def test_every_parameter_has_a_placement_and_even_tp_splits():
+    for name, cfg in PRESETS.items():
+        shapes = global_shapes(cfg)
+        for pname, shape in shapes.items():
+            placement = placement_of(pname)
+            for p in placement.values():
+                assert p.dim < len(shape), (name, pname)
+            zero_dim(pname, torch.Size(shape))  # ZeRO always finds a whole dim
+    assert all(isinstance(p, str) for p, _ in PLACEMENTS)
+
+
+def test_config_messages_name_the_flags():
+    with pytest.raises(ConfigError, match=r"--dp 2 x --ep 2 x --tp 2 = 8 ranks, but the job has 4 ranks"):
+        TrainConfig(dp=2, ep=2, tp=2, world_size=4)
+    with pytest.raises(ConfigError, match="--steps 0"):
+        TrainConfig(steps=0)
+
+
+def test_sizing_warnings_say_which_dimension_and_what_to_do():
+    tiny = preset("tiny")
+    warns = sizing_warnings(tiny, 2, on_gpu=True, tokens_per_rank=512)
+    assert any("head_dim 16" in w and "64 or 128" in w for w in warns)
+    assert any("dim 64 / tp 2 = 32 per rank is not a multiple of 64" in w for w in warns)
+    assert any("too small to fill the GPU" in w for w in warns)
+    assert sizing_warnings(preset("zaya1-mini"), 1, on_gpu=True, tokens_per_rank=8192) == []
+    assert not any("fill the GPU" in w for w in sizing_warnings(tiny, 1, on_gpu=False, tokens_per_rank=1))
+
+
+def test_sample_order_does_not_depend_on_the_data_parallel_size():
+    tokens = np.arange(10_000, dtype=np.int64).astype(np.uint8)
+    whole = Loader(tokens, seq_len=16, global_batch=12, seed=3, replica=0, num_replicas=1)
+    for replicas in (2, 3, 4, 6):
+        parts = [Loader(tokens, seq_len=16, global_batch=12, seed=3, replica=r, num_replicas=replicas)
+                 for r in range(replicas)]
+        for step in (1, 7):
+            x, y = whole.batch(step)
+            xs = torch.cat([p.batch(step)[0] for p in parts])
+            assert torch.equal(x, xs)
+            ids = [i for p in parts for i in p.sample_ids(step)]
+            assert ids == whole.sample_ids(step) == list(range((step - 1) * 12, step * 12))
+    x, y = whole.batch(2)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert whole.state_dict() == {"next_step": 3}
