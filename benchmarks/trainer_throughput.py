@@ -40,15 +40,34 @@ def run_layout(name: str, args) -> dict:
     world, flags = LAYOUTS[name]
     with tempfile.TemporaryDirectory() as d:
         metrics = os.path.join(d, "m.jsonl")
-        cmd = [sys.executable, "-m", "reference_trainer", "--nproc", str(world), *flags, "--preset", args.preset,
-               "--steps", str(args.steps), "--global-batch", str(args.global_batch), "--device", args.device,
-               "--metrics", metrics]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        cmd = [
+            sys.executable,
+            "-m",
+            "reference_trainer",
+            "--nproc",
+            str(world),
+            *flags,
+            "--preset",
+            args.preset,
+            "--steps",
+            str(args.steps),
+            "--global-batch",
+            str(args.global_batch),
+            "--device",
+            args.device,
+            "--metrics",
+            metrics,
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(metrics)][args.warmup:]
-    out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
-           "step_s": statistics.median(r["step_s"] for r in rows)}
+        rows = [json.loads(line) for line in open(metrics)][args.warmup :]
+    out = {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+        "step_s": statistics.median(r["step_s"] for r in rows),
+    }
     for part in PARTS:
         out[part] = statistics.median(r.get(part, 0.0) for r in rows)
     return out
@@ -58,12 +77,16 @@ def flops_per_token(preset_name: str) -> float:
     from reference_trainer.config import preset
 
     m = preset(preset_name)
-    attn = 12 * m.num_layers * m.num_heads * m.head_dim * m.seq_len  # QK^T and AV, fwd + bwd, causal-avg x2
+    attn = (
+        12 * m.num_layers * m.num_heads * m.head_dim * m.seq_len
+    )  # QK^T and AV, fwd + bwd, causal-avg x2
     return 6 * m.active_params + attn
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=25)
@@ -82,13 +105,28 @@ def main() -> None:
         row = [name, str(LAYOUTS[name][0]), f"{r['tokens_per_s']:.0f}", f"{r['step_s'] * 1e3:.1f}"]
         row += [f"{r[part] * 1e3:.1f}" for part in PARTS]
         if args.peak_tflops:
-            mfu = r["tokens_per_s"] * flops_per_token(args.preset) / (args.peak_tflops * 1e12 * LAYOUTS[name][0])
+            mfu = (
+                r["tokens_per_s"]
+                * flops_per_token(args.preset)
+                / (args.peak_tflops * 1e12 * LAYOUTS[name][0])
+            )
             row.append(f"{100 * mfu:.1f}%")
         rows.append(row)
-    headers = ["layout", "ranks", "tokens/s", "step ms", "compute ms", "all-to-all ms", "all-reduce ms",
-               "all-gather ms", "optimizer ms"] + (["MFU"] if args.peak_tflops else [])
+    headers = [
+        "layout",
+        "ranks",
+        "tokens/s",
+        "step ms",
+        "compute ms",
+        "all-to-all ms",
+        "all-reduce ms",
+        "all-gather ms",
+        "optimizer ms",
+    ] + (["MFU"] if args.peak_tflops else [])
     print()
-    print(f"machine: {machine()}; preset {args.preset}, global batch {args.global_batch}, device {args.device}")
+    print(
+        f"machine: {machine()}; preset {args.preset}, global batch {args.global_batch}, device {args.device}"
+    )
     print(markdown_table(headers, rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -133,7 +133,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t_step
             comm = pc.timers.reset()
-            opt_s -= comm.get("all_gather", 0.0)  # ZeRO's gather happens inside step(): count it once
+            opt_s -= comm.get(
+                "all_gather", 0.0
+            )  # ZeRO's gather happens inside step(): count it once
             losses.append(loss)
             if metrics is not None:
                 metrics.write(

@@ -94,7 +94,9 @@ def load_world(
     for r, state in enumerate(states):
         flat = flatten_state(state, layout, r, for_load=True)
         items = plan_reads(m, flat.tensors, layout, r)
-        stats.append(execute_reads(storage, m, items, flat.tensors))
+        stats.append(
+            execute_reads(storage, m, items, {k: v.local for k, v in flat.tensors.items()})
+        )
     return stats
 
 

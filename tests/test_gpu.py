@@ -37,9 +37,26 @@ def test_trainer_runs_on_the_gpu_with_bf16_autocast(tmp_path):
     import sys
 
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "reference_trainer", "--device", "cuda", "--steps", "5",
-                           "--save-every", "5", "--ckpt", str(tmp_path / "ck"), "--metrics", str(metrics)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reference_trainer",
+            "--device",
+            "cuda",
+            "--steps",
+            "5",
+            "--save-every",
+            "5",
+            "--ckpt",
+            str(tmp_path / "ck"),
+            "--metrics",
+            str(metrics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]

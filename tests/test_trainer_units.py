@@ -31,7 +31,9 @@ def test_every_parameter_has_a_placement_and_even_tp_splits():
 
 
 def test_config_messages_name_the_flags():
-    with pytest.raises(ConfigError, match=r"--dp 2 x --ep 2 x --tp 2 = 8 ranks, but the job has 4 ranks"):
+    with pytest.raises(
+        ConfigError, match=r"--dp 2 x --ep 2 x --tp 2 = 8 ranks, but the job has 4 ranks"
+    ):
         TrainConfig(dp=2, ep=2, tp=2, world_size=4)
     with pytest.raises(ConfigError, match="--steps 0"):
         TrainConfig(steps=0)
@@ -44,15 +46,19 @@ def test_sizing_warnings_say_which_dimension_and_what_to_do():
     assert any("dim 64 / tp 2 = 32 per rank is not a multiple of 64" in w for w in warns)
     assert any("too small to fill the GPU" in w for w in warns)
     assert sizing_warnings(preset("zaya1-mini"), 1, on_gpu=True, tokens_per_rank=8192) == []
-    assert not any("fill the GPU" in w for w in sizing_warnings(tiny, 1, on_gpu=False, tokens_per_rank=1))
+    assert not any(
+        "fill the GPU" in w for w in sizing_warnings(tiny, 1, on_gpu=False, tokens_per_rank=1)
+    )
 
 
 def test_sample_order_does_not_depend_on_the_data_parallel_size():
     tokens = np.arange(10_000, dtype=np.int64).astype(np.uint8)
     whole = Loader(tokens, seq_len=16, global_batch=12, seed=3, replica=0, num_replicas=1)
     for replicas in (2, 3, 4, 6):
-        parts = [Loader(tokens, seq_len=16, global_batch=12, seed=3, replica=r, num_replicas=replicas)
-                 for r in range(replicas)]
+        parts = [
+            Loader(tokens, seq_len=16, global_batch=12, seed=3, replica=r, num_replicas=replicas)
+            for r in range(replicas)
+        ]
         for step in (1, 7):
             x, y = whole.batch(step)
             xs = torch.cat([p.batch(step)[0] for p in parts])

@@ -469,7 +469,8 @@ class Checkpointer:
         manifest = read_manifest(self.storage, step)
         flat = flatten_state(state, layout, self.rank, for_load=True)
         items = plan_reads(manifest, flat.tensors, layout, self.rank)
-        rs: ReadStats = execute_reads(self.storage, manifest, items, flat.tensors)
+        dests = {k: leaf.local for k, leaf in flat.tensors.items()}
+        rs: ReadStats = execute_reads(self.storage, manifest, items, dests)
         missing = [
             k
             for k in flat.values

@@ -127,28 +127,34 @@ def plan_reads(
     for key, leaf in sorted(leaves.items()):
         entry = manifest.tensors[key]
         _check_match(key, entry, leaf, manifest.step)
-        view = _union_parts(key, entry.placement, leaf.placement, len(entry.shape))
-        dst_own = {p.dim: p.parts for _, p in leaf.placement if isinstance(p, Shard)}
-        src_own = {p.dim: p.parts for _, p in entry.placement if isinstance(p, Shard)}
         do, ds = chunk_offsets_sizes(entry.shape, leaf.placement, layout, rank)
-        dst_box = _box_in_view(do, ds, dst_own, view, entry.shape)
-        if dst_box.numel == 0:
-            continue
-        itemsize = dtype_info(entry.dtype).itemsize
-        for c in entry.chunks:
-            src_box = _box_in_view(c.offsets, c.sizes, src_own, view, entry.shape)
-            ov = src_box.intersect(dst_box)
-            if ov is None:
-                continue
+        items += plan_tensor_reads(key, entry, leaf.placement, do, ds, manifest.block_bytes)
+    return items
+
+
+def plan_tensor_reads(
+    key: str,
+    entry: TensorEntry,
+    placement: Placement,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    block_bytes: int,
+) -> list[ReadItem]:
+    """The reads that fill one target chunk (``offsets``/``sizes`` under ``placement``), pure."""
+    view = _union_parts(key, entry.placement, placement, len(entry.shape))
+    dst_own = {p.dim: p.parts for _, p in placement if isinstance(p, Shard)}
+    src_own = {p.dim: p.parts for _, p in entry.placement if isinstance(p, Shard)}
+    dst_box = _box_in_view(offsets, sizes, dst_own, view, entry.shape)
+    if dst_box.numel == 0:
+        return []
+    itemsize = dtype_info(entry.dtype).itemsize
+    items = []
+    for c in entry.chunks:
+        src_box = _box_in_view(c.offsets, c.sizes, src_own, view, entry.shape)
+        ov = src_box.intersect(dst_box)
+        if ov is not None:
             items.append(
-                ReadItem(
-                    key,
-                    c,
-                    src_box,
-                    dst_box,
-                    ov,
-                    _span(c, src_box, ov, itemsize, manifest.block_bytes),
-                )
+                ReadItem(key, c, src_box, dst_box, ov, _span(c, src_box, ov, itemsize, block_bytes))
             )
     return items
 
@@ -228,14 +234,21 @@ class ReadStats:
 
 
 def execute_reads(
-    storage: Storage, manifest: Manifest, items: list[ReadItem], leaves: Mapping[str, TensorLeaf]
+    storage: Storage,
+    manifest: Manifest,
+    items: list[ReadItem],
+    dests: Mapping[str, torch.Tensor],
+    *,
+    max_inflight_bytes: int | None = None,
 ) -> ReadStats:
     """Read, verify and place every item.
 
     Coalesced ranges are fetched by a few reader threads that also verify the blocks they read
     (crc32 drops the GIL), while this thread places finished ranges into their destinations, in
-    order.  At most ``BATCH_BYTES`` (or one range, if larger) are in flight.
+    order.  ``dests[key]`` is the contiguous tensor that receives ``key``'s target chunk.  At
+    most ``max_inflight_bytes`` (default ``BATCH_BYTES``; or one range, if larger) are in flight.
     """
+    budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
     stats = ReadStats()
     verifier = _Verifier(manifest, storage)
@@ -276,7 +289,7 @@ def execute_reads(
             while nxt < len(requests) or inflight:
                 while nxt < len(requests) and len(inflight) < READ_THREADS * 2:
                     a, b = requests[nxt][1]
-                    if inflight and inflight_bytes + (b - a) > BATCH_BYTES:
+                    if inflight and inflight_bytes + (b - a) > budget:
                         break
                     inflight.append((requests[nxt], pool.submit(fetch, requests[nxt])))
                     inflight_bytes += b - a
@@ -288,9 +301,7 @@ def execute_reads(
                 stats.num_requests += 1
                 for it in group:
                     piece = mv[it.span[0] - a : it.span[1] - a]
-                    _place(
-                        it, piece, manifest.tensors[it.key], leaves[it.key], storage, manifest.step
-                    )
+                    _place(it, piece, manifest.tensors[it.key], dests[it.key], manifest.step)
         except BaseException:
             for _, fut in inflight:
                 fut.cancel()
@@ -312,12 +323,7 @@ def _coalesce(items: list[ReadItem]) -> list[tuple[tuple[int, int], list[ReadIte
 
 
 def _place(
-    it: ReadItem,
-    data: memoryview,
-    entry: TensorEntry,
-    leaf: TensorLeaf,
-    storage: Storage,
-    step: int,
+    it: ReadItem, data: memoryview, entry: TensorEntry, dest: torch.Tensor, step: int
 ) -> None:
     info = dtype_info(entry.dtype)
     c = it.chunk
@@ -344,7 +350,7 @@ def _place(
     src = flat.as_strided(
         it.overlap.sizes, src_st, sum(r * s for r, s in zip(rel, src_st)) - first_elem
     )
-    dst_full = leaf.local.view(it.dst_box.sizes) if leaf.local.is_contiguous() else None
+    dst_full = dest.view(it.dst_box.sizes) if dest.is_contiguous() else None
     if dst_full is None:
         raise LayoutError(
             f"tensor {it.key!r}: cannot load into a non-contiguous tensor; call .contiguous() first"

@@ -44,7 +44,7 @@ from resilient.checkpoint.format import (
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, ResilientError
-from resilient.layout import Layout, Placement, placement_to_json, unique_chunks
+from resilient.layout import Layout, Placement, Shard, placement_to_json, unique_chunks
 
 __all__ = ["WriteItem", "WritePlan", "plan_writes", "Stager", "persist_rank_file", "Committer"]
 
@@ -72,49 +72,60 @@ class WritePlan:
     bytes_per_rank: tuple[int, ...]
 
 
-def plan_writes(leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> WritePlan:
+def tensor_table(
+    leaves: Mapping[str, TensorLeaf],
+) -> dict[str, tuple[str, tuple[int, ...], Placement]]:
+    """key -> (dtype name, global shape, placement), sorted by key."""
+    return {k: (dtype_name(v.local.dtype), v.shape, v.placement) for k, v in sorted(leaves.items())}
+
+
+def assign_writers(
+    table: Mapping[str, tuple[str, tuple[int, ...], Placement]], layout: Layout
+) -> tuple[dict[int, tuple[WriteItem, ...]], tuple[int, ...]]:
     """Pick one writer for every distinct non-empty chunk, spreading bytes evenly over replicas.
 
     Pure and deterministic: every rank computes the same assignment from the same tensor table.
-    Largest chunks are placed first, each on the replica with the fewest bytes so far.
+    Largest chunks are placed first, each on the replica with the fewest bytes so far (ties to the
+    lower rank).  Returns each rank's items, laid out in its data section (larger elements first,
+    which keeps every tensor aligned to its element size), and the bytes per rank.
     """
-    table = {
-        k: (dtype_name(v.local.dtype), v.shape, v.placement) for k, v in sorted(leaves.items())
-    }
+    load = [0] * layout.world_size
+    jobs = []
+    for key, (dt, shape, placement) in sorted(table.items()):
+        itemsize = dtype_info(dt).itemsize
+        parts = {p.dim: p.parts for _, p in placement if isinstance(p, Shard)}
+        for offsets, sizes, replicas in unique_chunks(shape, placement, layout):
+            nbytes = math.prod(sizes) * math.prod(parts.values()) * itemsize
+            if nbytes:
+                local = tuple(s * parts.get(d, 1) for d, s in enumerate(sizes))
+                jobs.append((-nbytes, key, offsets, sizes, local, replicas, itemsize))
+    jobs.sort(key=lambda j: (j[0], j[1], j[2]))
+    chosen: dict[int, list] = {}
+    for neg, key, offsets, sizes, local, replicas, itemsize in jobs:
+        writer = min(replicas, key=lambda r: (load[r], r))
+        load[writer] -= neg
+        chosen.setdefault(writer, []).append((itemsize, key, offsets, sizes, local, -neg))
+    out = {}
+    for rank, mine in chosen.items():
+        items, pos = [], 0
+        for _itemsize, key, offsets, sizes, local, n in sorted(mine, key=lambda m: (-m[0], m[1])):
+            items.append(WriteItem(key, table[key][0], local, offsets, sizes, pos, pos + n))
+            pos += n
+        out[rank] = tuple(items)
+    return out, tuple(load)
+
+
+def plan_writes(leaves: Mapping[str, TensorLeaf], layout: Layout, rank: int) -> WritePlan:
+    """What ``rank`` writes of ``leaves`` (see :func:`assign_writers`)."""
+    table = tensor_table(leaves)
     digest = hashlib.sha256(
         json.dumps(
             [[k, d, list(s), placement_to_json(p)] for k, (d, s, p) in table.items()]
         ).encode()
     ).hexdigest()
-    load = [0] * layout.world_size
-    mine: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
-    jobs = []
-    for key, (dt, shape, placement) in table.items():
-        itemsize = dtype_info(dt).itemsize
-        parts = math.prod(
-            {p.dim: p.parts for _, p in placement if hasattr(p, "parts")}.values() or [1]
-        )
-        for offsets, sizes, replicas in unique_chunks(shape, placement, layout):
-            nbytes = math.prod(sizes) * parts * itemsize
-            if nbytes:
-                jobs.append((-nbytes, key, offsets, sizes, replicas, nbytes, itemsize))
-    jobs.sort(key=lambda j: (j[0], j[1], j[2]))
-    for _, key, offsets, sizes, replicas, nbytes, itemsize in jobs:
-        writer = min(replicas, key=lambda r: (load[r], r))
-        load[writer] += nbytes
-        if writer == rank:
-            mine.append((key, offsets, sizes, itemsize))
-    # Larger elements first keeps every tensor aligned to its element size inside the buffer.
-    mine.sort(key=lambda m: (-m[3], m[0]))
-    items, pos = [], 0
-    for key, offsets, sizes, _ in mine:
-        leaf = leaves[key]
-        n = leaf.nbytes
-        items.append(
-            WriteItem(key, table[key][0], tuple(leaf.local.shape), offsets, sizes, pos, pos + n)
-        )
-        pos += n
-    return WritePlan(rank, tuple(items), pos, table, digest, tuple(load))
+    per_rank, load = assign_writers(table, layout)
+    items = per_rank.get(rank, ())
+    return WritePlan(rank, items, items[-1].end if items else 0, table, digest, load)
 
 
 class Stager:

@@ -172,8 +172,18 @@ def test_command_line_launches_ranks_through_torchrun(tmp_path):
 
 def test_zero_with_uneven_shards_over_three_replicas(tmp_path):
     ref = run_distributed(run_train, 1, {"steps": 5, "global_batch": 6})[0]
-    got = run_distributed(run_train, 3, {"steps": 5, "global_batch": 6, "dp": 3, "zero": True,
-                                         "save_every": 5, "ckpt": str(tmp_path)})[0]
+    got = run_distributed(
+        run_train,
+        3,
+        {
+            "steps": 5,
+            "global_batch": 6,
+            "dp": 3,
+            "zero": True,
+            "save_every": 5,
+            "ckpt": str(tmp_path),
+        },
+    )[0]
     assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=CURVE_RTOL, atol=0)
     from resilient import Checkpointer
 
