@@ -232,19 +232,20 @@ class Storage:
     def write_file(
         self,
         rel: str,
-        parts: Iterable[memoryview | bytes],
+        parts: Iterable[memoryview | bytes] | Callable[[], Iterable[memoryview | bytes]],
         *,
         fsync: bool = True,
         on_written: Callable[[], None] | None = None,
     ) -> int:
         """Stream ``parts`` into a new file at ``rel`` (replacing it) and make it durable.
 
-        ``on_written`` runs once, after the bytes are handed to the filesystem and before the
-        flush that makes them durable (fsync, or the final upload), so CPU work such as
-        checksumming overlaps the wait for the disk.  The retry unit is the whole file: a partly
-        written file is simply rewritten.
+        ``parts`` is a list, or a function returning a fresh iterable (a stream too large to hold,
+        regenerated if the write is retried).  ``on_written`` runs once, after the bytes are handed
+        to the filesystem and before the flush that makes them durable (fsync, or the final
+        upload), so CPU work such as checksumming overlaps the wait for the disk.  The retry unit
+        is the whole file: a partly written file is simply rewritten.
         """
-        parts = list(parts)
+        make_parts = parts if callable(parts) else (lambda fixed=list(parts): fixed)
         hook = [on_written]
 
         def written() -> None:
@@ -256,7 +257,7 @@ class Storage:
             n = 0
             fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                for p in parts:
+                for p in make_parts():
                     mv = memoryview(p).cast("B")
                     while mv:
                         w = os.write(fd, mv)
@@ -272,7 +273,7 @@ class Storage:
         def write_fs() -> int:
             n = 0
             with self.fs.open(self.path(rel), "wb") as f:
-                for p in parts:
+                for p in make_parts():
                     n += len(memoryview(p).cast("B"))
                     f.write(p)
                 written()

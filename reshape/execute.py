@@ -1,0 +1,242 @@
+"""Executing a conversion plan: stream bytes from the source checkpoint into the target's files.
+
+Per target rank file, a producer thread fills batches of target chunks (ranged reads of only the
+spans the plan names, every block verified, overlaps copied into place) while this thread writes
+the previous batch, so reads and writes overlap.  Memory stays at a few batches of at most
+``max(largest chunk, 8 MiB)`` bytes.  The target is committed like a save: every rank file is
+written and made durable, then MANIFEST.json is published atomically, so an interrupted conversion
+leaves no committed target.  The result is an ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from resilient.checkpoint.codec import block_checksums, safetensors_header
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    dtype_info,
+    manifest_to_bytes,
+    step_dir_name,
+)
+from resilient.checkpoint.reader import execute_reads, read_manifest
+from resilient.checkpoint.retention import committed_steps, step_dirs
+from resilient.checkpoint.storage import Storage
+from resilient.errors import CheckpointNotFoundError, ResilientError
+from reshape.plan import ConversionPlan, TargetChunk, plan, target_layout
+
+__all__ = ["ConvertReport", "DestinationExistsError", "resolve_step", "convert", "stream_chunks"]
+
+MIN_BATCH_BYTES = 8 << 20
+
+
+class DestinationExistsError(ResilientError, FileExistsError):
+    """The destination already holds a checkpoint and --overwrite was not given."""
+
+
+@dataclass
+class ConvertReport:
+    step: int
+    source: str
+    target: str
+    source_layout: list
+    target_layout: list
+    files: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    read_amplification: float
+    largest_chunk_bytes: int
+    batch_bytes: int
+    per_rank: dict[int, dict[str, int]] = field(default_factory=dict)
+
+
+def resolve_step(storage: Storage, step: int | None) -> int:
+    steps = committed_steps(storage)
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}; check the URL")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint under {storage.url}; committed steps: "
+            f"{', '.join(map(str, steps[-10:]))}"
+        )
+    return step
+
+
+def stream_chunks(
+    source: Storage,
+    manifest: Manifest,
+    chunks: list[TargetChunk],
+    budget: int,
+    checksums: dict[str, list[int]] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[memoryview]:
+    """The data section of a target file, batch by batch, filled by a producer thread."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def put(x) -> None:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            for batch in _batches(chunks, budget):
+                base = batch[0].item.begin
+                buf = torch.empty(batch[-1].item.end - base, dtype=torch.uint8)
+                dests = {}
+                for c in batch:
+                    info = dtype_info(c.item.dtype)
+                    dests[c.item.key] = buf[c.item.begin - base : c.item.end - base].view(info.torch_dtype).view(
+                        c.item.local_shape)
+                execute_reads(source, manifest, [r for c in batch for r in c.reads], dests,
+                              max_inflight_bytes=budget)
+                mv = memoryview(buf.numpy())
+                if checksums is not None:
+                    for c in batch:
+                        checksums[c.item.key] = block_checksums(
+                            mv[c.item.begin - base : c.item.end - base], manifest.block_bytes)
+                put(mv)
+            put(None)
+        except BaseException as e:  # handed to the writing thread, which raises it
+            put(e)
+
+    producer = threading.Thread(target=produce, name="reshape-read", daemon=True)
+    producer.start()
+    try:
+        while True:
+            x = q.get()
+            if x is None:
+                break
+            if isinstance(x, BaseException):
+                raise x
+            yield x
+            if on_bytes is not None:
+                on_bytes(len(x))
+    finally:
+        stop.set()
+        producer.join()
+
+
+def _batches(chunks: list[TargetChunk], budget: int) -> Iterator[list[TargetChunk]]:
+    batch: list[TargetChunk] = []
+    for c in chunks:
+        if batch and c.item.end - batch[0].item.begin > budget:
+            yield batch
+            batch = []
+        batch.append(c)
+    if batch:
+        yield batch
+
+
+def convert(
+    src: str,
+    dst: str,
+    sizes: dict[str, int | None],
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    src_options: dict | None = None,
+    dst_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ConvertReport:
+    """Convert ``src`` (one committed step) into ``dst`` in the layout ``sizes`` asks for."""
+    t0 = time.perf_counter()
+    source = Storage(src, src_options)
+    destination = Storage(dst, dst_options)
+    if source.url.rstrip("/") == destination.url.rstrip("/"):
+        raise DestinationExistsError(f"the destination {dst} is the source; convert into another URL")
+    step = resolve_step(source, step)
+    manifest = read_manifest(source, step)
+    layout = target_layout(manifest.layout, sizes)
+    conversion = plan(manifest, layout)  # raises LayoutError before anything is written
+    step_rel = step_dir_name(step)
+    existing = sorted(step_dirs(destination))
+    if existing and not overwrite:
+        raise DestinationExistsError(
+            f"the destination {destination.url} already holds checkpoint steps {existing[-10:]}; pass "
+            f"--overwrite to replace step {step} there, or choose an empty destination"
+        )
+    if step in existing:
+        destination.remove(f"{step_rel}/{MANIFEST_NAME}")  # uncommit first: never half-replaced
+        destination.remove_tree(step_rel)
+    destination.makedirs(step_rel)
+    budget = max(conversion.largest_chunk_bytes, MIN_BATCH_BYTES)
+    entries: dict[str, list[ChunkEntry]] = {k: [] for k in manifest.tensors}
+    files: dict[str, FileEntry] = {}
+    per_rank: dict[int, dict[str, int]] = {}
+    bytes_read = 0
+    for rank in range(layout.world_size):
+        chunks = conversion.for_rank(rank)
+        if not chunks:
+            continue
+        file = chunks[0].file
+        header = safetensors_header(
+            [(c.item.key, dtype_info(c.item.dtype).safetensors, c.item.local_shape, c.item.begin, c.item.end)
+             for c in chunks],
+            {"format": "resilient-v1", "step": str(step)},
+        )
+        checksums: dict[str, list[int]] = {}
+
+        def parts(chunks=chunks, header=header, checksums=checksums):
+            yield header
+            yield from stream_chunks(source, manifest, chunks, budget, checksums, progress)
+
+        size = destination.write_file(f"{step_rel}/{file}", parts)
+        files[file] = FileEntry(rank=rank, size_bytes=size)
+        for c in chunks:
+            it = c.item
+            entries[it.key].append(ChunkEntry(
+                offsets=it.offsets, sizes=it.sizes, file=file, name=it.key,
+                byte_range=(len(header) + it.begin, len(header) + it.end),
+                checksums=tuple(checksums[it.key]), codec="none", raw_bytes=it.end - it.begin))
+        read = conversion.bytes_read(rank)
+        bytes_read += read
+        per_rank[rank] = {"bytes_read": read, "bytes_written": size}
+    target = Manifest(
+        step=step, layout=layout,
+        tensors={k: TensorEntry(t.dtype, t.shape, t.placement, tuple(sorted(entries[k], key=lambda c: c.offsets)))
+                 for k, t in manifest.tensors.items()},
+        files=files, extras=manifest.extras,
+        rank_extras={r: v for r, v in manifest.rank_extras.items() if r < layout.world_size},
+        block_bytes=manifest.block_bytes, created_unix_s=time.time(),
+        toolkit_version=_version(),
+    )
+    target.validate()
+    destination.sync_dir(step_rel)
+    destination.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(target))
+    return ConvertReport(
+        step=step, source=source.url, target=destination.url, source_layout=manifest.layout.to_json(),
+        target_layout=layout.to_json(), files=len(files), bytes_read=bytes_read,
+        bytes_written=sum(f.size_bytes for f in files.values()), seconds=time.perf_counter() - t0,
+        read_amplification=conversion.read_amplification, largest_chunk_bytes=conversion.largest_chunk_bytes,
+        batch_bytes=budget, per_rank=per_rank,
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("resilient")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_ = ConversionPlan
