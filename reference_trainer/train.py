@@ -24,7 +24,7 @@ from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
 from resilient import Checkpointer
 
-__all__ = ["train", "lr_at", "resolve_device"]
+__all__ = ["train", "evaluate", "lr_at", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,42 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if ck is not None:
             ck.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+def evaluate(
+    cfg: TrainConfig, *, step: int | None = None, batch_step: int = 1_000_000
+) -> torch.Tensor:
+    """Logits of the whole global batch of ``batch_step`` from the model of checkpoint ``step``.
+
+    Loads only the model (resharded to ``cfg``'s layout if needed), runs one forward pass, and
+    gathers every data replica's logits; every rank returns the full (B, T, V) tensor on the CPU.
+    """
+    device = resolve_device(cfg.device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cfg = cfg.with_(world_size=dist.get_world_size())
+    pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
+    model = MoETransformer(cfg.model, pc).to(device)
+    init_parameters(model, pc, cfg.seed)
+    with Checkpointer(cfg.ckpt, layout=pc.layout) as ck:
+        ck.load({"model": model}, step=step)
+    loader = Loader(
+        load_tokens(cfg.data),
+        seq_len=cfg.model.seq_len,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+        replica=pc.data_replica,
+        num_replicas=cfg.data_replicas,
+    )
+    x, _ = loader.batch(batch_step)
+    with torch.no_grad():
+        logits, _ = model(x.to(device))
+    logits = logits.float().contiguous()
+    if cfg.data_replicas == 1:
+        return logits.cpu()
+    parts = [torch.empty_like(logits) for _ in range(cfg.data_replicas)]
+    dist.all_gather(parts, logits, group=pc.dense_dp_group)
+    return torch.cat(parts).cpu()
 
 
 def _global_mean(x: torch.Tensor, pc: ParallelContext) -> float:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reshape.plan import TargetChunk, plan, target_layout
 from resilient.checkpoint.codec import block_checksums, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -33,7 +34,6 @@ from resilient.checkpoint.reader import execute_reads, read_manifest
 from resilient.checkpoint.retention import committed_steps, step_dirs
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointNotFoundError, ResilientError
-from reshape.plan import ConversionPlan, TargetChunk, plan, target_layout
 
 __all__ = ["ConvertReport", "DestinationExistsError", "resolve_step", "convert", "stream_chunks"]
 
@@ -82,8 +82,11 @@ def stream_chunks(
     budget: int,
     checksums: dict[str, list[int]] | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    read_bytes: list[int] | None = None,
 ) -> Iterator[memoryview]:
-    """The data section of a target file, batch by batch, filled by a producer thread."""
+    """The data section of a target file, batch by batch, filled by a producer thread.
+
+    ``read_bytes[0]`` accumulates the bytes actually read from the source."""
     q: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -103,15 +106,24 @@ def stream_chunks(
                 dests = {}
                 for c in batch:
                     info = dtype_info(c.item.dtype)
-                    dests[c.item.key] = buf[c.item.begin - base : c.item.end - base].view(info.torch_dtype).view(
-                        c.item.local_shape)
-                execute_reads(source, manifest, [r for c in batch for r in c.reads], dests,
-                              max_inflight_bytes=budget)
+                    dests[c.item.key] = (
+                        buf[c.item.begin - base : c.item.end - base]
+                        .view(info.torch_dtype)
+                        .view(c.item.local_shape)
+                    )
+                execute_reads(
+                    source,
+                    manifest,
+                    [r for c in batch for r in c.reads],
+                    dests,
+                    max_inflight_bytes=budget,
+                )
                 mv = memoryview(buf.numpy())
                 if checksums is not None:
                     for c in batch:
                         checksums[c.item.key] = block_checksums(
-                            mv[c.item.begin - base : c.item.end - base], manifest.block_bytes)
+                            mv[c.item.begin - base : c.item.end - base], manifest.block_bytes
+                        )
                 put(mv)
             put(None)
         except BaseException as e:  # handed to the writing thread, which raises it
@@ -161,7 +173,9 @@ def convert(
     source = Storage(src, src_options)
     destination = Storage(dst, dst_options)
     if source.url.rstrip("/") == destination.url.rstrip("/"):
-        raise DestinationExistsError(f"the destination {dst} is the source; convert into another URL")
+        raise DestinationExistsError(
+            f"the destination {dst} is the source; convert into another URL"
+        )
     step = resolve_step(source, step)
     manifest = read_manifest(source, step)
     layout = target_layout(manifest.layout, sizes)
@@ -188,45 +202,77 @@ def convert(
             continue
         file = chunks[0].file
         header = safetensors_header(
-            [(c.item.key, dtype_info(c.item.dtype).safetensors, c.item.local_shape, c.item.begin, c.item.end)
-             for c in chunks],
+            [
+                (
+                    c.item.key,
+                    dtype_info(c.item.dtype).safetensors,
+                    c.item.local_shape,
+                    c.item.begin,
+                    c.item.end,
+                )
+                for c in chunks
+            ],
             {"format": "resilient-v1", "step": str(step)},
         )
         checksums: dict[str, list[int]] = {}
+        read = [0]
 
-        def parts(chunks=chunks, header=header, checksums=checksums):
+        def parts(chunks=chunks, header=header, checksums=checksums, read=read):
+            read[0] = 0  # a retried write reads again
             yield header
-            yield from stream_chunks(source, manifest, chunks, budget, checksums, progress)
+            yield from stream_chunks(source, manifest, chunks, budget, checksums, progress, read)
 
         size = destination.write_file(f"{step_rel}/{file}", parts)
         files[file] = FileEntry(rank=rank, size_bytes=size)
         for c in chunks:
             it = c.item
-            entries[it.key].append(ChunkEntry(
-                offsets=it.offsets, sizes=it.sizes, file=file, name=it.key,
-                byte_range=(len(header) + it.begin, len(header) + it.end),
-                checksums=tuple(checksums[it.key]), codec="none", raw_bytes=it.end - it.begin))
-        read = conversion.bytes_read(rank)
-        bytes_read += read
-        per_rank[rank] = {"bytes_read": read, "bytes_written": size}
+            entries[it.key].append(
+                ChunkEntry(
+                    offsets=it.offsets,
+                    sizes=it.sizes,
+                    file=file,
+                    name=it.key,
+                    byte_range=(len(header) + it.begin, len(header) + it.end),
+                    checksums=tuple(checksums[it.key]),
+                    codec="none",
+                    raw_bytes=it.end - it.begin,
+                )
+            )
+        bytes_read += read[0]
+        per_rank[rank] = {"bytes_read": read[0], "bytes_written": size}
     target = Manifest(
-        step=step, layout=layout,
-        tensors={k: TensorEntry(t.dtype, t.shape, t.placement, tuple(sorted(entries[k], key=lambda c: c.offsets)))
-                 for k, t in manifest.tensors.items()},
-        files=files, extras=manifest.extras,
+        step=step,
+        layout=layout,
+        tensors={
+            k: TensorEntry(
+                t.dtype, t.shape, t.placement, tuple(sorted(entries[k], key=lambda c: c.offsets))
+            )
+            for k, t in manifest.tensors.items()
+        },
+        files=files,
+        extras=manifest.extras,
         rank_extras={r: v for r, v in manifest.rank_extras.items() if r < layout.world_size},
-        block_bytes=manifest.block_bytes, created_unix_s=time.time(),
+        block_bytes=manifest.block_bytes,
+        created_unix_s=time.time(),
         toolkit_version=_version(),
     )
     target.validate()
     destination.sync_dir(step_rel)
     destination.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(target))
     return ConvertReport(
-        step=step, source=source.url, target=destination.url, source_layout=manifest.layout.to_json(),
-        target_layout=layout.to_json(), files=len(files), bytes_read=bytes_read,
-        bytes_written=sum(f.size_bytes for f in files.values()), seconds=time.perf_counter() - t0,
-        read_amplification=conversion.read_amplification, largest_chunk_bytes=conversion.largest_chunk_bytes,
-        batch_bytes=budget, per_rank=per_rank,
+        step=step,
+        source=source.url,
+        target=destination.url,
+        source_layout=manifest.layout.to_json(),
+        target_layout=layout.to_json(),
+        files=len(files),
+        bytes_read=bytes_read,
+        bytes_written=sum(f.size_bytes for f in files.values()),
+        seconds=time.perf_counter() - t0,
+        read_amplification=conversion.read_amplification,
+        largest_chunk_bytes=conversion.largest_chunk_bytes,
+        batch_bytes=budget,
+        per_rank=per_rank,
     )
 
 
@@ -237,6 +283,3 @@ def _version() -> str:
         return version("resilient")
     except PackageNotFoundError:
         return "unknown"
-
-
-_ = ConversionPlan

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from reshape.execute import DestinationExistsError, resolve_step
 from resilient.checkpoint.codec import safetensors_header
 from resilient.checkpoint.format import DTYPES, dtype_info
 from resilient.checkpoint.reader import execute_reads, plan_tensor_reads, read_manifest
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StateMismatchError
 from resilient.layout import normalize_placement
-from reshape.execute import DestinationExistsError, resolve_step
 
 __all__ = ["ExportReport", "export_hf", "parse_size"]
 
@@ -44,7 +44,9 @@ def parse_size(text: str) -> int:
     """``5GB``, ``500MB``, ``1.5GiB``, ``1000`` -> bytes."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit such as 5GB or 500MiB")
+        raise ValueError(
+            f"size {text!r}: expected a number with an optional unit such as 5GB or 500MiB"
+        )
     value, unit = float(m.group(1)), m.group(2).upper().rstrip("B")
     base = 1024 if unit.endswith("I") else 1000
     power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
@@ -69,7 +71,9 @@ def export_hf(
     manifest = read_manifest(source, step)
     keys = sorted(k for k in manifest.tensors if k.startswith("model."))
     if not keys:
-        raise StateMismatchError(f"step {step} of {source.url} has no tensors under 'model.'; nothing to export")
+        raise StateMismatchError(
+            f"step {step} of {source.url} has no tensors under 'model.'; nothing to export"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {sorted(DTYPES)}")
     out_dtype = {k: dtype or manifest.tensors[k].dtype for k in keys}
@@ -85,7 +89,11 @@ def export_hf(
     shards: list[list[str]] = [[]]
     size = 0
     for k in keys:
-        n = manifest.tensors[k].nbytes // dtype_info(manifest.tensors[k].dtype).itemsize * dtype_info(out_dtype[k]).itemsize
+        n = (
+            manifest.tensors[k].nbytes
+            // dtype_info(manifest.tensors[k].dtype).itemsize
+            * dtype_info(out_dtype[k]).itemsize
+        )
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -109,8 +117,14 @@ def export_hf(
             for k in shard:
                 t = manifest.tensors[k]
                 whole = torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype)
-                reads = plan_tensor_reads(k, t, normalize_placement(None, manifest.layout),
-                                          (0,) * len(t.shape), tuple(t.shape), manifest.block_bytes)
+                reads = plan_tensor_reads(
+                    k,
+                    t,
+                    normalize_placement(None, manifest.layout),
+                    (0,) * len(t.shape),
+                    tuple(t.shape),
+                    manifest.block_bytes,
+                )
                 execute_reads(source, manifest, reads, {k: whole})
                 cast = whole.to(dtype_info(out_dtype[k]).torch_dtype).contiguous()
                 data = memoryview(cast.reshape(-1).view(torch.uint8).numpy())
@@ -119,6 +133,9 @@ def export_hf(
                     progress(len(data))
 
         dest.write_file(name, parts)
-    index = {"metadata": {"total_size": total, "step": step, "source": source.url}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": total, "step": step, "source": source.url},
+        "weight_map": weight_map,
+    }
     dest.write_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
     return ExportReport(step, dest.url, names, len(keys), total, dtype, time.perf_counter() - t0)

@@ -77,16 +77,30 @@ class ConversionPlan:
     @property
     def copy_items(self) -> list[CopyItem]:
         return [
-            CopyItem(r.key, r.chunk.file, r.span, c.rank, c.file, c.item.offsets, r.overlap.offsets,
-                     r.overlap.sizes)
-            for c in self.chunks for r in c.reads
+            CopyItem(
+                r.key,
+                r.chunk.file,
+                r.span,
+                c.rank,
+                c.file,
+                c.item.offsets,
+                r.overlap.offsets,
+                r.overlap.sizes,
+            )
+            for c in self.chunks
+            for r in c.reads
         ]
 
     def bytes_written(self, rank: int | None = None) -> int:
         return sum(c.nbytes for c in self.chunks if rank is None or c.rank == rank)
 
     def bytes_read(self, rank: int | None = None) -> int:
-        return sum(b - a for c in self.chunks if rank is None or c.rank == rank for _, a, b in c.read_ranges)
+        return sum(
+            b - a
+            for c in self.chunks
+            if rank is None or c.rank == rank
+            for _, a, b in c.read_ranges
+        )
 
     @property
     def read_amplification(self) -> float:
@@ -119,7 +133,11 @@ def check_fits(manifest: Manifest, target: Layout) -> None:
         if not key.startswith("model."):
             continue
         for dim in {p.dim for _, p in t.placement if isinstance(p, Shard)}:
-            axes = [a for a, p in t.placement if isinstance(p, Shard) and p.dim == dim and a in EVEN_AXES]
+            axes = [
+                a
+                for a, p in t.placement
+                if isinstance(p, Shard) and p.dim == dim and a in EVEN_AXES
+            ]
             if not axes:
                 continue
             extent = t.shape[dim] // parts.get(dim, 1)
@@ -145,7 +163,8 @@ def plan(manifest: Manifest, target: Layout) -> ConversionPlan:
     for rank in sorted(per_rank):
         for item in per_rank[rank]:
             entry: TensorEntry = manifest.tensors[item.key]
-            reads = plan_tensor_reads(item.key, entry, entry.placement, item.offsets, item.sizes,
-                                      manifest.block_bytes)
+            reads = plan_tensor_reads(
+                item.key, entry, entry.placement, item.offsets, item.sizes, manifest.block_bytes
+            )
             chunks.append(TargetChunk(rank, rank_file_name(rank), item, tuple(reads)))
     return ConversionPlan(manifest.step, manifest.layout, target, tuple(chunks))

@@ -29,7 +29,7 @@ from tenacity import (
     wait_random,
 )
 
-from resilient.errors import StorageError
+from resilient.errors import ResilientError, StorageError
 
 __all__ = ["RetryPolicy", "Storage", "is_transient"]
 
@@ -55,7 +55,7 @@ _PERMANENT_ERRNOS = {
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a storage error is worth retrying (network hiccups, throttling, timeouts)."""
-    if isinstance(exc, StorageError):
+    if isinstance(exc, ResilientError):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
@@ -174,8 +174,8 @@ class Storage:
         start = time.monotonic()
         try:
             return retrying(fn)
-        except StorageError:
-            raise
+        except ResilientError:
+            raise  # not a storage failure: e.g. corrupt bytes found while streaming a write
         except Exception as e:
             attempts = retrying.statistics.get("attempt_number", 1)
             why = "kept failing" if is_transient(e) else "failed"

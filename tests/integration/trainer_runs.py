@@ -37,3 +37,15 @@ def gather_checkpoint(url: str, step: int | None = None) -> dict[str, torch.Tens
         }
         ck.load(state, step=step)
     return state
+
+
+def run_evaluate(rank, world, kwargs):
+    import warnings
+
+    from reference_trainer.config import TrainConfig, preset
+    from reference_trainer.train import evaluate
+
+    warnings.simplefilter("ignore")
+    step = kwargs.pop("step", None)
+    cfg = TrainConfig(model=preset(kwargs.pop("preset", "tiny")), **kwargs)
+    return evaluate(cfg, step=step)

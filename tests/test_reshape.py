@@ -1,0 +1,256 @@
+"""reshape: the pure plan (no files), conversions between every pair of layouts, export, CLI."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from reshape.cli import app
+from reshape.execute import DestinationExistsError, convert
+from reshape.export import export_hf, parse_size
+from reshape.plan import plan, target_layout
+from resilient import Checkpointer, Layout, Shard
+from resilient.checkpoint.format import ChunkEntry, FileEntry, Manifest, TensorEntry, rank_file_name
+from resilient.checkpoint.writer import assign_writers
+from resilient.errors import CheckpointCorruptError, LayoutError, StorageError
+from resilient.layout import normalize_placement
+from tests.ckpt_sim import distribute, load_world, local_chunk, save_world
+from tests.test_resharding import LAYOUTS, zoo
+
+runner = CliRunner()
+
+
+def fake_manifest(table: dict, layout: Layout, block: int = 4096) -> Manifest:
+    """A consistent manifest with no files behind it: enough for the pure planner."""
+    per_rank, _ = assign_writers(table, layout)
+    tensors, files = {}, {}
+    chunks = {k: [] for k in table}
+    for rank, items in per_rank.items():
+        name = rank_file_name(rank)
+        for it in items:
+            n = it.end - it.begin
+            chunks[it.key].append(
+                ChunkEntry(
+                    it.offsets,
+                    it.sizes,
+                    name,
+                    it.key,
+                    (it.begin, it.end),
+                    (0,) * -(-n // block),
+                    "none",
+                    n,
+                )
+            )
+        files[name] = FileEntry(rank, items[-1].end)
+    for k, (dt, shape, pl) in table.items():
+        tensors[k] = TensorEntry(dt, shape, pl, tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+    m = Manifest(step=1, layout=layout, tensors=tensors, files=files, block_bytes=block)
+    m.validate()
+    return m
+
+
+def table_for(layout):
+    def pl(d):
+        return normalize_placement(d, layout)
+
+    return {
+        "model.w": ("float32", (64, 32), pl({"tp": Shard(0)})),
+        "model.qkv": ("bfloat16", (48, 16), pl({"tp": Shard(0, parts=3)})),
+        "model.experts": ("float32", (4, 8, 8), pl({"ep": Shard(0), "tp": Shard(2)})),
+        "optim.z": ("float32", (10, 3), pl({"dp": Shard(0), "ep": Shard(0)})),
+        "norm": ("float32", (16,), pl({})),
+    }
+
+
+def test_plan_is_pure_and_covers_every_target_chunk_once():
+    src = Layout(dp=1, ep=2, tp=2)
+    m = fake_manifest(table_for(src), src)
+    for sizes in (
+        {"dp": 3, "ep": 1, "tp": 1},
+        {"dp": 1, "ep": 4, "tp": 1},
+        {"dp": 2, "ep": 2, "tp": 2},
+    ):
+        target = target_layout(src, sizes)
+        p = plan(m, target)
+        assert p == plan(m, target)  # deterministic, and frozen dataclasses compare by value
+        for key, (_, shape, _placement) in table_for(target).items():
+            chunks = [c for c in p.chunks if c.item.key == key]
+            # every target chunk's overlaps tile it exactly once
+            for c in chunks:
+                assert sum(r.overlap.numel for r in c.reads) == c.reads[0].dst_box.numel
+            assert sum(math.prod(c.item.local_shape) for c in chunks) == math.prod(shape)
+        assert p.bytes_written() == sum(t.nbytes for t in m.tensors.values())
+        assert all(
+            ci.source_file.startswith("rank_") and ci.target_file == rank_file_name(ci.target_rank)
+            for ci in p.copy_items
+        )
+
+
+def test_same_layout_plan_reads_each_chunk_once():
+    lay = Layout(dp=2, ep=1, tp=2)
+    m = fake_manifest(table_for(lay), lay)
+    p = plan(m, lay)
+    assert p.read_amplification == 1.0
+    assert all(len(c.reads) == 1 and c.reads[0].chunk.offsets == c.item.offsets for c in p.chunks)
+
+
+def test_layouts_that_do_not_fit_are_refused_with_the_numbers():
+    src = Layout(dp=1, ep=2, tp=2)
+    m = fake_manifest(table_for(src), src)
+    with pytest.raises(
+        LayoutError,
+        match=r"tensor 'model.experts': dim 0 of size 4 is split by ep=3 = 3 ranks.*one of \[1, 2, 4\]",
+    ):
+        plan(m, target_layout(src, {"ep": 3}))
+    with pytest.raises(
+        LayoutError, match=r"tensor 'model.experts': dim 2 of size 8 is split by tp=3"
+    ):
+        plan(m, target_layout(src, {"tp": 3, "ep": 1}))
+    qkv_only = fake_manifest({"model.qkv": table_for(src)["model.qkv"]}, src)
+    with pytest.raises(
+        LayoutError, match=r"tensor 'model.qkv': dim 0 of size 16 per block is split by tp=3"
+    ):
+        plan(qkv_only, target_layout(src, {"tp": 3, "ep": 1}))
+    with pytest.raises(LayoutError, match=r"has no axes \['pp'\]"):
+        target_layout(src, {"pp": 2})
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    list(itertools.permutations(LAYOUTS[1:], 2)),
+    ids=lambda lay: "x".join(map(str, lay.sizes)),
+)
+def test_convert_every_pair_bit_for_bit(tmp_path, src, dst):
+    z = zoo()
+    globals_ = {k: v[0] for k, v in z.items()}
+    placements = {k: v[1] for k, v in z.items()}
+    save_world(
+        str(tmp_path / "src"),
+        7,
+        [distribute(globals_, placements, src, r) for r in range(src.world_size)],
+        src,
+        block_bytes=4096,
+    )
+    sizes = dict(zip(dst.names, dst.sizes))
+    report = convert(str(tmp_path / "src"), str(tmp_path / "dst"), sizes)
+    assert report.target_layout == dst.to_json()
+    with Checkpointer(str(tmp_path / "dst")) as ck:
+        assert ck.steps() == [7] and ck.verify(7).ok and ck.manifest().layout == dst
+    # the target loads in its own layout like any checkpoint, and holds the same global tensors
+    targets = [
+        distribute({k: torch.zeros_like(v) for k, v in globals_.items()}, placements, dst, r)
+        for r in range(dst.world_size)
+    ]
+    load_world(str(tmp_path / "dst"), 7, targets, dst)
+    for r, state in enumerate(targets):
+        for k, g in globals_.items():
+            assert torch.equal(state[k], local_chunk(g, placements[k], dst, r)), (k, r)
+
+
+def _saved(tmp_path, layout=Layout(dp=1, ep=2, tp=2)):
+    g = {
+        "model.w": torch.arange(4096.0).reshape(64, 64),
+        "model.e": torch.randn(4, 8, 16).bfloat16(),
+        "optim.m": torch.arange(30.0),
+    }
+    pl = {
+        "model.w": {"tp": Shard(0)},
+        "model.e": {"ep": Shard(0)},
+        "optim.m": {"dp": Shard(0), "ep": Shard(0)},
+    }
+    save_world(
+        str(tmp_path / "src"),
+        5,
+        [distribute(g, pl, layout, r) for r in range(layout.world_size)],
+        layout,
+    )
+    return g
+
+
+def test_export_hf_loads_with_safetensors_and_equals_the_weights(tmp_path):
+    g = _saved(tmp_path)
+    report = export_hf(str(tmp_path / "src"), str(tmp_path / "hf"), max_shard_bytes=10_000)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"model.w", "model.e"} and len(report.files) == 2
+    loaded = {}
+    for f in report.files:
+        loaded.update(load_file(str(tmp_path / "hf" / f)))
+    assert torch.equal(loaded["model.w"], g["model.w"]) and torch.equal(
+        loaded["model.e"], g["model.e"]
+    )
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * v.element_size() for v in loaded.values()
+    )
+    cast = export_hf(str(tmp_path / "src"), str(tmp_path / "hf16"), dtype="bfloat16")
+    t = load_file(str(tmp_path / "hf16" / cast.files[0]))
+    assert t["model.w"].dtype == torch.bfloat16 and torch.equal(
+        t["model.w"], g["model.w"].bfloat16()
+    )
+    with pytest.raises(DestinationExistsError, match="pass --overwrite"):
+        export_hf(str(tmp_path / "src"), str(tmp_path / "hf"))
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 << 20
+
+
+def test_corrupt_source_names_file_and_tensor(tmp_path):
+    _saved(tmp_path)
+    f = tmp_path / "src" / "step_00000005" / "rank_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"checksum mismatch in .*rank_00000.safetensors, tensor '.*', step 5",
+    ):
+        convert(str(tmp_path / "src"), str(tmp_path / "dst"), {"dp": 1, "ep": 1, "tp": 1})
+    assert Checkpointer(str(tmp_path / "dst")).steps() == []  # nothing committed
+    result = runner.invoke(app, ["verify", str(tmp_path / "src")])
+    assert result.exit_code == 1 and "FAILED" in result.output
+
+
+def test_interrupted_conversion_leaves_no_committed_target(tmp_path):
+    _saved(tmp_path)
+    dst = f"faulty://{tmp_path / 'dst'}"
+    opts = {"faults": [{"op": "write", "error": "permanent", "path": "rank_00001"}]}
+    with pytest.raises(StorageError, match="rank_00001"):
+        convert(str(tmp_path / "src"), dst, {"dp": 2, "ep": 1, "tp": 1}, dst_options=opts)
+    assert Checkpointer(str(tmp_path / "dst")).steps() == []
+    report = convert(
+        str(tmp_path / "src"), str(tmp_path / "dst"), {"dp": 2, "ep": 1, "tp": 1}, overwrite=True
+    )
+    assert report.files == 2 and Checkpointer(str(tmp_path / "dst")).verify(5).ok
+
+
+def test_cli_commands_and_exit_codes(tmp_path):
+    _saved(tmp_path)
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    r = runner.invoke(app, ["inspect", src, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["layout"] == [["dp", 1], ["ep", 2], ["tp", 2]]
+    r = runner.invoke(app, ["inspect", src])
+    assert r.exit_code == 0 and "model.w" in r.output and "tp:0" in r.output
+    r = runner.invoke(app, ["plan", src, "--tp", "1", "--ep", "1", "--dp", "2", "--json"])
+    out = json.loads(r.output)
+    assert r.exit_code == 0 and out["read_amplification"] >= 1.0 and set(out["ranks"]) == {"0", "1"}
+    assert runner.invoke(app, ["convert", src, dst, "--tp", "4", "--ep", "1"]).exit_code == 0
+    r = runner.invoke(app, ["convert", src, dst, "--tp", "4", "--ep", "1"])
+    assert r.exit_code == 2 and "already holds checkpoint steps [5]" in r.output
+    assert (
+        runner.invoke(app, ["convert", src, dst, "--tp", "4", "--ep", "1", "--overwrite"]).exit_code
+        == 0
+    )
+    r = runner.invoke(app, ["verify", dst, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"]
+    r = runner.invoke(app, ["convert", src, str(tmp_path / "x"), "--ep", "3"])
+    assert r.exit_code == 2 and "does not divide it evenly" in r.output
+    r = runner.invoke(app, ["inspect", src, "--step", "9"])
+    assert r.exit_code == 2 and "committed steps: 5" in r.output
+    r = runner.invoke(app, ["export", src, str(tmp_path / "hf"), "--format", "onnx"])
+    assert r.exit_code == 2 and "the only format is 'hf'" in r.output
+    r = runner.invoke(
+        app, ["export", src, str(tmp_path / "hf"), "--format", "hf", "--dtype", "bfloat16"]
+    )
+    assert r.exit_code == 0 and (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert runner.invoke(app, ["convert", src]).exit_code == 2  # typer: missing argument
