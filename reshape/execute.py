@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -86,61 +87,64 @@ def stream_chunks(
 ) -> Iterator[memoryview]:
     """The data section of a target file, batch by batch, filled by a producer thread.
 
-    ``read_bytes[0]`` accumulates the bytes actually read from the source."""
-    q: queue.Queue = queue.Queue(maxsize=2)
+    Two batch buffers of ``budget`` bytes take turns: the producer fills one (with at most
+    ``budget`` bytes of source reads in flight) while the caller writes the other.
+    ``read_bytes[0]`` accumulates the bytes actually read from the source.
+    """
+    free: queue.Queue = queue.Queue()
+    for _ in range(2):
+        free.put(torch.empty(budget, dtype=torch.uint8))
+    full: queue.Queue = queue.Queue()
     stop = threading.Event()
 
-    def put(x) -> None:
+    def take_free():
         while not stop.is_set():
             try:
-                q.put(x, timeout=0.1)
-                return
-            except queue.Full:
+                return free.get(timeout=0.1)
+            except queue.Empty:
                 continue
+        return None
 
     def produce() -> None:
         try:
             for batch in _batches(chunks, budget):
+                buf = take_free()
+                if buf is None:
+                    return
                 base = batch[0].item.begin
-                buf = torch.empty(batch[-1].item.end - base, dtype=torch.uint8)
                 dests = {}
                 for c in batch:
                     info = dtype_info(c.item.dtype)
-                    dests[c.item.key] = (
-                        buf[c.item.begin - base : c.item.end - base]
-                        .view(info.torch_dtype)
-                        .view(c.item.local_shape)
-                    )
-                execute_reads(
-                    source,
-                    manifest,
-                    [r for c in batch for r in c.reads],
-                    dests,
-                    max_inflight_bytes=budget,
-                )
-                mv = memoryview(buf.numpy())
+                    part = buf[c.item.begin - base : c.item.end - base]
+                    dests[c.item.key] = part.view(info.torch_dtype).view(c.item.local_shape)
+                reads = [r for c in batch for r in c.reads]
+                stats = execute_reads(source, manifest, reads, dests, max_inflight_bytes=budget)
+                if read_bytes is not None:
+                    read_bytes[0] += stats.bytes_read
+                mv = memoryview(buf.numpy())[: batch[-1].item.end - base]
                 if checksums is not None:
                     for c in batch:
-                        checksums[c.item.key] = block_checksums(
-                            mv[c.item.begin - base : c.item.end - base], manifest.block_bytes
-                        )
-                put(mv)
-            put(None)
+                        span = mv[c.item.begin - base : c.item.end - base]
+                        checksums[c.item.key] = block_checksums(span, manifest.block_bytes)
+                full.put((buf, mv))
+            full.put(None)
         except BaseException as e:  # handed to the writing thread, which raises it
-            put(e)
+            full.put(e)
 
     producer = threading.Thread(target=produce, name="reshape-read", daemon=True)
     producer.start()
     try:
         while True:
-            x = q.get()
+            x = full.get()
             if x is None:
                 break
             if isinstance(x, BaseException):
                 raise x
-            yield x
+            buf, mv = x
+            yield mv  # the caller has written it when it asks for the next one
+            free.put(buf)
             if on_bytes is not None:
-                on_bytes(len(x))
+                on_bytes(len(mv))
     finally:
         stop.set()
         producer.join()
@@ -222,7 +226,9 @@ def convert(
             yield header
             yield from stream_chunks(source, manifest, chunks, budget, checksums, progress, read)
 
-        size = destination.write_file(f"{step_rel}/{file}", parts)
+        # durability comes after all files are written (below): the disk flushes one file while
+        # the next is produced, instead of the producer idling through each fsync
+        size = destination.write_file(f"{step_rel}/{file}", parts, fsync=False)
         files[file] = FileEntry(rank=rank, size_bytes=size)
         for c in chunks:
             it = c.item
@@ -257,6 +263,8 @@ def convert(
         toolkit_version=_version(),
     )
     target.validate()
+    with ThreadPoolExecutor(4, thread_name_prefix="reshape-sync") as pool:
+        list(pool.map(lambda f: destination.sync_file(f"{step_rel}/{f}"), files))
     destination.sync_dir(step_rel)
     destination.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(target))
     return ConvertReport(

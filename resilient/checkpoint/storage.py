@@ -304,6 +304,19 @@ class Storage:
             # Object stores make a single PUT visible all at once; memory:// likewise.
             self._call("atomic write", rel, lambda: self.fs.pipe_file(self.path(rel), data))
 
+    def sync_file(self, rel: str) -> None:
+        """Make a file written with ``fsync=False`` durable (a no-op where writes are uploads)."""
+        if self.is_local:
+
+            def sync() -> None:
+                fd = os.open(self.path(rel), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            self._call("sync", rel, sync)
+
     def sync_dir(self, rel: str) -> None:
         """Make directory entries (new files) durable where that means anything."""
         if self.is_local:
