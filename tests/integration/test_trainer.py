@@ -50,6 +50,14 @@ def test_ten_step_curves_agree_across_layouts(curves, name):
     assert torch.allclose(got, ref, rtol=CURVE_RTOL, atol=0), (name, (got - ref).abs().max())
 
 
+def test_top1_routing_as_in_zaya1_agrees_across_layouts():
+    top1 = {"top_k": 1, "shared_expert": False}
+    ref = run_distributed(run_train, 1, {"steps": 3, "global_batch": 8, "model": top1})[0]
+    got = run_distributed(run_train, 4, {"steps": 3, "global_batch": 8, "ep": 2, "tp": 2, "model": top1})[0]
+    assert abs(got[0] - ref[0]) / ref[0] <= 1e-5
+    assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=CURVE_RTOL, atol=0)
+
+
 def test_loss_decreases_on_the_real_corpus(curves):
     losses = run_distributed(run_train, 1, {"steps": 30, "global_batch": 8})[0]
     # byte-level: log(256) = 5.55 at the start; the tiny model learns the bytes of Python quickly

@@ -11,8 +11,11 @@ def run_train(rank, world, kwargs):
     from reference_trainer.config import TrainConfig, preset
     from reference_trainer.train import train
 
+    from dataclasses import replace
+
     warnings.simplefilter("ignore")
-    cfg = TrainConfig(model=preset(kwargs.pop("preset", "tiny")), **kwargs)
+    model = replace(preset(kwargs.pop("preset", "tiny")), **kwargs.pop("model", {}))
+    cfg = TrainConfig(model=model, **kwargs)
     out = train(cfg)
     return out["losses"]
 
