@@ -53,7 +53,9 @@ def test_ten_step_curves_agree_across_layouts(curves, name):
 def test_top1_routing_as_in_zaya1_agrees_across_layouts():
     top1 = {"top_k": 1, "shared_expert": False}
     ref = run_distributed(run_train, 1, {"steps": 3, "global_batch": 8, "model": top1})[0]
-    got = run_distributed(run_train, 4, {"steps": 3, "global_batch": 8, "ep": 2, "tp": 2, "model": top1})[0]
+    got = run_distributed(
+        run_train, 4, {"steps": 3, "global_batch": 8, "ep": 2, "tp": 2, "model": top1}
+    )[0]
     assert abs(got[0] - ref[0]) / ref[0] <= 1e-5
     assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=CURVE_RTOL, atol=0)
 

@@ -7,11 +7,10 @@ import torch
 
 def run_train(rank, world, kwargs):
     import warnings
+    from dataclasses import replace
 
     from reference_trainer.config import TrainConfig, preset
     from reference_trainer.train import train
-
-    from dataclasses import replace
 
     warnings.simplefilter("ignore")
     model = replace(preset(kwargs.pop("preset", "tiny")), **kwargs.pop("model", {}))

@@ -1,0 +1,262 @@
+"""The ``@fault_tolerant`` decorator and ``Run``: auto-resume, periodic async saves, preemption.
+
+``Run`` owns the training loop's contract with the toolkit (DESIGN.md section 5): ``track`` names
+the state and restores the newest committed step (falling back, with a warning, to the step before
+when the newest fails verification); ``steps`` yields the remaining steps, saves asynchronously every
+``save_every`` steps, turns SIGTERM into a synchronous save and a clean exit, and waits for pending
+saves at the end.  RNG states (python, numpy, torch CPU and CUDA) and the step are tracked without
+the user asking.  Failure detection (heartbeats, verdicts) plugs in through ``monitor``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import logging
+import os
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from resilient.checkpoint import Checkpointer
+from resilient.errors import RankFailureError
+from resilient.layout import Layout
+
+__all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE"]
+
+log = logging.getLogger(__name__)
+
+# A preempted run that saved and stopped cleanly exits 0: torchrun must not restart it.
+PREEMPTED_EXIT_CODE = 0
+
+
+class RNGState:
+    """Stateful RNG states of this rank: python, numpy, torch CPU and every CUDA device (JSON)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        np_state = np.random.get_state()
+        sd = {
+            "python": [version, list(internal), gauss],
+            "numpy": [
+                np_state[0],
+                np_state[1].tolist(),
+                int(np_state[2]),
+                int(np_state[3]),
+                float(np_state[4]),
+            ],
+            "torch": _b64(torch.get_rng_state()),
+            "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()]
+            if torch.cuda.is_available()
+            else [],
+        }
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        version, internal, gauss = sd["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = sd["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(_unb64(sd["torch"]))
+        if sd["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(
+                [_unb64(s) for s in sd["cuda"]][: torch.cuda.device_count()]
+            )
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+class Run:
+    """One training run's link to checkpoints, preemption and (later) failure detection."""
+
+    def __init__(
+        self,
+        checkpoint_url: str,
+        *,
+        save_every: int = 100,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        heartbeat_interval_s: float = 1.0,
+        hang_timeout_s: float | None = None,
+        storage_options: dict | None = None,
+        layout: Layout | None = None,
+        monitor: Any | None = None,
+    ) -> None:
+        if save_every < 0:
+            raise ValueError(
+                f"save_every must be >= 0 (0: only at preemption and the end), got {save_every}"
+            )
+        self.url, self.save_every = checkpoint_url, save_every
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.heartbeat_interval_s, self.hang_timeout_s = heartbeat_interval_s, hang_timeout_s
+        self.storage_options = storage_options
+        self.layout = layout
+        self.monitor = monitor
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.step = 0  # the last completed step
+        self.restored_step: int | None = None
+        self.state: dict[str, Any] = {}
+        self.checkpointer: Checkpointer | None = None
+        self._saved_step: int | None = None
+        self._preempt = threading.Event()
+        self._old_handler: Any = None
+        self._install_sigterm()
+
+    # --- state -----------------------------------------------------------------------------------
+    def track(self, *, layout: Layout | None = None, **objects: Any) -> int:
+        """Name the state to checkpoint and restore the newest committed step; returns that step
+        (0 for a fresh run).  Objects: modules, optimizers, loaders, anything Stateful, tensors,
+        JSON values.  ``layout`` describes how the state is split, when it is."""
+        reserved = {"run", "rng"} & set(objects)
+        if reserved:
+            raise ValueError(f"state names {sorted(reserved)} are reserved by Run; rename them")
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(
+                self.url,
+                layout=layout or self.layout,
+                keep_last=self.keep_last,
+                keep_every=self.keep_every,
+                storage_options=self.storage_options,
+            )
+        self.state = {**objects, "run": {"step": 0}, "rng": RNGState()}
+        if self.checkpointer.latest_step() is not None:
+            loaded = self.checkpointer.load(self.state, fallback=True)
+            self.step = int(self.state["run"]["step"])
+            self.restored_step = loaded
+            self._saved_step = self.step
+            if self.rank == 0:
+                log.info("restored step %d from %s", self.step, self.url)
+        return self.step
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps after the restored one up to ``total``; save, watch and handle SIGTERM
+        between them."""
+        if self.checkpointer is None:
+            raise RuntimeError(
+                "call run.track(...) before run.steps(...), so there is state to save"
+            )
+        for step in range(self.step + 1, total + 1):
+            self._check_peers()
+            if self.monitor is not None:
+                self.monitor.progress(step, "train")
+            yield step
+            self.step = step
+            self.state["run"]["step"] = step
+            if self._agree_preempted():
+                self._stop_for_preemption()
+            if self.save_every and step % self.save_every == 0:
+                self.save()
+        self.checkpointer.wait()
+
+    def save(self, *, wait: bool = False) -> None:
+        """Save the tracked state at the current step (asynchronously unless ``wait``)."""
+        assert self.checkpointer is not None
+        if self.monitor is not None:
+            self.monitor.progress(self.step, "checkpoint")
+        handle = self.checkpointer.save(self.step, self.state)
+        self._saved_step = self.step
+        if wait:
+            handle.wait()
+
+    def close(self) -> None:
+        """Wait for pending saves and restore the SIGTERM handler."""
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            if self._old_handler is not None:
+                signal.signal(signal.SIGTERM, self._old_handler)
+                self._old_handler = None
+            if self.monitor is not None:
+                self.monitor.close()
+
+    # --- preemption and peers -----------------------------------------------------------------------
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals are delivered to the main thread only
+
+        def handler(signum, frame):
+            self._preempt.set()
+
+        self._old_handler = signal.signal(signal.SIGTERM, handler)
+
+    def _agree_preempted(self) -> bool:
+        """Whether any rank was told to stop: all ranks stop at the same step boundary."""
+        if not self.distributed or self.world_size == 1:
+            return self._preempt.is_set()
+        flag = torch.tensor([1 if self._preempt.is_set() else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop_for_preemption(self) -> None:
+        if self._saved_step != self.step:
+            self.save(wait=True)
+        self.checkpointer.wait()
+        if self.rank == 0:
+            log.warning("preempted: saved step %d to %s and stopping", self.step, self.url)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def _check_peers(self) -> None:
+        if self.monitor is not None:
+            verdict = self.monitor.verdict()
+            if verdict is not None:
+                raise RankFailureError(str(verdict))
+
+
+def fault_tolerant(
+    checkpoint_url: str,
+    *,
+    save_every: int = 100,
+    keep_last: int = 3,
+    heartbeat_interval_s: float = 1.0,
+    hang_timeout_s: float | None = None,
+    **run_kwargs: Any,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrap ``train(run, ...)``: creates the process group under torchrun (gloo on CPU, nccl on
+    GPU) if the caller has not, hands the function a ``Run``, and closes it at the end.  Works in a
+    single process without torchrun too."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def runner(*args: Any, **kwargs: Any) -> Any:
+            created = False
+            if (
+                int(os.environ.get("WORLD_SIZE", "1")) > 1
+                and dist.is_available()
+                and not dist.is_initialized()
+            ):
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                created = True
+            run = Run(
+                checkpoint_url,
+                save_every=save_every,
+                keep_last=keep_last,
+                heartbeat_interval_s=heartbeat_interval_s,
+                hang_timeout_s=hang_timeout_s,
+                **run_kwargs,
+            )
+            try:
+                return fn(run, *args, **kwargs)
+            finally:
+                run.close()
+                if created and dist.is_initialized():
+                    dist.destroy_process_group()
+
+        return runner
+
+    return wrap
