@@ -22,7 +22,7 @@ from reference_trainer.config import TrainConfig, sizing_warnings
 from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
-from resilient import Checkpointer
+from resilient import Checkpointer, Run
 
 __all__ = ["train", "evaluate", "lr_at", "resolve_device"]
 
@@ -87,87 +87,70 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         replica=pc.data_replica,
         num_replicas=cfg.data_replicas,
     )
-    counters = {"step": 0, "tokens": 0}
-    state = {
-        "model": model,
-        "optim": optim,
-        "data": loader,
-        "train": counters,
-        "config": {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch},
-    }
-
-    ck = Checkpointer(cfg.ckpt, layout=pc.layout, keep_last=cfg.keep_last) if cfg.ckpt else None
-    start = 0
-    if ck is not None and ck.latest_step() is not None:
-        loaded = ck.load(state, fallback=True)
-        start = counters["step"]
-        if rank == 0:
-            log.info("resumed from step %d (checkpoint %d) of %s", start, loaded, cfg.ckpt)
-    metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
+    counters = {"tokens": 0}
+    config = {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
     )
+
+    # The loop on top of resilient: restore, step, save every --save-every, stop cleanly on SIGTERM.
+    run = Run(cfg.ckpt, save_every=cfg.save_every, keep_last=cfg.keep_last, layout=pc.layout)
+    start = run.track(model=model, optim=optim, data=loader, train=counters, config=config)
+    metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
     losses: list[float] = []
     try:
-        for step in range(start + 1, cfg.steps + 1):
-            t_step = time.perf_counter()
-            pc.timers.reset()
-            lr = lr_at(step, cfg)
-            for g in optim.param_groups:
-                g["lr"] = lr
-            x, y = (t.to(device) for t in loader.batch(step))
-            with autocast:
-                logits, aux = model(x)
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            (ce + cfg.model.aux_loss_coef * aux).backward()
-            sync_gradients(model, pc)
-            grad_norm = clip_grad_norm(model, cfg.grad_clip, pc)
-            t_opt = time.perf_counter()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            opt_s = time.perf_counter() - t_opt
-            loss = _global_mean(ce.detach(), pc)
-            counters["step"] = step
+        for step in run.steps(cfg.steps):
+            record = _train_step(step, cfg, pc, model, optim, loader, autocast, device)
             counters["tokens"] += cfg.global_batch * cfg.model.seq_len
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_s = time.perf_counter() - t_step
-            comm = pc.timers.reset()
-            opt_s -= comm.get(
-                "all_gather", 0.0
-            )  # ZeRO's gather happens inside step(): count it once
-            losses.append(loss)
+            losses.append(record["loss"])
             if metrics is not None:
-                metrics.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "loss": loss,
-                            "aux_loss": float(aux.detach()),
-                            "lr": lr,
-                            "grad_norm": grad_norm,
-                            "tokens_per_s": cfg.global_batch * cfg.model.seq_len / step_s,
-                            "wall_time": time.time(),
-                            "step_s": step_s,
-                            "optimizer_s": opt_s,
-                            "compute_s": max(step_s - opt_s - sum(comm.values()), 0.0),
-                            **{f"{k}_s": v for k, v in comm.items()},
-                            "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
-                            "samples": [loader.sample_ids(step)[0], cfg.global_batch],
-                        }
-                    )
-                    + "\n"
-                )
-            if ck is not None and cfg.save_every and step % cfg.save_every == 0:
-                ck.save(step, state)
-        if ck is not None:
-            ck.wait()
+                metrics.write(json.dumps(record) + "\n")
     finally:
         if metrics is not None:
             metrics.close()
-        if ck is not None:
-            ck.close()
+        run.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[str, Any]:
+    """One optimizer step on the global batch of ``step``; returns the metrics record."""
+    t_step = time.perf_counter()
+    pc.timers.reset()
+    lr = lr_at(step, cfg)
+    for g in optim.param_groups:
+        g["lr"] = lr
+    x, y = (t.to(device) for t in loader.batch(step))
+    with autocast:
+        logits, aux = model(x)
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    (ce + cfg.model.aux_loss_coef * aux).backward()
+    sync_gradients(model, pc)
+    grad_norm = clip_grad_norm(model, cfg.grad_clip, pc)
+    t_opt = time.perf_counter()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    opt_s = time.perf_counter() - t_opt
+    loss = _global_mean(ce.detach(), pc)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    step_s = time.perf_counter() - t_step
+    comm = pc.timers.reset()
+    opt_s -= comm.get("all_gather", 0.0)  # ZeRO's gather happens inside step(): count it once
+    return {
+        "step": step,
+        "loss": loss,
+        "aux_loss": float(aux.detach()),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": cfg.global_batch * cfg.model.seq_len / step_s,
+        "wall_time": time.time(),
+        "step_s": step_s,
+        "optimizer_s": opt_s,
+        "compute_s": max(step_s - opt_s - sum(comm.values()), 0.0),
+        **{f"{k}_s": v for k, v in comm.items()},
+        "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
+        "samples": [loader.sample_ids(step)[0], cfg.global_batch],
+    }
 
 
 def evaluate(

@@ -83,7 +83,7 @@ class Run:
 
     def __init__(
         self,
-        checkpoint_url: str,
+        checkpoint_url: str | None,
         *,
         save_every: int = 100,
         keep_last: int = 3,
@@ -124,6 +124,9 @@ class Run:
         reserved = {"run", "rng"} & set(objects)
         if reserved:
             raise ValueError(f"state names {sorted(reserved)} are reserved by Run; rename them")
+        self.state = {**objects, "run": {"step": 0}, "rng": RNGState()}
+        if self.url is None:  # a run without checkpoints: nothing to restore or save
+            return self.step
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(
                 self.url,
@@ -146,7 +149,7 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps after the restored one up to ``total``; save, watch and handle SIGTERM
         between them."""
-        if self.checkpointer is None:
+        if not self.state:
             raise RuntimeError(
                 "call run.track(...) before run.steps(...), so there is state to save"
             )
@@ -161,11 +164,13 @@ class Run:
                 self._stop_for_preemption()
             if self.save_every and step % self.save_every == 0:
                 self.save()
-        self.checkpointer.wait()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
     def save(self, *, wait: bool = False) -> None:
         """Save the tracked state at the current step (asynchronously unless ``wait``)."""
-        assert self.checkpointer is not None
+        if self.checkpointer is None:
+            return
         if self.monitor is not None:
             self.monitor.progress(self.step, "checkpoint")
         handle = self.checkpointer.save(self.step, self.state)
@@ -206,7 +211,8 @@ class Run:
     def _stop_for_preemption(self) -> None:
         if self._saved_step != self.step:
             self.save(wait=True)
-        self.checkpointer.wait()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
         if self.rank == 0:
             log.warning("preempted: saved step %d to %s and stopping", self.step, self.url)
         raise SystemExit(PREEMPTED_EXIT_CODE)
