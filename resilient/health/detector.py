@@ -1,0 +1,222 @@
+"""Verdicts from heartbeats: DEAD, HUNG and STRAGGLER (DESIGN.md section 6), as pure logic.
+
+The leader feeds ``Detector.observe`` a snapshot of every rank's last liveness and progress
+timestamps; it returns findings.  No store, no threads, no clocks of its own: tested by feeding
+snapshots.
+
+* DEAD: no liveness heartbeat for ``dead_after_intervals`` intervals (a killed or frozen process:
+  SIGSTOP freezes its heartbeat thread too).
+* HUNG: alive, but no progress for the hang timeout while peers wait (they reached a later step),
+  or every rank stalled at once.  The timeout is ``hang_timeout_s`` when set, else the rolling 95th
+  percentile of observed step times times ``hang_factor``, never below ``hang_floor_s``.  Phases
+  the loop declares get their own budget (checkpoint, eval) and so does the first step.
+* STRAGGLER: a rank whose recent step time exceeds the median rank's by ``straggler_factor`` for
+  ``straggler_windows`` consecutive observations; reported, never killed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = ["Verdict", "RankStatus", "Finding", "DetectorConfig", "Detector"]
+
+
+class Verdict(str, Enum):
+    DEAD = "DEAD"
+    HUNG = "HUNG"
+    STRAGGLER = "STRAGGLER"
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    alive_t: float | None  # last liveness heartbeat (wall clock)
+    step: int | None  # last step the loop announced
+    phase: str = "train"
+    progress_t: float | None = None  # when it announced that step or phase
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Finding:
+    verdict: Verdict
+    rank: int | None  # None: the whole group stalled
+    host: str
+    pid: int
+    last_step: int | None
+    phase: str
+    seconds_since_progress: float | None
+    seconds_since_alive: float | None
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = self.verdict.value
+        return d
+
+    def __str__(self) -> str:
+        who = (
+            f"rank {self.rank} ({self.host}, pid {self.pid})"
+            if self.rank is not None
+            else "all ranks"
+        )
+        return f"{self.verdict.value}: {who} at step {self.last_step} ({self.phase}): {self.detail}"
+
+
+@dataclass(kw_only=True)
+class DetectorConfig:
+    interval_s: float = 1.0
+    dead_after_intervals: float = 2.0
+    hang_timeout_s: float | None = None
+    hang_factor: float = 5.0
+    hang_floor_s: float = 30.0
+    phase_budgets_s: dict[str, float] = field(
+        default_factory=lambda: {"checkpoint": 600.0, "eval": 900.0}
+    )
+    first_step_budget_s: float = 300.0
+    straggler_factor: float = 2.0
+    straggler_windows: int = 3
+    window: int = 50  # step times kept per rank
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.dead_after_intervals <= 0:
+            raise ValueError("interval_s and dead_after_intervals must be positive")
+
+    @property
+    def dead_timeout_s(self) -> float:
+        return self.interval_s * self.dead_after_intervals
+
+
+class Detector:
+    def __init__(self, config: DetectorConfig) -> None:
+        self.config = config
+        self._last: dict[int, tuple[int | None, float | None]] = {}
+        self._step_times: dict[int, deque[float]] = {}
+        self._first_step: dict[int, int] = {}
+        self._slow_streak: dict[int, int] = {}
+
+    def hang_timeout_s(self) -> float:
+        c = self.config
+        if c.hang_timeout_s is not None:
+            return c.hang_timeout_s
+        times = sorted(t for d in self._step_times.values() for t in d)
+        if not times:
+            return c.hang_floor_s
+        p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
+        return max(c.hang_floor_s, p95 * c.hang_factor)
+
+    def _budget(self, s: RankStatus) -> float:
+        if s.phase in self.config.phase_budgets_s:
+            return self.config.phase_budgets_s[s.phase]
+        if s.step is not None and self._first_step.get(s.rank) == s.step:
+            return max(self.config.first_step_budget_s, self.hang_timeout_s())
+        return self.hang_timeout_s()
+
+    def _record(self, s: RankStatus) -> None:
+        prev = self._last.get(s.rank)
+        if s.step is not None:
+            self._first_step.setdefault(s.rank, s.step)
+            if prev and prev[0] is not None and s.step > prev[0] and prev[1] and s.progress_t:
+                per_step = (s.progress_t - prev[1]) / (s.step - prev[0])
+                self._step_times.setdefault(s.rank, deque(maxlen=self.config.window)).append(
+                    per_step
+                )
+        if prev is None or prev[0] != s.step:
+            self._last[s.rank] = (s.step, s.progress_t)
+
+    def observe(self, statuses: list[RankStatus], now: float) -> list[Finding]:
+        c = self.config
+        for s in statuses:
+            self._record(s)
+        findings: list[Finding] = []
+        for s in statuses:
+            since_alive = None if s.alive_t is None else now - s.alive_t
+            if since_alive is not None and since_alive > c.dead_timeout_s:
+                findings.append(
+                    self._finding(
+                        Verdict.DEAD,
+                        s,
+                        now,
+                        f"no liveness heartbeat for {since_alive:.1f}s "
+                        f"(timeout {c.dead_timeout_s:.1f}s)",
+                    )
+                )
+        if findings:
+            return findings
+        known = [s for s in statuses if s.step is not None and s.progress_t is not None]
+        if known:
+            newest = max(s.step for s in known)
+            stalled = [s for s in known if now - s.progress_t > self._budget(s)]
+            behind = [s for s in stalled if s.step < newest]
+            for s in behind:
+                findings.append(
+                    self._finding(
+                        Verdict.HUNG,
+                        s,
+                        now,
+                        f"alive but no progress for {now - s.progress_t:.1f}s (budget "
+                        f"{self._budget(s):.1f}s in phase {s.phase}) while peers reached step {newest}",
+                    )
+                )
+            if not behind and len(stalled) == len(statuses):
+                s = min(stalled, key=lambda x: x.progress_t)
+                findings.append(
+                    Finding(
+                        Verdict.HUNG,
+                        None,
+                        "",
+                        0,
+                        s.step,
+                        s.phase,
+                        now - s.progress_t,
+                        None,
+                        f"every rank stalled at step {s.step} for over {self._budget(s):.1f}s",
+                    )
+                )
+        findings += self._stragglers(statuses, now)
+        return findings
+
+    def _stragglers(self, statuses: list[RankStatus], now: float) -> list[Finding]:
+        recent = {
+            r: statistics.median(list(d)[-5:]) for r, d in self._step_times.items() if len(d) >= 2
+        }
+        if len(recent) < 3:
+            return []
+        median = statistics.median(recent.values())
+        out = []
+        for s in statuses:
+            t = recent.get(s.rank)
+            if t is not None and median > 0 and t > self.config.straggler_factor * median:
+                self._slow_streak[s.rank] = self._slow_streak.get(s.rank, 0) + 1
+                if self._slow_streak[s.rank] == self.config.straggler_windows:
+                    out.append(
+                        self._finding(
+                            Verdict.STRAGGLER,
+                            s,
+                            now,
+                            f"{t / median:.1f}x slower than the median rank ({t:.3f}s vs "
+                            f"{median:.3f}s per step)",
+                        )
+                    )
+            else:
+                self._slow_streak[s.rank] = 0
+        return out
+
+    @staticmethod
+    def _finding(v: Verdict, s: RankStatus, now: float, detail: str) -> Finding:
+        return Finding(
+            v,
+            s.rank,
+            s.host,
+            s.pid,
+            s.step,
+            s.phase,
+            None if s.progress_t is None else now - s.progress_t,
+            None if s.alive_t is None else now - s.alive_t,
+            detail,
+        )

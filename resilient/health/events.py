@@ -1,0 +1,39 @@
+"""The run's event log: JSON lines appended by every rank (verdicts, stacks, saves, restarts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["EventLog"]
+
+
+class EventLog:
+    """Append-only JSON lines.  Each event is one ``write`` on an O_APPEND descriptor, so lines
+    from several processes never interleave."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path or not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
