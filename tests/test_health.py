@@ -136,7 +136,7 @@ def test_a_rank_that_stops_progressing_while_peers_wait_is_hung(tmp_path):
     sim = Sim(tmp_path, hang_timeout_s=0.4)
     stop = threading.Event()
     threads = [
-        threading.Thread(target=drive, args=(m, [1, 2] if r == 1 else range(1, 1000), 0.05, stop))
+        threading.Thread(target=drive, args=(m, range(1, 8) if r == 1 else range(1, 1000), 0.05, stop))
         for r, m in enumerate(sim.monitors)
     ]
     for t in threads:
@@ -144,7 +144,7 @@ def test_a_rank_that_stops_progressing_while_peers_wait_is_hung(tmp_path):
     try:
         assert sim.wait_for(lambda: sim.failures[0])
         f = sim.failures[0][0]
-        assert f.verdict is Verdict.HUNG and f.rank == 1 and f.last_step == 2
+        assert f.verdict is Verdict.HUNG and f.rank == 1 and f.last_step == 7
     finally:
         stop.set()
         sim.close()
