@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
 from resilient.errors import RankFailureError
+from resilient.health import DetectorConfig, EventLog, Monitor
 from resilient.layout import Layout
 
 __all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE"]
@@ -93,6 +94,8 @@ class Run:
         storage_options: dict | None = None,
         layout: Layout | None = None,
         monitor: Any | None = None,
+        detect: bool | None = None,
+        event_log: str | None = None,
     ) -> None:
         if save_every < 0:
             raise ValueError(
@@ -103,10 +106,21 @@ class Run:
         self.heartbeat_interval_s, self.hang_timeout_s = heartbeat_interval_s, hang_timeout_s
         self.storage_options = storage_options
         self.layout = layout
-        self.monitor = monitor
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        self.events = EventLog(
+            event_log if event_log is not None else _default_event_log(checkpoint_url)
+        )
+        if (
+            monitor is None
+            and (detect if detect is not None else _detect_by_default())
+            and self.world_size > 1
+        ):
+            monitor = _start_monitor(
+                self.rank, self.world_size, heartbeat_interval_s, hang_timeout_s, self.events
+            )
+        self.monitor = monitor
         self.step = 0  # the last completed step
         self.restored_step: int | None = None
         self.state: dict[str, Any] = {}
@@ -222,6 +236,54 @@ class Run:
             verdict = self.monitor.verdict()
             if verdict is not None:
                 raise RankFailureError(str(verdict))
+
+
+def _detect_by_default() -> bool:
+    """Opt-in for now (``detect=True`` or RESILIENT_DETECT=1): detection, stacks and the kill work
+    under torchrun, but restarting the group after it is not yet reliable with gloo here (see
+    issue 5's notes), so a verdict should not end runs that did not ask for it."""
+    return os.environ.get("RESILIENT_DETECT", "0") not in ("0", "false", "no", "")
+
+
+def _default_event_log(url: str | None) -> str | None:
+    if url is None:
+        return None
+    if "://" not in url or url.startswith("file://"):
+        return os.path.join(url.removeprefix("file://"), "events.jsonl")
+    return None
+
+
+def _start_monitor(
+    rank: int, world_size: int, interval_s: float, hang_timeout_s: float | None, events: EventLog
+) -> Monitor:
+    """Heartbeats go to torchrun's agent store when there is one (it outlives the workers), else to
+    the default process group's store; keys live under a per-run, per-restart prefix."""
+    from datetime import timedelta
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=60),
+        )
+        prefix = (
+            f"resilient/health/{os.environ['TORCHELASTIC_RUN_ID']}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        n = store.add("resilient/health/runs", 1)
+        prefix = f"resilient/health/local/{(n - 1) // world_size}"
+    events.write(
+        "monitor",
+        rank=rank,
+        prefix=prefix,
+        pid=os.getpid(),
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
+    config = DetectorConfig(interval_s=interval_s, hang_timeout_s=hang_timeout_s)
+    return Monitor(store, prefix, rank, world_size, config, events=events)
 
 
 def fault_tolerant(

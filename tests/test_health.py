@@ -118,7 +118,7 @@ def drive(monitor, steps, period, stop):
 def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
     sim = Sim(tmp_path)
     try:
-        sim.monitors[2].close()  # its heartbeat thread stops, as in a SIGSTOP or SIGKILL
+        sim.monitors[2].close(announce=False)  # it goes quiet, as in a SIGSTOP or SIGKILL
         assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 3)))
         for r in (0, 1, 3):
             f = sim.failures[r][0]
@@ -136,7 +136,9 @@ def test_a_rank_that_stops_progressing_while_peers_wait_is_hung(tmp_path):
     sim = Sim(tmp_path, hang_timeout_s=0.4)
     stop = threading.Event()
     threads = [
-        threading.Thread(target=drive, args=(m, range(1, 8) if r == 1 else range(1, 1000), 0.05, stop))
+        threading.Thread(
+            target=drive, args=(m, range(1, 8) if r == 1 else range(1, 1000), 0.05, stop)
+        )
         for r, m in enumerate(sim.monitors)
     ]
     for t in threads:
@@ -171,10 +173,22 @@ def test_clean_run_with_short_pauses_and_a_straggler_gets_no_verdict(tmp_path):
         sim.close()
 
 
+def test_ranks_that_finish_are_not_declared_dead(tmp_path):
+    sim = Sim(tmp_path)
+    try:
+        sim.monitors[0].close()  # the leader finishes first, the others a little later
+        sim.monitors[2].close()
+        assert sim.wait_for(lambda: sim.monitors[1].is_leader)
+        time.sleep(1.0)  # many heartbeat intervals
+        assert all(not f for f in sim.failures.values())
+    finally:
+        sim.close()
+
+
 def test_a_dead_leader_is_replaced_and_the_verdict_still_comes(tmp_path):
     sim = Sim(tmp_path)
     try:
-        sim.monitors[0].close()  # the leader dies
+        sim.monitors[0].close(announce=False)  # the leader dies
         assert sim.wait_for(lambda: all(sim.failures[r] for r in (1, 2, 3)))
         assert sim.monitors[1].is_leader
         assert all(

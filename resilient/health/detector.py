@@ -134,6 +134,7 @@ class Detector:
         for s in statuses:
             self._record(s)
         findings: list[Finding] = []
+        statuses = [s for s in statuses if s.phase != "done"]  # finished ranks owe no heartbeat
         for s in statuses:
             since_alive = None if s.alive_t is None else now - s.alive_t
             if since_alive is not None and since_alive > c.dead_timeout_s:
@@ -163,7 +164,7 @@ class Detector:
                         f"{self._budget(s):.1f}s in phase {s.phase}) while peers reached step {newest}",
                     )
                 )
-            if not behind and len(stalled) == len(statuses):
+            if not behind and stalled and len(stalled) == len(statuses):
                 s = min(stalled, key=lambda x: x.progress_t)
                 findings.append(
                     Finding(

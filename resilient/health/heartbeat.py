@@ -86,7 +86,15 @@ class Monitor:
     def verdict(self) -> Finding | None:
         return self._verdict
 
-    def close(self) -> None:
+    def close(self, *, announce: bool = True) -> None:
+        """Stop heartbeating.  With ``announce`` (a normal end), say "done" first, so that peers
+        still finishing do not take the silence for a death; without it the rank just goes quiet,
+        as a killed one does."""
+        if announce and not self._stop.is_set() and self._verdict is None:
+            try:
+                self.progress(None, "done")
+            except Exception:  # the store may be gone at shutdown
+                pass
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5 * self.config.interval_s)
@@ -114,9 +122,12 @@ class Monitor:
         if leader == self.rank:
             return
         alive = self._get_float(f"alive/{leader}")
+        done = self._phase(leader) == "done"
         # the next rank after the leader takes over first; rank leader+k waits k timeouts
         distance = (self.rank - leader - 1) % self.world_size + 1
-        if alive is not None and time.time() - alive > distance * self.config.dead_timeout_s:
+        if done or (
+            alive is not None and time.time() - alive > distance * self.config.dead_timeout_s
+        ):
             with self._lock:
                 got = self.store.compare_set(self._key_leader, str(leader), str(self.rank)).decode()
             if got == str(self.rank):
@@ -209,6 +220,13 @@ class Monitor:
             if not self.store.check([key]):
                 return None
             return float(self.store.get(key).decode())
+
+    def _phase(self, rank: int) -> str | None:
+        key = f"{self.prefix}/progress/{rank}"
+        with self._lock:
+            if not self.store.check([key]):
+                return None
+            return json.loads(self.store.get(key).decode())["phase"]
 
     def _leader(self) -> int:
         with self._lock:

@@ -1,0 +1,91 @@
+"""Real torchrun: a frozen (SIGSTOPped) rank is declared DEAD within seconds, its stacks and the
+failure record reach the event log, the leader kills it, and every live rank exits with the
+documented code so that torchrun can restart the group."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.health import EXIT_RANK_FAILURE
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def worker_pid(launcher: int, rank: int) -> int | None:
+    for child in Path("/proc").iterdir():
+        if not child.name.isdigit():
+            continue
+        try:
+            stat = (child / "stat").read_text().split()
+            env = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[3]) == launcher and f"RANK={rank}".encode() in env:
+            return int(child.name)
+    return None
+
+
+def last_step(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    lines = metrics.read_text().splitlines()
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "reference_trainer",
+        "--nproc",
+        "2",
+        "--dp",
+        "2",
+        "--steps",
+        "100000",
+        "--save-every",
+        "5",
+        "--global-batch",
+        "32",
+        "--ckpt",
+        str(tmp_path / "ck"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    ]
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.time() + 120
+        while (
+            last_step(tmp_path / "m.jsonl") < 8 and time.time() < deadline and proc.poll() is None
+        ):
+            time.sleep(0.02)
+        pid = worker_pid(proc.pid, 1)
+        assert pid is not None, (tmp_path / "run.log").read_text()[-3000:]
+        os.kill(pid, signal.SIGSTOP)  # frozen: its heartbeat thread stops with it
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1  # no --max-restarts: torchrun reports the failed group
+    events = [
+        json.loads(line) for line in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()
+    ]
+    verdict = next(e for e in events if e["event"] == "verdict")
+    assert verdict["verdict"] == "DEAD" and verdict["rank"] == 1 and verdict["pid"] == pid
+    assert verdict["last_step"] >= 8 and verdict["seconds_since_alive"] < 10
+    assert any(e["event"] == "killed" and e["pid"] == pid for e in events)
+    stacks = next(e for e in events if e["event"] == "stacks" and e["rank"] == 0)
+    assert "most recent call first" in stacks["stacks"]
+    assert any(
+        e["event"] == "exit" and e["rank"] == 0 and e["code"] == EXIT_RANK_FAILURE for e in events
+    )
