@@ -79,14 +79,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     optim: Any = (
         ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
     )
-    loader = Loader(
-        load_tokens(cfg.data),
-        seq_len=cfg.model.seq_len,
-        global_batch=cfg.global_batch,
-        seed=cfg.seed,
-        replica=pc.data_replica,
-        num_replicas=cfg.data_replicas,
-    )
+    loader = _loader(cfg, pc)
     counters = {"tokens": 0}
     config = {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}
     autocast = (
@@ -170,15 +163,7 @@ def evaluate(
     init_parameters(model, pc, cfg.seed)
     with Checkpointer(cfg.ckpt, layout=pc.layout) as ck:
         ck.load({"model": model}, step=step)
-    loader = Loader(
-        load_tokens(cfg.data),
-        seq_len=cfg.model.seq_len,
-        global_batch=cfg.global_batch,
-        seed=cfg.seed,
-        replica=pc.data_replica,
-        num_replicas=cfg.data_replicas,
-    )
-    x, _ = loader.batch(batch_step)
+    x, _ = _loader(cfg, pc).batch(batch_step)
     with torch.no_grad():
         logits, _ = model(x.to(device))
     logits = logits.float().contiguous()
@@ -187,6 +172,18 @@ def evaluate(
     parts = [torch.empty_like(logits) for _ in range(cfg.data_replicas)]
     dist.all_gather(parts, logits, group=pc.dense_dp_group)
     return torch.cat(parts).cpu()
+
+
+def _loader(cfg: TrainConfig, pc: ParallelContext) -> Loader:
+    """This rank's slice of the global batches (its data replica)."""
+    return Loader(
+        load_tokens(cfg.data),
+        seq_len=cfg.model.seq_len,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+        replica=pc.data_replica,
+        num_replicas=cfg.data_replicas,
+    )
 
 
 def _global_mean(x: torch.Tensor, pc: ParallelContext) -> float:

@@ -306,19 +306,13 @@ class Storage:
 
     def sync_file(self, rel: str) -> None:
         """Make a file written with ``fsync=False`` durable (a no-op where writes are uploads)."""
-        if self.is_local:
-
-            def sync() -> None:
-                fd = os.open(self.path(rel), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-
-            self._call("sync", rel, sync)
+        self._fsync(rel)
 
     def sync_dir(self, rel: str) -> None:
         """Make directory entries (new files) durable where that means anything."""
+        self._fsync(rel)
+
+    def _fsync(self, rel: str) -> None:
         if self.is_local:
 
             def sync() -> None:
