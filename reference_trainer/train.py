@@ -23,6 +23,7 @@ from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
 from resilient import Checkpointer, Run
+from resilient.launch import init_process_group
 
 __all__ = ["train", "evaluate", "lr_at", "resolve_device"]
 
@@ -60,8 +61,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train on every rank; resumes from the newest committed checkpoint under ``cfg.ckpt``."""
     device = resolve_device(cfg.device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = cfg.with_(world_size=dist.get_world_size())
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     rank = pc.rank
@@ -155,8 +155,7 @@ def evaluate(
     gathers every data replica's logits; every rank returns the full (B, T, V) tensor on the CPU.
     """
     device = resolve_device(cfg.device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = cfg.with_(world_size=dist.get_world_size())
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     model = MoETransformer(cfg.model, pc).to(device)

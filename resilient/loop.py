@@ -239,10 +239,12 @@ class Run:
 
 
 def _detect_by_default() -> bool:
-    """Opt-in for now (``detect=True`` or RESILIENT_DETECT=1): detection, stacks and the kill work
-    under torchrun, but restarting the group after it is not yet reliable with gloo here (see
-    issue 5's notes), so a verdict should not end runs that did not ask for it."""
-    return os.environ.get("RESILIENT_DETECT", "0") not in ("0", "false", "no", "")
+    """On under torchrun (whose agent restarts the group after a verdict), unless RESILIENT_DETECT=0;
+    RESILIENT_DETECT=1 turns it on elsewhere."""
+    flag = os.environ.get("RESILIENT_DETECT")
+    if flag is not None:
+        return flag not in ("0", "false", "no", "")
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _default_event_log(url: str | None) -> str | None:
@@ -308,7 +310,7 @@ def fault_tolerant(
                 and dist.is_available()
                 and not dist.is_initialized()
             ):
-                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                init_process_group("nccl" if torch.cuda.is_available() else "gloo")
                 created = True
             run = Run(
                 checkpoint_url,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from resilient.health import EXIT_RANK_FAILURE
 
@@ -89,3 +90,69 @@ def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(t
     assert any(
         e["event"] == "exit" and e["rank"] == 0 and e["code"] == EXIT_RANK_FAILURE for e in events
     )
+
+
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig):
+    from tests.integration.trainer_runs import gather_checkpoint
+
+    steps = 40
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
+
+    def cmd(name):
+        return [
+            sys.executable,
+            "-m",
+            "reference_trainer",
+            "--nproc",
+            "2",
+            "--dp",
+            "2",
+            "--max-restarts",
+            "2",
+            "--steps",
+            str(steps),
+            "--save-every",
+            "5",
+            "--global-batch",
+            "32",
+            "--ckpt",
+            str(tmp_path / name),
+            "--metrics",
+            str(tmp_path / f"{name}.jsonl"),
+        ]
+
+    ref = subprocess.run(cmd("ref"), env=env, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(
+        cmd("ck"), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.time() + 120
+        while (
+            last_step(tmp_path / "ck.jsonl") < 12 and time.time() < deadline and proc.poll() is None
+        ):
+            time.sleep(0.01)
+        pid = worker_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, getattr(signal, sig))  # frozen (only our detector sees it) or dead
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    events = [
+        json.loads(line) for line in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()
+    ]
+    assert any(e["event"] == "verdict" and e["rank"] == 1 for e in events)
+    assert (
+        max(e.get("restart", 0) for e in events if e["event"] == "monitor") >= 1
+    )  # the group restarted
+    a, b = (
+        gather_checkpoint(str(tmp_path / "ref"), steps),
+        gather_checkpoint(str(tmp_path / "ck"), steps),
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
