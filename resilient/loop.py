@@ -27,6 +27,7 @@ import torch.distributed as dist
 from resilient.checkpoint import Checkpointer
 from resilient.errors import RankFailureError
 from resilient.health import DetectorConfig, EventLog, Monitor
+from resilient.launch import init_process_group
 from resilient.layout import Layout
 
 __all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE"]

@@ -145,10 +145,10 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig):
     events = [
         json.loads(line) for line in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()
     ]
-    assert any(e["event"] == "verdict" and e["rank"] == 1 for e in events)
-    assert (
-        max(e.get("restart", 0) for e in events if e["event"] == "monitor") >= 1
-    )  # the group restarted
+    if sig == "SIGSTOP":  # a dead process is also seen by torchrun itself, which may act first
+        assert any(e["event"] == "verdict" and e["rank"] == 1 for e in events)
+    restarts = [e.get("restart", 0) for e in events if e["event"] == "monitor"]
+    assert max(restarts) >= 1  # the group restarted and resumed
     a, b = (
         gather_checkpoint(str(tmp_path / "ref"), steps),
         gather_checkpoint(str(tmp_path / "ck"), steps),
