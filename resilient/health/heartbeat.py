@@ -66,6 +66,7 @@ class Monitor:
         self._reported: set[tuple[str, int | None]] = set()
         self.scans = 0
         self.last_scan_s = 0.0
+        self._all_present = False
         self._set("alive", time.time())
         self.progress(None, "start")
         self._key_leader = f"{self.prefix}/leader"
@@ -76,12 +77,7 @@ class Monitor:
 
     # --- what the loop calls ------------------------------------------------------------------
     def progress(self, step: int | None, phase: str) -> None:
-        self._set(
-            "progress",
-            json.dumps(
-                {"step": step, "phase": phase, "t": time.time(), "host": self.host, "pid": self.pid}
-            ),
-        )
+        self._set("progress", encode_progress(step, phase, time.time(), self.host, self.pid))
 
     def verdict(self) -> Finding | None:
         return self._verdict
@@ -138,17 +134,15 @@ class Monitor:
         keys = [f"{self.prefix}/alive/{r}" for r in range(self.world_size)]
         keys += [f"{self.prefix}/progress/{r}" for r in range(self.world_size)]
         with self._lock:
-            present = self.store.check(keys)
-            values = self.store.multi_get(keys) if present else None
+            if not self._all_present:  # once every rank has started, its keys stay
+                self._all_present = self.store.check(keys)
+            values = self.store.multi_get(keys) if self._all_present else None
         if values is None:
             return  # some rank has not started yet
-        statuses = []
-        for r in range(self.world_size):
-            alive = float(values[r].decode())
-            p = json.loads(values[self.world_size + r].decode())
-            statuses.append(
-                RankStatus(r, alive, p["step"], p["phase"], p["t"], p["host"], p["pid"])
-            )
+        n = self.world_size
+        statuses = [
+            RankStatus(r, float(values[r]), *decode_progress(values[n + r])) for r in range(n)
+        ]
         findings = self.detector.observe(statuses, time.time())
         self.scans += 1
         self.last_scan_s = time.perf_counter() - t0
@@ -226,11 +220,21 @@ class Monitor:
         with self._lock:
             if not self.store.check([key]):
                 return None
-            return json.loads(self.store.get(key).decode())["phase"]
+            return decode_progress(self.store.get(key))[1]
 
     def _leader(self) -> int:
         with self._lock:
             return int(self.store.get(self._key_leader).decode())
+
+
+def encode_progress(step: int | None, phase: str, t: float, host: str, pid: int) -> str:
+    """``step|phase|time|host|pid``: cheaper for the leader to parse than JSON at 4,096 ranks."""
+    return f"{'' if step is None else step}|{phase}|{t!r}|{host}|{pid}"
+
+
+def decode_progress(raw: bytes) -> tuple[int | None, str, float, str, int]:
+    step, phase, t, host, pid = raw.decode().split("|", 4)
+    return (int(step) if step else None), phase, float(t), host, int(pid)
 
 
 def _stacks() -> str:
