@@ -127,6 +127,9 @@ def _free_port() -> int:
 
 
 def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -150,6 +153,16 @@ def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
     except ChildFailedError as e:
         print(f"error: training failed: {e}", file=sys.stderr)
         return 1
+    except SignalException as e:
+        if e.sigval != signal.SIGTERM:
+            raise
+        # Preemption: torchrun forwarded SIGTERM and waited for the ranks, which saved the
+        # current step and exited cleanly (resilient.Run); the job stops successfully.
+        print(
+            "preempted (SIGTERM): the ranks saved the current step; rerun to resume",
+            file=sys.stderr,
+        )
+        return 0
     return 0
 
 

@@ -156,3 +156,55 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_sigterm_to_the_whole_job_saves_the_current_step_exits_0_and_resumes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def cmd(steps):
+        return [
+            sys.executable,
+            "-m",
+            "reference_trainer",
+            "--nproc",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            str(steps),
+            "--save-every",
+            "1000",
+            "--global-batch",
+            "32",
+            "--ckpt",
+            str(tmp_path / "ck"),
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+        ]
+
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(
+        cmd(100_000), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.time() + 120
+        while (
+            last_step(tmp_path / "m.jsonl") < 8 and time.time() < deadline and proc.poll() is None
+        ):
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGTERM)  # the scheduler preempts every process of the job
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-3000:]
+    from resilient import Checkpointer
+
+    stopped_at = last_step(tmp_path / "m.jsonl")
+    assert Checkpointer(str(tmp_path / "ck")).steps() == [stopped_at]  # the current step, no other
+    again = subprocess.run(
+        cmd(stopped_at + 3), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert steps[-3:] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]  # resumed after it
