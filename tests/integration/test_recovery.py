@@ -92,8 +92,12 @@ def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(t
     )
 
 
-@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
-def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig):
+@pytest.mark.parametrize(
+    "sig,victim",
+    [("SIGSTOP", 1), ("SIGKILL", 1), ("SIGSTOP", 0)],
+    ids=["frozen-rank", "killed-rank", "frozen-leader"],
+)
+def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig, victim):
     from tests.integration.trainer_runs import gather_checkpoint
 
     steps = 40
@@ -134,7 +138,7 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig):
             last_step(tmp_path / "ck.jsonl") < 12 and time.time() < deadline and proc.poll() is None
         ):
             time.sleep(0.01)
-        pid = worker_pid(proc.pid, 1)
+        pid = worker_pid(proc.pid, victim)
         assert pid is not None
         os.kill(pid, getattr(signal, sig))  # frozen (only our detector sees it) or dead
         proc.wait(timeout=240)
@@ -146,7 +150,9 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig):
         json.loads(line) for line in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()
     ]
     if sig == "SIGSTOP":  # a dead process is also seen by torchrun itself, which may act first
-        assert any(e["event"] == "verdict" and e["rank"] == 1 for e in events)
+        assert any(e["event"] == "verdict" and e["rank"] == victim for e in events)
+    if victim == 0:  # the leader froze: the next rank took over and issued the verdict
+        assert any(e["event"] == "leader" and e["rank"] == 1 for e in events)
     restarts = [e.get("restart", 0) for e in events if e["event"] == "monitor"]
     assert max(restarts) >= 1  # the group restarted and resumed
     a, b = (
