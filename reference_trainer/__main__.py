@@ -15,6 +15,7 @@ import os
 import sys
 
 from reference_trainer.config import ConfigError, TrainConfig, preset
+from resilient.launch import free_port
 
 
 def parser() -> argparse.ArgumentParser:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(args.nproc, args.max_restarts, _without_launcher_flags(argv))
     if not under_launcher:  # a world of one, in this process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -118,14 +119,6 @@ def _without_launcher_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
     import signal
 
@@ -144,7 +137,7 @@ def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
                 "--rdzv-backend",
                 "c10d",
                 "--rdzv-endpoint",
-                f"127.0.0.1:{_free_port()}",
+                f"127.0.0.1:{free_port()}",
                 "-m",
                 "reference_trainer",
                 *rest,

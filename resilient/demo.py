@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from resilient.launch import free_port
+
 __all__ = ["run_demo"]
 
 SAVE_LAYOUT = {"dp": 2, "ep": 1, "tp": 2}
@@ -112,7 +114,7 @@ def _torchrun(phase: str, url: str, out: str, nproc: int) -> None:
         "--nproc-per-node",
         str(nproc),
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "resilient.demo",
         "--phase",
@@ -128,14 +130,6 @@ def _torchrun(phase: str, url: str, out: str, nproc: int) -> None:
         raise RuntimeError(
             f"torchrun {phase} phase failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
         )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fmt_bytes(n: float) -> str:

@@ -11,11 +11,12 @@ restart count, so every attempt rendezvouses on its own keys.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["init_process_group", "restart_count"]
+__all__ = ["init_process_group", "restart_count", "free_port"]
 
 
 def restart_count() -> int:
@@ -42,3 +43,10 @@ def init_process_group(backend: str, *, timeout_s: float = 600.0) -> None:
         )
     else:
         dist.init_process_group(backend, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a local rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,6 +1,10 @@
-"""Real torchrun: a frozen (SIGSTOPped) rank is declared DEAD within seconds, its stacks and the
-failure record reach the event log, the leader kills it, and every live rank exits with the
-documented code so that torchrun can restart the group."""
+"""Real torchrun: frozen, killed and preempted ranks.
+
+A frozen (SIGSTOPped) rank is declared DEAD within seconds, its stacks and the failure record reach
+the event log, the leader kills it, and every live rank exits with the documented code so that
+torchrun restarts the group, which completes bit-identical to an uninterrupted run.  SIGTERM to the
+whole job saves the current step and exits 0.
+"""
 
 import json
 import os
@@ -8,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,9 +45,9 @@ def last_step(metrics: Path) -> int:
     return json.loads(lines[-1])["step"] if lines else 0
 
 
-def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
-    cmd = [
+def trainer(tmp_path: Path, name: str, steps: int, save_every: int, *extra: str) -> list[str]:
+    """The reference trainer on 2 torchrun ranks (dp 2), checkpoints and metrics under tmp_path."""
+    return [
         sys.executable,
         "-m",
         "reference_trainer",
@@ -49,38 +55,73 @@ def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(t
         "2",
         "--dp",
         "2",
+        *extra,
         "--steps",
-        "100000",
+        str(steps),
         "--save-every",
-        "5",
+        str(save_every),
         "--global-batch",
         "32",
         "--ckpt",
-        str(tmp_path / "ck"),
+        str(tmp_path / name),
         "--metrics",
-        str(tmp_path / "m.jsonl"),
+        str(tmp_path / f"{name}.jsonl"),
     ]
+
+
+def run_and_signal(
+    tmp_path: Path,
+    cmd: list[str],
+    env: dict,
+    metrics: Path,
+    at_step: int,
+    hit: Callable[[int], Any],
+) -> tuple[int, Any]:
+    """Launch ``cmd`` in its own session, call ``hit(launcher_pid)`` once ``metrics`` reach
+    ``at_step``, wait for the job; returns (exit code, what ``hit`` returned)."""
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         deadline = time.time() + 120
-        while (
-            last_step(tmp_path / "m.jsonl") < 8 and time.time() < deadline and proc.poll() is None
-        ):
-            time.sleep(0.02)
-        pid = worker_pid(proc.pid, 1)
-        assert pid is not None, (tmp_path / "run.log").read_text()[-3000:]
-        os.kill(pid, signal.SIGSTOP)  # frozen: its heartbeat thread stops with it
-        proc.wait(timeout=120)
+        while last_step(metrics) < at_step and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        result = hit(proc.pid)
+        proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1  # no --max-restarts: torchrun reports the failed group
-    events = [
-        json.loads(line) for line in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()
-    ]
+    return proc.returncode, result
+
+
+def events_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def signal_rank(rank: int, sig: int, log: Path):
+    def hit(launcher: int) -> int:
+        pid = worker_pid(launcher, rank)
+        assert pid is not None, log.read_text()[-3000:]
+        os.kill(pid, sig)
+        return pid
+
+    return hit
+
+
+def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
+    # frozen: its heartbeat thread stops with it
+    rc, pid = run_and_signal(
+        tmp_path,
+        trainer(tmp_path, "ck", 100_000, 5),
+        env,
+        tmp_path / "ck.jsonl",
+        8,
+        signal_rank(1, signal.SIGSTOP, tmp_path / "run.log"),
+    )
+    assert rc == 1  # no --max-restarts: torchrun reports the failed group
+    events = events_of(tmp_path / "ck" / "events.jsonl")
     verdict = next(e for e in events if e["event"] == "verdict")
     assert verdict["verdict"] == "DEAD" and verdict["rank"] == 1 and verdict["pid"] == pid
     assert verdict["last_step"] >= 8 and verdict["seconds_since_alive"] < 10
@@ -102,53 +143,25 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig, victim):
 
     steps = 40
     env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
-
-    def cmd(name):
-        return [
-            sys.executable,
-            "-m",
-            "reference_trainer",
-            "--nproc",
-            "2",
-            "--dp",
-            "2",
-            "--max-restarts",
-            "2",
-            "--steps",
-            str(steps),
-            "--save-every",
-            "5",
-            "--global-batch",
-            "32",
-            "--ckpt",
-            str(tmp_path / name),
-            "--metrics",
-            str(tmp_path / f"{name}.jsonl"),
-        ]
-
-    ref = subprocess.run(cmd("ref"), env=env, capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    log = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen(
-        cmd("ck"), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    ref = subprocess.run(
+        trainer(tmp_path, "ref", steps, 5, "--max-restarts", "2"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    try:
-        deadline = time.time() + 120
-        while (
-            last_step(tmp_path / "ck.jsonl") < 12 and time.time() < deadline and proc.poll() is None
-        ):
-            time.sleep(0.01)
-        pid = worker_pid(proc.pid, victim)
-        assert pid is not None
-        os.kill(pid, getattr(signal, sig))  # frozen (only our detector sees it) or dead
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
-    events = [
-        json.loads(line) for line in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()
-    ]
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    # frozen (only our detector sees it) or dead
+    rc, _ = run_and_signal(
+        tmp_path,
+        trainer(tmp_path, "ck", steps, 5, "--max-restarts", "2"),
+        env,
+        tmp_path / "ck.jsonl",
+        12,
+        signal_rank(victim, getattr(signal, sig), tmp_path / "run.log"),
+    )
+    assert rc == 0, (tmp_path / "run.log").read_text()[-4000:]
+    events = events_of(tmp_path / "ck" / "events.jsonl")
     if sig == "SIGSTOP":  # a dead process is also seen by torchrun itself, which may act first
         assert any(e["event"] == "verdict" and e["rank"] == victim for e in events)
     if victim == 0:  # the leader froze: the next rank took over and issued the verdict
@@ -166,51 +179,26 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig, victim):
 
 def test_sigterm_to_the_whole_job_saves_the_current_step_exits_0_and_resumes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    metrics = tmp_path / "ck.jsonl"
 
-    def cmd(steps):
-        return [
-            sys.executable,
-            "-m",
-            "reference_trainer",
-            "--nproc",
-            "2",
-            "--dp",
-            "2",
-            "--steps",
-            str(steps),
-            "--save-every",
-            "1000",
-            "--global-batch",
-            "32",
-            "--ckpt",
-            str(tmp_path / "ck"),
-            "--metrics",
-            str(tmp_path / "m.jsonl"),
-        ]
+    def preempt(launcher: int) -> None:
+        os.killpg(launcher, signal.SIGTERM)  # the scheduler preempts every process of the job
 
-    log = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen(
-        cmd(100_000), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    rc, _ = run_and_signal(
+        tmp_path, trainer(tmp_path, "ck", 100_000, 1000), env, metrics, 8, preempt
     )
-    try:
-        deadline = time.time() + 120
-        while (
-            last_step(tmp_path / "m.jsonl") < 8 and time.time() < deadline and proc.poll() is None
-        ):
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGTERM)  # the scheduler preempts every process of the job
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-3000:]
+    assert rc == 0, (tmp_path / "run.log").read_text()[-3000:]
     from resilient import Checkpointer
 
-    stopped_at = last_step(tmp_path / "m.jsonl")
+    stopped_at = last_step(metrics)
     assert Checkpointer(str(tmp_path / "ck")).steps() == [stopped_at]  # the current step, no other
     again = subprocess.run(
-        cmd(stopped_at + 3), env=env, capture_output=True, text=True, timeout=300
+        trainer(tmp_path, "ck", stopped_at + 3, 1000),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-3:] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]  # resumed after it
