@@ -11,6 +11,7 @@ here, before any process group exists, with a message naming the flag (exit code
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -30,7 +31,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
+    p.add_argument(
+        "--dp",
+        default="1",
+        help="data-parallel size, or 'auto': the world size / (tp x ep), so that an elastic job "
+        "that lost a node continues with a smaller dp",
+    )
     p.add_argument(
         "--zero", action="store_true", help="ZeRO-1: shard optimizer state over dp replicas"
     )
@@ -48,14 +54,68 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--device", default="auto")
     p.add_argument("--metrics", default=None, help="append one JSON line per step (rank 0)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="sequences per forward/backward on each replica; gradients accumulate over the "
+        "replica's share of the global batch (default: all at once)",
+    )
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=None,
+        help="declare a rank hung after this long without progress (default: calibrated)",
+    )
+    p.add_argument(
+        "--storage-options", default=None, help="JSON options for the --ckpt filesystem (fsspec)"
+    )
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="on resume, fail if the newest checkpoint is corrupt instead of using the one before",
+    )
+    p.add_argument(
+        "--events", default=None, help="the run's event log (default: events.jsonl in --ckpt)"
+    )
     return p
+
+
+def _dp(args: argparse.Namespace, world_size: int | None) -> int:
+    if args.dp != "auto":
+        try:
+            return int(args.dp)
+        except ValueError:
+            raise ConfigError(f"--dp {args.dp!r}: an integer or 'auto'") from None
+    inner = args.tp * args.ep
+    if not world_size or inner < 1 or world_size % inner:
+        raise ConfigError(
+            f"--dp auto: the world size {world_size} is not a multiple of --tp {args.tp} x "
+            f"--ep {args.ep} = {inner}"
+        )
+    return world_size // inner
+
+
+def _storage_options(raw: str | None) -> dict | None:
+    if raw is None:
+        return None
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"--storage-options is not valid JSON ({e}); give a JSON object"
+        ) from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--storage-options must be a JSON object, got {type(options).__name__}")
+    return options
 
 
 def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig:
     return TrainConfig(
         preset=args.preset,
         model=preset(args.preset),
-        dp=args.dp,
+        dp=_dp(args, world_size),
         ep=args.ep,
         tp=args.tp,
         zero=args.zero,
@@ -70,6 +130,12 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
         warmup_steps=args.warmup_steps,
         device=args.device,
         metrics=args.metrics,
+        micro_batch=args.micro_batch,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        hang_timeout_s=args.hang_timeout_s,
+        storage_options=_storage_options(args.storage_options),
+        fallback=not args.no_fallback,
+        events=args.events,
         world_size=world_size,
     )
 

@@ -124,6 +124,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     device: str = "auto"
     metrics: str | None = None
+    micro_batch: int = 0  # sequences per forward/backward on a replica; 0: its whole share
+    heartbeat_interval_s: float = 1.0
+    hang_timeout_s: float | None = None  # None: calibrated from observed step times
+    storage_options: dict | None = None  # for the checkpoint URL's fsspec filesystem
+    fallback: bool = True  # on resume, fall back to the previous step if the newest is corrupt
+    events: str | None = None  # the run's event log (default: events.jsonl in a local --ckpt)
     world_size: int | None = None  # what the launcher provides; checked against dp x ep x tp
 
     def __post_init__(self) -> None:
@@ -157,6 +163,17 @@ class TrainConfig:
                 f"--global-batch {self.global_batch} must be divisible by the {self.dp * self.ep} data "
                 f"replicas (--dp {self.dp} x --ep {self.ep})"
             )
+        per_replica = self.global_batch // (self.dp * self.ep)
+        if self.micro_batch < 0 or (self.micro_batch and per_replica % self.micro_batch):
+            raise ConfigError(
+                f"--micro-batch {self.micro_batch} must divide the {per_replica} sequences each data "
+                f"replica gets per step (--global-batch {self.global_batch} / {self.dp * self.ep} "
+                f"replicas); 0 uses them all at once"
+            )
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(f"--heartbeat-interval-s {self.heartbeat_interval_s}: must be > 0")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ConfigError(f"--hang-timeout-s {self.hang_timeout_s}: must be > 0")
         if self.steps < 1:
             raise ConfigError(f"--steps {self.steps}: must be >= 1")
         if self.save_every < 0:
@@ -177,6 +194,12 @@ class TrainConfig:
     @property
     def data_replicas(self) -> int:
         return self.dp * self.ep
+
+    @property
+    def micro_batches(self) -> int:
+        """Forward/backward passes per step on each replica (gradient accumulation)."""
+        per_replica = self.global_batch // self.data_replicas
+        return per_replica // self.micro_batch if self.micro_batch else 1
 
     def with_(self, **kw) -> TrainConfig:
         return replace(self, **kw)

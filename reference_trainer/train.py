@@ -87,13 +87,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
 
     # The loop on top of resilient: restore, step, save every --save-every, stop cleanly on SIGTERM.
-    run = Run(cfg.ckpt, save_every=cfg.save_every, keep_last=cfg.keep_last, layout=pc.layout)
+    run = Run(
+        cfg.ckpt,
+        save_every=cfg.save_every,
+        keep_last=cfg.keep_last,
+        layout=pc.layout,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        hang_timeout_s=cfg.hang_timeout_s,
+        storage_options=cfg.storage_options,
+        fallback=cfg.fallback,
+        event_log=cfg.events,
+    )
     start = run.track(model=model, optim=optim, data=loader, train=counters, config=config)
     metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
     losses: list[float] = []
     try:
         for step in run.steps(cfg.steps):
             record = _train_step(step, cfg, pc, model, optim, loader, autocast, device)
+            run.report_compute(record["compute_s"] + record["optimizer_s"])
             counters["tokens"] += cfg.global_batch * cfg.model.seq_len
             losses.append(record["loss"])
             if metrics is not None:
@@ -112,11 +123,22 @@ def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[s
     lr = lr_at(step, cfg)
     for g in optim.param_groups:
         g["lr"] = lr
-    x, y = (t.to(device) for t in loader.batch(step))
-    with autocast:
-        logits, aux = model(x)
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-    (ce + cfg.model.aux_loss_coef * aux).backward()
+    # The loader serves its own position (restored from the checkpoint); the samples it served
+    # are recorded, so a chaos run can prove each was consumed exactly once.
+    served = loader.next_step
+    x, y = (t.to(device) for t in loader.batch(served))
+    n = cfg.micro_batches
+    ce_sum = aux_sum = None
+    for xm, ym in zip(x.chunk(n), y.chunk(n)):  # gradient accumulation over micro-batches
+        with autocast:
+            logits, aux = model(xm)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ym.reshape(-1))
+        loss = ce + cfg.model.aux_loss_coef * aux
+        (loss / n if n > 1 else loss).backward()
+        ce_d, aux_d = ce.detach() / n, aux.detach() / n
+        ce_sum = ce_d if ce_sum is None else ce_sum + ce_d
+        aux_sum = aux_d if aux_sum is None else aux_sum + aux_d
+    ce, aux = ce_sum, aux_sum
     sync_gradients(model, pc)
     grad_norm = clip_grad_norm(model, cfg.grad_clip, pc)
     t_opt = time.perf_counter()
@@ -142,7 +164,9 @@ def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[s
         "compute_s": max(step_s - opt_s - sum(comm.values()), 0.0),
         **{f"{k}_s": v for k, v in comm.items()},
         "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
-        "samples": [loader.sample_ids(step)[0], cfg.global_batch],
+        "data_step": served,
+        "samples": [(served - 1) * cfg.global_batch, cfg.global_batch],  # [first id, count]
+        "micro_batches": n,
     }
 
 

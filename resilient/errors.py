@@ -14,6 +14,7 @@ __all__ = [
     "StorageError",
     "StateMismatchError",
     "RankFailureError",
+    "ScenarioError",
 ]
 
 
@@ -48,3 +49,7 @@ class StorageError(ResilientError, OSError):
 
 class RankFailureError(ResilientError):
     """A peer rank was declared dead or hung; this rank must stop."""
+
+
+class ScenarioError(ResilientError, ValueError):
+    """A chaos scenario file is malformed; the message names the file, the line and the field."""

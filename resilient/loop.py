@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -97,6 +98,7 @@ class Run:
         monitor: Any | None = None,
         detect: bool | None = None,
         event_log: str | None = None,
+        fallback: bool = True,
     ) -> None:
         if save_every < 0:
             raise ValueError(
@@ -107,11 +109,20 @@ class Run:
         self.heartbeat_interval_s, self.hang_timeout_s = heartbeat_interval_s, hang_timeout_s
         self.storage_options = storage_options
         self.layout = layout
+        self.fallback = fallback
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.events = EventLog(
             event_log if event_log is not None else _default_event_log(checkpoint_url)
+        )
+        self.events.write(
+            "start",
+            rank=self.rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            process_start=process_start_time(),
         )
         if (
             monitor is None
@@ -129,7 +140,12 @@ class Run:
         self._saved_step: int | None = None
         self._preempt = threading.Event()
         self._old_handler: Any = None
+        self._busy_s: float | None = None
+        self._handle: Any = None  # the newest save, until it is in the event log
         self._install_sigterm()
+        from resilient.chaos.faults import agent_from_env
+
+        self._chaos = agent_from_env(self.rank, self.events)
 
     # --- state -----------------------------------------------------------------------------------
     def track(self, *, layout: Layout | None = None, **objects: Any) -> int:
@@ -152,12 +168,23 @@ class Run:
             )
         self.state = {**objects, "run": {"step": 0}, "rng": RNGState()}
         if self.checkpointer.latest_step() is not None:
-            loaded = self.checkpointer.load(self.state, fallback=True)
+            t0 = time.time()
+            loaded = self.checkpointer.load(self.state, fallback=self.fallback)
             self.step = int(self.state["run"]["step"])
             self.restored_step = loaded
             self._saved_step = self.step
             if self.rank == 0:
                 log.info("restored step %d from %s", self.step, self.url)
+                last = self.checkpointer.last_load
+                self.events.write(
+                    "restore",
+                    rank=0,
+                    step=loaded,
+                    start=t0,
+                    seconds=time.time() - t0,
+                    skipped_steps=list(last.skipped_steps) if last else [],
+                    resharded=bool(last and last.resharded),
+                )
         return self.step
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -168,19 +195,27 @@ class Run:
             raise RuntimeError(
                 "call run.track(...) before run.steps(...), so there is state to save"
             )
-        for step in range(self.step + 1, total + 1):
+        first = self.step + 1
+        for step in range(first, total + 1):
             self._check_peers()
+            if self._chaos is not None:
+                self._chaos.at_step(step, self)
             if self.monitor is not None:
-                self.monitor.progress(step, "train")
+                self.monitor.progress(step, "train", self._busy_s)
             yield step
+            if step == first and self.rank == 0:
+                self.events.write("first_step", rank=0, step=step)
             self.step = step
             self.state["run"]["step"] = step
             if self._agree_preempted():
                 self._stop_for_preemption()
             if self.save_every and step % self.save_every == 0:
                 self.save()
+            elif self._handle is not None:
+                self._log_save()
         if self.checkpointer is not None:
             self.checkpointer.wait()
+            self._log_save()
 
     def save(self, *, wait: bool = False) -> None:
         """Save the tracked state at the current step (asynchronously unless ``wait``)."""
@@ -188,10 +223,47 @@ class Run:
             return
         if self.monitor is not None:
             self.monitor.progress(self.step, "checkpoint")
+        self._log_save()
         handle = self.checkpointer.save(self.step, self.state)
+        self._handle = handle
         self._saved_step = self.step
+        if self.monitor is not None and not wait:  # the snapshot is taken: back to training
+            self.monitor.progress(self.step, "train", self._busy_s)
+        if self._chaos is not None:
+            self._chaos.during_save(self.step, self)
         if wait:
             handle.wait()
+            self._log_save()
+
+    def _log_save(self) -> None:
+        """Put the last save in the event log once it has finished (rank 0, which commits)."""
+        h, self._handle = self._handle, None
+        if h is None:
+            return
+        if not h.done():
+            self._handle = h
+            return
+        if self.rank == 0:
+            st = h.stats
+            self.events.write(
+                "save",
+                rank=0,
+                step=h.step,
+                ok=h._error is None,
+                error=None if h._error is None else str(h._error),
+                started_at=h.started_at,
+                committed_at=h.finished_at,
+                stage_s=st.stage_s,
+                write_s=st.write_s,
+                commit_s=st.commit_s,
+                bytes=st.bytes_written,
+            )
+
+    def report_compute(self, seconds: float) -> None:
+        """The time this rank spent computing in the step just done, without waiting in
+        collectives.  Optional: it lets the detector tell a straggler apart in a synchronous job,
+        where every rank's wall-clock step is as long as the slowest rank's."""
+        self._busy_s = float(seconds)
 
     def close(self) -> None:
         """Wait for pending saves and restore the SIGTERM handler."""
@@ -237,6 +309,18 @@ class Run:
             verdict = self.monitor.verdict()
             if verdict is not None:
                 raise RankFailureError(str(verdict))
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock; Linux /proc), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
 
 
 def _detect_by_default() -> bool:

@@ -9,6 +9,13 @@ Each fault rule is a dict (JSON-able, so it can cross process boundaries in stor
 * ``path``: only paths containing this substring (default: all)
 * ``skip``: let this many matching calls through first (default 0)
 * ``count``: fire this many times, then stop (default: always)
+* ``probability``: fire on this share of matching calls (default 1; seeded by ``seed``)
+* ``latency_s``: with no ``error``, delay matching calls by this much instead of failing them
+* ``id``: a name for the rule in the record (default: its index)
+
+``record``: a path to which every fired fault is appended as a JSON line, so that another process
+(a chaos harness) can prove it fired.  With a record, ``count`` holds across processes: a restarted
+job that finds its rule already fired ``count`` times does not fire it again.
 
 A failing write writes half of its bytes to the target before raising, like a real partial write.
 Every fault that fires is appended to ``fs.fired``, so a test can prove the fault happened.
@@ -17,6 +24,9 @@ Every fault that fires is appended to ``fs.fired``, so a test can prove the faul
 from __future__ import annotations
 
 import errno
+import json
+import os
+import random
 import threading
 import time
 from typing import Any
@@ -53,19 +63,27 @@ class FaultyFileSystem(AbstractFileSystem):
         target_options: dict | None = None,
         latency_s: float = 0.0,
         faults: list[dict[str, Any]] | None = None,
+        record: str | None = None,
+        seed: int = 0,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
         self.target = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.latency_s = latency_s
         self.rules = [dict(r) for r in (faults or [])]
-        for r in self.rules:
-            if r.get("op", "any") not in OPS or r.get("error") not in ERRORS:
-                raise ValueError(f"bad fault rule {r}: op in {OPS}, error in {ERRORS}")
+        for i, r in enumerate(self.rules):
+            slow_only = r.get("error") is None and r.get("latency_s")
+            if r.get("op", "any") not in OPS or not (slow_only or r.get("error") in ERRORS):
+                raise ValueError(
+                    f"bad fault rule {r}: op in {OPS}, error in {ERRORS} (or latency_s alone)"
+                )
+            r.setdefault("id", str(i))
             r["_seen"] = 0
             r["_fired"] = 0
+        self.record = record
         self.fired: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
+        self._rng = random.Random(seed)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -76,6 +94,7 @@ class FaultyFileSystem(AbstractFileSystem):
     def _maybe_fail(self, op: str, path: str) -> BaseException | None:
         if self.latency_s:
             time.sleep(self.latency_s)
+        delay = 0.0
         with self._lock:
             for r in self.rules:
                 if r.get("op", "any") not in (op, "any") or r.get("path", "") not in path:
@@ -83,12 +102,39 @@ class FaultyFileSystem(AbstractFileSystem):
                 r["_seen"] += 1
                 if r["_seen"] <= r.get("skip", 0):
                     continue
-                if r.get("count") is not None and r["_fired"] >= r["count"]:
+                if r.get("count") is not None and self._fired_count(r) >= r["count"]:
+                    continue
+                if self._rng.random() >= r.get("probability", 1.0):
                     continue
                 r["_fired"] += 1
-                self.fired.append((op, path, r["error"]))
+                kind = r.get("error") or "latency"
+                self.fired.append((op, path, kind))
+                self._record(r, op, path, kind)
+                if r.get("error") is None:
+                    delay += r["latency_s"]
+                    continue
                 return make_error(r["error"], op, path)
+        if delay:
+            time.sleep(delay)  # outside the lock: concurrent calls are slowed, not serialized
         return None
+
+    def _fired_count(self, rule: dict[str, Any]) -> int:
+        if not self.record or not os.path.exists(self.record):
+            return rule["_fired"]
+        with open(self.record) as f:
+            return sum(1 for line in f if json.loads(line).get("rule") == rule["id"])
+
+    def _record(self, rule: dict[str, Any], op: str, path: str, kind: str) -> None:
+        if not self.record:
+            return
+        line = json.dumps(
+            {"time": time.time(), "rule": rule["id"], "op": op, "path": path, "fault": kind}
+        )
+        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
 
     def _check(self, op: str, path: str) -> None:
         err = self._maybe_fail(op, path)

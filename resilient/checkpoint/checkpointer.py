@@ -94,6 +94,8 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._error_reported = False
+        self.started_at = time.time()
+        self.finished_at: float | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -108,6 +110,7 @@ class SaveHandle:
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        self.finished_at = time.time()
         self._done.set()
 
 

@@ -11,7 +11,9 @@ snapshots.
   percentile of observed step times times ``hang_factor``, never below ``hang_floor_s``.  Phases
   the loop declares get their own budget (checkpoint, eval) and so does the first step.
 * STRAGGLER: a rank whose recent step time exceeds the median rank's by ``straggler_factor`` for
-  ``straggler_windows`` consecutive observations; reported, never killed.
+  ``straggler_windows`` consecutive observations; reported, never killed.  When the loop reports
+  each rank's compute time (without collective waits), that is compared instead: in a synchronous
+  job every rank's wall-clock step is as long as the slowest rank's.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 __all__ = ["Verdict", "RankStatus", "Finding", "DetectorConfig", "Detector"]
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     DEAD = "DEAD"
     HUNG = "HUNG"
     STRAGGLER = "STRAGGLER"
@@ -40,6 +42,7 @@ class RankStatus:
     progress_t: float | None = None  # when it announced that step or phase
     host: str = ""
     pid: int = 0
+    busy_s: float | None = None  # compute time of its last step, without collective waits
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Detector:
         self.config = config
         self._last: dict[int, tuple[int | None, float | None]] = {}
         self._step_times: dict[int, deque[float]] = {}
+        self._busy_times: dict[int, deque[float]] = {}
         self._first_step: dict[int, int] = {}
         self._slow_streak: dict[int, int] = {}
 
@@ -126,6 +130,10 @@ class Detector:
                 self._step_times.setdefault(s.rank, deque(maxlen=self.config.window)).append(
                     per_step
                 )
+                if s.busy_s is not None:
+                    self._busy_times.setdefault(s.rank, deque(maxlen=self.config.window)).append(
+                        s.busy_s
+                    )
         if prev is None or prev[0] != s.step:
             self._last[s.rank] = (s.step, s.progress_t)
 
@@ -183,9 +191,14 @@ class Detector:
         return findings
 
     def _stragglers(self, statuses: list[RankStatus], now: float) -> list[Finding]:
-        recent = {
-            r: statistics.median(list(d)[-5:]) for r, d in self._step_times.items() if len(d) >= 2
-        }
+        # In a synchronous job every rank's step takes as long as the slowest one's, so compare
+        # the compute time the loop reports when every rank reports it; else the step times.
+        times = (
+            self._busy_times
+            if self._busy_times and len(self._busy_times) >= len(self._step_times)
+            else self._step_times
+        )
+        recent = {r: statistics.median(list(d)[-5:]) for r, d in times.items() if len(d) >= 2}
         if len(recent) < 3:
             return []
         median = statistics.median(recent.values())
@@ -201,7 +214,7 @@ class Detector:
                             s,
                             now,
                             f"{t / median:.1f}x slower than the median rank ({t:.3f}s vs "
-                            f"{median:.3f}s per step)",
+                            f"{median:.3f}s per step{' of compute' if times is self._busy_times else ''})",
                         )
                     )
             else:

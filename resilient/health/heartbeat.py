@@ -76,8 +76,13 @@ class Monitor:
         self._thread.start()
 
     # --- what the loop calls ------------------------------------------------------------------
-    def progress(self, step: int | None, phase: str) -> None:
-        self._set("progress", encode_progress(step, phase, time.time(), self.host, self.pid))
+    def progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
+        """Announce ``step`` and ``phase``; ``busy_s``: the time this rank computed in its last
+        step, without waiting in collectives (what tells a straggler apart in a synchronous job,
+        where every rank's step takes equally long)."""
+        self._set(
+            "progress", encode_progress(step, phase, time.time(), self.host, self.pid, busy_s)
+        )
 
     def verdict(self) -> Finding | None:
         return self._verdict
@@ -227,14 +232,25 @@ class Monitor:
             return int(self.store.get(self._key_leader).decode())
 
 
-def encode_progress(step: int | None, phase: str, t: float, host: str, pid: int) -> str:
-    """``step|phase|time|host|pid``: cheaper for the leader to parse than JSON at 4,096 ranks."""
-    return f"{'' if step is None else step}|{phase}|{t!r}|{host}|{pid}"
+def encode_progress(
+    step: int | None, phase: str, t: float, host: str, pid: int, busy_s: float | None = None
+) -> str:
+    """``step|phase|time|host|pid|busy``: cheaper for the leader to parse than JSON at 4,096
+    ranks."""
+    busy = "" if busy_s is None else repr(busy_s)
+    return f"{'' if step is None else step}|{phase}|{t!r}|{host}|{pid}|{busy}"
 
 
-def decode_progress(raw: bytes) -> tuple[int | None, str, float, str, int]:
-    step, phase, t, host, pid = raw.decode().split("|", 4)
-    return (int(step) if step else None), phase, float(t), host, int(pid)
+def decode_progress(raw: bytes) -> tuple[int | None, str, float, str, int, float | None]:
+    step, phase, t, host, pid, busy = raw.decode().split("|", 5)
+    return (
+        (int(step) if step else None),
+        phase,
+        float(t),
+        host,
+        int(pid),
+        (float(busy) if busy else None),
+    )
 
 
 def _stacks() -> str:

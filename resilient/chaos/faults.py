@@ -1,0 +1,234 @@
+"""Fault injectors: inside a rank (planned through the environment) and from outside (the harness).
+
+In-rank injectors act at the exact point a scenario names.  The harness writes a plan (JSON) and
+points ``RESILIENT_CHAOS`` at it; every ``Run`` reads it at start and calls the agent at each step
+boundary (trigger ``step``: before the step starts, before its progress heartbeat) and right after
+an asynchronous save was issued (trigger ``save``: the bytes are still being written).  Each fault
+fires once per run, even across restarts: firing claims a marker file with ``O_EXCL``, and writes a
+``fault`` event to the run's event log before it acts, so that the harness can prove it fired.
+
+Kinds (in-rank): ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: frozen, heartbeat thread
+included), ``raise`` (an exception out of the loop), ``hang`` (the loop blocks while the heartbeat
+thread keeps beating), ``pause`` (the loop blocks for ``seconds``, then goes on), ``slow`` (a
+helper process throttles the rank with SIGSTOP/SIGCONT to 1/``factor`` of its speed, like a
+thermally throttled or oversubscribed node), ``corrupt`` / ``truncate`` (bit rot or a lost tail in
+a file of the newest committed checkpoint).  From the harness: ``kill_node`` (a torchrun agent and
+all its workers) and time-triggered signals to a rank (``kill_rank_process``).
+
+Storage faults (latency, transient and permanent errors, ENOSPC) go through the ``faulty://``
+filesystem (``resilient.chaos.faultfs``), which the harness puts in front of the checkpoint URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENV_PLAN",
+    "IN_RANK_KINDS",
+    "ChaosAgent",
+    "ChaosError",
+    "agent_from_env",
+    "damage_newest_checkpoint",
+    "descendants",
+    "worker_pid",
+    "kill_tree",
+]
+
+ENV_PLAN = "RESILIENT_CHAOS"
+IN_RANK_KINDS = ("kill", "stop", "raise", "hang", "pause", "slow", "corrupt", "truncate")
+
+
+class ChaosError(RuntimeError):
+    """The exception the ``raise`` injector throws inside a rank."""
+
+
+def agent_from_env(rank: int, events: Any) -> ChaosAgent | None:
+    path = os.environ.get(ENV_PLAN)
+    if not path:
+        return None
+    with open(path) as f:
+        plan = json.load(f)
+    return ChaosAgent(plan, rank, events)
+
+
+class ChaosAgent:
+    """The in-rank side of a chaos plan: ``{"marker_dir": DIR, "faults": [{id, kind, rank, step,
+    when, ...}]}``."""
+
+    def __init__(self, plan: dict[str, Any], rank: int, events: Any) -> None:
+        self.marker_dir = Path(plan["marker_dir"])
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.events = rank, events
+        self.faults = [
+            f
+            for f in plan["faults"]
+            if f["kind"] in IN_RANK_KINDS
+            and f.get("step") is not None
+            and f.get("rank") in (None, rank)
+        ]
+
+    def at_step(self, step: int, run: Any) -> None:
+        self._trigger("step", step, run)
+
+    def during_save(self, step: int, run: Any) -> None:
+        self._trigger("save", step, run)
+
+    def _trigger(self, when: str, step: int, run: Any) -> None:
+        for f in self.faults:
+            if f.get("when", "step") == when and step >= f["step"] and self._claim(f):
+                self.events.write(
+                    "fault",
+                    id=f["id"],
+                    kind=f["kind"],
+                    rank=self.rank,
+                    step=step,
+                    when=when,
+                    pid=os.getpid(),
+                )
+                self._fire(f, step, run)
+
+    def _claim(self, fault: dict[str, Any]) -> bool:
+        try:
+            fd = os.open(self.marker_dir / f"{fault['id']}.fired", os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
+
+    def _fire(self, f: dict[str, Any], step: int, run: Any) -> None:
+        kind = f["kind"]
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "raise":
+            raise ChaosError(f"injected exception on rank {self.rank} at step {step} ({f['id']})")
+        elif kind == "hang":
+            while True:  # the heartbeat thread goes on; only the detector can end this
+                time.sleep(3600)
+        elif kind == "pause":
+            time.sleep(float(f["seconds"]))
+        elif kind == "slow":
+            throttle(os.getpid(), float(f["factor"]), float(f.get("seconds") or 0))
+        elif kind in ("corrupt", "truncate"):
+            if run.checkpointer is None:
+                raise ChaosError(f"{f['id']}: the run has no checkpoint to damage")
+            run.checkpointer.wait()  # damage a committed step, not one being written
+            detail = damage_newest_checkpoint(run.checkpointer, kind)
+            self.events.write("fault_detail", id=f["id"], **detail)
+
+
+def damage_newest_checkpoint(checkpointer: Any, kind: str) -> dict[str, Any]:
+    """Flip bytes in (``corrupt``) or cut the second half off (``truncate``) the largest data file
+    of the newest committed step; returns what was damaged."""
+    step = checkpointer.latest_step()
+    if step is None:
+        raise ChaosError("no committed checkpoint to damage yet; trigger the fault later")
+    manifest = checkpointer.manifest(step)
+    name = max(manifest.files, key=lambda n: manifest.files[n].size_bytes)
+    storage = checkpointer.storage
+    from resilient.checkpoint.format import step_dir_name
+
+    rel = f"{step_dir_name(step)}/{name}"
+    data = bytearray(storage.read(rel))
+    if kind == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        mid = len(data) // 2
+        for i in range(mid, min(mid + 64, len(data))):
+            data[i] ^= 0xFF
+    with storage.fs.open(storage.path(rel), "wb") as out:  # in place, like bit rot
+        out.write(bytes(data))
+    return {"step": step, "file": rel, "damage": kind, "size_after": len(data)}
+
+
+_THROTTLE = """
+import os, signal, sys, time
+pid, factor, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+period = 0.1
+run, stop = period / factor, period - period / factor
+end = time.time() + seconds if seconds > 0 else float("inf")
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+try:
+    while time.time() < end:
+        time.sleep(run)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(stop)
+        os.kill(pid, signal.SIGCONT)
+except ProcessLookupError:
+    pass
+finally:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def throttle(pid: int, factor: float, seconds: float = 0.0) -> subprocess.Popen:
+    """Run ``pid`` at 1/``factor`` of its speed (SIGSTOP/SIGCONT every 100 ms) for ``seconds``
+    (0: until it exits), from a small helper process."""
+    if factor <= 1:
+        raise ValueError(f"slow factor must be > 1, got {factor}")
+    return subprocess.Popen(
+        [sys.executable, "-c", _THROTTLE, str(pid), str(factor), str(seconds)],
+        stdin=subprocess.DEVNULL,
+    )
+
+
+# --- from outside: processes of a torchrun job ---------------------------------------------------
+
+
+def _parents() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(p.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun starts its workers in their own sessions, so
+    a process group kill would miss them)."""
+    children, out, todo = _parents(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Signal an agent and all its workers (a node lost at once); returns the pids signalled."""
+    pids = descendants(pid)
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def worker_pid(agent: int, rank: int) -> int | None:
+    """The pid of global rank ``rank`` among ``agent``'s workers (read from their environment)."""
+    for p in descendants(agent)[1:]:
+        try:
+            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
+            return p
+    return None

@@ -1,0 +1,343 @@
+"""Launch a scenario's job under torchrun, inject its faults, and record what happened.
+
+A run directory holds everything the verification and the report need, so ``resilient report
+RUN_DIR`` can rebuild them later:
+
+    scenario.toml       the scenario as given
+    run.json            launch facts: command, exit codes, start and end, nodes killed, reference
+    metrics.jsonl       the trainer's per-step records (rank 0), appended across restarts
+    events.jsonl        the event log: starts, restores, saves, faults, verdicts, stacks, exits
+    storage_faults.jsonl  every storage fault the faulty:// filesystem fired
+    node0.log ...       each torchrun agent's output
+    ckpt/               the checkpoints
+    report.json, report.md, timeline.png
+
+Fault-free references live next to the runs (``references/<job hash>/``) and are shared by every
+scenario with the same job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilient.chaos.faults import ENV_PLAN, kill_tree, worker_pid
+from resilient.chaos.scenario import Fault, Job
+from resilient.health.events import EventLog
+from resilient.launch import free_port
+
+__all__ = ["RunPaths", "Launch", "launch_job", "run_reference", "reference_dir", "job_hash"]
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def ckpt(self) -> Path:
+        return self.root / "ckpt"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "chaos_plan.json"
+
+    @property
+    def markers(self) -> Path:
+        return self.root / "faults"
+
+    @property
+    def storage_record(self) -> Path:
+        return self.root / "storage_faults.jsonl"
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    def log(self, node: int) -> Path:
+        return self.root / f"node{node}.log"
+
+
+@dataclass
+class Launch:
+    """What happened to one launch of a job."""
+
+    run_dir: str
+    command: list[str]
+    started: float
+    ended: float
+    exit_codes: list[int | None]
+    timed_out: bool = False
+    killed_nodes: list[int] = field(default_factory=list)
+    reference: str | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        survivors = [c for n, c in enumerate(self.exit_codes) if n not in self.killed_nodes]
+        return not self.timed_out and bool(survivors) and all(c == 0 for c in survivors)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Launch:
+        return cls(**d)
+
+
+def job_hash(job: Job) -> str:
+    return hashlib.sha256(json.dumps(job.key(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def reference_dir(out: Path, job: Job) -> Path:
+    return out / "references" / job_hash(job)
+
+
+def run_reference(job: Job, directory: Path, *, say: Any = print) -> Launch:
+    """The fault-free run of ``job`` in ``directory`` (reused when one already completed there)."""
+    paths = RunPaths(directory)
+    if paths.run_json.exists():
+        done = Launch.from_json(json.loads(paths.run_json.read_text()))
+        if done.succeeded:
+            return done
+    if directory.exists():
+        shutil.rmtree(directory)
+    say(f"  reference: the same job without faults -> {directory}")
+    return launch_job(job, paths, [])
+
+
+def launch_job(
+    job: Job,
+    paths: RunPaths,
+    faults: list[Fault],
+    *,
+    say: Any = print,
+) -> Launch:
+    """Run ``job`` to completion (or its timeout) with ``faults`` injected; writes run.json."""
+    paths.root.mkdir(parents=True, exist_ok=True)
+    events = EventLog(str(paths.events))
+    in_rank = [f.to_json() for f in faults if f.kind not in ("kill_node", "storage")]
+    in_rank = [f for f in in_rank if f.get("at_s") is None]
+    external = [f for f in faults if f.kind == "kill_node" or f.at_s is not None]
+    storage = [f for f in faults if f.kind == "storage"]
+    paths.plan.write_text(
+        json.dumps({"marker_dir": str(paths.markers), "faults": in_rank}, indent=1)
+    )
+    port = free_port()
+    cmd = _command(job, paths, port, storage)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RESILIENT_DETECT": "1",
+        "PYTHONUNBUFFERED": "1",
+        **job.env,
+    }
+    if faults:
+        env[ENV_PLAN] = str(paths.plan)
+    else:
+        env.pop(ENV_PLAN, None)
+    agents: list[subprocess.Popen] = []
+    logs = []
+    started = time.time()
+    events.write("job_start", nodes=job.nodes, nproc=job.nproc, command=cmd)
+    try:
+        for node in range(job.nodes):
+            log = open(paths.log(node), "w")
+            logs.append(log)
+            agents.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+            if node == 0 and job.nodes > 1:
+                _wait_for_port(port, agents[0], timeout=60)  # node 0 hosts the rendezvous store
+        killed, timed_out = _supervise(job, paths, agents, external, events, started, say)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                kill_tree(a.pid)
+                a.wait()
+        for log in logs:
+            log.close()
+    result = Launch(
+        run_dir=str(paths.root),
+        command=cmd,
+        started=started,
+        ended=time.time(),
+        exit_codes=[a.returncode for a in agents],
+        timed_out=timed_out,
+        killed_nodes=killed,
+    )
+    events.write("job_end", exit_codes=result.exit_codes, timed_out=timed_out)
+    paths.run_json.write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def _supervise(
+    job: Job,
+    paths: RunPaths,
+    agents: list[subprocess.Popen],
+    external: list[Fault],
+    events: EventLog,
+    started: float,
+    say: Any,
+) -> tuple[list[int], bool]:
+    """Wait for the agents, firing the harness-side faults when their trigger comes."""
+    pending, killed = list(external), []
+    progress = _MetricsTail(paths.metrics)
+    deadline = started + job.timeout_s
+    while any(a.poll() is None for a in agents):
+        now = time.time()
+        if now > deadline:
+            say(f"  timeout: the job ran past {job.timeout_s:.0f}s; killing it")
+            return killed, True
+        step = progress.last_step()
+        for f in list(pending):
+            due = (f.step is not None and step >= f.step) or (
+                f.at_s is not None and now - started >= f.at_s
+            )
+            if not due:
+                continue
+            pending.remove(f)
+            if f.kind == "kill_node":
+                pids = kill_tree(agents[f.node].pid)
+                killed.append(f.node)
+                events.write(
+                    "fault",
+                    id=f.id,
+                    kind=f.kind,
+                    node=f.node,
+                    step=step,
+                    pids=pids,
+                    source="harness",
+                )
+            else:
+                pid = next(
+                    (p for a in agents if (p := worker_pid(a.pid, f.rank)) is not None), None
+                )
+                if pid is None:
+                    pending.append(f)  # between restarts: try again in a moment
+                    continue
+                events.write(
+                    "fault", id=f.id, kind=f.kind, rank=f.rank, step=step, pid=pid, source="harness"
+                )
+                os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+        time.sleep(0.05)
+    return killed, False
+
+
+class _MetricsTail:
+    """The last step in a growing metrics file, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.step, self.partial = path, 0, 0, b""
+
+    def last_step(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.step
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            if line.strip():
+                self.step = int(json.loads(line)["step"])
+        return self.step
+
+
+def _command(job: Job, paths: RunPaths, port: int, storage: list[Fault]) -> list[str]:
+    nnodes = f"1:{job.nodes}" if job.elastic else str(job.nodes)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(job.nproc),
+        "--max-restarts",
+        str(job.max_restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"chaos-{uuid.uuid4().hex[:8]}",
+        # a lost node's place is given up after ~3 s, and the survivors go on without waiting
+        "--rdzv-conf",
+        "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60",
+    ]
+    url, options = str(paths.ckpt), None
+    if storage:
+        url = f"faulty://{paths.ckpt}"
+        options = {
+            "target_protocol": "file",
+            "record": str(paths.storage_record),
+            "faults": [_storage_rule(f) for f in storage],
+        }
+    if job.command is not None:
+        subs = {
+            "ckpt": url,
+            "metrics": str(paths.metrics),
+            "events": str(paths.events),
+            "run_dir": str(paths.root),
+        }
+        return cmd + [c.format(**subs) for c in job.command]
+    flags = ["-m", "reference_trainer"]
+    for k, v in job.trainer.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            flags += [flag] if v else []
+        else:
+            flags += [flag, str(v)]
+    flags += ["--ckpt", url, "--metrics", str(paths.metrics), "--events", str(paths.events)]
+    if options is not None:
+        flags += ["--storage-options", json.dumps(options)]
+    return cmd + flags
+
+
+def _storage_rule(f: Fault) -> dict[str, Any]:
+    rule: dict[str, Any] = {"id": f.id, "op": f.op, "path": f.path, "skip": f.skip}
+    if f.error is not None:
+        rule["error"] = f.error
+    if f.latency_s is not None:
+        rule["latency_s"] = f.latency_s
+    if f.count is not None:
+        rule["count"] = f.count
+    if f.probability < 1:
+        rule["probability"] = f.probability
+    return rule
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+
+
+def load_launch(run_dir: Path) -> Launch:
+    return Launch.from_json(json.loads(RunPaths(run_dir).run_json.read_text()))

@@ -1,0 +1,462 @@
+"""Chaos scenarios: TOML files naming a job, its faults and what must hold afterwards.
+
+```toml
+name = "kill-rank"
+description = "SIGKILL rank 1 of a 4-rank tp2 x ep2 job at step 12"
+
+[job]
+nproc = 4                 # ranks per node
+nodes = 1                 # torchrun agents on this machine (c10d rendezvous on localhost)
+elastic = false           # --nnodes 1:NODES: continue on the nodes that are left
+max_restarts = 2
+timeout_s = 300
+[job.trainer]             # reference_trainer flags (or: command = ["python", "x.py", "{ckpt}"])
+tp = 2
+ep = 2
+steps = 40
+save_every = 5
+
+[[faults]]
+kind = "kill"             # kill stop raise hang pause slow corrupt truncate kill_node storage
+rank = 1
+step = 12                 # trigger: at a step ...
+when = "step"             # ... before it ("step") or while its save is written ("save")
+# at_s = 8.0              # or at a time after the job started (kill, stop, kill_node)
+
+[expect]
+completed = true
+final_state = "exact"     # "exact" | "close" (rtol, atol) | "any"
+max_steps_lost = 5        # default: the save interval
+verdict = "DEAD"          # DEAD | HUNG | STRAGGLER | "none" (no verdict at all); default: any
+detect_within_s = 6.0     # fault to verdict
+recover_within_s = 45.0   # fault to the first step completed after the restart
+```
+
+Every problem is a ``ScenarioError`` naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilient.chaos.faults import IN_RANK_KINDS
+from resilient.errors import ScenarioError
+
+__all__ = ["Scenario", "Job", "Fault", "Expect", "load_scenario", "parse_scenario", "KINDS"]
+
+KINDS = (*IN_RANK_KINDS, "kill_node", "storage")
+STORAGE_ERRORS = ("transient", "timeout", "permanent", "enospc")
+STORAGE_OPS = ("read", "write", "list", "exists", "remove", "mkdir", "any")
+VERDICTS = ("DEAD", "HUNG", "STRAGGLER", "none")
+TRAINER_FLAGS = {
+    "tp": int,
+    "ep": int,
+    "dp": (int, str),
+    "zero": bool,
+    "steps": int,
+    "save_every": int,
+    "keep_last": int,
+    "preset": str,
+    "seed": int,
+    "global_batch": int,
+    "micro_batch": int,
+    "lr": float,
+    "warmup_steps": int,
+    "heartbeat_interval_s": float,
+    "hang_timeout_s": float,
+    "no_fallback": bool,
+    "data": str,
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    nproc: int = 4
+    nodes: int = 1
+    elastic: bool = False
+    max_restarts: int = 2
+    timeout_s: float = 300.0
+    trainer: dict[str, Any] | None = None
+    command: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int | None:
+        return None if self.trainer is None else int(self.trainer["steps"])
+
+    @property
+    def save_every(self) -> int | None:
+        return None if self.trainer is None else int(self.trainer.get("save_every", 0))
+
+    def key(self) -> dict[str, Any]:
+        """What makes two jobs the same run (to share a fault-free reference)."""
+        return {
+            "nproc": self.nproc,
+            "nodes": self.nodes,
+            "trainer": self.trainer,
+            "command": self.command,
+            "env": self.env,
+        }
+
+
+@dataclass(frozen=True)
+class Fault:
+    id: str
+    kind: str
+    rank: int | None = None
+    node: int | None = None
+    step: int | None = None
+    when: str = "step"
+    at_s: float | None = None
+    seconds: float | None = None
+    factor: float | None = None
+    # storage faults (the faulty:// filesystem in front of the checkpoint URL)
+    error: str | None = None
+    op: str = "any"
+    path: str = ""
+    probability: float = 1.0
+    count: int | None = None
+    skip: int = 0
+    latency_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Expect:
+    completed: bool = True
+    final_state: str = "exact"
+    rtol: float = 1e-3
+    atol: float = 1e-5
+    loss_rtol: float | None = None  # default: 0 when exact, rtol otherwise
+    max_steps_lost: int | None = None
+    verdict: str | None = None
+    detect_within_s: float | None = None
+    recover_within_s: float | None = None
+    checkpoints_verify: bool = True
+    samples_exactly_once: bool = True
+    error_contains: str | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    job: Job
+    faults: tuple[Fault, ...]
+    expect: Expect
+    source: str = ""  # the file it came from
+    text: str = ""  # its TOML, kept for the report
+
+    @property
+    def storage_faults(self) -> list[Fault]:
+        return [f for f in self.faults if f.kind == "storage"]
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read the scenario file ({e.strerror})") from None
+    return parse_scenario(text, str(path))
+
+
+def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{source}: not valid TOML: {e}") from None
+    v = _Validator(text, source)
+    v.keys(raw, {"name", "description", "job", "faults", "expect"}, ())
+    name = v.typed(raw, "name", str, (), required=True)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        v.fail((), "name", f"{name!r} must use only letters, digits, '-', '_' and '.'")
+    job = _job(v, v.table(raw, "job", required=True))
+    faults = tuple(_fault(v, f, i, job) for i, f in enumerate(v.array_of_tables(raw, "faults")))
+    ids = [f.id for f in faults]
+    for i, fid in enumerate(ids):
+        if fid in ids[:i]:
+            v.fail(("faults", i), "id", f"{fid!r} is used by another fault; ids must be unique")
+    expect = _expect(v, v.table(raw, "expect"), job)
+    return Scenario(
+        name, v.typed(raw, "description", str, (), default=""), job, faults, expect, source, text
+    )
+
+
+def _job(v: _Validator, t: dict[str, Any]) -> Job:
+    at = ("job",)
+    v.keys(
+        t,
+        {"nproc", "nodes", "elastic", "max_restarts", "timeout_s", "trainer", "command", "env"},
+        at,
+    )
+    nproc = v.positive(t, "nproc", at, default=4)
+    nodes = v.positive(t, "nodes", at, default=1)
+    if nodes > 2:
+        v.fail(at, "nodes", f"{nodes}: localhost jobs take 1 or 2 torchrun agents")
+    trainer, command = t.get("trainer"), t.get("command")
+    if (trainer is None) == (command is None):
+        v.fail(at, "trainer", "give exactly one of [job.trainer] (trainer flags) or job.command")
+    if trainer is not None:
+        trainer = v.table(t, "trainer", at)
+        tat = (*at, "trainer")
+        v.keys(trainer, set(TRAINER_FLAGS), tat)
+        for k, kind in TRAINER_FLAGS.items():
+            if k in trainer:
+                v.typed(trainer, k, kind, tat)
+        v.positive(trainer, "steps", tat, required=True)
+        if trainer.get("dp", 1) == "auto":
+            pass
+        elif isinstance(trainer.get("dp"), str):
+            v.fail(tat, "dp", f"{trainer['dp']!r}: an integer or 'auto'")
+        world = nproc * nodes
+        inner = trainer.get("tp", 1) * trainer.get("ep", 1)
+        dp = trainer.get("dp", world // max(inner, 1))
+        if dp != "auto" and dp * inner != world:
+            v.fail(
+                tat,
+                "dp",
+                f"dp {dp} x ep {trainer.get('ep', 1)} x tp {trainer.get('tp', 1)} = {dp * inner}, "
+                f"but the job has {world} ranks (nproc {nproc} x nodes {nodes}); "
+                f"use dp = {world // max(inner, 1)} or 'auto'",
+            )
+        trainer = {"dp": dp, **trainer}
+    else:
+        command = v.typed(t, "command", list, at)
+        if not command or not all(isinstance(c, str) for c in command):
+            v.fail(at, "command", "must be a non-empty list of strings")
+    env = v.typed(t, "env", dict, at, default={})
+    if not all(isinstance(x, str) for x in env.values()):
+        v.fail(at, "env", "values must be strings")
+    return Job(
+        nproc=nproc,
+        nodes=nodes,
+        elastic=v.typed(t, "elastic", bool, at, default=False),
+        max_restarts=v.typed(t, "max_restarts", int, at, default=2),
+        timeout_s=float(v.positive(t, "timeout_s", at, default=300, kind=(int, float))),
+        trainer=trainer,
+        command=command,
+        env=env,
+    )
+
+
+def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
+    at = ("faults", i)
+    if not isinstance(t, dict):
+        v.fail(at, "", "each [[faults]] entry must be a table")
+    allowed = set(Fault.__dataclass_fields__)
+    v.keys(t, allowed, at)
+    kind = v.typed(t, "kind", str, at, required=True)
+    if kind not in KINDS:
+        v.fail(at, "kind", f"{kind!r} is not a fault kind; one of {', '.join(KINDS)}")
+    world = job.nproc * job.nodes
+    rank = v.typed(t, "rank", int, at, default=None)
+    if rank is not None and not 0 <= rank < world:
+        v.fail(at, "rank", f"{rank} is not a rank of this {world}-rank job (0..{world - 1})")
+    step = v.typed(t, "step", int, at, default=None)
+    at_s = v.typed(t, "at_s", (int, float), at, default=None)
+    when = v.typed(t, "when", str, at, default="step")
+    if when not in ("step", "save"):
+        v.fail(at, "when", f"{when!r}: 'step' (before the step) or 'save' (during its save)")
+    steps = job.steps
+    if step is not None and (step < 1 or (steps is not None and step > steps)):
+        v.fail(at, "step", f"{step} is outside the job's steps 1..{steps}")
+    if kind == "storage":
+        error = v.typed(t, "error", str, at, default=None)
+        latency = v.typed(t, "latency_s", (int, float), at, default=None)
+        if error is None and latency is None:
+            v.fail(
+                at,
+                "error",
+                f"a storage fault needs error ({', '.join(STORAGE_ERRORS)}) or latency_s",
+            )
+        if error is not None and error not in STORAGE_ERRORS:
+            v.fail(at, "error", f"{error!r}: one of {', '.join(STORAGE_ERRORS)}")
+        op = v.typed(t, "op", str, at, default="any")
+        if op not in STORAGE_OPS:
+            v.fail(at, "op", f"{op!r}: one of {', '.join(STORAGE_OPS)}")
+        prob = float(v.typed(t, "probability", (int, float), at, default=1.0))
+        if not 0 < prob <= 1:
+            v.fail(at, "probability", f"{prob}: must be in (0, 1]")
+        return Fault(
+            id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
+            kind=kind,
+            error=error,
+            op=op,
+            path=v.typed(t, "path", str, at, default=""),
+            probability=prob,
+            count=v.typed(t, "count", int, at, default=None),
+            skip=v.typed(t, "skip", int, at, default=0),
+            latency_s=None if latency is None else float(latency),
+        )
+    if (step is None) == (at_s is None):
+        v.fail(at, "step", f"a {kind} fault needs exactly one trigger: step = N or at_s = SECONDS")
+    if at_s is not None and kind not in ("kill", "stop", "kill_node"):
+        v.fail(at, "at_s", f"a {kind} fault fires inside a rank: trigger it with step = N")
+    node = v.typed(t, "node", int, at, default=None)
+    if kind == "kill_node":
+        if job.nodes < 2:
+            v.fail(at, "kind", "kill_node needs a job with nodes = 2")
+        if node is None or not 0 <= node < job.nodes:
+            v.fail(at, "node", f"which agent to kill: 0..{job.nodes - 1}")
+        if node == 0:
+            v.fail(at, "node", "node 0 hosts the rendezvous store; kill node 1")
+    elif kind not in ("corrupt", "truncate") and rank is None:
+        v.fail(at, "rank", f"a {kind} fault needs the rank it hits")
+    factor = v.typed(t, "factor", (int, float), at, default=None)
+    seconds = v.typed(t, "seconds", (int, float), at, default=None)
+    if kind == "slow" and (factor is None or factor <= 1):
+        v.fail(at, "factor", "a slow fault needs factor > 1 (2: half speed)")
+    if kind == "pause" and (seconds is None or seconds <= 0):
+        v.fail(at, "seconds", "a pause fault needs seconds > 0")
+    return Fault(
+        id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
+        kind=kind,
+        rank=0 if kind in ("corrupt", "truncate") and rank is None else rank,
+        node=node,
+        step=step,
+        when=when,
+        at_s=None if at_s is None else float(at_s),
+        seconds=None if seconds is None else float(seconds),
+        factor=None if factor is None else float(factor),
+    )
+
+
+def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
+    at = ("expect",)
+    v.keys(t, set(Expect.__dataclass_fields__), at)
+    final = v.typed(t, "final_state", str, at, default="exact")
+    if final not in ("exact", "close", "any"):
+        v.fail(at, "final_state", f"{final!r}: 'exact', 'close' or 'any'")
+    verdict = v.typed(t, "verdict", str, at, default=None)
+    if verdict is not None and verdict not in VERDICTS:
+        v.fail(at, "verdict", f"{verdict!r}: one of {', '.join(VERDICTS)}")
+    if job.trainer is None and t.get("samples_exactly_once", False):
+        v.fail(at, "samples_exactly_once", "needs a trainer job (a command records no samples)")
+    floats = {}
+    for k in ("rtol", "atol", "loss_rtol", "detect_within_s", "recover_within_s"):
+        x = v.typed(t, k, (int, float), at, default=None)
+        if x is not None and (x < 0 or math.isnan(x)):
+            v.fail(at, k, f"{x}: must be >= 0")
+        if x is not None:
+            floats[k] = float(x)
+    return Expect(
+        completed=v.typed(t, "completed", bool, at, default=True),
+        final_state=final,
+        max_steps_lost=v.typed(t, "max_steps_lost", int, at, default=None),
+        verdict=verdict,
+        checkpoints_verify=v.typed(t, "checkpoints_verify", bool, at, default=True),
+        samples_exactly_once=v.typed(
+            t, "samples_exactly_once", bool, at, default=job.trainer is not None
+        ),
+        error_contains=v.typed(t, "error_contains", str, at, default=None),
+        **floats,
+    )
+
+
+class _Validator:
+    """Type checks that name the file, the line and the field."""
+
+    def __init__(self, text: str, source: str) -> None:
+        self.lines, self.source = text.splitlines(), source
+
+    def fail(self, at: tuple, key: str, message: str) -> None:
+        where = ".".join(str(a) if isinstance(a, str) else f"[{a}]" for a in at).replace(".[", "[")
+        name = f"{where}.{key}" if where and key else (where or key)
+        line = self.line_of(at, key)
+        raise ScenarioError(
+            f"{self.source}:{line}: {name}: {message}"
+            if line
+            else f"{self.source}: {name}: {message}"
+        )
+
+    def line_of(self, at: tuple, key: str) -> int | None:
+        """The line that sets ``key`` in the table ``at`` (its header's line if the key is absent)."""
+        table = ".".join(a for a in at if isinstance(a, str))
+        index = next((a for a in at if isinstance(a, int)), 0)
+        start, seen = 0, -1
+        if table:
+            header = re.compile(rf"^\s*\[\[?\s*{re.escape(table)}\s*\]\]?\s*(#.*)?$")
+            inline = re.compile(rf"^\s*{re.escape(at[-1] if at else '')}\s*=\s*\{{")
+            for n, line in enumerate(self.lines):
+                if header.match(line) or (isinstance(at[-1], str) and inline.match(line)):
+                    seen += 1
+                    if seen == index:
+                        start = n
+                        break
+            else:
+                return None
+        if not key:
+            return start + 1
+        pattern = re.compile(rf"(^|[{{,]\s*){re.escape(key)}\s*=")
+        for n in range(start, len(self.lines)):
+            if n > start and self.lines[n].lstrip().startswith("[") and table:
+                break
+            if not table and self.lines[n].lstrip().startswith("["):
+                break
+            if pattern.search(self.lines[n].strip()):
+                return n + 1
+        return start + 1 if table else None
+
+    def keys(self, t: dict[str, Any], allowed: set[str], at: tuple) -> None:
+        for k in t:
+            if k not in allowed:
+                self.fail(at, k, f"unknown field; expected one of {', '.join(sorted(allowed))}")
+
+    def table(self, t: dict[str, Any], key: str, at: tuple = (), *, required: bool = False) -> dict:
+        if key not in t:
+            if required:
+                self.fail(at, key, "missing (a table is required)")
+            return {}
+        if not isinstance(t[key], dict):
+            self.fail(at, key, f"must be a table, got {type(t[key]).__name__}")
+        return t[key]
+
+    def array_of_tables(self, t: dict[str, Any], key: str) -> list:
+        x = t.get(key, [])
+        if not isinstance(x, list):
+            self.fail((), key, "must be an array of tables ([[faults]])")
+        return x
+
+    def typed(
+        self,
+        t: dict[str, Any],
+        key: str,
+        kind: Any,
+        at: tuple,
+        *,
+        required: bool = False,
+        default: Any = None,
+    ) -> Any:
+        if key not in t:
+            if required:
+                self.fail(at, key, "missing")
+            return default
+        x = t[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if (isinstance(x, bool) and bool not in kinds) or not isinstance(x, kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            self.fail(at, key, f"expected {names}, found {type(x).__name__} {x!r}")
+        return x
+
+    def positive(
+        self,
+        t: dict[str, Any],
+        key: str,
+        at: tuple,
+        *,
+        default: Any = None,
+        required: bool = False,
+        kind: Any = int,
+    ) -> Any:
+        x = self.typed(t, key, kind, at, required=required, default=default)
+        if x is not None and x < 1:
+            self.fail(at, key, f"{x}: must be >= 1")
+        return x

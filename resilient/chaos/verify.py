@@ -1,0 +1,443 @@
+"""What must hold after a chaos run, checked from the run directory alone.
+
+The committed history of a run is its *lineage*: the per-step records (metrics.jsonl, appended
+across restarts) with every step that a restart rolled back replaced by its replay.  On it the
+checks are: the job completed; every fault fired; the final state equals the fault-free
+reference's (bit for bit, or within a tolerance when the layout changed); the loss curve matches;
+every committed checkpoint verifies; no rollback lost more than the allowed steps; every global
+sample was consumed exactly once; the expected verdict (or none) was issued; detection and recovery
+were within their bounds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilient.chaos.harness import Launch, RunPaths
+from resilient.chaos.scenario import Scenario
+
+__all__ = ["Check", "Outcome", "lineage", "verify_run", "read_jsonl", "recovery_breakdown"]
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: does not apply to this run
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Outcome:
+    checks: list[Check]
+    measurements: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.ok is False]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+    return out
+
+
+def lineage(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the committed history, the rollbacks).  A record whose step is not after the previous one
+    starts a replay: the steps from it on are replaced.  A rollback notes the newest step reached
+    before it, the step it resumed after, and the steps lost."""
+    history: list[dict[str, Any]] = []
+    rollbacks: list[dict[str, Any]] = []
+    for r in records:
+        if history and r["step"] <= history[-1]["step"]:
+            reached = history[-1]["step"]
+            history = [h for h in history if h["step"] < r["step"]]
+            rollbacks.append(
+                {
+                    "reached": reached,
+                    "resumed_after": r["step"] - 1,
+                    "lost": reached - (r["step"] - 1),
+                    "first_step_time": r.get("wall_time"),
+                }
+            )
+        elif history and r["step"] > history[-1]["step"] + 1:
+            rollbacks.append({"gap": [history[-1]["step"], r["step"]]})
+        history.append(r)
+    return history, rollbacks
+
+
+def verify_run(
+    scenario: Scenario, run_dir: Path, launch: Launch, reference: Path | None
+) -> Outcome:
+    paths = RunPaths(run_dir)
+    events = read_jsonl(paths.events)
+    records = read_jsonl(paths.metrics)
+    history, rollbacks = lineage(records)
+    exp, job = scenario.expect, scenario.job
+    checks: list[Check] = []
+    m: dict[str, Any] = {
+        "wall_s": round(launch.ended - launch.started, 2),
+        "restarts": max((e.get("restart", 0) for e in events if e["event"] == "start"), default=0),
+        "rollbacks": [r for r in rollbacks if "lost" in r],
+    }
+
+    # 1. the job completed (or failed, as the scenario expects)
+    final = history[-1]["step"] if history else 0
+    log_text = "\n".join(
+        paths.log(n).read_text(errors="replace") for n in range(job.nodes) if paths.log(n).exists()
+    )
+    if exp.completed:
+        ok = launch.succeeded and (job.steps is None or final == job.steps)
+        detail = (
+            f"exit codes {launch.exit_codes}"
+            + (f", nodes {launch.killed_nodes} killed on purpose" if launch.killed_nodes else "")
+            + (f", final step {final}/{job.steps}" if job.steps else "")
+            + (" (timed out)" if launch.timed_out else "")
+        )
+        if not ok:
+            detail += f"; last error: {_last_error(log_text)}"
+        checks.append(Check("job completed", ok, detail))
+    else:
+        failed = not launch.succeeded
+        found = exp.error_contains is None or exp.error_contains in log_text
+        checks.append(
+            Check(
+                "job failed as expected",
+                failed and found,
+                f"exit codes {launch.exit_codes}; "
+                + (
+                    f"log {'contains' if found else 'lacks'} {exp.error_contains!r}"
+                    if exp.error_contains
+                    else ""
+                )
+                + f"; last error: {_last_error(log_text)}",
+            )
+        )
+
+    # 2. every fault fired
+    fired = {e["id"]: e for e in events if e["event"] == "fault"}
+    for rec in read_jsonl(paths.storage_record):
+        fired.setdefault(rec["rule"], {"time": rec["time"], "count": 0})
+        fired[rec["rule"]]["count"] = fired[rec["rule"]].get("count", 0) + 1
+    missing = [f.id for f in scenario.faults if f.id not in fired]
+    checks.append(
+        Check(
+            "faults fired",
+            not missing,
+            "all fired: "
+            + ", ".join(
+                f"{fid}" + (f" x{fired[fid]['count']}" if "count" in fired[fid] else "")
+                for fid in fired
+            )
+            if not missing
+            else f"never fired: {missing}",
+        )
+    )
+    m["faults_fired"] = {
+        k: {"time": v.get("time"), **({"count": v["count"]} if "count" in v else {})}
+        for k, v in fired.items()
+    }
+
+    applies = exp.completed and launch.succeeded
+    # 3. the final state against the fault-free reference
+    ref_history: list[dict[str, Any]] = []
+    if reference is not None and exp.final_state != "any" and applies:
+        ref_history = lineage(read_jsonl(RunPaths(reference).metrics))[0]
+        checks.append(_compare_final(paths, RunPaths(reference), job.steps, exp))
+    else:
+        checks.append(Check("final state matches the reference", None, "not compared"))
+
+    # 4. the loss curve
+    if ref_history and history:
+        ref_loss = {r["step"]: r["loss"] for r in ref_history}
+        tol = (
+            exp.loss_rtol
+            if exp.loss_rtol is not None
+            else (0.0 if exp.final_state == "exact" else exp.rtol)
+        )
+        worst, at = 0.0, None
+        for r in history:
+            if r["step"] in ref_loss:
+                d = abs(r["loss"] - ref_loss[r["step"]]) / max(abs(ref_loss[r["step"]]), 1e-12)
+                if d > worst:
+                    worst, at = d, r["step"]
+        ok = worst <= tol
+        checks.append(
+            Check(
+                "loss curve matches the reference",
+                ok,
+                f"max relative difference {worst:.2e}"
+                + (f" at step {at}" if at else "")
+                + f" (allowed {tol:.0e})",
+            )
+        )
+        m["loss_max_rel_diff"] = worst
+
+    # 5. every committed checkpoint verifies (nothing committed is lost)
+    if exp.checkpoints_verify:
+        checks.append(_verify_checkpoints(paths, events))
+
+    # 6. steps lost per rollback
+    lost = [r["lost"] for r in rollbacks if "lost" in r]
+    gaps = [r["gap"] for r in rollbacks if "gap" in r]
+    bound = exp.max_steps_lost if exp.max_steps_lost is not None else (job.save_every or 0)
+    if job.steps is not None and applies:
+        checks.append(
+            Check(
+                "steps lost within bound",
+                (max(lost, default=0) <= bound) and not gaps,
+                f"lost {lost or [0]} steps per rollback (allowed {bound})"
+                + (f"; steps skipped between {gaps}" if gaps else ""),
+            )
+        )
+    m["steps_lost"] = lost
+
+    # 7. every global sample exactly once in the committed history
+    if exp.samples_exactly_once and applies:
+        checks.append(_samples_once(history, job.steps))
+
+    # 8. verdicts; 9. detection and recovery latency
+    verdicts = [e for e in events if e["event"] == "verdict"]
+    stragglers = [e for e in events if e["event"] == "straggler"]
+    checks += _verdict_checks(scenario, verdicts, stragglers, m)
+    fault_t = min((v["time"] for v in fired.values() if v.get("time")), default=None)
+    if fault_t is not None and verdicts:
+        m["detection_s"] = round(verdicts[0]["time"] - fault_t, 3)
+    if exp.detect_within_s is not None:
+        d = m.get("detection_s")
+        checks.append(
+            Check(
+                "detection within bound",
+                d is not None and d <= exp.detect_within_s,
+                f"{d:.2f}s from fault to verdict (allowed {exp.detect_within_s}s)"
+                if d is not None
+                else "no verdict to time",
+            )
+        )
+    after = [
+        r["first_step_time"]
+        for r in rollbacks
+        if r.get("first_step_time") and fault_t and r["first_step_time"] > fault_t
+    ]
+    if fault_t is not None and after:
+        m["recovery_s"] = round(after[0] - fault_t, 3)
+        m["breakdown"] = recovery_breakdown(events, fault_t)
+    if exp.recover_within_s is not None:
+        r = m.get("recovery_s")
+        checks.append(
+            Check(
+                "recovery within bound",
+                r is not None and r <= exp.recover_within_s,
+                f"{r:.2f}s from fault to the first step after the restart (allowed {exp.recover_within_s}s)"
+                if r is not None
+                else "no restart to time",
+            )
+        )
+    return Outcome(checks, m)
+
+
+def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str, float]:
+    """Fault to first step after the restart, in phases: detection (fault to verdict), teardown and
+    restart (to the new workers' process start), start and rendezvous (to the new process group),
+    checkpoint load, and the first step."""
+    verdict = next(
+        (e["time"] for e in events if e["event"] == "verdict" and e["time"] >= fault_t), None
+    )
+    starts = [e for e in events if e["event"] == "start" and e["time"] > fault_t]
+    if not starts:
+        return {}
+    proc = min(e.get("process_start", e["time"]) for e in starts)
+    ready = max(e["time"] for e in starts if e.get("restart") == starts[0].get("restart"))
+    restore = next((e for e in events if e["event"] == "restore" and e["time"] > fault_t), None)
+    first = next(
+        (e["time"] for e in events if e["event"] == "first_step" and e["time"] > fault_t), None
+    )
+    out: dict[str, float] = {}
+    t = fault_t
+    if verdict is not None:
+        out["detection"] = verdict - t
+        t = verdict
+    out["teardown_restart"] = proc - t
+    out["start_rendezvous"] = ready - proc
+    if restore is not None:
+        out["load"] = restore["seconds"]
+        out["to_load"] = restore["start"] - ready
+    if first is not None and restore is not None:
+        out["first_step"] = first - restore["time"]
+    return {k: round(max(v, 0.0), 3) for k, v in out.items()}
+
+
+def _verdict_checks(
+    scenario: Scenario, verdicts: list[dict], stragglers: list[dict], m: dict[str, Any]
+) -> list[Check]:
+    exp = scenario.expect
+    m["verdicts"] = [
+        {k: v.get(k) for k in ("verdict", "rank", "detail", "time")} for v in verdicts + stragglers
+    ]
+    if exp.verdict is None:
+        return []
+    if exp.verdict == "none":
+        found = verdicts + stragglers
+        return [
+            Check(
+                "no verdict",
+                not found,
+                "no rank was declared dead, hung or a straggler"
+                if not found
+                else f"unexpected: {[(v['verdict'], v['rank']) for v in found]}",
+            )
+        ]
+    ranks = {f.rank for f in scenario.faults if f.rank is not None}
+    pool = stragglers if exp.verdict == "STRAGGLER" else verdicts
+    match = [v for v in pool if v["verdict"] == exp.verdict and (not ranks or v["rank"] in ranks)]
+    checks = [
+        Check(
+            f"{exp.verdict} verdict on the faulty rank",
+            bool(match),
+            f"{match[0]['verdict']} rank {match[0]['rank']}: {match[0]['detail']}"
+            if match
+            else f"expected {exp.verdict} on rank(s) {sorted(ranks)}; got "
+            f"{[(v['verdict'], v['rank']) for v in pool] or 'none'}",
+        )
+    ]
+    if exp.verdict == "STRAGGLER":
+        checks.append(
+            Check(
+                "straggler not killed",
+                not verdicts and not m.get("restarts"),
+                "no DEAD/HUNG verdict and no restart"
+                if not verdicts and not m.get("restarts")
+                else f"verdicts {[(v['verdict'], v['rank']) for v in verdicts]}, restarts {m.get('restarts')}",
+            )
+        )
+    return checks
+
+
+def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) -> Check:
+    import torch
+
+    from resilient import Checkpointer
+    from resilient.errors import ResilientError
+
+    name = "final state matches the reference"
+    try:
+        a = gather_checkpoint(str(ref.ckpt), steps)
+        b = gather_checkpoint(str(run.ckpt), steps)
+    except ResilientError as e:
+        return Check(name, False, f"cannot read a final checkpoint: {e}")
+    if a.keys() != b.keys():
+        return Check(name, False, f"tensor names differ: {sorted(a.keys() ^ b.keys())[:5]}")
+    differ, worst = [], 0.0
+    for k in a:
+        if exp.final_state == "exact":
+            if not torch.equal(a[k], b[k]):
+                differ.append(k)
+        else:
+            x, y = a[k].double(), b[k].double()
+            err = ((x - y).abs() - exp.atol - exp.rtol * y.abs()).max().item() if x.numel() else -1
+            rel = ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item() if x.numel() else 0
+            worst = max(worst, rel)
+            if err > 0:
+                differ.append(k)
+    step = steps if steps is not None else Checkpointer(str(run.ckpt)).latest_step()
+    what = (
+        "bit-identical"
+        if exp.final_state == "exact"
+        else f"within rtol {exp.rtol}, atol {exp.atol}"
+    )
+    if differ:
+        return Check(
+            name, False, f"step {step}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
+        )
+    extra = f" (max relative difference {worst:.1e})" if exp.final_state == "close" else ""
+    return Check(name, True, f"step {step}: all {len(a)} tensors {what}{extra}")
+
+
+def gather_checkpoint(url: str, step: int | None = None) -> dict[str, Any]:
+    """Every model and optimizer tensor of a checkpoint step, whole (loaded in a world of one)."""
+    import torch
+
+    from resilient import Checkpointer, Layout
+    from resilient.checkpoint.state import sharded
+
+    with Checkpointer(url, layout=Layout(dp=1, ep=1, tp=1)) as ck:
+        m = ck.manifest(step)
+        state = {
+            k: sharded(torch.zeros(t.shape, dtype=getattr(torch, t.dtype)), {})
+            for k, t in m.tensors.items()
+            if k.startswith(("model.", "optim."))
+        }
+        ck.load(state, step=step)
+    return state
+
+
+def _verify_checkpoints(paths: RunPaths, events: list[dict[str, Any]]) -> Check:
+    from resilient import Checkpointer
+    from resilient.errors import ResilientError
+
+    name = "committed checkpoints verify"
+    if not paths.ckpt.exists():
+        return Check(name, None, "no checkpoints")
+    damaged = {e["step"] for e in events if e["event"] == "fault_detail"}
+    bad, good = [], []
+    with Checkpointer(str(paths.ckpt)) as ck:
+        for s in ck.steps():
+            try:
+                ok = ck.verify(s).ok
+            except ResilientError:
+                ok = False
+            (good if ok else bad).append(s)
+    unexpected = [s for s in bad if s not in damaged]
+    detail = f"steps {good} verify"
+    if bad:
+        detail += f"; steps {bad} fail" + (
+            " (damaged by the scenario itself)" if not unexpected else f"; unexpected: {unexpected}"
+        )
+    return Check(name, not unexpected and bool(good), detail)
+
+
+def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
+    name = "every sample consumed exactly once"
+    if not history or "samples" not in history[0]:
+        return Check(name, None, "the job records no samples")
+    seen: list[tuple[int, int]] = sorted(
+        (r["samples"][0], r["samples"][0] + r["samples"][1]) for r in history
+    )
+    total = sum(b - a for a, b in seen)
+    overlaps = [(p, q) for p, q in zip(seen, seen[1:]) if q[0] < p[1]]
+    holes = [(p[1], q[0]) for p, q in zip(seen, seen[1:]) if q[0] > p[1]]
+    covered = seen[0][0] == 0 and not holes and not overlaps
+    if steps is not None:
+        covered = covered and len(history) == steps
+    if overlaps or holes or not covered:
+        return Check(
+            name,
+            False,
+            f"{total} samples in {len(history)} steps; repeated {overlaps[:3]}, skipped {holes[:3]}",
+        )
+    return Check(name, True, f"samples 0..{seen[-1][1] - 1} each once over {len(history)} steps")
+
+
+def _last_error(log: str) -> str:
+    for line in reversed(log.splitlines()):
+        s = line.strip()
+        if any(w in s for w in ("Error:", "Error(", "error:", "Exception")) and "Warning" not in s:
+            return s[-400:]
+    return "none found in the logs"
