@@ -44,6 +44,65 @@ def verify(
     raise typer.Exit(0 if report.ok else 1)
 
 
+chaos_app = typer.Typer(
+    no_args_is_help=True,
+    help="Chaos testing: run a job with injected faults and prove nothing was lost.",
+)
+app.add_typer(chaos_app, name="chaos")
+
+
+@chaos_app.command("run")
+def chaos_run(
+    scenario: str = typer.Argument(..., help="A scenario TOML file."),
+    out: str = typer.Option("runs/chaos", "--out", help="Directory for the run and its reference."),
+) -> None:
+    """Run one scenario: a fault-free reference, the faulty run, verification, reports
+    (exit 0 when every check passed, 1 when one failed, 2 on a bad scenario)."""
+    from resilient.chaos.runner import run_scenario
+    from resilient.errors import ScenarioError
+
+    try:
+        report = run_scenario(scenario, out, say=typer.echo)
+    except ScenarioError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if report["passed"] else 1)
+
+
+@chaos_app.command("suite")
+def chaos_suite(
+    quick: bool = typer.Option(False, "--quick", help="Only the CI-sized scenarios."),
+    out: str = typer.Option("runs/chaos-suite", "--out", help="Directory for the runs."),
+) -> None:
+    """Run the built-in scenarios (each injector at least once); writes suite.md and suite.json."""
+    from resilient.chaos.runner import run_suite
+
+    reports = run_suite(out, quick=quick, say=typer.echo)
+    failed = [r["scenario"] for r in reports if not r["passed"]]
+    typer.echo(
+        f"{len(reports) - len(failed)}/{len(reports)} scenarios passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + f" -> {out}/suite.md"
+    )
+    raise typer.Exit(1 if failed else 0)
+
+
+@app.command()
+def report(
+    run_dir: str = typer.Argument(..., help="A directory `resilient chaos run` wrote."),
+) -> None:
+    """Verify a chaos run again and rebuild report.json, report.md and timeline.png."""
+    from resilient.chaos.runner import rebuild_report
+    from resilient.errors import ResilientError
+
+    try:
+        result = rebuild_report(run_dir, say=typer.echo)
+    except (FileNotFoundError, ResilientError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if result["passed"] else 1)
+
+
 def main() -> None:
     app()
 

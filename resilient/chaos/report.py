@@ -61,6 +61,7 @@ def markdown(report: dict[str, Any]) -> str:
         "detection_s",
         "recovery_s",
         "loss_max_rel_diff",
+        "layouts",
     ):
         if key in m:
             lines.append(f"| {key} | {m[key]} |")

@@ -97,6 +97,12 @@ def verify_run(
         "restarts": max((e.get("restart", 0) for e in events if e["event"] == "start"), default=0),
         "rollbacks": [r for r in rollbacks if "lost" in r],
     }
+    layouts = []
+    for r in history:
+        if r.get("layout") and r["layout"] not in layouts:
+            layouts.append(r["layout"])
+    if layouts:
+        m["layouts"] = layouts
 
     # 1. the job completed (or failed, as the scenario expects)
     final = history[-1]["step"] if history else 0
@@ -278,7 +284,6 @@ def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str
     out["start_rendezvous"] = ready - proc
     if restore is not None:
         out["load"] = restore["seconds"]
-        out["to_load"] = restore["start"] - ready
     if first is not None and restore is not None:
         out["first_step"] = first - restore["time"]
     return {k: round(max(v, 0.0), 3) for k, v in out.items()}
