@@ -98,21 +98,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         fallback=cfg.fallback,
         event_log=cfg.events,
     )
-    start = run.track(model=model, optim=optim, data=loader, train=counters, config=config)
     metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
     losses: list[float] = []
-    try:
-        for step in run.steps(cfg.steps):
-            record = _train_step(step, cfg, pc, model, optim, loader, autocast, device)
-            run.report_compute(record["compute_s"] + record["optimizer_s"])
-            counters["tokens"] += cfg.global_batch * cfg.model.seq_len
-            losses.append(record["loss"])
+    with run:  # on an error, the detector first gets a moment to name a failed peer
+        start = run.track(model=model, optim=optim, data=loader, train=counters, config=config)
+        try:
+            for step in run.steps(cfg.steps):
+                record = _train_step(step, cfg, pc, model, optim, loader, autocast, device)
+                run.report_compute(record["compute_s"] + record["optimizer_s"])
+                counters["tokens"] += cfg.global_batch * cfg.model.seq_len
+                losses.append(record["loss"])
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+        finally:
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-    finally:
-        if metrics is not None:
-            metrics.close()
-        run.close()
+                metrics.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
 from resilient.errors import RankFailureError
-from resilient.health import DetectorConfig, EventLog, Monitor
+from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
 from resilient.launch import init_process_group
 from resilient.layout import Layout
 
@@ -142,6 +142,7 @@ class Run:
         self._old_handler: Any = None
         self._busy_s: float | None = None
         self._handle: Any = None  # the newest save, until it is in the event log
+        self._failing = False
         self._install_sigterm()
         from resilient.chaos.faults import agent_from_env
 
@@ -265,8 +266,32 @@ class Run:
         where every rank's wall-clock step is as long as the slowest rank's."""
         self._busy_s = float(seconds)
 
-    def close(self) -> None:
-        """Wait for pending saves and restore the SIGTERM handler."""
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        failed = exc is not None and not isinstance(exc, SystemExit | GeneratorExit)
+        if failed:
+            self._failing = True  # from here a SIGTERM (torchrun tearing the group down) ends it
+            self.explain_failure(exc)
+        self.close(announce=not failed)  # a crashed rank is not "done": peers must see it die
+
+    def explain_failure(self, exc: BaseException) -> None:
+        """A collective that failed because a peer died says nothing about which peer, or why.
+        Before this rank exits with ``exc``, give the detector a moment (its dead timeout plus two
+        intervals) to name the failed rank: on a verdict the monitor writes the failure record and
+        the stacks and exits with ``EXIT_RANK_FAILURE`` itself; without one, ``exc`` goes on."""
+        if self.monitor is None or not _is_peer_failure(exc):
+            return
+        self.events.write("error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000])
+        config = self.monitor.config
+        deadline = time.time() + config.dead_timeout_s + 2 * config.interval_s
+        while time.time() < deadline and self.monitor.verdict() is None:
+            time.sleep(config.interval_s / 10)
+
+    def close(self, *, announce: bool = True) -> None:
+        """Wait for pending saves and restore the SIGTERM handler; ``announce``: tell peers this
+        rank finished (False when it is failing)."""
         try:
             if self.checkpointer is not None:
                 self.checkpointer.close()
@@ -275,7 +300,7 @@ class Run:
                 signal.signal(signal.SIGTERM, self._old_handler)
                 self._old_handler = None
             if self.monitor is not None:
-                self.monitor.close()
+                self.monitor.close(announce=announce)
 
     # --- preemption and peers -----------------------------------------------------------------------
     def _install_sigterm(self) -> None:
@@ -283,6 +308,11 @@ class Run:
             return  # signals are delivered to the main thread only
 
         def handler(signum, frame):
+            if self._failing or (self.monitor is not None and self.monitor.verdict() is not None):
+                # not a preemption: torchrun is tearing down a failed group, and this rank cannot
+                # save anyway (a peer is gone); waiting would hold the restart for 30 s
+                self.events.write("exit", rank=self.rank, code=EXIT_RANK_FAILURE, reason="SIGTERM")
+                os._exit(EXIT_RANK_FAILURE)
             self._preempt.set()
 
         self._old_handler = signal.signal(signal.SIGTERM, handler)
@@ -309,6 +339,20 @@ class Run:
             verdict = self.monitor.verdict()
             if verdict is not None:
                 raise RankFailureError(str(verdict))
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """A collective's error (a peer closed its connection, a backend timeout), not this rank's."""
+    if isinstance(exc, RankFailureError):
+        return False
+    dist_error = getattr(dist, "DistError", ())
+    text = str(exc)
+    return isinstance(exc, dist_error) or (
+        isinstance(exc, RuntimeError)
+        and any(
+            s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset")
+        )
+    )
 
 
 def process_start_time() -> float:
@@ -406,9 +450,9 @@ def fault_tolerant(
                 **run_kwargs,
             )
             try:
-                return fn(run, *args, **kwargs)
+                with run:
+                    return fn(run, *args, **kwargs)
             finally:
-                run.close()
                 if created and dist.is_initialized():
                     dist.destroy_process_group()
 

@@ -379,14 +379,20 @@ class _Validator:
 
     def line_of(self, at: tuple, key: str) -> int | None:
         """The line that sets ``key`` in the table ``at`` (its header's line if the key is absent)."""
-        table = ".".join(a for a in at if isinstance(a, str))
+        names = [a for a in at if isinstance(a, str)]
+        table = ".".join(names)
         index = next((a for a in at if isinstance(a, int)), 0)
-        start, seen = 0, -1
+        start = 0
         if table:
             header = re.compile(rf"^\s*\[\[?\s*{re.escape(table)}\s*\]\]?\s*(#.*)?$")
-            inline = re.compile(rf"^\s*{re.escape(at[-1] if at else '')}\s*=\s*\{{")
+            inline = (
+                re.compile(rf"^\s*{re.escape(names[-1])}\s*=\s*\{{")
+                if isinstance(at[-1], str)
+                else None
+            )
+            seen = -1
             for n, line in enumerate(self.lines):
-                if header.match(line) or (isinstance(at[-1], str) and inline.match(line)):
+                if header.match(line) or (inline is not None and inline.match(line)):
                     seen += 1
                     if seen == index:
                         start = n
@@ -397,11 +403,10 @@ class _Validator:
             return start + 1
         pattern = re.compile(rf"(^|[{{,]\s*){re.escape(key)}\s*=")
         for n in range(start, len(self.lines)):
-            if n > start and self.lines[n].lstrip().startswith("[") and table:
-                break
-            if not table and self.lines[n].lstrip().startswith("["):
-                break
-            if pattern.search(self.lines[n].strip()):
+            stripped = self.lines[n].strip()
+            if stripped.startswith("[") and (n > start or not table):
+                break  # the next table
+            if pattern.search(stripped):
                 return n + 1
         return start + 1 if table else None
 

@@ -12,6 +12,7 @@ were within their bounds.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -415,7 +416,9 @@ def _verify_checkpoints(paths: RunPaths, events: list[dict[str, Any]]) -> Check:
         detail += f"; steps {bad} fail" + (
             " (damaged by the scenario itself)" if not unexpected else f"; unexpected: {unexpected}"
         )
-    return Check(name, not unexpected and bool(good), detail)
+    if not good and not bad:
+        return Check(name, None, "no committed step")
+    return Check(name, not unexpected, detail)
 
 
 def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
@@ -440,9 +443,14 @@ def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
     return Check(name, True, f"samples 0..{seen[-1][1] - 1} each once over {len(history)} steps")
 
 
+_ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)")
+_WRAPPERS = ("ChildFailedError", "SignalException")
+
+
 def _last_error(log: str) -> str:
+    """The root cause in a job's log: the last exception a worker raised, not torchrun's wrapper."""
     for line in reversed(log.splitlines()):
-        s = line.strip()
-        if any(w in s for w in ("Error:", "Error(", "error:", "Exception")) and "Warning" not in s:
-            return s[-400:]
+        m = _ERROR_LINE.search(line)
+        if m and not any(w in m.group(1) for w in _WRAPPERS) and "Warning" not in m.group(1):
+            return f"{m.group(1)}: {m.group(2)}"[:500]
     return "none found in the logs"

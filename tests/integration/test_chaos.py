@@ -1,0 +1,118 @@
+"""The chaos suite on real torchrun jobs: every scenario's fault fires and its invariants hold, and
+the harness reports failure when they do not."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient.chaos.runner import QUICK, builtin_scenarios, run_scenario, run_suite
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    """One output directory for the module, so scenarios with the same job share a reference."""
+    return tmp_path_factory.mktemp("chaos")
+
+
+def _assert_passed(report: dict) -> None:
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if c["ok"] is False]
+    assert report["passed"] and not failed, f"{report['scenario']}: {failed}"
+    fired = next(c for c in report["checks"] if c["name"] == "faults fired")
+    assert fired["ok"] is True
+
+
+def test_quick_suite(out):
+    reports = run_suite(out / "quick", quick=True, say=lambda *_: None)
+    assert sorted(r["scenario"] for r in reports) == sorted(QUICK)
+    for r in reports:
+        _assert_passed(r)
+        assert (Path(r["run_dir"]) / "report.md").exists()
+        assert Path(r["timeline"]).exists()  # make test installs the plot extra
+    by = {r["scenario"]: r for r in reports}
+    # the fault cost a restart where it should, and none where retries absorb it
+    assert by["kill-rank"]["measurements"]["restarts"] >= 1
+    assert by["storage-transient"]["measurements"]["restarts"] == 0
+    assert by["stop-rank-during-save"]["measurements"]["verdicts"][0]["verdict"] == "DEAD"
+    assert "| kill-rank | pass |" in (out / "quick" / "suite.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in builtin_scenarios() if s.name not in QUICK])
+def test_full_suite_scenario(out, name):
+    scenario = next(s for s in builtin_scenarios() if s.name == name)
+    _assert_passed(run_scenario(scenario, out / "full", say=lambda *_: None))
+
+
+FAILING = """
+name = "corrupt-no-fallback"
+description = "Bit rot in the newest checkpoint, a kill, and fallback disabled: the job cannot resume"
+
+[job]
+nproc = 2
+max_restarts = 1
+timeout_s = 180
+[job.trainer]
+dp = 2
+steps = 20
+save_every = 5
+no_fallback = true
+
+[[faults]]
+kind = "corrupt"
+step = 7
+
+[[faults]]
+kind = "kill"
+rank = 1
+step = 8
+
+[expect]
+final_state = "exact"
+"""
+
+
+@pytest.mark.slow
+def test_the_harness_reports_failure_with_the_reason(out, tmp_path):
+    path = tmp_path / "corrupt-no-fallback.toml"
+    path.write_text(FAILING)
+    r = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "chaos", "run", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads((out / "corrupt-no-fallback" / "report.json").read_text())
+    assert not report["passed"]
+    failed = {c["name"]: c["detail"] for c in report["checks"] if c["ok"] is False}
+    assert "job completed" in failed and "checksum mismatch" in failed["job completed"]
+    fired = next(c for c in report["checks"] if c["name"] == "faults fired")
+    assert fired["ok"]  # the faults did fire: it is the invariant that broke
+    assert "FAILED" in r.stdout
+
+    # the same run judged against a bound it cannot meet: `resilient report` fails it too
+    run_dir = out / "corrupt-no-fallback"
+    text = FAILING.replace(
+        'final_state = "exact"', 'completed = false\nerror_contains = "CheckpointCorruptError"'
+    )
+    (run_dir / "scenario.toml").write_text(text)
+    again = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stdout  # a failure the scenario expects passes
+    (run_dir / "scenario.toml").write_text(text.replace("CheckpointCorruptError", "no such text"))
+    third = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert third.returncode == 1 and "lacks 'no such text'" in third.stdout

@@ -1,0 +1,325 @@
+"""The chaos harness's parts, without launching jobs: scenarios, lineage, checks, injectors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient.chaos.faults import ChaosAgent, damage_newest_checkpoint, kill_tree, throttle
+from resilient.chaos.runner import QUICK, builtin_scenarios
+from resilient.chaos.scenario import KINDS, parse_scenario
+from resilient.chaos.verify import _samples_once, _verdict_checks, lineage
+from resilient.errors import ScenarioError
+from resilient.health.events import EventLog
+
+GOOD = """
+name = "t"
+description = "a test"
+
+[job]
+nproc = 4
+[job.trainer]
+tp = 2
+ep = 2
+steps = 30
+save_every = 5
+
+[[faults]]
+kind = "kill"
+rank = 1
+step = 12
+
+[expect]
+final_state = "exact"
+"""
+
+
+def test_builtin_suite_parses_and_covers_every_injector():
+    full = builtin_scenarios()
+    kinds = {f.kind for s in full for f in s.faults}
+    assert kinds == set(KINDS), set(KINDS) - kinds
+    errors = {f.error for s in full for f in s.faults if f.kind == "storage"}
+    assert {"transient", "enospc"} <= errors
+    assert any(f.latency_s for s in full for f in s.faults)  # slow storage
+    assert any(f.at_s for s in full for f in s.faults)  # a time trigger
+    assert any(f.when == "save" for s in full for f in s.faults)  # the save-phase trigger
+    assert any(s.job.elastic and s.job.nodes == 2 for s in full)  # elastic shrink
+    assert [s.name for s in builtin_scenarios(quick=True)] == sorted(QUICK)
+
+
+def test_a_good_scenario_parses_with_defaults():
+    s = parse_scenario(GOOD, "good.toml")
+    assert s.job.trainer == {"dp": 1, "tp": 2, "ep": 2, "steps": 30, "save_every": 5}
+    assert s.faults[0].id == "kill-0" and s.faults[0].when == "step"
+    assert s.expect.samples_exactly_once and s.expect.max_steps_lost is None
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (
+            ('kind = "kill"', 'kind = "explode"'),
+            "bad.toml:14: faults[0].kind: 'explode' is not a fault kind",
+        ),
+        (
+            ("rank = 1", "rank = 7"),
+            "bad.toml:15: faults[0].rank: 7 is not a rank of this 4-rank job",
+        ),
+        (
+            ("step = 12", "step = 99"),
+            "bad.toml:16: faults[0].step: 99 is outside the job's steps 1..30",
+        ),
+        (
+            ("steps = 30", 'steps = "30"'),
+            "bad.toml:10: job.trainer.steps: expected int, found str '30'",
+        ),
+        (
+            ("ep = 2", "ep = 2\ndp = 2"),
+            "job.trainer.dp: dp 2 x ep 2 x tp 2 = 8, but the job has 4 ranks",
+        ),
+        (
+            ('final_state = "exact"', 'final_state = "perfect"'),
+            "bad.toml:19: expect.final_state: 'perfect'",
+        ),
+        (
+            ("step = 12", "step = 12\nat_s = 3.0"),
+            "faults[0].step: a kill fault needs exactly one trigger",
+        ),
+        (("[expect]", "[expect]\nspeed = 3"), "bad.toml:19: expect.speed: unknown field"),
+        (
+            ("nproc = 4", "nproc = 4\nnodes = 3"),
+            "bad.toml:7: job.nodes: 3: localhost jobs take 1 or 2",
+        ),
+        (("rank = 1", "rank = 1\nnode = 1"), None),  # a stray node on a rank fault is harmless
+    ],
+)
+def test_scenario_errors_name_the_file_line_and_field(change, expected):
+    text = GOOD.replace(*change)
+    if expected is None:
+        parse_scenario(text, "bad.toml")
+        return
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario(text, "bad.toml")
+    assert expected in str(e.value)
+
+
+def test_scenario_needs_a_job_and_valid_toml():
+    with pytest.raises(ScenarioError, match="bad.toml: job: missing"):
+        parse_scenario('name = "x"', "bad.toml")
+    with pytest.raises(ScenarioError, match="bad.toml: not valid TOML"):
+        parse_scenario("name = ", "bad.toml")
+    kill_node = GOOD.replace('kind = "kill"\nrank = 1', 'kind = "kill_node"\nnode = 1')
+    with pytest.raises(ScenarioError, match="kill_node needs a job with nodes = 2"):
+        parse_scenario(kill_node, "bad.toml")
+
+
+def _rec(step, t, first=None):
+    first = (step - 1) * 8 if first is None else first
+    return {"step": step, "wall_time": t, "loss": 1.0, "samples": [first, 8]}
+
+
+def test_lineage_replaces_rolled_back_steps_and_counts_the_loss():
+    records = [_rec(s, s) for s in range(1, 13)] + [_rec(s, 20 + s) for s in range(11, 16)]
+    history, rollbacks = lineage(records)
+    assert [r["step"] for r in history] == list(range(1, 16))
+    assert history[10]["wall_time"] == 31  # the replay of step 11, not the lost one
+    assert rollbacks == [{"reached": 12, "resumed_after": 10, "lost": 2, "first_step_time": 31}]
+    ok = _samples_once(history, 15)
+    assert ok.ok and "samples 0..119 each once" in ok.detail
+
+
+def test_samples_check_catches_a_replay_that_reads_other_samples():
+    # a resumed loader that lost its position serves step 11's replay the samples of step 1
+    records = [_rec(s, s) for s in range(1, 13)] + [_rec(11, 30, first=0)]
+    records += [_rec(s, 30 + s) for s in range(12, 16)]
+    bad = _samples_once(lineage(records)[0], 15)
+    assert bad.ok is False and "repeated" in bad.detail and "skipped" in bad.detail
+    short = _samples_once(lineage([_rec(s, s) for s in range(1, 10)])[0], 15)
+    assert short.ok is False  # samples of steps 10..15 never consumed
+
+
+def test_verdict_checks():
+    s = parse_scenario(GOOD.replace('final_state = "exact"', 'verdict = "DEAD"'))
+    dead = [{"verdict": "DEAD", "rank": 1, "detail": "no liveness", "time": 1.0}]
+    assert _verdict_checks(s, dead, [], {})[0].ok
+    wrong = [{"verdict": "DEAD", "rank": 2, "detail": "", "time": 1.0}]
+    assert _verdict_checks(s, wrong, [], {})[0].ok is False
+    none = parse_scenario(GOOD.replace('final_state = "exact"', 'verdict = "none"'))
+    assert _verdict_checks(none, [], [], {})[0].ok
+    assert _verdict_checks(none, [], dead, {})[0].ok is False
+    slow = parse_scenario(GOOD.replace('final_state = "exact"', 'verdict = "STRAGGLER"'))
+    strag = [{"verdict": "STRAGGLER", "rank": 1, "detail": "2.1x", "time": 1.0}]
+    checks = _verdict_checks(slow, [], strag, {"restarts": 0})
+    assert [c.ok for c in checks] == [True, True]
+    checks = _verdict_checks(slow, dead, strag, {"restarts": 1})
+    assert [c.ok for c in checks] == [True, False]  # the straggler was killed: a failure
+
+
+def test_in_rank_faults_fire_once_across_restarts(tmp_path):
+    plan = {
+        "marker_dir": str(tmp_path / "faults"),
+        "faults": [
+            {"id": "p", "kind": "pause", "rank": 1, "step": 3, "seconds": 0.01},
+            {"id": "r", "kind": "raise", "rank": 1, "step": 5, "when": "save"},
+        ],
+    }
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    other_rank = ChaosAgent(plan, 0, events)
+    for step in range(1, 8):
+        other_rank.at_step(step, None)
+        other_rank.during_save(step, None)
+    assert events.read() == []
+    for _attempt in range(2):  # the second attempt is a restart: nothing fires again
+        agent = ChaosAgent(plan, 1, events)
+        for step in range(1, 8):
+            agent.at_step(step, None)
+            if step == 5 and _attempt == 0:
+                with pytest.raises(RuntimeError, match="injected exception on rank 1 at step 5"):
+                    agent.during_save(step, None)
+            else:
+                agent.during_save(step, None)
+    fired = [(e["id"], e["step"], e["when"]) for e in events.read() if e["event"] == "fault"]
+    assert fired == [("p", 3, "step"), ("r", 5, "save")]
+
+
+def test_damaged_checkpoints_fail_verification_and_load_falls_back(tmp_path):
+    from resilient import Checkpointer
+    from resilient.errors import CheckpointCorruptError
+
+    url = str(tmp_path / "ck")
+    with Checkpointer(url) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((4096,), float(step))}).wait()
+        detail = damage_newest_checkpoint(ck, "corrupt")
+        assert detail["step"] == 2 and detail["damage"] == "corrupt"
+        assert not ck.verify(2).ok and ck.verify(1).ok
+        state = {"w": torch.zeros(4096)}
+        with pytest.raises(CheckpointCorruptError):
+            ck.load(state)
+        assert ck.load(state, fallback=True) == 1 and torch.equal(state["w"], torch.ones(4096))
+        ck.save(3, {"w": torch.full((4096,), 3.0)}).wait()
+        damage_newest_checkpoint(ck, "truncate")
+        assert not ck.verify(3).ok
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_kill_tree_reaches_workers_in_their_own_sessions():
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+        "time.sleep(60)\n"
+    )
+    agent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.time() + 20
+        from resilient.chaos.faults import descendants
+
+        while len(descendants(agent.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        pids = kill_tree(agent.pid)
+        assert len(pids) == 2
+        agent.wait(timeout=10)
+        worker = pids[1]
+        deadline = time.time() + 10
+        while (
+            time.time() < deadline and os.path.exists(f"/proc/{worker}") and _state(worker) != "Z"
+        ):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{worker}") or _state(worker) == "Z"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
+def test_throttle_stops_and_always_resumes_its_target():
+    target = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        helper = throttle(target.pid, 4.0, seconds=1.0)
+        seen = set()
+        while helper.poll() is None:
+            seen.add(_state(target.pid))
+            time.sleep(0.003)
+        assert "T" in seen  # it was stopped at times
+        assert _state(target.pid) != "T"  # and left running
+        with pytest.raises(ValueError, match="factor must be > 1"):
+            throttle(target.pid, 1.0)
+    finally:
+        target.send_signal(signal.SIGKILL)
+        target.wait()
+
+
+def test_faulty_fs_probability_record_and_count_across_processes(tmp_path):
+    import fsspec
+
+    from resilient.chaos.faultfs import FaultyFileSystem
+
+    record = tmp_path / "fired.jsonl"
+    rules = [{"id": "flaky", "op": "write", "error": "transient", "probability": 0.5}]
+    fs = FaultyFileSystem(faults=rules, record=str(record), seed=1)
+    failures = 0
+    for i in range(40):
+        try:
+            fs.pipe_file(str(tmp_path / f"f{i}"), b"x")
+        except ConnectionError:
+            failures += 1
+    assert 5 < failures < 35  # some, not all
+    lines = [json.loads(x) for x in record.read_text().splitlines()]
+    assert len(lines) == failures and {x["rule"] for x in lines} == {"flaky"}
+    # count=1 holds for a second filesystem (a restarted process) sharing the record
+    once = [{"id": "once", "op": "write", "error": "enospc", "count": 1}]
+    first = FaultyFileSystem(faults=once, record=str(record))
+    with pytest.raises(OSError, match="No space left"):
+        first.pipe_file(str(tmp_path / "a"), b"x")
+    second = FaultyFileSystem(faults=once, record=str(record))
+    second.pipe_file(str(tmp_path / "a"), b"x")
+    # latency alone: a slow store, not a failing one
+    slow = fsspec.filesystem("faulty", faults=[{"op": "write", "latency_s": 0.01}])
+    slow.pipe_file(str(tmp_path / "b"), b"y")
+    assert slow.fired == [("write", str(tmp_path / "b"), "latency")]
+
+
+def test_report_without_matplotlib_says_how_to_get_the_picture(tmp_path, monkeypatch):
+    from resilient.chaos.report import draw_timeline, markdown
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert draw_timeline(tmp_path, "x") is None
+    md = markdown(
+        {
+            "scenario": "x",
+            "passed": True,
+            "description": "d",
+            "checks": [{"name": "job completed", "ok": True, "detail": "exit codes [0]"}],
+            "measurements": {"wall_s": 1.0},
+            "run_dir": str(tmp_path),
+            "timeline": None,
+        }
+    )
+    assert "pip install 'resilient[plot]'" in md and "| job completed | pass |" in md
+
+
+def test_cli_rejects_a_bad_scenario_and_a_non_run_directory(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(GOOD.replace("rank = 1", "rank = -1"))
+    env = dict(os.environ)
+    r = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "chaos", "run", str(bad), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert r.returncode == 2 and "bad.toml:15: faults[0].rank: -1 is not a rank" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "is not a chaos run directory" in r.stderr
