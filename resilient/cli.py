@@ -13,12 +13,18 @@ app = typer.Typer(
 
 @app.command()
 def demo(
-    out: str = typer.Option("runs/demo", "--out", help="Directory for checkpoints and reports."),
+    out: str = typer.Option("runs/demo", "--out", help="Directory for the runs and the reports."),
 ) -> None:
-    """Run the demonstration: a sharded async save from 4 ranks, a resharded load, verification."""
+    """The end-to-end story: a 4-rank MoE job loses a rank, recovers, is verified against a
+    fault-free reference, is resharded to another layout and trains on; reports in --out."""
     from resilient.demo import run_demo
 
-    raise typer.Exit(0 if run_demo(out) else 1)
+    try:
+        ok = run_demo(out)
+    except FileExistsError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command()

@@ -1,243 +1,372 @@
-"""The checkpoint demonstration that ``make demo`` runs until the end-to-end demo exists.
+"""``resilient demo``: the end-to-end story on CPU, in a couple of minutes on 2 cores.
 
-Four gloo ranks launched by torchrun save a small sharded training state asynchronously in layout
-(dp=2, ep=1, tp=2), with fused QKV, uneven vocabulary splits, experts and ZeRO-style optimizer
-shards; four new ranks in layout (dp=1, ep=2, tp=2) load the newest step (resharding on the fly,
-reading only the byte ranges they need) and check every tensor bit for bit; then every byte of
-every committed step is verified against its checksums.  The parent prints what happened.
+1. The bundled MoE trainer runs on 4 ranks (torchrun, gloo; tp 2 x ep 2, ZeRO-1) with asynchronous
+   checkpoints every 5 steps, next to a fault-free reference run of the same job.
+2. Rank 1 is killed at step 12: torchrun sees the process exit, restarts the group, and it
+   resumes from the newest committed checkpoint.  Rank 2 freezes at step 27, which torchrun cannot
+   see: the detector declares it DEAD within seconds (stacks in the event log), kills it, and the
+   group restarts again.
+3. The chaos harness verifies the run against the reference: bit-identical weights, every
+   checkpoint intact, every sample consumed exactly once, the steps lost within the save interval.
+4. The final checkpoint is resharded to another layout (dp 2 x ep 2 x tp 1) with ``reshape``, and
+   training continues there, next to the reference continuing in the original layout.
+5. report.json, report.md, the event log and timeline.png are written to ``--out``.
 
-``python -m resilient.demo --phase save|load --url U --out DIR`` is the per-rank worker.
+The trainer and ``reshape`` run as commands, the way a user runs them (``resilient`` imports
+neither).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
+from rich.console import Console
+from rich.table import Table
 
-from resilient.launch import free_port
+from resilient.chaos.harness import RunPaths, launch_job, run_reference
+from resilient.chaos.report import write_reports
+from resilient.chaos.scenario import parse_scenario
+from resilient.chaos.verify import lineage, read_jsonl, verify_run
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "SCENARIO"]
 
-SAVE_LAYOUT = {"dp": 2, "ep": 1, "tp": 2}
-LOAD_LAYOUT = {"dp": 1, "ep": 2, "tp": 2}
-STEPS = (10, 20, 30)
+STEPS, MORE, KILL_AT, FREEZE_AT, SAVE_EVERY = 40, 10, 12, 27, 5
+TARGET = {"dp": 2, "ep": 2, "tp": 1}
+LOSS_RTOL = 1e-4
 
+SCENARIO = f"""
+name = "demo"
+description = "The tiny MoE on 4 ranks (tp 2 x ep 2, ZeRO-1); rank 1 is killed at step {KILL_AT}, rank 2 freezes at step {FREEZE_AT}"
 
-def _placements():
-    from resilient.layout import Shard
+[job]
+nproc = 4
+max_restarts = 2
+timeout_s = 300
 
-    return {
-        "model.embed": {"tp": Shard(0)},  # vocab 1001: uneven over tp
-        "model.attn.qkv": {"tp": Shard(0, parts=3)},  # fused q, k, v
-        "model.attn.out": {"tp": Shard(1)},
-        "model.norm": {},
-        "model.experts.w_in": {"ep": Shard(0), "tp": Shard(2)},  # 4 experts, split over ep
-        "optim.exp_avg.embed": {"dp": Shard(0), "tp": Shard(0)},  # ZeRO-1: dp splits the tp chunk
-    }
+[job.trainer]
+tp = 2
+ep = 2
+zero = true
+steps = {STEPS}
+save_every = {SAVE_EVERY}
 
+[[faults]]
+id = "kill-rank-1"
+kind = "kill"
+rank = 1
+step = {KILL_AT}
 
-def _global(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    base = {
-        "model.embed": torch.randn(1001, 64, generator=g).bfloat16(),
-        "model.attn.qkv": torch.randn(3 * 128, 64, generator=g),
-        "model.attn.out": torch.randn(64, 128, generator=g),
-        "model.norm": torch.ones(64),
-        "model.experts.w_in": torch.randn(4, 64, 256, generator=g).bfloat16(),
-        "optim.exp_avg.embed": torch.randn(1001, 64, generator=g),
-    }
-    return {k: v + step for k, v in base.items()}  # "training": every step changes every weight
+[[faults]]
+id = "freeze-rank-2"
+kind = "stop"
+rank = 2
+step = {FREEZE_AT}
 
-
-def _local(layout, rank: int, step: int) -> dict:
-    from resilient.checkpoint.state import shard_of
-
-    return {k: shard_of(g, _placements()[k], layout, rank) for k, g in _global(step).items()}
-
-
-def _worker(phase: str, url: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from resilient import Checkpointer, Layout
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(rank)
-    result: dict = {"rank": rank}
-    if phase == "save":
-        layout = Layout(**SAVE_LAYOUT)
-        with Checkpointer(url, layout=layout, keep_last=2) as ck:
-            handles = []
-            for step in STEPS:
-                state = _local(layout, rank, step)
-                state["data"] = {"epoch": 0, "position": step * 64}
-                h = ck.save(step, state)
-                handles.append(h)
-                for t in state.values():  # the training step overwrites the live tensors at once
-                    if isinstance(t, torch.Tensor):
-                        t.zero_()
-            ck.wait()
-            result["saves"] = [vars(h.stats) for h in handles]
-            result["steps"] = ck.steps()
-    else:
-        layout = Layout(**LOAD_LAYOUT)
-        state = {k: torch.zeros_like(v) for k, v in _local(layout, rank, 0).items()}
-        from resilient.checkpoint.state import sharded
-
-        for k, v in state.items():
-            sharded(v, _placements()[k], global_shape=tuple(_global(0)[k].shape))
-        state["data"] = {"epoch": -1, "position": -1}
-        with Checkpointer(url, layout=layout) as ck:
-            step = ck.load(state)
-            expect = _local(layout, rank, step)
-            result["mismatches"] = [k for k in expect if not torch.equal(expect[k], state[k])]
-            result["step"] = step
-            result["data"] = state["data"]
-            result["load"] = vars(ck.last_load)
-            result["needed_bytes"] = sum(v.numel() * v.element_size() for v in expect.values())
-    Path(out, f"{phase}_rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+[expect]
+final_state = "exact"
+verdict = "DEAD"
+max_steps_lost = {SAVE_EVERY}
+detect_within_s = 5.0
+recover_within_s = 30.0
+"""
 
 
-def _torchrun(phase: str, url: str, out: str, nproc: int) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "resilient.demo",
-        "--phase",
-        phase,
-        "--url",
-        url,
-        "--out",
-        out,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"torchrun {phase} phase failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def run_demo(out: str = "runs/demo") -> bool:
-    """Run the demonstration; returns True when every check passed."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from resilient import Checkpointer
-
-    console = Console()
-    out_dir = Path(out)
-    url = str(out_dir / "checkpoints")
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    console.rule("[bold]resilient: sharded asynchronous checkpoints")
-    console.print(
-        f"1. 4 ranks (torchrun, gloo) train in layout dp=2 x ep=1 x tp=2 and save steps "
-        f"{', '.join(map(str, STEPS))} asynchronously to [cyan]{url}[/] (keep_last=2)."
-    )
-    t0 = time.monotonic()
-    _torchrun("save", url, str(out_dir), 4)
-    saves = [json.loads((out_dir / f"save_rank{r}.json").read_text()) for r in range(4)]
-    console.print(f"   done in {time.monotonic() - t0:.1f}s; committed steps: {saves[0]['steps']}")
-    table = Table(title="Saves (per rank; the training loop waits only for 'stage')")
-    for col in ("rank", "step", "stage ms", "write ms", "commit ms", "bytes written"):
-        table.add_column(col, justify="right")
-    for s in saves:
-        for st in s["saves"]:
-            table.add_row(
-                str(s["rank"]),
-                str(st["step"]),
-                f"{st['stage_s'] * 1e3:.1f}",
-                f"{st['write_s'] * 1e3:.1f}",
-                f"{st['commit_s'] * 1e3:.1f}",
-                _fmt_bytes(st["bytes_written"]),
-            )
-    console.print(table)
+def run_demo(out: str | Path) -> bool:
+    console = Console(highlight=False)
+    out = Path(out)
+    _fresh(out)
+    scenario = parse_scenario(SCENARIO, "resilient demo")
+    (out / "scenario.toml").write_text(SCENARIO)
+    t_start = time.monotonic()
+    console.rule("[bold]resilient: a training job that loses a rank and loses nothing")
 
     console.print(
-        "2. 4 new ranks in layout dp=1 x ep=2 x tp=2 load the newest step, resharding on "
-        "the fly, and compare every tensor with the expected values bit for bit."
+        "[bold]1.[/] The bundled MoE transformer trains on 4 CPU ranks (torchrun, gloo) in layout "
+        "tp 2 x ep 2 with ZeRO-1,\n   saving sharded checkpoints asynchronously every "
+        f"{SAVE_EVERY} steps. First, a fault-free reference run of the same job:"
     )
     t0 = time.monotonic()
-    _torchrun("load", url, str(out_dir), 4)
-    loads = [json.loads((out_dir / f"load_rank{r}.json").read_text()) for r in range(4)]
-    console.print(f"   done in {time.monotonic() - t0:.1f}s")
-    table = Table(title="Resharded load (per rank)")
-    for col in ("rank", "step", "bytes needed", "bytes read", "verified", "requests", "mismatches"):
-        table.add_column(col, justify="right")
-    for r in loads:
-        ld = r["load"]
-        table.add_row(
-            str(r["rank"]),
-            str(r["step"]),
-            _fmt_bytes(r["needed_bytes"]),
-            _fmt_bytes(ld["bytes_read"]),
-            _fmt_bytes(ld["bytes_verified"]),
-            str(ld["num_requests"]),
-            "[green]none[/]" if not r["mismatches"] else f"[red]{r['mismatches']}[/]",
-        )
-    console.print(table)
+    ref = run_reference(scenario.job, out / "reference", say=lambda *_: None)
+    if not ref.succeeded:
+        console.print(f"[red]the reference run failed; see {out / 'reference'}/node0.log[/]")
+        return False
+    ref_records = read_jsonl(RunPaths(out / "reference").metrics)
+    console.print(
+        f"   {STEPS} steps in {time.monotonic() - t0:.0f}s, loss {ref_records[0]['loss']:.3f} -> "
+        f"{ref_records[-1]['loss']:.3f}"
+    )
 
-    console.print("3. Every byte of every committed step is checked against its block checksums.")
-    with Checkpointer(url) as ck:
-        reports = [ck.verify(s) for s in ck.steps()]
-    for rep in reports:
-        status = "[green]ok[/]" if rep.ok else f"[red]{len(rep.problems)} problems[/]"
+    console.print(
+        f"\n[bold]2.[/] The same job again, with two faults: rank 1 is killed (SIGKILL) at step "
+        f"{KILL_AT}, and rank 2\n   freezes (SIGSTOP, as a rank does when its GPU or its node "
+        f"stalls) at step {FREEZE_AT}."
+    )
+    paths = RunPaths(out)
+    narrator = _Narrator(paths, console)
+    narrator.start()
+    try:
+        launch = launch_job(scenario.job, paths, list(scenario.faults), say=console.print)
+    finally:
+        narrator.stop()
+    launch.reference = str(out / "reference")
+    paths.run_json.write_text(json.dumps(launch.to_json(), indent=1))
+
+    console.print(
+        "\n[bold]3.[/] The chaos harness checks the run against the fault-free reference:"
+    )
+    outcome = verify_run(scenario, out, launch, out / "reference")
+    report = write_reports(scenario, out, launch, outcome)
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for c in outcome.checks:
+        mark = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "n/a"}[c.ok]
+        table.add_row(c.name, mark, c.detail)
+    console.print(table)
+    b = outcome.measurements.get("breakdown", {})
+    if b:
         console.print(
-            f"   step {rep.step}: {rep.files_checked} files, {_fmt_bytes(rep.bytes_checked)}, "
-            f"{rep.tensors} tensors: {status}"
+            "   recovery, fault to first step after the restart: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s" for k, v in b.items())
         )
-    ok = (
-        all(not r["mismatches"] and r["step"] == STEPS[-1] for r in loads)
-        and all(rep.ok for rep in reports)
-        and saves[0]["steps"] == list(STEPS[-2:])
-        and all(r["data"] == {"epoch": 0, "position": STEPS[-1] * 64} for r in loads)
+
+    console.print(
+        f"\n[bold]4.[/] The final checkpoint (step {STEPS}) moves to layout dp {TARGET['dp']} x "
+        f"ep {TARGET['ep']} x tp {TARGET['tp']} with [cyan]reshape[/], and training continues\n"
+        f"   there for {MORE} more steps, next to the reference continuing in its own layout."
     )
-    summary = {
-        "ok": ok,
-        "saves": saves,
-        "loads": loads,
-        "verified": [{"step": r.step, "ok": r.ok, "bytes": r.bytes_checked} for r in reports],
-    }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    console.rule("[bold green]all checks passed" if ok else "[bold red]a check failed")
-    console.print(f"summary: {out_dir / 'summary.json'}")
+    reshard = _reshard_and_continue(out, console)
+    report["reshard"] = reshard
+
+    ok = outcome.passed and reshard["ok"]
+    report["passed"] = ok
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    with open(out / "report.md", "a") as md:
+        md.write(_reshard_markdown(reshard))
+    console.print(
+        f"\n[bold]5.[/] Reports in [cyan]{out}[/]: report.md (the summary table), report.json, "
+        "events.jsonl (verdicts, stacks, saves, restarts)"
+        + (", timeline.png" if report.get("timeline") else "")
+        + "."
+    )
+    if not report.get("timeline"):
+        console.print(
+            f"   (no picture: pip install 'resilient[plot]' and run: resilient report {out})"
+        )
+    console.rule(
+        f"[bold green]all checks passed in {time.monotonic() - t_start:.0f}s"
+        if ok
+        else "[bold red]a check failed: see report.md"
+    )
     return ok
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--phase", choices=["save", "load"], required=True)
-    p.add_argument("--url", required=True)
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    _worker(a.phase, a.url, a.out)
+class _Narrator:
+    """Tells the run's story live from its metrics and event log."""
+
+    def __init__(self, paths: RunPaths, console: Console) -> None:
+        self.paths, self.console = paths, console
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._seen_events = 0
+        self._seen_records = 0
+        self._restarts: set[int] = set()
+        self._fault_t: float | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self._poll()
+
+    def _poll(self) -> None:
+        records = read_jsonl(self.paths.metrics)
+        for r in records[self._seen_records :]:
+            if r["step"] % 10 == 0 or r["step"] == 1:
+                self.console.print(
+                    f"   step {r['step']:3d}  loss {r['loss']:.3f}  "
+                    f"{r['tokens_per_s']:8.0f} tokens/s"
+                )
+        self._seen_records = len(records)
+        events = read_jsonl(self.paths.events)
+        for e in events[self._seen_events :]:
+            self._tell(e)
+        self._seen_events = len(events)
+
+    def _tell(self, e: dict[str, Any]) -> None:
+        say = self.console.print
+        kind = e["event"]
+        if kind == "save" and e.get("ok"):
+            say(
+                f"   [green]checkpoint[/] step {e['step']} committed: {e['bytes'] / 1e6:.1f} MB "
+                f"written in the background; the loop waited {e['stage_s'] * 1e3:.0f} ms"
+            )
+        elif kind == "fault":
+            self._fault_t = e["time"]
+            if e["kind"] == "kill":
+                say(
+                    f"   [bold red]FAULT[/] rank {e['rank']} killed (SIGKILL) before step "
+                    f"{e['step']}: torchrun sees the process exit"
+                )
+            else:
+                say(
+                    f"   [bold red]FAULT[/] rank {e['rank']} frozen (SIGSTOP) before step "
+                    f"{e['step']}: the process is still there, so torchrun sees nothing; the "
+                    "others wait in a collective"
+                )
+        elif kind == "verdict":
+            after = f" {e['time'] - self._fault_t:.1f}s after the fault" if self._fault_t else ""
+            say(
+                f"   [bold yellow]detector[/]: {e['verdict']} rank {e['rank']} "
+                f"(pid {e['pid']}, last step {e['last_step']}): {e['detail']}{after}"
+            )
+            say("   every live rank writes its Python stacks to the event log and exits (code 75)")
+        elif kind == "start" and e.get("restart", 0) > 0 and e["restart"] not in self._restarts:
+            self._restarts.add(e["restart"])
+            say(f"   [bold]torchrun[/] restarts the group (restart {e['restart']})")
+        elif kind == "restore":
+            skipped = e.get("skipped_steps") or []
+            say(
+                f"   resumed from the newest committed checkpoint, step {e['step']} (loaded and "
+                f"verified in {e['seconds']:.2f}s"
+                + (f"; skipped corrupt steps {skipped}" if skipped else "")
+                + ")"
+            )
 
 
-if __name__ == "__main__":
-    main()
+def _reshard_and_continue(out: Path, console: Console) -> dict[str, Any]:
+    src, dst = out / "ckpt", out / "resharded"
+    layout = ["--tp", str(TARGET["tp"]), "--ep", str(TARGET["ep"]), "--dp", str(TARGET["dp"])]
+    plan = _reshape(["plan", str(src), *layout, "--step", str(STEPS), "--json"])
+    plan_info = json.loads(plan.stdout) if plan.returncode == 0 else {}
+    t0 = time.monotonic()
+    conv = _reshape(["convert", str(src), str(dst), *layout, "--step", str(STEPS)])
+    convert_s = time.monotonic() - t0
+    if conv.returncode != 0:
+        console.print(f"[red]reshape convert failed:[/] {conv.stderr[-2000:]}")
+        return {"ok": False, "error": conv.stderr[-2000:]}
+    amp = plan_info.get("read_amplification")
+    console.print(
+        f"   reshape convert: {convert_s:.1f}s"
+        + (f", read amplification {amp:.2f}" if isinstance(amp, int | float) else "")
+        + f" -> {dst}"
+    )
+    common = ["--steps", str(STEPS + MORE), "--save-every", str(SAVE_EVERY), "--zero"]
+    there = _trainer(
+        [*common, *layout, "--ckpt", str(dst), "--metrics", str(out / "continued.jsonl")]
+    )
+    here = _trainer(
+        [
+            *common,
+            "--tp",
+            "2",
+            "--ep",
+            "2",
+            "--ckpt",
+            str(out / "reference" / "ckpt"),
+            "--metrics",
+            str(out / "reference" / "continued.jsonl"),
+        ]
+    )
+    if there.returncode or here.returncode:
+        err = (there.stderr or here.stderr)[-2000:]
+        console.print(f"[red]continuing failed:[/] {err}")
+        return {"ok": False, "error": err}
+    a = lineage(read_jsonl(out / "continued.jsonl"))[0]
+    b = {
+        r["step"]: r["loss"] for r in lineage(read_jsonl(out / "reference" / "continued.jsonl"))[0]
+    }
+    rows = [(r["step"], r["loss"], b.get(r["step"])) for r in a]
+    worst = max((abs(x - y) / abs(y) for _, x, y in rows if y is not None), default=float("inf"))
+    ok = [s for s, _, _ in rows] == list(range(STEPS + 1, STEPS + MORE + 1)) and worst <= LOSS_RTOL
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("step", justify="right")
+    table.add_column(
+        f"loss, dp {TARGET['dp']} x ep {TARGET['ep']} x tp {TARGET['tp']}", justify="right"
+    )
+    table.add_column("loss, tp 2 x ep 2 (reference)", justify="right")
+    for s, x, y in rows:
+        table.add_row(str(s), f"{x:.6f}", "-" if y is None else f"{y:.6f}")
+    console.print(table)
+    console.print(
+        f"   the curves agree within {worst:.1e} relative (allowed {LOSS_RTOL:.0e}): "
+        + ("[green]pass[/]" if ok else "[red]FAIL[/]")
+    )
+    return {
+        "ok": ok,
+        "target_layout": TARGET,
+        "convert_s": round(convert_s, 2),
+        "plan": plan_info,
+        "losses": [{"step": s, "resharded": x, "reference": y} for s, x, y in rows],
+        "max_rel_diff": worst,
+        "allowed": LOSS_RTOL,
+    }
+
+
+def _reshard_markdown(r: dict[str, Any]) -> str:
+    if "losses" not in r:
+        return f"\n## Reshard and continue: FAILED\n\n{r.get('error', '')}\n"
+    t = r["target_layout"]
+    lines = [
+        "",
+        f"## Reshard to dp {t['dp']} x ep {t['ep']} x tp {t['tp']} and continue "
+        f"({'pass' if r['ok'] else '**FAIL**'})",
+        "",
+        f"`reshape convert` took {r['convert_s']} s. The loss curve continued in the new layout "
+        f"agrees with the reference continuing in the old one within {r['max_rel_diff']:.1e} "
+        f"relative (allowed {r['allowed']:.0e}).",
+        "",
+        "| step | loss (resharded) | loss (reference) |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {x['step']} | {x['resharded']:.6f} | {x['reference']} |" for x in r["losses"]]
+    return "\n".join(lines) + "\n"
+
+
+def _reshape(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from reshape.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+    )
+
+
+def _trainer(args: list[str]) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "reference_trainer", "--nproc", "4", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def _fresh(out: Path) -> None:
+    """Start from an empty ``out``; only ever delete a directory an earlier demo wrote."""
+    marker = out / ".resilient-demo"
+    if out.exists() and any(out.iterdir()):
+        if not marker.exists():
+            raise FileExistsError(
+                f"--out {out} exists, is not empty and was not written by `resilient demo`; give "
+                "a new or empty directory"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text("written by `resilient demo`; the next demo run may delete this directory\n")

@@ -201,8 +201,10 @@ class Run:
             self._check_peers()
             if self._chaos is not None:
                 self._chaos.at_step(step, self)
-            if self.monitor is not None:
-                self.monitor.progress(step, "train", self._busy_s)
+            if self.monitor is not None:  # the first step of an attempt has its own budget
+                self.monitor.progress(
+                    step, "first_step" if step == first else "train", self._busy_s
+                )
             yield step
             if step == first and self.rank == 0:
                 self.events.write("first_step", rank=0, step=step)
@@ -280,13 +282,17 @@ class Run:
         """A collective that failed because a peer died says nothing about which peer, or why.
         Before this rank exits with ``exc``, give the detector a moment (its dead timeout plus two
         intervals) to name the failed rank: on a verdict the monitor writes the failure record and
-        the stacks and exits with ``EXIT_RANK_FAILURE`` itself; without one, ``exc`` goes on."""
+        the stacks and exits with ``EXIT_RANK_FAILURE`` itself; without one, ``exc`` goes on.
+        torchrun's own SIGTERM (it saw a worker exit) ends the wait: recovery comes first."""
         if self.monitor is None or not _is_peer_failure(exc):
             return
         self.events.write("error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000])
         config = self.monitor.config
         deadline = time.time() + config.dead_timeout_s + 2 * config.interval_s
-        while time.time() < deadline and self.monitor.verdict() is None:
+        # a SIGTERM already here is torchrun tearing the group down: it knows, so go at once
+        while (
+            time.time() < deadline and self.monitor.verdict() is None and not self._preempt.is_set()
+        ):
             time.sleep(config.interval_s / 10)
 
     def close(self, *, announce: bool = True) -> None:

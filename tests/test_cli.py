@@ -28,8 +28,26 @@ def test_verify_exit_codes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_demo_runs_end_to_end(tmp_path):
-    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")])
+    out = tmp_path / "demo"
+    result = runner.invoke(app, ["demo", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert summary["ok"] and all(not r["mismatches"] for r in summary["loads"])
-    assert "all checks passed" in result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"], report["checks"]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["final state matches the reference"]["ok"]
+    assert checks["DEAD verdict on the faulty rank"]["ok"]
+    assert report["measurements"]["restarts"] >= 2  # the kill and the freeze
+    assert report["reshard"]["ok"] and report["reshard"]["target_layout"] == {
+        "dp": 2,
+        "ep": 2,
+        "tp": 1,
+    }
+    for name in ("report.md", "events.jsonl", "timeline.png"):
+        assert (out / name).exists(), name
+    assert "detector: DEAD rank 2" in result.output and "all checks passed" in result.output
+    # a second run may replace its own output, never a directory it did not write
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "precious.txt").write_text("x")
+    refused = runner.invoke(app, ["demo", "--out", str(other)])
+    assert refused.exit_code == 2 and (other / "precious.txt").exists()

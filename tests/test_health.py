@@ -57,6 +57,18 @@ def test_hang_timeout_is_calibrated_from_step_times_and_phases_have_budgets():
     assert [f.verdict for f in d.observe(hung, now)] == [Verdict.HUNG]
 
 
+def test_only_the_step_the_loop_calls_first_gets_the_first_step_budget():
+    cfg = DetectorConfig(hang_timeout_s=3.0, first_step_budget_s=300.0)
+    d = Detector(cfg)
+    now = 100.0
+    # the leader's first look at rank 1 finds it at step 12, already stuck for 5 s: that is a
+    # hang, not a first step, however late the leader started watching
+    late = [RankStatus(0, now, 13, "train", now), RankStatus(1, now, 12, "train", now - 5)]
+    assert [f.verdict for f in Detector(cfg).observe(late, now)] == [Verdict.HUNG]
+    first = [RankStatus(0, now, 2, "train", now), RankStatus(1, now, 1, "first_step", now - 60)]
+    assert d.observe(first, now) == []  # 60 s into its first step: within the budget
+
+
 def test_straggler_reported_after_consecutive_windows():
     d = Detector(DetectorConfig(straggler_factor=2.0, straggler_windows=3, hang_timeout_s=1e9))
     t = {r: 0.0 for r in range(4)}

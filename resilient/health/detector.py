@@ -101,7 +101,6 @@ class Detector:
         self._last: dict[int, tuple[int | None, float | None]] = {}
         self._step_times: dict[int, deque[float]] = {}
         self._busy_times: dict[int, deque[float]] = {}
-        self._first_step: dict[int, int] = {}
         self._slow_streak: dict[int, int] = {}
 
     def hang_timeout_s(self) -> float:
@@ -117,14 +116,13 @@ class Detector:
     def _budget(self, s: RankStatus) -> float:
         if s.phase in self.config.phase_budgets_s:
             return self.config.phase_budgets_s[s.phase]
-        if s.step is not None and self._first_step.get(s.rank) == s.step:
+        if s.phase == "first_step":  # compiling, warming caches: the loop says so
             return max(self.config.first_step_budget_s, self.hang_timeout_s())
         return self.hang_timeout_s()
 
     def _record(self, s: RankStatus) -> None:
         prev = self._last.get(s.rank)
         if s.step is not None:
-            self._first_step.setdefault(s.rank, s.step)
             if prev and prev[0] is not None and s.step > prev[0] and prev[1] and s.progress_t:
                 per_step = (s.progress_t - prev[1]) / (s.step - prev[0])
                 self._step_times.setdefault(s.rank, deque(maxlen=self.config.window)).append(
