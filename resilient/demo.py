@@ -79,7 +79,7 @@ recover_within_s = 30.0
 
 
 def run_demo(out: str | Path) -> bool:
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
     out = Path(out)
     _fresh(out)
     scenario = parse_scenario(SCENARIO, "resilient demo")
@@ -88,8 +88,8 @@ def run_demo(out: str | Path) -> bool:
     console.rule("[bold]resilient: a training job that loses a rank and loses nothing")
 
     console.print(
-        "[bold]1.[/] The bundled MoE transformer trains on 4 CPU ranks (torchrun, gloo) in layout "
-        "tp 2 x ep 2 with ZeRO-1,\n   saving sharded checkpoints asynchronously every "
+        "[bold]1.[/] The bundled MoE transformer trains on 4 CPU ranks (torchrun, gloo) in "
+        f"layout tp 2 x ep 2 with ZeRO-1,\n   saving sharded checkpoints asynchronously every "
         f"{SAVE_EVERY} steps. First, a fault-free reference run of the same job:"
     )
     t0 = time.monotonic()
@@ -122,7 +122,6 @@ def run_demo(out: str | Path) -> bool:
         "\n[bold]3.[/] The chaos harness checks the run against the fault-free reference:"
     )
     outcome = verify_run(scenario, out, launch, out / "reference")
-    report = write_reports(scenario, out, launch, outcome)
     table = Table(show_header=True, header_style="bold")
     table.add_column("check")
     table.add_column("result")
@@ -131,11 +130,11 @@ def run_demo(out: str | Path) -> bool:
         mark = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "n/a"}[c.ok]
         table.add_row(c.name, mark, c.detail)
     console.print(table)
-    b = outcome.measurements.get("breakdown", {})
-    if b:
+    for fault, r in zip(scenario.faults, outcome.measurements.get("recoveries", [])):
         console.print(
-            "   recovery, fault to first step after the restart: "
-            + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s" for k, v in b.items())
+            f"   {fault.id}: {r['seconds']:.1f}s from the fault to the first step after the "
+            "restart: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s" for k, v in r["breakdown"].items())
         )
 
     console.print(
@@ -144,13 +143,9 @@ def run_demo(out: str | Path) -> bool:
         f"   there for {MORE} more steps, next to the reference continuing in its own layout."
     )
     reshard = _reshard_and_continue(out, console)
-    report["reshard"] = reshard
-
-    ok = outcome.passed and reshard["ok"]
-    report["passed"] = ok
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    with open(out / "report.md", "a") as md:
-        md.write(_reshard_markdown(reshard))
+    extra = {"reshard": reshard, "appendix_md": _reshard_markdown(reshard), "passed": reshard["ok"]}
+    report = write_reports(scenario, out, launch, outcome, extra)
+    ok = report["passed"]
     console.print(
         f"\n[bold]5.[/] Reports in [cyan]{out}[/]: report.md (the summary table), report.json, "
         "events.jsonl (verdicts, stacks, saves, restarts)"
@@ -333,7 +328,11 @@ def _reshard_markdown(r: dict[str, Any]) -> str:
         "| step | loss (resharded) | loss (reference) |",
         "|---|---|---|",
     ]
-    lines += [f"| {x['step']} | {x['resharded']:.6f} | {x['reference']} |" for x in r["losses"]]
+    lines += [
+        f"| {x['step']} | {x['resharded']:.6f} | "
+        f"{'-' if x['reference'] is None else format(x['reference'], '.6f')} |"
+        for x in r["losses"]
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -21,8 +21,19 @@ PLOT_HINT = "pip install 'resilient[plot]' (matplotlib), then: resilient report 
 
 
 def write_reports(
-    scenario: Scenario, run_dir: Path, launch: Launch, outcome: Outcome
+    scenario: Scenario,
+    run_dir: Path,
+    launch: Launch,
+    outcome: Outcome,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Write report.json, report.md and timeline.png.  ``extra``: more sections (``appendix_md``
+    is appended to report.md); a rebuild keeps the extra sections of the report it replaces."""
+    previous = run_dir / "report.json"
+    if extra is None and previous.exists():
+        old = json.loads(previous.read_text())
+        extra = {k: v for k, v in old.items() if k in old.get("extra_keys", [])}
+    extra = extra or {}
     picture = draw_timeline(run_dir, scenario.name)
     report = {
         "scenario": scenario.name,
@@ -34,7 +45,11 @@ def write_reports(
         "run_dir": str(run_dir),
         "reference": launch.reference,
         "timeline": picture,
+        **extra,
+        "extra_keys": sorted(extra),
     }
+    if "passed" in extra:
+        report["passed"] = outcome.passed and extra["passed"]
     (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (run_dir / "report.md").write_text(markdown(report))
     return report
@@ -74,7 +89,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"![timeline]({Path(report['timeline']).name})")
     else:
         lines.append("No timeline picture: " + PLOT_HINT.format(run_dir=report["run_dir"]))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + report.get("appendix_md", "")
 
 
 def draw_timeline(run_dir: Path, title: str) -> str | None:

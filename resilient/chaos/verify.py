@@ -275,20 +275,27 @@ def verify_run(
 
 
 def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str, float]:
-    """Fault to first step after the restart, in phases: detection (fault to verdict), teardown and
-    restart (to the new workers' process start), start and rendezvous (to the new process group),
-    checkpoint load, and the first step."""
-    verdict = next(
-        (e["time"] for e in events if e["event"] == "verdict" and e["time"] >= fault_t), None
-    )
+    """Fault to first step after the restart, in phases: detection (fault to verdict, when the
+    detector issued one before the restart), teardown and restart (to the new workers' process
+    start), start and rendezvous (to the new process group), checkpoint load, and the first step."""
     starts = [e for e in events if e["event"] == "start" and e["time"] > fault_t]
     if not starts:
         return {}
-    proc = min(e.get("process_start", e["time"]) for e in starts)
-    ready = max(e["time"] for e in starts if e.get("restart") == starts[0].get("restart"))
-    restore = next((e for e in events if e["event"] == "restore" and e["time"] > fault_t), None)
+    attempt = starts[0].get("restart")
+    same = [e for e in starts if e.get("restart") == attempt]
+    proc = min(e.get("process_start", e["time"]) for e in same)
+    ready = max(e["time"] for e in same)
+    verdict = next(
+        (
+            e["time"]
+            for e in events
+            if e["event"] == "verdict" and fault_t <= e["time"] <= starts[0]["time"]
+        ),
+        None,
+    )
+    restore = next((e for e in events if e["event"] == "restore" and e["time"] > ready - 1), None)
     first = next(
-        (e["time"] for e in events if e["event"] == "first_step" and e["time"] > fault_t), None
+        (e["time"] for e in events if e["event"] == "first_step" and e["time"] > ready - 1), None
     )
     out: dict[str, float] = {}
     t = fault_t
