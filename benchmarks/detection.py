@@ -1,15 +1,22 @@
-"""Failure detection: detection latency at scale, and the cost of monitoring.
+"""Failure detection: recovery on real torchrun jobs, detection latency at scale, monitoring cost.
+
+Recovery trials (``--recovery-trials N``): the tiny MoE on 4 torchrun ranks (tp 2 x ep 2), one
+fault per trial (SIGKILL, SIGSTOP, or a hang with a 3 s hang timeout) on a rotating rank and step,
+run through the chaos harness; per trial the time from the fault to the verdict and to the first
+step completed after the restart, broken into detection, teardown and restart, start and
+rendezvous, checkpoint load, and the first step.
 
 Scale simulation: one real TCPStore; the leader is a real ``Monitor`` (the code every job runs);
-the other N-1 ranks are lightweight simulated clients whose liveness and progress keys a publisher
-thread refreshes every interval with batched ``multi_set``.  One simulated rank stops; we measure
-the leader's scan time (batched read of 2N keys + the detector) and the time from the stop to the
-verdict, in heartbeat intervals.
+the other N-1 ranks are lightweight simulated clients in another process, whose liveness and
+progress keys a publisher refreshes every interval with batched ``multi_set``.  One simulated rank
+stops; we measure the leader's scan time (batched read of 2N keys + the detector) and the time from
+the stop to the verdict, in heartbeat intervals.
 
 Overhead: the reference trainer under torchrun with monitoring on and off, in one run (median
 step time).
 
     python benchmarks/detection.py [--sizes 64,512,4096] [--interval 0.5] [--trials 5]
+                                   [--recovery-trials 20] [--skip-scale]
 """
 
 from __future__ import annotations
@@ -28,33 +35,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, markdown_table  # noqa: E402
 
 
+def _publisher(port: int, prefix: str, world: int, interval: float, victim: int, stop, halt):
+    """The N-1 simulated ranks, in their own process (as other hosts would be)."""
+    import torch.distributed as dist
+
+    from resilient.health.heartbeat import encode_progress
+
+    client = dist.TCPStore("127.0.0.1", port, 1, False)
+    step = 0
+    while not halt.is_set():
+        now = time.time()
+        step += 1
+        ranks = [r for r in range(1, world) if not (stop.is_set() and r == victim)]
+        progress = encode_progress(step, "train", now, "sim", 0)
+        client.multi_set(
+            [f"{prefix}/alive/{r}" for r in ranks] + [f"{prefix}/progress/{r}" for r in ranks],
+            [str(now)] * len(ranks) + [progress] * len(ranks),
+        )
+        halt.wait(interval)
+
+
 def simulate(world: int, interval: float, victim: int) -> dict:
+    import multiprocessing as mp
+
     import torch.distributed as dist
 
     from resilient.health import DetectorConfig, Monitor
-    from resilient.health.heartbeat import encode_progress
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     prefix = f"sim/{world}/{time.time_ns()}"
-    stopped = threading.Event()
-    halt = threading.Event()
-    stop_time = [0.0]
-
-    def publisher() -> None:
-        client = dist.TCPStore("127.0.0.1", server.port, 1, False)
-        step = 0
-        while not halt.is_set():
-            now = time.time()
-            step += 1
-            ranks = [r for r in range(1, world) if not (stopped.is_set() and r == victim)]
-            progress = encode_progress(step, "train", now, "sim", 0)
-            client.multi_set(
-                [f"{prefix}/alive/{r}" for r in ranks] + [f"{prefix}/progress/{r}" for r in ranks],
-                [str(now)] * len(ranks) + [progress] * len(ranks),
-            )
-            halt.wait(interval)
-
-    pub = threading.Thread(target=publisher, daemon=True)
+    ctx = mp.get_context("spawn")
+    stop, halt = ctx.Event(), ctx.Event()
+    pub = ctx.Process(
+        target=_publisher, args=(server.port, prefix, world, interval, victim, stop, halt)
+    )
     pub.start()
     verdicts: list[tuple[float, object]] = []
     leader_store = dist.TCPStore("127.0.0.1", server.port, 1, False)
@@ -68,14 +82,13 @@ def simulate(world: int, interval: float, victim: int) -> dict:
         kill_local=False,
     )
     try:
-        warm = time.time() + 5 * interval
+        warm = time.time() + max(5 * interval, 5.0)  # the publisher process starts
         while time.time() < warm:
             monitor.progress(1, "train")
             time.sleep(interval / 4)
         scan_times = []
         t_stop = time.time()
-        stop_time[0] = t_stop
-        stopped.set()
+        stop.set()
         while not verdicts and time.time() - t_stop < 30 * interval:
             monitor.progress(1, "train")
             scan_times.append(monitor.last_scan_s)
@@ -92,6 +105,105 @@ def simulate(world: int, interval: float, victim: int) -> dict:
         halt.set()
         monitor.close(announce=False)
         pub.join()
+
+
+RECOVERY_JOB = """
+name = "{name}"
+description = "benchmark trial"
+[job]
+nproc = 4
+max_restarts = 2
+timeout_s = 240
+[job.trainer]
+tp = 2
+ep = 2
+steps = 24
+save_every = 5
+hang_timeout_s = 3.0
+[[faults]]
+id = "fault"
+kind = "{kind}"
+rank = {rank}
+step = {step}
+[expect]
+final_state = "any"
+"""
+
+
+def recovery_trials(kinds: list[str], trials: int, out: str) -> dict[str, list[dict]]:
+    """Per kind, ``trials`` real torchrun runs with one fault each; the verdict and recovery
+    timings the chaos harness measured."""
+    from pathlib import Path
+
+    from resilient.chaos.harness import RunPaths, launch_job
+    from resilient.chaos.scenario import parse_scenario
+    from resilient.chaos.verify import verify_run
+
+    results: dict[str, list[dict]] = {}
+    for kind in kinds:
+        results[kind] = []
+        for t in range(trials):
+            name = f"{kind}-{t}"
+            text = RECOVERY_JOB.format(name=name, kind=kind, rank=1 + t % 3, step=8 + t % 5)
+            scenario = parse_scenario(text, name)
+            run_dir = Path(out) / name
+            launch = launch_job(scenario.job, RunPaths(run_dir), list(scenario.faults), say=print)
+            outcome = verify_run(scenario, run_dir, launch, None)
+            m = outcome.measurements
+            rec = (m.get("recoveries") or [{}])[0]
+            results[kind].append(
+                {
+                    "completed": launch.succeeded,
+                    "verdict": (m.get("verdicts") or [{}])[0].get("verdict"),
+                    "detection_s": m.get("detection_s"),
+                    "recovery_s": rec.get("seconds"),
+                    "breakdown": rec.get("breakdown", {}),
+                }
+            )
+            r = results[kind][-1]
+            print(
+                f"  {name}: verdict {r['verdict']}, detection {r['detection_s']}, "
+                f"recovery {r['recovery_s']}s",
+                flush=True,
+            )
+    return results
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def recovery_table(results: dict[str, list[dict]]) -> str:
+    phases = ["detection", "teardown_restart", "start_rendezvous", "load", "first_step"]
+    rows = []
+    for kind, trials in results.items():
+        done = [t for t in trials if t["completed"] and t["recovery_s"] is not None]
+        verdicts = [t for t in trials if t["verdict"]]
+        det = [t["detection_s"] for t in verdicts if t["detection_s"] is not None]
+        rec = [t["recovery_s"] for t in done]
+        cells = [
+            kind,
+            f"{len(done)}/{len(trials)}",
+            f"{len(verdicts)}/{len(trials)}",
+            f"{statistics.median(det):.2f} / {_pct(det, 0.99):.2f}" if det else "-",
+            f"{statistics.median(rec):.2f} / {_pct(rec, 0.99):.2f}" if rec else "-",
+        ]
+        for ph in phases:
+            xs = [t["breakdown"][ph] for t in done if ph in t["breakdown"]]
+            cells.append(f"{statistics.median(xs):.2f}" if xs else "-")
+        rows.append(cells)
+    return markdown_table(
+        [
+            "fault",
+            "recovered",
+            "verdicts",
+            "fault to verdict s (median / p99)",
+            "fault to first step s (median / p99)",
+            *[f"{p} (median s)" for p in phases],
+        ],
+        rows,
+    )
 
 
 def overhead(steps: int) -> dict:
@@ -137,7 +249,20 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--recovery-trials", type=int, default=0)
+    p.add_argument("--kinds", default="kill,stop,hang")
+    p.add_argument("--skip-scale", action="store_true")
+    p.add_argument("--out", default=None, help="where the recovery trials' runs go (default: tmp)")
     args = p.parse_args()
+    if args.recovery_trials:
+        out = args.out or tempfile.mkdtemp(prefix="detection-bench-")
+        results = recovery_trials(args.kinds.split(","), args.recovery_trials, out)
+        with open(os.path.join(out, "recovery.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nmachine: {machine()}; tiny MoE, 4 torchrun ranks (tp 2 x ep 2), heartbeat 1 s")
+        print(recovery_table(results))
+    if args.skip_scale:
+        return
     rows = []
     for world in map(int, args.sizes.split(",")):
         trials = [simulate(world, args.interval, victim=world // 2 + t) for t in range(args.trials)]

@@ -257,6 +257,28 @@ def test_throttle_stops_and_always_resumes_its_target():
         target.wait()
 
 
+def test_slow_compute_stretches_torch_ops_but_not_the_rest():
+    code = (
+        "import time, torch\n"
+        "from resilient.chaos.faults import slow_compute\n"
+        "x = torch.randn(256, 256)\n"
+        "def work():\n"
+        "    t = time.perf_counter()\n"
+        "    for _ in range(200): x @ x\n"
+        "    return time.perf_counter() - t\n"
+        "def idle():\n"
+        "    t = time.perf_counter(); time.sleep(0.2); return time.perf_counter() - t\n"
+        "before, quiet = work(), idle()\n"
+        "slow_compute(4.0)\n"
+        "print(work() / before, idle() / quiet)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ops, other = map(float, r.stdout.split())
+    assert ops > 2.0  # four times as long, give or take a noisy machine
+    assert other < 1.5  # time outside torch (here: a sleep, as a collective's wait) is untouched
+
+
 def test_faulty_fs_probability_record_and_count_across_processes(tmp_path):
     import fsspec
 

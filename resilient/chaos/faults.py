@@ -9,9 +9,10 @@ fires once per run, even across restarts: firing claims a marker file with ``O_E
 
 Kinds (in-rank): ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: frozen, heartbeat thread
 included), ``raise`` (an exception out of the loop), ``hang`` (the loop blocks while the heartbeat
-thread keeps beating), ``pause`` (the loop blocks for ``seconds``, then goes on), ``slow`` (a
-helper process throttles the rank with SIGSTOP/SIGCONT to 1/``factor`` of its speed, like a
-thermally throttled or oversubscribed node), ``corrupt`` / ``truncate`` (bit rot or a lost tail in
+thread keeps beating), ``pause`` (the loop blocks for ``seconds``, then goes on), ``slow``
+(every torch operation on the rank takes ``factor`` times as long while communication keeps full
+speed, like a throttled GPU; ``mode = "throttle"`` instead stops and continues the whole process
+with SIGSTOP/SIGCONT, like an oversubscribed node), ``corrupt`` / ``truncate`` (bit rot or a lost tail in
 a file of the newest committed checkpoint).  From the harness: ``kill_node`` (a torchrun agent and
 all its workers) and time-triggered signals to a rank (``kill_rank_process``).
 
@@ -117,7 +118,10 @@ class ChaosAgent:
         elif kind == "pause":
             time.sleep(float(f["seconds"]))
         elif kind == "slow":
-            throttle(os.getpid(), float(f["factor"]), float(f.get("seconds") or 0))
+            if f.get("mode", "compute") == "throttle":
+                throttle(os.getpid(), float(f["factor"]), float(f.get("seconds") or 0))
+            else:
+                slow_compute(float(f["factor"]))
         elif kind in ("corrupt", "truncate"):
             if run.checkpointer is None:
                 raise ChaosError(f"{f['id']}: the run has no checkpoint to damage")
@@ -150,10 +154,73 @@ def damage_newest_checkpoint(checkpointer: Any, kind: str) -> dict[str, Any]:
     return {"step": step, "file": rel, "damage": kind, "size_after": len(data)}
 
 
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "send",
+    "recv",
+)
+
+
+def slow_compute(factor: float) -> None:
+    """From now on, every torch operation this thread runs takes ``factor`` times as long, while
+    communication runs at full speed: a slower device (a throttled GPU, a degraded node).  Each
+    top-level torch call (the backward pass counts as one) is timed, the time spent inside
+    collectives is taken out, and the rest is stretched by sleeping; sleeps are batched to a
+    millisecond so that tiny ops are not swamped by timer overhead."""
+    import torch
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    if factor <= 1:
+        raise ValueError(f"slow factor must be > 1, got {factor}")
+    comm = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                comm[0] += time.perf_counter() - t0
+
+        return wrapper
+
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, timed(getattr(dist, name)))
+
+    class Slow(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.debt = 0.0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            t0, c0 = time.perf_counter(), comm[0]
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                own = time.perf_counter() - t0 - (comm[0] - c0)
+                self.debt += max(own, 0.0) * (factor - 1)
+                if self.debt >= 1e-3:
+                    time.sleep(self.debt)
+                    self.debt = 0.0
+
+    Slow().__enter__()  # stays on this thread's mode stack for the rest of the process
+    del torch
+
+
 _THROTTLE = """
 import os, signal, sys, time
 pid, factor, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-period = 0.1
+period = 0.01
 run, stop = period / factor, period - period / factor
 end = time.time() + seconds if seconds > 0 else float("inf")
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
@@ -174,7 +241,7 @@ finally:
 
 
 def throttle(pid: int, factor: float, seconds: float = 0.0) -> subprocess.Popen:
-    """Run ``pid`` at 1/``factor`` of its speed (SIGSTOP/SIGCONT every 100 ms) for ``seconds``
+    """Run ``pid`` at 1/``factor`` of its speed (SIGSTOP/SIGCONT every 10 ms) for ``seconds``
     (0: until it exits), from a small helper process."""
     if factor <= 1:
         raise ValueError(f"slow factor must be > 1, got {factor}")

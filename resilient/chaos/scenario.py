@@ -115,6 +115,7 @@ class Fault:
     at_s: float | None = None
     seconds: float | None = None
     factor: float | None = None
+    mode: str | None = None  # slow: "compute" (default) or "throttle"
     # storage faults (the faulty:// filesystem in front of the checkpoint URL)
     error: str | None = None
     op: str = "any"
@@ -314,6 +315,9 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     seconds = v.typed(t, "seconds", (int, float), at, default=None)
     if kind == "slow" and (factor is None or factor <= 1):
         v.fail(at, "factor", "a slow fault needs factor > 1 (2: half speed)")
+    mode = v.typed(t, "mode", str, at, default=None)
+    if mode is not None and (kind != "slow" or mode not in ("compute", "throttle")):
+        v.fail(at, "mode", f"{mode!r}: a slow fault's mode is 'compute' or 'throttle'")
     if kind == "pause" and (seconds is None or seconds <= 0):
         v.fail(at, "seconds", "a pause fault needs seconds > 0")
     return Fault(
@@ -326,6 +330,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         at_s=None if at_s is None else float(at_s),
         seconds=None if seconds is None else float(seconds),
         factor=None if factor is None else float(factor),
+        mode=mode,
     )
 
 
@@ -338,8 +343,6 @@ def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
     verdict = v.typed(t, "verdict", str, at, default=None)
     if verdict is not None and verdict not in VERDICTS:
         v.fail(at, "verdict", f"{verdict!r}: one of {', '.join(VERDICTS)}")
-    if job.trainer is None and t.get("samples_exactly_once", False):
-        v.fail(at, "samples_exactly_once", "needs a trainer job (a command records no samples)")
     floats = {}
     for k in ("rtol", "atol", "loss_rtol", "detect_within_s", "recover_within_s"):
         x = v.typed(t, k, (int, float), at, default=None)

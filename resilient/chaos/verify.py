@@ -205,7 +205,7 @@ def verify_run(
     lost = [r["lost"] for r in rollbacks if "lost" in r]
     gaps = [r["gap"] for r in rollbacks if "gap" in r]
     bound = exp.max_steps_lost if exp.max_steps_lost is not None else (job.save_every or 0)
-    if job.steps is not None and applies:
+    if (job.steps is not None or exp.max_steps_lost is not None) and applies:
         checks.append(
             Check(
                 "steps lost within bound",

@@ -82,7 +82,7 @@ class DetectorConfig:
         default_factory=lambda: {"checkpoint": 600.0, "eval": 900.0}
     )
     first_step_budget_s: float = 300.0
-    straggler_factor: float = 1.5
+    straggler_factor: float = 1.4
     straggler_windows: int = 3
     window: int = 50  # step times kept per rank
 

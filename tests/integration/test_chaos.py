@@ -48,6 +48,18 @@ def test_full_suite_scenario(out, name):
     _assert_passed(run_scenario(scenario, out / "full", say=lambda *_: None))
 
 
+def test_any_command_under_torchrun(out, monkeypatch):
+    """A user's own loop on @fault_tolerant (examples/), not the reference trainer."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # the scenario names the script relative to the repository
+    report = run_scenario(root / "examples" / "kill-my-loop.toml", out, say=lambda *_: None)
+    _assert_passed(report)
+    names = {c["name"]: c["ok"] for c in report["checks"]}
+    assert names["every sample consumed exactly once"] is True
+    assert names["final state matches the reference"] is True
+    assert report["measurements"]["restarts"] >= 1
+
+
 FAILING = """
 name = "corrupt-no-fallback"
 description = "Bit rot in the newest checkpoint, a kill, and fallback disabled: the job cannot resume"
