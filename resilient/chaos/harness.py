@@ -283,9 +283,13 @@ def _command(job: Job, paths: RunPaths, port: int, storage: list[Fault]) -> list
         f"127.0.0.1:{port}",
         "--rdzv-id",
         f"chaos-{uuid.uuid4().hex[:8]}",
-        # a lost node's place is given up after ~3 s, and the survivors go on without waiting
+        # A lost node's place is given up after ~3 s.  An elastic job waits 6 s after the first
+        # node is ready for the others: long enough for both agents of a localhost job to join
+        # the first round on a loaded machine (a node that joins a finished round makes every
+        # agent restart to admit it), short enough to keep the recovery after a node loss fast.
         "--rdzv-conf",
-        "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60",
+        f"last_call_timeout={6 if job.elastic else 1},keep_alive_interval=1,"
+        "keep_alive_max_attempt=3,join_timeout=60",
     ]
     url, options = str(paths.ckpt), None
     if storage:
