@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +136,6 @@ def recovery_trials(kinds: list[str], trials: int, out: str) -> dict[str, list[d
 
     from resilient.chaos.harness import RunPaths, launch_job
     from resilient.chaos.scenario import parse_scenario
-    from resilient.chaos.verify import verify_run
 
     results: dict[str, list[dict]] = {}
     for kind in kinds:
@@ -148,23 +146,47 @@ def recovery_trials(kinds: list[str], trials: int, out: str) -> dict[str, list[d
             scenario = parse_scenario(text, name)
             run_dir = Path(out) / name
             launch = launch_job(scenario.job, RunPaths(run_dir), list(scenario.faults), say=print)
-            outcome = verify_run(scenario, run_dir, launch, None)
-            m = outcome.measurements
-            rec = (m.get("recoveries") or [{}])[0]
-            results[kind].append(
-                {
-                    "completed": launch.succeeded,
-                    "verdict": (m.get("verdicts") or [{}])[0].get("verdict"),
-                    "detection_s": m.get("detection_s"),
-                    "recovery_s": rec.get("seconds"),
-                    "breakdown": rec.get("breakdown", {}),
-                }
-            )
+            (run_dir / "scenario.toml").write_text(text)  # so `resilient report` can redo it
+            results[kind].append(trial_result(scenario, run_dir, launch))
             r = results[kind][-1]
             print(
                 f"  {name}: verdict {r['verdict']}, detection {r['detection_s']}, "
                 f"recovery {r['recovery_s']}s",
                 flush=True,
+            )
+    return results
+
+
+def trial_result(scenario, run_dir, launch) -> dict:
+    """What one trial measured: the first verdict and the first recovery."""
+    from resilient.chaos.verify import verify_run
+
+    m = verify_run(scenario, run_dir, launch, None).measurements
+    rec = (m.get("recoveries") or [{}])[0]
+    return {
+        "completed": launch.succeeded,
+        "verdict": (m.get("verdicts") or [{}])[0].get("verdict"),
+        "detection_s": m.get("detection_s"),
+        "recovery_s": rec.get("seconds"),
+        "breakdown": rec.get("breakdown", {}),
+    }
+
+
+def reanalyze(out: str) -> dict[str, list[dict]]:
+    from pathlib import Path
+
+    from resilient.chaos.harness import load_launch
+    from resilient.chaos.scenario import load_scenario
+
+    results: dict[str, list[dict]] = {}
+    dirs = sorted(
+        Path(out).glob("*-*"), key=lambda d: (d.name.split("-")[0], int(d.name.split("-")[1]))
+    )
+    for d in dirs:
+        if (d / "run.json").exists() and (d / "scenario.toml").exists():
+            kind = d.name.split("-")[0]
+            results.setdefault(kind, []).append(
+                trial_result(load_scenario(d / "scenario.toml"), d, load_launch(d))
             )
     return results
 
@@ -252,8 +274,14 @@ def main() -> None:
     p.add_argument("--recovery-trials", type=int, default=0)
     p.add_argument("--kinds", default="kill,stop,hang")
     p.add_argument("--skip-scale", action="store_true")
+    p.add_argument(
+        "--reanalyze", default=None, help="verify the trials under this directory again, no runs"
+    )
     p.add_argument("--out", default=None, help="where the recovery trials' runs go (default: tmp)")
     args = p.parse_args()
+    if args.reanalyze:
+        print(recovery_table(reanalyze(args.reanalyze)))
+        return
     if args.recovery_trials:
         out = args.out or tempfile.mkdtemp(prefix="detection-bench-")
         results = recovery_trials(args.kinds.split(","), args.recovery_trials, out)

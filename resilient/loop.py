@@ -318,6 +318,8 @@ class Run:
                 # not a preemption: torchrun is tearing down a failed group, and this rank cannot
                 # save anyway (a peer is gone); waiting would hold the restart for 30 s
                 self.events.write("exit", rank=self.rank, code=EXIT_RANK_FAILURE, reason="SIGTERM")
+                if self.monitor is not None:
+                    self.monitor.leaving(self.step)
                 os._exit(EXIT_RANK_FAILURE)
             self._preempt.set()
 

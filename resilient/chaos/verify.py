@@ -244,14 +244,21 @@ def verify_run(
                 else "no verdict to time",
             )
         )
+    # one recovery per restart of the group: from the newest fault before it to the first step
+    # completed after it (a restart may resume exactly where the job stopped: no rollback)
+    attempts: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "start" and e.get("restart", 0) > 0:
+            attempts[e["restart"]] = min(attempts.get(e["restart"], e["time"]), e["time"])
     recoveries = []
-    for r in rollbacks:
-        t = r.get("first_step_time")
-        if t is not None and cause(t) is not None:
+    for _, began in sorted(attempts.items()):
+        first = next((r for r in records if r.get("wall_time", 0) > began), None)
+        c = cause(began)
+        if first is not None and c is not None:
             recoveries.append(
                 {
-                    "seconds": round(t - cause(t), 3),
-                    "breakdown": recovery_breakdown(events, cause(t)),
+                    "seconds": round(first["wall_time"] - c, 3),
+                    "breakdown": recovery_breakdown(events, c),
                 }
             )
     if recoveries:

@@ -27,6 +27,11 @@ from typing import Any
 __all__ = ["Verdict", "RankStatus", "Finding", "DetectorConfig", "Detector"]
 
 
+# "done": the loop finished; "exiting": the launcher is tearing the group down after a failure
+# it saw itself (a rank that exits then is not the one that failed).
+GONE_PHASES = ("done", "exiting")
+
+
 class Verdict(StrEnum):
     DEAD = "DEAD"
     HUNG = "HUNG"
@@ -140,7 +145,8 @@ class Detector:
         for s in statuses:
             self._record(s)
         findings: list[Finding] = []
-        statuses = [s for s in statuses if s.phase != "done"]  # finished ranks owe no heartbeat
+        # finished ranks, and ranks a launcher's teardown is stopping, owe no heartbeat
+        statuses = [s for s in statuses if s.phase not in GONE_PHASES]
         for s in statuses:
             since_alive = None if s.alive_t is None else now - s.alive_t
             if since_alive is not None and since_alive > c.dead_timeout_s:

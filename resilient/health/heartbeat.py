@@ -26,7 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from resilient.health.detector import Detector, DetectorConfig, Finding, RankStatus, Verdict
+from resilient.health.detector import (
+    GONE_PHASES,
+    Detector,
+    DetectorConfig,
+    Finding,
+    RankStatus,
+    Verdict,
+)
 from resilient.health.events import EventLog
 
 __all__ = ["Monitor", "EXIT_RANK_FAILURE"]
@@ -84,6 +91,14 @@ class Monitor:
             "progress", encode_progress(step, phase, time.time(), self.host, self.pid, busy_s)
         )
 
+    def leaving(self, step: int | None) -> None:
+        """Say this rank is being stopped by its launcher (not failing by itself), so that no
+        verdict blames it and a leader's place passes on at once."""
+        try:
+            self.progress(step, "exiting")
+        except Exception:  # the store may be gone already
+            pass
+
     def verdict(self) -> Finding | None:
         return self._verdict
 
@@ -123,7 +138,7 @@ class Monitor:
         if leader == self.rank:
             return
         alive = self._get_float(f"alive/{leader}")
-        done = self._phase(leader) == "done"
+        done = self._phase(leader) in GONE_PHASES
         # the next rank after the leader takes over first; rank leader+k waits k timeouts
         distance = (self.rank - leader - 1) % self.world_size + 1
         if done or (

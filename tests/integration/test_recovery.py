@@ -19,23 +19,10 @@ from typing import Any
 import pytest
 import torch
 
+from resilient.chaos.faults import worker_pid
 from resilient.health import EXIT_RANK_FAILURE
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def worker_pid(launcher: int, rank: int) -> int | None:
-    for child in Path("/proc").iterdir():
-        if not child.name.isdigit():
-            continue
-        try:
-            stat = (child / "stat").read_text().split()
-            env = (child / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat[3]) == launcher and f"RANK={rank}".encode() in env:
-            return int(child.name)
-    return None
 
 
 def last_step(metrics: Path) -> int:
