@@ -107,6 +107,7 @@ class Detector:
         self._step_times: dict[int, deque[float]] = {}
         self._busy_times: dict[int, deque[float]] = {}
         self._slow_streak: dict[int, int] = {}
+        self._hang_s = config.hang_timeout_s or config.hang_floor_s
 
     def hang_timeout_s(self) -> float:
         c = self.config
@@ -122,8 +123,8 @@ class Detector:
         if s.phase in self.config.phase_budgets_s:
             return self.config.phase_budgets_s[s.phase]
         if s.phase == "first_step":  # compiling, warming caches: the loop says so
-            return max(self.config.first_step_budget_s, self.hang_timeout_s())
-        return self.hang_timeout_s()
+            return max(self.config.first_step_budget_s, self._hang_s)
+        return self._hang_s
 
     def _record(self, s: RankStatus) -> None:
         prev = self._last.get(s.rank)
@@ -144,6 +145,9 @@ class Detector:
         c = self.config
         for s in statuses:
             self._record(s)
+        # once per scan, not once per rank: it sorts every recorded step time (O(N log N) at
+        # 4,096 ranks, and O(N^2 log N) when it was called for each rank)
+        self._hang_s = self.hang_timeout_s()
         findings: list[Finding] = []
         # finished ranks, and ranks a launcher's teardown is stopping, owe no heartbeat
         statuses = [s for s in statuses if s.phase not in GONE_PHASES]
