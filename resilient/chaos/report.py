@@ -184,14 +184,17 @@ def suite_markdown(reports: list[dict[str, Any]]) -> str:
     lines = [
         "# Chaos suite",
         "",
-        "| scenario | result | restarts | steps lost | detection (s) | recovery (s) | failed checks |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | result | verdicts | restarts | steps lost | detection (s) | recovery (s) "
+        "| failed checks |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         m = r["measurements"]
         failed = "; ".join(f"{c['name']}: {c['detail']}" for c in r["checks"] if c["ok"] is False)
+        verdicts = ", ".join(f"{v['verdict']} r{v['rank']}" for v in m.get("verdicts", [])) or "-"
         lines.append(
-            f"| {r['scenario']} | {'pass' if r['passed'] else '**FAIL**'} | {m.get('restarts', 0)} "
+            f"| {r['scenario']} | {'pass' if r['passed'] else '**FAIL**'} | {verdicts} "
+            f"| {m.get('restarts', 0)} "
             f"| {max(m.get('steps_lost') or [0])} | {m.get('detection_s', '-')} "
             f"| {m.get('recovery_s', '-')} | {failed.replace('|', '/') or '-'} |"
         )
