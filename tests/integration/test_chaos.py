@@ -26,6 +26,7 @@ def _assert_passed(report: dict) -> None:
     assert fired["ok"] is True
 
 
+@pytest.mark.slow  # a few minutes of real jobs; CI runs it, the fast loop does not
 def test_quick_suite(out):
     reports = run_suite(out / "quick", quick=True, say=lambda *_: None)
     assert sorted(r["scenario"] for r in reports) == sorted(QUICK)
@@ -48,6 +49,7 @@ def test_full_suite_scenario(out, name):
     _assert_passed(run_scenario(scenario, out / "full", say=lambda *_: None))
 
 
+@pytest.mark.slow
 def test_any_command_under_torchrun(out, monkeypatch):
     """A user's own loop on @fault_tolerant (examples/), not the reference trainer."""
     root = Path(__file__).resolve().parents[2]
