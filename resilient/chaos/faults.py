@@ -175,7 +175,6 @@ def slow_compute(factor: float) -> None:
     top-level torch call (the backward pass counts as one) is timed, the time spent inside
     collectives is taken out, and the rest is stretched by sleeping; sleeps are batched to a
     millisecond so that tiny ops are not swamped by timer overhead."""
-    import torch
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
@@ -214,7 +213,6 @@ def slow_compute(factor: float) -> None:
                     self.debt = 0.0
 
     Slow().__enter__()  # stays on this thread's mode stack for the rest of the process
-    del torch
 
 
 _THROTTLE = """

@@ -213,9 +213,7 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
             if k in trainer:
                 v.typed(trainer, k, kind, tat)
         v.positive(trainer, "steps", tat, required=True)
-        if trainer.get("dp", 1) == "auto":
-            pass
-        elif isinstance(trainer.get("dp"), str):
+        if isinstance(trainer.get("dp"), str) and trainer["dp"] != "auto":
             v.fail(tat, "dp", f"{trainer['dp']!r}: an integer or 'auto'")
         world = nproc * nodes
         inner = trainer.get("tp", 1) * trainer.get("ep", 1)

@@ -234,14 +234,13 @@ def verify_run(
     if timed:
         m["detection_s"] = round(max(timed), 3)
     if exp.detect_within_s is not None:
-        d = m.get("detection_s")
         checks.append(
-            Check(
+            _within(
                 "detection within bound",
-                d is not None and d <= exp.detect_within_s,
-                f"{d:.2f}s from fault to verdict (allowed {exp.detect_within_s}s)"
-                if d is not None
-                else "no verdict to time",
+                m.get("detection_s"),
+                exp.detect_within_s,
+                "from fault to verdict",
+                "no verdict to time",
             )
         )
     # one recovery per restart of the group: from the newest fault before it to the first step
@@ -266,19 +265,23 @@ def verify_run(
         m["breakdown"] = recoveries[0]["breakdown"]
         m["recoveries"] = recoveries
     if exp.recover_within_s is not None:
-        r = m.get("recovery_s")
+        slowest = f" (the slowest of {len(recoveries)})" if len(recoveries) > 1 else ""
         checks.append(
-            Check(
+            _within(
                 "recovery within bound",
-                r is not None and r <= exp.recover_within_s,
-                f"{r:.2f}s from fault to the first step after the restart"
-                f"{' (the slowest of ' + str(len(recoveries)) + ')' if len(recoveries) > 1 else ''} "
-                f"(allowed {exp.recover_within_s}s)"
-                if r is not None
-                else "no restart to time",
+                m.get("recovery_s"),
+                exp.recover_within_s,
+                f"from fault to the first step after the restart{slowest}",
+                "no restart to time",
             )
         )
     return Outcome(checks, m)
+
+
+def _within(name: str, value: float | None, bound: float, what: str, missing: str) -> Check:
+    if value is None:
+        return Check(name, False, missing)
+    return Check(name, value <= bound, f"{value:.2f}s {what} (allowed {bound}s)")
 
 
 def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str, float]:

@@ -100,6 +100,11 @@ class SaveHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def error(self) -> BaseException | None:
+        """The background failure of a finished save (None while running or on success)."""
+        return self._error
+
     def wait(self, timeout: float | None = None) -> SaveStats:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save of step {self.step} still running after {timeout}s")

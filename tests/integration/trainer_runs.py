@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from resilient.chaos.verify import gather_checkpoint  # noqa: F401  (the tests import it from here)
 
 
 def run_train(rank, world, kwargs):
@@ -23,22 +23,6 @@ def final_weights(rank, world, kwargs):
     """Train, then return the full (gathered) model weights via a world-of-one load of the checkpoint."""
     run_train(rank, world, dict(kwargs))
     return True
-
-
-def gather_checkpoint(url: str, step: int | None = None) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, whole (loaded in a world of one)."""
-    from resilient import Checkpointer, Layout
-    from resilient.checkpoint.state import sharded
-
-    with Checkpointer(url, layout=Layout(dp=1, ep=1, tp=1)) as ck:
-        m = ck.manifest(step)
-        state = {
-            k: sharded(torch.zeros(t.shape, dtype=getattr(torch, t.dtype)), {})
-            for k, t in m.tensors.items()
-            if k.startswith(("model.", "optim."))
-        }
-        ck.load(state, step=step)
-    return state
 
 
 def run_evaluate(rank, world, kwargs):
