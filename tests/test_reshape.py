@@ -9,11 +9,13 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from reshape import execute
 from reshape.cli import app
 from reshape.execute import DestinationExistsError, convert
 from reshape.export import export_hf, parse_size
 from reshape.plan import plan, target_layout
 from resilient import Checkpointer, Layout, Shard
+from resilient.checkpoint import reader
 from resilient.checkpoint.format import ChunkEntry, FileEntry, Manifest, TensorEntry, rank_file_name
 from resilient.checkpoint.writer import assign_writers
 from resilient.errors import CheckpointCorruptError, LayoutError, StorageError
@@ -254,3 +256,51 @@ def test_cli_commands_and_exit_codes(tmp_path):
     )
     assert r.exit_code == 0 and (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert runner.invoke(app, ["convert", src]).exit_code == 2  # typer: missing argument
+
+
+def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_path, monkeypatch):
+    # one batch per chunk and many read pieces, with the two batch buffers and the read ring
+    # shared by every target file; the first write of rank 0's file fails after its header and
+    # one batch, so the retry streams the file again through the same buffers
+    monkeypatch.setattr(execute, "MIN_BATCH_BYTES", 1)
+    monkeypatch.setattr(reader, "PIECE_BYTES", 4096)
+    g = torch.Generator().manual_seed(3)
+    globals_ = {
+        "model.a": torch.randn(64, 96, generator=g),
+        "model.b": torch.randn(8, 32, 24, generator=g).bfloat16(),
+        "model.c": torch.randn(40, 40, generator=g),
+        "optim.m": torch.randn(301, generator=g),
+    }
+    placements = {
+        "model.a": {"tp": Shard(1)},
+        "model.b": {"ep": Shard(0), "tp": Shard(2)},
+        "model.c": {"tp": Shard(0)},
+        "optim.m": {"dp": Shard(0), "ep": Shard(0)},
+    }
+    src, dst = Layout(dp=1, ep=2, tp=2), Layout(dp=3, ep=1, tp=2)
+    save_world(
+        str(tmp_path / "src"),
+        9,
+        [distribute(globals_, placements, src, r) for r in range(src.world_size)],
+        src,
+    )
+    fault = {"op": "write", "error": "transient", "path": "rank_00000", "skip": 2, "count": 1}
+    report = convert(
+        str(tmp_path / "src"),
+        f"faulty://{tmp_path / 'dst'}",
+        dict(zip(dst.names, dst.sizes)),
+        dst_options={"faults": [fault], "record": str(tmp_path / "fired.jsonl")},
+    )
+    assert report.batch_bytes == report.largest_chunk_bytes  # batches of one chunk
+    fired = (tmp_path / "fired.jsonl").read_text().splitlines()
+    assert len(fired) == 1 and "rank_00000" in fired[0]
+    with Checkpointer(str(tmp_path / "dst")) as ck:
+        assert ck.verify(9).ok and ck.manifest().layout == dst
+    targets = [
+        distribute({k: torch.zeros_like(v) for k, v in globals_.items()}, placements, dst, r)
+        for r in range(dst.world_size)
+    ]
+    load_world(str(tmp_path / "dst"), 9, targets, dst)
+    for r, state in enumerate(targets):
+        for k, g_ in globals_.items():
+            assert torch.equal(state[k], local_chunk(g_, placements[k], dst, r)), (k, r)

@@ -13,6 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from resilient.checkpoint import reader
+from resilient.checkpoint.format import ChunkEntry, step_dir_name
+from resilient.checkpoint.reader import ReadItem, ReadRing, execute_reads, plan_reads, read_manifest
+from resilient.checkpoint.state import flatten_state
+from resilient.checkpoint.storage import Storage
+from resilient.errors import CheckpointCorruptError
 from resilient.layout import Layout, Shard
 from tests.ckpt_sim import distribute, load_world, local_chunk, save_world
 
@@ -151,3 +157,89 @@ def test_compressed_chunks_reshard(tmp_path):
     for r, state in enumerate(targets):
         for k, g in globals_.items():
             assert torch.equal(state[k], local_chunk(g, placements[k], dst, r)), k
+
+
+def test_read_ring_hands_out_regions_in_fifo_order_and_wraps():
+    ring = ReadRing(100)
+    a, b = ring.take(40), ring.take(40)
+    assert len(a) == 40 and len(b) == 40
+    assert ring.take(30) is None  # 20 bytes left at the end, and the front is still in use
+    ring.release()  # a is done: the next region wraps to the front
+    c = ring.take(30)
+    assert c is not None and c.obj is a.obj and _offset(c) == 0
+    assert ring.take(15) is None  # between c's end (30) and b's start (40) only 10 bytes are free
+    d = ring.take(10)
+    assert _offset(d) == 30
+    ring.release()  # b
+    ring.release()  # c
+    e = ring.take(60)  # after d's end (40), not wrapped again
+    assert _offset(e) == 40
+    ring.release()
+    ring.release()
+    assert _offset(ring.take(100)) == 0  # empty again: the whole ring
+    assert ring.take(1) is None
+    ring.clear()
+    ring.reserve(500)
+    assert ring.capacity == 500
+
+
+def _offset(view: memoryview) -> int:
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(view.obj))
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) - base
+
+
+def test_pieces_cut_only_at_block_boundaries_of_their_chunk(monkeypatch):
+    monkeypatch.setattr(reader, "PIECE_BYTES", 10_000)
+    # two chunks that touch, neither starting on a multiple of the block size
+    c1 = ChunkEntry((0,), (1,), "f", "a", (100, 30_100), (), "none", 30_000)
+    c2 = ChunkEntry((0,), (1,), "f", "b", (30_100, 47_000), (), "none", 16_900)
+    group = [
+        ReadItem("a", c1, None, None, None, (100, 30_100)),
+        ReadItem("b", c2, None, None, None, (30_100, 47_000)),
+    ]
+    pieces = reader._pieces(100, 47_000, group, 4096)
+    assert pieces[0][0] == 100 and pieces[-1][1] == 47_000
+    assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))  # contiguous, no gaps
+    assert len(pieces) >= 4 and all(b - a <= 10_000 + 4096 for a, b in pieces)
+    for cut, _ in pieces[1:]:
+        start = c1.byte_range[0] if cut < c2.byte_range[0] else c2.byte_range[0]
+        assert (cut - start) % 4096 == 0, cut
+    # blocks larger than a piece: cuts round up to the next block boundary
+    assert reader._pieces(100, 30_100, group[:1], 16_384) == [(100, 16_484), (16_484, 30_100)]
+
+
+def test_reads_split_into_pieces_through_a_tight_ring_are_exact_and_verified(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "PIECE_BYTES", 5000)  # every multi-block read is split
+    z = zoo()
+    g = torch.Generator().manual_seed(1)
+    z["cols"] = (torch.randn(96, 256, generator=g), {"tp": Shard(1)})  # 96 KiB, strided overlaps
+    z["rows"] = (torch.randn(64, 130, generator=g).bfloat16(), {"tp": Shard(0), "ep": Shard(0)})
+    globals_ = {k: v[0] for k, v in z.items()}
+    placements = {k: v[1] for k, v in z.items()}
+    src, dst = LAYOUTS[2], LAYOUTS[4]
+    save_world(str(tmp_path), 5, _place(globals_, placements, src), src, block_bytes=4096)
+    storage = Storage(str(tmp_path))
+    m = read_manifest(storage, 5)
+    ring = ReadRing()  # one ring for every rank's reads, as the resharder shares it
+    targets = _zeros_like(globals_, placements, dst)
+    for r, state in enumerate(targets):
+        flat = flatten_state(state, dst, r, for_load=True)
+        items = plan_reads(m, flat.tensors, dst, r)
+        dests = {k: v.local for k, v in flat.tensors.items()}
+        execute_reads(storage, m, items, dests, max_inflight_bytes=1, ring=ring)
+        for k, g in globals_.items():
+            assert torch.equal(state[k], local_chunk(g, placements[k], dst, r)), (k, r)
+    # a flipped byte deep inside a large chunk is caught by the piece that holds its block
+    key, chunk = "cols", m.tensors["cols"].chunks[0]
+    assert chunk.raw_bytes > 4 * 4096
+    path = tmp_path / step_dir_name(5) / chunk.file
+    data = bytearray(path.read_bytes())
+    at = chunk.byte_range[0] + 3 * 4096 + 17
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    flat = flatten_state(_zeros_like(globals_, placements, src)[0], src, 0, for_load=True)
+    items = [it for it in plan_reads(m, flat.tensors, src, 0) if it.chunk == chunk]
+    with pytest.raises(CheckpointCorruptError, match=rf"tensor '{key}', step 5, block 3 "):
+        execute_reads(storage, m, items, {k: v.local for k, v in flat.tensors.items()}, ring=ring)

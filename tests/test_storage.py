@@ -24,6 +24,13 @@ def test_storage_contract(storage_url):
         data[500:600],
         data[25000:25600],
     ]
+    into = bytearray(700)
+    assert st.read_into("step_00000001/a.bin", 300, memoryview(into)[:600]) == 600
+    assert into[:600] == data[300:900] and into[600:] == bytes(100)  # only the view is written
+    assert (
+        st.read_into("step_00000001/a.bin", len(data) - 50, memoryview(into)) == 50
+    )  # short at EOF
+    assert into[:50] == data[-50:]
     st.write_atomic("step_00000001/MANIFEST.json", b'{"x": 1}')
     st.write_atomic("step_00000001/MANIFEST.json", b'{"x": 2}')  # replaces
     assert st.read("step_00000001/MANIFEST.json") == b'{"x": 2}'

@@ -40,6 +40,7 @@ __all__ = [
     "ReadItem",
     "plan_reads",
     "execute_reads",
+    "ReadRing",
     "read_manifest",
     "verify_step",
     "VerifyReport",
@@ -48,6 +49,9 @@ __all__ = [
 # Bytes of coalesced reads in flight at once (bounds memory), and the reader threads.
 BATCH_BYTES = 256 << 20
 READ_THREADS = 4
+# Larger reads are split into pieces of about this size (at block boundaries), fetched and verified
+# by the reader threads concurrently.
+PIECE_BYTES = 4 << 20
 # verify_step reads this much at a time (rounded to whole blocks).
 VERIFY_READ_BYTES = 64 << 20
 
@@ -226,6 +230,54 @@ class _Verifier:
                     self.bytes_verified += b1 - b0
 
 
+class ReadRing:
+    """Reusable memory for the reads in flight, handed out and given back in FIFO order.
+
+    Reads are consumed in the order they were issued, so their buffers can live in one ring: a
+    region is taken at the head and released at the tail.  Reusing the memory matters: faulting in
+    a fresh buffer for every read costs more than copying the bytes out of the page cache.  One
+    ring can serve many ``execute_reads`` calls (the resharder passes the same one for every batch).
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._buf = memoryview(bytearray(capacity))
+        self._live: deque[tuple[int, int]] = deque()
+
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
+
+    def reserve(self, capacity: int) -> None:
+        """Grow to at least ``capacity`` bytes (only between uses)."""
+        assert not self._live, "reserve() while regions are in use"
+        if len(self._buf) < capacity:
+            self._buf = memoryview(bytearray(capacity))
+
+    def take(self, n: int) -> memoryview | None:
+        """``n`` bytes after the newest region, or None until older regions are released."""
+        cap = len(self._buf)
+        if not self._live:
+            start = 0 if n <= cap else None
+        else:
+            oldest, newest = self._live[0][0], self._live[-1]
+            head = newest[1]
+            if newest[0] >= oldest:  # not wrapped: free space at the end, then before the oldest
+                start = head if head + n <= cap else (0 if n <= oldest else None)
+            else:  # wrapped: free space between the newest and the oldest
+                start = head if head + n <= oldest else None
+        if start is None:
+            return None
+        self._live.append((start, start + n))
+        return self._buf[start : start + n]
+
+    def release(self) -> None:
+        """Give back the oldest region."""
+        self._live.popleft()
+
+    def clear(self) -> None:
+        self._live.clear()
+
+
 @dataclass
 class ReadStats:
     bytes_read: int = 0
@@ -240,13 +292,15 @@ def execute_reads(
     dests: Mapping[str, torch.Tensor],
     *,
     max_inflight_bytes: int | None = None,
+    ring: ReadRing | None = None,
 ) -> ReadStats:
     """Read, verify and place every item.
 
-    Coalesced ranges are fetched by a few reader threads that also verify the blocks they read
-    (crc32 drops the GIL), while this thread places finished ranges into their destinations, in
-    order.  ``dests[key]`` is the contiguous tensor that receives ``key``'s target chunk.  At
-    most ``max_inflight_bytes`` (default ``BATCH_BYTES``; or one range, if larger) are in flight.
+    Coalesced ranges are fetched by a few reader threads, straight into reused memory (``ring``,
+    or one sized for this call), and verified by the thread that read them (crc32 drops the GIL),
+    while this thread places finished ranges into their destinations, in order.  ``dests[key]`` is
+    the contiguous tensor that receives ``key``'s target chunk.  At most ``max_inflight_bytes``
+    (default ``BATCH_BYTES``; or one range, if larger) are in flight: the ring holds that much.
     """
     budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
@@ -267,47 +321,83 @@ def execute_reads(
             )
         requests += [(rel, r, group) for r, group in _coalesce(file_items)]
 
-    def fetch(req: tuple[str, tuple[int, int], list[ReadItem]]) -> memoryview:
-        rel, (a, b), group = req
-        data = storage.read_range(rel, a, b)
-        if len(data) != b - a:
+    def fetch(rel: str, a: int, p0: int, p1: int, group: list[ReadItem], mv: memoryview) -> None:
+        """Read bytes [p0, p1) of a request starting at ``a`` into its place, and verify them."""
+        got = storage.read_into(rel, p0, mv[p0 - a : p1 - a])
+        if got != p1 - p0:
             raise CheckpointCorruptError(
-                f"{storage.display(rel)} (step {manifest.step}): read of bytes [{a}, {b}) "
-                f"returned {len(data)} bytes; the file is truncated — load an earlier step"
+                f"{storage.display(rel)} (step {manifest.step}): read of bytes [{p0}, {p1}) "
+                f"returned {got} bytes; the file is truncated — load an earlier step"
             )
-        mv = memoryview(data)
         for it in group:
-            verifier.check(it.key, it.chunk, it.span, mv[it.span[0] - a : it.span[1] - a])
-        return mv
+            s0, s1 = max(it.span[0], p0), min(it.span[1], p1)
+            if s0 < s1:
+                verifier.check(it.key, it.chunk, (s0, s1), mv[s0 - a : s1 - a])
 
-    inflight: deque[tuple[tuple[str, tuple[int, int], list[ReadItem]], Future[memoryview]]] = (
-        deque()
-    )
-    inflight_bytes, nxt = 0, 0
+    if ring is None:
+        ring = ReadRing()
+    sizes = [b - a for _, (a, b), _ in requests]
+    ring.reserve(max([min(budget, sum(sizes)), *sizes]))
+    Pending = tuple[tuple[str, tuple[int, int], list[ReadItem]], memoryview, list[Future[None]]]
+    inflight: deque[Pending] = deque()
+    nxt = 0
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
         try:
             while nxt < len(requests) or inflight:
                 while nxt < len(requests) and len(inflight) < READ_THREADS * 2:
-                    a, b = requests[nxt][1]
-                    if inflight and inflight_bytes + (b - a) > budget:
+                    region = ring.take(sizes[nxt])
+                    if region is None:
                         break
-                    inflight.append((requests[nxt], pool.submit(fetch, requests[nxt])))
-                    inflight_bytes += b - a
+                    rel, (a, b), group = requests[nxt]
+                    futs = [
+                        pool.submit(fetch, rel, a, p0, p1, group, region)
+                        for p0, p1 in _pieces(a, b, group, manifest.block_bytes)
+                    ]
+                    inflight.append((requests[nxt], region, futs))
                     nxt += 1
-                (rel, (a, b), group), fut = inflight.popleft()
-                mv = fut.result()
-                inflight_bytes -= b - a
+                (rel, (a, b), group), mv, futs = inflight[0]
+                for f in futs:
+                    f.result()
+                inflight.popleft()
                 stats.bytes_read += b - a
                 stats.num_requests += 1
                 for it in group:
                     piece = mv[it.span[0] - a : it.span[1] - a]
                     _place(it, piece, manifest.tensors[it.key], dests[it.key], manifest.step)
+                ring.release()
         except BaseException:
-            for _, fut in inflight:
-                fut.cancel()
+            futs = [f for _, _, fs in inflight for f in fs]
+            for f in futs:
+                f.cancel()
+            for f in futs:  # a reader still filling the ring must finish before it is reused
+                if not f.cancelled():
+                    f.exception()
+            ring.clear()
             raise
     stats.bytes_verified = verifier.bytes_verified
     return stats
+
+
+def _pieces(a: int, b: int, group: list[ReadItem], block: int) -> list[tuple[int, int]]:
+    """Cut the read [a, b) into pieces of about ``PIECE_BYTES`` that reader threads fetch and
+    verify concurrently; every cut falls on a block boundary of the stored chunk it lies in, so
+    each piece verifies on its own."""
+    if b - a <= PIECE_BYTES:
+        return [(a, b)]
+    chunks = sorted({it.chunk.byte_range for it in group})
+    out, pos = [], a
+    while b - pos > PIECE_BYTES:
+        want = pos + PIECE_BYTES
+        c0, c1 = next(((c0, c1) for c0, c1 in chunks if c0 <= want < c1), (want, want))
+        cut = c0 + (want - c0) // block * block if c1 > c0 else want
+        if cut <= pos:
+            cut = min(c0 + -(-(want - c0) // block) * block, c1)
+        if cut >= b:
+            break
+        out.append((pos, cut))
+        pos = cut
+    out.append((pos, b))
+    return out
 
 
 def _coalesce(items: list[ReadItem]) -> list[tuple[tuple[int, int], list[ReadItem]]]:
@@ -398,6 +488,10 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
             by_file[c.file].append((key, c))
     bb = m.block_bytes
     per_read = max(VERIFY_READ_BYTES // bb, 1) * bb
+    largest = max(
+        (c.byte_range[1] - c.byte_range[0] for t in m.tensors.values() for c in t.chunks), default=0
+    )
+    scratch = memoryview(bytearray(min(per_read, largest)))  # one buffer, reused for every read
     checked = 0
     for file, chunks in sorted(by_file.items()):
         path = f"{rel}/{file}"
@@ -440,7 +534,10 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
             start, end = c.byte_range
             for r0 in range(start, end, per_read):
                 r1 = min(r0 + per_read, end)
-                data = memoryview(storage.read_range(path, r0, r1))
+                data = scratch[: r1 - r0]
+                if storage.read_into(path, r0, data) != r1 - r0:
+                    problems.append(f"{where}: read of bytes [{r0}, {r1}) came back short")
+                    break
                 for i in range((r0 - start) // bb, -(-(r1 - start) // bb)):
                     b0, b1 = start + i * bb, min(start + (i + 1) * bb, end)
                     got = zlib.crc32(data[b0 - r0 : b1 - r0])
