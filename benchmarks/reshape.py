@@ -1,17 +1,23 @@
 """Resharding benchmark: ``reshape convert`` against the disk and against DCP, side by side.
 
 A state of row-sharded weights, expert tensors (ep x tp) and replicated norms is saved by 4 ranks
-in layout (dp1, ep2, tp2), then moved to (dp1, ep1, tp4):
+in layout (dp1, ep2, tp2), then moved to (dp1, ep1, tp4) and to (dp1, ep4, tp1).  Each trial runs
+every method once, in turn, each after ``os.sync()``, dropped page caches and a 1 s pause:
 
-* raw disk: a cold sequential read of the source files plus a sequential write + fsync of the same
-  number of bytes (the floor for any conversion that reads everything once and writes it once);
-* ``reshape convert`` in a subprocess (cold caches): throughput, and its peak memory above the
-  process's baseline against the largest chunk;
-* torch.distributed.checkpoint: the same tensors saved by DCP as DTensors, then ``dcp.load`` into
-  the new placements by 4 ranks (load-time resharding), and that load followed by ``dcp.save`` in the
-  new layout (what a conversion with DCP amounts to).
+* raw disk: a cold sequential read of the source files into one reused buffer, then a sequential
+  write + fsync of as many bytes: the floor for any conversion that reads everything once and
+  writes it once;
+* ``reshape convert`` in a subprocess: throughput, and its peak memory above the process's
+  baseline (interpreter, torch, the toolkit) against the largest chunk;
+* load-time resharding, the same change made while loading: ``Checkpointer.load`` by 4 ranks into
+  the new layout (every block verified), and ``dcp.load`` of the same tensors saved by DCP as
+  DTensors into the new placements;
+* ``dcp.load`` followed by ``dcp.save`` in the new layout: what an offline conversion amounts to
+  with DCP.
 
-    python benchmarks/reshape.py [--mib 512] [--dir DIR]
+Medians over the trials, with the range.
+
+    python benchmarks/reshape.py [--mib 512] [--dir DIR] [--to tp4|ep4|all] [--trials 3]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +37,6 @@ from checkpoint_load import _drop_caches, run  # noqa: E402
 from common import machine, markdown_table  # noqa: E402
 
 SRC = {"dp": 1, "ep": 2, "tp": 2}
-DST = {"dp": 1, "ep": 1, "tp": 4}
 TARGETS = {"tp4": {"dp": 1, "ep": 1, "tp": 4}, "ep4": {"dp": 1, "ep": 4, "tp": 1}}
 
 
@@ -92,7 +98,44 @@ def dcp_save_task(rank, world, path, spec):
     return True
 
 
-def dcp_load_task(rank, world, path, out_path, spec):
+def _cold(rank) -> None:
+    """Every rank waits while rank 0 drops the page caches: the timed part starts cold."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        _drop_caches()
+    dist.barrier()
+
+
+def load_task(rank, world, url, spec, dst):
+    """Load-time resharding with the toolkit: every rank loads its part of the new layout."""
+    import torch
+    import torch.distributed as dist
+
+    from resilient import Checkpointer, Layout, Shard
+    from resilient.checkpoint.state import shard_of
+
+    lay = Layout(**dst)
+    pl = {k: {a: Shard(dim) for a, dim in p.items()} for k, (_, _, p) in spec.items()}
+    state = {
+        k: shard_of(torch.zeros(s, dtype=getattr(torch, d)), pl[k], lay, rank)
+        for k, (s, d, _) in spec.items()
+    }
+    _cold(rank)
+    t0 = time.perf_counter()
+    with Checkpointer(url, layout=lay) as ck:
+        ck.load(state)
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    ok = all(
+        torch.equal(state[k], shard_of(_global(k, s, d), pl[k], lay, rank))
+        for k, (s, d, _) in spec.items()
+    )
+    return {"seconds": seconds, "ok": ok}
+
+
+def dcp_load_task(rank, world, path, out_path, spec, dst):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -100,12 +143,9 @@ def dcp_load_task(rank, world, path, out_path, spec):
 
     state = {}
     for k, (s, d, p) in spec.items():
-        mesh, placements = _mesh_and_placements(DST, p)
+        mesh, placements = _mesh_and_placements(dst, p)
         state[k] = distribute_tensor(torch.zeros(s, dtype=getattr(torch, d)), mesh, placements)
-    dist.barrier()
-    if rank == 0:
-        _drop_caches()
-    dist.barrier()
+    _cold(rank)
     t0 = time.perf_counter()
     dcp.load(state, checkpoint_id=path)
     dist.barrier()
@@ -122,17 +162,26 @@ def dcp_load_task(rank, world, path, out_path, spec):
 
 
 CONVERT_CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch  # the fixed overhead: interpreter, torch, the toolkit
 import resilient, reshape.execute
 from reshape.cli import tune_allocator
 tune_allocator()  # as the reshape CLI does
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def status(field):  # kB -> bytes
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+# the high-water mark starts from here: getrusage's would carry the parent's over exec
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = status("VmRSS")
 from reshape.execute import convert
 t0 = time.perf_counter()
 report = convert(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM")
 print(json.dumps({"seconds": seconds, "base_rss": base, "peak_rss": peak, "bytes_read": report.bytes_read,
                   "bytes_written": report.bytes_written, "largest_chunk": report.largest_chunk_bytes,
                   "batch_bytes": report.batch_bytes}))
@@ -140,15 +189,19 @@ print(json.dumps({"seconds": seconds, "base_rss": base, "peak_rss": peak, "bytes
 
 
 def raw_copy(src_root: str, scratch: str) -> tuple[float, int]:
-    """Cold sequential read of every source file, then write + fsync of as many bytes."""
+    """Cold sequential read of every source file, then write + fsync of as many bytes.
+
+    Reads land in one reused buffer (a fresh buffer per read would time page faults, not the disk).
+    """
     _drop_caches()
+    buf = bytearray(64 << 20)
     t0 = time.perf_counter()
     total = 0
     for dirpath, _, files in os.walk(src_root):
         for f in sorted(files):
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                while chunk := fh.read(64 << 20):
-                    total += len(chunk)
+            with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
+                while n := fh.readinto(buf):
+                    total += n
     read_s = time.perf_counter() - t0
     block = os.urandom(64 << 20)
     t0 = time.perf_counter()
@@ -163,6 +216,108 @@ def raw_copy(src_root: str, scratch: str) -> tuple[float, int]:
     return read_s + write_s, total
 
 
+def _settle() -> None:
+    """Let write-back from the previous method finish before the next one starts."""
+    os.sync()
+    time.sleep(1.0)
+    _drop_caches()
+
+
+def trial(root: str, spec: dict, dst: dict) -> dict[str, float | dict]:
+    src, out = os.path.join(root, "src"), os.path.join(root, "dst")
+    _settle()
+    raw_s, raw_bytes = raw_copy(src, root)
+    _settle()
+    shutil.rmtree(out, ignore_errors=True)
+    child = subprocess.run(
+        [sys.executable, "-c", CONVERT_CHILD, src, out, json.dumps(dst)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    ours = json.loads(child.stdout.strip().splitlines()[-1])
+    shutil.rmtree(out, ignore_errors=True)
+    _settle()
+    loads = run(load_task, 4, src, spec, dst)
+    assert all(r["ok"] for r in loads), "load-time resharding loaded wrong values"
+    _settle()
+    dcp_out = os.path.join(root, "dcp_out")
+    dcp = run(dcp_load_task, 4, os.path.join(root, "dcp"), dcp_out, spec, dst)
+    shutil.rmtree(dcp_out, ignore_errors=True)
+    return {
+        "raw_s": raw_s,
+        "raw_bytes": raw_bytes,
+        "convert_s": ours["seconds"],
+        "convert": ours,
+        "load_s": max(r["seconds"] for r in loads),
+        "dcp_load_s": max(r["load_s"] for r in dcp),
+        "dcp_total_s": max(r["total_s"] for r in dcp),
+    }
+
+
+def report(name: str, spec: dict, dst: dict, trials: list[dict]) -> tuple[str, dict]:
+    def med(key):
+        xs = [t[key] for t in trials]
+        return statistics.median(xs), min(xs), max(xs)
+
+    ours = trials[0]["convert"]
+    written = ours["bytes_written"]
+    raw_med = med("raw_s")[0]
+    raw_bw = trials[0]["raw_bytes"] / raw_med
+    peaks = [t["convert"]["peak_rss"] - t["convert"]["base_rss"] for t in trials]
+    peak = statistics.median(peaks)
+    chunk = ours["largest_chunk"]
+    rows = []
+    for label, key, mem in [
+        ("raw disk: read + write + fsync", "raw_s", "-"),
+        (
+            "**reshape convert** (1 process)",
+            "convert_s",
+            f"{peak / 2**20:.0f} MiB ({peak / chunk:.2f}x largest chunk)",
+        ),
+        ("dcp.load + dcp.save in the new layout (4 ranks)", "dcp_total_s", "-"),
+        ("resilient load-time resharding (4 ranks, verified)", "load_s", "-"),
+        ("dcp.load into the new placements (4 ranks)", "dcp_load_s", "-"),
+    ]:
+        m, lo, hi = med(key)
+        bw = written / m
+        rows.append(
+            [
+                label,
+                f"{m:.3f}",
+                f"{lo:.3f}-{hi:.3f}",
+                f"{bw / 2**20:.0f}",
+                f"{bw / raw_bw:.2f}x",
+                mem,
+            ]
+        )
+    conv, load, dcp_load, dcp_total = (
+        med("convert_s")[0],
+        med("load_s")[0],
+        med("dcp_load_s")[0],
+        med("dcp_total_s")[0],
+    )
+    lines = [
+        f"### {name}: {SRC} -> {dst}",
+        "",
+        f"{len(spec)} tensors, {written / 2**20:.0f} MiB; largest chunk {chunk / 2**20:.0f} MiB; "
+        f"convert read {ours['bytes_read'] / 2**20:.0f} MiB (read / written "
+        f"{ours['bytes_read'] / written:.2f}); {len(trials)} trials, medians",
+        "",
+        markdown_table(
+            ["method", "seconds", "range", "MiB/s", "vs raw disk", "peak memory above baseline"],
+            rows,
+        ),
+        "",
+        f"convert: {written / conv / raw_bw:.2f}x the raw disk (target >= 0.7x); peak memory "
+        f"{peak / chunk:.2f}x the largest chunk above a {ours['base_rss'] / 2**20:.0f} MiB baseline "
+        f"(target <= 4x); {dcp_total / conv:.2f}x the speed of dcp.load + dcp.save, "
+        f"{dcp_load / conv:.2f}x that of dcp.load alone; load-time resharding "
+        f"{dcp_load / load:.2f}x the speed of dcp.load",
+    ]
+    return "\n".join(lines), {"trials": trials, "peaks": peaks}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -171,83 +326,29 @@ def main() -> None:
     p.add_argument("--dir", default=None)
     p.add_argument(
         "--to",
-        choices=sorted(TARGETS),
-        default="tp4",
+        choices=[*sorted(TARGETS), "all"],
+        default="all",
         help="tp4: experts re-split along their innermost dim; ep4: experts move whole",
     )
+    p.add_argument("--trials", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    global DST
-    DST = TARGETS[args.to]
     spec = tensors(args.mib)
     root = tempfile.mkdtemp(prefix="reshape-bench-", dir=args.dir)
-    src, dst = os.path.join(root, "src"), os.path.join(root, "dst")
-    run(save_task, 4, src, spec)
-    run(dcp_save_task, 4, os.path.join(root, "dcp"), spec)
-    raw_s, raw_bytes = raw_copy(src, root)
-    _drop_caches()
-    child = subprocess.run(
-        [sys.executable, "-c", CONVERT_CHILD, src, dst, json.dumps(DST)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    ours = json.loads(child.stdout.strip().splitlines()[-1])
-    dcp = run(dcp_load_task, 4, os.path.join(root, "dcp"), os.path.join(root, "dcp_out"), spec)
-    dcp_load = max(r["load_s"] for r in dcp)
-    dcp_total = max(r["total_s"] for r in dcp)
-    shutil.rmtree(root, ignore_errors=True)
-
-    written = ours["bytes_written"]
-    raw_bw = raw_bytes / raw_s
-    ours_bw = written / ours["seconds"]
-    extra = ours["peak_rss"] - ours["base_rss"]
-    rows = [
-        ["raw disk: read + write + fsync", f"{raw_s:.3f}", f"{raw_bw / 2**20:.0f}", "1.00x", "-"],
-        [
-            "reshape convert",
-            f"{ours['seconds']:.3f}",
-            f"{ours_bw / 2**20:.0f}",
-            f"{ours_bw / raw_bw:.2f}x",
-            f"{extra / 2**20:.0f} MiB ({extra / ours['largest_chunk']:.2f}x largest chunk)",
-        ],
-        [
-            "dcp.load into new placements (4 ranks)",
-            f"{dcp_load:.3f}",
-            f"{written / dcp_load / 2**20:.0f}",
-            f"{written / dcp_load / raw_bw:.2f}x",
-            "-",
-        ],
-        [
-            "dcp.load + dcp.save in the new layout",
-            f"{dcp_total:.3f}",
-            f"{written / dcp_total / 2**20:.0f}",
-            f"{written / dcp_total / raw_bw:.2f}x",
-            "-",
-        ],
-    ]
-    print()
-    print(f"machine: {machine()}")
-    print(
-        f"state: {len(spec)} tensors, {written / 2**20:.0f} MiB; {SRC} -> {DST}; largest chunk "
-        f"{ours['largest_chunk'] / 2**20:.0f} MiB; bytes read {ours['bytes_read'] / 2**20:.0f} MiB "
-        f"(read / written {ours['bytes_read'] / written:.2f})"
-    )
-    print(
-        markdown_table(
-            ["method", "seconds", "MiB/s", "vs raw disk", "peak memory above baseline"], rows
-        )
-    )
-    print(
-        f"\nthroughput vs raw disk: {ours_bw / raw_bw:.2f}x (target >= 0.7x); peak memory "
-        f"{extra / ours['largest_chunk']:.2f}x largest chunk + baseline {ours['base_rss'] / 2**20:.0f} MiB "
-        f"(target <= 4x); vs DCP load: {dcp_load / ours['seconds']:.2f}x faster"
-    )
+    results = {}
+    try:
+        run(save_task, 4, os.path.join(root, "src"), spec)
+        run(dcp_save_task, 4, os.path.join(root, "dcp"), spec)
+        print(f"machine: {machine()}\n")
+        for name in sorted(TARGETS) if args.to == "all" else [args.to]:
+            trials = [trial(root, spec, TARGETS[name]) for _ in range(args.trials)]
+            text, results[name] = report(name, spec, TARGETS[name], trials)
+            print(text + "\n", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"ours": ours, "raw_s": raw_s, "raw_bytes": raw_bytes, "dcp": dcp}, f, indent=1
-            )
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

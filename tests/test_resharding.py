@@ -243,3 +243,20 @@ def test_reads_split_into_pieces_through_a_tight_ring_are_exact_and_verified(tmp
     items = [it for it in plan_reads(m, flat.tensors, src, 0) if it.chunk == chunk]
     with pytest.raises(CheckpointCorruptError, match=rf"tensor '{key}', step 5, block 3 "):
         execute_reads(storage, m, items, {k: v.local for k, v in flat.tensors.items()}, ring=ring)
+
+
+def test_coalesce_merges_shared_blocks_always_and_touching_reads_up_to_the_cap():
+    c = ChunkEntry((0,), (1,), "f", "a", (0, 100_000), (), "none", 100_000)
+
+    def item(a, b):
+        return ReadItem("a", c, None, None, None, (a, b))
+
+    items = [item(0, 4096), item(4096, 8192), item(8192, 12288), item(12000, 20000)]
+    assert [r for r, _ in reader._coalesce(items)] == [(0, 20000)]  # no cap: one read
+    merged = reader._coalesce(items, cap=8192)
+    assert [r for r, _ in merged] == [(0, 8192), (8192, 20000)]  # overlap merged past the cap
+    assert [len(g) for _, g in merged] == [2, 2]
+    assert [r for r, _ in reader._coalesce([item(0, 10), item(20, 30)], cap=None)] == [
+        (0, 10),
+        (20, 30),
+    ]

@@ -49,8 +49,9 @@ __all__ = [
 # Bytes of coalesced reads in flight at once (bounds memory), and the reader threads.
 BATCH_BYTES = 256 << 20
 READ_THREADS = 4
-# Larger reads are split into pieces of about this size (at block boundaries), fetched and verified
-# by the reader threads concurrently.
+# Reads are kept near this size: a large overlap is read in slabs that are placed (and their memory
+# reused) one by one, and a read that is still larger is fetched and verified in pieces of about this
+# size (cut at block boundaries) by the reader threads concurrently.
 PIECE_BYTES = 4 << 20
 # verify_step reads this much at a time (rounded to whole blocks).
 VERIFY_READ_BYTES = 64 << 20
@@ -306,6 +307,7 @@ def execute_reads(
     step_rel = step_dir_name(manifest.step)
     stats = ReadStats()
     verifier = _Verifier(manifest, storage)
+    bb = manifest.block_bytes
     by_file: dict[str, list[ReadItem]] = {}
     for it in items:
         by_file.setdefault(it.chunk.file, []).append(it)
@@ -319,7 +321,14 @@ def execute_reads(
                 f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the manifest "
                 f"declares {declared}; the file is truncated or was replaced — load an earlier step"
             )
-        requests += [(rel, r, group) for r, group in _coalesce(file_items)]
+        slabs = [
+            sub
+            for it in file_items
+            for sub in _split(
+                it, PIECE_BYTES, dtype_info(manifest.tensors[it.key].dtype).itemsize, bb
+            )
+        ]
+        requests += [(rel, r, group) for r, group in _coalesce(slabs, PIECE_BYTES)]
 
     def fetch(rel: str, a: int, p0: int, p1: int, group: list[ReadItem], mv: memoryview) -> None:
         """Read bytes [p0, p1) of a request starting at ``a`` into its place, and verify them."""
@@ -400,15 +409,43 @@ def _pieces(a: int, b: int, group: list[ReadItem], block: int) -> list[tuple[int
     return out
 
 
-def _coalesce(items: list[ReadItem]) -> list[tuple[tuple[int, int], list[ReadItem]]]:
-    """Merge overlapping or touching spans of one file into single reads."""
+def _coalesce(
+    items: list[ReadItem], cap: int | None = None
+) -> list[tuple[tuple[int, int], list[ReadItem]]]:
+    """Merge the spans of one file into reads: overlapping spans always (they share a block),
+    touching ones while the read stays within ``cap`` bytes (no limit without one)."""
     out: list[tuple[tuple[int, int], list[ReadItem]]] = []
     for it in sorted(items, key=lambda i: i.span):
-        if out and it.span[0] <= out[-1][0][1]:
+        if out:
             (a, b), group = out[-1]
-            out[-1] = ((a, max(b, it.span[1])), group + [it])
-        else:
-            out.append((it.span, [it]))
+            s0, s1 = it.span
+            if s0 < b or (s0 == b and (cap is None or max(b, s1) - a <= cap)):
+                out[-1] = ((a, max(b, s1)), group)
+                group.append(it)
+                continue
+        out.append((it.span, [it]))
+    return out
+
+
+def _split(it: ReadItem, cap: int, itemsize: int, block: int) -> list[ReadItem]:
+    """An item whose span exceeds ``cap`` as several, each a slab of its overlap along the outermost
+    dim it spans, with its own (block-aligned) span: reads that can be placed, and their memory
+    reused, one slab at a time instead of all at once."""
+    if it.span[1] - it.span[0] <= cap or it.chunk.codec != "none":
+        return [it]
+    ov = it.overlap
+    d = next((i for i, n in enumerate(ov.sizes) if n > 1), None)
+    if d is None:
+        return [it]
+    n = ov.sizes[d]
+    step = -(-n // min(n, -(-(it.span[1] - it.span[0]) // cap)))
+    out = []
+    for lo in range(0, n, step):
+        offsets = ov.offsets[:d] + (ov.offsets[d] + lo,) + ov.offsets[d + 1 :]
+        sizes = ov.sizes[:d] + (min(step, n - lo),) + ov.sizes[d + 1 :]
+        sub = Box(offsets, sizes)
+        span = _span(it.chunk, it.src_box, sub, itemsize, block)
+        out.append(ReadItem(it.key, it.chunk, it.src_box, it.dst_box, sub, span))
     return out
 
 
