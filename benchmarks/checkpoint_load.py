@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, markdown_table  # noqa: E402
+from common import machine, markdown_table, read_tree  # noqa: E402
 
 NUM_ROWS = 8
 
@@ -177,13 +177,8 @@ def _drop_caches() -> bool:
 
 def raw_read(root: str) -> tuple[float, int]:
     _drop_caches()
-    total = 0
     t0 = time.perf_counter()
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                while chunk := fh.read(64 << 20):
-                    total += len(chunk)
+    total = read_tree(root)
     return time.perf_counter() - t0, total
 
 

@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_load import _drop_caches, run  # noqa: E402
-from common import machine, markdown_table  # noqa: E402
+from common import machine, markdown_table, read_tree  # noqa: E402
 
 SRC = {"dp": 1, "ep": 2, "tp": 2}
 TARGETS = {"tp4": {"dp": 1, "ep": 1, "tp": 4}, "ep4": {"dp": 1, "ep": 4, "tp": 1}}
@@ -189,21 +189,12 @@ print(json.dumps({"seconds": seconds, "base_rss": base, "peak_rss": peak, "bytes
 
 
 def raw_copy(src_root: str, scratch: str) -> tuple[float, int]:
-    """Cold sequential read of every source file, then write + fsync of as many bytes.
-
-    Reads land in one reused buffer (a fresh buffer per read would time page faults, not the disk).
-    """
+    """Cold sequential read of every source file, then write + fsync of as many bytes."""
     _drop_caches()
-    buf = bytearray(64 << 20)
     t0 = time.perf_counter()
-    total = 0
-    for dirpath, _, files in os.walk(src_root):
-        for f in sorted(files):
-            with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
-                while n := fh.readinto(buf):
-                    total += n
+    total = read_tree(src_root)
     read_s = time.perf_counter() - t0
-    block = os.urandom(64 << 20)
+    block = memoryview(os.urandom(64 << 20))  # slices of a memoryview copy nothing
     t0 = time.perf_counter()
     fd = os.open(os.path.join(scratch, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     left = total

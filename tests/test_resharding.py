@@ -105,6 +105,7 @@ def test_partial_reads_only_touch_needed_blocks(tmp_path):
     for r, s in enumerate(stats):
         assert s.bytes_read == g.numel() * 4 // 4  # rows are contiguous: exactly a quarter
         assert s.bytes_verified == s.bytes_read
+        assert s.bytes_direct == s.bytes_read  # a band of rows: read straight into the tensor
         assert torch.equal(targets[r]["w"], g.chunk(4)[r])
 
 
@@ -224,13 +225,17 @@ def test_reads_split_into_pieces_through_a_tight_ring_are_exact_and_verified(tmp
     m = read_manifest(storage, 5)
     ring = ReadRing()  # one ring for every rank's reads, as the resharder shares it
     targets = _zeros_like(globals_, placements, dst)
+    direct = staged = 0
     for r, state in enumerate(targets):
         flat = flatten_state(state, dst, r, for_load=True)
         items = plan_reads(m, flat.tensors, dst, r)
         dests = {k: v.local for k, v in flat.tensors.items()}
-        execute_reads(storage, m, items, dests, max_inflight_bytes=1, ring=ring)
+        stats = execute_reads(storage, m, items, dests, max_inflight_bytes=1, ring=ring)
+        direct += stats.bytes_direct
+        staged += stats.bytes_read - stats.bytes_direct
         for k, g in globals_.items():
             assert torch.equal(state[k], local_chunk(g, placements[k], dst, r)), (k, r)
+    assert direct > 0 and staged > 0  # both paths ran
     # a flipped byte deep inside a large chunk is caught by the piece that holds its block
     key, chunk = "cols", m.tensors["cols"].chunks[0]
     assert chunk.raw_bytes > 4 * 4096
@@ -243,6 +248,22 @@ def test_reads_split_into_pieces_through_a_tight_ring_are_exact_and_verified(tmp
     items = [it for it in plan_reads(m, flat.tensors, src, 0) if it.chunk == chunk]
     with pytest.raises(CheckpointCorruptError, match=rf"tensor '{key}', step 5, block 3 "):
         execute_reads(storage, m, items, {k: v.local for k, v in flat.tensors.items()}, ring=ring)
+    # and through the staged path: the new layout takes column bands, placed from the ring
+    caught = []
+    for r, state in enumerate(_zeros_like(globals_, placements, dst)):
+        flat = flatten_state(state, dst, r, for_load=True)
+        items = [it for it in plan_reads(m, flat.tensors, dst, r) if it.chunk == chunk]
+        assert all(
+            reader._direct_target(it, m.tensors[key], flat.tensors[key].local) is None
+            for it in items
+        )
+        try:
+            execute_reads(
+                storage, m, items, {k: v.local for k, v in flat.tensors.items()}, ring=ring
+            )
+        except CheckpointCorruptError as e:
+            caught.append(str(e))
+    assert caught and all(f"tensor '{key}', step 5, block 3 " in e for e in caught)
 
 
 def test_coalesce_merges_shared_blocks_always_and_touching_reads_up_to_the_cap():

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -282,6 +283,7 @@ class ReadRing:
 @dataclass
 class ReadStats:
     bytes_read: int = 0
+    bytes_direct: int = 0  # read straight into the destination, no copy
     bytes_verified: int = 0
     num_requests: int = 0
 
@@ -297,11 +299,13 @@ def execute_reads(
 ) -> ReadStats:
     """Read, verify and place every item.
 
-    Coalesced ranges are fetched by a few reader threads, straight into reused memory (``ring``,
-    or one sized for this call), and verified by the thread that read them (crc32 drops the GIL),
-    while this thread places finished ranges into their destinations, in order.  ``dests[key]`` is
-    the contiguous tensor that receives ``key``'s target chunk.  At most ``max_inflight_bytes``
-    (default ``BATCH_BYTES``; or one range, if larger) are in flight: the ring holds that much.
+    An item whose bytes are one contiguous run both in the file and in its destination (a whole
+    chunk, a band of rows) is read straight into the destination's memory.  The others are
+    coalesced into reads of about ``PIECE_BYTES`` that land in reused memory (``ring``, or one
+    sized for this call) and are placed from there by this thread, in order.  Reader threads fetch
+    and verify (crc32 drops the GIL) concurrently.  ``dests[key]`` is the contiguous tensor that
+    receives ``key``'s target chunk.  At most ``max_inflight_bytes`` (default ``BATCH_BYTES``; or
+    one read, if larger) of staged reads are in flight: the ring holds that much.
     """
     budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
@@ -311,7 +315,8 @@ def execute_reads(
     by_file: dict[str, list[ReadItem]] = {}
     for it in items:
         by_file.setdefault(it.chunk.file, []).append(it)
-    requests: list[tuple[str, tuple[int, int], list[ReadItem]]] = []
+    # (file, span, items, where the bytes go: the destination's memory, or None for the ring)
+    requests: list[tuple[str, tuple[int, int], list[ReadItem], memoryview | None]] = []
     for file, file_items in sorted(by_file.items()):
         rel = f"{step_rel}/{file}"
         actual = storage.size(rel)
@@ -321,14 +326,16 @@ def execute_reads(
                 f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the manifest "
                 f"declares {declared}; the file is truncated or was replaced — load an earlier step"
             )
-        slabs = [
-            sub
-            for it in file_items
-            for sub in _split(
-                it, PIECE_BYTES, dtype_info(manifest.tensors[it.key].dtype).itemsize, bb
-            )
-        ]
-        requests += [(rel, r, group) for r, group in _coalesce(slabs, PIECE_BYTES)]
+        staged, file_requests = [], []
+        for it in file_items:
+            entry = manifest.tensors[it.key]
+            target = _direct_target(it, entry, dests[it.key])
+            if target is not None:
+                file_requests.append((rel, it.span, [it], target))
+            else:
+                staged += _split(it, PIECE_BYTES, dtype_info(entry.dtype).itemsize, bb)
+        file_requests += [(rel, r, group, None) for r, group in _coalesce(staged, PIECE_BYTES)]
+        requests += sorted(file_requests, key=lambda r: r[1])
 
     def fetch(rel: str, a: int, p0: int, p1: int, group: list[ReadItem], mv: memoryview) -> None:
         """Read bytes [p0, p1) of a request starting at ``a`` into its place, and verify them."""
@@ -345,35 +352,40 @@ def execute_reads(
 
     if ring is None:
         ring = ReadRing()
-    sizes = [b - a for _, (a, b), _ in requests]
-    ring.reserve(max([min(budget, sum(sizes)), *sizes]))
-    Pending = tuple[tuple[str, tuple[int, int], list[ReadItem]], memoryview, list[Future[None]]]
+    staged_sizes = [b - a for _, (a, b), _, target in requests if target is None]
+    ring.reserve(max([min(budget, sum(staged_sizes)), *staged_sizes]))
+    Pending = tuple[
+        tuple[str, tuple[int, int], list[ReadItem], Any], memoryview, list[Future[None]]
+    ]
     inflight: deque[Pending] = deque()
     nxt = 0
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
         try:
             while nxt < len(requests) or inflight:
                 while nxt < len(requests) and len(inflight) < READ_THREADS * 2:
-                    region = ring.take(sizes[nxt])
+                    rel, (a, b), group, target = requests[nxt]
+                    region = ring.take(b - a) if target is None else target
                     if region is None:
                         break
-                    rel, (a, b), group = requests[nxt]
                     futs = [
                         pool.submit(fetch, rel, a, p0, p1, group, region)
                         for p0, p1 in _pieces(a, b, group, manifest.block_bytes)
                     ]
                     inflight.append((requests[nxt], region, futs))
                     nxt += 1
-                (rel, (a, b), group), mv, futs = inflight[0]
+                (rel, (a, b), group, target), mv, futs = inflight[0]
                 for f in futs:
                     f.result()
                 inflight.popleft()
                 stats.bytes_read += b - a
                 stats.num_requests += 1
-                for it in group:
-                    piece = mv[it.span[0] - a : it.span[1] - a]
-                    _place(it, piece, manifest.tensors[it.key], dests[it.key], manifest.step)
-                ring.release()
+                if target is None:
+                    for it in group:
+                        piece = mv[it.span[0] - a : it.span[1] - a]
+                        _place(it, piece, manifest.tensors[it.key], dests[it.key], manifest.step)
+                    ring.release()
+                else:
+                    stats.bytes_direct += b - a
         except BaseException:
             futs = [f for _, _, fs in inflight for f in fs]
             for f in futs:
@@ -425,6 +437,34 @@ def _coalesce(
                 continue
         out.append((it.span, [it]))
     return out
+
+
+def _run_start(inner: Box, outer: Box) -> int | None:
+    """The flat (row-major) index in ``outer`` where ``inner`` starts, if ``inner`` is one
+    contiguous run of it: leading dims of size 1, then one partial dim, then only full dims."""
+    k = next((i for i, n in enumerate(inner.sizes) if n != 1), len(inner.sizes) - 1)
+    if any(inner.sizes[j] != outer.sizes[j] for j in range(k + 1, len(outer.sizes))):
+        return None
+    strides = _strides(outer.sizes)
+    return sum((o - oo) * st for o, oo, st in zip(inner.offsets, outer.offsets, strides))
+
+
+def _direct_target(it: ReadItem, entry: TensorEntry, dest: torch.Tensor) -> memoryview | None:
+    """The destination's own memory for an item that can be read straight into it: uncompressed,
+    one contiguous run in the stored chunk whose block-aligned span is exactly that run, and one
+    contiguous run of a contiguous CPU destination."""
+    c, ov = it.chunk, it.overlap
+    if c.codec != "none" or ov.numel == 0 or dest.device.type != "cpu" or not dest.is_contiguous():
+        return None
+    s0, d0 = _run_start(ov, it.src_box), _run_start(ov, it.dst_box)
+    if s0 is None or d0 is None:
+        return None
+    itemsize = dtype_info(entry.dtype).itemsize
+    n = ov.numel * itemsize
+    if (c.byte_range[0] + s0 * itemsize, c.byte_range[0] + s0 * itemsize + n) != it.span:
+        return None  # the span holds bytes of other rows: they would land in the destination
+    flat = dest.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat[d0 * itemsize : d0 * itemsize + n].numpy())
 
 
 def _split(it: ReadItem, cap: int, itemsize: int, block: int) -> list[ReadItem]:
