@@ -47,9 +47,11 @@ __all__ = [
     "VerifyReport",
 ]
 
-# Bytes of coalesced reads in flight at once (bounds memory), and the reader threads.
+# The most bytes of staged reads in flight at once (bounds memory), the reader threads, and the
+# reads issued ahead of the one being placed.
 BATCH_BYTES = 256 << 20
 READ_THREADS = 4
+MAX_INFLIGHT = 2 * READ_THREADS
 # Reads are kept near this size: a large overlap is read in slabs that are placed (and their memory
 # reused) one by one, and a read that is still larger is fetched and verified in pieces of about this
 # size (cut at block boundaries) by the reader threads concurrently.
@@ -304,8 +306,9 @@ def execute_reads(
     coalesced into reads of about ``PIECE_BYTES`` that land in reused memory (``ring``, or one
     sized for this call) and are placed from there by this thread, in order.  Reader threads fetch
     and verify (crc32 drops the GIL) concurrently.  ``dests[key]`` is the contiguous tensor that
-    receives ``key``'s target chunk.  At most ``max_inflight_bytes`` (default ``BATCH_BYTES``; or
-    one read, if larger) of staged reads are in flight: the ring holds that much.
+    receives ``key``'s target chunk.  The ring holds the staged reads in flight: at most
+    ``MAX_INFLIGHT`` reads and ``max_inflight_bytes`` (default ``BATCH_BYTES``), or one read if it
+    is larger.
     """
     budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
@@ -353,7 +356,9 @@ def execute_reads(
     if ring is None:
         ring = ReadRing()
     staged_sizes = [b - a for _, (a, b), _, target in requests if target is None]
-    ring.reserve(max([min(budget, sum(staged_sizes)), *staged_sizes]))
+    # no more than the reads that can be in flight at once (slabs keep them near PIECE_BYTES)
+    depth = min(budget, sum(staged_sizes), MAX_INFLIGHT * PIECE_BYTES)
+    ring.reserve(max([depth, *staged_sizes]))
     Pending = tuple[
         tuple[str, tuple[int, int], list[ReadItem], Any], memoryview, list[Future[None]]
     ]
@@ -362,7 +367,7 @@ def execute_reads(
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
         try:
             while nxt < len(requests) or inflight:
-                while nxt < len(requests) and len(inflight) < READ_THREADS * 2:
+                while nxt < len(requests) and len(inflight) < MAX_INFLIGHT:
                     rel, (a, b), group, target = requests[nxt]
                     region = ring.take(b - a) if target is None else target
                     if region is None:
