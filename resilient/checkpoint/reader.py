@@ -234,6 +234,11 @@ class _Verifier:
                     self.bytes_verified += b1 - b0
 
 
+def _uninitialized(n: int) -> memoryview:
+    """Writable memory that is not zeroed first (``bytearray`` would touch every page up front)."""
+    return memoryview(torch.empty(n, dtype=torch.uint8).numpy())
+
+
 class ReadRing:
     """Reusable memory for the reads in flight, handed out and given back in FIFO order.
 
@@ -244,7 +249,7 @@ class ReadRing:
     """
 
     def __init__(self, capacity: int = 0) -> None:
-        self._buf = memoryview(bytearray(capacity))
+        self._buf = _uninitialized(capacity)
         self._live: deque[tuple[int, int]] = deque()
 
     @property
@@ -255,7 +260,7 @@ class ReadRing:
         """Grow to at least ``capacity`` bytes (only between uses)."""
         assert not self._live, "reserve() while regions are in use"
         if len(self._buf) < capacity:
-            self._buf = memoryview(bytearray(capacity))
+            self._buf = _uninitialized(capacity)
 
     def take(self, n: int) -> memoryview | None:
         """``n`` bytes after the newest region, or None until older regions are released."""
@@ -573,7 +578,7 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     largest = max(
         (c.byte_range[1] - c.byte_range[0] for t in m.tensors.values() for c in t.chunks), default=0
     )
-    scratch = memoryview(bytearray(min(per_read, largest)))  # one buffer, reused for every read
+    scratch = _uninitialized(min(per_read, largest))  # one buffer, reused for every read
     checked = 0
     for file, chunks in sorted(by_file.items()):
         path = f"{rel}/{file}"
