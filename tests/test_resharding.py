@@ -182,6 +182,8 @@ def test_read_ring_hands_out_regions_in_fifo_order_and_wraps():
     ring.clear()
     ring.reserve(500)
     assert ring.capacity == 500
+    empty, after = ring.take(0), ring.take(10)  # an empty region never shares a start with the next
+    assert len(empty) == 0 and _offset(after) == 1
 
 
 def _offset(view: memoryview) -> int:

@@ -264,6 +264,7 @@ class ReadRing:
 
     def take(self, n: int) -> memoryview | None:
         """``n`` bytes after the newest region, or None until older regions are released."""
+        want, n = n, max(n, 1)  # an empty region still takes a byte, so regions never coincide
         cap = len(self._buf)
         if not self._live:
             start = 0 if n <= cap else None
@@ -277,7 +278,7 @@ class ReadRing:
         if start is None:
             return None
         self._live.append((start, start + n))
-        return self._buf[start : start + n]
+        return self._buf[start : start + want]
 
     def release(self) -> None:
         """Give back the oldest region."""
