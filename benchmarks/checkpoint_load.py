@@ -97,7 +97,6 @@ def save_task(rank, world, url, shapes):
 
 def load_task(rank, world, url, shapes, drop):
     import torch
-    import torch.distributed as dist
 
     from resilient import Checkpointer, Layout
 
@@ -107,10 +106,7 @@ def load_task(rank, world, url, shapes, drop):
     for v in state.values():
         v.zero_()
     needed = sum(v.numel() * v.element_size() for v in state.values())
-    dist.barrier()
-    if rank == 0 and drop:
-        _drop_caches()
-    dist.barrier()
+    cold_start(rank, drop)
     t0 = time.perf_counter()
     with Checkpointer(url, layout=lay) as ck:
         ck.load(state)
@@ -143,7 +139,6 @@ def dcp_save_task(rank, world, path, shapes):
 
 def dcp_load_task(rank, world, path, shapes, drop):
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -154,15 +149,22 @@ def dcp_load_task(rank, world, path, shapes, drop):
         p = _placement(k)
         placements = [Shard(p["tp"].dim)] if p else [Replicate()]
         state[k] = distribute_tensor(torch.zeros(s, dtype=torch.bfloat16), mesh, placements)
-    dist.barrier()
-    if rank == 0 and drop:
-        _drop_caches()
-    dist.barrier()
+    cold_start(rank, drop)
     t0 = time.perf_counter()
     dcp.load(state, checkpoint_id=path)
     dt = time.perf_counter() - t0
     ok = all(torch.equal(state[k].full_tensor(), _global(k, s)) for k, s in shapes.items())
     return {"seconds": dt, "ok": ok}
+
+
+def cold_start(rank: int, drop: bool = True) -> None:
+    """Every rank waits while rank 0 drops the page caches: the timed part starts cold."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0 and drop:
+        _drop_caches()
+    dist.barrier()
 
 
 def _drop_caches() -> bool:

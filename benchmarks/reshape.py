@@ -33,7 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint_load import _drop_caches, run  # noqa: E402
+from checkpoint_load import _drop_caches, cold_start, run  # noqa: E402
 from common import machine, markdown_table, read_tree  # noqa: E402
 
 SRC = {"dp": 1, "ep": 2, "tp": 2}
@@ -98,16 +98,6 @@ def dcp_save_task(rank, world, path, spec):
     return True
 
 
-def _cold(rank) -> None:
-    """Every rank waits while rank 0 drops the page caches: the timed part starts cold."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    if rank == 0:
-        _drop_caches()
-    dist.barrier()
-
-
 def load_task(rank, world, url, spec, dst):
     """Load-time resharding with the toolkit: every rank loads its part of the new layout."""
     import torch
@@ -122,7 +112,7 @@ def load_task(rank, world, url, spec, dst):
         k: shard_of(torch.zeros(s, dtype=getattr(torch, d)), pl[k], lay, rank)
         for k, (s, d, _) in spec.items()
     }
-    _cold(rank)
+    cold_start(rank)
     t0 = time.perf_counter()
     with Checkpointer(url, layout=lay) as ck:
         ck.load(state)
@@ -145,7 +135,7 @@ def dcp_load_task(rank, world, path, out_path, spec, dst):
     for k, (s, d, p) in spec.items():
         mesh, placements = _mesh_and_placements(dst, p)
         state[k] = distribute_tensor(torch.zeros(s, dtype=getattr(torch, d)), mesh, placements)
-    _cold(rank)
+    cold_start(rank)
     t0 = time.perf_counter()
     dcp.load(state, checkpoint_id=path)
     dist.barrier()

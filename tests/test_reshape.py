@@ -143,14 +143,19 @@ def test_convert_every_pair_bit_for_bit(tmp_path, src, dst):
     with Checkpointer(str(tmp_path / "dst")) as ck:
         assert ck.steps() == [7] and ck.verify(7).ok and ck.manifest().layout == dst
     # the target loads in its own layout like any checkpoint, and holds the same global tensors
+    assert_loads_as(str(tmp_path / "dst"), 7, globals_, placements, dst)
+
+
+def assert_loads_as(url, step, globals_, placements, layout):
+    """Every rank of ``layout`` loads exactly its chunk of each global tensor from ``url``."""
     targets = [
-        distribute({k: torch.zeros_like(v) for k, v in globals_.items()}, placements, dst, r)
-        for r in range(dst.world_size)
+        distribute({k: torch.zeros_like(v) for k, v in globals_.items()}, placements, layout, r)
+        for r in range(layout.world_size)
     ]
-    load_world(str(tmp_path / "dst"), 7, targets, dst)
+    load_world(url, step, targets, layout)
     for r, state in enumerate(targets):
         for k, g in globals_.items():
-            assert torch.equal(state[k], local_chunk(g, placements[k], dst, r)), (k, r)
+            assert torch.equal(state[k], local_chunk(g, placements[k], layout, r)), (k, r)
 
 
 def _saved(tmp_path, layout=Layout(dp=1, ep=2, tp=2)):
@@ -296,11 +301,4 @@ def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_p
     assert len(fired) == 1 and "rank_00000" in fired[0]
     with Checkpointer(str(tmp_path / "dst")) as ck:
         assert ck.verify(9).ok and ck.manifest().layout == dst
-    targets = [
-        distribute({k: torch.zeros_like(v) for k, v in globals_.items()}, placements, dst, r)
-        for r in range(dst.world_size)
-    ]
-    load_world(str(tmp_path / "dst"), 9, targets, dst)
-    for r, state in enumerate(targets):
-        for k, g_ in globals_.items():
-            assert torch.equal(state[k], local_chunk(g_, placements[k], dst, r)), (k, r)
+    assert_loads_as(str(tmp_path / "dst"), 9, globals_, placements, dst)
