@@ -32,7 +32,13 @@ from resilient.checkpoint.format import (
     manifest_to_bytes,
     step_dir_name,
 )
-from resilient.checkpoint.reader import ReadRing, execute_reads, read_manifest
+from resilient.checkpoint.reader import (
+    ReadBatch,
+    ReadRing,
+    ReadStats,
+    read_manifest,
+    stream_reads,
+)
 from resilient.checkpoint.retention import committed_steps, step_dirs
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointNotFoundError, ResilientError
@@ -129,22 +135,19 @@ def stream_chunks(
                 continue
         return None
 
-    def produce() -> None:
-        try:
-            for batch in _batches(chunks, budget):
-                buf = take_free()
-                if buf is None:
-                    return
-                base = batch[0].item.begin
-                dests = {}
-                for c in batch:
-                    info = dtype_info(c.item.dtype)
-                    part = buf[c.item.begin - base : c.item.end - base]
-                    dests[c.item.key] = part.view(info.torch_dtype).view(c.item.local_shape)
-                reads = [r for c in batch for r in c.reads]
-                stats = execute_reads(
-                    source, manifest, reads, dests, max_inflight_bytes=budget, ring=buffers.ring
-                )
+    def batches() -> Iterator[ReadBatch]:
+        for batch in _batches(chunks, budget):
+            buf = take_free()  # the other buffer may still be with the writer
+            if buf is None:
+                return
+            base = batch[0].item.begin
+            dests = {}
+            for c in batch:
+                info = dtype_info(c.item.dtype)
+                part = buf[c.item.begin - base : c.item.end - base]
+                dests[c.item.key] = part.view(info.torch_dtype).view(c.item.local_shape)
+
+            def done(stats: ReadStats, batch=batch, buf=buf, base=base) -> None:
                 if read_bytes is not None:
                     read_bytes[0] += stats.bytes_read
                 mv = memoryview(buf.numpy())[: batch[-1].item.end - base]
@@ -153,6 +156,20 @@ def stream_chunks(
                         span = mv[c.item.begin - base : c.item.end - base]
                         checksums[c.item.key] = block_checksums(span, manifest.block_bytes)
                 full.put((buf, mv))
+
+            yield ReadBatch([r for c in batch for r in c.reads], dests, done)
+
+    def produce() -> None:
+        try:
+            # reads stay in flight across batches: the next batch's start while this one's land
+            stream_reads(
+                source,
+                manifest,
+                batches(),
+                max_inflight_bytes=budget,
+                ring=buffers.ring,
+                max_open_batches=len(buffers.batches),
+            )
             full.put(None)
         except BaseException as e:  # handed to the writing thread, which raises it
             full.put(e)

@@ -7,6 +7,7 @@ ones from hypothesis.
 
 import itertools
 import math
+import threading
 
 import pytest
 import torch
@@ -283,3 +284,45 @@ def test_coalesce_merges_shared_blocks_always_and_touching_reads_up_to_the_cap()
         (0, 10),
         (20, 30),
     ]
+
+
+@pytest.mark.timeout(120)
+def test_stream_reads_keeps_reads_in_flight_across_batches_that_wait_for_buffers(tmp_path):
+    # The resharder's pattern: each batch takes one of two buffers, which only its done() gives
+    # back.  The next batch is taken while the previous one's reads are still in flight, and no
+    # more than two are ever open, or the source would wait forever for a buffer.
+    z = zoo()
+    globals_ = {k: v[0] for k, v in z.items()}
+    placements = {k: v[1] for k, v in z.items()}
+    src, dst = LAYOUTS[2], LAYOUTS[3]
+    save_world(str(tmp_path), 5, _place(globals_, placements, src), src, block_bytes=4096)
+    storage = Storage(str(tmp_path))
+    m = read_manifest(storage, 5)
+    buffers = threading.Semaphore(2)
+    events, results = [], []
+
+    def source():
+        for r, state in enumerate(_zeros_like(globals_, placements, dst)):
+            flat = flatten_state(state, dst, r, for_load=True)
+            for key in sorted(flat.tensors):
+                assert buffers.acquire(timeout=30), "a batch waited for a buffer that never came"
+                n = len(results)
+                events.append(("take", n))
+                dests = {key: flat.tensors[key].local}
+                items = plan_reads(m, {key: flat.tensors[key]}, dst, r)
+
+                def done(stats, n=n):
+                    events.append(("done", n))
+                    buffers.release()
+
+                results.append((r, key, dests[key]))
+                yield reader.ReadBatch(items, dests, done)
+
+    reader.stream_reads(storage, m, source(), ring=ReadRing())
+    assert [n for e, n in events if e == "done"] == list(range(len(results)))  # in order, all
+    for r, key, got in results:
+        assert torch.equal(got, local_chunk(globals_[key], placements[key], dst, r)), (r, key)
+    # every batch after the first was taken before the one ahead of it was done
+    assert all(
+        events.index(("take", n + 1)) < events.index(("done", n)) for n in range(len(results) - 1)
+    )

@@ -15,10 +15,9 @@ import threading
 import warnings
 import zlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -41,6 +40,8 @@ __all__ = [
     "ReadItem",
     "plan_reads",
     "execute_reads",
+    "stream_reads",
+    "ReadBatch",
     "ReadRing",
     "read_manifest",
     "verify_step",
@@ -262,6 +263,11 @@ class ReadRing:
         if len(self._buf) < capacity:
             self._buf = _uninitialized(capacity)
 
+    @property
+    def idle(self) -> bool:
+        """No region is in use."""
+        return not self._live
+
     def take(self, n: int) -> memoryview | None:
         """``n`` bytes after the newest region, or None until older regions are released."""
         want, n = n, max(n, 1)  # an empty region still takes a byte, so regions never coincide
@@ -296,6 +302,35 @@ class ReadStats:
     num_requests: int = 0
 
 
+@dataclass
+class ReadBatch:
+    """Items to read and the tensors they go to (``dests[key]`` receives ``key``'s target chunk,
+    contiguous); ``done(stats)`` runs once every item of the batch is placed."""
+
+    items: list[ReadItem]
+    dests: Mapping[str, torch.Tensor]
+    done: Callable[[ReadStats], None] | None = None
+
+
+# (file, span, items, where the bytes go: the destination's memory, or None for the ring)
+_Request = tuple[str, tuple[int, int], list[ReadItem], memoryview | None]
+
+
+class _Batch:
+    """A batch being read: its requests, its verifier (blocks are checked once per batch) and its
+    statistics."""
+
+    def __init__(self, batch: ReadBatch, requests: list[_Request], verifier: _Verifier) -> None:
+        self.batch, self.requests, self.verifier = batch, requests, verifier
+        self.left = len(requests)
+        self.stats = ReadStats()
+
+    def finish(self) -> None:
+        self.stats.bytes_verified = self.verifier.bytes_verified
+        if self.batch.done is not None:
+            self.batch.done(self.stats)
+
+
 def execute_reads(
     storage: Storage,
     manifest: Manifest,
@@ -305,48 +340,84 @@ def execute_reads(
     max_inflight_bytes: int | None = None,
     ring: ReadRing | None = None,
 ) -> ReadStats:
-    """Read, verify and place every item.
+    """Read, verify and place every item (one batch of ``stream_reads``)."""
+    out: list[ReadStats] = []
+    stream_reads(
+        storage,
+        manifest,
+        [ReadBatch(items, dests, out.append)],
+        max_inflight_bytes=max_inflight_bytes,
+        ring=ring,
+    )
+    return out[0]
+
+
+def stream_reads(
+    storage: Storage,
+    manifest: Manifest,
+    batches: Iterable[ReadBatch],
+    *,
+    max_inflight_bytes: int | None = None,
+    ring: ReadRing | None = None,
+    max_open_batches: int = 2,
+) -> None:
+    """Read, verify and place the items of each batch, in order, with reads in flight across batch
+    boundaries: the next batch is taken from ``batches`` (which may wait, e.g. for a free buffer)
+    as soon as the current one's reads are all issued, so the disk never idles between batches.
+    Each batch's ``done`` runs on this thread, in order, once all its items are placed.  At most
+    ``max_open_batches`` are taken before the oldest is done: a source that hands out one of N
+    buffers, freed after ``done``, must allow no more than N.
 
     An item whose bytes are one contiguous run both in the file and in its destination (a whole
     chunk, a band of rows) is read straight into the destination's memory.  The others are
     coalesced into reads of about ``PIECE_BYTES`` that land in reused memory (``ring``, or one
-    sized for this call) and are placed from there by this thread, in order.  Reader threads fetch
-    and verify (crc32 drops the GIL) concurrently.  ``dests[key]`` is the contiguous tensor that
-    receives ``key``'s target chunk.  The ring holds the staged reads in flight: at most
+    sized here) and are placed from there by this thread, in order.  Reader threads fetch and
+    verify (crc32 drops the GIL) concurrently.  The ring holds the staged reads in flight: at most
     ``MAX_INFLIGHT`` reads and ``max_inflight_bytes`` (default ``BATCH_BYTES``), or one read if it
     is larger.
     """
     budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
-    stats = ReadStats()
-    verifier = _Verifier(manifest, storage)
     bb = manifest.block_bytes
-    by_file: dict[str, list[ReadItem]] = {}
-    for it in items:
-        by_file.setdefault(it.chunk.file, []).append(it)
-    # (file, span, items, where the bytes go: the destination's memory, or None for the ring)
-    requests: list[tuple[str, tuple[int, int], list[ReadItem], memoryview | None]] = []
-    for file, file_items in sorted(by_file.items()):
-        rel = f"{step_rel}/{file}"
-        actual = storage.size(rel)
-        declared = manifest.files[file].size_bytes
-        if actual != declared:
-            raise CheckpointCorruptError(
-                f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the manifest "
-                f"declares {declared}; the file is truncated or was replaced — load an earlier step"
-            )
-        staged, file_requests = [], []
-        for it in file_items:
-            entry = manifest.tensors[it.key]
-            target = _direct_target(it, entry, dests[it.key])
-            if target is not None:
-                file_requests.append((rel, it.span, [it], target))
-            else:
-                staged += _split(it, PIECE_BYTES, dtype_info(entry.dtype).itemsize, bb)
-        file_requests += [(rel, r, group, None) for r, group in _coalesce(staged, PIECE_BYTES)]
-        requests += sorted(file_requests, key=lambda r: r[1])
+    sized: set[str] = set()  # files whose size was checked against the manifest
+    if ring is None:
+        ring = ReadRing()
 
-    def fetch(rel: str, a: int, p0: int, p1: int, group: list[ReadItem], mv: memoryview) -> None:
+    def requests_of(batch: ReadBatch) -> list[_Request]:
+        by_file: dict[str, list[ReadItem]] = {}
+        for it in batch.items:
+            by_file.setdefault(it.chunk.file, []).append(it)
+        requests: list[_Request] = []
+        for file, file_items in sorted(by_file.items()):
+            rel = f"{step_rel}/{file}"
+            if file not in sized:
+                actual, declared = storage.size(rel), manifest.files[file].size_bytes
+                if actual != declared:
+                    raise CheckpointCorruptError(
+                        f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the "
+                        f"manifest declares {declared}; the file is truncated or was replaced — "
+                        f"load an earlier step"
+                    )
+                sized.add(file)
+            staged, file_requests = [], []
+            for it in file_items:
+                entry = manifest.tensors[it.key]
+                target = _direct_target(it, entry, batch.dests[it.key])
+                if target is not None:
+                    file_requests.append((rel, it.span, [it], target))
+                else:
+                    staged += _split(it, PIECE_BYTES, dtype_info(entry.dtype).itemsize, bb)
+            file_requests += [(rel, r, group, None) for r, group in _coalesce(staged, PIECE_BYTES)]
+            requests += sorted(file_requests, key=lambda r: r[1])
+        if ring.idle:  # size the ring for what can be in flight (slabs keep reads near PIECE_BYTES)
+            staged_sizes = [b - a for _, (a, b), _, target in requests if target is None]
+            depth = min(budget, sum(staged_sizes), MAX_INFLIGHT * PIECE_BYTES)
+            ring.reserve(max([depth, *staged_sizes]))
+        return requests
+
+    def fetch(
+        v: _Verifier, rel: str, a: int, p0: int, p1: int, group: list[ReadItem], mv: memoryview
+    ) -> None:
         """Read bytes [p0, p1) of a request starting at ``a`` into its place, and verify them."""
         got = storage.read_into(rel, p0, mv[p0 - a : p1 - a])
         if got != p1 - p0:
@@ -357,48 +428,74 @@ def execute_reads(
         for it in group:
             s0, s1 = max(it.span[0], p0), min(it.span[1], p1)
             if s0 < s1:
-                verifier.check(it.key, it.chunk, (s0, s1), mv[s0 - a : s1 - a])
+                v.check(it.key, it.chunk, (s0, s1), mv[s0 - a : s1 - a])
 
-    if ring is None:
-        ring = ReadRing()
-    staged_sizes = [b - a for _, (a, b), _, target in requests if target is None]
-    # no more than the reads that can be in flight at once (slabs keep them near PIECE_BYTES)
-    depth = min(budget, sum(staged_sizes), MAX_INFLIGHT * PIECE_BYTES)
-    ring.reserve(max([depth, *staged_sizes]))
-    Pending = tuple[
-        tuple[str, tuple[int, int], list[ReadItem], Any], memoryview, list[Future[None]]
-    ]
-    inflight: deque[Pending] = deque()
-    nxt = 0
+    source = iter(batches)
+    queued: deque[tuple[_Batch, _Request]] = deque()  # issued in this order, not yet in flight
+    inflight: deque[tuple[_Batch, _Request, memoryview, list[Future[None]]]] = deque()
+    more, open_batches = True, 0
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
         try:
-            while nxt < len(requests) or inflight:
-                while nxt < len(requests) and len(inflight) < MAX_INFLIGHT:
-                    rel, (a, b), group, target = requests[nxt]
-                    region = ring.take(b - a) if target is None else target
+            while True:
+                while len(inflight) < MAX_INFLIGHT:
+                    if not queued:
+                        if open_batches >= max_open_batches:
+                            break  # the source may be waiting on memory only done() gives back
+                        nb = next(source, None) if more else None
+                        if nb is None:
+                            more = False
+                            break
+                        batch = _Batch(nb, requests_of(nb), _Verifier(manifest, storage))
+                        open_batches += 1
+                        queued.extend((batch, r) for r in batch.requests)
+                        if not batch.requests:  # nothing to read: it still finishes in its turn
+                            queued.append((batch, None))
+                            batch.left = 1
+                        continue
+                    batch, req = queued[0]
+                    if req is None:  # an empty batch: nothing to read, only its turn to finish
+                        inflight.append((batch, None, memoryview(b""), []))
+                        queued.popleft()
+                        continue
+                    rel, (a, b), group, target = req
+                    region = target
                     if region is None:
-                        break
+                        region = ring.take(b - a)
+                        if region is None and not inflight:  # larger than the ring: grow it
+                            ring.reserve(b - a)
+                            region = ring.take(b - a)
+                        if region is None:
+                            break
                     futs = [
-                        pool.submit(fetch, rel, a, p0, p1, group, region)
-                        for p0, p1 in _pieces(a, b, group, manifest.block_bytes)
+                        pool.submit(fetch, batch.verifier, rel, a, p0, p1, group, region)
+                        for p0, p1 in _pieces(a, b, group, bb)
                     ]
-                    inflight.append((requests[nxt], region, futs))
-                    nxt += 1
-                (rel, (a, b), group, target), mv, futs = inflight[0]
+                    inflight.append((batch, req, region, futs))
+                    queued.popleft()
+                if not inflight:
+                    break
+                batch, req, mv, futs = inflight[0]
                 for f in futs:
                     f.result()
                 inflight.popleft()
-                stats.bytes_read += b - a
-                stats.num_requests += 1
-                if target is None:
-                    for it in group:
-                        piece = mv[it.span[0] - a : it.span[1] - a]
-                        _place(it, piece, manifest.tensors[it.key], dests[it.key], manifest.step)
-                    ring.release()
-                else:
-                    stats.bytes_direct += b - a
+                if req is not None:
+                    rel, (a, b), group, target = req
+                    batch.stats.bytes_read += b - a
+                    batch.stats.num_requests += 1
+                    if target is None:
+                        for it in group:
+                            piece = mv[it.span[0] - a : it.span[1] - a]
+                            entry = manifest.tensors[it.key]
+                            _place(it, piece, entry, batch.batch.dests[it.key], manifest.step)
+                        ring.release()
+                    else:
+                        batch.stats.bytes_direct += b - a
+                batch.left -= 1
+                if batch.left == 0:
+                    open_batches -= 1
+                    batch.finish()
         except BaseException:
-            futs = [f for _, _, fs in inflight for f in fs]
+            futs = [f for *_, fs in inflight for f in fs]
             for f in futs:
                 f.cancel()
             for f in futs:  # a reader still filling the ring must finish before it is reused
@@ -406,8 +503,6 @@ def execute_reads(
                     f.exception()
             ring.clear()
             raise
-    stats.bytes_verified = verifier.bytes_verified
-    return stats
 
 
 def _pieces(a: int, b: int, group: list[ReadItem], block: int) -> list[tuple[int, int]]:
