@@ -2,7 +2,8 @@
 
 A state of row-sharded weights, expert tensors (ep x tp) and replicated norms is saved by 4 ranks
 in layout (dp1, ep2, tp2), then moved to (dp1, ep1, tp4) and to (dp1, ep4, tp1).  Each trial runs
-every method once, in turn, each after ``os.sync()``, dropped page caches and a 1 s pause:
+every method once, each after ``os.sync()``, dropped page caches and a 1 s pause, in an order that
+rotates from trial to trial:
 
 * raw disk: a cold sequential read of the source files into one reused buffer, and (measured
   apart, after the disk settles) a sequential write + fsync of as many bytes: the floor for any
@@ -15,9 +16,12 @@ every method once, in turn, each after ``os.sync()``, dropped page caches and a 
 * ``dcp.load`` followed by ``dcp.save`` in the new layout: what an offline conversion amounts to
   with DCP.
 
-Medians over the trials, with the range.
+Medians over the trials, with the range.  With ``--latency-ms``, also ``reshape convert`` from a
+source with that latency per read request (``faulty://``, an object store's time to first byte),
+with reads kept in flight across batches (as shipped) against batch by batch.
 
     python benchmarks/reshape.py [--mib 512] [--dir DIR] [--to tp4|ep4|all] [--trials 3]
+                                 [--latency-ms 20]
 """
 
 from __future__ import annotations
@@ -167,9 +171,17 @@ def status(field):  # kB -> bytes
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base = status("VmRSS")
-from reshape.execute import convert
+import resilient.chaos.faultfs  # faulty:// for the latency runs
+from reshape import execute
+if len(sys.argv) > 5 and sys.argv[5]:  # batch by batch: no reads in flight across batches
+    stream_reads = execute.stream_reads
+    def batch_by_batch(*args, **kwargs):
+        kwargs["max_open_batches"] = 1
+        return stream_reads(*args, **kwargs)
+    execute.stream_reads = batch_by_batch
+options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
 t0 = time.perf_counter()
-report = convert(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+report = execute.convert(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), src_options=options)
 seconds = time.perf_counter() - t0
 peak = status("VmHWM")
 print(json.dumps({"seconds": seconds, "base_rss": base, "peak_rss": peak, "bytes_read": report.bytes_read,
@@ -210,36 +222,82 @@ def _settle() -> None:
     _drop_caches()
 
 
-def trial(root: str, spec: dict, dst: dict) -> dict[str, float | dict]:
+def trial(root: str, spec: dict, dst: dict, index: int) -> dict[str, float | dict]:
+    """Every method once, each from a cold page cache; the order rotates from trial to trial so
+    that no method always follows the same one (write-back and cache effects carry over)."""
     src, out = os.path.join(root, "src"), os.path.join(root, "dst")
-    _settle()
-    raw_s, raw_bytes = raw_copy(src, root)
-    _settle()
-    shutil.rmtree(out, ignore_errors=True)
+    res: dict[str, float | dict] = {}
+
+    def raw() -> None:
+        res["raw_s"], res["raw_bytes"] = raw_copy(src, root)
+
+    def convert() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        ours = _convert_child(src, out, dst)
+        shutil.rmtree(out, ignore_errors=True)
+        res["convert_s"], res["convert"] = ours["seconds"], ours
+
+    def load() -> None:
+        loads = run(load_task, 4, src, spec, dst)
+        assert all(r["ok"] for r in loads), "load-time resharding loaded wrong values"
+        res["load_s"] = max(r["seconds"] for r in loads)
+
+    def dcp() -> None:
+        dcp_out = os.path.join(root, "dcp_out")
+        rs = run(dcp_load_task, 4, os.path.join(root, "dcp"), dcp_out, spec, dst)
+        shutil.rmtree(dcp_out, ignore_errors=True)
+        res["dcp_load_s"] = max(r["load_s"] for r in rs)
+        res["dcp_total_s"] = max(r["total_s"] for r in rs)
+
+    methods = [raw, convert, load, dcp]
+    for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
+        _settle()
+        method()
+    return res
+
+
+def _convert_child(src: str, out: str, dst: dict, *args: str) -> dict:
     child = subprocess.run(
-        [sys.executable, "-c", CONVERT_CHILD, src, out, json.dumps(dst)],
+        [sys.executable, "-c", CONVERT_CHILD, src, out, json.dumps(dst), *args],
         capture_output=True,
         text=True,
         check=True,
     )
-    ours = json.loads(child.stdout.strip().splitlines()[-1])
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def latency_trials(root: str, dst: dict, latency_ms: float, trials: int) -> str:
+    """``convert`` from a source behind a fixed latency per read request (an object store's time
+    to first byte, injected by ``faulty://``), with reads in flight across batches (as shipped)
+    and batch by batch (each batch's reads drained before the next batch's start).  The page
+    cache is warm, so the latency is what differs."""
+    src, out = os.path.join(root, "src"), os.path.join(root, "dst")
+    url = "faulty://" + os.path.abspath(src)
+    opts = json.dumps(
+        {"target_protocol": "file", "faults": [{"op": "read", "latency_s": latency_ms / 1000}]}
+    )
+    read_tree(src)  # warm
+    times: dict[str, list[float]] = {"across batches": [], "batch by batch": []}
+    for _ in range(trials):
+        for mode in times:
+            shutil.rmtree(out, ignore_errors=True)
+            serial = "1" if mode == "batch by batch" else ""
+            times[mode].append(_convert_child(url, out, dst, opts, serial)["seconds"])
     shutil.rmtree(out, ignore_errors=True)
-    _settle()
-    loads = run(load_task, 4, src, spec, dst)
-    assert all(r["ok"] for r in loads), "load-time resharding loaded wrong values"
-    _settle()
-    dcp_out = os.path.join(root, "dcp_out")
-    dcp = run(dcp_load_task, 4, os.path.join(root, "dcp"), dcp_out, spec, dst)
-    shutil.rmtree(dcp_out, ignore_errors=True)
-    return {
-        "raw_s": raw_s,
-        "raw_bytes": raw_bytes,
-        "convert_s": ours["seconds"],
-        "convert": ours,
-        "load_s": max(r["seconds"] for r in loads),
-        "dcp_load_s": max(r["load_s"] for r in dcp),
-        "dcp_total_s": max(r["total_s"] for r in dcp),
-    }
+    rows = [
+        [mode, f"{statistics.median(xs):.3f}", f"{min(xs):.3f}-{max(xs):.3f}"]
+        for mode, xs in times.items()
+    ]
+    gain = statistics.median(times["batch by batch"]) / statistics.median(times["across batches"])
+    return "\n".join(
+        [
+            f"#### {latency_ms:g} ms per read request, warm cache, {trials} trials",
+            "",
+            markdown_table(["convert, reads in flight", "seconds", "range"], rows),
+            "",
+            f"reads in flight across batches: {gain:.2f}x the speed of batch by batch",
+        ]
+    )
 
 
 def report(name: str, spec: dict, dst: dict, trials: list[dict]) -> tuple[str, dict]:
@@ -321,6 +379,13 @@ def main() -> None:
     )
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0,
+        help="also convert from a source with this latency per read request (faulty://), with "
+        "reads in flight across batches and batch by batch",
+    )
     args = p.parse_args()
     spec = tensors(args.mib)
     root = tempfile.mkdtemp(prefix="reshape-bench-", dir=args.dir)
@@ -330,9 +395,11 @@ def main() -> None:
         run(dcp_save_task, 4, os.path.join(root, "dcp"), spec)
         print(f"machine: {machine()}\n")
         for name in sorted(TARGETS) if args.to == "all" else [args.to]:
-            trials = [trial(root, spec, TARGETS[name]) for _ in range(args.trials)]
+            trials = [trial(root, spec, TARGETS[name], i) for i in range(args.trials)]
             text, results[name] = report(name, spec, TARGETS[name], trials)
             print(text + "\n", flush=True)
+            if args.latency_ms:
+                print(latency_trials(root, TARGETS[name], args.latency_ms, args.trials) + "\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
