@@ -10,6 +10,7 @@ is atomic, a single PUT on object stores).  It does not know what a checkpoint i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -103,6 +104,34 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_total_s <= 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError(f"RetryPolicy times must be positive, got {self}")
+
+
+# While a file is written, the disk is asked to start writing back every this many bytes, so the
+# final fsync waits for the tail only rather than for the whole file.
+WRITEBACK_BYTES = 8 << 20
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages in the range; do not wait
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to the disk now
+    (``sync_file_range``; advisory, a no-op where unavailable).  Without it, write-back of a file
+    written through the page cache starts only at its fsync or after the kernel's dirty timeout,
+    so the disk idles while the file is produced.  Durability still comes from the fsync."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class Storage:
@@ -282,7 +311,7 @@ class Storage:
                 fn()
 
         def write_local() -> int:
-            n = 0
+            n = kicked = 0
             fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 with _closing(make_parts()) as stream:
@@ -292,6 +321,9 @@ class Storage:
                             w = os.write(fd, mv)
                             n += w
                             mv = mv[w:]
+                        if n - kicked >= WRITEBACK_BYTES:  # the disk starts on what is written
+                            _start_writeback(fd, kicked, n - kicked)
+                            kicked = n
                 written()
                 if fsync:
                     os.fsync(fd)
