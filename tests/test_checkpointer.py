@@ -455,5 +455,10 @@ def test_bad_arguments():
         Checkpointer("memory://x", keep_last=0)
     with pytest.raises(ValueError, match="compression must be None or 'zstd'"):
         Checkpointer("memory://x", compression="lz4")
-    with pytest.raises(StorageError, match=r"cannot open checkpoint URL 'nosuchproto://x'"):
+    with pytest.raises(
+        StorageError, match=r"cannot open checkpoint URL 'nosuchproto://x'.*install the fsspec"
+    ):
         Checkpointer("nosuchproto://x")
+    bad = {"target_protocol": "file", "faults": [{"op": "read", "latency_s": 0}]}
+    with pytest.raises(StorageError, match=r"bad fault rule .*; check the storage options"):
+        Checkpointer("faulty:///tmp/x", storage_options=bad)

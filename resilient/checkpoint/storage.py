@@ -154,9 +154,14 @@ class Storage:
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         except (ImportError, ValueError) as e:
+            missing = isinstance(e, ImportError) or "protocol" in str(e).lower()
+            hint = (
+                "install the fsspec backend for its protocol (for example s3fs for s3://)"
+                if missing
+                else "check the storage options given with it"
+            )
             raise StorageError(
-                f"cannot open checkpoint URL {url!r}: {e}; install the fsspec backend for its "
-                f"protocol (for example s3fs for s3://)",
+                f"cannot open checkpoint URL {url!r}: {e}; {hint}",
                 url=url,
                 operation="open",
             ) from e
