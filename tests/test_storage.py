@@ -66,9 +66,10 @@ def test_checkpointer_on_every_backend(storage_url):
     )
 
 
-def test_local_writes_start_write_back_as_they_go(tmp_path, monkeypatch):
-    # Every WRITEBACK_BYTES written, the kernel is asked to start writing the range just written,
-    # so the final fsync waits only for the tail.  The ranges tile the file in order.
+def test_local_streamed_writes_start_write_back_as_they_go(tmp_path, monkeypatch):
+    # A stream (parts as a function) asks the kernel, every WRITEBACK_BYTES written, to start
+    # writing the range just written, so the final fsync waits only for the tail; the ranges tile
+    # the file in order.  Parts already in memory (a list) go straight to the flush.
     from resilient.checkpoint import storage as storage_mod
 
     calls = []
@@ -77,17 +78,18 @@ def test_local_writes_start_write_back_as_they_go(tmp_path, monkeypatch):
         storage_mod, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags))
     )
     data = bytes(range(256)) * 20  # 5120 bytes in parts of 700
+    parts = [data[i : i + 700] for i in range(0, len(data), 700)]
     st = Storage(str(tmp_path))
-    assert st.write_file("a.bin", [data[i : i + 700] for i in range(0, len(data), 700)]) == len(
-        data
-    )
+    assert st.write_file("a.bin", lambda: iter(parts)) == len(data)
     assert (tmp_path / "a.bin").read_bytes() == data
     assert calls == [(0, 1400, 2), (1400, 1400, 2), (2800, 1400, 2)]  # the 920-byte tail: fsync's
+    assert st.write_file("b.bin", parts) == len(data) and len(calls) == 3
+    assert (tmp_path / "b.bin").read_bytes() == data
     monkeypatch.undo()
     if storage_mod._SYNC_FILE_RANGE is not None:  # Linux: the real call, on a real file
         big = memoryview(bytes(9 << 20))
-        assert st.write_file("b.bin", [big, big]) == 2 * len(big)
-        assert (tmp_path / "b.bin").stat().st_size == 2 * len(big)
+        assert st.write_file("c.bin", lambda: iter([big, big])) == 2 * len(big)
+        assert (tmp_path / "c.bin").stat().st_size == 2 * len(big)
 
 
 def test_transient_classification():

@@ -106,8 +106,8 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy times must be positive, got {self}")
 
 
-# While a file is written, the disk is asked to start writing back every this many bytes, so the
-# final fsync waits for the tail only rather than for the whole file.
+# While a stream is written to a file, the disk is asked to start writing back every this many
+# bytes, so the final fsync waits for the tail only rather than for the whole file.
 WRITEBACK_BYTES = 8 << 20
 
 
@@ -308,6 +308,11 @@ class Storage:
         is the whole file: a partly written file is simply rewritten.
         """
         make_parts = parts if callable(parts) else (lambda fixed=list(parts): fixed)
+        # A stream is produced as it is written: the disk is asked to start on each WRITEBACK_BYTES
+        # as they come, so it writes while the rest is produced.  Bytes already in memory go to
+        # the page cache at memory speed and the flush follows at once: measured, asking earlier
+        # made no difference there.
+        streamed = callable(parts)
         hook = [on_written]
 
         def written() -> None:
@@ -326,7 +331,7 @@ class Storage:
                             w = os.write(fd, mv)
                             n += w
                             mv = mv[w:]
-                        if n - kicked >= WRITEBACK_BYTES:  # the disk starts on what is written
+                        if streamed and n - kicked >= WRITEBACK_BYTES:
                             _start_writeback(fd, kicked, n - kicked)
                             kicked = n
                 written()
