@@ -326,3 +326,43 @@ def test_stream_reads_keeps_reads_in_flight_across_batches_that_wait_for_buffers
     assert all(
         events.index(("take", n + 1)) < events.index(("done", n)) for n in range(len(results) - 1)
     )
+
+
+def test_verify_step_checks_every_block_concurrently_and_reports_in_file_order(
+    tmp_path, monkeypatch
+):
+    # Reads of one block each, verified by several threads into reused buffers: every byte is
+    # counted once, and every damaged block of every file is reported, in file and block order.
+    monkeypatch.setattr(reader, "VERIFY_READ_BYTES", 4096)
+    g = torch.Generator().manual_seed(3)
+    globals_ = {"w": torch.randn(64, 256, generator=g), "e": torch.randn(8, 40, 33, generator=g)}
+    placements = {"w": {"tp": Shard(0)}, "e": {"ep": Shard(0), "tp": Shard(2)}}
+    lay = LAYOUTS[2]
+    save_world(str(tmp_path), 5, _place(globals_, placements, lay), lay, block_bytes=4096)
+    storage = Storage(str(tmp_path))
+    m = read_manifest(storage, 5)
+    total = sum(f.size_bytes for f in m.files.values())
+    seen = []
+    ok = reader.verify_step(storage, 5, progress=seen.append)
+    assert ok.ok and ok.bytes_checked == total and ok.files_checked == 4
+    data_bytes = sum(
+        c.byte_range[1] - c.byte_range[0] for t in m.tensors.values() for c in t.chunks
+    )
+    assert sum(seen) == data_bytes and len(seen) > 4 * reader.READ_THREADS  # many reads in flight
+    damaged = []  # (file, tensor, block) in the order verify reports them
+    for file in sorted(m.files)[1:3]:
+        for key in sorted(m.tensors, reverse=True):  # flip blocks out of order within a file
+            c = next((c for c in m.tensors[key].chunks if c.file == file), None)
+            if c is not None and len(c.checksums) > 1:
+                block = len(c.checksums) - 1
+                path = tmp_path / step_dir_name(5) / file
+                raw = bytearray(path.read_bytes())
+                raw[c.byte_range[0] + block * 4096] ^= 0x01
+                path.write_bytes(bytes(raw))
+                damaged.append((file, c.byte_range[0], key, block))
+    assert len(damaged) >= 3 and len({d[0] for d in damaged}) == 2
+    bad = reader.verify_step(storage, 5)
+    expected = [(f, k, b) for f, _, k, b in sorted(damaged)]
+    assert len(bad.problems) == len(expected) and bad.bytes_checked == total
+    for problem, (file, key, block) in zip(bad.problems, expected):
+        assert file in problem and f"tensor {key!r} (step 5) block {block} " in problem, problem

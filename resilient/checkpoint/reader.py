@@ -655,9 +655,11 @@ class VerifyReport:
 def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     """Read every byte of ``step``: manifest, file sizes, safetensors headers, every checksum.
 
-    Streams each file in ranged reads of whole blocks, so memory stays at one read however large
-    the files are.  Problems are collected (not raised) so one run reports all of them;
-    ``progress(nbytes)`` is called as bytes are checked.
+    Streams each chunk in ranged reads of whole blocks (``VERIFY_READ_BYTES`` at most), which
+    ``READ_THREADS`` threads read and checksum concurrently into a few reused buffers, so memory
+    stays at one buffer per thread however large the files are.  Problems are collected (not
+    raised) so one run reports all of them, in file order; ``progress(nbytes)`` is called as bytes
+    are checked.
     """
     problems: list[str] = []
     try:
@@ -674,38 +676,19 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     largest = max(
         (c.byte_range[1] - c.byte_range[0] for t in m.tensors.values() for c in t.chunks), default=0
     )
-    scratch = _uninitialized(min(per_read, largest))  # one buffer, reused for every read
+    # (path, where, key, chunk, r0, r1): one ranged read of whole blocks, in file order
+    reads: list[tuple[str, str, str, ChunkEntry, int, int]] = []
     checked = 0
     for file, chunks in sorted(by_file.items()):
         path = f"{rel}/{file}"
         where = storage.display(path)
-        try:
-            size = storage.size(path)
-            if size != m.files[file].size_bytes:
-                problems.append(
-                    f"{where}: {size} bytes, manifest declares {m.files[file].size_bytes}"
-                )
-                continue
-            prefix = storage.read_range(path, 0, min(size, 8))
-            header_len = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
-            if not 0 <= header_len <= size - 8:
-                problems.append(
-                    f"{where}: not a valid safetensors file (header length {header_len})"
-                )
-                continue
-            data_start, header = parse_safetensors_header(
-                prefix + storage.read_range(path, 8, 8 + header_len)
-            )
-        except CheckpointCorruptError:
-            raise
-        except Exception as e:
-            problems.append(
-                f"{where}: cannot be read as a safetensors file ({type(e).__name__}: {e})"
-            )
+        header = _check_file_header(storage, path, where, m.files[file].size_bytes, problems)
+        if header is None:
             continue
+        data_start, entries = header
         checked += data_start
         for key, c in sorted(chunks, key=lambda kc: kc[1].byte_range):
-            h = header.get(c.name)
+            h = entries.get(c.name)
             offsets = h.get("data_offsets") if isinstance(h, dict) else None
             if offsets is None or [data_start + offsets[0], data_start + offsets[1]] != list(
                 c.byte_range
@@ -715,21 +698,67 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
                 )
                 continue
             start, end = c.byte_range
-            for r0 in range(start, end, per_read):
-                r1 = min(r0 + per_read, end)
-                data = scratch[: r1 - r0]
-                if storage.read_into(path, r0, data) != r1 - r0:
-                    problems.append(f"{where}: read of bytes [{r0}, {r1}) came back short")
+            reads += [
+                (path, where, key, c, r0, min(r0 + per_read, end))
+                for r0 in range(start, end, per_read)
+            ]
+
+    # one buffer per read in flight, reused: read j goes into buffer j % n once read j - n is done
+    n_bufs = min(READ_THREADS, len(reads)) or 1
+    buffers = [_uninitialized(min(per_read, largest)) for _ in range(n_bufs)]
+
+    def check(j: int) -> tuple[list[str], int]:
+        """Read ``reads[j]`` and checksum its blocks: (problems, bytes checked)."""
+        path, where, key, c, r0, r1 = reads[j]
+        data = buffers[j % n_bufs][: r1 - r0]
+        if storage.read_into(path, r0, data) != r1 - r0:
+            return [f"{where}: read of bytes [{r0}, {r1}) came back short"], 0
+        start, end = c.byte_range
+        out = []
+        for i in range((r0 - start) // bb, -(-(r1 - start) // bb)):
+            b0, b1 = start + i * bb, min(start + (i + 1) * bb, end)
+            got = zlib.crc32(data[b0 - r0 : b1 - r0])
+            if got != c.checksums[i]:
+                out.append(
+                    f"{where}: tensor {key!r} (step {step}) block {i} bytes [{b0}, {b1}): "
+                    f"crc32 expected {c.checksums[i]:08x}, found {got:08x}"
+                )
+        return out, r1 - r0
+
+    with ThreadPoolExecutor(n_bufs, thread_name_prefix="resilient-verify") as pool:
+        inflight: deque[Future[tuple[list[str], int]]] = deque()
+        for j in range(len(reads) + n_bufs):
+            if len(inflight) == n_bufs or j >= len(reads):
+                if not inflight:
                     break
-                for i in range((r0 - start) // bb, -(-(r1 - start) // bb)):
-                    b0, b1 = start + i * bb, min(start + (i + 1) * bb, end)
-                    got = zlib.crc32(data[b0 - r0 : b1 - r0])
-                    if got != c.checksums[i]:
-                        problems.append(
-                            f"{where}: tensor {key!r} (step {step}) block {i} bytes [{b0}, {b1}): "
-                            f"crc32 expected {c.checksums[i]:08x}, found {got:08x}"
-                        )
-                checked += r1 - r0
+                found, nbytes = inflight.popleft().result()
+                problems += found
+                checked += nbytes
                 if progress is not None:
-                    progress(r1 - r0)
+                    progress(nbytes)
+            if j < len(reads):
+                inflight.append(pool.submit(check, j))
     return VerifyReport(step, len(m.files), checked, len(m.tensors), problems)
+
+
+def _check_file_header(
+    storage: Storage, path: str, where: str, declared: int, problems: list[str]
+) -> tuple[int, dict] | None:
+    """The file's size against the manifest and its safetensors header: (data start, header), or
+    None after noting the problem."""
+    try:
+        size = storage.size(path)
+        if size != declared:
+            problems.append(f"{where}: {size} bytes, manifest declares {declared}")
+            return None
+        prefix = storage.read_range(path, 0, min(size, 8))
+        header_len = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
+        if not 0 <= header_len <= size - 8:
+            problems.append(f"{where}: not a valid safetensors file (header length {header_len})")
+            return None
+        return parse_safetensors_header(prefix + storage.read_range(path, 8, 8 + header_len))
+    except CheckpointCorruptError:
+        raise
+    except Exception as e:
+        problems.append(f"{where}: cannot be read as a safetensors file ({type(e).__name__}: {e})")
+        return None
