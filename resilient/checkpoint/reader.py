@@ -57,8 +57,8 @@ MAX_INFLIGHT = 2 * READ_THREADS
 # reused) one by one, and a read that is still larger is fetched and verified in pieces of about this
 # size (cut at block boundaries) by the reader threads concurrently.
 PIECE_BYTES = 4 << 20
-# verify_step reads this much at a time (rounded to whole blocks).
-VERIFY_READ_BYTES = 64 << 20
+# verify_step reads this much at a time (rounded to whole blocks), READ_THREADS reads at once.
+VERIFY_READ_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
