@@ -116,9 +116,11 @@ def stream_chunks(
 ) -> Iterator[memoryview]:
     """The data section of a target file, batch by batch, filled by a producer thread.
 
-    The producer fills one batch buffer (with at most ``buffers.budget`` bytes of source reads in
-    flight) while the caller writes the other.  ``read_bytes[0]`` accumulates the bytes actually
-    read from the source.
+    The producer fills one batch buffer while the caller writes the other.  Its reads stay in
+    flight across batches (``stream_reads``): as soon as a buffer comes back from the caller, the
+    next batch's reads start, while the last reads of the batch before are still landing.  Staged
+    reads in flight take at most ``buffers.budget`` bytes of the ring.  ``read_bytes[0]``
+    accumulates the bytes actually read from the source.
     """
     budget = buffers.budget
     free: queue.Queue = queue.Queue()

@@ -154,7 +154,7 @@ class Storage:
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         except (ImportError, ValueError) as e:
-            missing = isinstance(e, ImportError) or "protocol" in str(e).lower()
+            missing = isinstance(e, ImportError) or str(e).startswith("Protocol not known")
             hint = (
                 "install the fsspec backend for its protocol (for example s3fs for s3://)"
                 if missing
