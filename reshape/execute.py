@@ -1,9 +1,11 @@
 """Executing a conversion plan: stream bytes from the source checkpoint into the target's files.
 
-Per target rank file, a producer thread fills batches of target chunks (ranged reads of only the
-spans the plan names, every block verified, overlaps copied into place) while this thread writes
-the previous batch, so reads and writes overlap.  Memory stays at a few batches of at most
-``max(largest chunk, 8 MiB)`` bytes.  The target is committed like a save: every rank file is
+One producer thread fills batches of target chunks, file after file (ranged reads of only the
+spans the plan names, every block verified, overlaps copied into place), while this thread writes
+the previous batch, so reads and writes overlap, and reads run on into the next file while the
+last batch of a file is written.  Memory stays at a few batches of at most
+``max(largest chunk, 8 MiB)`` bytes (twice that while a failed write of a file is retried: the
+retry streams that file again on its own).  The target is committed like a save: every rank file is
 written and made durable, then MANIFEST.json is published atomically, so an interrupted conversion
 leaves no committed target.  The result is an ordinary checkpoint.
 """
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +52,7 @@ __all__ = [
     "resolve_step",
     "convert",
     "stream_chunks",
+    "ChunkStream",
     "StreamBuffers",
     "single_threaded_torch",
 ]
@@ -105,6 +109,128 @@ class StreamBuffers:
         self.ring = ReadRing()
 
 
+class ChunkStream:
+    """The data sections of target files, in order, batch by batch, filled by one producer thread.
+
+    The producer fills one batch buffer while the caller writes the other.  Its reads stay in
+    flight across batches and across files (``stream_reads``): as soon as a buffer comes back
+    from the caller, the next batch's reads start, while the last reads of the batch before are
+    still landing, even when that next batch opens the next file.  Staged reads in flight take at
+    most ``buffers.budget`` bytes of the ring.
+
+    ``file(k)`` yields file ``k``'s batches, once, in file order.  A file whose iteration stops
+    early (a failed write) is abandoned: its remaining batches are dropped when the next file is
+    asked for, and a retry of it needs its own stream.  ``checksums[k]`` and ``read_bytes[k]``
+    hold each file's target block checksums and the bytes read from the source for it.
+    """
+
+    def __init__(
+        self,
+        source: Storage,
+        manifest: Manifest,
+        files: list[list[TargetChunk]],
+        buffers: StreamBuffers,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.source, self.manifest, self.files, self.buffers = source, manifest, files, buffers
+        self.on_bytes = on_bytes
+        self.checksums: list[dict[str, list[int]]] = [{} for _ in files]
+        self.read_bytes = [0] * len(files)
+        self._free: queue.Queue = queue.Queue()
+        for buf in buffers.batches:
+            self._free.put(buf)
+        self._full: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._next = 0  # the next file the caller may ask for
+        self._producer = threading.Thread(target=self._produce, name="reshape-read", daemon=True)
+        self._producer.start()
+
+    def _take_free(self) -> torch.Tensor | None:
+        while not self._stop.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def _batches(self) -> Iterator[ReadBatch]:
+        budget = self.buffers.budget
+        for k, chunks in enumerate(self.files):
+            batches = list(_batches(chunks, budget))
+            for i, batch in enumerate(batches):
+                buf = self._take_free()  # the other buffer may still be with the writer
+                if buf is None:
+                    return
+                base = batch[0].item.begin
+                dests = {}
+                for c in batch:
+                    info = dtype_info(c.item.dtype)
+                    part = buf[c.item.begin - base : c.item.end - base]
+                    dests[c.item.key] = part.view(info.torch_dtype).view(c.item.local_shape)
+                last = i == len(batches) - 1
+
+                def done(stats: ReadStats, k=k, batch=batch, buf=buf, base=base, last=last) -> None:
+                    self.read_bytes[k] += stats.bytes_read
+                    mv = memoryview(buf.numpy())[: batch[-1].item.end - base]
+                    for c in batch:
+                        span = mv[c.item.begin - base : c.item.end - base]
+                        self.checksums[k][c.item.key] = block_checksums(
+                            span, self.manifest.block_bytes
+                        )
+                    self._full.put((k, last, buf, mv))
+
+                yield ReadBatch([r for c in batch for r in c.reads], dests, done)
+
+    def _produce(self) -> None:
+        try:
+            stream_reads(
+                self.source,
+                self.manifest,
+                self._batches(),
+                max_inflight_bytes=self.buffers.budget,
+                ring=self.buffers.ring,
+                max_open_batches=len(self.buffers.batches),
+            )
+            self._full.put(None)
+        except BaseException as e:  # handed to the writing thread, which raises it
+            self._full.put(e)
+
+    def file(self, k: int) -> Iterator[memoryview]:
+        if k < self._next:
+            raise RuntimeError(
+                f"target file {k} was already streamed; a retry needs its own stream"
+            )
+        self._next = k + 1
+        held = None  # the buffer the caller is writing from
+        try:
+            while True:
+                x = self._full.get()
+                if x is None:
+                    raise RuntimeError(f"the stream ended before target file {k} did")
+                if isinstance(x, BaseException):
+                    raise x
+                fk, last, buf, mv = x
+                if fk < k:  # what is left of an abandoned file
+                    self._free.put(buf)
+                    continue
+                assert fk == k, f"target file {k} has no batches"
+                held = buf
+                yield mv  # the caller has written it when it asks for the next one
+                held = None
+                self._free.put(buf)
+                if self.on_bytes is not None:
+                    self.on_bytes(len(mv))
+                if last:
+                    return
+        finally:
+            if held is not None:  # stopped while writing this batch: the buffer is free again
+                self._free.put(held)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._producer.join()
+
+
 def stream_chunks(
     source: Storage,
     manifest: Manifest,
@@ -114,85 +240,17 @@ def stream_chunks(
     on_bytes: Callable[[int], None] | None = None,
     read_bytes: list[int] | None = None,
 ) -> Iterator[memoryview]:
-    """The data section of a target file, batch by batch, filled by a producer thread.
-
-    The producer fills one batch buffer while the caller writes the other.  Its reads stay in
-    flight across batches (``stream_reads``): as soon as a buffer comes back from the caller, the
-    next batch's reads start, while the last reads of the batch before are still landing.  Staged
-    reads in flight take at most ``buffers.budget`` bytes of the ring.  ``read_bytes[0]``
-    accumulates the bytes actually read from the source.
-    """
-    budget = buffers.budget
-    free: queue.Queue = queue.Queue()
-    for buf in buffers.batches:
-        free.put(buf)
-    full: queue.Queue = queue.Queue()
-    stop = threading.Event()
-
-    def take_free():
-        while not stop.is_set():
-            try:
-                return free.get(timeout=0.1)
-            except queue.Empty:
-                continue
-        return None
-
-    def batches() -> Iterator[ReadBatch]:
-        for batch in _batches(chunks, budget):
-            buf = take_free()  # the other buffer may still be with the writer
-            if buf is None:
-                return
-            base = batch[0].item.begin
-            dests = {}
-            for c in batch:
-                info = dtype_info(c.item.dtype)
-                part = buf[c.item.begin - base : c.item.end - base]
-                dests[c.item.key] = part.view(info.torch_dtype).view(c.item.local_shape)
-
-            def done(stats: ReadStats, batch=batch, buf=buf, base=base) -> None:
-                if read_bytes is not None:
-                    read_bytes[0] += stats.bytes_read
-                mv = memoryview(buf.numpy())[: batch[-1].item.end - base]
-                if checksums is not None:
-                    for c in batch:
-                        span = mv[c.item.begin - base : c.item.end - base]
-                        checksums[c.item.key] = block_checksums(span, manifest.block_bytes)
-                full.put((buf, mv))
-
-            yield ReadBatch([r for c in batch for r in c.reads], dests, done)
-
-    def produce() -> None:
-        try:
-            # reads stay in flight across batches: the next batch's start while this one's land
-            stream_reads(
-                source,
-                manifest,
-                batches(),
-                max_inflight_bytes=budget,
-                ring=buffers.ring,
-                max_open_batches=len(buffers.batches),
-            )
-            full.put(None)
-        except BaseException as e:  # handed to the writing thread, which raises it
-            full.put(e)
-
-    producer = threading.Thread(target=produce, name="reshape-read", daemon=True)
-    producer.start()
+    """The data section of one target file, batch by batch (a ``ChunkStream`` of one file).
+    ``read_bytes[0]`` accumulates the bytes actually read from the source."""
+    stream = ChunkStream(source, manifest, [chunks], buffers, on_bytes)
     try:
-        while True:
-            x = full.get()
-            if x is None:
-                break
-            if isinstance(x, BaseException):
-                raise x
-            buf, mv = x
-            yield mv  # the caller has written it when it asks for the next one
-            free.put(buf)
-            if on_bytes is not None:
-                on_bytes(len(mv))
+        yield from stream.file(0)
     finally:
-        stop.set()
-        producer.join()
+        stream.close()
+        if checksums is not None:
+            checksums.update(stream.checksums[0])
+        if read_bytes is not None:
+            read_bytes[0] += stream.read_bytes[0]
 
 
 def _batches(chunks: list[TargetChunk], budget: int) -> Iterator[list[TargetChunk]]:
@@ -271,10 +329,15 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
     for c in conversion.chunks:
         per_target.setdefault(c.rank, []).append(c)
     ranks = sorted(per_target)
+    # one stream for every file: its reads run ahead into the next file while this one is written
+    stream = ChunkStream(source, manifest, [per_target[r] for r in ranks], buffers, progress)
     # each file is made durable in the background while the next one is produced
-    with ThreadPoolExecutor(2, thread_name_prefix="reshape-sync") as syncs:
+    with (
+        ThreadPoolExecutor(2, thread_name_prefix="reshape-sync") as syncs,
+        contextlib.closing(stream),
+    ):
         pending = []
-        for rank in ranks:
+        for k, rank in enumerate(ranks):
             chunks = per_target[rank]
             file = chunks[0].file
             header = safetensors_header(
@@ -290,19 +353,32 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
                 ],
                 {"format": "resilient-v1", "step": str(step)},
             )
-            checksums: dict[str, list[int]] = {}
-            read = [0]
+            retry: dict[str, Any] = {}
 
-            def parts(chunks=chunks, header=header, checksums=checksums, read=read):
-                read[0] = 0  # a retried write reads again
+            def parts(k=k, chunks=chunks, header=header, retry=retry):
                 yield header
+                if "attempted" not in retry:
+                    retry["attempted"] = True
+                    yield from stream.file(k)
+                    return
+                # a retried write streams the file again on its own (with its own buffers: the
+                # shared ones are with the stream, which has moved on to the next file)
+                retry["checksums"], retry["read"] = {}, [0]
                 yield from stream_chunks(
-                    source, manifest, chunks, buffers, checksums, progress, read
+                    source,
+                    manifest,
+                    chunks,
+                    StreamBuffers(buffers.budget),
+                    retry["checksums"],
+                    progress,
+                    retry["read"],
                 )
 
             size = destination.write_file(f"{step_rel}/{file}", parts, fsync=False)
             pending.append(syncs.submit(destination.sync_file, f"{step_rel}/{file}"))
             files[file] = FileEntry(rank=rank, size_bytes=size)
+            checksums = retry.get("checksums", stream.checksums[k])
+            read = retry["read"][0] if "read" in retry else stream.read_bytes[k]
             for c in chunks:
                 it = c.item
                 entries[it.key].append(
@@ -317,8 +393,8 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
                         raw_bytes=it.end - it.begin,
                     )
                 )
-            bytes_read += read[0]
-            per_rank[rank] = {"bytes_read": read[0], "bytes_written": size}
+            bytes_read += read
+            per_rank[rank] = {"bytes_read": read, "bytes_written": size}
         for f in pending:
             f.result()
     target = Manifest(

@@ -265,8 +265,9 @@ def test_cli_commands_and_exit_codes(tmp_path):
 
 def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_path, monkeypatch):
     # one batch per chunk and many read pieces, with the two batch buffers and the read ring
-    # shared by every target file; the first write of rank 0's file fails after its header and
-    # one batch, so the retry streams the file again through the same buffers
+    # shared by every target file; the first write of rank 0's file fails on its first batch,
+    # after its header, so the retry streams that file again on its own while the shared stream,
+    # which has read ahead, drops the rest of it and goes on with the next file
     monkeypatch.setattr(execute, "MIN_BATCH_BYTES", 1)
     monkeypatch.setattr(reader, "PIECE_BYTES", 4096)
     g = torch.Generator().manual_seed(3)
@@ -289,7 +290,7 @@ def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_p
         [distribute(globals_, placements, src, r) for r in range(src.world_size)],
         src,
     )
-    fault = {"op": "write", "error": "transient", "path": "rank_00000", "skip": 2, "count": 1}
+    fault = {"op": "write", "error": "transient", "path": "rank_00000", "skip": 1, "count": 1}
     report = convert(
         str(tmp_path / "src"),
         f"faulty://{tmp_path / 'dst'}",
@@ -341,3 +342,47 @@ def test_convert_between_object_store_buckets_in_small_batches(s3, monkeypatch):
     with Checkpointer(dst_url, storage_options=s3.options) as ck:
         assert ck.steps() == [4] and ck.verify(4).ok and ck.manifest().layout == dst
     assert_loads_as(dst_url, 4, globals_, placements, dst, s3.options)
+
+
+def test_chunk_stream_reads_ahead_across_files_and_drops_what_an_abandoned_file_left(
+    tmp_path, monkeypatch
+):
+    # One producer streams every target file in order; a file the writer gives up on part-way is
+    # dropped (its buffers come back), the next file still streams exactly its own bytes, and an
+    # abandoned file cannot be streamed again from the same stream.
+    monkeypatch.setattr(execute, "MIN_BATCH_BYTES", 1)
+    g = _saved(tmp_path)
+    dst = Layout(dp=2, ep=1, tp=1)
+    storage = execute.Storage(str(tmp_path / "src"))
+    m = reader.read_manifest(storage, 5)
+    conversion = plan(m, dst)
+    per_target = {}
+    for c in conversion.chunks:
+        per_target.setdefault(c.rank, []).append(c)
+    files = [per_target[r] for r in sorted(per_target)]
+    budget = conversion.largest_chunk_bytes
+    assert len(files) == 2 and len(list(execute._batches(files[0], budget))) >= 2  # leaves some
+    seen = []
+    buffers = execute.StreamBuffers(budget)
+    stream = execute.ChunkStream(storage, m, files, buffers, on_bytes=seen.append)
+    try:
+        first = stream.file(0)
+        next(first)  # one batch of file 0, then the writer gives up on it
+        first.close()
+        with pytest.raises(RuntimeError, match="target file 0 was already streamed"):
+            next(stream.file(0))
+        data = b"".join(bytes(mv) for mv in stream.file(1))
+    finally:
+        stream.close()
+    c0, c1 = files[1][0].item, files[1][-1].item
+    assert len(data) == c1.end - c0.begin == sum(seen)  # the abandoned batch is not counted
+    for c in files[1]:  # file 1's bytes are its chunks' global slices, and its checksums match
+        got = torch.frombuffer(bytearray(data[c.item.begin : c.item.end]), dtype=torch.uint8)
+        want = local_chunk(g[c.item.key], {}, Layout(dp=1), 0)
+        dims = [slice(o, o + n) for o, n in zip(c.item.offsets, c.item.sizes)]
+        expect = want[tuple(dims)].contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(got, expect), c.item.key
+        assert stream.checksums[1][c.item.key] == execute.block_checksums(
+            memoryview(data)[c.item.begin : c.item.end], m.block_bytes
+        )
+    assert buffers.ring.idle and stream.read_bytes[1] > 0
