@@ -263,14 +263,12 @@ def test_cli_commands_and_exit_codes(tmp_path):
     assert runner.invoke(app, ["convert", src]).exit_code == 2  # typer: missing argument
 
 
-def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_path, monkeypatch):
-    # one batch per chunk and many read pieces, with the two batch buffers and the read ring
-    # shared by every target file; the first write of rank 0's file fails on its first batch,
-    # after its header, so the retry streams that file again on its own while the shared stream,
-    # which has read ahead, drops the rest of it and goes on with the next file
+def _in_small_batches(monkeypatch, seed):
+    """Batches of one chunk and 4 KiB read pieces, and a small state sharded over every axis
+    (column bands, experts over ep and tp, ZeRO-style dp x ep): (globals, placements)."""
     monkeypatch.setattr(execute, "MIN_BATCH_BYTES", 1)
     monkeypatch.setattr(reader, "PIECE_BYTES", 4096)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     globals_ = {
         "model.a": torch.randn(64, 96, generator=g),
         "model.b": torch.randn(8, 32, 24, generator=g).bfloat16(),
@@ -283,6 +281,15 @@ def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_p
         "model.c": {"tp": Shard(0)},
         "optim.m": {"dp": Shard(0), "ep": Shard(0)},
     }
+    return globals_, placements
+
+
+def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_path, monkeypatch):
+    # one batch per chunk and many read pieces, with the two batch buffers and the read ring
+    # shared by every target file; the first write of rank 0's file fails on its first batch,
+    # after its header, so the retry streams that file again on its own while the shared stream,
+    # which has read ahead, drops the rest of it and goes on with the next file
+    globals_, placements = _in_small_batches(monkeypatch, seed=3)
     src, dst = Layout(dp=1, ep=2, tp=2), Layout(dp=3, ep=1, tp=2)
     save_world(
         str(tmp_path / "src"),
@@ -309,19 +316,7 @@ def test_convert_in_many_small_batches_survives_a_write_retried_mid_stream(tmp_p
 def test_convert_between_object_store_buckets_in_small_batches(s3, monkeypatch):
     # S3 to S3 through the local server: ranged GETs in, multipart-style streamed writes out, with
     # batches of one chunk so the stream reuses its buffers many times over.
-    monkeypatch.setattr(execute, "MIN_BATCH_BYTES", 1)
-    monkeypatch.setattr(reader, "PIECE_BYTES", 4096)
-    g = torch.Generator().manual_seed(5)
-    globals_ = {
-        "model.a": torch.randn(64, 96, generator=g),
-        "model.b": torch.randn(8, 32, 24, generator=g).bfloat16(),
-        "optim.m": torch.randn(301, generator=g),
-    }
-    placements = {
-        "model.a": {"tp": Shard(1)},
-        "model.b": {"ep": Shard(0), "tp": Shard(2)},
-        "optim.m": {"dp": Shard(0), "ep": Shard(0)},
-    }
+    globals_, placements = _in_small_batches(monkeypatch, seed=5)
     src, dst = Layout(dp=1, ep=2, tp=2), Layout(dp=3, ep=1, tp=2)
     src_url, dst_url = f"s3://{s3.new_bucket()}/run", f"s3://{s3.new_bucket()}/run-dp3"
     save_world(

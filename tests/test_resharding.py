@@ -67,6 +67,16 @@ def _zeros_like(globals_, placements, lay):
     return _place(zeros, placements, lay)
 
 
+def _saved_step5(tmp_path, z, lay):
+    """Save the tensors ``z`` (name -> (global, placement)) as step 5 in ``lay`` with 4 KiB blocks:
+    (globals, placements, storage, manifest)."""
+    globals_ = {k: v[0] for k, v in z.items()}
+    placements = {k: v[1] for k, v in z.items()}
+    save_world(str(tmp_path), 5, _place(globals_, placements, lay), lay, block_bytes=4096)
+    storage = Storage(str(tmp_path))
+    return globals_, placements, storage, read_manifest(storage, 5)
+
+
 @pytest.mark.parametrize(
     "src,dst",
     list(itertools.permutations(LAYOUTS, 2)) + [(LAYOUTS[2], LAYOUTS[2])],
@@ -220,12 +230,8 @@ def test_reads_split_into_pieces_through_a_tight_ring_are_exact_and_verified(tmp
     g = torch.Generator().manual_seed(1)
     z["cols"] = (torch.randn(96, 256, generator=g), {"tp": Shard(1)})  # 96 KiB, strided overlaps
     z["rows"] = (torch.randn(64, 130, generator=g).bfloat16(), {"tp": Shard(0), "ep": Shard(0)})
-    globals_ = {k: v[0] for k, v in z.items()}
-    placements = {k: v[1] for k, v in z.items()}
     src, dst = LAYOUTS[2], LAYOUTS[4]
-    save_world(str(tmp_path), 5, _place(globals_, placements, src), src, block_bytes=4096)
-    storage = Storage(str(tmp_path))
-    m = read_manifest(storage, 5)
+    globals_, placements, storage, m = _saved_step5(tmp_path, z, src)
     ring = ReadRing()  # one ring for every rank's reads, as the resharder shares it
     targets = _zeros_like(globals_, placements, dst)
     direct = staged = 0
@@ -291,13 +297,8 @@ def test_stream_reads_keeps_reads_in_flight_across_batches_that_wait_for_buffers
     # The resharder's pattern: each batch takes one of two buffers, which only its done() gives
     # back.  The next batch is taken while the previous one's reads are still in flight, and no
     # more than two are ever open, or the source would wait forever for a buffer.
-    z = zoo()
-    globals_ = {k: v[0] for k, v in z.items()}
-    placements = {k: v[1] for k, v in z.items()}
     src, dst = LAYOUTS[2], LAYOUTS[3]
-    save_world(str(tmp_path), 5, _place(globals_, placements, src), src, block_bytes=4096)
-    storage = Storage(str(tmp_path))
-    m = read_manifest(storage, 5)
+    globals_, placements, storage, m = _saved_step5(tmp_path, zoo(), src)
     buffers = threading.Semaphore(2)
     events, results = [], []
 
@@ -335,12 +336,11 @@ def test_verify_step_checks_every_block_concurrently_and_reports_in_file_order(
     # counted once, and every damaged block of every file is reported, in file and block order.
     monkeypatch.setattr(reader, "VERIFY_READ_BYTES", 4096)
     g = torch.Generator().manual_seed(3)
-    globals_ = {"w": torch.randn(64, 256, generator=g), "e": torch.randn(8, 40, 33, generator=g)}
-    placements = {"w": {"tp": Shard(0)}, "e": {"ep": Shard(0), "tp": Shard(2)}}
-    lay = LAYOUTS[2]
-    save_world(str(tmp_path), 5, _place(globals_, placements, lay), lay, block_bytes=4096)
-    storage = Storage(str(tmp_path))
-    m = read_manifest(storage, 5)
+    z = {
+        "w": (torch.randn(64, 256, generator=g), {"tp": Shard(0)}),
+        "e": (torch.randn(8, 40, 33, generator=g), {"ep": Shard(0), "tp": Shard(2)}),
+    }
+    globals_, placements, storage, m = _saved_step5(tmp_path, z, LAYOUTS[2])
     total = sum(f.size_bytes for f in m.files.values())
     seen = []
     ok = reader.verify_step(storage, 5, progress=seen.append)
