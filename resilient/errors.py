@@ -12,6 +12,8 @@ __all__ = [
     "CheckpointCorruptError",
     "LayoutError",
     "StorageError",
+    "LeaseError",
+    "StepRetiredError",
     "StateMismatchError",
     "RankFailureError",
     "ScenarioError",
@@ -45,6 +47,15 @@ class StorageError(ResilientError, OSError):
         super().__init__(message)
         self.url = url
         self.operation = operation
+
+
+class LeaseError(ResilientError):
+    """Another job holds the writer lease of a checkpoint URL (or took it over from this one):
+    two writers on one URL would damage each other's steps.  The message names the other owner."""
+
+
+class StepRetiredError(CheckpointNotFoundError):
+    """A step was retired (removed by retention) while it was being read: not corruption."""
 
 
 class RankFailureError(ResilientError):

@@ -85,6 +85,21 @@ class FaultyFileSystem(AbstractFileSystem):
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
 
+    @property
+    def resilient_commit_method(self) -> str | None:
+        """How a checkpoint commits through this wrapper: as on its target (temp + ``mv`` over a
+        local disk, through this filesystem, so write faults fire on it; one PUT on an object
+        store); None where the target has neither."""
+        from fsspec.implementations.local import LocalFileSystem
+
+        if isinstance(self.target, LocalFileSystem):
+            return "rename"
+        protocols = self.target.protocol
+        protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
+        from resilient.checkpoint.storage import ATOMIC_PUT_PROTOCOLS
+
+        return "put" if set(protocols) & ATOMIC_PUT_PROTOCOLS else None
+
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
         path = path[len("faulty://") :] if path.startswith("faulty://") else path

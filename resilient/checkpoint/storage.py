@@ -14,6 +14,10 @@ import ctypes
 import errno
 import logging
 import os
+import posixpath
+import secrets
+import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,7 +37,15 @@ from tenacity import (
 
 from resilient.errors import ResilientError, StorageError
 
-__all__ = ["RetryPolicy", "Storage", "is_transient"]
+__all__ = [
+    "RetryPolicy",
+    "Storage",
+    "LocalOps",
+    "set_local_ops",
+    "is_transient",
+    "ATOMIC_PUT_PROTOCOLS",
+    "COMMIT_METHODS",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +64,7 @@ _PERMANENT_ERRNOS = {
     errno.ENAMETOOLONG,
     errno.EINVAL,
     errno.EFBIG,
+    errno.ELOOP,
 }
 
 
@@ -134,11 +147,84 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+# Filesystems on which one write of a whole object (a PUT) is all-or-nothing: a reader sees the old
+# object or the new one, never part of one.  Every other non-local filesystem (sftp, hdfs, ftp,
+# caching wrappers, ...) may show a half-written file, so commits there need a method the user
+# names (``commit_method``) or are refused.
+ATOMIC_PUT_PROTOCOLS = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "memory"}
+)
+COMMIT_METHODS = ("rename", "put")
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+class LocalOps:
+    """The system calls that change things on a local disk, in one place.
+
+    A seam for fault injection: tests and the chaos harness install a subclass (``set_local_ops``)
+    that fails a write, an fsync or a rename, or runs out of space, so the real local write path
+    (not a wrapper filesystem) is what gets tested.  Production code uses this class as it is.
+    """
+
+    def open(self, name: str, flags: int, mode: int = 0o644, *, dir_fd: int | None = None) -> int:
+        return os.open(name, flags, mode, dir_fd=dir_fd)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def rename(self, src: str, dst: str, *, dir_fd: int) -> None:
+        os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+    def link(self, src: str, dst: str, *, dir_fd: int) -> None:
+        os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+
+    def unlink(self, name: str, *, dir_fd: int) -> None:
+        os.unlink(name, dir_fd=dir_fd)
+
+    def mkdir(self, name: str, *, dir_fd: int) -> None:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+
+
+_local_ops = LocalOps()
+
+
+def set_local_ops(ops: LocalOps) -> LocalOps:
+    """Install ``ops`` for every local-disk Storage in this process; returns the previous ones."""
+    global _local_ops
+    previous, _local_ops = _local_ops, ops
+    return previous
+
+
+def _unwrap_dirfs(fs: Any, root: str) -> tuple[Any, str]:
+    """``dir::`` over a local disk is the local disk (so it gets the local path: rename commits,
+    no symlinks followed)."""
+    try:
+        from fsspec.implementations.dirfs import DirFileSystem
+    except ImportError:  # an old fsspec
+        return fs, root
+    while isinstance(fs, DirFileSystem):
+        root, fs = fs._join(root), fs.fs
+    return fs, root
+
+
 class Storage:
     """A checkpoint root URL on any fsspec filesystem, with retries.
 
     ``Storage("s3://bucket/run1", storage_options={...})``; paths given to methods are relative to
-    the root and use ``/``.
+    the root and use ``/``.  On a local disk, nothing below the root is reached through a symbolic
+    link (every component is opened with ``O_NOFOLLOW``), reads refuse anything but a regular file,
+    and every write goes to a fresh temporary file (``O_EXCL``) renamed over its name, so a planted
+    link or hard link never redirects a write.
+
+    ``commit_method``: how :meth:`publish` makes a small file visible all at once: ``"rename"``
+    (local disks: temp + fsync + rename + directory fsync), ``"put"`` (object stores: one PUT), or
+    None to detect it; a filesystem with neither known is refused when something is published.
     """
 
     def __init__(
@@ -146,13 +232,19 @@ class Storage:
         url: str,
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        *,
+        commit_method: str | None = None,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"checkpoint URL must be a non-empty string, got {url!r}")
+        if commit_method is not None and commit_method not in COMMIT_METHODS:
+            raise ValueError(
+                f"commit_method must be one of {COMMIT_METHODS} or None, got {commit_method!r}"
+            )
         self.url = url.rstrip("/") or url
         self.retry = retry or RetryPolicy()
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         except (ImportError, ValueError) as e:
             missing = isinstance(e, ImportError) or str(e).startswith("Protocol not known")
             hint = (
@@ -165,11 +257,11 @@ class Storage:
                 url=url,
                 operation="open",
             ) from e
+        self.fs, root = _unwrap_dirfs(fs, root)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.retries_done = (
-            0  # how many retries this Storage has made (for the event log and tests)
-        )
+        self.commit_method = commit_method or _detect_commit_method(self.fs, self.is_local)
+        self.retries_done = 0  # how many retries this Storage has made (event log, tests)
 
     # --- paths --------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -179,6 +271,23 @@ class Storage:
 
     def display(self, rel: str = "") -> str:
         return f"{self.url}/{rel}" if rel else self.url
+
+    @property
+    def protocol(self) -> str:
+        p = self.fs.protocol
+        return p[0] if isinstance(p, (tuple, list)) else p
+
+    def location(self) -> tuple[str, ...]:
+        """Where the root really is, for telling whether two URLs name the same place: the real
+        path on a local disk (symlinks, ``..``, ``./`` and trailing slashes resolved), else the
+        protocol, the endpoint and the normalised path."""
+        if self.is_local:
+            return ("file", os.path.realpath(self.root))
+        opts = getattr(self.fs, "storage_options", {}) or {}
+        endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get(
+            "endpoint_url", ""
+        )
+        return (self.protocol, str(endpoint), posixpath.normpath("/" + self.root.strip("/")))
 
     # --- retry core ---------------------------------------------------------------------------
     def _call(self, operation: str, rel: str, fn: Callable[[], T]) -> T:
@@ -222,8 +331,125 @@ class Storage:
                 operation=operation,
             ) from e
 
+    # --- the local disk, without following links ------------------------------------------------
+    def _refuse(self, rel: str, what: str, operation: str) -> StorageError:
+        return StorageError(
+            f"refusing to {operation} {self.display(rel)}: it is {what}; a checkpoint holds only "
+            f"regular files and directories (a link could point anywhere) — remove it, or copy the "
+            f"checkpoint without links",
+            url=self.display(rel),
+            operation=operation,
+        )
+
+    def _dir_fd(self, rel_dir: str, *, create: bool = False, operation: str = "open") -> int:
+        """A descriptor of directory ``rel_dir`` under the root, reached without following a
+        symbolic link below the root (the root itself is the user's path and may be one)."""
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root or ".", os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        walked = ""
+        try:
+            for part in rel_dir.split("/"):
+                if not part:
+                    continue
+                walked = f"{walked}/{part}" if walked else part
+                if part in (".", ".."):
+                    raise self._refuse(walked, f"a relative component {part!r}", operation)
+                flags = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+                try:
+                    nfd = os.open(part, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        _local_ops.mkdir(part, dir_fd=fd)
+                    nfd = os.open(part, flags, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise self._refuse(walked, _kind_of(part, fd), operation) from None
+                    raise
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_regular(self, rel: str, operation: str) -> tuple[int, os.stat_result]:
+        """Open a regular file for reading, refusing links, devices, FIFOs and directories."""
+        d, _, name = rel.rpartition("/")
+        dfd = self._dir_fd(d, operation=operation)
+        try:
+            try:
+                # O_NONBLOCK: opening a planted FIFO must not wait for a writer
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd
+                )
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise self._refuse(rel, "a symbolic link", operation) from None
+                raise
+        finally:
+            os.close(dfd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise self._refuse(rel, _describe_mode(st.st_mode), operation)
+        return fd, st
+
+    def _write_local(
+        self,
+        rel: str,
+        make_parts: Callable[[], Iterable[memoryview | bytes]],
+        *,
+        fsync: bool,
+        streamed: bool,
+        written: Callable[[], None],
+        sync_dir: bool = False,
+    ) -> int:
+        """Write a fresh temporary (``O_EXCL|O_NOFOLLOW``: never through a planted link or into
+        someone else's file), make it durable, rename it over ``rel``."""
+        d, _, name = rel.rpartition("/")
+        ops = _local_ops
+        dfd = self._dir_fd(d, operation="write")
+        tmp = f"{name}.tmp-{secrets.token_hex(6)}"
+        try:
+            n = kicked = 0
+            fd = ops.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd
+            )
+            try:
+                with _closing(make_parts()) as stream:
+                    for p in stream:
+                        mv = memoryview(p).cast("B")
+                        while mv:
+                            w = ops.write(fd, mv)
+                            n += w
+                            mv = mv[w:]
+                        if streamed and n - kicked >= WRITEBACK_BYTES:
+                            _start_writeback(fd, kicked, n - kicked)
+                            kicked = n
+                written()
+                if fsync:
+                    ops.fsync(fd)
+            finally:
+                os.close(fd)
+            ops.rename(tmp, name, dir_fd=dfd)
+            if sync_dir:
+                ops.fsync(dfd)
+            return n
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)  # gone already after a successful rename
+            raise
+        finally:
+            os.close(dfd)
+
     # --- operations ---------------------------------------------------------------------------
     def makedirs(self, rel: str) -> None:
+        if self.is_local:
+            self._call("makedirs", rel, lambda: os.close(self._dir_fd(rel, create=True)))
+            return
         self._call("makedirs", rel, lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
 
     def _fresh(self, rel: str) -> str:
@@ -233,13 +459,74 @@ class Storage:
         return path
 
     def exists(self, rel: str) -> bool:
+        if self.is_local:
+            return self.stat_key(rel) is not None
         return self._call("exists", rel, lambda: self.fs.exists(self._fresh(rel)))
 
+    def stat_key(self, rel: str) -> tuple[Any, ...] | None:
+        """Something that changes whenever the file at ``rel`` is replaced (size, mtime, inode or
+        ETag), or None when nothing is there: the key of a cache of parsed files."""
+        if self.is_local:
+
+            def lstat() -> tuple[Any, ...] | None:
+                d, _, name = rel.rpartition("/")
+                try:
+                    dfd = self._dir_fd(d, operation="stat")
+                except FileNotFoundError:
+                    return None
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return None
+                finally:
+                    os.close(dfd)
+                return (st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IFMT(st.st_mode))
+
+            return self._call("stat", rel, lstat)
+
+        def info() -> tuple[Any, ...] | None:
+            try:
+                i = self.fs.info(self._fresh(rel))
+            except FileNotFoundError:
+                return None
+            tag = next(
+                (
+                    i[k]
+                    for k in ("ETag", "etag", "md5Hash", "LastModified", "mtime", "created")
+                    if i.get(k) is not None
+                ),
+                None,
+            )
+            return (i.get("size"), i.get("type"), str(tag))
+
+        return self._call("stat", rel, info)
+
     def size(self, rel: str) -> int:
+        if self.is_local:
+
+            def fstat_size() -> int:
+                fd, st = self._open_regular(rel, "stat")
+                os.close(fd)
+                return st.st_size
+
+            return self._call("size", rel, fstat_size)
         return int(self._call("size", rel, lambda: self.fs.size(self._fresh(rel))))
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
+        if self.is_local:
+
+            def scan() -> list[str]:
+                try:
+                    fd = self._dir_fd(rel, operation="list")
+                except FileNotFoundError:
+                    return []
+                try:
+                    return sorted(os.listdir(fd))
+                finally:
+                    os.close(fd)
+
+            return self._call("list", rel, scan)
 
         def ls() -> list[str]:
             try:
@@ -254,9 +541,49 @@ class Storage:
         return self._call("list", rel, ls)
 
     def read(self, rel: str) -> bytes:
+        if self.is_local:
+            return self._call("read", rel, lambda: self._pread_all(rel, None))
         return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
 
+    def read_small(self, rel: str, max_bytes: int) -> bytes:
+        """A whole file that must not exceed ``max_bytes`` (a manifest, a lease): its size is
+        checked before it is read, and a file that is not a regular file is refused, so a file
+        that never ends (a link to ``/dev/zero``, a 100 GB file) costs neither time nor memory."""
+        if self.is_local:
+            return self._call("read", rel, lambda: self._pread_all(rel, max_bytes))
+
+        def cat() -> bytes:
+            data = self.fs.cat_file(self.path(rel), start=0, end=max_bytes + 1)
+            if len(data) > max_bytes:
+                raise _too_large(self, rel, None, max_bytes)
+            return data
+
+        return self._call("read", rel, cat)
+
+    def _pread_all(self, rel: str, max_bytes: int | None) -> bytes:
+        fd, st = self._open_regular(rel, "read")
+        try:
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise _too_large(self, rel, st.st_size, max_bytes)
+            limit = st.st_size if max_bytes is None else max_bytes + 1
+            chunks, n = [], 0
+            while True:  # to the end, even if it grew since the fstat (up to the limit)
+                b = os.pread(fd, max(limit - n, 1 << 16), n)
+                if not b:
+                    break
+                chunks.append(b)
+                n += len(b)
+                if max_bytes is not None and n > max_bytes:
+                    raise _too_large(self, rel, n, max_bytes)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
     def read_range(self, rel: str, start: int, end: int) -> bytes:
+        if self.is_local:
+            buf = bytearray(max(end - start, 0))
+            n = self.read_into(rel, start, memoryview(buf))
+            return bytes(buf[:n])
         data = self._call(
             f"read [{start}, {end})",
             rel,
@@ -277,7 +604,7 @@ class Storage:
             return len(data)
 
         def pread() -> int:
-            fd = os.open(self.path(rel), os.O_RDONLY)
+            fd, _ = self._open_regular(rel, "read")
             try:
                 n = 0
                 while n < len(out):
@@ -305,7 +632,8 @@ class Storage:
         regenerated if the write is retried).  ``on_written`` runs once, after the bytes are handed
         to the filesystem and before the flush that makes them durable (fsync, or the final
         upload), so CPU work such as checksumming overlaps the wait for the disk.  The retry unit
-        is the whole file: a partly written file is simply rewritten.
+        is the whole file: a partly written file is simply rewritten.  On a local disk the bytes
+        go to a fresh temporary that is renamed over ``rel``.
         """
         make_parts = parts if callable(parts) else (lambda fixed=list(parts): fixed)
         # A stream is produced as it is written: the disk is asked to start on each WRITEBACK_BYTES
@@ -320,27 +648,6 @@ class Storage:
                 fn, hook[0] = hook[0], None
                 fn()
 
-        def write_local() -> int:
-            n = kicked = 0
-            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                with _closing(make_parts()) as stream:
-                    for p in stream:
-                        mv = memoryview(p).cast("B")
-                        while mv:
-                            w = os.write(fd, mv)
-                            n += w
-                            mv = mv[w:]
-                        if streamed and n - kicked >= WRITEBACK_BYTES:
-                            _start_writeback(fd, kicked, n - kicked)
-                            kicked = n
-                written()
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            return n
-
         def write_fs() -> int:
             n = 0
             with self.fs.open(self.path(rel), "wb") as f, _closing(make_parts()) as stream:
@@ -350,52 +657,106 @@ class Storage:
                 written()
             return n
 
-        return self._call("write", rel, write_local if self.is_local else write_fs)
-
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        """Publish a small file so that readers see all of it or nothing."""
         if self.is_local:
+            return self._call(
+                "write",
+                rel,
+                lambda: self._write_local(
+                    rel, make_parts, fsync=fsync, streamed=streamed, written=written
+                ),
+            )
+        return self._call("write", rel, write_fs)
 
-            def publish() -> None:
-                final = self.path(rel)
-                tmp = f"{final}.tmp.{os.getpid()}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-                dfd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-
-            self._call("atomic write", rel, publish)
-        else:
-            # Object stores make a single PUT visible all at once; memory:// likewise.
+    def publish(self, rel: str, data: bytes) -> None:
+        """Make a small file (a manifest) visible all at once: readers see all of it or nothing,
+        by the commit method (class docstring); refused where no method is known."""
+        method = self.commit_method
+        if method is None:
+            raise self.refusal_to_commit()
+        if self.is_local:
+            self._call(
+                "atomic write",
+                rel,
+                lambda: self._write_local(
+                    rel,
+                    lambda: [data],
+                    fsync=True,
+                    streamed=False,
+                    written=lambda: None,
+                    sync_dir=True,
+                ),
+            )
+        elif method == "put":
             self._call("atomic write", rel, lambda: self.fs.pipe_file(self.path(rel), data))
+        else:  # "rename" on a filesystem the user vouches renames atomically
+
+            def put_and_rename() -> None:
+                tmp = f"{self.path(rel)}.tmp-{secrets.token_hex(6)}"
+                self.fs.pipe_file(tmp, data)
+                self.fs.mv(tmp, self.path(rel))
+
+            self._call("atomic write", rel, put_and_rename)
+
+    write_atomic = publish  # the earlier name
+
+    def refusal_to_commit(self) -> StorageError:
+        """Why nothing can be committed here (no atomic publish is known for this filesystem)."""
+        return StorageError(
+            f"cannot commit checkpoints to {self.url}: the {self.protocol!r} filesystem "
+            f"({type(self.fs).__name__}) is neither a local disk (atomic rename) nor an object "
+            f"store whose single PUT is all-or-nothing, so a reader could see a half-written "
+            f"MANIFEST.json and take a broken step for a committed one; pass "
+            f"commit_method='rename' if its rename atomically replaces the target, or "
+            f"commit_method='put' if one write is all-or-nothing",
+            url=self.url,
+            operation="commit",
+        )
 
     def sync_file(self, rel: str) -> None:
         """Make a file written with ``fsync=False`` durable (a no-op where writes are uploads)."""
-        self._fsync(rel)
-
-    def sync_dir(self, rel: str) -> None:
-        """Make directory entries (new files) durable where that means anything."""
-        self._fsync(rel)
-
-    def _fsync(self, rel: str) -> None:
         if self.is_local:
 
             def sync() -> None:
-                fd = os.open(self.path(rel), os.O_RDONLY)
+                fd, _ = self._open_regular(rel, "sync")
                 try:
-                    os.fsync(fd)
+                    _local_ops.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            self._call("sync", rel, sync)
+
+    def sync_dir(self, rel: str) -> None:
+        """Make directory entries (new files) durable where that means anything."""
+        if self.is_local:
+
+            def sync() -> None:
+                fd = self._dir_fd(rel, operation="sync")
+                try:
+                    _local_ops.fsync(fd)
                 finally:
                     os.close(fd)
 
             self._call("sync", rel, sync)
 
     def remove(self, rel: str) -> None:
+        if self.is_local:
+
+            def unlink() -> None:
+                d, _, name = rel.rpartition("/")
+                try:
+                    dfd = self._dir_fd(d, operation="remove")
+                except FileNotFoundError:
+                    return
+                try:
+                    _local_ops.unlink(name, dir_fd=dfd)  # a link is removed, never followed
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(dfd)
+
+            self._call("remove", rel, unlink)
+            return
+
         def rm() -> None:
             try:
                 self.fs.rm(self.path(rel))
@@ -405,6 +766,29 @@ class Storage:
         self._call("remove", rel, rm)
 
     def remove_tree(self, rel: str) -> None:
+        if self.is_local:
+
+            def rmtree() -> None:
+                d, _, name = rel.rpartition("/")
+                try:
+                    dfd = self._dir_fd(d, operation="remove")
+                except FileNotFoundError:
+                    return
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        # fd-based: a link inside is removed, never followed out of the tree
+                        shutil.rmtree(name, dir_fd=dfd)
+                    else:
+                        _local_ops.unlink(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(dfd)
+
+            self._call("remove", rel, rmtree)
+            return
+
         def rm() -> None:
             try:
                 self.fs.rm(self.path(rel), recursive=True)
@@ -417,6 +801,8 @@ class Storage:
         """Several byte ranges of one file (concurrently where the backend can)."""
         if not ranges:
             return []
+        if self.is_local:
+            return [self.read_range(rel, a, b) for a, b in ranges]
         path = self.path(rel)
 
         def cat() -> list[bytes]:
@@ -429,6 +815,49 @@ class Storage:
             return list(out)
 
         return self._call(f"read {len(ranges)} ranges", rel, cat)
+
+
+def _detect_commit_method(fs: Any, is_local: bool) -> str | None:
+    declared = getattr(fs, "resilient_commit_method", None)  # a filesystem may say (faulty://)
+    if declared in COMMIT_METHODS:
+        return declared
+    if is_local:
+        return "rename"
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "put" if set(protocols) & ATOMIC_PUT_PROTOCOLS else None
+
+
+def _kind_of(name: str, dir_fd: int) -> str:
+    try:
+        return _describe_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return "not a directory"
+
+
+def _describe_mode(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory, not a regular file"
+    if stat.S_ISREG(mode):
+        return "a regular file, not a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO, not a regular file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device, not a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a regular file"
+    return "not a regular file"
+
+
+def _too_large(storage: Storage, rel: str, size: int | None, max_bytes: int) -> StorageError:
+    found = f"{size} bytes" if size is not None else "larger than that"
+    return StorageError(
+        f"refusing to read {storage.display(rel)}: it is {found}, over the limit of {max_bytes} "
+        f"bytes for such a file — it is damaged or not what it claims to be",
+        url=storage.display(rel),
+        operation="read",
+    )
 
 
 @contextlib.contextmanager
