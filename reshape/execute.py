@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from reshape.plan import TargetChunk, plan, target_layout
+from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.codec import block_checksums, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -33,18 +34,22 @@ from resilient.checkpoint.format import (
     TensorEntry,
     dtype_info,
     manifest_to_bytes,
+    rank_file_name,
     step_dir_name,
 )
+from resilient.checkpoint.lease import WriterLease, default_job_id
 from resilient.checkpoint.reader import (
     ReadBatch,
     ReadRing,
     ReadStats,
     read_manifest,
     stream_reads,
+    watching_retirement,
 )
-from resilient.checkpoint.retention import committed_steps, step_dirs
+from resilient.checkpoint.retention import step_dirs
 from resilient.checkpoint.storage import Storage
-from resilient.errors import CheckpointNotFoundError, ResilientError
+from resilient.checkpoint.writer import next_generation, rank_file_metadata
+from resilient.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilientError
 
 __all__ = [
     "ConvertReport",
@@ -82,15 +87,22 @@ class ConvertReport:
 
 
 def resolve_step(storage: Storage, step: int | None) -> int:
-    steps = committed_steps(storage)
-    if not steps:
+    """``step`` if it is committed under ``storage`` (else an error that says why: not there, or
+    there but damaged); by default the newest commit."""
+    catalog = scan(storage)
+    if not catalog.steps():
         raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}; check the URL")
     if step is None:
-        return steps[-1]
-    if step not in steps:
+        return catalog.newest().step
+    info = catalog.get(step)
+    if info is not None and info.state == "damaged":
+        raise CheckpointCorruptError(
+            f"step {step} under {storage.url} is not a usable commit: {info.problem}"
+        )
+    if info is None or info.state != "committed":
         raise CheckpointNotFoundError(
             f"step {step} is not a committed checkpoint under {storage.url}; committed steps: "
-            f"{', '.join(map(str, steps[-10:]))}"
+            f"{', '.join(map(str, catalog.steps()[-10:]))}"
         )
     return step
 
@@ -298,28 +310,45 @@ def single_threaded_torch() -> Iterator[None]:
 
 
 def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progress) -> ConvertReport:
-    t0 = time.perf_counter()
     source = Storage(src, src_options)
     destination = Storage(dst, dst_options)
-    if source.url.rstrip("/") == destination.url.rstrip("/"):
+    if source.location() == destination.location():
         raise DestinationExistsError(
-            f"the destination {dst} is the source; convert into another URL"
+            f"the destination {dst} is the source {src} (the same place, spelled differently); "
+            f"convert into another URL"
         )
+    if destination.commit_method is None:
+        raise destination.refusal_to_commit()
     step = resolve_step(source, step)
-    manifest = read_manifest(source, step)
-    layout = target_layout(manifest.layout, sizes)
-    conversion = plan(manifest, layout)  # raises LayoutError before anything is written
+    with watching_retirement(source, step):  # the source step retired while read: said so
+        manifest = read_manifest(source, step)
+        layout = target_layout(manifest.layout, sizes)
+        conversion = plan(manifest, layout)  # raises LayoutError before anything is written
+        existing = sorted(step_dirs(destination))
+        if existing and not overwrite:
+            raise DestinationExistsError(
+                f"the destination {destination.url} already holds checkpoint steps "
+                f"{existing[-10:]}; pass --overwrite to replace step {step} there, or choose an "
+                f"empty destination"
+            )
+        lease = WriterLease(destination, default_job_id())
+        lease.acquire()  # the destination is written by this conversion alone
+        try:
+            return _convert_step(source, destination, lease, manifest, layout, conversion, progress)
+        finally:
+            lease.release()
+
+
+def _convert_step(
+    source, destination, lease, manifest, layout, conversion, progress
+) -> ConvertReport:
+    t0 = time.perf_counter()
+    step = manifest.step
     step_rel = step_dir_name(step)
-    existing = sorted(step_dirs(destination))
-    if existing and not overwrite:
-        raise DestinationExistsError(
-            f"the destination {destination.url} already holds checkpoint steps {existing[-10:]}; pass "
-            f"--overwrite to replace step {step} there, or choose an empty destination"
-        )
-    if step in existing:
-        destination.remove(f"{step_rel}/{MANIFEST_NAME}")  # uncommit first: never half-replaced
-        destination.remove_tree(step_rel)
     destination.makedirs(step_rel)
+    # A step already there (--overwrite) stays committed until the new manifest replaces it: the
+    # new files take a generation no file there has, and the old ones go only after the commit.
+    generation = next_generation(destination, step_rel)
     buffers = StreamBuffers(max(conversion.largest_chunk_bytes, MIN_BATCH_BYTES))
     entries: dict[str, list[ChunkEntry]] = {k: [] for k in manifest.tensors}
     files: dict[str, FileEntry] = {}
@@ -339,7 +368,7 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
         pending = []
         for k, rank in enumerate(ranks):
             chunks = per_target[rank]
-            file = chunks[0].file
+            file = rank_file_name(rank, generation)
             header = safetensors_header(
                 [
                     (
@@ -351,7 +380,7 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
                     )
                     for c in chunks
                 ],
-                {"format": "resilient-v1", "step": str(step)},
+                rank_file_metadata(step),
             )
             retry: dict[str, Any] = {}
 
@@ -410,12 +439,19 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
         extras=manifest.extras,
         rank_extras={r: v for r, v in manifest.rank_extras.items() if r < layout.world_size},
         block_bytes=manifest.block_bytes,
+        generation=generation,
         created_unix_s=time.time(),
         toolkit_version=_version(),
+        commit_seq=scan(destination).next_commit_seq(),
+        job_id=lease.job_id,
     )
     target.validate()
     destination.sync_dir(step_rel)
-    destination.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(target))
+    lease.check()
+    destination.publish(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(target))
+    for name in destination.listdir(step_rel):  # an older generation's files, temporaries
+        if name != MANIFEST_NAME and name not in files:
+            destination.remove(f"{step_rel}/{name}")
     return ConvertReport(
         step=step,
         source=source.url,

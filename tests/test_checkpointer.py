@@ -94,7 +94,8 @@ def test_rank_files_are_valid_safetensors_with_the_right_bytes(tmp_path):
     assert torch.equal(tensors["model.0.weight"], src["model"][0].weight.detach())
     assert torch.equal(tensors["emb"], src["emb"])
     manifest = json.loads((tmp_path / "step_00000001" / MANIFEST_NAME).read_text())
-    assert manifest["format_version"] == 1 and manifest["layout"] == [["dp", 1]]
+    assert manifest["format_version"] == 2 and manifest["layout"] == [["dp", 1]]
+    assert manifest["commit_seq"] == 1 and manifest["job_id"].startswith("process:")
     assert manifest["extras"]["extra.counter"] == 7
 
 
@@ -353,8 +354,9 @@ def edit_manifest(tmp_path, fn, step=2):
 
 
 def load_latest(tmp_path):
+    """Load step 2 by name: a damaged step 2 must say what is wrong with it."""
     with Checkpointer(str(tmp_path)) as ck:
-        ck.load({"w": torch.zeros(3000), "v": {"s": 0}})
+        ck.load({"w": torch.zeros(3000), "v": {"s": 0}}, step=2)
 
 
 @pytest.mark.parametrize(
@@ -362,7 +364,7 @@ def load_latest(tmp_path):
     [
         (
             lambda m: m.update(format_version=9),
-            "format_version 9, but this toolkit reads version 1",
+            r"format_version 9, but this toolkit reads versions \[1, 2\]",
         ),
         (
             lambda m: m["tensors"]["w"]["chunks"][0].update(

@@ -7,32 +7,38 @@ state.py (what a state is), writer.py (save), reader.py (load), retention.py and
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
     Manifest,
+    manifest_to_bytes,
     rank_file_name,
     step_dir_name,
 )
+from resilient.checkpoint.lease import WriterLease, default_job_id
 from resilient.checkpoint.reader import (
     ReadStats,
     execute_reads,
     plan_reads,
     read_manifest,
     verify_step,
+    watching_retirement,
 )
-from resilient.checkpoint.retention import committed_steps, delete_dirs, retire_steps
+from resilient.checkpoint.retention import delete_dirs, retire_steps
 from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import (
@@ -48,8 +54,10 @@ from resilient.checkpoint.writer import (
 from resilient.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    LeaseError,
     ResilientError,
     StateMismatchError,
+    StorageError,
 )
 from resilient.layout import Layout, from_device_mesh
 
@@ -125,9 +133,15 @@ class Checkpointer:
     ``Checkpointer(url, *, layout=None, keep_last=3, keep_every=None, compression=None,
     storage_options=None)``.  In a process group every rank makes the same calls with the same
     step.  ``layout`` defaults to the mesh of the first DTensor in the state, or ``Layout(dp=W)``.
-    """
 
-    _instances = 0
+    Options beyond the contract: ``retry`` (a RetryPolicy for transient storage errors),
+    ``block_bytes`` (checksum block size), ``commit_timeout_s`` (how long a commit waits for a
+    rank), ``store`` (the c10d store of the commit handshake; default: the process group's),
+    ``job_id`` (this job's identity in the writer lease; default: torchrun's run id, else the
+    process group's store address, else a fresh id), ``lease_timeout_s`` (after how long without a
+    heartbeat another job's lease may be taken over), ``commit_method`` (``"rename"`` or
+    ``"put"``, for a filesystem that is neither a local disk nor a known object store).
+    """
 
     def __init__(
         self,
@@ -142,6 +156,9 @@ class Checkpointer:
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         commit_timeout_s: float = 600.0,
         store: Any | None = None,
+        job_id: str | None = None,
+        lease_timeout_s: float = 60.0,
+        commit_method: str | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(
@@ -153,11 +170,17 @@ class Checkpointer:
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         if not 4096 <= block_bytes <= 1 << 30:
             raise ValueError(f"block_bytes must be in [4 KiB, 1 GiB], got {block_bytes}")
-        self.storage = Storage(url, storage_options, retry)
+        if not lease_timeout_s > 0:
+            raise ValueError(f"lease_timeout_s must be positive, got {lease_timeout_s!r}")
+        if not commit_timeout_s > 0:
+            raise ValueError(f"commit_timeout_s must be positive, got {commit_timeout_s!r}")
+        self.storage = Storage(url, storage_options, retry, commit_method=commit_method)
         self.url = self.storage.url
         self.keep_last, self.keep_every, self.compression = keep_last, keep_every, compression
         self.block_bytes = block_bytes
         self.commit_timeout_s = commit_timeout_s
+        self.lease_timeout_s = lease_timeout_s
+        self.job_id = job_id or default_job_id()
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -167,6 +190,8 @@ class Checkpointer:
         self._store = store
         self._uid: int | None = None
         self._seq = 0
+        self._loads = 0
+        self._lease: WriterLease | None = None
         self._stager = Stager()
         self._plan_cache: tuple[Any, WritePlan] | None = None
         self._pending: SaveHandle | None = None
@@ -182,13 +207,22 @@ class Checkpointer:
         self.close()
 
     # --- queries ----------------------------------------------------------------------------
+    def catalog(self) -> Catalog:
+        """Every step directory, classified (committed, uncommitted, damaged), in commit order."""
+        return scan(self.storage)
+
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return committed_steps(self.storage)
+        """Committed steps by number, ascending (abandoned branches included)."""
+        return self.catalog().steps()
+
+    def commits(self) -> list[int]:
+        """Committed steps in the order they were committed, oldest first."""
+        return self.catalog().commits()
 
     def latest_step(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The most recently committed step (not the highest number: see README, rollback)."""
+        newest = self.catalog().newest()
+        return None if newest is None else newest.step
 
     def manifest(self, step: int | None = None) -> Manifest:
         return read_manifest(self.storage, self._resolve_step(step))
@@ -214,7 +248,7 @@ class Checkpointer:
         data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step)
         handle.stats.stage_s = time.monotonic() - t0
-        committer = self._committer()
+        committer = self._committer(step)
         self._pending = handle
         self._thread = threading.Thread(
             target=self._persist,
@@ -231,7 +265,8 @@ class Checkpointer:
         return self._join_pending()
 
     def close(self) -> None:
-        """Wait for the pending save and release buffers; re-raises a background failure."""
+        """Wait for the pending save, release the writer lease and the buffers; re-raises a
+        background failure."""
         if self._closed:
             return
         try:
@@ -239,6 +274,9 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stager = Stager()
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
 
     def _join_pending(self) -> SaveStats | None:
         handle = self._pending
@@ -264,11 +302,21 @@ class Checkpointer:
         error: BaseException | None = None
         step_rel = step_dir_name(step)
         garbage: list[str] = []
+        coordinator = committer.is_coordinator
         try:
             try:
                 t0 = time.monotonic()
-                self.storage.makedirs(step_rel)
-                generation = next_generation(self.storage, step_rel)
+                # 1. the coordinator takes the lease and says where to write; others wait for it
+                if coordinator:
+                    try:
+                        begin = self._begin(step_rel)
+                    except BaseException as e:
+                        committer.publish_begin({"error": _describe(e), "type": type(e).__name__})
+                        raise
+                    committer.publish_begin(begin)
+                else:
+                    begin = committer.wait_begin(extra_s=self.lease_timeout_s)
+                generation = int(begin["generation"])
                 file = rank_file_name(self.rank, generation)
                 res = persist_rank_file(
                     self.storage,
@@ -292,20 +340,21 @@ class Checkpointer:
                     "values": values,
                 }
             except BaseException as e:
-                report = {"rank": self.rank, "error": f"{type(e).__name__}: {e}"}
+                report = {"rank": self.rank, "error": _describe(e)}
                 raise
             finally:
-                if not committer.is_coordinator:
+                if not coordinator:
                     committer.report(report)
             t1 = time.monotonic()
-            if committer.is_coordinator:
+            if coordinator:
                 garbage = self._coordinate(
                     committer, report, step, step_rel, layout, plan, generation
                 )
             else:
                 outcome = committer.wait_outcome()
                 if outcome != "ok":
-                    raise CommitError(f"step {step} was not committed: {outcome}")
+                    cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
+                    raise cls(f"step {step} was not committed: {outcome}")
             handle.stats.commit_s = time.monotonic() - t1
             handle.stats.committed = True
         except BaseException as e:  # stored, re-raised at the next save/wait/close
@@ -313,14 +362,14 @@ class Checkpointer:
                 e
                 if isinstance(e, ResilientError)
                 else CommitError(
-                    f"save of step {step} to {self.url} failed on rank {self.rank}: {type(e).__name__}: {e}"
+                    f"save of step {step} to {self.url} failed on rank {self.rank}: {_describe(e)}"
                 )
             )
             if error is not e:
                 error.__cause__ = e
-            if committer.is_coordinator and committer.store is not None:
+            if coordinator and committer.store is not None:
                 try:
-                    committer.publish(f"{type(e).__name__}: {e}")
+                    committer.publish(_describe(e))
                 except Exception:  # the store itself may be gone
                     pass
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
@@ -332,6 +381,16 @@ class Checkpointer:
         except Exception as e:
             log.warning("deleting retired checkpoint files failed: %s", e)
 
+    def _begin(self, step_rel: str) -> dict[str, Any]:
+        """(coordinator) Hold the writer lease, create the step directory, pick the generation."""
+        if self.storage.commit_method is None:
+            raise self.storage.refusal_to_commit()
+        if self._lease is None:
+            self._lease = WriterLease(self.storage, self.job_id, timeout_s=self.lease_timeout_s)
+        self._lease.acquire()
+        self.storage.makedirs(step_rel)
+        return {"generation": next_generation(self.storage, step_rel)}
+
     def _coordinate(
         self,
         committer: Committer,
@@ -341,7 +400,7 @@ class Checkpointer:
         layout: Layout,
         plan: WritePlan,
         generation: int,
-    ) -> None:
+    ) -> list[str]:
         reports = committer.gather(own) if committer.store is not None else [own]
         manifest = build_manifest(
             step,
@@ -351,11 +410,12 @@ class Checkpointer:
             block_bytes=self.block_bytes,
             generation=generation,
             version=_version(),
+            commit_seq=scan(self.storage).next_commit_seq(),
+            job_id=self.job_id,
         )
         self.storage.sync_dir(step_rel)
-        from resilient.checkpoint.format import manifest_to_bytes
-
-        self.storage.write_atomic(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(manifest))
+        self._lease.check()  # nobody took the URL over while the files were written
+        self.storage.publish(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(manifest))
         # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps
         # that retention drops are uncommitted before the outcome is published, so every rank's
         # wait() sees the same steps; their bytes are deleted after (see _persist).
@@ -372,25 +432,31 @@ class Checkpointer:
         committer.cleanup()
         return garbage
 
-    def _committer(self) -> Committer:
-        if self.world_size == 1:
-            return Committer(None, "", 0, 1, self.commit_timeout_s)
-        store = self._store
-        if store is None:
-            store = dist.distributed_c10d._get_default_store()
-            self._store = store
+    def _get_store(self) -> Any:
+        if self._store is None:
+            self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def _ensure_uid(self) -> int:
         if self._uid is None:
             # Every rank increments one counter once per Checkpointer; ranks agree on the result
             # without a collective, and a store that outlives a restart never reuses a prefix.
-            n = store.add("resilient/ckpt/instances", 1)
+            n = self._get_store().add("resilient/ckpt/instances", 1)
             self._uid = (n - 1) // self.world_size
+        return self._uid
+
+    def _committer(self, step: int | None = None) -> Committer:
+        if self.world_size == 1:
+            return Committer(None, "", 0, 1, self.commit_timeout_s, step=step)
+        uid = self._ensure_uid()
         self._seq += 1
         return Committer(
-            store,
-            f"resilient/ckpt/{self._uid}/{self._seq}",
+            self._get_store(),
+            f"resilient/ckpt/{uid}/{self._seq}",
             self.rank,
             self.world_size,
             self.commit_timeout_s,
+            step=step,
         )
 
     def _plan(self, flat: FlatState, layout: Layout) -> WritePlan:
@@ -418,117 +484,250 @@ class Checkpointer:
     def load(
         self, state: Mapping[str, Any], step: int | None = None, *, fallback: bool = False
     ) -> int:
-        """Fill ``state`` in place from ``step`` (default: the newest committed); returns the step.
+        """Fill ``state`` in place from ``step`` (default: the newest commit); returns the step.
 
-        Reshards when the saving layout differs.  With ``fallback=True`` and ``step=None``, a newest
-        step that fails verification is skipped (with a warning) for the one before it; in a process
-        group the ranks agree on the step (a collective, from the caller's thread).
+        Reshards when the saving layout differs.  All or nothing: the bytes are read and checked
+        into scratch memory, and ``state`` changes only once every rank has read its part.  In a
+        process group every rank loads the step rank 0 picks, and any failure on any rank is seen
+        by every rank: with ``fallback=True`` and ``step=None``, a newest step that fails to read
+        (corrupt bytes, a missing file, a storage error after retries) is skipped, with a warning,
+        for the one before it on the current line, by every rank together; any other failure (the
+        state does not match) is raised by every rank.
         """
         self._check_open()
         self._join_pending()
         t0 = time.monotonic()
-        if step is not None:
-            candidates = [self._resolve_step(step)]
-        else:
-            candidates = self.steps()[::-1]
-            if not candidates:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint under {self.url}; save one first, or check the URL"
-                )
-            if not fallback:
-                candidates = candidates[:1]
+        self._loads += 1
+        candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
         for i, s in enumerate(candidates):
+            pending: _PendingLoad | None = None
             error: BaseException | None = None
             try:
-                stats = self._load_step(state, s, layout)
+                if s < 0:
+                    raise self._not_found_error(step, None)
+                pending = self._read_step(state, s, layout)
             except Exception as e:  # every rank must reach the agreement below, whatever failed
                 error = e
-            if not self._all_ok(error is None) and error is None:
-                error = CheckpointCorruptError(f"step {s} failed to load on another rank")
-            if error is not None and not isinstance(error, CheckpointCorruptError):
-                raise error  # a mismatched state or a storage failure: an older step will not help
-            if error is None:
+            code = 0 if error is None else (1 if _retryable(error) else 2)
+            worst, who = self._agree(code, error, s)
+            if worst == 0:
+                stats = pending.apply()
                 stats.skipped_steps = skipped
                 stats.seconds = time.monotonic() - t0
                 self.last_load = stats
                 return s
-            if i + 1 == len(candidates):
+            if pending is not None:
+                pending.discard()
+            if code != worst:  # another rank failed worse (or alone): raise what it saw
+                error = _peer_error(who, s, worst, self._peer_message(who, s))
+            if worst == 2 or i + 1 == len(candidates) or candidates[i + 1] < 0:
                 raise error
             warnings.warn(f"{error}; falling back to step {candidates[i + 1]}", stacklevel=2)
             log.warning(
-                "step %d failed verification (%s); falling back to step %d",
-                s,
-                error,
-                candidates[i + 1],
+                "step %d failed to load (%s); falling back to step %d", s, error, candidates[i + 1]
             )
             skipped.append(s)
         raise AssertionError("unreachable")
 
-    def _all_ok(self, ok: bool) -> bool:
+    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
+        """The steps to try, newest first, as rank 0 sees them (every rank loads the same ones);
+        -1 stands for "nothing to load" (every rank then raises CheckpointNotFoundError)."""
+        if self.rank == 0:
+            try:
+                if step is not None:
+                    found = [self._resolve_step(step)]
+                else:
+                    found = self.catalog().line()[: (_MAX_FALLBACKS if fallback else 1)]
+            except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
+                found = []
+            found = found or [-1]
+        else:
+            found = []
         if not self._distributed or self.world_size == 1:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+            return found
+        buf = torch.full((_MAX_FALLBACKS + 1,), -2, dtype=torch.int64, device=_device())
+        if self.rank == 0:
+            buf[0] = len(found)
+            buf[1 : len(found) + 1] = torch.tensor(found, dtype=torch.int64)
+        dist.broadcast(buf, src=0)
+        n = int(buf[0].item())
+        return [int(x) for x in buf[1 : n + 1].tolist()]
 
-    def _load_step(self, state: Mapping[str, Any], step: int, layout: Layout) -> LoadStats:
-        manifest = read_manifest(self.storage, step)
-        flat = flatten_state(state, layout, self.rank, for_load=True)
-        items = plan_reads(manifest, flat.tensors, layout, self.rank)
-        dests = {k: leaf.local for k, leaf in flat.tensors.items()}
-        rs: ReadStats = execute_reads(self.storage, manifest, items, dests)
-        missing = [
-            k
-            for k in flat.values
-            if k not in manifest.extras and k not in manifest.rank_extras.get(self.rank, {})
-        ]
-        if missing:
-            raise StateMismatchError(
-                f"step {step} has no values for {missing[:8]}; it was saved from a different state"
+    def _not_found_error(self, step: int | None, _unused: Any) -> CheckpointNotFoundError:
+        if step is None:
+            return CheckpointNotFoundError(
+                f"no committed checkpoint under {self.url}; save one first, or check the URL"
             )
-        mine = manifest.rank_extras.get(self.rank, {})
-        for key, current in flat.values.items():
-            value = mine.get(key, manifest.extras.get(key))
-            if isinstance(current, tuple) and isinstance(value, list):
-                value = tuple(value)
-            setter = flat.setters.get(key)
-            if setter is not None:
-                setter(value)
-            elif value != current:
-                raise StateMismatchError(
-                    f"state key {key!r} holds {current!r} inside an immutable container; step {step} "
-                    f"has {value!r} — use a list or dict so it can be restored"
-                )
-        for fin in flat.finalizers:
-            fin()
-        return LoadStats(
-            step,
-            rs.bytes_read,
-            rs.bytes_verified,
-            rs.num_requests,
-            resharded=manifest.layout != layout,
+        return self._missing(step, self.catalog())
+
+    def _agree(self, code: int, error: BaseException | None, step: int) -> tuple[int, int]:
+        """Every rank's outcome of reading ``step``: (the worst code, the first rank with it).
+        0 ok, 1 could not read this step (an older one may do), 2 anything else."""
+        if not self._distributed or self.world_size == 1:
+            return code, self.rank
+        if code and error is not None:
+            self._publish_error(step, error)
+        codes = torch.zeros(self.world_size, dtype=torch.int32, device=_device())
+        codes[self.rank] = code
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+        worst = int(codes.max().item())
+        who = int(torch.nonzero(codes == worst)[0].item())
+        return worst, who
+
+    def _load_key(self, rank: int, step: int) -> str:
+        return f"resilient/ckpt/{self._ensure_uid()}/load{self._loads}/{step}/{rank}"
+
+    def _publish_error(self, step: int, error: BaseException) -> None:
+        try:
+            payload = {"type": type(error).__name__, "message": str(error)[:4000]}
+            self._get_store().set(self._load_key(self.rank, step), json.dumps(payload))
+        except Exception as e:  # the message is a courtesy; the codes decide
+            log.warning("could not share this rank's load error through the store: %s", e)
+
+    def _peer_message(self, rank: int, step: int) -> dict[str, str]:
+        try:
+            store = self._get_store()
+            store.wait([self._load_key(rank, step)], timedelta(seconds=30))
+            return json.loads(store.get(self._load_key(rank, step)))
+        except Exception:
+            return {"type": "ResilientError", "message": "(its message did not come through)"}
+
+    def _read_step(self, state: Mapping[str, Any], step: int, layout: Layout) -> _PendingLoad:
+        """Read and check every byte this rank needs of ``step`` into scratch memory."""
+        with watching_retirement(self.storage, step):
+            manifest = read_manifest(self.storage, step)
+            flat = FlatState()
+            try:
+                flatten_state(state, layout, self.rank, for_load=True, flat=flat)
+                items = plan_reads(manifest, flat.tensors, layout, self.rank)
+                scratch = {
+                    k: torch.empty(leaf.local.shape, dtype=leaf.local.dtype)
+                    for k, leaf in flat.tensors.items()
+                }
+                rs: ReadStats = execute_reads(self.storage, manifest, items, scratch)
+                missing = [
+                    k
+                    for k in flat.values
+                    if k not in manifest.extras and k not in manifest.rank_extras.get(self.rank, {})
+                ]
+                if missing:
+                    raise StateMismatchError(
+                        f"step {step} has no values for {missing[:8]}; it was saved from a "
+                        f"different state"
+                    )
+                mine = manifest.rank_extras.get(self.rank, {})
+                values = {}
+                for key, current in flat.values.items():
+                    value = mine.get(key, manifest.extras.get(key))
+                    if isinstance(current, tuple) and isinstance(value, list):
+                        value = tuple(value)
+                    if key not in flat.setters and value != current:
+                        raise StateMismatchError(
+                            f"state key {key!r} holds {current!r} inside an immutable container; "
+                            f"step {step} has {value!r} — use a list or dict so it can be restored"
+                        )
+                    values[key] = value
+            except BaseException:
+                for undo in flat.undo:
+                    undo()
+                raise
+        stats = LoadStats(
+            step, rs.bytes_read, rs.bytes_verified, rs.num_requests, manifest.layout != layout
         )
+        return _PendingLoad(flat, scratch, values, stats)
 
     def _resolve_step(self, step: int | None) -> int:
-        steps = self.steps()
+        catalog = self.catalog()
         if step is None:
-            if not steps:
+            newest = catalog.newest()
+            if newest is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint under {self.url}; save one first, or check the URL"
                 )
-            return steps[-1]
-        if step not in steps:
-            shown = ", ".join(map(str, steps[-10:])) if steps else "none"
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint under {self.url}; committed steps: {shown}"
+            return newest.step
+        info = catalog.get(step)
+        if info is not None and info.state == "committed":
+            return step
+        raise self._missing(step, catalog)
+
+    def _missing(self, step: int, catalog: Catalog) -> ResilientError:
+        info = catalog.get(step)
+        if info is not None and info.state == "damaged":
+            return CheckpointCorruptError(
+                f"step {step} under {self.url} is not a usable commit: {info.problem}"
             )
-        return step
+        steps = catalog.steps()
+        shown = ", ".join(map(str, steps[-10:])) if steps else "none"
+        return CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint under {self.url}; committed steps: {shown}"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
             raise ResilientError(f"Checkpointer({self.url!r}) is closed")
+
+
+# A load falls back at most this many steps along the line.
+_MAX_FALLBACKS = 64
+
+
+class _PendingLoad:
+    """A step read and checked into scratch memory, not yet in the caller's state."""
+
+    def __init__(
+        self,
+        flat: FlatState,
+        scratch: dict[str, torch.Tensor],
+        values: dict[str, Any],
+        stats: LoadStats,
+    ) -> None:
+        self.flat, self.scratch, self.values, self.stats = flat, scratch, values, stats
+
+    def apply(self) -> LoadStats:
+        with torch.no_grad():
+            for key, leaf in self.flat.tensors.items():
+                leaf.local.copy_(self.scratch[key])
+        for key, value in self.values.items():
+            setter = self.flat.setters.get(key)
+            if setter is not None:
+                setter(value)
+        for fin in self.flat.finalizers:
+            fin()
+        self.scratch = {}
+        return self.stats
+
+    def discard(self) -> None:
+        for undo in self.flat.undo:
+            undo()
+        self.scratch = {}
+
+
+def _retryable(error: BaseException) -> bool:
+    """A failure to read this step that an older step may not share (corrupt or missing bytes, a
+    storage error after retries); not a state that does not match."""
+    return isinstance(error, (CheckpointCorruptError, StorageError, CheckpointNotFoundError))
+
+
+def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> ResilientError:
+    import resilient.errors as errors
+
+    cls = getattr(errors, msg.get("type", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, ResilientError)) or cls is StorageError:
+        cls = CheckpointCorruptError if code == 1 else ResilientError
+    return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _device() -> torch.device:
+    """Where a collective's tensor must live: the GPU under NCCL (RCCL), else the CPU."""
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _find_mesh(state: Any) -> Any:

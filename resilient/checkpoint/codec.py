@@ -84,8 +84,32 @@ def safetensors_header(
 
 
 def parse_safetensors_header(prefix: bytes) -> tuple[int, dict]:
-    """``(data_start, header)`` from the first bytes of a safetensors file (at least 8)."""
+    """``(data_start, header)`` from the first bytes of a safetensors file (at least 8).
+
+    Untrusted input: anything but a JSON object of ``{name: {"dtype", "shape", "data_offsets":
+    [begin, end]}}`` (plus ``__metadata__``) is a ValueError that says what is wrong.
+    """
     (n,) = struct.unpack("<Q", prefix[:8])
     if len(prefix) < 8 + n:
         raise ValueError(f"header declares {n} bytes but only {len(prefix) - 8} are present")
-    return 8 + n, json.loads(prefix[8 : 8 + n])
+    try:
+        header = json.loads(prefix[8 : 8 + n])
+    except RecursionError:
+        raise ValueError("the header nests JSON deeper than the parser allows") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(
+                f"tensor {name[:80]!r}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                f"found {str(offsets)[:80]}"
+            )
+    return 8 + n, header

@@ -10,6 +10,7 @@ No pickle anywhere: tensors are safetensors, everything else is JSON.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -23,10 +24,11 @@ from resilient.errors import CheckpointCorruptError, LayoutError
 from resilient.layout import (
     Layout,
     Placement,
+    Shard,
     chunk_offsets_sizes,
+    fused_parts,
     placement_from_json,
     placement_to_json,
-    unique_chunks,
 )
 
 __all__ = [
@@ -45,17 +47,32 @@ __all__ = [
     "dtype_name",
     "manifest_to_bytes",
     "manifest_from_bytes",
+    "manifest_summary",
+    "ManifestSummary",
+    "upgrade_v1",
+    "check_json_depth",
+    "parse_json",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1 manifests are upgraded on read (upgrade_v1)
 MANIFEST_NAME = "MANIFEST.json"
 DEFAULT_BLOCK_BYTES = 4 << 20
 CODECS = ("none", "zstd", "zstd+bytegroup")
-# A manifest over this size is not a manifest (a million tensors with checksums stays well below).
+# The caps a reader holds a checkpoint to (docs/FORMAT.md section 5): none of them limits a real
+# checkpoint, each keeps a hostile one from costing unbounded time or memory.
+# A manifest over this size is not a manifest (about 250 bytes per chunk: ~4 million chunks).
 MAX_MANIFEST_BYTES = 1 << 30
+MAX_WORLD_SIZE = 1 << 24  # ranks in a saving layout
+MAX_AXES = 16  # layout axes
+MAX_NDIM = 32  # tensor dims
+MAX_INT = (1 << 63) - 1  # every size, offset and byte count fits an int64
+MAX_JSON_DEPTH = 64  # nesting of the free-form JSON values (extras)
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _FILE_RE = re.compile(r"^rank_(\d{5,})(?:\.g(\d+))?\.safetensors$")
+_RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # ASCII digits only (str.isdigit takes "²")
 
 
 @dataclass(frozen=True)
@@ -109,8 +126,11 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = _STEP_RE.fullmatch(name)
+    if m is None or len(m.group(1)) > 19:  # not a step directory (no step needs 20 digits)
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_INT else None
 
 
 def rank_file_name(rank: int, generation: int = 0) -> str:
@@ -246,11 +266,17 @@ class Manifest:
     toolkit_version: str = ""
     checksum: str = "crc32"
     format_version: int = FORMAT_VERSION
+    # v2: the commit order (the coordinator's counter: newest commit = latest, whatever the step
+    # number) and the job that committed it; a v1 manifest reads as commit_seq 0, job_id ""
+    commit_seq: int = 0
+    job_id: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
             "step": self.step,
+            "commit_seq": self.commit_seq,
+            "job_id": self.job_id,
             "created_unix_s": self.created_unix_s,
             "toolkit_version": self.toolkit_version,
             "layout": self.layout.to_json(),
@@ -265,21 +291,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
-        if not isinstance(d, dict):
-            raise CheckpointCorruptError(
-                f"manifest must be a JSON object, found {type(d).__name__}"
-            )
-        version = d.get("format_version")
-        if version != FORMAT_VERSION:
-            raise CheckpointCorruptError(
-                f"manifest has format_version {version!r}, but this toolkit reads version "
-                f"{FORMAT_VERSION}; upgrade the toolkit (or convert the checkpoint) to read it"
-            )
+        d = _upgraded(d)
         _keys(
             d,
             {
                 "format_version",
                 "step",
+                "commit_seq",
+                "job_id",
                 "created_unix_s",
                 "toolkit_version",
                 "layout",
@@ -293,10 +312,7 @@ class Manifest:
             },
             "manifest",
         )
-        try:
-            layout = Layout.from_json(d["layout"])
-        except LayoutError as e:
-            raise CheckpointCorruptError(f"manifest.layout: {e}") from None
+        layout = _layout(d["layout"])
         for name in ("files", "tensors", "extras", "rank_extras"):
             if not isinstance(d[name], dict):
                 raise CheckpointCorruptError(
@@ -304,7 +320,7 @@ class Manifest:
                 )
         if d["checksum"] != "crc32":
             raise CheckpointCorruptError(
-                f"manifest.checksum is {d['checksum']!r}; format v1 knows 'crc32'"
+                f"manifest.checksum is {_short(d['checksum'])}; format v{FORMAT_VERSION} knows 'crc32'"
             )
         created = d["created_unix_s"]
         if not isinstance(created, (int, float)) or isinstance(created, bool):
@@ -313,14 +329,23 @@ class Manifest:
             )
         rank_extras = {}
         for r, v in d["rank_extras"].items():
-            if not r.isdigit() or not isinstance(v, dict):
+            if not _RANK_KEY_RE.fullmatch(r) or not isinstance(v, dict):
                 raise CheckpointCorruptError(
-                    f"manifest.rank_extras[{r!r}] must map a rank to an object"
+                    f"manifest.rank_extras[{r!r}] must map a rank (a plain decimal number such "
+                    f"as '3') to an object"
+                )
+            if int(r) >= layout.world_size:
+                raise CheckpointCorruptError(
+                    f"manifest.rank_extras[{r!r}] names a rank outside {layout.describe()}"
                 )
             rank_extras[int(r)] = v
+        check_json_depth(d["extras"], "manifest.extras")
+        check_json_depth(d["rank_extras"], "manifest.rank_extras")
         return cls(
-            format_version=version,
+            format_version=FORMAT_VERSION,
             step=_int(d["step"], "manifest.step"),
+            commit_seq=_int(d["commit_seq"], "manifest.commit_seq"),
+            job_id=_str(d["job_id"], "manifest.job_id"),
             created_unix_s=float(created),
             toolkit_version=_str(d["toolkit_version"], "manifest.toolkit_version"),
             layout=layout,
@@ -344,14 +369,15 @@ class Manifest:
         Checks file names (no paths, no URLs), that every chunk lies inside its file and matches
         its dtype and sizes, that block checksums cover the stored bytes, and that each tensor's
         chunks are exactly the distinct chunks its placement gives on the saving layout (so the
-        global tensor is covered once and no size is absurd).  Raises CheckpointCorruptError.
+        global tensor is covered once and no size is absurd).  Never loops over ranks: the work is
+        bounded by the number of chunks the manifest lists.  Raises CheckpointCorruptError.
         """
         if self.block_bytes < 4096 or self.block_bytes > 1 << 30:
             raise CheckpointCorruptError(
                 f"manifest.block_bytes={self.block_bytes} is outside [4 KiB, 1 GiB]"
             )
         for fname, f in self.files.items():
-            if not _FILE_RE.match(fname):
+            if not _FILE_RE.fullmatch(fname):
                 raise CheckpointCorruptError(
                     f"manifest names file {fname!r}; files must be plain names like "
                     f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
@@ -360,31 +386,30 @@ class Manifest:
                 raise CheckpointCorruptError(
                     f"file {fname!r} claims rank {f.rank}, outside {self.layout.describe()}"
                 )
-            if f.size_bytes < 0:
-                raise CheckpointCorruptError(
-                    f"file {fname!r} declares a negative size {f.size_bytes}"
-                )
         for key, t in self.tensors.items():
             self._validate_tensor(key, t)
 
     def _validate_tensor(self, key: str, t: TensorEntry) -> None:
         info = dtype_info(t.dtype)
-        if any(n < 0 for n in t.shape):
+        if len(t.shape) > MAX_NDIM:
             raise CheckpointCorruptError(
-                f"tensor {key!r} has a negative dim in shape {list(t.shape)}"
+                f"tensor {key!r} has {len(t.shape)} dims; format v{FORMAT_VERSION} allows at most "
+                f"{MAX_NDIM}"
+            )
+        if math.prod(t.shape) * info.itemsize > MAX_INT:
+            raise CheckpointCorruptError(
+                f"tensor {key!r} has shape {list(t.shape)} of {t.dtype}: more than 2**63 bytes"
             )
         try:
-            expected = {
-                (o, s)
-                for o, s, _ in unique_chunks(t.shape, t.placement, self.layout)
-                if math.prod(s) > 0
-            }
+            expected = distinct_nonempty_chunks(
+                t.shape, t.placement, self.layout, limit=len(t.chunks)
+            )
         except LayoutError as e:
             raise CheckpointCorruptError(f"tensor {key!r}: {e}") from None
         found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         for c in t.chunks:
             where = f"tensor {key!r} chunk {list(c.offsets)} in file {c.file!r} (step {self.step})"
-            if not _FILE_RE.match(c.file):
+            if not _FILE_RE.fullmatch(c.file):
                 raise CheckpointCorruptError(
                     f"{where}: files must be plain names like 'rank_00000.safetensors' inside the "
                     f"step directory (no paths, no URLs)"
@@ -416,14 +441,59 @@ class Manifest:
                 raise CheckpointCorruptError(
                     f"{where}: has {len(c.checksums)} checksums for {n_blocks} blocks of {self.block_bytes} bytes"
                 )
+            if any(x > 0xFFFFFFFF for x in c.checksums):
+                raise CheckpointCorruptError(f"{where}: a crc32 checksum does not fit 32 bits")
             found.add((c.offsets, c.sizes))
-        if found != expected or len(found) != len(t.chunks):
+        if expected is None or found != expected or len(found) != len(t.chunks):
+            count = "more than" if expected is None else "exactly"
+            n = len(t.chunks) if expected is None else len(expected)
             raise CheckpointCorruptError(
                 f"tensor {key!r} (step {self.step}): its chunks do not tile shape {list(t.shape)} "
                 f"under placement {placement_to_json(t.placement)} on {self.layout.describe()}; "
-                f"expected {len(expected)} distinct non-empty chunks, found {len(t.chunks)}"
-                f" ({len(found & expected)} matching)"
+                f"expected {count} {n} distinct non-empty chunks, found {len(t.chunks)}"
+                + ("" if expected is None else f" ({len(found & expected)} matching)")
             )
+
+
+def distinct_nonempty_chunks(
+    shape: tuple[int, ...], placement: Placement, layout: Layout, *, limit: int
+) -> set[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """The distinct non-empty chunks ``(offsets, sizes)`` of a tensor split by ``placement`` on
+    ``layout``, as the manifest records them; None when there are more than ``limit``.
+
+    Works per dim (each dim's nested splits, empty pieces pruned), never per rank: the cost is
+    bounded by ``limit`` and the number of axes, however many ranks the layout claims.  Two ranks
+    hold the same non-empty chunk exactly when they agree on every sharding axis, so the distinct
+    non-empty chunks are the product of each dim's non-empty pieces.
+    """
+    parts = fused_parts(shape, placement)
+    per_dim: list[list[tuple[int, int]]] = []
+    too_many = False
+    for d, n in enumerate(shape):
+        pieces = [(0, n // parts.get(d, 1))] if n // parts.get(d, 1) else []
+        for axis, p in placement:
+            if not isinstance(p, Shard) or p.dim != d or not pieces:
+                continue
+            k = layout.size(axis)
+            split: list[tuple[int, int]] = []
+            for off, length in pieces:
+                step = -(-length // k)
+                split += [(off + i, min(step, length - i)) for i in range(0, length, step)]
+                if len(split) > max(limit, 1):
+                    break
+            pieces = split
+            if len(pieces) > max(limit, 1):
+                too_many = True
+                break
+        per_dim.append(pieces)
+    if any(not p for p in per_dim):
+        return set()  # some dim is empty everywhere: every chunk is empty
+    if too_many or math.prod(len(p) for p in per_dim) > limit:
+        return None
+    out = set()
+    for combo in itertools.product(*per_dim):
+        out.add((tuple(o for o, _ in combo), tuple(n for _, n in combo)))
+    return out
 
 
 def _parts_factor(t: TensorEntry) -> int:
@@ -445,21 +515,128 @@ def manifest_to_bytes(m: Manifest) -> bytes:
 
 
 def manifest_from_bytes(data: bytes, where: str) -> Manifest:
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointCorruptError(f"{where} is {len(data)} bytes; no manifest is that large")
+    d = parse_json(data, where, MAX_MANIFEST_BYTES)
     try:
-        raw = json.loads(data, parse_constant=_reject_constant)
+        m = Manifest.from_json(d)
+        m.validate()
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{where}: {e}") from None
+    return m
+
+
+def parse_json(data: bytes, where: str, max_bytes: int) -> Any:
+    """Strict JSON from untrusted bytes: a size cap, no NaN or Infinity, and nesting too deep for
+    the parser is a CheckpointCorruptError (not a RecursionError)."""
+    if len(data) > max_bytes:
+        raise CheckpointCorruptError(f"{where} is {len(data)} bytes; the limit is {max_bytes}")
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise CheckpointCorruptError(
+            f"{where} nests JSON deeper than the parser allows; it is damaged or hostile — load "
+            f"an earlier step"
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(
             f"{where} is not valid JSON ({e}); the step was not committed cleanly — load an "
             f"earlier step or delete this step directory"
         ) from None
+
+
+def check_json_depth(value: Any, where: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``max_depth`` (iteratively: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > max_depth:
+                raise CheckpointCorruptError(
+                    f"{where} nests deeper than {max_depth} levels; format v{FORMAT_VERSION} "
+                    f"allows at most {max_depth}"
+                )
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+def upgrade_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """A v1 manifest as v2: it has no commit order, so it reads as commit 0 (older than every v2
+    commit; v1 steps among themselves go by step number) by no known job."""
+    return {**d, "format_version": 2, "commit_seq": 0, "job_id": ""}
+
+
+_UPGRADES = {1: upgrade_v1}
+
+
+def _upgraded(d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise CheckpointCorruptError(f"manifest must be a JSON object, found {type(d).__name__}")
+    version = d.get("format_version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise CheckpointCorruptError(
+            f"manifest has format_version {version!r}, but this toolkit reads versions "
+            f"{list(READABLE_VERSIONS)}; upgrade the toolkit (or convert the checkpoint) to read it"
+        )
+    while d["format_version"] != FORMAT_VERSION:
+        d = _UPGRADES[d["format_version"]](d)
+    return d
+
+
+def _layout(data: Any) -> Layout:
+    if isinstance(data, list) and len(data) > MAX_AXES:
+        raise CheckpointCorruptError(
+            f"manifest.layout has {len(data)} axes; format v{FORMAT_VERSION} allows at most "
+            f"{MAX_AXES}"
+        )
     try:
-        m = Manifest.from_json(raw)
-        m.validate()
-    except CheckpointCorruptError as e:
-        raise CheckpointCorruptError(f"{where}: {e}") from None
-    return m
+        layout = Layout.from_json(data)
+    except LayoutError as e:
+        raise CheckpointCorruptError(f"manifest.layout: {e}") from None
+    if layout.world_size > MAX_WORLD_SIZE:
+        raise CheckpointCorruptError(
+            f"manifest.layout is {layout.describe()}; format v{FORMAT_VERSION} allows at most "
+            f"{MAX_WORLD_SIZE} ranks"
+        )
+    return layout
+
+
+@dataclass(frozen=True)
+class ManifestSummary:
+    """What listing steps needs from a manifest: that it parses, and its place in commit order."""
+
+    step: int
+    commit_seq: int
+    generation: int
+    job_id: str
+    files: frozenset[str]
+
+
+def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
+    """Parse and check a manifest's top level only (its JSON, version, step, commit order and file
+    names): a torn or foreign manifest never counts as a commit.  The tensor table is checked in
+    full when the step is read (``manifest_from_bytes``)."""
+    d = _upgraded(parse_json(data, where, MAX_MANIFEST_BYTES))
+    found = _int(d.get("step"), f"{where}: manifest.step")
+    if found != step:
+        raise CheckpointCorruptError(
+            f"{where} says step {found}, but it is in the directory of step {step}; a step "
+            f"directory copied or renamed under another number is not that step — rename it back "
+            f"or delete it"
+        )
+    files = d.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointCorruptError(f"{where}: manifest.files must be an object")
+    for f in files:
+        if not _FILE_RE.fullmatch(f):
+            raise CheckpointCorruptError(
+                f"{where}: manifest names file {f[:200]!r}; files must be plain names like "
+                f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
+            )
+    return ManifestSummary(
+        step=found,
+        commit_seq=_int(d.get("commit_seq"), f"{where}: manifest.commit_seq"),
+        generation=_int(d.get("generation"), f"{where}: manifest.generation"),
+        job_id=_str(d.get("job_id"), f"{where}: manifest.job_id"),
+        files=frozenset(files),
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -475,9 +652,16 @@ def _keys(d: Any, expected: set[str], where: str) -> None:
 
 
 def _int(v: Any, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise CheckpointCorruptError(f"{where} must be a non-negative integer, found {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
+        raise CheckpointCorruptError(
+            f"{where} must be a non-negative integer below 2**63, found {_short(v)}"
+        )
     return v
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _str(v: Any, where: str) -> str:

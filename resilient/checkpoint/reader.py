@@ -11,11 +11,12 @@ Also owns ``verify_step``: read every byte of a step and check it against the ma
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ import torch
 from resilient.checkpoint.codec import decompress, parse_safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_SAFETENSORS_HEADER_BYTES,
     ChunkEntry,
     Manifest,
     TensorEntry,
@@ -33,7 +36,14 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.storage import Storage
-from resilient.errors import CheckpointCorruptError, LayoutError, StateMismatchError
+from resilient.errors import (
+    CheckpointCorruptError,
+    LayoutError,
+    ResilientError,
+    StateMismatchError,
+    StepRetiredError,
+    StorageError,
+)
 from resilient.layout import Box, Layout, Placement, Shard, chunk_offsets_sizes
 
 __all__ = [
@@ -46,6 +56,7 @@ __all__ = [
     "read_manifest",
     "verify_step",
     "VerifyReport",
+    "watching_retirement",
 ]
 
 # The most bytes of staged reads in flight at once (bounds memory), the reader threads, and the
@@ -74,8 +85,49 @@ class ReadItem:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
+    """A step's manifest, read within the size cap and checked in full; it must be the manifest
+    of ``step`` (a step directory copied under another number is not that step)."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
-    return manifest_from_bytes(storage.read(rel), storage.display(rel))
+    m = manifest_from_bytes(storage.read_small(rel, MAX_MANIFEST_BYTES), storage.display(rel))
+    if m.step != step:
+        raise CheckpointCorruptError(
+            f"{storage.display(rel)} says step {m.step}, but it is in the directory of step {step}; "
+            f"a step directory copied or renamed under another number is not that step — rename "
+            f"it back or delete it"
+        )
+    return m
+
+
+@contextlib.contextmanager
+def watching_retirement(storage: Storage, step: int) -> Iterator[None]:
+    """Turn a failure to read ``step`` into StepRetiredError when the step's manifest was removed
+    or replaced meanwhile (retention retired the step, or a re-save replaced it, while another
+    process read it): that is not corruption, and reading again finds the newest step."""
+    rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    before = _stat_or_none(storage, rel)
+    try:
+        yield
+    except (StorageError, CheckpointCorruptError) as e:
+        after = _stat_or_none(storage, rel)
+        if before is not None and after != before:
+            raise _retired(storage, step, after, str(e)) from e
+        raise
+
+
+def _retired(storage: Storage, step: int, after: tuple | None, what: str) -> StepRetiredError:
+    how = "retired (its manifest was removed)" if after is None else "re-saved"
+    return StepRetiredError(
+        f"step {step} of {storage.url} was {how} while it was being read ({what}); this is not "
+        f"corruption: the writing job's retention or a re-save replaced it — read again to get "
+        f"the newest step"
+    )
+
+
+def _stat_or_none(storage: Storage, rel: str) -> tuple | None:
+    try:
+        return storage.stat_key(rel)
+    except ResilientError:
+        return None
 
 
 def _union_parts(key: str, src: Placement, dst: Placement, ndim: int) -> dict[int, int]:
@@ -661,10 +713,21 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     raised) so one run reports all of them, in file order; ``progress(nbytes)`` is called as bytes
     are checked.
     """
+    rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    before = _stat_or_none(storage, rel)
+    report = _verify(storage, step, progress)
+    if not report.ok:  # problems because the step was retired while it was read are not damage
+        after = _stat_or_none(storage, rel)
+        if before is not None and after != before:
+            raise _retired(storage, step, after, "; ".join(report.problems[:3]))
+    return report
+
+
+def _verify(storage: Storage, step: int, progress) -> VerifyReport:
     problems: list[str] = []
     try:
         m = read_manifest(storage, step)
-    except CheckpointCorruptError as e:
+    except (CheckpointCorruptError, StorageError) as e:
         return VerifyReport(step, 0, 0, 0, [str(e)])
     rel = step_dir_name(step)
     by_file: dict[str, list[tuple[str, ChunkEntry]]] = {f: [] for f in m.files}
@@ -753,8 +816,11 @@ def _check_file_header(
             return None
         prefix = storage.read_range(path, 0, min(size, 8))
         header_len = int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else -1
-        if not 0 <= header_len <= size - 8:
-            problems.append(f"{where}: not a valid safetensors file (header length {header_len})")
+        if not 0 <= header_len <= min(size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+            problems.append(
+                f"{where}: not a valid safetensors file (header length {header_len}; at most "
+                f"{min(size - 8, MAX_SAFETENSORS_HEADER_BYTES)} here)"
+            )
             return None
         return parse_safetensors_header(prefix + storage.read_range(path, 8, 8 + header_len))
     except CheckpointCorruptError:

@@ -1,34 +1,44 @@
 """Which committed steps to keep, and removing the rest safely.
 
-Owns the retention rule (keep the newest ``keep_last`` committed steps plus every step that is a
-multiple of ``keep_every``; never the newest committed step) and garbage collection of step
-directories that never committed.  Only the coordinator runs it, after a new manifest is durable.
-A step is uncommitted by deleting its manifest first, so a crash mid-delete leaves a directory
-readers ignore and the next collection removes.
+Owns the retention rule (:func:`steps_to_delete`) and garbage collection of step directories that
+never committed.  Only the coordinator of the job that holds the writer lease runs it, after a new
+manifest is durable.  A step is uncommitted by deleting its manifest first, so a crash mid-delete
+leaves a directory readers ignore and the next collection removes.  A step whose manifest does not
+parse (damaged, see catalog.py) is never counted and never deleted.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from resilient.checkpoint.format import MANIFEST_NAME, parse_step_dir, step_dir_name
+from resilient.checkpoint.catalog import Catalog, line_of, scan
+from resilient.checkpoint.format import MANIFEST_NAME, parse_step_dir
 from resilient.checkpoint.storage import Storage
 
-__all__ = ["steps_to_delete", "committed_steps", "retire_steps", "delete_dirs"]
+__all__ = ["steps_to_delete", "committed_steps", "retire_steps", "delete_dirs", "step_dirs"]
 
 log = logging.getLogger(__name__)
 
 
-def steps_to_delete(committed: Iterable[int], keep_last: int, keep_every: int | None) -> list[int]:
-    """Pure: the committed steps that retention removes."""
-    steps = sorted(set(committed))
-    if not steps:
+def steps_to_delete(commits: Sequence[int], keep_last: int, keep_every: int | None) -> list[int]:
+    """Pure: the committed steps retention removes, given step numbers in commit order (oldest
+    commit first; for steps that were never rolled back that is ascending order).
+
+    Kept: the newest ``keep_last`` commits, whatever their branch; the newest ``keep_last`` steps
+    of the current line (so the step a rollback resumed from stays until the new line has
+    ``keep_last`` newer commits); and every multiple of ``keep_every``.  Steps of an abandoned
+    branch are ordinary older commits: they go once ``keep_last`` newer commits exist.  The
+    newest commit is always kept.
+    """
+    commits = list(commits)
+    if not commits:
         return []
-    keep = set(steps[-max(keep_last, 1) :])  # the newest is always among them
+    n = max(keep_last, 1)
+    keep = set(commits[-n:]) | set(line_of(commits)[:n])
     if keep_every:
-        keep |= {s for s in steps if s % keep_every == 0}
-    return [s for s in steps if s not in keep]
+        keep |= {s for s in commits if s % keep_every == 0}
+    return sorted({s for s in commits if s not in keep})
 
 
 def step_dirs(storage: Storage) -> dict[int, str]:
@@ -41,28 +51,33 @@ def step_dirs(storage: Storage) -> dict[int, str]:
 
 
 def committed_steps(storage: Storage) -> list[int]:
-    """Steps whose manifest exists, ascending (a directory without one does not exist to readers)."""
-    return sorted(
-        s for s, name in step_dirs(storage).items() if storage.exists(f"{name}/{MANIFEST_NAME}")
-    )
+    """Committed steps by number, ascending (a directory without a manifest that parses does not
+    exist to readers)."""
+    return scan(storage).steps()
 
 
 def retire_steps(
-    storage: Storage, keep_last: int, keep_every: int | None, *, in_progress: int | None = None
+    storage: Storage,
+    keep_last: int,
+    keep_every: int | None,
+    *,
+    in_progress: int | None = None,
+    catalog: Catalog | None = None,
 ) -> list[str]:
     """Uncommit the steps retention drops (their manifests go first, which is quick) and return
-    the step directories to delete: those, and directories of saves that never committed.
+    the step directories to delete: those, and directories of saves that never committed (except
+    ``in_progress``).  Damaged steps are left alone.
 
     Readers stop seeing a retired step as soon as this returns; deleting its bytes
     (:func:`delete_dirs`) can happen later, off the critical path.
     """
-    dirs = step_dirs(storage)
-    committed = [s for s, name in dirs.items() if storage.exists(f"{name}/{MANIFEST_NAME}")]
+    catalog = catalog or scan(storage)
     doomed = []
-    for step in steps_to_delete(committed, keep_last, keep_every):
-        storage.remove(f"{step_dir_name(step)}/{MANIFEST_NAME}")
-        doomed.append(step_dir_name(step))
-    doomed += [name for step, name in dirs.items() if step not in committed and step != in_progress]
+    for step in steps_to_delete(catalog.commits(), keep_last, keep_every):
+        info = catalog.get(step)
+        storage.remove(f"{info.dir}/{MANIFEST_NAME}")
+        doomed.append(info.dir)
+    doomed += [i.dir for i in catalog.uncommitted() if i.step != in_progress]
     return sorted(doomed)
 
 

@@ -120,6 +120,9 @@ class FlatState:
     # load only: how to put a loaded JSON value back, and what to call once everything is filled
     setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)
     finalizers: list[Callable[[], None]] = field(default_factory=list)
+    # load only: what puts the state back as it was if the load is abandoned (a lazily created
+    # optimizer state that the walk had to create to have something to load into)
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
 def _is_json_scalar(v: Any) -> bool:
@@ -149,12 +152,18 @@ def json_snapshot(key: str, value: Any) -> Any:
 
 
 def flatten_state(
-    state: Mapping[str, Any], layout: Layout, rank: int, *, for_load: bool = False
+    state: Mapping[str, Any],
+    layout: Layout,
+    rank: int,
+    *,
+    for_load: bool = False,
+    flat: FlatState | None = None,
 ) -> FlatState:
-    """Flatten ``state`` into tensor leaves and JSON values (and, for loads, setters/finalizers)."""
+    """Flatten ``state`` into tensor leaves and JSON values (and, for loads, setters, finalizers
+    and undo actions).  Pass ``flat`` to keep its ``undo`` list even if flattening fails."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to values, got {type(state).__name__}")
-    flat = FlatState()
+    flat = flat if flat is not None else FlatState()
     param_names = _param_names(state)
     _Walker(flat, layout, rank, for_load, param_names).walk(state, "")
     return flat
@@ -246,8 +255,8 @@ class _Walker:
         self.flat.tensors[key] = describe_tensor(key, t, self.layout, self.rank, inherit)
 
     def optimizer(self, opt: torch.optim.Optimizer, prefix: str) -> None:
-        if self.for_load:
-            init_optimizer_state(opt)
+        if self.for_load and init_optimizer_state(opt):
+            self.flat.undo.append(opt.state.clear)
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 name = self.param_names.get(id(p), f"{gi}.{pi}")
@@ -350,18 +359,19 @@ def _fmt(placement: Placement) -> str:
     return "{" + ", ".join(parts) + "}" if parts else "replicate"
 
 
-def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create a lazily initialised optimizer's state so that it can be loaded into in place.
+def init_optimizer_state(opt: torch.optim.Optimizer) -> bool:
+    """Create a lazily initialised optimizer's state so that it can be loaded into in place;
+    returns whether it did (``opt.state.clear()`` undoes it).
 
     Optimizers like Adam create their state on the first step.  Take one step with zero
     gradients and a learning rate of zero (so parameters do not move), then drop the gradients;
     the load overwrites the state that step created.
     """
     if opt.state:
-        return
+        return False
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     if not params or any(p.grad is not None for p in params):
-        return
+        return False
     saved = []
     for g in opt.param_groups:
         saved.append(g.get("lr"))
@@ -375,3 +385,4 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         if lr is not None:
             g["lr"] = lr
     opt.zero_grad(set_to_none=True)
+    return True

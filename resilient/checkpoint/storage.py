@@ -699,6 +699,44 @@ class Storage:
 
     write_atomic = publish  # the earlier name
 
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Local disks: publish a small file only if nothing is at ``rel`` yet (written to a
+        temporary, made durable, then ``link()``ed into place, which fails if the name exists);
+        False when something is there."""
+        if not self.is_local:
+            raise NotImplementedError("exclusive create is only known on a local disk")
+
+        def create() -> bool:
+            d, _, name = rel.rpartition("/")
+            ops = _local_ops
+            dfd = self._dir_fd(d, create=True, operation="write")
+            tmp = f"{name}.tmp-{secrets.token_hex(6)}"
+            try:
+                fd = ops.open(
+                    tmp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                    dir_fd=dfd,
+                )
+                try:
+                    mv = memoryview(data)
+                    while mv:
+                        mv = mv[ops.write(fd, mv) :]
+                    ops.fsync(fd)
+                finally:
+                    os.close(fd)
+                try:
+                    ops.link(tmp, name, dir_fd=dfd)
+                except FileExistsError:
+                    return False
+                ops.fsync(dfd)
+                return True
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                os.close(dfd)
+
+        return self._call("exclusive create", rel, create)
+
     def refusal_to_commit(self) -> StorageError:
         """Why nothing can be committed here (no atomic publish is known for this filesystem)."""
         return StorageError(

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,20 +35,39 @@ import torch
 from resilient.checkpoint.codec import _CRC_POOL, block_checksums, compress, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     ChunkEntry,
     FileEntry,
     Manifest,
     TensorEntry,
     dtype_info,
     dtype_name,
-    manifest_from_bytes,
+    manifest_summary,
+    parse_step_dir,
 )
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.storage import Storage
-from resilient.errors import CheckpointCorruptError, ResilientError
+from resilient.errors import CheckpointCorruptError, LeaseError, ResilientError
 from resilient.layout import Layout, Placement, Shard, placement_to_json, unique_chunks
 
-__all__ = ["WriteItem", "WritePlan", "plan_writes", "Stager", "persist_rank_file", "Committer"]
+__all__ = [
+    "WriteItem",
+    "WritePlan",
+    "plan_writes",
+    "Stager",
+    "persist_rank_file",
+    "Committer",
+    "CommitError",
+    "next_generation",
+    "rank_file_metadata",
+]
+
+log = logging.getLogger(__name__)
+
+
+def rank_file_metadata(step: int) -> dict[str, str]:
+    """The ``__metadata__`` of a rank file's safetensors header (docs/FORMAT.md section 2)."""
+    return {"format": "resilient-v2", "step": str(step)}
 
 
 @dataclass(frozen=True)
@@ -203,7 +224,7 @@ def persist_rank_file(
         ]
         body = [view]
         payload = view
-    header = safetensors_header(header_entries, {"format": "resilient-v1", "step": str(step)})
+    header = safetensors_header(header_entries, rank_file_metadata(step))
     # Checksums run in worker threads (crc32 drops the GIL) while the disk flushes the file.
     crc_futures: list = []
 
@@ -233,20 +254,33 @@ def persist_rank_file(
 
 
 def next_generation(storage: Storage, step_rel: str) -> int:
-    """0 for a new step; one past the committed manifest's generation when re-saving a step.
+    """The generation of a new save of a step (run by the coordinator only, which publishes it to
+    every rank): 0 for a step directory with no rank files, else one past every generation in it,
+    the committed manifest's included.
 
-    A re-save writes files under new names, so the committed step stays intact until the new
-    manifest replaces the old one.
+    So a save never writes under the name of a file that exists, least of all one the committed
+    manifest names: the committed step stays intact until the new manifest replaces it, and a
+    leftover of an interrupted save is never truncated under a reader.
     """
-    if not storage.exists(f"{step_rel}/{MANIFEST_NAME}"):
-        return 0
-    try:
-        old = manifest_from_bytes(
-            storage.read(f"{step_rel}/{MANIFEST_NAME}"), storage.display(step_rel)
-        )
-        return old.generation + 1
-    except CheckpointCorruptError:
-        return 1 + int(time.time()) % 1000  # a broken old manifest: any fresh name will do
+    gens = []
+    for name in storage.listdir(step_rel):
+        m = _RANK_FILE_RE.match(name)  # finished files and temporaries alike
+        if m:
+            gens.append(int(m.group(1) or 0))
+    if storage.exists(f"{step_rel}/{MANIFEST_NAME}"):
+        try:
+            old = manifest_summary(
+                storage.read_small(f"{step_rel}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES),
+                storage.display(step_rel),
+                parse_step_dir(step_rel.rsplit("/", 1)[-1]) or 0,
+            )
+            gens.append(old.generation)
+        except ResilientError:  # a damaged manifest: the files present decide
+            pass
+    return max(gens) + 1 if gens else 0
+
+
+_RANK_FILE_RE = re.compile(r"^rank_\d{5,}(?:\.g(\d{1,18}))?\.safetensors(?:\.tmp-[0-9a-f]+)?$")
 
 
 class CommitError(ResilientError):
@@ -256,20 +290,85 @@ class CommitError(ResilientError):
 class Committer:
     """The commit handshake over the c10d store (or directly, in a world of one).
 
-    Rank r publishes ``{prefix}/report/{r}``; the coordinator (rank 0) waits for all of them,
-    writes the manifest and publishes ``{prefix}/done``; every other rank waits for ``done``.
+    1. (coordinator, rank 0) takes the writer lease, picks the generation, creates the step
+       directory, and publishes ``{prefix}/begin``; every other rank waits for it before it writes
+       anything, so a job that does not hold the lease never touches the step directory.
+    2. Rank r publishes ``{prefix}/report/{r}`` once its file is durable (or failed).
+    3. The coordinator waits for all reports, writes the manifest and publishes ``{prefix}/done``;
+       every other rank waits for ``done``.
+
+    Every wait names the rank it waits for and, every ``progress_every_s``, logs how long so far.
     """
 
     def __init__(
-        self, store: Any | None, prefix: str, rank: int, world_size: int, timeout_s: float
+        self,
+        store: Any | None,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        *,
+        step: int | None = None,
+        progress_every_s: float = 30.0,
     ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.timeout_s = timeout_s
+        self.step = step
+        self.progress_every_s = progress_every_s
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    def _what(self) -> str:
+        return "checkpoint" if self.step is None else f"checkpoint of step {self.step}"
+
+    def _wait(self, key: str, peer: int, waiting_for: str, timeout_s: float) -> None:
+        """Wait for ``key`` in slices, logging who is waited for and for how long; raise a
+        CommitError naming the peer at the timeout."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommitError(
+                    f"rank {self.rank}: rank {peer} did not {waiting_for} of the {self._what()} "
+                    f"within {timeout_s:.0f}s (commit_timeout_s); it may have died or be hung"
+                )
+            try:
+                self.store.wait([key], timedelta(seconds=min(remaining, self.progress_every_s)))
+                return
+            except Exception:  # the store raises its own timeout types; try the next slice
+                waited = time.monotonic() - start
+                if waited + 0.05 < timeout_s:
+                    log.warning(
+                        "rank %d: waiting for rank %d to %s of the %s for %.0fs",
+                        self.rank,
+                        peer,
+                        waiting_for,
+                        self._what(),
+                        waited,
+                    )
+
+    # 1. begin
+    def publish_begin(self, payload: dict[str, Any]) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/begin", json.dumps(payload))
+
+    def wait_begin(self, extra_s: float = 0.0) -> dict[str, Any]:
+        """The coordinator's word to start writing: ``{"generation": G}``, or its failure raised
+        here (a LeaseError stays a LeaseError on every rank)."""
+        key = f"{self.prefix}/begin"
+        self._wait(
+            key, 0, "say where to write (the lease and the generation)", self.timeout_s + extra_s
+        )
+        payload = json.loads(self.store.get(key))
+        if "error" in payload:
+            cls = LeaseError if payload.get("type") == "LeaseError" else CommitError
+            raise cls(payload["error"])
+        return payload
+
+    # 2. report
     def report(self, payload: dict[str, Any]) -> None:
         if self.store is not None:
             self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(payload))
@@ -279,38 +378,26 @@ class Committer:
         deadline = time.monotonic() + self.timeout_s
         for r in range(1, self.world_size):
             key = f"{self.prefix}/report/{r}"
-            remaining = max(deadline - time.monotonic(), 0.001)
-            try:
-                self.store.wait([key], timedelta(seconds=remaining))
-            except Exception as e:  # the store raises its own timeout types
-                raise CommitError(
-                    f"rank {r} did not report its checkpoint file within {self.timeout_s:.0f}s "
-                    f"(commit_timeout_s); it may have died or be hung ({type(e).__name__})"
-                ) from None
+            self._wait(key, r, "report its file", max(deadline - time.monotonic(), 0.001))
             reports.append(json.loads(self.store.get(key)))
         return reports
 
+    # 3. outcome
     def publish(self, outcome: str) -> None:
         if self.store is not None:
             self.store.set(f"{self.prefix}/done", outcome)
 
     def wait_outcome(self) -> str:
         key = f"{self.prefix}/done"
-        try:
-            self.store.wait([key], timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            raise CommitError(
-                f"rank {self.rank}: the coordinator (rank 0) did not publish the commit outcome "
-                f"within {self.timeout_s:.0f}s ({type(e).__name__})"
-            ) from None
+        self._wait(key, 0, "publish the commit outcome", self.timeout_s)
         return self.store.get(key).decode()
 
     def cleanup(self) -> None:
         if self.store is None:
             return
-        for r in range(self.world_size):
+        for key in [f"report/{r}" for r in range(self.world_size)] + ["begin"]:
             try:
-                self.store.delete_key(f"{self.prefix}/report/{r}")
+                self.store.delete_key(f"{self.prefix}/{key}")
             except Exception:  # best effort; not every store deletes keys
                 pass
 
@@ -324,6 +411,8 @@ def build_manifest(
     block_bytes: int,
     generation: int,
     version: str,
+    commit_seq: int = 0,
+    job_id: str = "",
 ) -> Manifest:
     """The coordinator's view: every rank's chunks, checked to tile every tensor exactly once."""
     failed = [r for r in reports if r.get("error")]
@@ -367,6 +456,8 @@ def build_manifest(
         generation=generation,
         created_unix_s=time.time(),
         toolkit_version=version,
+        commit_seq=commit_seq,
+        job_id=job_id,
     )
     try:
         m.validate()

@@ -1,0 +1,189 @@
+"""Which steps exist, which of them are committed, and in what order they were committed.
+
+A step is *committed* when its ``MANIFEST.json`` is a regular file that parses as a manifest of a
+version this toolkit reads, names its own step, and carries a commit order.  Anything else is not
+a commit: a torn manifest (a store without atomic writes can leave half of one), a manifest of
+another step copied under this number, a manifest of a newer format.  Such a step is *damaged*:
+readers skip it (with a warning), retention neither counts it nor deletes it, so it can never push
+an older good step out.  A step directory without a manifest is *uncommitted*: garbage that only
+the holder of the writer lease collects.
+
+Order is the commit order, never the step number: each commit carries ``commit_seq``, one past the
+newest commit's when it was written (v1 steps read as 0, ordered among themselves by step).  After a
+rollback (``load(state, step=100)`` while 200 and 250 exist, then ``save(150)``), 150 is the newest
+commit, so it is the latest step, and auto-resume picks it, not the abandoned 250.
+
+The *line* is the history the newest commit continues: walking commits from the newest back, each
+step numbered below every step already on the line.  Steps off the line (200 and 250 above) belong
+to an abandoned branch; see :func:`resilient.checkpoint.retention.steps_to_delete` for how long
+they are kept.  Fallback after a failed load walks the line, never into an abandoned branch.
+
+Parsed manifests are cached per file version (size, mtime, inode or ETag), so listing steps again
+reads only manifests that changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    ManifestSummary,
+    manifest_summary,
+    parse_step_dir,
+)
+from resilient.checkpoint.storage import Storage
+from resilient.errors import ResilientError
+
+__all__ = ["StepInfo", "Catalog", "scan", "line_of"]
+
+log = logging.getLogger(__name__)
+
+State = Literal["committed", "uncommitted", "damaged"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    dir: str  # the step directory's name under the root
+    state: State
+    commit_seq: int = 0
+    generation: int = 0
+    job_id: str = ""
+    files: frozenset[str] = frozenset()  # the rank files its manifest names
+    problem: str = ""  # why a damaged step is not a commit
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place in commit order (v1 steps, commit_seq 0, by step number)."""
+        return (self.commit_seq, self.step)
+
+
+def line_of(commits: Sequence[int]) -> list[int]:
+    """The steps of the current line, newest first, from step numbers in commit order (oldest
+    first): the newest commit, then each older commit numbered below every step taken so far."""
+    out: list[int] = []
+    for s in reversed(commits):
+        if not out or s < out[-1]:
+            out.append(s)
+    return out
+
+
+class Catalog:
+    """A snapshot of a checkpoint root's steps (see the module docstring)."""
+
+    def __init__(self, infos: Iterable[StepInfo]) -> None:
+        self.infos = {i.step: i for i in infos}
+        self.committed = sorted(
+            (i for i in self.infos.values() if i.state == "committed"), key=lambda i: i.order
+        )
+
+    def get(self, step: int) -> StepInfo | None:
+        return self.infos.get(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps by number, ascending (abandoned branches included)."""
+        return sorted(i.step for i in self.committed)
+
+    def commits(self) -> list[int]:
+        """Committed steps in commit order, oldest first."""
+        return [i.step for i in self.committed]
+
+    def newest(self) -> StepInfo | None:
+        return self.committed[-1] if self.committed else None
+
+    def line(self) -> list[int]:
+        """The current line, newest first: what ``load`` falls back along."""
+        return line_of(self.commits())
+
+    def next_commit_seq(self) -> int:
+        seqs = [i.commit_seq for i in self.infos.values() if i.state != "uncommitted"]
+        return max(seqs, default=0) + 1
+
+    def uncommitted(self) -> list[StepInfo]:
+        return sorted(
+            (i for i in self.infos.values() if i.state == "uncommitted"), key=lambda i: i.step
+        )
+
+    def damaged(self) -> list[StepInfo]:
+        return sorted(
+            (i for i in self.infos.values() if i.state == "damaged"), key=lambda i: i.step
+        )
+
+
+# (where the root is, manifest path, its file version) -> its summary, or why it is not a commit
+_CACHE: OrderedDict[tuple, ManifestSummary | str] = OrderedDict()
+_CACHE_SIZE = 4096
+_LOCK = threading.Lock()
+_WARNED: set[tuple] = set()
+
+
+def scan(storage: Storage) -> Catalog:
+    """List ``storage``'s step directories and classify each (one listing and one stat per step;
+    a manifest is read only when it is new or changed)."""
+    where = storage.location()
+    infos = []
+    for name in storage.listdir(""):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        rel = f"{name}/{MANIFEST_NAME}"
+        try:
+            key = storage.stat_key(rel)
+        except ResilientError as e:  # e.g. the step directory is a link: not a step of ours
+            infos.append(_damaged(storage, step, name, str(e), (where, rel, "stat")))
+            continue
+        if key is None:
+            infos.append(StepInfo(step, name, "uncommitted"))
+            continue
+        cache_key = (where, rel, key)
+        with _LOCK:
+            found = _CACHE.get(cache_key)
+            if found is not None:
+                _CACHE.move_to_end(cache_key)
+        if found is None:
+            try:
+                found = manifest_summary(
+                    storage.read_small(rel, MAX_MANIFEST_BYTES), storage.display(rel), step
+                )
+            except ResilientError as e:
+                found = str(e)
+            with _LOCK:
+                _CACHE[cache_key] = found
+                while len(_CACHE) > _CACHE_SIZE:
+                    _CACHE.popitem(last=False)
+        if isinstance(found, str):
+            infos.append(_damaged(storage, step, name, found, cache_key))
+        else:
+            infos.append(
+                StepInfo(
+                    step,
+                    name,
+                    "committed",
+                    commit_seq=found.commit_seq,
+                    generation=found.generation,
+                    job_id=found.job_id,
+                    files=found.files,
+                )
+            )
+    return Catalog(infos)
+
+
+def _damaged(storage: Storage, step: int, name: str, problem: str, key: tuple) -> StepInfo:
+    with _LOCK:
+        first = key not in _WARNED
+        _WARNED.add(key)
+    if first:
+        log.warning(
+            "step %d under %s is not a commit and is skipped (never deleted): %s",
+            step,
+            storage.url,
+            problem,
+        )
+    return StepInfo(step, name, "damaged", problem=problem)

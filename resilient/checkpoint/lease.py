@@ -1,0 +1,361 @@
+"""The writer lease: one job at a time writes to a checkpoint URL.
+
+Two jobs saving to one URL would damage each other: each would garbage-collect the other's steps in
+progress, and both could write the same step.  So the coordinator of a job takes a lease before its
+first save (``LEASE.json`` at the root: job id, host, pid, a random token and a heartbeat counter),
+renews it from a daemon thread, checks it is still its own before every commit, and removes it at
+``close()``.  A job that finds another job's lease gets a :class:`~resilient.errors.LeaseError`
+naming that owner.
+
+Who may take a lease held by someone else:
+
+* the same job (same ``job_id``: a torchrun restart of the same run) takes it at once;
+* a lease whose owner ran on this host and whose process is gone (pid not running, or running a
+  different process) is taken at once;
+* any other lease is stale only when its heartbeat counter has not changed for ``timeout_s`` as
+  measured here, on this host's monotonic clock (never by comparing clocks across hosts): the
+  taker watches the record for that long, and fails as soon as it sees a heartbeat.
+
+A lease file that does not parse is treated like a silent owner (watched, then taken).  Races
+between two takers are settled by re-reading after writing: a taker that does not find its own
+token afterwards has lost.  On a local disk the first lease is created with ``link()``, which
+fails if the file appeared meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from resilient.checkpoint.storage import Storage
+from resilient.errors import LeaseError, ResilientError
+
+__all__ = ["LEASE_NAME", "LeaseRecord", "WriterLease", "default_job_id"]
+
+log = logging.getLogger(__name__)
+
+LEASE_NAME = "LEASE.json"
+_MAX_LEASE_BYTES = 64 << 10
+
+
+def default_job_id() -> str:
+    """The job's identity, the same in every rank and across torchrun restarts of one run:
+    torchrun's run id (``--rdzv-id``); when it is torchrun's default ``none``, which does not tell
+    two jobs apart, with the address of the job's store; without torchrun, the process group's
+    store address; in a single process, a fresh id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    where = f"{addr}:{port}" if addr and port else ""
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    if run_id:
+        return f"torchrun:{run_id}@{where}"
+    if where and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"pg@{where}"
+    return f"process:{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    job_id: str
+    token: str
+    host: str
+    machine: str  # hostname, boot id and pid namespace: where ``pid`` means something
+    pid: int
+    pid_start: str  # the owner process's start time (/proc), to tell a reused pid apart
+    acquired_unix_s: float
+    heartbeat_unix_s: float  # for people reading the file; never compared across hosts
+    beat: int
+    timeout_s: float
+
+    def describe(self) -> str:
+        return (
+            f"job {self.job_id!r} (host {self.host}, pid {self.pid}, lease taken at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.acquired_unix_s))})"
+        )
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": "resilient-lease-v1", **asdict(self)}, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LeaseRecord | None:
+        """The record, or None when the file is not one (torn, foreign)."""
+        try:
+            d = json.loads(data)
+            if not isinstance(d, dict) or d.pop("format", None) != "resilient-lease-v1":
+                return None
+            r = cls(**d)
+            if not all(
+                isinstance(getattr(r, f), t)
+                for f, t in (
+                    ("job_id", str),
+                    ("token", str),
+                    ("host", str),
+                    ("machine", str),
+                    ("pid", int),
+                    ("pid_start", str),
+                    ("beat", int),
+                )
+            ):
+                return None
+            return r
+        except (ValueError, TypeError, RecursionError):
+            return None
+
+
+def _process_start(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _machine() -> str:
+    """This host, boot and pid namespace: two containers on one host share a hostname or a boot id
+    but not a pid namespace, and a pid is only meaningful inside its own."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    try:
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        parts.append("")
+    return "/".join(parts)
+
+
+def _gone(record: LeaseRecord) -> bool:
+    """Whether the owner ran on this machine (same host, boot and pid namespace) and is no longer
+    running."""
+    if not record.machine or record.machine != _machine() or "//" in record.machine:
+        return False
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # someone else's process: running
+        return False
+    start = _process_start(record.pid)
+    return bool(start and record.pid_start and start != record.pid_start)
+
+
+class WriterLease:
+    """The lease of one Checkpointer's coordinator on one URL (see the module docstring).
+
+    ``acquire()`` (blocking, up to ``timeout_s`` when a silent owner must be watched), ``check()``
+    before each commit, ``release()`` at close.  Renewal runs on a daemon thread every
+    ``timeout_s / 4``; a renewal that finds another owner's token marks the lease lost, and the
+    next ``check()`` raises.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        job_id: str,
+        *,
+        timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be positive, got {timeout_s}")
+        self.storage, self.job_id, self.timeout_s = storage, job_id, timeout_s
+        self.clock, self.sleep = clock, sleep
+        # a local disk creates the first lease exclusively (link); elsewhere two takers can race
+        self.settle_s = 0.0 if storage.is_local else min(1.0, timeout_s / 10)
+        self.token = secrets.token_hex(8)
+        self.record: LeaseRecord | None = None  # ours, while held
+        self.taken_over: LeaseRecord | None = None  # whose lease we took, if anyone's
+        self._lost: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.record is not None and self._lost is None
+
+    # --- reading and writing the record -------------------------------------------------------
+    def _read(self) -> tuple[bytes | None, LeaseRecord | None]:
+        try:
+            data = self.storage.read_small(LEASE_NAME, _MAX_LEASE_BYTES)
+        except ResilientError as e:
+            if not self.storage.exists(LEASE_NAME):
+                return None, None
+            # there, but unreadable (too large, a link, ...): a silent owner of unknown identity
+            return f"unreadable: {e}".encode(), None
+        return data, LeaseRecord.from_bytes(data)
+
+    def _new_record(self, beat: int) -> LeaseRecord:
+        now = time.time()
+        acquired = self.record.acquired_unix_s if self.record else now
+        return LeaseRecord(
+            job_id=self.job_id,
+            token=self.token,
+            host=socket.gethostname(),
+            machine=_machine(),
+            pid=os.getpid(),
+            pid_start=_process_start(os.getpid()),
+            acquired_unix_s=acquired,
+            heartbeat_unix_s=now,
+            beat=beat,
+            timeout_s=self.timeout_s,
+        )
+
+    def _write(self, record: LeaseRecord, *, exclusive: bool) -> bool:
+        """Publish ``record``; with ``exclusive`` on a local disk, only if no lease exists (False
+        when one appeared meanwhile)."""
+        if exclusive and self.storage.is_local:
+            return self.storage.create_exclusive(LEASE_NAME, record.to_bytes())
+        self.storage.publish(LEASE_NAME, record.to_bytes())
+        return True
+
+    # --- acquire, check, renew, release ------------------------------------------------------
+    def acquire(self) -> None:
+        """Take the lease, or raise LeaseError naming the owner who holds it."""
+        if self.held:
+            self.check()
+            return
+        watched: tuple[bytes, float] | None = None
+        self.storage.makedirs("")
+        while True:
+            data, current = self._read()
+            if data is None:
+                mine = self._new_record(1)
+                if not self._write(mine, exclusive=True):
+                    continue  # someone created one just now: look at it
+            elif current is not None and current.token == self.token:
+                mine = current  # already ours (a second acquire after a transient failure)
+            elif current is not None and current.job_id == self.job_id:
+                log.info("taking over the lease of %s: the same job, restarted", self.storage.url)
+                mine = self._take_over(current)
+            elif current is not None and _gone(current):
+                log.warning(
+                    "taking over the lease of %s from %s: its process is gone",
+                    self.storage.url,
+                    current.describe(),
+                )
+                mine = self._take_over(current)
+            else:
+                now = self.clock()
+                if watched is None or watched[0] != data:
+                    if watched is not None:  # it changed while we watched: the owner is alive
+                        raise self._held_by(current, data)
+                    watched = (data, now)
+                    log.warning(
+                        "%s holds the writer lease of %s; waiting up to %.0fs for its heartbeat "
+                        "before taking the lease over",
+                        current.describe() if current else "an unreadable lease file",
+                        self.storage.url,
+                        self.timeout_s,
+                    )
+                if now - watched[1] < self.timeout_s:
+                    self.sleep(min(self.timeout_s / 20, 1.0))
+                    continue
+                log.warning(
+                    "taking over the stale lease of %s from %s: no heartbeat for %.0fs",
+                    self.storage.url,
+                    current.describe() if current else "an unreadable lease file",
+                    now - watched[1],
+                )
+                mine = self._take_over(current)
+            # settle a race between two takers: whoever's token is there after a moment holds the
+            # lease (a taker that read "free" just before our write wrote just after it)
+            self.sleep(self.settle_s)
+            _, after = self._read()
+            if after is None or after.token != self.token:
+                raise self._held_by(after, b"")
+            self.record, self._lost = mine, None
+            self._start_renewing()
+            return
+
+    def _take_over(self, previous: LeaseRecord | None) -> LeaseRecord:
+        self.taken_over = previous
+        mine = self._new_record(1)
+        self._write(mine, exclusive=False)
+        return mine
+
+    def _held_by(self, current: LeaseRecord | None, data: bytes) -> LeaseError:
+        owner = current.describe() if current else f"an unreadable lease file ({data[:80]!r})"
+        return LeaseError(
+            f"{self.storage.display(LEASE_NAME)}: the checkpoint URL {self.storage.url} is being "
+            f"written by {owner}, whose lease is alive; two jobs writing one URL would damage each "
+            f"other's steps — use another URL, stop the other job, or (if it is gone) wait "
+            f"{self.timeout_s:.0f}s (lease_timeout_s) for its lease to go stale"
+        )
+
+    def check(self) -> None:
+        """Before a commit: raise LeaseError unless the lease is still ours."""
+        if self.record is None:
+            raise LeaseError(f"no writer lease held on {self.storage.url}; acquire it first")
+        if self._lost is None:
+            _, current = self._read()
+            if current is None or current.token != self.token:
+                self._lost = current.describe() if current else "nobody (the lease file is gone)"
+        if self._lost is not None:
+            raise LeaseError(
+                f"the writer lease of {self.storage.url} was taken over by {self._lost} while "
+                f"this job ({self.job_id!r}) was writing; this job must not commit there any "
+                f"more — it looked stale (no heartbeat for {self.timeout_s:.0f}s?); use another "
+                f"URL or a longer lease_timeout_s"
+            )
+
+    def _start_renewing(self) -> None:
+        self._stop.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._renew_loop, name="resilient-lease", daemon=True
+            )
+            self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.timeout_s / 4):
+            try:
+                self.renew()
+            except Exception as e:  # a storage hiccup: the next renewal tries again
+                log.warning("renewing the writer lease of %s failed: %s", self.storage.url, e)
+
+    def renew(self) -> None:
+        with self._lock:
+            if self.record is None or self._lost is not None:
+                return
+            _, current = self._read()
+            if current is None or current.token != self.token:
+                self._lost = current.describe() if current else "nobody (the lease file is gone)"
+                log.error("lost the writer lease of %s to %s", self.storage.url, self._lost)
+                return
+            self.record = self._new_record(current.beat + 1)
+            self._write(self.record, exclusive=False)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease file if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            if self.record is None:
+                return
+            try:
+                _, current = self._read()
+                if current is not None and current.token == self.token:
+                    self.storage.remove(LEASE_NAME)
+            except Exception as e:  # best effort: a stale lease is taken over later
+                log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
+            self.record = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "token": self.token, "held": self.held}
