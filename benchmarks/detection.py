@@ -38,18 +38,23 @@ def _publisher(port: int, prefix: str, world: int, interval: float, victim: int,
     """The N-1 simulated ranks, in their own process (as other hosts would be)."""
     import torch.distributed as dist
 
-    from resilient.health.heartbeat import encode_progress
+    from resilient.health.clocks import boot_id
+    from resilient.health.heartbeat import encode_alive, encode_progress
 
     client = dist.TCPStore("127.0.0.1", port, 1, False)
     step = 0
+    ranks = list(range(1, world))
+    # every simulated rank registers, as a monitor does when it starts
+    client.append(f"{prefix}/joined", "".join(f"{r}," for r in ranks))
     while not halt.is_set():
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         step += 1
         ranks = [r for r in range(1, world) if not (stop.is_set() and r == victim)]
-        progress = encode_progress(step, "train", now, "sim", 0)
+        alive = encode_alive(step, mono, now, boot_id())
+        progress = encode_progress(step, "train", now, "sim", 0, seq=step, mono=mono)
         client.multi_set(
             [f"{prefix}/alive/{r}" for r in ranks] + [f"{prefix}/progress/{r}" for r in ranks],
-            [str(now)] * len(ranks) + [progress] * len(ranks),
+            [alive] * len(ranks) + [progress] * len(ranks),
         )
         halt.wait(interval)
 

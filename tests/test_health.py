@@ -1,5 +1,8 @@
 """Failure detection: the pure detector, and monitors heartbeating into a real TCPStore."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -69,6 +72,54 @@ def test_only_the_step_the_loop_calls_first_gets_the_first_step_budget():
     assert d.observe(first, now) == []  # 60 s into its first step: within the budget
 
 
+def test_a_rank_that_never_registers_is_dead_after_the_join_timeout():
+    d = Detector(DetectorConfig(join_timeout_s=10.0), start=100.0)
+    missing = RankStatus(1, None, None, "unregistered")
+
+    def ranks(now):
+        return [RankStatus(0, now - 0.1, None, "rendezvous", 101.0, "h", 1, seq=2), missing]
+
+    assert d.observe(ranks(105.0), 105.0) == []  # still within the join timeout
+    out = d.observe(ranks(110.5), 110.5)
+    assert [(f.verdict, f.rank, f.cause) for f in out] == [(Verdict.DEAD, 1, "never_joined")]
+    assert "never joined: no heartbeat registered 10.5s after the leader started" in out[0].detail
+    assert out[0].timeout_s == 10.0 and out[0].waited_s == 10.5
+
+
+@pytest.mark.parametrize(
+    "phase,peers",
+    [("init", "rendezvous"), ("restore", "first_step"), ("commit", "done-ish")],
+    ids=["stuck-before-the-rendezvous", "stuck-in-a-restore", "stuck-in-a-commit"],
+)
+def test_every_phase_before_and_around_steps_has_a_budget(phase, peers):
+    """A rank stuck in a start-up phase, a restore or a commit, while its peers went further (a
+    higher progress sequence number: there is no step yet to compare), is HUNG after that phase's
+    budget, and named with its phase."""
+    budgets = {"init": 5.0, "restore": 20.0, "commit": 30.0}
+    d = Detector(DetectorConfig(phase_budgets_s={phase: budgets[phase]}, hang_timeout_s=1e9))
+    step = 10 if phase == "commit" else None
+    stuck_since = 100.0
+
+    def look(now):
+        peer_phase = "train" if peers == "done-ish" else peers
+        peer_step = 11 if phase == "commit" else (1 if peers == "first_step" else None)
+        return d.observe(
+            [
+                RankStatus(0, now, peer_step, peer_phase, now - 0.5, "h", 10, seq=9),
+                RankStatus(1, now, step, phase, stuck_since, "h", 11, seq=6),
+                RankStatus(2, now, peer_step, peer_phase, now - 0.5, "h", 12, seq=9),
+            ],
+            now,
+        )
+
+    assert look(stuck_since + budgets[phase] - 1) == []  # within its budget
+    out = look(stuck_since + budgets[phase] + 1)
+    assert [(f.verdict, f.rank, f.phase, f.cause) for f in out] == [
+        (Verdict.HUNG, 1, phase, "no_progress")
+    ]
+    assert f"(budget {budgets[phase]:.1f}s in phase {phase})" in out[0].detail
+
+
 def test_straggler_reported_after_consecutive_windows():
     d = Detector(DetectorConfig(straggler_factor=2.0, straggler_windows=3, hang_timeout_s=1e9))
     t = {r: 0.0 for r in range(4)}
@@ -83,30 +134,33 @@ def test_straggler_reported_after_consecutive_windows():
 
 
 class Sim:
-    """Four monitors, one per simulated rank, heartbeating into one TCPStore."""
+    """Monitors, one per simulated rank, heartbeating into one TCPStore.  Beats every 0.2 s and
+    DEAD after 1 s: five missed beats, so a loaded 2-core machine that stalls a thread for a
+    moment does not fail a test that expects no verdict.  ``ranks``: the ranks that start (the
+    others never register)."""
 
-    def __init__(self, tmp_path, world=4, **cfg):
+    def __init__(self, tmp_path, world=4, ranks=None, **cfg):
         self.server = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+        self.port = self.server.port
         self.events = EventLog(str(tmp_path / "events.jsonl"))
         self.failures: dict[int, list] = {r: [] for r in range(world)}
-        config = DetectorConfig(interval_s=0.1, dead_after_intervals=3, hang_floor_s=0.5, **cfg)
-        self.monitors = []
-        for r in range(world):
+        cfg = {"interval_s": 0.2, "dead_after_intervals": 5, "hang_floor_s": 2.0, **cfg}
+        self.config = DetectorConfig(**cfg)
+        self.monitors = {}
+        for r in range(world) if ranks is None else ranks:
             client = dist.TCPStore("127.0.0.1", self.server.port, world + 1, False)
-            self.monitors.append(
-                Monitor(
-                    client,
-                    "run/0",
-                    r,
-                    world,
-                    config,
-                    events=self.events,
-                    on_failure=self.failures[r].append,
-                    kill_local=False,
-                )
+            self.monitors[r] = Monitor(
+                client,
+                "run/0",
+                r,
+                world,
+                self.config,
+                events=self.events,
+                on_failure=self.failures[r].append,
+                kill_local=False,
             )
 
-    def wait_for(self, cond, timeout=10.0):
+    def wait_for(self, cond, timeout=60.0):
         end = time.time() + timeout
         while time.time() < end:
             if cond():
@@ -115,7 +169,7 @@ class Sim:
         return False
 
     def close(self):
-        for m in self.monitors:
+        for m in self.monitors.values():
             m.close()
 
 
@@ -145,13 +199,13 @@ def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
 
 
 def test_a_rank_that_stops_progressing_while_peers_wait_is_hung(tmp_path):
-    sim = Sim(tmp_path, hang_timeout_s=0.4)
+    sim = Sim(tmp_path, hang_timeout_s=3.0)
     stop = threading.Event()
     threads = [
         threading.Thread(
-            target=drive, args=(m, range(1, 8) if r == 1 else range(1, 1000), 0.05, stop)
+            target=drive, args=(m, range(1, 8) if r == 1 else range(1, 10_000), 0.05, stop)
         )
-        for r, m in enumerate(sim.monitors)
+        for r, m in sim.monitors.items()
     ]
     for t in threads:
         t.start()
@@ -165,18 +219,16 @@ def test_a_rank_that_stops_progressing_while_peers_wait_is_hung(tmp_path):
 
 
 def test_clean_run_with_short_pauses_and_a_straggler_gets_no_verdict(tmp_path):
-    sim = Sim(tmp_path, hang_timeout_s=1.0)
+    sim = Sim(tmp_path, hang_timeout_s=5.0)  # far above any stall a busy machine causes
     stop = threading.Event()
     threads = [
-        threading.Thread(target=drive, args=(m, range(1, 1000), 0.12 if r == 3 else 0.04, stop))
-        for r, m in enumerate(sim.monitors)
+        threading.Thread(target=drive, args=(m, range(1, 10_000), 0.12 if r == 3 else 0.04, stop))
+        for r, m in sim.monitors.items()
     ]
     for t in threads:
         t.start()
     try:
-        assert sim.wait_for(
-            lambda: any(e["event"] == "straggler" for e in sim.events.read()), timeout=15
-        )
+        assert sim.wait_for(lambda: any(e["event"] == "straggler" for e in sim.events.read()))
         assert all(not f for f in sim.failures.values())  # reported, never killed
         straggler = [e for e in sim.events.read() if e["event"] == "straggler"]
         assert straggler[0]["rank"] == 3
@@ -191,7 +243,8 @@ def test_ranks_that_finish_are_not_declared_dead(tmp_path):
         sim.monitors[0].close()  # the leader finishes first, the others a little later
         sim.monitors[2].close()
         assert sim.wait_for(lambda: sim.monitors[1].is_leader)
-        time.sleep(1.0)  # many heartbeat intervals
+        scans = sim.monitors[1].scans
+        assert sim.wait_for(lambda: sim.monitors[1].scans >= scans + 10)  # many intervals
         assert all(not f for f in sim.failures.values())
     finally:
         sim.close()
@@ -210,3 +263,113 @@ def test_a_dead_leader_is_replaced_and_the_verdict_still_comes(tmp_path):
         assert any(e["event"] == "leader" and e["rank"] == 1 for e in sim.events.read())
     finally:
         sim.close()
+
+
+def test_a_rank_that_never_registers_is_declared_dead_by_the_group(tmp_path):
+    """Rank 3 froze before its monitor started (in its imports): it has no keys at all.  The
+    leader declares it DEAD after the join timeout, and every live rank acts on the verdict."""
+    sim = Sim(tmp_path, ranks=[0, 1, 2], join_timeout_s=1.0)
+    try:
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 2)))
+        for r in (0, 1, 2):
+            f = sim.failures[r][0]
+            assert (f.verdict, f.rank, f.cause) == (Verdict.DEAD, 3, "never_joined")
+            assert f.waited_s >= 1.0
+        verdict = next(e for e in sim.events.read() if e["event"] == "verdict")
+        assert verdict["rank"] == 3 and "never joined" in verdict["detail"]
+    finally:
+        sim.close()
+
+
+def test_a_leader_that_never_registers_is_replaced_and_declared(tmp_path):
+    sim = Sim(tmp_path, ranks=[1, 2, 3], join_timeout_s=1.0)
+    try:
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (1, 2, 3)))
+        assert sim.monitors[1].is_leader
+        assert all(
+            (sim.failures[r][0].verdict, sim.failures[r][0].rank) == (Verdict.DEAD, 0)
+            for r in (1, 2, 3)
+        )
+        leader = next(e for e in sim.events.read() if e["event"] == "leader")
+        assert leader["rank"] == 1 and leader["reason"] == "never registered"
+    finally:
+        sim.close()
+
+
+def test_a_rank_stuck_in_its_restore_is_hung_before_any_step(tmp_path):
+    """Item 3 on real monitors: rank 2 stalls loading the checkpoint while its peers finished
+    theirs and wait in the first step; no step exists yet, the phase budget names it."""
+    sim = Sim(tmp_path, phase_budgets_s={"restore": 1.0}, hang_timeout_s=30.0)
+    try:
+        for r, m in sim.monitors.items():
+            m.progress(None, "setup")
+            m.progress(None, "restore")
+            if r != 2:
+                m.progress(None, "setup")
+                m.progress(1, "first_step")
+        assert sim.wait_for(lambda: sim.failures[0])
+        f = sim.failures[0][0]
+        assert (f.verdict, f.rank, f.phase) == (Verdict.HUNG, 2, "restore")
+        assert "while peers reached step 1" in f.detail
+    finally:
+        sim.close()
+
+
+SKEWED_RANK = """
+import os, sys, time
+import torch.distributed as dist
+from resilient.health import DetectorConfig, EventLog, Monitor
+
+true_time = time.time
+time.time = lambda: true_time() - 30.0  # this host's wall clock is 30 s behind
+port, events, stop = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, 5, False)
+config = DetectorConfig(interval_s=0.2, dead_after_intervals=5, hang_floor_s=2.0)
+m = Monitor(store, "run/0", 3, 4, config, events=EventLog(events), kill_local=False,
+            on_failure=lambda f: print("verdict", f, flush=True))
+step = 0
+while not os.path.exists(stop):
+    step += 1
+    m.progress(step, "train")
+    time.sleep(0.05)
+m.close()
+"""
+
+
+def test_a_skewed_wall_clock_gives_no_verdict_and_the_skew_is_logged(tmp_path):
+    """Rank 3 runs in a process whose time.time() is 30 s behind the leader's, and is healthy:
+    no verdict (liveness is judged on the leader's own clock), and the skew is in the event log."""
+    sim = Sim(tmp_path, ranks=[0, 1, 2])
+    stop = tmp_path / "stop"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SKEWED_RANK, str(sim.port), sim.events.path, str(stop)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    threads_stop = threading.Event()
+    threads = [
+        threading.Thread(target=drive, args=(m, range(1, 100_000), 0.05, threads_stop))
+        for m in sim.monitors.values()
+    ]
+    for t in threads:
+        t.start()
+    try:
+
+        def skew_logged():
+            return [e for e in sim.events.read() if e["event"] == "clock_skew"]
+
+        assert sim.wait_for(skew_logged)
+        skew = skew_logged()[0]
+        assert skew["rank"] == 3 and -31 < skew["skew_s"] < -29
+        assert "30.0s behind the leader's" in skew["detail"] or "behind" in skew["detail"]
+        scans = sim.monitors[0].scans
+        assert sim.wait_for(lambda: sim.monitors[0].scans >= scans + 15)  # 3 s of scans
+        assert all(not f for f in sim.failures.values())
+        assert not [e for e in sim.events.read() if e["event"] == "verdict"]
+    finally:
+        stop.write_text("")
+        threads_stop.set()
+        out, _ = proc.communicate(timeout=60)
+        sim.close()
+    assert "verdict" not in out

@@ -1,15 +1,20 @@
 """Verdicts from heartbeats: DEAD, HUNG and STRAGGLER (DESIGN.md section 6), as pure logic.
 
-The leader feeds ``Detector.observe`` a snapshot of every rank's last liveness and progress
-timestamps; it returns findings.  No store, no threads, no clocks of its own: tested by feeding
-snapshots.
+The leader feeds ``Detector.observe`` a snapshot of every rank's last liveness and progress times,
+already on the leader's own monotonic clock (``resilient.health.clocks`` maps them there, so a
+sender's skewed wall clock never enters a verdict); it returns findings.  No store, no threads, no
+clocks of its own: tested by feeding snapshots.
 
 * DEAD: no liveness heartbeat for ``dead_after_intervals`` intervals (a killed or frozen process:
-  SIGSTOP freezes its heartbeat thread too).
-* HUNG: alive, but no progress for the hang timeout while peers wait (they reached a later step),
-  or every rank stalled at once.  The timeout is ``hang_timeout_s`` when set, else the rolling 95th
-  percentile of observed step times times ``hang_factor``, never below ``hang_floor_s``.  Phases
-  the loop declares get their own budget (checkpoint, eval) and so does the first step.
+  SIGSTOP freezes its heartbeat thread too); or never registered at all within ``join_timeout_s``
+  of the leader's own start ("never joined": frozen or stuck in imports or the launcher before its
+  heartbeat started).
+* HUNG: alive, but no progress for its phase's budget while peers wait (they are further along:
+  a higher progress sequence number, which orders ranks before the first step too), or every rank
+  stalled at once.  The budget is ``hang_timeout_s`` when set, else the rolling 95th percentile of
+  observed step times times ``hang_factor``, never below ``hang_floor_s``.  Every phase from process
+  start to the first step (init, rendezvous, setup, restore), the first step itself, and the phases
+  the loop declares later (checkpoint, commit, eval) have budgets of their own.
 * STRAGGLER: a rank whose recent step time exceeds the median rank's by ``straggler_factor`` for
   ``straggler_windows`` consecutive observations; reported, never killed.  When the loop reports
   each rank's compute time (without collective waits), that is compared instead: in a synchronous
@@ -24,7 +29,16 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["Verdict", "RankStatus", "Finding", "DetectorConfig", "Detector"]
+__all__ = [
+    "Verdict",
+    "RankStatus",
+    "Finding",
+    "DetectorConfig",
+    "Detector",
+    "STARTUP_PHASES",
+    "DEFAULT_PHASE_BUDGETS_S",
+    "UNREGISTERED",
+]
 
 
 # "done": the loop finished; "exiting": the launcher is tearing the group down after a failure
@@ -38,16 +52,31 @@ class Verdict(StrEnum):
     STRAGGLER = "STRAGGLER"
 
 
+# What a rank goes through before its first step, in order; each has a budget.
+STARTUP_PHASES = ("init", "rendezvous", "setup", "restore")
+DEFAULT_PHASE_BUDGETS_S = {
+    "init": 300.0,  # heartbeat started: before the process group (launch.init_process_group)
+    "rendezvous": 300.0,  # inside dist.init_process_group, waiting for the peers
+    "setup": 300.0,  # process group up: building the model, the first collectives
+    "restore": 600.0,  # loading the newest committed checkpoint (Run.track)
+    "checkpoint": 600.0,  # staging a save (and joining the previous one)
+    "commit": 600.0,  # waiting for a save to commit (final, preemption)
+    "eval": 900.0,
+}
+UNREGISTERED = "unregistered"  # a rank with no heartbeat key yet
+
+
 @dataclass(frozen=True)
 class RankStatus:
     rank: int
-    alive_t: float | None  # last liveness heartbeat (wall clock)
+    alive_t: float | None  # last liveness heartbeat, on the leader's clock (None: never joined)
     step: int | None  # last step the loop announced
     phase: str = "train"
-    progress_t: float | None = None  # when it announced that step or phase
+    progress_t: float | None = None  # when it announced that step or phase (leader's clock)
     host: str = ""
     pid: int = 0
     busy_s: float | None = None  # compute time of its last step, without collective waits
+    seq: int | None = None  # how many progress announcements it made: orders ranks before step 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,18 @@ class Finding:
     seconds_since_progress: float | None
     seconds_since_alive: float | None
     detail: str
+    # why: "no_heartbeat", "never_joined", "no_progress" (behind waiting peers), "group_stall",
+    # "slow"; and the bound that was exceeded (dead timeout, join timeout, phase budget)
+    cause: str = ""
+    timeout_s: float | None = None
+    waited_s: float | None = None  # never joined: how long the leader had waited for it
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Finding:
+        names = set(cls.__dataclass_fields__)
+        return cls(
+            **{**{k: v for k, v in d.items() if k in names}, "verdict": Verdict(d["verdict"])}
+        )
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -78,22 +119,37 @@ class Finding:
 
 @dataclass(kw_only=True)
 class DetectorConfig:
+    """Heartbeat and verdict settings.  ``phase_budgets_s`` overrides the defaults
+    (``DEFAULT_PHASE_BUDGETS_S``) phase by phase; ``join_timeout_s``: how long the leader waits,
+    from its own start, for a rank that never registered before declaring it DEAD."""
+
     interval_s: float = 1.0
     dead_after_intervals: float = 2.0
+    join_timeout_s: float = 120.0
     hang_timeout_s: float | None = None
     hang_factor: float = 5.0
     hang_floor_s: float = 30.0
-    phase_budgets_s: dict[str, float] = field(
-        default_factory=lambda: {"checkpoint": 600.0, "eval": 900.0}
-    )
+    phase_budgets_s: dict[str, float] = field(default_factory=dict)
     first_step_budget_s: float = 300.0
     straggler_factor: float = 1.4
     straggler_windows: int = 3
     window: int = 50  # step times kept per rank
+    skew_report_s: float = 1.0  # clock skew worth an event in the log
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.dead_after_intervals <= 0:
-            raise ValueError("interval_s and dead_after_intervals must be positive")
+            raise ValueError(
+                f"interval_s ({self.interval_s}) and dead_after_intervals "
+                f"({self.dead_after_intervals}) must be positive"
+            )
+        if self.join_timeout_s <= 0:
+            raise ValueError(f"join_timeout_s must be positive, got {self.join_timeout_s}")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ValueError(f"hang_timeout_s must be positive or None, got {self.hang_timeout_s}")
+        bad = {k: v for k, v in self.phase_budgets_s.items() if not v > 0}
+        if bad:
+            raise ValueError(f"phase budgets must be positive seconds, got {bad}")
+        self.phase_budgets_s = {**DEFAULT_PHASE_BUDGETS_S, **self.phase_budgets_s}
 
     @property
     def dead_timeout_s(self) -> float:
@@ -101,8 +157,12 @@ class DetectorConfig:
 
 
 class Detector:
-    def __init__(self, config: DetectorConfig) -> None:
+    """``start``: when the leader started watching, on the clock ``observe`` gets as ``now``; a rank
+    with no heartbeat ``join_timeout_s`` after it is declared DEAD ("never joined")."""
+
+    def __init__(self, config: DetectorConfig, *, start: float = 0.0) -> None:
         self.config = config
+        self.start = start
         self._last: dict[int, tuple[int | None, float | None]] = {}
         self._step_times: dict[int, deque[float]] = {}
         self._busy_times: dict[int, deque[float]] = {}
@@ -151,9 +211,27 @@ class Detector:
         findings: list[Finding] = []
         # finished ranks, and ranks a launcher's teardown is stopping, owe no heartbeat
         statuses = [s for s in statuses if s.phase not in GONE_PHASES]
+        waited = now - self.start
         for s in statuses:
-            since_alive = None if s.alive_t is None else now - s.alive_t
-            if since_alive is not None and since_alive > c.dead_timeout_s:
+            if s.alive_t is None:
+                if waited > c.join_timeout_s:
+                    findings.append(
+                        self._finding(
+                            Verdict.DEAD,
+                            s,
+                            now,
+                            f"never joined: no heartbeat registered {waited:.1f}s after the "
+                            f"leader started (join timeout {c.join_timeout_s:.1f}s); it froze or "
+                            f"is stuck before its monitor started (imports, the launcher, "
+                            f"resilient.launch.init_process_group)",
+                            cause="never_joined",
+                            timeout_s=c.join_timeout_s,
+                            waited_s=waited,
+                        )
+                    )
+                continue
+            since_alive = now - s.alive_t
+            if since_alive > c.dead_timeout_s:
                 findings.append(
                     self._finding(
                         Verdict.DEAD,
@@ -161,23 +239,33 @@ class Detector:
                         now,
                         f"no liveness heartbeat for {since_alive:.1f}s "
                         f"(timeout {c.dead_timeout_s:.1f}s)",
+                        cause="no_heartbeat",
+                        timeout_s=c.dead_timeout_s,
                     )
                 )
         if findings:
             return findings
-        known = [s for s in statuses if s.step is not None and s.progress_t is not None]
+        known = [s for s in statuses if s.progress_t is not None and s.alive_t is not None]
         if known:
-            newest = max(s.step for s in known)
             stalled = [s for s in known if now - s.progress_t > self._budget(s)]
-            behind = [s for s in stalled if s.step < newest]
+            ahead = _furthest(known)
+            behind = [s for s in stalled if _order(s, known) < ahead]
             for s in behind:
+                further = max(known, key=lambda x: _order(x, known))
+                where = (
+                    f"step {further.step}"
+                    if further.step is not None and further.step != s.step
+                    else f"phase {further.phase}"
+                )
                 findings.append(
                     self._finding(
                         Verdict.HUNG,
                         s,
                         now,
                         f"alive but no progress for {now - s.progress_t:.1f}s (budget "
-                        f"{self._budget(s):.1f}s in phase {s.phase}) while peers reached step {newest}",
+                        f"{self._budget(s):.1f}s in phase {s.phase}) while peers reached {where}",
+                        cause="no_progress",
+                        timeout_s=self._budget(s),
                     )
                 )
             if not behind and stalled and len(stalled) == len(statuses):
@@ -192,7 +280,10 @@ class Detector:
                         s.phase,
                         now - s.progress_t,
                         None,
-                        f"every rank stalled at step {s.step} for over {self._budget(s):.1f}s",
+                        f"every rank stalled at step {s.step} (phase {s.phase}) for over "
+                        f"{self._budget(s):.1f}s",
+                        cause="group_stall",
+                        timeout_s=self._budget(s),
                     )
                 )
         findings += self._stragglers(statuses, now)
@@ -223,6 +314,7 @@ class Detector:
                             now,
                             f"{t / median:.1f}x slower than the median rank ({t:.3f}s vs "
                             f"{median:.3f}s per step{' of compute' if times is self._busy_times else ''})",
+                            cause="slow",
                         )
                     )
             else:
@@ -230,7 +322,16 @@ class Detector:
         return out
 
     @staticmethod
-    def _finding(v: Verdict, s: RankStatus, now: float, detail: str) -> Finding:
+    def _finding(
+        v: Verdict,
+        s: RankStatus,
+        now: float,
+        detail: str,
+        *,
+        cause: str = "",
+        timeout_s: float | None = None,
+        waited_s: float | None = None,
+    ) -> Finding:
         return Finding(
             v,
             s.rank,
@@ -241,4 +342,19 @@ class Detector:
             None if s.progress_t is None else now - s.progress_t,
             None if s.alive_t is None else now - s.alive_t,
             detail,
+            cause,
+            timeout_s,
+            waited_s,
         )
+
+
+def _order(s: RankStatus, known: list[RankStatus]) -> int:
+    """How far a rank got: its progress sequence number when every rank sends one (it counts
+    phases before the first step too), else its step."""
+    if all(k.seq is not None for k in known):
+        return s.seq  # type: ignore[return-value]
+    return -1 if s.step is None else s.step
+
+
+def _furthest(known: list[RankStatus]) -> int:
+    return max(_order(s, known) for s in known)

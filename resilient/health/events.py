@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EventLog"]
+__all__ = ["EventLog", "default_event_log"]
 
 
 class EventLog:
@@ -37,3 +37,12 @@ class EventLog:
             return []
         with open(self.path) as f:
             return [json.loads(line) for line in f if line.strip()]
+
+
+def default_event_log(checkpoint_url: str | None) -> str | None:
+    """``events.jsonl`` next to the checkpoints when they are on a local disk; else none."""
+    if checkpoint_url is None:
+        return None
+    if "://" not in checkpoint_url or checkpoint_url.startswith("file://"):
+        return os.path.join(checkpoint_url.removeprefix("file://"), "events.jsonl")
+    return None

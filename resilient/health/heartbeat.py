@@ -2,15 +2,26 @@
 
 Every rank runs one daemon thread ("resilient-heartbeat") that, each interval, publishes its
 liveness, and reads two keys: the verdict and the leader's liveness (O(1) per rank).  The leader
-(rank 0; if its heartbeat stops, the next live rank takes over with an atomic compare-and-set)
-also reads every rank's keys in one batch, runs the Detector and publishes a verdict (O(world)).
-The loop publishes progress (step, phase) from its own thread.
+(rank 0; if its heartbeat stops, or it never registers, the next live rank takes over with an
+atomic compare-and-set) also reads every registered rank's keys in one batch, runs the Detector and
+publishes a verdict (O(world)).  The loop publishes progress (step, phase, a sequence number) from
+its own thread.
+
+A rank registers (appends itself to ``<prefix>/joined``) when its monitor starts, which under
+torchrun is inside ``resilient.launch.init_process_group``, before the process group exists: a rank
+that froze in its imports or in the launcher never registers, and the leader declares it DEAD
+("never joined") ``join_timeout_s`` after its own start.
+
+Times: each heartbeat carries the sender's monotonic clock; the observer maps it onto its own
+(``resilient.health.clocks``), so a skewed or stepped wall clock on any host never causes a verdict.
+The skew the leader sees goes to the event log ("clock_skew").
 
 On DEAD or HUNG every live rank writes its Python stacks (faulthandler) and the failure record to
 the event log, the leader SIGKILLs a hung or frozen rank on its own host (torchrun waits 30 s for
-a stopped process otherwise), and every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun
-(``--max-restarts``) restarts the group, which resumes from the newest committed checkpoint.  A rank
-blocked inside a collective cannot be interrupted from Python: exiting is the reliable way.
+a stopped process otherwise; a rank that never registered is found by its launcher environment),
+and every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun (``--max-restarts``) restarts the
+group, which resumes from the newest committed checkpoint.  A rank blocked inside a collective
+cannot be interrupted from Python: exiting is the reliable way.
 """
 
 from __future__ import annotations
@@ -24,10 +35,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from resilient.health.clocks import PeerClock, boot_id
 from resilient.health.detector import (
     GONE_PHASES,
+    UNREGISTERED,
     Detector,
     DetectorConfig,
     Finding,
@@ -36,7 +50,15 @@ from resilient.health.detector import (
 )
 from resilient.health.events import EventLog
 
-__all__ = ["Monitor", "EXIT_RANK_FAILURE"]
+__all__ = [
+    "Monitor",
+    "EXIT_RANK_FAILURE",
+    "encode_alive",
+    "decode_alive",
+    "encode_progress",
+    "decode_progress",
+    "local_rank_pid",
+]
 
 # sysexits EX_TEMPFAIL: "try again" - a peer failed and the group must restart.
 EXIT_RANK_FAILURE = 75
@@ -62,7 +84,8 @@ class Monitor:
             world_size,
         )
         self.config = config or DetectorConfig()
-        self.detector = Detector(self.config)
+        self.started_mono = time.monotonic()
+        self.detector = Detector(self.config, start=self.started_mono)
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
         self.kill_local = kill_local
@@ -73,12 +96,20 @@ class Monitor:
         self._reported: set[tuple[str, int | None]] = set()
         self.scans = 0
         self.last_scan_s = 0.0
-        self._all_present = False
-        self._set("alive", time.time())
-        self.progress(None, "start")
+        self._beats = 0
+        self._seq = 0
+        self.phase: str | None = None
+        self._joined: set[int] = set()
+        self._keys: list[str] = []
+        self._clocks: dict[int, PeerClock] = {}
+        self._cache: dict[int, tuple[bytes, bytes, RankStatus]] = {}
+        self._skew_reported: dict[int, float] = {}
         self._key_leader = f"{self.prefix}/leader"
+        self._beat()
+        self.progress(None, "init")
         with self._lock:
             self.store.compare_set(self._key_leader, "", "0")
+            self.store.append(f"{self.prefix}/joined", f"{rank},")
         self._thread = threading.Thread(target=self._loop, name="resilient-heartbeat", daemon=True)
         self._thread.start()
 
@@ -87,8 +118,20 @@ class Monitor:
         """Announce ``step`` and ``phase``; ``busy_s``: the time this rank computed in its last
         step, without waiting in collectives (what tells a straggler apart in a synchronous job,
         where every rank's step takes equally long)."""
+        self._seq += 1
+        self.phase = phase
         self._set(
-            "progress", encode_progress(step, phase, time.time(), self.host, self.pid, busy_s)
+            "progress",
+            encode_progress(
+                step,
+                phase,
+                time.time(),
+                self.host,
+                self.pid,
+                busy_s,
+                seq=self._seq,
+                mono=time.monotonic(),
+            ),
         )
 
     def leaving(self, step: int | None) -> None:
@@ -116,6 +159,10 @@ class Monitor:
             self._thread.join(timeout=5 * self.config.interval_s)
 
     @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def is_leader(self) -> bool:
         return self._leader() == self.rank
 
@@ -123,7 +170,7 @@ class Monitor:
     def _loop(self) -> None:
         while not self._stop.wait(self.config.interval_s):
             try:
-                self._set("alive", time.time())
+                self._beat()
                 self._maybe_take_over()
                 if self.is_leader:
                     self._scan()
@@ -133,39 +180,74 @@ class Monitor:
                 if self._stop.wait(self.config.interval_s):
                     return
 
+    def _beat(self) -> None:
+        self._beats += 1
+        self._set("alive", encode_alive(self._beats, time.monotonic(), time.time(), boot_id()))
+
     def _maybe_take_over(self) -> None:
         leader = self._leader()
         if leader == self.rank:
             return
-        alive = self._get_float(f"alive/{leader}")
-        done = self._phase(leader) in GONE_PHASES
         # the next rank after the leader takes over first; rank leader+k waits k timeouts
         distance = (self.rank - leader - 1) % self.world_size + 1
-        if done or (
-            alive is not None and time.time() - alive > distance * self.config.dead_timeout_s
-        ):
+        c = self.config
+        key = f"{self.prefix}/alive/{leader}"
+        with self._lock:
+            raw = self.store.get(key) if self.store.check([key]) else None
+        now = time.monotonic()
+        if raw is None:
+            # the leader never registered (frozen in its imports?): wait as long as the leader
+            # would wait for any rank, then take its place and judge it
+            gone = now - self.started_mono > c.join_timeout_s + (distance - 1) * c.dead_timeout_s
+        else:
+            _, mono, wall, boot = decode_alive(raw)
+            clock = self._clock(leader, boot)
+            clock.observe(raw, mono, wall, now, time.time())
+            gone = (
+                self._phase(leader) in GONE_PHASES
+                or now - clock.local(mono) > distance * c.dead_timeout_s
+            )
+        if gone:
             with self._lock:
                 got = self.store.compare_set(self._key_leader, str(leader), str(self.rank)).decode()
             if got == str(self.rank):
-                self.events.write("leader", rank=self.rank, replaced=leader)
+                self.events.write(
+                    "leader",
+                    rank=self.rank,
+                    replaced=leader,
+                    reason="never registered" if raw is None else "no heartbeat or done",
+                )
 
     def _scan(self) -> None:
         t0 = time.perf_counter()
-        keys = [f"{self.prefix}/alive/{r}" for r in range(self.world_size)]
-        keys += [f"{self.prefix}/progress/{r}" for r in range(self.world_size)]
-        with self._lock:
-            if not self._all_present:  # once every rank has started, its keys stay
-                self._all_present = self.store.check(keys)
-            values = self.store.multi_get(keys) if self._all_present else None
-        if values is None:
-            return  # some rank has not started yet
         n = self.world_size
-        statuses = [
-            RankStatus(r, float(values[r]), *decode_progress(values[n + r])) for r in range(n)
-        ]
-        findings = self.detector.observe(statuses, time.time())
+        if len(self._joined) < n:
+            joined_key = f"{self.prefix}/joined"
+            with self._lock:
+                raw = self.store.get(joined_key) if self.store.check([joined_key]) else b""
+            now_joined = {int(x) for x in raw.decode().split(",") if x}
+            if now_joined != self._joined:
+                self._joined = now_joined
+                ranks = sorted(now_joined)
+                self._keys = [f"{self.prefix}/alive/{r}" for r in ranks] + [
+                    f"{self.prefix}/progress/{r}" for r in ranks
+                ]
+        ranks = sorted(self._joined)
+        with self._lock:
+            values = self.store.multi_get(self._keys) if self._keys else []
+        now, wall = time.monotonic(), time.time()
+        k = len(ranks)
+        statuses = []
+        for i, r in enumerate(ranks):
+            statuses.append(self._status(r, values[i], values[k + i], now, wall))
+        if k < n:
+            statuses += [
+                RankStatus(r, None, None, UNREGISTERED) for r in range(n) if r not in self._joined
+            ]
+        findings = self.detector.observe(statuses, now)
         self.scans += 1
         self.last_scan_s = time.perf_counter() - t0
+        self._report_skew(ranks)
         for f in findings:
             tag = (f.verdict.value, f.rank)
             if f.verdict is Verdict.STRAGGLER:
@@ -177,6 +259,53 @@ class Monitor:
                 self.store.compare_set(f"{self.prefix}/verdict", "", json.dumps(f.to_json()))
             break
 
+    def _status(self, r: int, alive: bytes, progress: bytes, now: float, wall: float) -> RankStatus:
+        """Rank ``r``'s status on this leader's clock; decoded again only when a key changed."""
+        cached = self._cache.get(r)
+        if cached is not None and cached[0] == alive and cached[1] == progress:
+            return cached[2]
+        _, a_mono, a_wall, boot = decode_alive(alive)
+        clock = self._clock(r, boot)
+        clock.observe(alive, a_mono, a_wall, now, wall)
+        step, phase, _, host, pid, busy, seq, p_mono = decode_progress(progress)
+        if cached is None or cached[1] != progress:
+            clock.note(p_mono, now)
+        status = RankStatus(
+            r, clock.local(a_mono), step, phase, clock.local(p_mono), host, pid, busy, seq
+        )
+        self._cache[r] = (alive, progress, status)
+        return status
+
+    def _clock(self, rank: int, boot: str) -> PeerClock:
+        clock = self._clocks.get(rank)
+        if clock is None:
+            clock = self._clocks[rank] = PeerClock(same_kernel=bool(boot) and boot == boot_id())
+        return clock
+
+    def _report_skew(self, ranks: list[int]) -> None:
+        """Clock skew between a rank and the leader, once per rank (and again if it moves by more
+        than the threshold): it costs no verdict, but logs with wall times will disagree."""
+        limit = self.config.skew_report_s
+        for r in ranks:
+            clock = self._clocks.get(r)
+            if clock is None or clock.skew_s is None or clock.changes < 2:
+                continue
+            last = self._skew_reported.get(r, 0.0)
+            if abs(clock.skew_s) >= limit and abs(clock.skew_s - last) >= limit:
+                self._skew_reported[r] = clock.skew_s
+                status = self._cache[r][2]
+                self.events.write(
+                    "clock_skew",
+                    rank=r,
+                    host=status.host,
+                    skew_s=round(clock.skew_s, 3),
+                    leader=self.rank,
+                    leader_host=self.host,
+                    detail=f"rank {r}'s wall clock is {abs(clock.skew_s):.1f}s "
+                    f"{'ahead of' if clock.skew_s > 0 else 'behind'} the leader's (rank "
+                    f"{self.rank}); verdicts use each rank's monotonic clock, not its wall clock",
+                )
+
     def _watch(self) -> None:
         key = f"{self.prefix}/verdict"
         with self._lock:
@@ -185,18 +314,7 @@ class Monitor:
             raw = self.store.get(key).decode()
         if not raw or self._verdict is not None:
             return
-        d = json.loads(raw)
-        finding = Finding(
-            Verdict(d["verdict"]),
-            d["rank"],
-            d["host"],
-            d["pid"],
-            d["last_step"],
-            d["phase"],
-            d["seconds_since_progress"],
-            d["seconds_since_alive"],
-            d["detail"],
-        )
+        finding = Finding.from_json(json.loads(raw))
         self._verdict = finding
         self._respond(finding)
 
@@ -204,19 +322,16 @@ class Monitor:
         if self.is_leader:
             self.events.write("verdict", leader=self.rank, **finding.to_json())
         self.events.write("stacks", rank=self.rank, pid=self.pid, host=self.host, stacks=_stacks())
-        if (
-            self.is_leader
-            and self.kill_local
-            and finding.rank is not None
-            and finding.rank != self.rank
-            and finding.host == self.host
-            and finding.pid
-        ):
-            try:  # a frozen rank would hold torchrun's restart for 30 s
-                os.kill(finding.pid, signal.SIGKILL)
-                self.events.write("killed", rank=finding.rank, pid=finding.pid)
-            except ProcessLookupError:
-                pass
+        if self.is_leader and self.kill_local and finding.rank is not None:
+            pid = finding.pid if finding.host == self.host else 0
+            if not pid and finding.cause == "never_joined":
+                pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
+            if pid and pid != self.pid:
+                try:  # a frozen rank would hold torchrun's restart for 30 s
+                    os.kill(pid, signal.SIGKILL)
+                    self.events.write("killed", rank=finding.rank, pid=pid)
+                except ProcessLookupError:
+                    pass
         self.on_failure(finding)
 
     def _exit(self, finding: Finding) -> None:
@@ -227,13 +342,6 @@ class Monitor:
     def _set(self, what: str, value: Any) -> None:
         with self._lock:
             self.store.set(f"{self.prefix}/{what}/{self.rank}", str(value))
-
-    def _get_float(self, what: str) -> float | None:
-        key = f"{self.prefix}/{what}"
-        with self._lock:
-            if not self.store.check([key]):
-                return None
-            return float(self.store.get(key).decode())
 
     def _phase(self, rank: int) -> str | None:
         key = f"{self.prefix}/progress/{rank}"
@@ -247,17 +355,40 @@ class Monitor:
             return int(self.store.get(self._key_leader).decode())
 
 
+def encode_alive(beat: int, mono: float, wall: float, boot: str = "") -> str:
+    """``beat|monotonic|wall|boot``: the beat number makes every value new; the monotonic time is
+    what the observer maps onto its own clock (exactly, when the boot id says it is the same
+    kernel's); the wall time only serves to report skew."""
+    return f"{beat}|{mono!r}|{wall!r}|{boot}"
+
+
+def decode_alive(raw: bytes) -> tuple[int, float, float, str]:
+    beat, mono, wall, boot = raw.decode().split("|", 3)
+    return int(beat), float(mono), float(wall), boot
+
+
 def encode_progress(
-    step: int | None, phase: str, t: float, host: str, pid: int, busy_s: float | None = None
+    step: int | None,
+    phase: str,
+    t: float,
+    host: str,
+    pid: int,
+    busy_s: float | None = None,
+    *,
+    seq: int = 0,
+    mono: float | None = None,
 ) -> str:
-    """``step|phase|time|host|pid|busy``: cheaper for the leader to parse than JSON at 4,096
-    ranks."""
+    """``step|phase|wall|host|pid|busy|seq|monotonic``: cheaper for the leader to parse than JSON
+    at 4,096 ranks."""
     busy = "" if busy_s is None else repr(busy_s)
-    return f"{'' if step is None else step}|{phase}|{t!r}|{host}|{pid}|{busy}"
+    mono = time.monotonic() if mono is None else mono
+    return f"{'' if step is None else step}|{phase}|{t!r}|{host}|{pid}|{busy}|{seq}|{mono!r}"
 
 
-def decode_progress(raw: bytes) -> tuple[int | None, str, float, str, int, float | None]:
-    step, phase, t, host, pid, busy = raw.decode().split("|", 5)
+def decode_progress(
+    raw: bytes,
+) -> tuple[int | None, str, float, str, int, float | None, int, float]:
+    step, phase, t, host, pid, busy, seq, mono = raw.decode().split("|", 7)
     return (
         (int(step) if step else None),
         phase,
@@ -265,7 +396,36 @@ def decode_progress(raw: bytes) -> tuple[int | None, str, float, str, int, float
         host,
         int(pid),
         (float(busy) if busy else None),
+        int(seq),
+        float(mono),
     )
+
+
+def local_rank_pid(rank: int) -> int | None:
+    """The pid of this torchrun job's worker ``rank`` on this host, found by its launcher
+    environment (same run id and restart attempt), for a rank that never published its pid.  A
+    worker's own children inherit that environment: the topmost match is the worker."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    want = {
+        b"RANK=" + str(rank).encode(),
+        b"TORCHELASTIC_RUN_ID=" + run_id.encode(),
+        b"TORCHELASTIC_RESTART_COUNT=" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").encode(),
+    }
+    found: dict[int, int] = {}  # pid -> parent pid
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            env = set((p / "environ").read_bytes().split(b"\0"))
+            if not want <= env:
+                continue
+            found[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    top = [pid for pid, parent in found.items() if parent not in found]
+    return min(top) if top else None
 
 
 def _stacks() -> str:
