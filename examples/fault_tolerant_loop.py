@@ -7,6 +7,9 @@ loader's position comes back with it.  Rank 0 appends one JSON line per step to 
 
     torchrun --nproc-per-node 2 --max-restarts 2 examples/fault_tolerant_loop.py --ckpt runs/ex
     resilient chaos run examples/kill-my-loop.toml
+
+``--chaos PLAN`` installs the chaos harness's hook (``hooks=[...]``): the harness hands the plan
+to the job, and only a job that installs the hook can have faults injected.
 """
 
 from __future__ import annotations
@@ -50,9 +53,15 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--metrics", default=None)
     p.add_argument("--events", default=None)
+    p.add_argument("--chaos", default=None, help="a chaos plan (from `resilient chaos run`)")
     a = p.parse_args()
+    hooks = []
+    if a.chaos:
+        from resilient.chaos.faults import ChaosHook
 
-    @fault_tolerant(a.ckpt, save_every=a.save_every, event_log=a.events)
+        hooks.append(ChaosHook.from_file(a.chaos))
+
+    @fault_tolerant(a.ckpt, save_every=a.save_every, event_log=a.events, hooks=hooks)
     def train(run: Run) -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 1)

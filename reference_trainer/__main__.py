@@ -79,6 +79,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--events", default=None, help="the run's event log (default: events.jsonl in --ckpt)"
     )
+    p.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=120.0,
+        help="declare a rank that never registered its heartbeat DEAD this long after the leader "
+        "started (it froze in its imports or the launcher)",
+    )
+    p.add_argument(
+        "--max-failed-saves",
+        type=int,
+        default=3,
+        help="stop after this many consecutive failed checkpoint saves (each is logged and "
+        "training goes on until then); a failed final save always stops the run",
+    )
+    p.add_argument(
+        "--chaos",
+        default=None,
+        metavar="PLAN",
+        help="install the chaos harness's fault hook with this plan (written by `resilient "
+        "chaos`); nothing else turns fault injection on",
+    )
     return p
 
 
@@ -133,6 +154,8 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
         micro_batch=args.micro_batch,
         heartbeat_interval_s=args.heartbeat_interval_s,
         hang_timeout_s=args.hang_timeout_s,
+        join_timeout_s=args.join_timeout_s,
+        max_failed_saves=args.max_failed_saves,
         storage_options=_storage_options(args.storage_options),
         fallback=not args.no_fallback,
         events=args.events,
@@ -160,9 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
+    hooks: list = []
+    if args.chaos is not None:  # the chaos harness asked for its hook, by flag, explicitly
+        from resilient.chaos.faults import ChaosHook
+        from resilient.hooks import call
+
+        hooks.append(ChaosHook.from_file(args.chaos))
+        call(hooks, "at_phase", "import", None)  # before the heavy imports and the heartbeat
     from reference_trainer.train import train
 
-    train(cfg)
+    train(cfg, hooks=hooks)
     import torch.distributed as dist
 
     if dist.is_initialized():

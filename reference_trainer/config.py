@@ -127,6 +127,8 @@ class TrainConfig:
     micro_batch: int = 0  # sequences per forward/backward on a replica; 0: its whole share
     heartbeat_interval_s: float = 1.0
     hang_timeout_s: float | None = None  # None: calibrated from observed step times
+    join_timeout_s: float = 120.0  # a rank not registered this long after the leader: DEAD
+    max_failed_saves: int = 3  # consecutive failed saves before the run stops
     storage_options: dict | None = None  # for the checkpoint URL's fsspec filesystem
     fallback: bool = True  # on resume, fall back to the previous step if the newest is corrupt
     events: str | None = None  # the run's event log (default: events.jsonl in a local --ckpt)
@@ -174,6 +176,13 @@ class TrainConfig:
             raise ConfigError(f"--heartbeat-interval-s {self.heartbeat_interval_s}: must be > 0")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
             raise ConfigError(f"--hang-timeout-s {self.hang_timeout_s}: must be > 0")
+        if self.join_timeout_s <= 0:
+            raise ConfigError(f"--join-timeout-s {self.join_timeout_s}: must be > 0")
+        if self.max_failed_saves < 1:
+            raise ConfigError(
+                f"--max-failed-saves {self.max_failed_saves}: must be >= 1 (1: the first failed "
+                f"save ends the run)"
+            )
         if self.steps < 1:
             raise ConfigError(f"--steps {self.steps}: must be >= 1")
         if self.save_every < 0:

@@ -12,6 +12,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
 from resilient import Checkpointer, Run
+from resilient.health import DetectorConfig, default_event_log
 from resilient.launch import init_process_group
 
 __all__ = ["train", "evaluate", "lr_at", "resolve_device"]
@@ -58,10 +60,24 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on every rank; resumes from the newest committed checkpoint under ``cfg.ckpt``."""
+def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train on every rank; resumes from the newest committed checkpoint under ``cfg.ckpt``.
+    ``hooks``: ``resilient.hooks`` objects for the process group and the run (the chaos harness's,
+    through ``--chaos``)."""
     device = resolve_device(cfg.device)
-    init_process_group("nccl" if device.type == "cuda" else "gloo")
+    events = cfg.events if cfg.events is not None else default_event_log(cfg.ckpt)
+    detector = DetectorConfig(
+        interval_s=cfg.heartbeat_interval_s,
+        hang_timeout_s=cfg.hang_timeout_s,
+        join_timeout_s=cfg.join_timeout_s,
+    )
+    # the heartbeat starts here, before the process group: a rank stuck joining it is caught
+    init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        detector=detector,
+        event_log=events,
+        hooks=hooks,
+    )
     cfg = cfg.with_(world_size=dist.get_world_size())
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     rank = pc.rank
@@ -94,9 +110,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         layout=pc.layout,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         hang_timeout_s=cfg.hang_timeout_s,
+        join_timeout_s=cfg.join_timeout_s,
+        max_failed_saves=cfg.max_failed_saves,
         storage_options=cfg.storage_options,
         fallback=cfg.fallback,
-        event_log=cfg.events,
+        event_log=events,
+        hooks=hooks,
     )
     metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
     losses: list[float] = []

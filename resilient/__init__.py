@@ -2,9 +2,12 @@
 
 __version__ = "0.1.0"
 
+from resilient import errors as _errors  # noqa: E402
 from resilient.checkpoint import Checkpointer, RetryPolicy, sharded  # noqa: E402
+from resilient.errors import *  # noqa: E402, F403  (every error class, importable from here)
+from resilient.hooks import Hook  # noqa: E402
 from resilient.layout import Layout, Replicate, Shard  # noqa: E402
-from resilient.loop import Run, fault_tolerant  # noqa: E402
+from resilient.loop import Run, SaveFailedWarning, fault_tolerant  # noqa: E402
 
 __all__ = [
     "Layout",
@@ -15,5 +18,8 @@ __all__ = [
     "sharded",
     "Run",
     "fault_tolerant",
+    "Hook",
+    "SaveFailedWarning",
+    *_errors.__all__,
     "__version__",
 ]

@@ -3,22 +3,28 @@
 ``Run`` owns the training loop's contract with the toolkit (DESIGN.md section 5): ``track`` names
 the state and restores the newest committed step (falling back, with a warning, to the step before
 when the newest fails verification); ``steps`` yields the remaining steps, saves asynchronously every
-``save_every`` steps, turns SIGTERM into a synchronous save and a clean exit, and waits for pending
-saves at the end.  RNG states (python, numpy, torch CPU and CUDA) and the step are tracked without
-the user asking.  Failure detection (heartbeats, verdicts) plugs in through ``monitor``.
+``save_every`` steps, turns SIGTERM into a synchronous save and a clean exit, and commits the final
+step synchronously before it returns.  A failed save is not a failed run: it is logged and counted,
+training goes on, and only ``max_failed_saves`` consecutive failures (or a failed final save) end
+the run.  RNG states (python, numpy, torch CPU and CUDA) and the step are tracked without the user
+asking.  Failure detection plugs in through ``monitor`` (under torchrun, the one
+``resilient.launch.init_process_group`` started); other code plugs in through ``hooks``
+(``resilient.hooks``): nothing here imports the chaos harness or reads its environment.
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import inspect
 import logging
 import os
 import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,17 +32,24 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
-from resilient.errors import RankFailureError
+from resilient.errors import LeaseError, RankFailureError, ResilientError
 from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
+from resilient.health.attach import detect_by_default, start_monitor, take_over
+from resilient.health.events import default_event_log
+from resilient.hooks import call as call_hooks
 from resilient.launch import init_process_group
 from resilient.layout import Layout
 
-__all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE"]
+__all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE", "SaveFailedWarning"]
 
 log = logging.getLogger(__name__)
 
 # A preempted run that saved and stopped cleanly exits 0: torchrun must not restart it.
 PREEMPTED_EXIT_CODE = 0
+
+
+class SaveFailedWarning(UserWarning):
+    """A checkpoint save failed; training goes on from the newest committed step."""
 
 
 class RNGState:
@@ -82,7 +95,13 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 class Run:
-    """One training run's link to checkpoints, preemption and (later) failure detection."""
+    """One training run's link to checkpoints, preemption, failure detection and hooks.
+
+    ``Run(checkpoint_url, *, save_every=100, keep_last=3, keep_every=None, max_failed_saves=3,
+    heartbeat_interval_s=1.0, hang_timeout_s=None, join_timeout_s=120.0, phase_budgets_s=None,
+    storage_options=None, layout=None, monitor=None, detect=None, event_log=None, fallback=True,
+    hooks=())``; see the README for what each does.
+    """
 
     def __init__(
         self,
@@ -91,30 +110,44 @@ class Run:
         save_every: int = 100,
         keep_last: int = 3,
         keep_every: int | None = None,
+        max_failed_saves: int = 3,
         heartbeat_interval_s: float = 1.0,
         hang_timeout_s: float | None = None,
+        join_timeout_s: float = 120.0,
+        phase_budgets_s: dict[str, float] | None = None,
         storage_options: dict | None = None,
         layout: Layout | None = None,
         monitor: Any | None = None,
         detect: bool | None = None,
         event_log: str | None = None,
         fallback: bool = True,
+        hooks: Sequence[Any] = (),
     ) -> None:
-        if save_every < 0:
-            raise ValueError(
-                f"save_every must be >= 0 (0: only at preemption and the end), got {save_every}"
-            )
+        detector = check_run_options(
+            save_every=save_every,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            max_failed_saves=max_failed_saves,
+            heartbeat_interval_s=heartbeat_interval_s,
+            hang_timeout_s=hang_timeout_s,
+            join_timeout_s=join_timeout_s,
+            phase_budgets_s=phase_budgets_s,
+            hooks=hooks,
+        )
         self.url, self.save_every = checkpoint_url, save_every
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.max_failed_saves = max_failed_saves
         self.heartbeat_interval_s, self.hang_timeout_s = heartbeat_interval_s, hang_timeout_s
+        self.detector_config = detector
         self.storage_options = storage_options
         self.layout = layout
         self.fallback = fallback
+        self.hooks = list(hooks)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.events = EventLog(
-            event_log if event_log is not None else _default_event_log(checkpoint_url)
+            event_log if event_log is not None else default_event_log(checkpoint_url)
         )
         self.events.write(
             "start",
@@ -124,41 +157,48 @@ class Run:
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             process_start=process_start_time(),
         )
-        if (
-            monitor is None
-            and (detect if detect is not None else _detect_by_default())
-            and self.world_size > 1
-        ):
-            monitor = _start_monitor(
-                self.rank, self.world_size, heartbeat_interval_s, hang_timeout_s, self.events
-            )
+        detecting = detect if detect is not None else detect_by_default()
+        if monitor is None and detecting and self.world_size > 1:
+            monitor = take_over(self.rank, self.world_size)  # started before the process group
+            if monitor is not None:
+                _adopt(monitor, detector, self.events)
+            else:
+                monitor = start_monitor(self.rank, self.world_size, detector, self.events)
         self.monitor = monitor
         self.step = 0  # the last completed step
         self.restored_step: int | None = None
         self.state: dict[str, Any] = {}
         self.checkpointer: Checkpointer | None = None
-        self._saved_step: int | None = None
+        self._saved_step: int | None = None  # the newest step a save was issued for
+        self._committed_step: int | None = None  # the newest step this run saw committed
+        self._failed_saves = 0  # consecutive
         self._preempt = threading.Event()
         self._old_handler: Any = None
         self._busy_s: float | None = None
-        self._handle: Any = None  # the newest save, until it is in the event log
+        self._handle: Any = None  # the newest save, until it is settled (logged, counted)
         self._failing = False
         self._install_sigterm()
-        from resilient.chaos.faults import agent_from_env
-
-        self._chaos = agent_from_env(self.rank, self.events)
 
     # --- state -----------------------------------------------------------------------------------
     def track(self, *, layout: Layout | None = None, **objects: Any) -> int:
-        """Name the state to checkpoint and restore the newest committed step; returns that step
-        (0 for a fresh run).  Objects: modules, optimizers, loaders, anything Stateful, tensors,
-        JSON values.  ``layout`` describes how the state is split, when it is."""
+        """Register the state to checkpoint and **restore it in place from the newest committed
+        checkpoint**, if there is one; returns the restored step (0 for a fresh run).
+
+        Objects: modules, optimizers, loaders, anything Stateful, tensors, JSON values.
+        ``layout`` describes how the state is split, when it is.  The newest step that fails
+        verification falls back, with a warning, to the one before (``fallback=True``)."""
         reserved = {"run", "rng"} & set(objects)
         if reserved:
             raise ValueError(f"state names {sorted(reserved)} are reserved by Run; rename them")
         self.state = {**objects, "run": {"step": 0}, "rng": RNGState()}
-        if self.url is None:  # a run without checkpoints: nothing to restore or save
-            return self.step
+        self._progress(None, "restore")
+        call_hooks(self.hooks, "at_phase", "restore", self)
+        if self.url is not None:
+            self._restore(layout)
+        self._progress(None, "setup")
+        return self.step
+
+    def _restore(self, layout: Layout | None) -> None:
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(
                 self.url,
@@ -167,31 +207,31 @@ class Run:
                 keep_every=self.keep_every,
                 storage_options=self.storage_options,
             )
-        self.state = {**objects, "run": {"step": 0}, "rng": RNGState()}
-        if self.checkpointer.latest_step() is not None:
-            t0 = time.time()
-            loaded = self.checkpointer.load(self.state, fallback=self.fallback)
-            self.step = int(self.state["run"]["step"])
-            self.restored_step = loaded
-            self._saved_step = self.step
-            if self.rank == 0:
-                log.info("restored step %d from %s", self.step, self.url)
-                last = self.checkpointer.last_load
-                self.events.write(
-                    "restore",
-                    rank=0,
-                    step=loaded,
-                    start=t0,
-                    seconds=time.time() - t0,
-                    skipped_steps=list(last.skipped_steps) if last else [],
-                    resharded=bool(last and last.resharded),
-                )
-        return self.step
+        if self.checkpointer.latest_step() is None:
+            return
+        t0 = time.time()
+        loaded = self.checkpointer.load(self.state, fallback=self.fallback)
+        self.step = int(self.state["run"]["step"])
+        self.restored_step = loaded
+        self._saved_step = self._committed_step = self.step
+        if self.rank == 0:
+            log.info("restored step %d from %s", self.step, self.url)
+            last = self.checkpointer.last_load
+            self.events.write(
+                "restore",
+                rank=0,
+                step=loaded,
+                start=t0,
+                seconds=time.time() - t0,
+                skipped_steps=list(last.skipped_steps) if last else [],
+                resharded=bool(last and last.resharded),
+            )
 
     # --- the loop ----------------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps after the restored one up to ``total``; save, watch and handle SIGTERM
-        between them."""
+        between them.  When the loop completes, the final step is committed synchronously before
+        this returns (whatever ``save_every`` is)."""
         if not self.state:
             raise RuntimeError(
                 "call run.track(...) before run.steps(...), so there is state to save"
@@ -199,12 +239,9 @@ class Run:
         first = self.step + 1
         for step in range(first, total + 1):
             self._check_peers()
-            if self._chaos is not None:
-                self._chaos.at_step(step, self)
-            if self.monitor is not None:  # the first step of an attempt has its own budget
-                self.monitor.progress(
-                    step, "first_step" if step == first else "train", self._busy_s
-                )
+            call_hooks(self.hooks, "at_step", step, self)
+            # the first step of an attempt has its own budget
+            self._progress(step, "first_step" if step == first else "train", self._busy_s)
             yield step
             if step == first and self.rank == 0:
                 self.events.write("first_step", rank=0, step=step)
@@ -212,61 +249,132 @@ class Run:
             self.state["run"]["step"] = step
             if self._agree_preempted():
                 self._stop_for_preemption()
-            if self.save_every and step % self.save_every == 0:
+            # the final step is saved below, synchronously
+            if self.save_every and step % self.save_every == 0 and step != total:
                 self.save()
-            elif self._handle is not None:
-                self._log_save()
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-            self._log_save()
+            else:
+                self._poll_save()
+        self._commit_final()
 
     def save(self, *, wait: bool = False) -> None:
-        """Save the tracked state at the current step (asynchronously unless ``wait``)."""
+        """Save the tracked state at the current step (asynchronously unless ``wait``).
+
+        The previous save is joined first; if it failed, the failure is logged and counted (see
+        ``max_failed_saves``) instead of raised.  With ``wait`` this save is final: its failure
+        is raised."""
         if self.checkpointer is None:
             return
-        if self.monitor is not None:
-            self.monitor.progress(self.step, "checkpoint")
-        self._log_save()
+        self._progress(self.step, "checkpoint")
+        self._join_save(final=False)
         handle = self.checkpointer.save(self.step, self.state)
         self._handle = handle
         self._saved_step = self.step
-        if self.monitor is not None and not wait:  # the snapshot is taken: back to training
-            self.monitor.progress(self.step, "train", self._busy_s)
-        if self._chaos is not None:
-            self._chaos.during_save(self.step, self)
+        if not wait:  # the snapshot is taken: back to training
+            self._progress(self.step, "train", self._busy_s)
+        call_hooks(self.hooks, "during_save", self.step, self)
         if wait:
-            handle.wait()
-            self._log_save()
+            self._progress(self.step, "commit")
+            self._join_save(final=True)
+            self.checkpointer.wait()  # and its clean-up (retention), before returning
 
-    def _log_save(self) -> None:
-        """Put the last save in the event log once it has finished (rank 0, which commits)."""
+    def _commit_final(self) -> None:
+        """The run completed: make sure its final step is committed before returning."""
+        if self.checkpointer is None:
+            return
+        if self._handle is not None and self._handle.step == self.step:
+            self._progress(self.step, "commit")
+            self._join_save(final=True)
+            self.checkpointer.wait()
+        elif self._committed_step != self.step:
+            self.save(wait=True)
+        else:
+            self._join_save(final=False)
+            self.checkpointer.wait()
+
+    # --- saves: settle each one once ------------------------------------------------------------
+    def _poll_save(self) -> None:
+        h = self._handle
+        if h is not None and h.done():
+            self._handle = None
+            self._settle(h, final=False)
+
+    def _join_save(self, *, final: bool) -> None:
         h, self._handle = self._handle, None
         if h is None:
             return
-        if not h.done():
-            self._handle = h
+        try:
+            h.wait()
+        except BaseException:  # settled below, once
+            pass
+        self._settle(h, final=final)
+
+    def _settle(self, h: Any, *, final: bool) -> None:
+        """Log a finished save; count a failed one, and raise it when it is final, not transient
+        (another job owns the URL), or one too many in a row."""
+        error = h.error
+        if error is None:
+            self._failed_saves = 0
+            self._committed_step = h.step
+            if self.rank == 0:
+                self._save_event(h, None)
             return
-        if self.rank == 0:
-            st = h.stats
-            self.events.write(
-                "save",
-                rank=0,
-                step=h.step,
-                ok=h.error is None,
-                error=None if h.error is None else str(h.error),
-                started_at=h.started_at,
-                committed_at=h.finished_at,
-                stage_s=st.stage_s,
-                write_s=st.write_s,
-                commit_s=st.commit_s,
-                bytes=st.bytes_written,
+        try:
+            h.wait()  # marks it reported: the checkpointer's next save/wait will not raise it again
+        except BaseException:
+            pass
+        self._failed_saves += 1
+        self._save_event(h, error)
+        if not isinstance(error, ResilientError) or isinstance(error, LeaseError):
+            raise error
+        newest = (
+            f"step {self._committed_step}" if self._committed_step is not None else "no step yet"
+        )
+        if final or self._failed_saves >= self.max_failed_saves:
+            why = (
+                "the final save failed"
+                if final
+                else f"{self._failed_saves} consecutive saves failed (max_failed_saves="
+                f"{self.max_failed_saves})"
             )
+            error.add_note(
+                f"rank {self.rank}: {why}; the newest committed step is {newest}. Fix the storage "
+                f"({self.url}) and rerun: the run resumes from there."
+            )
+            raise error
+        message = (
+            f"rank {self.rank}: checkpoint save of step {h.step} failed: {error}. Training goes "
+            f"on; the newest committed step is {newest}. {self._failed_saves} consecutive failed "
+            f"save(s); the run stops after {self.max_failed_saves}."
+        )
+        log.warning(message)
+        warnings.warn(message, SaveFailedWarning, stacklevel=3)
+
+    def _save_event(self, h: Any, error: BaseException | None) -> None:
+        st = h.stats
+        self.events.write(
+            "save",
+            rank=self.rank,
+            step=h.step,
+            ok=error is None,
+            error=None if error is None else f"{type(error).__name__}: {error}"[:2000],
+            consecutive_failures=self._failed_saves if error is not None else 0,
+            started_at=h.started_at,
+            committed_at=h.finished_at if error is None else None,
+            stage_s=st.stage_s,
+            write_s=st.write_s,
+            commit_s=st.commit_s,
+            bytes=st.bytes_written,
+        )
 
     def report_compute(self, seconds: float) -> None:
         """The time this rank spent computing in the step just done, without waiting in
         collectives.  Optional: it lets the detector tell a straggler apart in a synchronous job,
         where every rank's wall-clock step is as long as the slowest rank's."""
         self._busy_s = float(seconds)
+
+    def _progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
+        if self.monitor is not None:
+            self.monitor.progress(step, phase, busy_s)
 
     def __enter__(self) -> Run:
         return self
@@ -288,19 +396,28 @@ class Run:
             return
         self.events.write("error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000])
         config = self.monitor.config
-        deadline = time.time() + config.dead_timeout_s + 2 * config.interval_s
+        deadline = time.monotonic() + config.dead_timeout_s + 2 * config.interval_s
         # a SIGTERM already here is torchrun tearing the group down: it knows, so go at once
         while (
-            time.time() < deadline and self.monitor.verdict() is None and not self._preempt.is_set()
+            time.monotonic() < deadline
+            and self.monitor.verdict() is None
+            and not self._preempt.is_set()
         ):
             time.sleep(config.interval_s / 10)
 
     def close(self, *, announce: bool = True) -> None:
         """Wait for pending saves and restore the SIGTERM handler; ``announce``: tell peers this
-        rank finished (False when it is failing)."""
+        rank finished (False when it is failing, and then a save's failure is logged, not raised
+        over the error that ends the run)."""
         try:
             if self.checkpointer is not None:
-                self.checkpointer.close()
+                try:
+                    self._join_save(final=announce)
+                    self.checkpointer.close()
+                except ResilientError as e:
+                    if announce:
+                        raise
+                    log.error("rank %d: a pending save failed while failing: %s", self.rank, e)
         finally:
             if self._old_handler is not None:
                 signal.signal(signal.SIGTERM, self._old_handler)
@@ -334,10 +451,7 @@ class Run:
         return bool(flag.item())
 
     def _stop_for_preemption(self) -> None:
-        if self._saved_step != self.step:
-            self.save(wait=True)
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
+        self._commit_final()
         if self.rank == 0:
             log.warning("preempted: saved step %d to %s and stopping", self.step, self.url)
         raise SystemExit(PREEMPTED_EXIT_CODE)
@@ -347,6 +461,56 @@ class Run:
             verdict = self.monitor.verdict()
             if verdict is not None:
                 raise RankFailureError(str(verdict))
+
+
+def _adopt(monitor: Monitor, config: DetectorConfig, events: EventLog) -> None:
+    """Run's settings win over the ones the early monitor started with; its events go to the run's
+    log when the run has one."""
+    for name in config.__dataclass_fields__:
+        setattr(monitor.config, name, getattr(config, name))
+    if events.path:
+        monitor.events = events
+
+
+def check_run_options(
+    *,
+    save_every: int,
+    keep_last: int,
+    keep_every: int | None,
+    max_failed_saves: int,
+    heartbeat_interval_s: float,
+    hang_timeout_s: float | None,
+    join_timeout_s: float,
+    phase_budgets_s: dict[str, float] | None,
+    hooks: Sequence[Any] = (),
+) -> DetectorConfig:
+    """Validate ``Run``'s values (before any process group exists, when ``fault_tolerant`` calls
+    it); returns the detector settings they make."""
+    if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 0:
+        raise ValueError(
+            f"save_every must be an int >= 0 (0: only at preemption and the end), got {save_every!r}"
+        )
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
+        raise ValueError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
+    if (
+        isinstance(max_failed_saves, bool)
+        or not isinstance(max_failed_saves, int)
+        or max_failed_saves < 1
+    ):
+        raise ValueError(
+            f"max_failed_saves must be an int >= 1 (1: the first failed save ends the run), "
+            f"got {max_failed_saves!r}"
+        )
+    if isinstance(hooks, str | bytes) or not isinstance(hooks, Sequence):
+        raise ValueError(f"hooks must be a list of hook objects, got {hooks!r}")
+    return DetectorConfig(
+        interval_s=heartbeat_interval_s,
+        hang_timeout_s=hang_timeout_s,
+        join_timeout_s=join_timeout_s,
+        phase_budgets_s=dict(phase_budgets_s or {}),
+    )
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -375,56 +539,6 @@ def process_start_time() -> float:
         return time.time()
 
 
-def _detect_by_default() -> bool:
-    """On under torchrun (whose agent restarts the group after a verdict), unless RESILIENT_DETECT=0;
-    RESILIENT_DETECT=1 turns it on elsewhere."""
-    flag = os.environ.get("RESILIENT_DETECT")
-    if flag is not None:
-        return flag not in ("0", "false", "no", "")
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def _default_event_log(url: str | None) -> str | None:
-    if url is None:
-        return None
-    if "://" not in url or url.startswith("file://"):
-        return os.path.join(url.removeprefix("file://"), "events.jsonl")
-    return None
-
-
-def _start_monitor(
-    rank: int, world_size: int, interval_s: float, hang_timeout_s: float | None, events: EventLog
-) -> Monitor:
-    """Heartbeats go to torchrun's agent store when there is one (it outlives the workers), else to
-    the default process group's store; keys live under a per-run, per-restart prefix."""
-    from datetime import timedelta
-
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=60),
-        )
-        prefix = (
-            f"resilient/health/{os.environ['TORCHELASTIC_RUN_ID']}/"
-            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        )
-    else:
-        store = dist.distributed_c10d._get_default_store()
-        n = store.add("resilient/health/runs", 1)
-        prefix = f"resilient/health/local/{(n - 1) // world_size}"
-    events.write(
-        "monitor",
-        rank=rank,
-        prefix=prefix,
-        pid=os.getpid(),
-        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-    )
-    config = DetectorConfig(interval_s=interval_s, hang_timeout_s=hang_timeout_s)
-    return Monitor(store, prefix, rank, world_size, config, events=events)
-
-
 def fault_tolerant(
     checkpoint_url: str,
     *,
@@ -435,8 +549,36 @@ def fault_tolerant(
     **run_kwargs: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap ``train(run, ...)``: creates the process group under torchrun (gloo on CPU, nccl on
-    GPU) if the caller has not, hands the function a ``Run``, and closes it at the end.  Works in a
-    single process without torchrun too."""
+    GPU) if the caller has not, with the heartbeat already running, hands the function a ``Run``,
+    and closes it at the end.  Works in a single process without torchrun too.
+
+    ``run_kwargs`` are ``Run``'s other options (``keep_every``, ``max_failed_saves``,
+    ``join_timeout_s``, ``phase_budgets_s``, ``event_log``, ``hooks``, ...).  An unknown option or a
+    bad value is rejected here, when the decorator is applied: before any process group exists."""
+    unknown = sorted(set(run_kwargs) - _RUN_OPTIONS)
+    if unknown:
+        import difflib
+
+        hints = [
+            f"{u!r} (did you mean {m[0]!r}?)"
+            if (m := difflib.get_close_matches(u, _RUN_OPTIONS, 1))
+            else repr(u)
+            for u in unknown
+        ]
+        raise TypeError(
+            f"fault_tolerant() got unknown option(s) {', '.join(hints)}; it takes "
+            f"{', '.join(sorted(_RUN_OPTIONS | _DECORATOR_OPTIONS))}"
+        )
+    options = {
+        "save_every": save_every,
+        "keep_last": keep_last,
+        "heartbeat_interval_s": heartbeat_interval_s,
+        "hang_timeout_s": hang_timeout_s,
+        **run_kwargs,
+    }
+    checked = {k: options[k] for k in _CHECKED if k in options}
+    detector = check_run_options(**{**_CHECK_DEFAULTS, **checked})
+    event_log = options.get("event_log") or default_event_log(checkpoint_url)
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -447,16 +589,15 @@ def fault_tolerant(
                 and dist.is_available()
                 and not dist.is_initialized()
             ):
-                init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                init_process_group(
+                    "nccl" if torch.cuda.is_available() else "gloo",
+                    detector=detector,
+                    event_log=event_log,
+                    detect=options.get("detect"),
+                    hooks=options.get("hooks", ()),
+                )
                 created = True
-            run = Run(
-                checkpoint_url,
-                save_every=save_every,
-                keep_last=keep_last,
-                heartbeat_interval_s=heartbeat_interval_s,
-                hang_timeout_s=hang_timeout_s,
-                **run_kwargs,
-            )
+            run = Run(checkpoint_url, **options)
             try:
                 with run:
                     return fn(run, *args, **kwargs)
@@ -467,3 +608,17 @@ def fault_tolerant(
         return runner
 
     return wrap
+
+
+_RUN_OPTIONS = {
+    name
+    for name, p in inspect.signature(Run.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+_DECORATOR_OPTIONS = {"save_every", "keep_last", "heartbeat_interval_s", "hang_timeout_s"}
+_CHECKED = set(inspect.signature(check_run_options).parameters)
+_CHECK_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(Run.__init__).parameters.items()
+    if name in _CHECKED
+}

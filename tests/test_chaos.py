@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.chaos.faults import ChaosAgent, damage_newest_checkpoint, kill_tree, throttle
+from resilient.chaos.faults import ChaosHook, damage_newest_checkpoint, kill_tree, throttle
 from resilient.chaos.runner import QUICK, builtin_scenarios
 from resilient.chaos.scenario import KINDS, parse_scenario
-from resilient.chaos.verify import _samples_once, _verdict_checks, lineage
+from resilient.chaos.verify import _samples_once, _verdict_checks, join_wait, lineage
 from resilient.errors import ScenarioError
 from resilient.health.events import EventLog
 
@@ -50,6 +50,12 @@ def test_builtin_suite_parses_and_covers_every_injector():
     assert any(f.at_s for s in full for f in s.faults)  # a time trigger
     assert any(f.when == "save" for s in full for f in s.faults)  # the save-phase trigger
     assert any(s.job.elastic and s.job.nodes == 2 for s in full)  # elastic shrink
+    # start-up freezes: before the heartbeat exists (import) and in process-group init
+    assert {("stop", "import"), ("stop", "init")} <= {
+        (f.kind, f.when) for s in full for f in s.faults
+    }
+    skew = [s for s in full if any(f.kind == "skew" for f in s.faults)]
+    assert skew and skew[0].job.nodes == 2 and skew[0].expect.verdict == "none"
     assert [s.name for s in builtin_scenarios(quick=True)] == sorted(QUICK)
 
 
@@ -97,6 +103,41 @@ def test_a_good_scenario_parses_with_defaults():
             "bad.toml:7: job.nodes: 3: localhost jobs take 1 or 2",
         ),
         (("rank = 1", "rank = 1\nnode = 1"), None),  # a stray node on a rank fault is harmless
+        (
+            ("step = 12", 'when = "import"'),
+            None,  # a start-up phase is a trigger of its own
+        ),
+        (
+            ("step = 12", 'step = 12\nwhen = "import"'),
+            "bad.toml:17: faults[0].when: 'import' is the trigger: give no step or at_s with it",
+        ),
+        (
+            ("step = 12", 'when = "boot"'),
+            "faults[0].when: 'boot': 'step' (before the step), 'save' (during its save), or a "
+            "start-up phase: 'import', 'init', 'restore'",
+        ),
+        (
+            ('kind = "kill"\nrank = 1\nstep = 12', 'kind = "skew"\nrank = 1'),
+            "faults[0].seconds: a skew fault needs seconds != 0",
+        ),
+        (
+            ('kind = "kill"\nrank = 1\nstep = 12', 'kind = "skew"\nrank = 1\nseconds = -30.0'),
+            None,
+        ),
+        (
+            (
+                'kind = "kill"\nrank = 1\nstep = 12',
+                'kind = "skew"\nrank = 1\nstep = 3\nseconds = 5',
+            ),
+            "faults[0].step: a skew fault holds from the start of every attempt: no trigger",
+        ),
+        (
+            (
+                'kind = "kill"\nrank = 1\nstep = 12',
+                'kind = "slow"\nrank = 1\nwhen = "init"\nfactor = 2.0',
+            ),
+            "faults[0].kind: a slow fault cannot fire in the 'init' phase",
+        ),
     ],
 )
 def test_scenario_errors_name_the_file_line_and_field(change, expected):
@@ -170,13 +211,13 @@ def test_in_rank_faults_fire_once_across_restarts(tmp_path):
         ],
     }
     events = EventLog(str(tmp_path / "events.jsonl"))
-    other_rank = ChaosAgent(plan, 0, events)
+    other_rank = ChaosHook(plan, 0, events)
     for step in range(1, 8):
         other_rank.at_step(step, None)
         other_rank.during_save(step, None)
     assert events.read() == []
     for _attempt in range(2):  # the second attempt is a restart: nothing fires again
-        agent = ChaosAgent(plan, 1, events)
+        agent = ChaosHook(plan, 1, events)
         for step in range(1, 8):
             agent.at_step(step, None)
             if step == 5 and _attempt == 0:
@@ -186,6 +227,69 @@ def test_in_rank_faults_fire_once_across_restarts(tmp_path):
                 agent.during_save(step, None)
     fired = [(e["id"], e["step"], e["when"]) for e in events.read() if e["event"] == "fault"]
     assert fired == [("p", 3, "step"), ("r", 5, "save")]
+
+
+def test_a_command_job_with_in_rank_faults_must_install_the_hook():
+    job = (
+        '[job]\nnproc = 2\ncommand = ["x.py", "--ckpt", "{ckpt}"]\n'
+        '[[faults]]\nkind = "kill"\nrank = 1\nstep = 3\n'
+    )
+    with pytest.raises(ScenarioError, match=r"job.command: in-rank faults \(kill-0\) need the job"):
+        parse_scenario('name = "x"\n' + job, "bad.toml")
+    ok = job.replace('"{ckpt}"]', '"{ckpt}", "--chaos", "{chaos}"]')
+    assert parse_scenario('name = "x"\n' + ok, "ok.toml").faults[0].kind == "kill"
+
+
+def test_start_up_phase_triggers_fire_through_the_hook_protocol(tmp_path):
+    plan = {
+        "marker_dir": str(tmp_path / "faults"),
+        "faults": [
+            {"id": "p", "kind": "pause", "rank": 1, "when": "import", "seconds": 0.01},
+            {"id": "r", "kind": "raise", "rank": 1, "when": "init"},
+            {"id": "q", "kind": "pause", "rank": 1, "when": "restore", "seconds": 0.01},
+        ],
+    }
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    for attempt in range(2):  # a restart: nothing fires twice
+        hook = ChaosHook(plan, 1, events)
+        hook.at_phase("import", None)
+        if attempt == 0:
+            with pytest.raises(RuntimeError, match="injected exception on rank 1 at phase init"):
+                hook.at_phase("init_process_group", None)
+        else:
+            hook.at_phase("init_process_group", None)
+        hook.at_phase("restore", None)
+        hook.at_step(1, None)
+    fired = [(e["id"], e["when"], e["step"]) for e in events.read() if e["event"] == "fault"]
+    assert fired == [("p", "import", None), ("r", "init", None), ("q", "restore", None)]
+
+
+def test_skew_shifts_the_wall_clock_of_the_targeted_node_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "time", time.time)  # restored after the test
+    plan = {
+        "marker_dir": str(tmp_path / "faults"),
+        "faults": [{"id": "s", "kind": "skew", "node": 1, "seconds": -30.0, "when": "import"}],
+    }
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    true_time = time.time
+    ChaosHook(plan, 0, events, node=0).at_phase("import", None)
+    assert time.time is true_time  # node 0 keeps its clock
+    before = time.time()
+    ChaosHook(plan, 2, events, node=1).at_phase("import", None)
+    assert -31 < time.time() - before < -29
+    ChaosHook(plan, 2, events, node=1).at_phase("import", None)  # the next attempt: skewed once
+    assert -31 < time.time() - before < -29
+    fired = [e for e in events.read() if e["event"] == "fault"]
+    assert [(e["id"], e["rank"], e["seconds"]) for e in fired] == [("s", 2, -30.0)]
+
+
+def test_never_joined_verdicts_get_the_join_timeout_on_top_of_the_bound():
+    verdict = {"time": 100.0, "cause": "never_joined", "waited_s": 15.0, "timeout_s": 10.0}
+    # the leader began waiting at 85 s; the fault (a freeze in the imports) came at 88 s: the
+    # verdict could not come before 95 s, so 7 s of the 12 s were the join timeout
+    assert join_wait(verdict, 88.0) == pytest.approx(7.0)
+    assert join_wait({**verdict, "cause": "no_heartbeat"}, 88.0) == 0.0
+    assert join_wait(verdict, 99.0) == 0.0  # fault after the wait was over: nothing to add
 
 
 def test_damaged_checkpoints_fail_verification_and_load_falls_back(tmp_path):

@@ -9,8 +9,11 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from resilient import Checkpointer, fault_tolerant
+from resilient import Checkpointer, Run, SaveFailedWarning, fault_tolerant
+from resilient.errors import LeaseError, StorageError
+from resilient.health import EventLog
 from resilient.loop import RNGState
 from tests.dist import run_distributed
 
@@ -149,3 +152,180 @@ def test_sigterm_saves_the_current_step_and_exits_cleanly(tmp_path):
         timeout=120,
     )
     assert again.returncode == 0 and f"start {seen}" in again.stdout and "finished" in again.stdout
+
+
+def simple_run(url, total, *, save_every=3, events=None, storage_options=None, **kw):
+    """A one-process run of ``total`` steps on a tiny model; returns the Run."""
+    run = Run(url, save_every=save_every, event_log=events, storage_options=storage_options, **kw)
+    with run:
+        run.track(model=torch.nn.Linear(2, 2))
+        for _ in run.steps(total):
+            pass
+    return run
+
+
+def test_a_completed_run_commits_its_final_step(tmp_path):
+    """10 steps, a save every 3: the final step is committed too, before steps() returns."""
+    simple_run(str(tmp_path), 10, keep_last=5)
+    assert Checkpointer(str(tmp_path)).steps() == [3, 6, 9, 10]
+    again = simple_run(str(tmp_path), 10)  # nothing to recompute
+    assert again.restored_step == 10 and again.step == 10
+
+
+def faulty(tmp_path, rule):
+    return f"faulty://{tmp_path / 'ck'}", {"target_protocol": "file", "faults": [rule]}
+
+
+def test_a_failed_save_is_logged_and_training_goes_on(tmp_path):
+    url, options = faulty(
+        tmp_path, {"op": "write", "error": "permanent", "path": "step_00000004", "count": 1}
+    )
+    events = str(tmp_path / "events.jsonl")
+    with pytest.warns(SaveFailedWarning, match=r"checkpoint save of step 4 failed: .*injected"):
+        run = simple_run(url, 8, save_every=2, events=events, storage_options=options)
+    assert run.step == 8
+    # step 4 never committed; step 2 stayed the newest until step 6 committed
+    assert Checkpointer(str(tmp_path / "ck")).steps() == [2, 6, 8]
+    saves = [e for e in EventLog(events).read() if e["event"] == "save"]
+    failed = [e for e in saves if not e["ok"]]
+    assert [(e["step"], e["consecutive_failures"]) for e in failed] == [(4, 1)]
+    assert "injected permanent fault on write" in failed[0]["error"]
+    assert {e["step"] for e in saves if e["ok"]} == {2, 6, 8}
+
+
+def test_too_many_consecutive_failed_saves_end_the_run(tmp_path):
+    url, options = faulty(tmp_path, {"op": "write", "error": "permanent", "path": "step_"})
+    with pytest.warns(SaveFailedWarning, match="1 consecutive failed save"):
+        with pytest.raises(StorageError) as e:
+            simple_run(url, 20, save_every=1, storage_options=options, max_failed_saves=2)
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "2 consecutive saves failed (max_failed_saves=2)" in notes
+    assert "the newest committed step is no step yet" in notes
+
+
+def test_a_failed_final_save_fails_the_run(tmp_path):
+    url, options = faulty(
+        tmp_path, {"op": "write", "error": "permanent", "path": "step_00000005", "count": 1}
+    )
+    with pytest.raises(StorageError) as e:
+        simple_run(url, 5, save_every=2, storage_options=options)
+    assert "the final save failed; the newest committed step is step 4" in "\n".join(
+        e.value.__notes__
+    )
+
+
+class _Handle:
+    def __init__(self, error):
+        self.step, self.error = 3, error
+        self.started_at = self.finished_at = 0.0
+        self.stats = type("S", (), {"stage_s": 0, "write_s": 0, "commit_s": 0, "bytes_written": 0})
+
+    def done(self):
+        return True
+
+    def wait(self):
+        raise self.error
+
+
+def test_another_jobs_lease_is_not_a_transient_save_failure():
+    run = Run(None)
+    with pytest.raises(LeaseError, match="owned by job B"):
+        run._settle(_Handle(LeaseError("the URL's writer lease is owned by job B")), final=False)
+    with pytest.warns(SaveFailedWarning):
+        run._settle(_Handle(StorageError("the disk is full")), final=False)  # counted, not raised
+    assert run._failed_saves == 2
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def at_phase(self, phase, run):
+        self.calls.append(("phase", phase))
+
+    def at_step(self, step, run):
+        self.calls.append(("step", step))
+
+    def during_save(self, step, run):
+        self.calls.append(("save", step))
+
+
+def test_hooks_are_called_at_their_points(tmp_path):
+    hook = Recorder()
+    simple_run(str(tmp_path), 4, save_every=2, hooks=[hook])
+    assert hook.calls == [
+        ("phase", "restore"),
+        ("step", 1),
+        ("step", 2),
+        ("save", 2),
+        ("step", 3),
+        ("step", 4),
+        ("save", 4),  # the final save is a save too
+    ]
+
+
+def test_the_chaos_environment_variable_does_nothing(tmp_path, monkeypatch):
+    """Production code never reads the chaos harness's plan: only an installed hook can fire."""
+    import json
+
+    plan = tmp_path / "plan.json"
+    fault = {"id": "x", "kind": "raise", "rank": 0, "step": 2, "when": "step"}
+    plan.write_text(json.dumps({"marker_dir": str(tmp_path / "m"), "faults": [fault]}))
+    monkeypatch.setenv("RESILIENT_CHAOS", str(plan))
+    assert simple_run(str(tmp_path / "ck"), 3).step == 3
+
+
+class PhaseLog:
+    """A stand-in monitor that records the loop's progress announcements."""
+
+    def __init__(self):
+        from resilient.health import DetectorConfig
+
+        self.config = DetectorConfig()
+        self.seen = []
+
+    def progress(self, step, phase, busy_s=None):
+        self.seen.append((step, phase))
+
+    def verdict(self):
+        return None
+
+    def close(self, announce=True):
+        self.seen.append((None, "closed"))
+
+
+def test_the_loop_announces_restore_checkpoint_and_commit_phases(tmp_path):
+    simple_run(str(tmp_path), 2, save_every=1)  # something to restore
+    mon = PhaseLog()
+    simple_run(str(tmp_path), 4, save_every=3, monitor=mon)
+    assert mon.seen == [
+        (None, "restore"),
+        (None, "setup"),
+        (3, "first_step"),
+        (3, "checkpoint"),
+        (3, "train"),
+        (4, "train"),
+        (4, "checkpoint"),  # the final save: synchronous, its commit watched
+        (4, "commit"),
+        (None, "closed"),
+    ]
+
+
+def test_fault_tolerant_rejects_unknown_options_before_any_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launched job: the wrapper would create a group
+    with pytest.raises(TypeError, match=r"'save_evry' \(did you mean 'save_every'\?\)"):
+        fault_tolerant("/tmp/x", save_evry=3)
+    with pytest.raises(ValueError, match="max_failed_saves must be an int >= 1"):
+        fault_tolerant("/tmp/x", max_failed_saves=0)
+    with pytest.raises(ValueError, match="join_timeout_s must be positive"):
+        fault_tolerant("/tmp/x", join_timeout_s=0)
+    assert not dist.is_initialized()
+
+
+def test_errors_are_importable_from_the_package_and_track_says_it_restores():
+    import resilient
+    import resilient.errors
+
+    for name in resilient.errors.__all__:
+        assert getattr(resilient, name) is getattr(resilient.errors, name)
+    assert "restore it in place from the newest committed" in " ".join(Run.track.__doc__.split())

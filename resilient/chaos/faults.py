@@ -1,11 +1,16 @@
-"""Fault injectors: inside a rank (planned through the environment) and from outside (the harness).
+"""Fault injectors: inside a rank (a hook the job installs) and from outside (the harness).
 
-In-rank injectors act at the exact point a scenario names.  The harness writes a plan (JSON) and
-points ``RESILIENT_CHAOS`` at it; every ``Run`` reads it at start and calls the agent at each step
-boundary (trigger ``step``: before the step starts, before its progress heartbeat) and right after
-an asynchronous save was issued (trigger ``save``: the bytes are still being written).  Each fault
-fires once per run, even across restarts: firing claims a marker file with ``O_EXCL``, and writes a
-``fault`` event to the run's event log before it acts, so that the harness can prove it fired.
+In-rank injectors act at the exact point a scenario names, through the hook protocol
+(``resilient.hooks``): the harness writes a plan (JSON) and hands its path to the job (the reference
+trainer's ``--chaos PLAN``; ``{chaos}`` in a command job), which installs ``ChaosHook.from_file``.
+Nothing in ``resilient`` outside this package reads the plan or imports this module: a job
+without the hook cannot fire a fault.  Triggers: ``step`` (before the step starts, before its
+progress heartbeat), ``save`` (right after an asynchronous save was issued: the bytes are still
+being written), and the start-up phases ``import`` (the entry script, before the heartbeat exists),
+``init`` (inside ``resilient.launch.init_process_group``, heartbeat running, before the process
+group) and ``restore`` (``Run.track``, before the load).  Each fault fires once per run, even across
+restarts: firing claims a marker file with ``O_EXCL``, and writes a ``fault`` event to the run's
+event log before it acts, so that the harness can prove it fired.
 
 Kinds (in-rank): ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: frozen, heartbeat thread
 included), ``raise`` (an exception out of the loop), ``hang`` (the loop blocks while the heartbeat
@@ -13,8 +18,10 @@ thread keeps beating), ``pause`` (the loop blocks for ``seconds``, then goes on)
 (every torch operation on the rank takes ``factor`` times as long while communication keeps full
 speed, like a throttled GPU; ``mode = "throttle"`` instead stops and continues the whole process
 with SIGSTOP/SIGCONT, like an oversubscribed node), ``corrupt`` / ``truncate`` (bit rot or a lost tail in
-a file of the newest committed checkpoint).  From the harness: ``kill_node`` (a torchrun agent and
-all its workers) and time-triggered signals to a rank (``kill_rank_process``).
+a file of the newest committed checkpoint), ``skew`` (the rank's wall clock, ``time.time``, runs
+``seconds`` off from the start of every attempt: a host without NTP).  From the harness:
+``kill_node`` (a torchrun agent and all its workers) and time-triggered signals to a rank
+(``kill_rank_process``).
 
 Storage faults (latency, transient and permanent errors, ENOSPC) go through the ``faulty://``
 filesystem (``resilient.chaos.faultfs``), which the harness puts in front of the checkpoint URL.
@@ -31,50 +38,71 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resilient.health.events import EventLog
+
 __all__ = [
-    "ENV_PLAN",
     "IN_RANK_KINDS",
-    "ChaosAgent",
+    "PHASE_TRIGGERS",
+    "ChaosHook",
     "ChaosError",
-    "agent_from_env",
     "damage_newest_checkpoint",
     "descendants",
     "worker_pid",
     "kill_tree",
+    "skew_clock",
 ]
 
-ENV_PLAN = "RESILIENT_CHAOS"
-IN_RANK_KINDS = ("kill", "stop", "raise", "hang", "pause", "slow", "corrupt", "truncate")
+IN_RANK_KINDS = ("kill", "stop", "raise", "hang", "pause", "slow", "corrupt", "truncate", "skew")
+# scenario ``when`` -> the hook phase it fires at
+PHASE_TRIGGERS = {"import": "import", "init": "init_process_group", "restore": "restore"}
 
 
 class ChaosError(RuntimeError):
     """The exception the ``raise`` injector throws inside a rank."""
 
 
-def agent_from_env(rank: int, events: Any) -> ChaosAgent | None:
-    path = os.environ.get(ENV_PLAN)
-    if not path:
-        return None
-    with open(path) as f:
-        plan = json.load(f)
-    return ChaosAgent(plan, rank, events)
+class ChaosHook:
+    """The in-rank side of a chaos plan: ``{"marker_dir": DIR, "events": PATH, "node": N,
+    "faults": [{id, kind, rank, node, step, when, ...}]}``.  A hook (``resilient.hooks``)."""
 
-
-class ChaosAgent:
-    """The in-rank side of a chaos plan: ``{"marker_dir": DIR, "faults": [{id, kind, rank, step,
-    when, ...}]}``."""
-
-    def __init__(self, plan: dict[str, Any], rank: int, events: Any) -> None:
+    def __init__(
+        self, plan: dict[str, Any], rank: int, events: Any, *, node: int | None = None
+    ) -> None:
         self.marker_dir = Path(plan["marker_dir"])
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.events = rank, events
+        self.node = plan.get("node") if node is None else node
         self.faults = [
             f
             for f in plan["faults"]
-            if f["kind"] in IN_RANK_KINDS
-            and f.get("step") is not None
-            and f.get("rank") in (None, rank)
+            if f["kind"] in IN_RANK_KINDS and self._targets(f) and f.get("at_s") is None
         ]
+
+    @classmethod
+    def from_file(cls, path: str, rank: int | None = None) -> ChaosHook:
+        """The hook for this process (its rank from the launcher's ``RANK``)."""
+        with open(path) as f:
+            plan = json.load(f)
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        return cls(plan, rank, EventLog(plan.get("events")))
+
+    def _targets(self, f: dict[str, Any]) -> bool:
+        if f.get("rank") is not None and f["rank"] != self.rank:
+            return False
+        return not (
+            f.get("kind") == "skew" and f.get("node") is not None and f["node"] != self.node
+        )
+
+    # --- the hook protocol ---------------------------------------------------------------------
+    def at_phase(self, phase: str, run: Any | None) -> None:
+        if phase == "import":
+            for f in self.faults:
+                if f["kind"] == "skew":  # a property of the host: every attempt, from the start
+                    skew_clock(float(f["seconds"]))
+                    self._claim_and_record(f, None, "import")
+        for when, name in PHASE_TRIGGERS.items():
+            if name == phase:
+                self._trigger(when, None, run)
 
     def at_step(self, step: int, run: Any) -> None:
         self._trigger("step", step, run)
@@ -82,19 +110,29 @@ class ChaosAgent:
     def during_save(self, step: int, run: Any) -> None:
         self._trigger("save", step, run)
 
-    def _trigger(self, when: str, step: int, run: Any) -> None:
+    def _trigger(self, when: str, step: int | None, run: Any) -> None:
         for f in self.faults:
-            if f.get("when", "step") == when and step >= f["step"] and self._claim(f):
-                self.events.write(
-                    "fault",
-                    id=f["id"],
-                    kind=f["kind"],
-                    rank=self.rank,
-                    step=step,
-                    when=when,
-                    pid=os.getpid(),
-                )
+            if f["kind"] == "skew" or f.get("when", "step") != when:
+                continue
+            if when in ("step", "save") and (step is None or step < f["step"]):
+                continue
+            if self._claim_and_record(f, step, when):
                 self._fire(f, step, run)
+
+    def _claim_and_record(self, f: dict[str, Any], step: int | None, when: str) -> bool:
+        if not self._claim(f):
+            return False
+        self.events.write(
+            "fault",
+            id=f["id"],
+            kind=f["kind"],
+            rank=self.rank,
+            step=step,
+            when=when,
+            pid=os.getpid(),
+            **({"seconds": f["seconds"]} if f["kind"] == "skew" else {}),
+        )
+        return True
 
     def _claim(self, fault: dict[str, Any]) -> bool:
         try:
@@ -104,14 +142,15 @@ class ChaosAgent:
         os.close(fd)
         return True
 
-    def _fire(self, f: dict[str, Any], step: int, run: Any) -> None:
+    def _fire(self, f: dict[str, Any], step: int | None, run: Any) -> None:
         kind = f["kind"]
+        where = f"step {step}" if step is not None else f"phase {f.get('when')}"
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
-            raise ChaosError(f"injected exception on rank {self.rank} at step {step} ({f['id']})")
+            raise ChaosError(f"injected exception on rank {self.rank} at {where} ({f['id']})")
         elif kind == "hang":
             while True:  # the heartbeat thread goes on; only the detector can end this
                 time.sleep(3600)
@@ -123,11 +162,20 @@ class ChaosAgent:
             else:
                 slow_compute(float(f["factor"]))
         elif kind in ("corrupt", "truncate"):
-            if run.checkpointer is None:
+            if run is None or run.checkpointer is None:
                 raise ChaosError(f"{f['id']}: the run has no checkpoint to damage")
             run.checkpointer.wait()  # damage a committed step, not one being written
             detail = damage_newest_checkpoint(run.checkpointer, kind)
             self.events.write("fault_detail", id=f["id"], **detail)
+
+
+_TRUE_TIME = time.time
+
+
+def skew_clock(seconds: float) -> None:
+    """From now on this process's ``time.time()`` runs ``seconds`` off (negative: behind), as on
+    a host whose clock is wrong; monotonic clocks are untouched."""
+    time.time = lambda: _TRUE_TIME() + seconds
 
 
 def damage_newest_checkpoint(checkpointer: Any, kind: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ RUN_DIR`` can rebuild them later:
     run.json            launch facts: command, exit codes, start and end, nodes killed, reference
     metrics.jsonl       the trainer's per-step records (rank 0), appended across restarts
     events.jsonl        the event log: starts, restores, saves, faults, verdicts, stacks, exits
+    chaos_plan_node0.json ...  the in-rank faults, one plan per agent (its ``--chaos`` flag)
     storage_faults.jsonl  every storage fault the faulty:// filesystem fired
     node0.log ...       each torchrun agent's output
     ckpt/               the checkpoints
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient.chaos.faults import ENV_PLAN, kill_tree, worker_pid
+from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, worker_pid
 from resilient.chaos.scenario import Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
@@ -56,9 +57,8 @@ class RunPaths:
     def events(self) -> Path:
         return self.root / "events.jsonl"
 
-    @property
-    def plan(self) -> Path:
-        return self.root / "chaos_plan.json"
+    def plan(self, node: int = 0) -> Path:
+        return self.root / f"chaos_plan_node{node}.json"
 
     @property
     def markers(self) -> Path:
@@ -133,15 +133,28 @@ def launch_job(
     """Run ``job`` to completion (or its timeout) with ``faults`` injected; writes run.json."""
     paths.root.mkdir(parents=True, exist_ok=True)
     events = EventLog(str(paths.events))
-    in_rank = [f.to_json() for f in faults if f.kind not in ("kill_node", "storage")]
-    in_rank = [f for f in in_rank if f.get("at_s") is None]
+    in_rank = [f.to_json() for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
     external = [f for f in faults if f.kind == "kill_node" or f.at_s is not None]
     storage = [f for f in faults if f.kind == "storage"]
-    paths.plan.write_text(
-        json.dumps({"marker_dir": str(paths.markers), "faults": in_rank}, indent=1)
-    )
+    for node in range(job.nodes):  # the plan reaches the ranks only through the job's own flag
+        paths.plan(node).write_text(
+            json.dumps(
+                {
+                    "marker_dir": str(paths.markers),
+                    "events": str(paths.events),
+                    "node": node,
+                    "faults": in_rank,
+                },
+                indent=1,
+            )
+        )
     port = free_port()
-    cmd = _command(job, paths, port, storage)
+    rdzv_id = f"chaos-{uuid.uuid4().hex[:8]}"  # one rendezvous for every agent
+    cmds = [
+        _command(job, paths, port, rdzv_id, storage, node, bool(in_rank))
+        for node in range(job.nodes)
+    ]
+    cmd = cmds[0]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -149,10 +162,6 @@ def launch_job(
         "PYTHONUNBUFFERED": "1",
         **job.env,
     }
-    if faults:
-        env[ENV_PLAN] = str(paths.plan)
-    else:
-        env.pop(ENV_PLAN, None)
     agents: list[subprocess.Popen] = []
     logs = []
     started = time.time()
@@ -163,7 +172,11 @@ def launch_job(
             logs.append(log)
             agents.append(
                 subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    cmds[node],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             )
             if node == 0 and job.nodes > 1:
@@ -265,7 +278,15 @@ class _MetricsTail:
         return self.step
 
 
-def _command(job: Job, paths: RunPaths, port: int, storage: list[Fault]) -> list[str]:
+def _command(
+    job: Job,
+    paths: RunPaths,
+    port: int,
+    rdzv_id: str,
+    storage: list[Fault],
+    node: int,
+    chaos: bool,
+) -> list[str]:
     nnodes = f"1:{job.nodes}" if job.elastic else str(job.nodes)
     cmd = [
         sys.executable,
@@ -282,7 +303,7 @@ def _command(job: Job, paths: RunPaths, port: int, storage: list[Fault]) -> list
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
         "--rdzv-id",
-        f"chaos-{uuid.uuid4().hex[:8]}",
+        rdzv_id,
         # A lost node's place is given up after ~3 s.  An elastic job waits 6 s after the first
         # node is ready for the others: long enough for both agents of a localhost job to join
         # the first round on a loaded machine (a node that joins a finished round makes every
@@ -305,6 +326,7 @@ def _command(job: Job, paths: RunPaths, port: int, storage: list[Fault]) -> list
             "metrics": str(paths.metrics),
             "events": str(paths.events),
             "run_dir": str(paths.root),
+            "chaos": str(paths.plan(node)),
         }
         return cmd + [c.format(**subs) for c in job.command]
     flags = ["-m", "reference_trainer"]
@@ -317,6 +339,8 @@ def _command(job: Job, paths: RunPaths, port: int, storage: list[Fault]) -> list
     flags += ["--ckpt", url, "--metrics", str(paths.metrics), "--events", str(paths.events)]
     if options is not None:
         flags += ["--storage-options", json.dumps(options)]
+    if chaos:
+        flags += ["--chaos", str(paths.plan(node))]
     return cmd + flags
 
 

@@ -17,10 +17,12 @@ steps = 40
 save_every = 5
 
 [[faults]]
-kind = "kill"             # kill stop raise hang pause slow corrupt truncate kill_node storage
+kind = "kill"             # kill stop raise hang pause slow corrupt truncate skew kill_node storage
 rank = 1
 step = 12                 # trigger: at a step ...
 when = "step"             # ... before it ("step") or while its save is written ("save")
+# when = "import"         # or a start-up phase, without a step: "import" (before the heartbeat),
+                          # "init" (process-group init) or "restore" (loading the checkpoint)
 # at_s = 8.0              # or at a time after the job started (kill, stop, kill_node)
 
 [expect]
@@ -28,9 +30,15 @@ completed = true
 final_state = "exact"     # "exact" | "close" (rtol, atol) | "any"
 max_steps_lost = 5        # default: the save interval
 verdict = "DEAD"          # DEAD | HUNG | STRAGGLER | "none" (no verdict at all); default: any
-detect_within_s = 6.0     # fault to verdict
-recover_within_s = 45.0   # fault to the first step completed after the restart
+detect_within_s = 6.0     # fault to verdict (a "never joined" verdict: beyond the join timeout)
+recover_within_s = 45.0   # fault to the first step completed after the restart (ditto)
+# restarts = 0            # exactly this many restarts of the group
+# failed_saves = 1        # exactly this many steps whose save failed (and training went on)
 ```
+
+A command job (``job.command``) gets the chaos plan where it says ``{chaos}`` and must install the
+hook itself (``resilient.chaos.faults.ChaosHook.from_file``); the reference trainer takes it as
+``--chaos PLAN``.
 
 Every problem is a ``ScenarioError`` naming the file, the line and the field.
 """
@@ -44,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient.chaos.faults import IN_RANK_KINDS
+from resilient.chaos.faults import IN_RANK_KINDS, PHASE_TRIGGERS
 from resilient.errors import ScenarioError
 
 __all__ = ["Scenario", "Job", "Fault", "Expect", "load_scenario", "parse_scenario", "KINDS"]
@@ -69,9 +77,13 @@ TRAINER_FLAGS = {
     "warmup_steps": int,
     "heartbeat_interval_s": float,
     "hang_timeout_s": float,
+    "join_timeout_s": float,
+    "max_failed_saves": int,
     "no_fallback": bool,
     "data": str,
 }
+
+DETECTION_FLAGS = ("heartbeat_interval_s", "hang_timeout_s", "join_timeout_s", "max_failed_saves")
 
 
 @dataclass(frozen=True)
@@ -94,11 +106,17 @@ class Job:
         return None if self.trainer is None else int(self.trainer.get("save_every", 0))
 
     def key(self) -> dict[str, Any]:
-        """What makes two jobs the same run (to share a fault-free reference)."""
+        """What makes two jobs the same run (to share a fault-free reference).  Detector and
+        save-policy flags change how a fault is handled, never what a fault-free run computes."""
+        trainer = (
+            None
+            if self.trainer is None
+            else {k: v for k, v in self.trainer.items() if k not in DETECTION_FLAGS}
+        )
         return {
             "nproc": self.nproc,
             "nodes": self.nodes,
-            "trainer": self.trainer,
+            "trainer": trainer,
             "command": self.command,
             "env": self.env,
         }
@@ -143,6 +161,8 @@ class Expect:
     checkpoints_verify: bool = True
     samples_exactly_once: bool = True
     error_contains: str | None = None
+    restarts: int | None = None
+    failed_saves: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +201,15 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         v.fail((), "name", f"{name!r} must use only letters, digits, '-', '_' and '.'")
     job = _job(v, v.table(raw, "job", required=True))
     faults = tuple(_fault(v, f, i, job) for i, f in enumerate(v.array_of_tables(raw, "faults")))
+    in_rank = [f for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
+    if job.command is not None and in_rank and not any("{chaos}" in c for c in job.command):
+        v.fail(
+            ("job",),
+            "command",
+            f"in-rank faults ({', '.join(f.id for f in in_rank)}) need the job to install the "
+            f"chaos hook: put {{chaos}} (the plan's path) in the command and pass it to "
+            f"resilient.chaos.faults.ChaosHook.from_file",
+        )
     ids = [f.id for f in faults]
     for i, fid in enumerate(ids):
         if fid in ids[:i]:
@@ -262,8 +291,13 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     step = v.typed(t, "step", int, at, default=None)
     at_s = v.typed(t, "at_s", (int, float), at, default=None)
     when = v.typed(t, "when", str, at, default="step")
-    if when not in ("step", "save"):
-        v.fail(at, "when", f"{when!r}: 'step' (before the step) or 'save' (during its save)")
+    if when not in ("step", "save", *PHASE_TRIGGERS):
+        v.fail(
+            at,
+            "when",
+            f"{when!r}: 'step' (before the step), 'save' (during its save), or a start-up phase: "
+            f"{', '.join(repr(p) for p in PHASE_TRIGGERS)}",
+        )
     steps = job.steps
     if step is not None and (step < 1 or (steps is not None and step > steps)):
         v.fail(at, "step", f"{step} is outside the job's steps 1..{steps}")
@@ -295,11 +329,35 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             skip=v.typed(t, "skip", int, at, default=0),
             latency_s=None if latency is None else float(latency),
         )
-    if (step is None) == (at_s is None):
+    node = v.typed(t, "node", int, at, default=None)
+    seconds = v.typed(t, "seconds", (int, float), at, default=None)
+    if kind == "skew":
+        for k in ("step", "at_s", "when"):
+            if k in t:
+                v.fail(at, k, "a skew fault holds from the start of every attempt: no trigger")
+        if seconds is None or seconds == 0:
+            v.fail(at, "seconds", "a skew fault needs seconds != 0 (negative: the clock is behind)")
+        if node is not None and not 0 <= node < job.nodes:
+            v.fail(at, "node", f"{node}: which agent's workers, 0..{job.nodes - 1}")
+        if (rank is None) == (node is None):
+            v.fail(at, "rank", "a skew fault targets one rank = R or one node = N")
+        return Fault(
+            id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
+            kind=kind,
+            rank=rank,
+            node=node,
+            when="import",
+            seconds=float(seconds),
+        )
+    if when in PHASE_TRIGGERS:
+        if step is not None or at_s is not None:
+            v.fail(at, "when", f"{when!r} is the trigger: give no step or at_s with it")
+        if kind not in ("kill", "stop", "raise", "hang", "pause"):
+            v.fail(at, "kind", f"a {kind} fault cannot fire in the {when!r} phase")
+    elif (step is None) == (at_s is None):
         v.fail(at, "step", f"a {kind} fault needs exactly one trigger: step = N or at_s = SECONDS")
     if at_s is not None and kind not in ("kill", "stop", "kill_node"):
         v.fail(at, "at_s", f"a {kind} fault fires inside a rank: trigger it with step = N")
-    node = v.typed(t, "node", int, at, default=None)
     if kind == "kill_node":
         if job.nodes < 2:
             v.fail(at, "kind", "kill_node needs a job with nodes = 2")
@@ -310,7 +368,6 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     elif kind not in ("corrupt", "truncate") and rank is None:
         v.fail(at, "rank", f"a {kind} fault needs the rank it hits")
     factor = v.typed(t, "factor", (int, float), at, default=None)
-    seconds = v.typed(t, "seconds", (int, float), at, default=None)
     if kind == "slow" and (factor is None or factor <= 1):
         v.fail(at, "factor", "a slow fault needs factor > 1 (2: half speed)")
     mode = v.typed(t, "mode", str, at, default=None)
@@ -358,6 +415,8 @@ def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
             t, "samples_exactly_once", bool, at, default=job.trainer is not None
         ),
         error_contains=v.typed(t, "error_contains", str, at, default=None),
+        restarts=v.typed(t, "restarts", int, at, default=None),
+        failed_saves=v.typed(t, "failed_saves", int, at, default=None),
         **floats,
     )
 

@@ -109,11 +109,12 @@ class Finding:
         return d
 
     def __str__(self) -> str:
-        who = (
-            f"rank {self.rank} ({self.host}, pid {self.pid})"
-            if self.rank is not None
-            else "all ranks"
-        )
+        if self.rank is None:
+            who = "all ranks"
+        elif self.pid:
+            who = f"rank {self.rank} ({self.host}, pid {self.pid})"
+        else:
+            who = f"rank {self.rank} (never registered)"
         return f"{self.verdict.value}: {who} at step {self.last_step} ({self.phase}): {self.detail}"
 
 
