@@ -31,14 +31,20 @@ def demo(
 def verify(
     url: str, step: int = typer.Option(None, "--step", help="Default: the newest committed step.")
 ) -> None:
-    """Read every byte of a checkpoint step and check it against its checksums (exit 1 on failure)."""
+    """Read every byte of a checkpoint step and check it against its checksums.
+
+    Exit codes, as ``reshape verify``: 0 every byte checks; 1 failed verification, or a corrupt or
+    unreadable checkpoint (manifest, storage); 2 bad usage (no such step, a bad URL or option)."""
     from resilient import Checkpointer
-    from resilient.errors import ResilientError
+    from resilient.errors import CheckpointCorruptError, ResilientError, StorageError
 
     try:
         with Checkpointer(url) as ck:
             report = ck.verify(step)
-    except ResilientError as e:
+    except (CheckpointCorruptError, StorageError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except (ResilientError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     for p in report.problems:

@@ -4,6 +4,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from reshape.cli import app as reshape_app
 from resilient import Checkpointer
 from resilient.cli import app
 
@@ -23,6 +24,58 @@ def test_verify_exit_codes(tmp_path):
     assert bad.exit_code == 1 and "crc32 expected" in bad.output and "FAILED" in bad.output
     missing = runner.invoke(app, ["verify", str(tmp_path), "--step", "9"])
     assert missing.exit_code == 2 and "committed steps: 3" in missing.output
+
+
+@pytest.mark.parametrize(
+    "damage,code",
+    [
+        ("none", 0),
+        ("bit flip", 1),
+        ("truncated", 1),
+        ("unreadable", 1),
+        pytest.param(
+            "manifest",
+            1,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="reshape verify --step N on a step whose manifest is not valid JSON says "
+                "'no committed checkpoint' (exit 2) while Checkpointer.verify calls it corrupt "
+                "(exit 1): reshape/cli.py's _resolve, owned by the checkpoint/reshape work",
+            ),
+        ),
+        ("missing step", 2),
+        ("not a checkpoint", 2),
+    ],
+)
+def test_resilient_and_reshape_verify_share_exit_codes(tmp_path, damage, code):
+    """The README's contract: 0 every byte checks, 1 failed verification or a corrupt source,
+    2 bad usage; the same for `resilient verify` and `reshape verify`."""
+    url = str(tmp_path / "ck")
+    with Checkpointer(url) as ck:
+        ck.save(3, {"w": torch.arange(10.0)}).wait()
+    args = [url]
+    if damage == "bit flip":
+        f = tmp_path / "ck" / "step_00000003" / "rank_00000.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0x40
+        f.write_bytes(bytes(data))
+    elif damage == "truncated":
+        f = tmp_path / "ck" / "step_00000003" / "rank_00000.safetensors"
+        f.write_bytes(f.read_bytes()[:-8])
+    elif damage == "unreadable":  # a storage error, not a checksum mismatch
+        f = tmp_path / "ck" / "step_00000003" / "rank_00000.safetensors"
+        f.unlink()
+        f.mkdir()
+    elif damage == "manifest":
+        (tmp_path / "ck" / "step_00000003" / "MANIFEST.json").write_text('{"format_version": 1')
+        args += ["--step", "3"]
+    elif damage == "missing step":
+        args += ["--step", "9"]
+    elif damage == "not a checkpoint":
+        args = [str(tmp_path / "nothing-here")]
+    ours = runner.invoke(app, ["verify", *args])
+    theirs = runner.invoke(reshape_app, ["verify", *args])
+    assert (ours.exit_code, theirs.exit_code) == (code, code), (ours.output, theirs.output)
 
 
 @pytest.mark.slow
