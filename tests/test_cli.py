@@ -33,6 +33,7 @@ def test_verify_exit_codes(tmp_path):
         ("bit flip", 1),
         ("truncated", 1),
         ("unreadable", 1),
+        ("no storage backend", 1),  # a StorageError: 2 from resilient verify before, 1 from reshape
         pytest.param(
             "manifest",
             1,
@@ -71,6 +72,8 @@ def test_resilient_and_reshape_verify_share_exit_codes(tmp_path, damage, code):
         args += ["--step", "3"]
     elif damage == "missing step":
         args += ["--step", "9"]
+    elif damage == "no storage backend":
+        args = ["nosuchprotocol://bucket/ck"]
     elif damage == "not a checkpoint":
         args = [str(tmp_path / "nothing-here")]
     ours = runner.invoke(app, ["verify", *args])
