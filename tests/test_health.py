@@ -32,6 +32,29 @@ def test_dead_when_liveness_stops():
     assert "no liveness heartbeat for 2.5s" in out[0].detail and out[0].pid == 101
 
 
+def test_start_up_phases_get_a_longer_liveness_timeout():
+    """Imports and model building starve a heartbeat thread on a loaded machine; a training step
+    does not.  So a start-up phase gets startup_dead_after_intervals, the rest dead_after."""
+    d = Detector(
+        DetectorConfig(interval_s=1.0, dead_after_intervals=2, startup_dead_after_intervals=5)
+    )
+    now = 1000.0
+
+    def rank1(phase, age):
+        return [
+            RankStatus(0, now, 3, "train", now, "h", 100, seq=9),
+            RankStatus(1, now - age, None if phase == "setup" else 3, phase, now - age, "h", 101),
+        ]
+
+    assert d.observe(rank1("setup", 3.0), now) == []
+    out = d.observe(rank1("setup", 5.5), now)
+    assert [(f.verdict, f.rank, f.timeout_s) for f in out] == [(Verdict.DEAD, 1, 5.0)]
+    assert "(timeout 5.0s in phase setup)" in out[0].detail
+    assert [f.verdict for f in d.observe(rank1("train", 3.0), now)] == [Verdict.DEAD]
+    with pytest.raises(ValueError, match="startup_dead_after_intervals"):
+        DetectorConfig(dead_after_intervals=3, startup_dead_after_intervals=2)
+
+
 def test_hung_when_behind_waiting_peers_and_group_stall():
     d = Detector(DetectorConfig(hang_timeout_s=10.0, first_step_budget_s=0.0))
     now = 1000.0

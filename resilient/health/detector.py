@@ -6,7 +6,9 @@ sender's skewed wall clock never enters a verdict); it returns findings.  No sto
 clocks of its own: tested by feeding snapshots.
 
 * DEAD: no liveness heartbeat for ``dead_after_intervals`` intervals (a killed or frozen process:
-  SIGSTOP freezes its heartbeat thread too); or never registered at all within ``join_timeout_s``
+  SIGSTOP freezes its heartbeat thread too; ``startup_dead_after_intervals`` in the start-up phases
+  before the checkpoint is loaded, where imports and model building keep the CPU and the GIL busy
+  and a loaded machine can starve the heartbeat thread for seconds); or never registered at all within ``join_timeout_s``
   of the leader's own start ("never joined": frozen or stuck in imports or the launcher before its
   heartbeat started).
 * HUNG: alive, but no progress for its phase's budget while peers wait (they are further along:
@@ -54,6 +56,8 @@ class Verdict(StrEnum):
 
 # What a rank goes through before its first step, in order; each has a budget.
 STARTUP_PHASES = ("init", "rendezvous", "setup", "restore")
+# where the liveness timeout is startup_dead_after_intervals (heavy imports and model building)
+STARTUP_LIVENESS_PHASES = ("init", "rendezvous", "setup")
 DEFAULT_PHASE_BUDGETS_S = {
     "init": 300.0,  # heartbeat started: before the process group (launch.init_process_group)
     "rendezvous": 300.0,  # inside dist.init_process_group, waiting for the peers
@@ -126,6 +130,7 @@ class DetectorConfig:
 
     interval_s: float = 1.0
     dead_after_intervals: float = 2.0
+    startup_dead_after_intervals: float = 5.0  # phases init, rendezvous, setup
     join_timeout_s: float = 120.0
     hang_timeout_s: float | None = None
     hang_factor: float = 5.0
@@ -143,6 +148,11 @@ class DetectorConfig:
                 f"interval_s ({self.interval_s}) and dead_after_intervals "
                 f"({self.dead_after_intervals}) must be positive"
             )
+        if self.startup_dead_after_intervals < self.dead_after_intervals:
+            raise ValueError(
+                f"startup_dead_after_intervals ({self.startup_dead_after_intervals}) must be at "
+                f"least dead_after_intervals ({self.dead_after_intervals})"
+            )
         if self.join_timeout_s <= 0:
             raise ValueError(f"join_timeout_s must be positive, got {self.join_timeout_s}")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
@@ -155,6 +165,12 @@ class DetectorConfig:
     @property
     def dead_timeout_s(self) -> float:
         return self.interval_s * self.dead_after_intervals
+
+    def dead_timeout_in(self, phase: str) -> float:
+        """The liveness timeout of a rank in ``phase``."""
+        if phase in STARTUP_LIVENESS_PHASES:
+            return self.interval_s * self.startup_dead_after_intervals
+        return self.dead_timeout_s
 
 
 class Detector:
@@ -232,16 +248,17 @@ class Detector:
                     )
                 continue
             since_alive = now - s.alive_t
-            if since_alive > c.dead_timeout_s:
+            timeout = c.dead_timeout_in(s.phase)
+            if since_alive > timeout:
                 findings.append(
                     self._finding(
                         Verdict.DEAD,
                         s,
                         now,
                         f"no liveness heartbeat for {since_alive:.1f}s "
-                        f"(timeout {c.dead_timeout_s:.1f}s)",
+                        f"(timeout {timeout:.1f}s in phase {s.phase})",
                         cause="no_heartbeat",
-                        timeout_s=c.dead_timeout_s,
+                        timeout_s=timeout,
                     )
                 )
         if findings:

@@ -168,7 +168,19 @@ class Monitor:
 
     # --- the heartbeat thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
+        # beats on a fixed schedule: the work after a beat (store round trips, the leader's scan)
+        # does not stretch the period, which on a loaded machine would eat the DEAD margin
+        next_beat = time.monotonic() + self.config.interval_s
+        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+            now = time.monotonic()
+            late = now - next_beat
+            next_beat += self.config.interval_s
+            if next_beat <= now:  # starved past a whole beat: start the schedule again from now
+                next_beat = now + self.config.interval_s
+            if late > self.config.interval_s / 2:
+                self.events.write(
+                    "heartbeat_late", rank=self.rank, phase=self.phase, late_s=round(late, 3)
+                )
             try:
                 self._beat()
                 self._maybe_take_over()
