@@ -372,15 +372,16 @@ def test_slow_compute_stretches_torch_ops_but_not_the_rest():
         "    return time.perf_counter() - t\n"
         "def idle():\n"
         "    t = time.perf_counter(); time.sleep(0.2); return time.perf_counter() - t\n"
-        "before, quiet = work(), idle()\n"
+        # the fastest of several tries: a busy machine only ever makes a try slower
+        "before, quiet = min(work() for _ in range(3)), min(idle() for _ in range(3))\n"
         "slow_compute(4.0)\n"
-        "print(work() / before, idle() / quiet)\n"
+        "print(min(work() for _ in range(3)) / before, min(idle() for _ in range(3)) / quiet)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     ops, other = map(float, r.stdout.split())
-    assert ops > 2.0  # four times as long, give or take a noisy machine
-    assert other < 1.5  # time outside torch (here: a sleep, as a collective's wait) is untouched
+    assert ops > 2.0  # four times as long (the fastest try), far from 1
+    assert other < 2.0  # time outside torch (a sleep, as a collective's wait) is not stretched 4x
 
 
 def test_faulty_fs_probability_record_and_count_across_processes(tmp_path):

@@ -131,6 +131,8 @@ def test_resume_in_another_layout_continues_the_curve(tmp_path):
             ["--nproc", "2", "--dp", "2", "--global-batch", "3"],
             "--global-batch 3 must be divisible by the 2 data replicas",
         ),
+        (["--join-timeout-s", "0"], "--join-timeout-s 0.0: must be > 0"),
+        (["--max-failed-saves", "0"], "--max-failed-saves 0: must be >= 1"),
     ],
 )
 def test_bad_flags_fail_before_any_process_group(argv, message, capsys):
