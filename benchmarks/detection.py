@@ -15,8 +15,13 @@ the stop to the verdict, in heartbeat intervals.
 Overhead: the reference trainer under torchrun with monitoring on and off, in one run (median
 step time).
 
+Side by side (``--baseline TREE``): the same measurements on another checkout of the project (for
+example ``git worktree add /tmp/before <commit>``) and on this one, interleaved trial by trial (each
+in its own process, run from its own tree), so both see the same machine.
+
     python benchmarks/detection.py [--sizes 64,512,4096] [--interval 0.5] [--trials 5]
                                    [--recovery-trials 20] [--skip-scale]
+    python benchmarks/detection.py --baseline /tmp/before [--recovery-trials 6] [--kinds stop,hang]
 """
 
 from __future__ import annotations
@@ -268,6 +273,119 @@ def overhead(steps: int) -> dict:
     return out
 
 
+_SIMULATE = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import detection
+print("RESULT" + json.dumps(detection.simulate(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]))))
+"""
+
+_TRIAL = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import detection
+from resilient.chaos.harness import RunPaths, launch_job
+from resilient.chaos.scenario import parse_scenario
+name, kind, rank, step, out = sys.argv[1:6]
+text = detection.RECOVERY_JOB.format(name=name, kind=kind, rank=rank, step=step)
+scenario = parse_scenario(text, name)
+run_dir = Path(out) / name
+launch = launch_job(scenario.job, RunPaths(run_dir), list(scenario.faults), say=lambda *a: None)
+(run_dir / "scenario.toml").write_text(text)
+print("RESULT" + json.dumps(detection.trial_result(scenario, run_dir, launch)))
+"""
+
+
+def _in_tree(tree: str, code: str, *args: object) -> dict:
+    """Run ``code`` with ``tree`` as the working directory (so it imports that tree's packages,
+    and the jobs it launches do too); returns the JSON it printed after RESULT."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
+    if line is None:
+        raise RuntimeError(f"{tree}: no result (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(line[len("RESULT") :])
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The baseline tree and this one, trial by trial, alternating which goes first."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"before": os.path.abspath(args.baseline), "after": here}
+    print(f"machine: {machine()}")
+    print(f"before: {trees['before']}\nafter:  {trees['after']}\n")
+    if args.recovery_trials:
+        out = args.out or tempfile.mkdtemp(prefix="detection-compare-")
+        results: dict[str, dict[str, list[dict]]] = {"before": {}, "after": {}}
+        for kind in args.kinds.split(","):
+            for t in range(args.recovery_trials):
+                order = ["before", "after"] if t % 2 == 0 else ["after", "before"]
+                for label in order:
+                    name = f"{kind}-{t}"
+                    res = _in_tree(
+                        trees[label], _TRIAL, name, kind, 1 + t % 3, 8 + t % 5, f"{out}/{label}"
+                    )
+                    results[label].setdefault(kind, []).append(res)
+                    print(
+                        f"  {label} {name}: verdict {res['verdict']}, detection "
+                        f"{res['detection_s']}, recovery {res['recovery_s']}s",
+                        flush=True,
+                    )
+        with open(os.path.join(out, "compare.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        for label in ("before", "after"):
+            print(f"\n{label}:")
+            print(recovery_table(results[label]))
+    if args.skip_scale:
+        return
+    rows = []
+    for world in map(int, args.sizes.split(",")):
+        got: dict[str, list[dict]] = {"before": [], "after": []}
+        for t in range(args.trials):
+            order = ["before", "after"] if t % 2 == 0 else ["after", "before"]
+            for label in order:
+                got[label].append(
+                    _in_tree(trees[label], _SIMULATE, world, args.interval, world // 2 + t)
+                )
+        for label in ("before", "after"):
+            trials = got[label]
+            assert all(x["ok"] for x in trials), (label, trials)
+            lat = sorted(x["intervals"] for x in trials)
+            rows.append(
+                [
+                    str(world),
+                    label,
+                    str(len(trials)),
+                    f"{statistics.median(lat):.2f}",
+                    f"{lat[-1]:.2f}",
+                    f"{max(x['scan_s'] for x in trials) * 1e3:.1f}",
+                ]
+            )
+        print(f"  {world} ranks done", flush=True)
+    print(f"\nheartbeat interval {args.interval}s, DEAD after 2 intervals")
+    print(
+        markdown_table(
+            [
+                "simulated ranks",
+                "code",
+                "trials",
+                "detection (intervals), median",
+                "worst",
+                "leader scan ms (worst)",
+            ],
+            rows,
+        )
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -283,7 +401,15 @@ def main() -> None:
         "--reanalyze", default=None, help="verify the trials under this directory again, no runs"
     )
     p.add_argument("--out", default=None, help="where the recovery trials' runs go (default: tmp)")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout: measure it and this one side by side, trial by trial",
+    )
     args = p.parse_args()
+    if args.baseline:
+        compare(args)
+        return
     if args.reanalyze:
         print(recovery_table(reanalyze(args.reanalyze)))
         return
