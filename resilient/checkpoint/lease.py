@@ -226,8 +226,10 @@ class WriterLease:
 
     # --- acquire, check, renew, release ------------------------------------------------------
     def acquire(self) -> None:
-        """Take the lease, or raise LeaseError naming the owner who holds it."""
-        if self.held:
+        """Take the lease, or raise LeaseError naming the owner who holds it.  A lease once lost
+        is never taken again by this instance (a job that was taken over as stale must not come
+        back and commit an older state over its successor's)."""
+        if self.record is not None:
             self.check()
             return
         watched: tuple[bytes, float] | None = None

@@ -241,7 +241,9 @@ class Storage:
             raise ValueError(
                 f"commit_method must be one of {COMMIT_METHODS} or None, got {commit_method!r}"
             )
-        self.url = url.rstrip("/") or url
+        stripped = url.rstrip("/")
+        # a trailing slash goes, but not the "//" of "memory://" or "dir::memory://"
+        self.url = stripped if stripped and not stripped.endswith(":") else url
         self.retry = retry or RetryPolicy()
         try:
             fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))

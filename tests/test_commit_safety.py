@@ -1,0 +1,294 @@
+"""Commits that cannot tear, generations that never collide, conversions that never eat their source,
+readers that race retention, and loads that are all or nothing."""
+
+import json
+import os
+import threading
+
+import fsspec
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient.checkpoint.format import MANIFEST_NAME
+from resilient.checkpoint.storage import Storage
+from resilient.errors import (
+    CheckpointCorruptError,
+    StateMismatchError,
+    StepRetiredError,
+    StorageError,
+)
+
+
+def state(v: float, n: int = 3000) -> dict:
+    return {"w": torch.arange(float(n)) * v, "v": {"s": v}}
+
+
+def blank(n: int = 3000) -> dict:
+    return {"w": torch.zeros(n), "v": {"s": 0.0}}
+
+
+# --- the commit method, per backend ------------------------------------------------------------
+
+
+def test_commit_methods_per_backend(tmp_path, s3):
+    assert Storage(str(tmp_path)).commit_method == "rename"
+    assert Storage(f"file://{tmp_path}").commit_method == "rename"
+    dirfs = Storage("dir::file://", {"path": str(tmp_path)})
+    assert dirfs.is_local and dirfs.commit_method == "rename"  # dir:: over a local disk is one
+    assert Storage("memory://x").commit_method == "put"
+    assert Storage(f"s3://{s3.new_bucket()}/r", s3.options).commit_method == "put"
+    assert Storage(f"faulty://{tmp_path}").commit_method == "rename"
+    assert Storage("dir::memory://", {"path": "/x"}).commit_method == "put"  # a path prefix
+    for url in [
+        f"simplecache::file://{tmp_path}/c",  # a caching wrapper around a local disk
+        "http://127.0.0.1:9/x",  # no atomic publish known
+    ]:
+        assert Storage(url).commit_method is None, url
+
+
+def test_a_filesystem_without_an_atomic_publish_is_refused_with_the_reason(tmp_path):
+    url = f"simplecache::file://{tmp_path}/c"
+    with Checkpointer(url) as ck:
+        ck.save(1, state(1))
+        with pytest.raises(StorageError, match=r"cannot commit checkpoints to .*commit_method="):
+            ck.wait()
+    assert not (tmp_path / "c" / "step_00000001").exists()  # nothing was written
+    # the user may vouch for it
+    with Checkpointer(f"dir::file://{tmp_path}/d", commit_method="rename") as ck:
+        ck.save(1, state(1)).wait()
+        assert ck.steps() == [1]
+
+
+def test_a_torn_manifest_never_counts_and_retention_keeps_the_good_steps(tmp_path):
+    with Checkpointer(str(tmp_path), keep_last=2) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, state(s)).wait()
+    assert Checkpointer(str(tmp_path)).steps() == [2, 3]
+    # a store without atomic writes left half a manifest for step 4
+    step4 = tmp_path / "step_00000004"
+    step4.mkdir()
+    good = (tmp_path / "step_00000003" / MANIFEST_NAME).read_text()
+    (step4 / MANIFEST_NAME).write_text(good.replace('"step": 3', '"step": 4')[: len(good) // 2])
+    with Checkpointer(str(tmp_path), keep_last=2) as ck:
+        assert ck.steps() == [2, 3] and ck.latest_step() == 3
+        ck.save(5, state(5)).wait()
+        # 4 counted for nothing: the newest two real commits are kept, and 4 is left alone
+        assert ck.steps() == [3, 5]
+        out = blank()
+        assert ck.load(out, step=3) == 3 and out["v"]["s"] == 3
+    assert (step4 / MANIFEST_NAME).exists()
+
+
+# --- generations: agreed by the coordinator, never the name of an existing file ----------------
+
+
+def test_a_resave_never_writes_under_an_existing_name(tmp_path, monkeypatch):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(5, state(5)).wait()
+    step = tmp_path / "step_00000005"
+    # leftovers of interrupted re-saves, hard-linked to a file outside (truncating them through
+    # the link would destroy it), including the name the old clock-derived rule would pick
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.write_bytes(b"not yours")
+    import time
+
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_123.0)
+    for g in (1, 2, 1 + 1_700_000_123 % 1000):
+        os.link(outside, step / f"rank_00000.g{g}.safetensors")
+    # and a damaged committed manifest (the old rule fell back to the clock then)
+    m = (step / MANIFEST_NAME).read_text()
+    (step / MANIFEST_NAME).write_text(m[:-10])
+    monkeypatch.undo()
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(5, state(55)).wait()
+        man = ck.manifest(5)
+        assert man.generation == 1 + 1_700_000_123 % 1000 + 1
+        assert list(man.files) == [f"rank_00000.g{man.generation}.safetensors"]
+        out = blank()
+        assert ck.load(out) == 5 and out["v"]["s"] == 55
+    assert outside.read_bytes() == b"not yours"
+    assert sorted(p.name for p in step.iterdir()) == [
+        MANIFEST_NAME,
+        f"rank_00000.g{man.generation}.safetensors",
+    ]
+
+
+def _two_rank_resave(rank, world, url):
+    import time as time_mod
+
+    from resilient import Layout, Shard, sharded
+
+    lay = Layout(tp=2)
+    if rank == 1:  # this rank's clock is off by a second: a per-rank rule would disagree
+        real = time_mod.time
+        time_mod.time = lambda: real() + 1.0
+    with Checkpointer(url, layout=lay) as ck:
+        ck.save(3, {"w": sharded(torch.full((8,), 1.0 + rank), {"tp": Shard(0)})}).wait()
+        ck.save(3, {"w": sharded(torch.full((8,), 10.0 + rank), {"tp": Shard(0)})}).wait()
+        return {k: v.rank for k, v in ck.manifest(3).files.items()}
+
+
+@pytest.mark.distributed
+def test_every_rank_writes_the_generation_the_coordinator_picked(tmp_path):
+    from tests.dist import run_distributed
+
+    files = run_distributed(_two_rank_resave, 2, str(tmp_path))[0]
+    assert files == {"rank_00000.g1.safetensors": 0, "rank_00001.g1.safetensors": 1}
+
+
+# --- convert onto its own source ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["dot", "slash", "dotdot", "symlink", "file"])
+def test_convert_refuses_its_own_source_under_any_spelling(tmp_path, spelling):
+    from reshape.execute import DestinationExistsError, convert
+
+    src = tmp_path / "ckpt"
+    with Checkpointer(str(src)) as ck:
+        ck.save(7, state(7)).wait()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link").symlink_to(src)
+    dst = {
+        "dot": f"{src}/.",
+        "slash": f"{src}/",
+        "dotdot": f"{tmp_path}/sub/../ckpt",
+        "symlink": str(tmp_path / "link"),
+        "file": f"file://{src}",
+    }[spelling]
+    with pytest.raises(DestinationExistsError, match="is the source"):
+        convert(str(src), dst, {"dp": 1}, overwrite=True)
+    with Checkpointer(str(src)) as ck:
+        out = blank()
+        assert ck.load(out) == 7 and ck.verify(7).ok
+
+
+def test_convert_overwrite_keeps_the_old_target_step_until_the_new_one_commits(tmp_path):
+    from reshape.execute import convert
+
+    with Checkpointer(str(tmp_path / "a")) as ck:
+        ck.save(1, state(1)).wait()
+    convert(str(tmp_path / "a"), str(tmp_path / "b"), {"dp": 1})
+    opts = {"faults": [{"op": "write", "error": "permanent", "path": "step_00000001/rank_"}]}
+    with pytest.raises(StorageError):
+        convert(
+            str(tmp_path / "a"),
+            f"faulty://{tmp_path / 'b'}",
+            {"dp": 1},
+            overwrite=True,
+            dst_options=opts,
+        )
+    with Checkpointer(str(tmp_path / "b")) as ck:  # the old target step is still committed
+        out = blank()
+        assert ck.load(out) == 1 and ck.verify(1).ok
+
+
+# --- readers while retention retires the step they read ------------------------------------------
+
+
+def test_a_step_retired_while_it_is_read_says_so(tmp_path, monkeypatch):
+    writer = Checkpointer(str(tmp_path), keep_last=1)
+    writer.save(1, state(1)).wait()
+    reader = Checkpointer(str(tmp_path))
+    reading, retired = threading.Event(), threading.Event()
+    real = Storage.read_into
+
+    def read_into(self, rel, start, out):
+        if "rank_" in rel and not reading.is_set():
+            reading.set()
+            assert retired.wait(60)  # retention runs while this read is under way
+        return real(self, rel, start, out)
+
+    monkeypatch.setattr(Storage, "read_into", read_into)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=_try(lambda: reader.load(blank()))))
+    t.start()
+    assert reading.wait(60)
+    writer.save(2, state(2)).wait()  # keep_last=1: step 1 is retired...
+    writer.wait()  # ...and, once the save's thread is done, its files are deleted
+    assert not (tmp_path / "step_00000001").exists()
+    retired.set()
+    t.join(60)
+    err = box["r"]
+    assert isinstance(err, StepRetiredError), err
+    assert "step 1 of" in str(err) and "retired (its manifest was removed)" in str(err)
+    assert "not corruption" in str(err)
+    monkeypatch.undo()
+    out = blank()
+    assert reader.load(out) == 2  # reading again finds the newest step
+    writer.close()
+    reader.close()
+
+
+def test_verify_of_a_step_retired_meanwhile_is_not_a_corruption_report(tmp_path, monkeypatch):
+    from resilient.checkpoint.reader import verify_step
+
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state(1)).wait()
+    storage = Storage(str(tmp_path))
+    real = Storage.read_into
+
+    def read_into(self, rel, start, out):
+        Storage(str(tmp_path)).remove(f"step_00000001/{MANIFEST_NAME}")  # retired now
+        Storage(str(tmp_path)).remove_tree("step_00000001")
+        return real(self, rel, start, out)
+
+    monkeypatch.setattr(Storage, "read_into", read_into)
+    with pytest.raises(StepRetiredError, match="step 1 of .* was retired"):
+        verify_step(storage, 1)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except BaseException as e:
+        return e
+
+
+# --- all or nothing -------------------------------------------------------------------------------
+
+
+def test_a_failed_load_leaves_the_state_as_it_was(tmp_path):
+    def full(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 64)
+        return {"model": model, "optim": torch.optim.AdamW(model.parameters()), "v": {"s": seed}}
+
+    src = full(1)
+    src["model"](torch.randn(2, 64)).sum().backward()
+    src["optim"].step()
+    with Checkpointer(str(tmp_path), block_bytes=4096) as ck:
+        ck.save(1, src).wait()
+    # the last block of the rank file is corrupt: most tensors read fine before it fails
+    f = tmp_path / "step_00000001" / "rank_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    dst = full(2)
+    before = {k: v.clone() for k, v in dst["model"].state_dict().items()}
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            ck.load(dst)
+    for k, v in dst["model"].state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert dst["v"] == {"s": 2}
+    assert not dst["optim"].state  # the lazily created optimizer state is gone again
+
+
+def test_a_mismatched_state_raises_before_changing_anything(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"w": torch.ones(8), "u": torch.ones(4), "v": {"s": 1}}).wait()
+        dst = {"w": torch.zeros(8), "u": torch.zeros(5), "v": {"s": 0}}
+        with pytest.raises(StateMismatchError, match="tensor 'u'"):
+            ck.load(dst)
+        assert not dst["w"].any() and dst["v"] == {"s": 0}
+
+
+def test_the_lease_file_is_not_a_step(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state(1))
+        ck.wait()
+        assert (tmp_path / "LEASE.json").exists()
+        assert json.loads((tmp_path / "LEASE.json").read_text())["format"] == "resilient-lease-v1"
+        assert ck.steps() == [1]
+    assert fsspec  # (the module is used by the backend fixtures)

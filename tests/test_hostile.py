@@ -1,0 +1,351 @@
+"""Checkpoints someone else controls: every reader fails fast, in bounded memory, with a named
+ResilientError; writers never follow a link planted in a step directory."""
+
+import json
+import os
+import resource
+import time
+
+import pytest
+import torch
+import zstandard
+
+from resilient import Checkpointer
+from resilient.checkpoint.format import MANIFEST_NAME
+from resilient.checkpoint.reader import read_manifest, verify_step
+from resilient.checkpoint.storage import Storage
+from resilient.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
+
+
+def saved(tmp_path, steps=(1, 2), **kw):
+    with Checkpointer(str(tmp_path), **kw) as ck:
+        for s in steps:
+            ck.save(s, {"w": torch.arange(3000.0) * s, "v": {"s": s}}).wait()
+    return tmp_path
+
+
+def blank():
+    return {"w": torch.zeros(3000), "v": {"s": 0}}
+
+
+def manifest_path(tmp_path, step=2):
+    return tmp_path / f"step_{step:08d}" / MANIFEST_NAME
+
+
+def edit(tmp_path, fn, step=2):
+    p = manifest_path(tmp_path, step)
+    m = json.loads(p.read_text())
+    fn(m)
+    p.write_text(json.dumps(m))
+
+
+def load_step(tmp_path, step=2):
+    with Checkpointer(str(tmp_path)) as ck:
+        return ck.load(blank(), step=step)
+
+
+class Bounded:
+    """Fails if the block takes long or grows the peak RSS by much: what "fast, in bounded
+    memory" means here."""
+
+    def __init__(self, seconds=10.0, mib=200):
+        self.seconds, self.mib = seconds, mib
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        self.rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return self
+
+    def __exit__(self, *exc):
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.rss0) / 1024
+        took = time.monotonic() - self.t0
+        assert took < self.seconds, f"took {took:.1f}s"
+        assert grown < self.mib, f"peak memory grew by {grown:.0f} MiB"
+        return False
+
+
+# --- manifests that never end ------------------------------------------------------------------
+
+
+def test_a_manifest_linked_to_dev_zero_is_refused_without_reading_it(tmp_path):
+    saved(tmp_path)
+    p = manifest_path(tmp_path)
+    p.unlink()
+    p.symlink_to("/dev/zero")
+    with Bounded():
+        with pytest.raises(StorageError, match=r"MANIFEST.json: it is a symbolic link"):
+            read_manifest(Storage(str(tmp_path)), 2)
+        with Checkpointer(str(tmp_path)) as ck:
+            assert ck.steps() == [1]  # not a commit
+            with pytest.raises(CheckpointCorruptError, match="step 2 .* is not a usable commit"):
+                ck.load(blank(), step=2)
+            assert ck.load(blank()) == 1
+
+
+def test_a_huge_manifest_is_refused_by_its_size(tmp_path):
+    saved(tmp_path)
+    p = manifest_path(tmp_path)
+    with open(p, "r+b") as f:
+        f.truncate(100 << 30)  # 100 GiB, sparse
+    with Bounded():
+        with pytest.raises(StorageError, match=r"it is 107374182400 bytes, over the limit of"):
+            read_manifest(Storage(str(tmp_path)), 2)
+        assert Checkpointer(str(tmp_path)).steps() == [1]
+
+
+def test_a_manifest_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    saved(tmp_path)
+    p = manifest_path(tmp_path)
+    p.unlink()
+    os.mkfifo(p)
+    with Bounded():
+        with pytest.raises(StorageError, match=r"it is a FIFO, not a regular file"):
+            read_manifest(Storage(str(tmp_path)), 2)
+
+
+# --- sizes that cannot be true ------------------------------------------------------------------
+
+
+def test_a_layout_of_a_billion_ranks_is_refused_fast(tmp_path):
+    saved(tmp_path)
+    edit(tmp_path, lambda m: m.update(layout=[["dp", 1_000_000_000]]))
+    with Bounded():
+        with pytest.raises(CheckpointCorruptError, match=r"allows at most 16777216 ranks"):
+            load_step(tmp_path)
+
+
+def test_a_large_layout_validates_without_looping_over_ranks(tmp_path):
+    # 2**24 ranks, within the cap: the replicated tensor is one chunk; checking it must not
+    # enumerate ranks (which took minutes and gigabytes before)
+    saved(tmp_path)
+    edit(
+        tmp_path,
+        lambda m: (
+            m.update(layout=[["dp", 1 << 24]]),
+            m["files"]["rank_00000.safetensors"].update(rank=0),
+        ),
+    )
+    with Bounded(seconds=10, mib=100):
+        m = read_manifest(Storage(str(tmp_path)), 2)
+    assert m.layout.world_size == 1 << 24
+
+
+def test_a_sharded_tensor_over_huge_axes_is_checked_per_chunk_not_per_rank(tmp_path):
+    saved(tmp_path)
+
+    def shard(m):
+        m["layout"] = [["dp", 1 << 20], ["tp", 1 << 4]]
+        m["tensors"]["w"]["placement"] = {"dp": {"dim": 0, "parts": 1}}
+
+    edit(tmp_path, shard)
+    with Bounded(seconds=10, mib=100):
+        with pytest.raises(
+            CheckpointCorruptError,
+            match=r"expected more than 1 distinct non-empty chunks, found 1",
+        ):
+            load_step(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda m: m["tensors"]["w"].update(shape=[2**64]),
+            r"must be a non-negative integer below 2\*\*63",
+        ),
+        (
+            lambda m: m["tensors"]["w"].update(shape=[2**40, 2**40]),
+            r"more than 2\*\*63 bytes",
+        ),
+        (
+            lambda m: m["tensors"]["w"].update(shape=[1] * 40),
+            r"has 40 dims; format v2 allows at most 32",
+        ),
+        (lambda m: m.update(layout=[[f"a{i}", 1] for i in range(20)]), "has 20 axes"),
+        (lambda m: m.update(step=10**30), "below 2\\*\\*63"),
+    ],
+)
+def test_sizes_past_int64_are_refused(tmp_path, change, message):
+    saved(tmp_path)
+    edit(tmp_path, change)
+    with Bounded():
+        with pytest.raises(CheckpointCorruptError, match=message):
+            read_manifest(Storage(str(tmp_path)), 2)
+
+
+# --- JSON that is deep, or the wrong shape -------------------------------------------------------
+
+
+def test_json_nested_100000_deep_is_a_corrupt_error_not_a_recursion_error(tmp_path):
+    saved(tmp_path)
+    p = manifest_path(tmp_path)
+    text = p.read_text()
+    deep = "[" * 100_000 + "]" * 100_000
+    p.write_text(text.replace('"extras": {', f'"extras": {{"deep": {deep}, ', 1))
+    with Bounded():
+        with pytest.raises(CheckpointCorruptError, match="nests JSON deeper than the parser"):
+            read_manifest(Storage(str(tmp_path)), 2)
+        assert Checkpointer(str(tmp_path)).steps() == [1]
+
+
+def test_json_nested_past_the_format_cap_is_refused(tmp_path):
+    saved(tmp_path)
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    edit(tmp_path, lambda m: m["extras"].update(deep=deep))
+    with pytest.raises(CheckpointCorruptError, match="manifest.extras nests deeper than 64 levels"):
+        load_step(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["²", "٣", "-1", "01", "1e3", " 1", "1\n", "99999999999999"])
+def test_rank_extras_keys_must_be_plain_decimal_ranks(tmp_path, key):
+    saved(tmp_path)
+    edit(tmp_path, lambda m: m["rank_extras"].update({key: {"x": 1}}))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"rank_extras\[.*\] must map a rank|names a rank outside"
+    ):
+        load_step(tmp_path)
+
+
+def test_a_step_directory_copied_under_another_number_is_not_that_step(tmp_path):
+    import shutil
+
+    saved(tmp_path)
+    shutil.copytree(tmp_path / "step_00000001", tmp_path / "step_00000009")
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.steps() == [1, 2] and ck.latest_step() == 2
+        with pytest.raises(
+            CheckpointCorruptError, match=r"says step 1, but it is in the directory of step 9"
+        ):
+            ck.load(blank(), step=9)
+
+
+def _safetensors_header(path, new_header: bytes):
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    body = data[8 + n :]
+    assert len(new_header) <= n
+    path.write_bytes(data[:8] + new_header.ljust(n) + body)
+
+
+@pytest.mark.parametrize(
+    "header,problem",
+    [
+        (b"[1, 2, 3]", "the header is a JSON list, not an object"),
+        (b'{"w": {"dtype": "F32", "shape": [3000], "data_offsets": [0]}}', "data_offsets must be"),
+        (b'{"w": [1]}', "data_offsets must be"),
+    ],
+)
+def test_a_bad_safetensors_header_is_a_verify_problem_not_a_crash(tmp_path, header, problem):
+    saved(tmp_path)
+    _safetensors_header(tmp_path / "step_00000002" / "rank_00000.safetensors", header)
+    report = verify_step(Storage(str(tmp_path)), 2)
+    assert not report.ok and problem in report.problems[0]
+
+
+def test_a_safetensors_header_nested_too_deep_is_a_value_error():
+    from resilient.checkpoint.codec import parse_safetensors_header
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="nests JSON deeper"):
+        parse_safetensors_header(len(deep).to_bytes(8, "little") + deep)
+
+
+def test_a_huge_safetensors_header_length_is_not_read(tmp_path):
+    saved(tmp_path)
+    f = tmp_path / "step_00000002" / "rank_00000.safetensors"
+    data = f.read_bytes()
+    f.write_bytes((2**62).to_bytes(8, "little") + data[8:])
+    with Bounded():
+        report = verify_step(Storage(str(tmp_path)), 2)
+    assert "not a valid safetensors file (header length 4611686018427387904" in report.problems[0]
+
+
+def test_a_zstd_frame_declaring_a_huge_size_allocates_nothing(tmp_path):
+    import zlib
+
+    saved(tmp_path, compression="zstd")
+    m = json.loads(manifest_path(tmp_path).read_text())
+    c = m["tensors"]["w"]["chunks"][0]
+    f = tmp_path / "step_00000002" / c["file"]
+    start, end = c["byte_range"]
+    # a frame whose header says it holds 64 GiB (decompressing it would allocate that much)
+    # (magic, a header with an 8-byte content size and one segment, then an empty last block)
+    frame = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + (64 << 30).to_bytes(8, "little") + b"\x01\0\0"
+    payload = frame.ljust(end - start, b"\0")
+    assert zstandard.get_frame_parameters(payload).content_size == 64 << 30
+    data = bytearray(f.read_bytes())
+    data[start:end] = payload
+    f.write_bytes(bytes(data))
+    # with checksums that match, so that only the frame itself can stop it
+    block = m["block_bytes"]
+    c["checksums"] = [zlib.crc32(payload[i : i + block]) for i in range(0, len(payload), block)]
+    manifest_path(tmp_path).write_text(json.dumps(m))
+    with Bounded(seconds=10, mib=200):
+        with pytest.raises(
+            CheckpointCorruptError, match=r"does not decompress .*declares 68719476736 bytes"
+        ):
+            load_step(tmp_path)
+
+
+# --- links planted in a step directory -----------------------------------------------------------
+
+
+def test_reads_refuse_a_rank_file_that_is_a_link(tmp_path):
+    saved(tmp_path)
+    secret = tmp_path.parent / f"{tmp_path.name}-secret"
+    secret.write_bytes(b"x" * 100)
+    f = tmp_path / "step_00000002" / "rank_00000.safetensors"
+    f.unlink()
+    f.symlink_to(secret)
+    with pytest.raises(StorageError, match="rank_00000.safetensors: it is a symbolic link"):
+        with Checkpointer(str(tmp_path)) as ck:
+            ck.load(blank(), step=2)
+    report = verify_step(Storage(str(tmp_path)), 2)
+    assert not report.ok and "symbolic link" in report.problems[0]
+
+
+def test_a_step_directory_that_is_a_link_is_not_followed(tmp_path):
+    saved(tmp_path / "other")
+    saved(tmp_path / "ckpt", steps=(1,))
+    (tmp_path / "ckpt" / "step_00000002").symlink_to(tmp_path / "other" / "step_00000002")
+    with Checkpointer(str(tmp_path / "ckpt")) as ck:
+        assert ck.steps() == [1]
+        with pytest.raises(CheckpointCorruptError, match="symbolic link"):
+            ck.load(blank(), step=2)
+        ck.save(3, {"w": torch.ones(3000), "v": {"s": 3}}).wait()  # retention runs: no harm
+    assert (tmp_path / "other" / "step_00000002" / MANIFEST_NAME).exists()
+
+
+def test_writes_never_follow_a_planted_link_or_truncate_a_planted_hard_link(tmp_path):
+    saved(tmp_path, steps=(1,))
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_bytes(b"precious")
+    hard = tmp_path.parent / f"{tmp_path.name}-hard"
+    hard.write_bytes(b"also precious")
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    for g in range(0, 3):  # every name a save of step 2 might pick, as links out of the tree
+        name = "rank_00000.safetensors" if g == 0 else f"rank_00000.g{g}.safetensors"
+        if g % 2:
+            os.link(hard, step / name)
+        else:
+            (step / name).symlink_to(victim)
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(2, {"w": torch.arange(3000.0) * 2, "v": {"s": 2}}).wait()
+        out = blank()
+        assert ck.load(out) == 2 and torch.equal(out["w"], torch.arange(3000.0) * 2)
+    assert victim.read_bytes() == b"precious"
+    assert hard.read_bytes() == b"also precious"
+
+
+def test_a_missing_step_is_not_found_and_a_damaged_one_says_why(tmp_path):
+    saved(tmp_path)
+    manifest_path(tmp_path).write_text('{"format_version": 2, "step": ')  # torn
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.steps() == [1]
+        with pytest.raises(CheckpointNotFoundError, match="step 7 is not a committed checkpoint"):
+            ck.load(blank(), step=7)
+        with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+            ck.load(blank(), step=2)

@@ -1,0 +1,151 @@
+"""Two jobs, one URL: the writer lease keeps a second job from damaging the first."""
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient.errors import LeaseError
+
+LEASE = "LEASE.json"
+
+
+def state(v: float) -> dict:
+    return {"w": torch.full((256,), v)}
+
+
+def test_the_first_save_takes_the_lease_and_close_releases_it(tmp_path):
+    with Checkpointer(str(tmp_path), job_id="job-A") as ck:
+        assert not (tmp_path / LEASE).exists()  # readers and idle writers take nothing
+        ck.save(1, state(1)).wait()
+        record = json.loads((tmp_path / LEASE).read_text())
+        assert record["job_id"] == "job-A" and record["pid"] == os.getpid()
+        assert ck.manifest(1).job_id == "job-A"
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_a_second_job_gets_a_lease_error_naming_the_owner_and_damages_nothing(tmp_path):
+    a = Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=2.0)
+    a.save(1, state(1)).wait()
+    # job A has a save in flight: its step directory exists, uncommitted, while it writes
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / "rank_00000.safetensors.tmp-0123456789ab").write_bytes(b"x")
+    b = Checkpointer(str(tmp_path), job_id="job-B", lease_timeout_s=2.0)
+    t0 = time.monotonic()
+    b.save(5, state(5))
+    with pytest.raises(LeaseError, match=r"is being written by job 'job-A' \(host .*, pid \d+"):
+        b.wait()
+    assert time.monotonic() - t0 < 30  # it saw A's heartbeat; it did not hang
+    # B wrote nothing and collected nothing of A's
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LEASE, "step_00000001", "step_00000002"]
+    assert (tmp_path / "step_00000002" / "rank_00000.safetensors.tmp-0123456789ab").exists()
+    assert a.steps() == [1]
+    a.save(2, state(2)).wait()  # A goes on
+    assert a.steps() == [1, 2]
+    b.close()
+    a.close()
+
+
+def test_a_stale_lease_is_taken_over_after_the_timeout(tmp_path):
+    record = {
+        "format": "resilient-lease-v1",
+        "job_id": "job-gone",
+        "token": "feedfeedfeedfeed",
+        "host": "some-other-host",
+        "machine": "some-other-host/boot/pid:[1]",
+        "pid": 12345,
+        "pid_start": "1",
+        "acquired_unix_s": 0.0,
+        "heartbeat_unix_s": 0.0,
+        "beat": 7,
+        "timeout_s": 60.0,
+    }
+    (tmp_path / LEASE).write_text(json.dumps(record))
+    with Checkpointer(str(tmp_path), job_id="job-new", lease_timeout_s=1.0) as ck:
+        t0 = time.monotonic()
+        ck.save(1, state(1)).wait()
+        assert time.monotonic() - t0 >= 1.0  # it watched the silent lease for the whole timeout
+        assert json.loads((tmp_path / LEASE).read_text())["job_id"] == "job-new"
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_a_lease_whose_process_is_gone_is_taken_at_once(tmp_path):
+    # a job on this machine that was killed: its pid no longer runs
+    p = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    p.start()
+    p.join()
+    with Checkpointer(str(tmp_path), job_id="job-A") as ck:
+        ck.save(1, state(1)).wait()
+        rec = json.loads((tmp_path / LEASE).read_text())
+    rec["pid"], rec["token"], rec["job_id"] = p.pid, "0" * 16, "job-killed"
+    (tmp_path / LEASE).write_text(json.dumps(rec))
+    with Checkpointer(str(tmp_path), job_id="job-B", lease_timeout_s=300.0) as ck:
+        t0 = time.monotonic()
+        ck.save(2, state(2)).wait()
+        assert time.monotonic() - t0 < 60  # not the 300 s timeout
+        assert ck.steps() == [1, 2]
+
+
+def test_the_same_job_restarted_takes_its_lease_at_once(tmp_path):
+    a = Checkpointer(str(tmp_path), job_id="torchrun:run-7", lease_timeout_s=300.0)
+    a.save(1, state(1)).wait()
+    # a restart of the same job (same run id) while the old process's lease is still there
+    with Checkpointer(str(tmp_path), job_id="torchrun:run-7", lease_timeout_s=300.0) as b:
+        t0 = time.monotonic()
+        b.save(2, state(2)).wait()
+        assert time.monotonic() - t0 < 60
+        # the old instance lost the lease: it may not commit any more
+        a.save(3, state(3))
+        with pytest.raises(LeaseError, match="was taken over by job 'torchrun:run-7'"):
+            a.wait()
+        assert b.steps() == [1, 2]
+    a.save(4, state(4))  # not after the new owner has gone either
+    with pytest.raises(LeaseError, match="must not commit there any more"):
+        a.wait()
+    assert Checkpointer(str(tmp_path)).steps() == [1, 2]
+    a.close()
+
+
+def _job(url: str, job_id: str, steps: list[int], started, stop, out) -> None:
+    torch.set_num_threads(1)
+    try:
+        with Checkpointer(url, job_id=job_id, lease_timeout_s=2.0, keep_last=2) as ck:
+            for s in steps:
+                ck.save(s, state(float(s))).wait()
+                started.set()
+                if stop.wait(0.2):
+                    break
+        out.put((job_id, "ok", None))
+    except LeaseError as e:
+        out.put((job_id, "lease", str(e)))
+    except BaseException as e:  # reported, not hidden
+        out.put((job_id, "error", f"{type(e).__name__}: {e}"))
+
+
+def test_two_processes_on_one_url(tmp_path):
+    ctx = mp.get_context("forkserver")
+    started, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    url = str(tmp_path)
+    a = ctx.Process(target=_job, args=(url, "job-A", list(range(1, 200)), started, stop, out))
+    a.start()
+    assert started.wait(60), "job A did not save"
+    b_events = ctx.Event(), ctx.Event()  # kept referenced until B has started
+    b = ctx.Process(target=_job, args=(url, "job-B", [1000], *b_events, out))
+    b.start()
+    job, status, msg = out.get(timeout=120)
+    assert (job, status) == ("job-B", "lease"), (job, status, msg)
+    assert "job 'job-A'" in msg
+    stop.set()
+    assert out.get(timeout=120)[:2] == ("job-A", "ok")
+    a.join(30)
+    b.join(30)
+    with Checkpointer(url) as ck:
+        steps = ck.steps()
+        assert 1000 not in steps and len(steps) == 2  # A's retention, untouched by B
+        out_state = state(0.0)
+        s = ck.load(out_state)
+        assert torch.equal(out_state["w"], torch.full((256,), float(s)))
