@@ -44,19 +44,22 @@ def _publisher(port: int, prefix: str, world: int, interval: float, victim: int,
     import torch.distributed as dist
 
     from resilient.health.clocks import boot_id
-    from resilient.health.heartbeat import encode_alive, encode_progress
+    from resilient.health.heartbeat import encode_alive, encode_info, encode_progress
 
     client = dist.TCPStore("127.0.0.1", port, 1, False)
     step = 0
     ranks = list(range(1, world))
     # every simulated rank registers, as a monitor does when it starts
+    client.multi_set(
+        [f"{prefix}/info/{r}" for r in ranks], [encode_info("sim", 0, boot_id())] * len(ranks)
+    )
     client.append(f"{prefix}/joined", "".join(f"{r}," for r in ranks))
     while not halt.is_set():
         now, mono = time.time(), time.monotonic()
         step += 1
         ranks = [r for r in range(1, world) if not (stop.is_set() and r == victim)]
-        alive = encode_alive(step, mono, now, boot_id())
-        progress = encode_progress(step, "train", now, "sim", 0, seq=step, mono=mono)
+        alive = encode_alive(mono, now)
+        progress = encode_progress(step, "train", step, mono)
         client.multi_set(
             [f"{prefix}/alive/{r}" for r in ranks] + [f"{prefix}/progress/{r}" for r in ranks],
             [alive] * len(ranks) + [progress] * len(ranks),

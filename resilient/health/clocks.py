@@ -37,10 +37,16 @@ class PeerClock:
         self._best = float("inf")
 
     def observe(
-        self, raw: bytes, peer_mono: float, peer_wall: float, now_mono: float, now_wall: float
+        self,
+        raw: bytes,
+        peer_mono: float,
+        peer_wall: float | bytes,
+        now_mono: float,
+        now_wall: float,
     ) -> bool:
         """Note a heartbeat value read at ``now_mono``; returns whether it changed since the last
-        look (an unchanged value says nothing new about the clocks)."""
+        look (an unchanged value says nothing new about the clocks).  ``peer_wall``: the sender's
+        wall time, or its text (parsed only when it is needed: rarely)."""
         if raw == self.last_raw:
             return False
         self.last_raw = raw
@@ -50,12 +56,12 @@ class PeerClock:
             bound = max(bound, 0.0)  # how stale this value is: the skew is wall minus that
             if self.skew_s is None or bound <= self._best:
                 self._best = bound
-                self.skew_s = peer_wall - (now_wall - bound)
+                self.skew_s = _wall(peer_wall) - (now_wall - bound)
             return True
         if self.offset_s is None or bound <= self.offset_s:
             self.offset_s = bound
             # the tightest observation is the freshest one: its wall clock difference is the skew
-            self.skew_s = peer_wall - now_wall
+            self.skew_s = _wall(peer_wall) - now_wall
         return True
 
     def note(self, peer_mono: float, now_mono: float) -> None:
@@ -80,3 +86,7 @@ def boot_id() -> str:
             return f.read().strip().replace("-", "")[:16]
     except OSError:
         return ""
+
+
+def _wall(x: float | bytes) -> float:
+    return x if isinstance(x, float) else float(x)

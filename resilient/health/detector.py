@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -266,10 +267,12 @@ class Detector:
         known = [s for s in statuses if s.progress_t is not None and s.alive_t is not None]
         if known:
             stalled = [s for s in known if now - s.progress_t > self._budget(s)]
-            ahead = _furthest(known)
-            behind = [s for s in stalled if _order(s, known) < ahead]
+            order = _order_of(known)
+            ahead = max(order(s) for s in known) if stalled else 0
+            behind = [s for s in stalled if order(s) < ahead]
+            further = max(known, key=order) if behind else None
             for s in behind:
-                further = max(known, key=lambda x: _order(x, known))
+                assert further is not None
                 where = (
                     f"step {further.step}"
                     if further.step is not None and further.step != s.step
@@ -366,13 +369,9 @@ class Detector:
         )
 
 
-def _order(s: RankStatus, known: list[RankStatus]) -> int:
+def _order_of(known: list[RankStatus]) -> Callable[[RankStatus], int]:
     """How far a rank got: its progress sequence number when every rank sends one (it counts
-    phases before the first step too), else its step."""
+    phases before the first step too), else its step.  Decided once per scan (O(N))."""
     if all(k.seq is not None for k in known):
-        return s.seq  # type: ignore[return-value]
-    return -1 if s.step is None else s.step
-
-
-def _furthest(known: list[RankStatus]) -> int:
-    return max(_order(s, known) for s in known)
+        return lambda s: s.seq  # type: ignore[return-value]
+    return lambda s: -1 if s.step is None else s.step
