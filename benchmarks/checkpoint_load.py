@@ -158,9 +158,16 @@ def dcp_load_task(rank, world, path, shapes, drop):
 
 
 def cold_start(rank: int, drop: bool = True) -> None:
-    """Every rank waits while rank 0 drops the page caches: the timed part starts cold."""
+    """Every rank waits while rank 0 drops the page caches: the timed part starts cold.  A full
+    garbage collection first: in a process that imported torch one costs 0.1-1 s, and when it
+    falls inside the timed part depends on how many objects the imports allocated, not on the
+    code measured (seen: the same load measured 0.06 s or 1.1 s with the collector's counters
+    one module apart)."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     dist.barrier()
     if rank == 0 and drop:
         _drop_caches()

@@ -18,6 +18,7 @@ import posixpath
 import secrets
 import shutil
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -204,11 +205,11 @@ def set_local_ops(ops: LocalOps) -> LocalOps:
 def _unwrap_dirfs(fs: Any, root: str) -> tuple[Any, str]:
     """``dir::`` over a local disk is the local disk (so it gets the local path: rename commits,
     no symlinks followed)."""
-    try:
-        from fsspec.implementations.dirfs import DirFileSystem
-    except ImportError:  # an old fsspec
+    # not imported unless someone made one (importing it costs fsspec's async machinery, 0.2 s)
+    mod = sys.modules.get("fsspec.implementations.dirfs")
+    if mod is None:
         return fs, root
-    while isinstance(fs, DirFileSystem):
+    while isinstance(fs, mod.DirFileSystem):
         root, fs = fs._join(root), fs.fs
     return fs, root
 
@@ -567,10 +568,9 @@ class Storage:
         try:
             if max_bytes is not None and st.st_size > max_bytes:
                 raise _too_large(self, rel, st.st_size, max_bytes)
-            limit = st.st_size if max_bytes is None else max_bytes + 1
-            chunks, n = [], 0
+            chunks, n, want = [], 0, st.st_size
             while True:  # to the end, even if it grew since the fstat (up to the limit)
-                b = os.pread(fd, max(limit - n, 1 << 16), n)
+                b = os.pread(fd, max(want - n, 1 << 16), n)  # never ask for more than is there
                 if not b:
                     break
                 chunks.append(b)
