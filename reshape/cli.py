@@ -26,9 +26,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.format import step_dir_name
 from resilient.checkpoint.reader import read_manifest, verify_step
-from resilient.checkpoint.retention import committed_steps
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, ResilientError, StorageError
 from resilient.layout import placement_to_json
@@ -112,10 +112,13 @@ def inspect(url: str, step: int = STEP, as_json: bool = JSON) -> None:
             }
             for k, t in sorted(m.tensors.items())
         }
+        catalog = scan(storage)
         info = {
             "url": storage.url,
             "step": s,
-            "steps": committed_steps(storage),
+            "steps": catalog.steps(),
+            "commits": catalog.commits(),  # commit order: the last is the latest
+            "damaged": {str(i.step): i.problem for i in catalog.damaged()},
             "layout": m.layout.to_json(),
             "format_version": m.format_version,
             "toolkit_version": m.toolkit_version,
@@ -127,7 +130,12 @@ def inspect(url: str, step: int = STEP, as_json: bool = JSON) -> None:
         if as_json:
             print(json.dumps(info, indent=1))
             return
-        console.print(f"[bold]{storage.url}[/] step {s} (committed steps: {info['steps']})")
+        console.print(
+            f"[bold]{storage.url}[/] step {s} (committed steps: {info['steps']}; in commit order: "
+            f"{info['commits']})"
+        )
+        for step_, problem in info["damaged"].items():
+            err.print(f"[yellow]step {step_} is not a usable commit:[/] {problem}")
         console.print(
             f"layout {m.layout.describe()}; {len(m.files)} files; "
             f"{_human(info['total_bytes'])} in {len(m.tensors)} tensors; format v{m.format_version}"

@@ -90,9 +90,11 @@ def resolve_step(storage: Storage, step: int | None) -> int:
     """``step`` if it is committed under ``storage`` (else an error that says why: not there, or
     there but damaged); by default the newest commit."""
     catalog = scan(storage)
-    if not catalog.steps():
-        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}; check the URL")
     if step is None:
+        if not catalog.steps():
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {storage.url}; check the URL"
+            )
         return catalog.newest().step
     info = catalog.get(step)
     if info is not None and info.state == "damaged":

@@ -34,16 +34,7 @@ def test_verify_exit_codes(tmp_path):
         ("truncated", 1),
         ("unreadable", 1),
         ("no storage backend", 1),  # a StorageError: 2 from resilient verify before, 1 from reshape
-        pytest.param(
-            "manifest",
-            1,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="reshape verify --step N on a step whose manifest is not valid JSON says "
-                "'no committed checkpoint' (exit 2) while Checkpointer.verify calls it corrupt "
-                "(exit 1): reshape/cli.py's _resolve, owned by the checkpoint/reshape work",
-            ),
-        ),
+        ("manifest", 1),  # a damaged step named with --step: corrupt, not missing
         ("missing step", 2),
         ("not a checkpoint", 2),
     ],

@@ -102,11 +102,25 @@ def test_transient_classification():
 
 
 def test_latency_injection_slows_but_does_not_break(tmp_path):
-    with Checkpointer(f"faulty://{tmp_path}", storage_options={"latency_s": 0.01}) as ck:
+    import time
+
+    rules = [{"id": "slow-read", "op": "read", "latency_s": 0.05}]
+    rules += [{"id": "slow-write", "op": "write", "latency_s": 0.05}]
+    with Checkpointer(f"faulty://{tmp_path}", storage_options={"faults": rules}) as ck:
         ck.save(1, {"w": torch.ones(3)}).wait()
         out = {"w": torch.zeros(3)}
+        t0 = time.monotonic()
         ck.load(out)
+        took = time.monotonic() - t0
+        fired = ck.storage.fs.fired
     assert torch.equal(out["w"], torch.ones(3))
+    # the latency really applied: the rules fired on reads and writes of the checkpoint, and the
+    # load (a manifest read and a ranged read, at least) took at least two delays
+    reads = [p for op, p, kind in fired if op == "read" and kind == "latency"]
+    assert any(p.endswith("MANIFEST.json") for p in reads)
+    assert any("rank_00000" in p for p in reads)
+    assert any(op == "write" and kind == "latency" for op, _, kind in fired)
+    assert took >= 0.1
 
 
 def test_retry_policy_validation():
