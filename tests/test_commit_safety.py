@@ -117,6 +117,8 @@ def test_a_resave_never_writes_under_an_existing_name(tmp_path, monkeypatch):
 def _two_rank_resave(rank, world, url):
     import time as time_mod
 
+    import torch.distributed
+
     from resilient import Layout, Shard, sharded
 
     lay = Layout(tp=2)
@@ -125,6 +127,11 @@ def _two_rank_resave(rank, world, url):
         time_mod.time = lambda: real() + 1.0
     with Checkpointer(url, layout=lay) as ck:
         ck.save(3, {"w": sharded(torch.full((8,), 1.0 + rank), {"tp": Shard(0)})}).wait()
+        if rank == 0:  # the committed manifest is damaged: no generation to read from it
+            p = os.path.join(url, "step_00000003", MANIFEST_NAME)
+            with open(p, "r+") as f:
+                f.truncate(20)
+        torch.distributed.barrier()
         ck.save(3, {"w": sharded(torch.full((8,), 10.0 + rank), {"tp": Shard(0)})}).wait()
         return {k: v.rank for k, v in ck.manifest(3).files.items()}
 
