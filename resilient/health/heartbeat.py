@@ -98,7 +98,6 @@ class Monitor:
         self._reported: set[tuple[str, int | None]] = set()
         self.scans = 0
         self.last_scan_s = 0.0
-        self._beats = 0
         self._seq = 0
         self.phase: str | None = None
         self._joined: set[int] = set()
@@ -185,7 +184,6 @@ class Monitor:
                     return
 
     def _beat(self) -> None:
-        self._beats += 1
         self._set("alive", encode_alive(time.monotonic(), time.time()))
 
     def _maybe_take_over(self) -> None:

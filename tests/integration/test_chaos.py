@@ -46,7 +46,8 @@ def test_quick_suite(out):
 @pytest.mark.parametrize("name", [s.name for s in builtin_scenarios() if s.name not in QUICK])
 def test_full_suite_scenario(out, name):
     scenario = next(s for s in builtin_scenarios() if s.name == name)
-    _assert_passed(run_scenario(scenario, out / "full", say=lambda *_: None))
+    # next to the quick suite's runs: the scenarios with the same job share one reference run
+    _assert_passed(run_scenario(scenario, out / "quick", say=lambda *_: None))
 
 
 @pytest.mark.slow
@@ -86,7 +87,7 @@ rank = 1
 step = 8
 
 [expect]
-final_state = "exact"
+final_state = "any"     # no reference run: the job cannot finish, so there is no state to compare
 """
 
 
@@ -112,7 +113,7 @@ def test_the_harness_reports_failure_with_the_reason(out, tmp_path):
     # the same run judged against a bound it cannot meet: `resilient report` fails it too
     run_dir = out / "corrupt-no-fallback"
     text = FAILING.replace(
-        'final_state = "exact"', 'completed = false\nerror_contains = "CheckpointCorruptError"'
+        'final_state = "any"', 'completed = false\nerror_contains = "CheckpointCorruptError"'
     )
     (run_dir / "scenario.toml").write_text(text)
     again = subprocess.run(
