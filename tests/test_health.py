@@ -143,6 +143,24 @@ def test_every_phase_before_and_around_steps_has_a_budget(phase, peers):
     assert f"(budget {budgets[phase]:.1f}s in phase {phase})" in out[0].detail
 
 
+def test_the_detector_says_when_the_next_verdict_could_fall_due():
+    """The leader looks again at that moment, so a verdict comes when its timeout runs out."""
+    d = Detector(DetectorConfig(interval_s=1.0, dead_after_intervals=2, hang_timeout_s=3.0))
+    now = 100.0
+    ranks = [
+        RankStatus(0, 99.8, 5, "train", 99.9, "h", 1, seq=10),
+        RankStatus(1, 99.5, 4, "train", 98.0, "h", 2, seq=9),  # behind: budget runs out at 101
+        RankStatus(2, 99.9, 5, "train", 99.9, "h", 3, seq=10),
+    ]
+    assert d.observe(ranks, now) == []
+    assert d.next_deadline == pytest.approx(101.0)  # rank 1's hang budget, before any liveness
+    ranks[1] = RankStatus(1, 99.0, 5, "train", 99.9, "h", 2, seq=10)  # caught up
+    assert d.observe(ranks, now) == []
+    assert d.next_deadline == pytest.approx(101.0)  # now rank 1's heartbeat: 99.0 + 2 s
+    assert d.observe(ranks, 101.01)[0].verdict is Verdict.DEAD
+    assert d.next_deadline is None  # a verdict is out: nothing pending
+
+
 def test_straggler_reported_after_consecutive_windows():
     d = Detector(DetectorConfig(straggler_factor=2.0, straggler_windows=3, hang_timeout_s=1e9))
     t = {r: 0.0 for r in range(4)}

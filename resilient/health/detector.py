@@ -186,6 +186,10 @@ class Detector:
         self._busy_times: dict[int, deque[float]] = {}
         self._slow_streak: dict[int, int] = {}
         self._hang_s = config.hang_timeout_s or config.hang_floor_s
+        # the earliest moment a verdict could become due on what the last scan saw (a heartbeat
+        # crossing its timeout, a rank behind its peers crossing its budget): the leader looks
+        # again then, instead of up to an interval later.  None: nothing is pending.
+        self.next_deadline: float | None = None
 
     def hang_timeout_s(self) -> float:
         c = self.config
@@ -230,8 +234,10 @@ class Detector:
         # finished ranks, and ranks a launcher's teardown is stopping, owe no heartbeat
         statuses = [s for s in statuses if s.phase not in GONE_PHASES]
         waited = now - self.start
+        deadline = float("inf")
         for s in statuses:
             if s.alive_t is None:
+                deadline = min(deadline, self.start + c.join_timeout_s)
                 if waited > c.join_timeout_s:
                     findings.append(
                         self._finding(
@@ -250,6 +256,7 @@ class Detector:
                 continue
             since_alive = now - s.alive_t
             timeout = c.dead_timeout_in(s.phase)
+            deadline = min(deadline, s.alive_t + timeout)
             if since_alive > timeout:
                 findings.append(
                     self._finding(
@@ -263,12 +270,16 @@ class Detector:
                     )
                 )
         if findings:
+            self.next_deadline = None
             return findings
         known = [s for s in statuses if s.progress_t is not None and s.alive_t is not None]
         if known:
             stalled = [s for s in known if now - s.progress_t > self._budget(s)]
             order = _order_of(known)
-            ahead = max(order(s) for s in known) if stalled else 0
+            ahead = max(order(s) for s in known)
+            for s in known:
+                if order(s) < ahead:  # a peer went further: its budget is a deadline
+                    deadline = min(deadline, s.progress_t + self._budget(s))
             behind = [s for s in stalled if order(s) < ahead]
             further = max(known, key=order) if behind else None
             for s in behind:
@@ -308,6 +319,8 @@ class Detector:
                     )
                 )
         findings += self._stragglers(statuses, now)
+        due = [f for f in findings if f.verdict is not Verdict.STRAGGLER]
+        self.next_deadline = None if due or deadline == float("inf") else deadline
         return findings
 
     def _stragglers(self, statuses: list[RankStatus], now: float) -> list[Finding]:

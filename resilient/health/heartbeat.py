@@ -64,6 +64,8 @@ __all__ = [
 
 # sysexits EX_TEMPFAIL: "try again" - a peer failed and the group must restart.
 EXIT_RANK_FAILURE = 75
+# how far past a deadline the leader looks (verdicts need the timeout strictly exceeded)
+_PAST = 0.005
 
 
 class Monitor:
@@ -159,28 +161,42 @@ class Monitor:
 
     # --- the heartbeat thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        # beats on a fixed schedule: the work after a beat (store round trips, the leader's scan)
-        # does not stretch the period, which on a loaded machine would eat the DEAD margin
-        next_beat = time.monotonic() + self.config.interval_s
-        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+        # Beats on a fixed schedule: the work after a beat (store round trips, the leader's scan)
+        # does not stretch the period, which on a loaded machine would eat the DEAD margin.  The
+        # leader also looks again the moment a verdict could fall due (the detector's deadline),
+        # so a verdict comes when its timeout runs out, not up to an interval later.
+        interval = self.config.interval_s
+        next_beat = time.monotonic() + interval
+        while True:
+            wake = next_beat
+            deadline = self.detector.next_deadline
+            if deadline is not None and deadline + _PAST < wake:
+                wake = max(deadline + _PAST, time.monotonic() + interval / 20)
+            if self._stop.wait(max(0.0, wake - time.monotonic())):
+                return
             now = time.monotonic()
-            late = now - next_beat
-            next_beat += self.config.interval_s
-            if next_beat <= now:  # starved past a whole beat: start the schedule again from now
-                next_beat = now + self.config.interval_s
-            if late > self.config.interval_s / 2:
-                self.events.write(
-                    "heartbeat_late", rank=self.rank, phase=self.phase, late_s=round(late, 3)
-                )
+            beat = now >= next_beat
+            if beat:
+                late = now - next_beat
+                next_beat += interval
+                if next_beat <= now:  # starved past a whole beat: restart the schedule from now
+                    next_beat = now + interval
+                if late > interval / 2:
+                    self.events.write(
+                        "heartbeat_late", rank=self.rank, phase=self.phase, late_s=round(late, 3)
+                    )
+            else:
+                self.detector.next_deadline = None  # looked at once; the scan sets a new one
             try:
-                self._beat()
-                self._maybe_take_over()
+                if beat:
+                    self._beat()
+                    self._maybe_take_over()
                 if self.is_leader:
                     self._scan()
                 self._watch()
             except Exception as e:  # the store going away ends monitoring, not the run
                 self.events.write("monitor_error", rank=self.rank, error=repr(e))
-                if self._stop.wait(self.config.interval_s):
+                if self._stop.wait(interval):
                     return
 
     def _beat(self) -> None:
