@@ -1,7 +1,8 @@
 """Which steps exist, which of them are committed, and in what order they were committed.
 
-A step is *committed* when its ``MANIFEST.json`` is a regular file that parses as a manifest of a
-version this toolkit reads, names its own step, and carries a commit order.  Anything else is not
+A step is *committed* when its ``MANIFEST.json`` is a regular file that passes every check a load
+makes of a manifest (a version this toolkit reads, its own step, the caps, chunks that tile every
+tensor).  Anything else is not
 a commit: a torn manifest (a store without atomic writes can leave half of one), a manifest of
 another step copied under this number, a manifest of a newer format.  Such a step is *damaged*:
 readers skip it (with a warning), retention neither counts it nor deletes it, so it can never push
@@ -35,7 +36,7 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     ManifestSummary,
-    manifest_summary,
+    manifest_of_step,
     parse_step_dir,
 )
 from resilient.checkpoint.storage import Storage
@@ -148,9 +149,12 @@ def scan(storage: Storage) -> Catalog:
             if found is not None:
                 _CACHE.move_to_end(cache_key)
         if found is None:
-            try:
-                found = manifest_summary(
+            try:  # in full: a step is a commit only if it can be loaded as far as JSON goes
+                m = manifest_of_step(
                     storage.read_small(rel, MAX_MANIFEST_BYTES), storage.display(rel), step
+                )
+                found = ManifestSummary(
+                    m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files)
                 )
             except ResilientError as e:
                 found = str(e)

@@ -20,11 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.checkpoint.catalog import Catalog, scan
+from resilient.checkpoint.catalog import Catalog, StepInfo, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
+    MAX_INT,
     Manifest,
+    manifest_of_step,
     manifest_to_bytes,
     rank_file_name,
     step_dir_name,
@@ -57,6 +59,7 @@ from resilient.errors import (
     LeaseError,
     ResilientError,
     StateMismatchError,
+    StepRetiredError,
     StorageError,
 )
 from resilient.layout import Layout, from_device_mesh
@@ -192,6 +195,9 @@ class Checkpointer:
         self._seq = 0
         self._loads = 0
         self._lease: WriterLease | None = None
+        self._began: set[str] = set()  # step directories this job's saves created
+        self._uncommitted_seen: set[str] = set()  # uncommitted at the previous commit
+        self._uncommitted_next: set[str] = set()
         self._stager = Stager()
         self._plan_cache: tuple[Any, WritePlan] | None = None
         self._pending: SaveHandle | None = None
@@ -238,8 +244,8 @@ class Checkpointer:
         Waits for the previous save first (one in flight) and re-raises its failure, if any.
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+            raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
         self._join_pending()
         t0 = time.monotonic()
         layout = self._layout_for(state)
@@ -389,6 +395,7 @@ class Checkpointer:
             self._lease = WriterLease(self.storage, self.job_id, timeout_s=self.lease_timeout_s)
         self._lease.acquire()
         self.storage.makedirs(step_rel)
+        self._began.add(step_rel)
         return {"generation": next_generation(self.storage, step_rel)}
 
     def _coordinate(
@@ -402,6 +409,15 @@ class Checkpointer:
         generation: int,
     ) -> list[str]:
         reports = committer.gather(own) if committer.store is not None else [own]
+        catalog = scan(self.storage)
+        seq = catalog.next_commit_seq()
+        if seq > MAX_INT:
+            top = max(catalog.infos.values(), key=lambda i: i.commit_seq)
+            raise CommitError(
+                f"cannot commit step {step}: step {top.step} under {self.url} claims the largest "
+                f"commit_seq there can be ({top.commit_seq}), so no later commit could be newer; "
+                f"it was not written by this toolkit's counter — delete or move it"
+            )
         manifest = build_manifest(
             step,
             layout,
@@ -410,27 +426,54 @@ class Checkpointer:
             block_bytes=self.block_bytes,
             generation=generation,
             version=_version(),
-            commit_seq=scan(self.storage).next_commit_seq(),
+            commit_seq=seq,
             job_id=self.job_id,
         )
+        data = manifest_to_bytes(manifest)
+        try:  # never publish what a reader would refuse (the caps, JSON depth, ...)
+            manifest_of_step(data, self.storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
+        except CheckpointCorruptError as e:
+            raise CommitError(
+                f"refusing to commit step {step}: readers would refuse it: {e}"
+            ) from None
         self.storage.sync_dir(step_rel)
         self._lease.check()  # nobody took the URL over while the files were written
-        self.storage.publish(f"{step_rel}/{MANIFEST_NAME}", manifest_to_bytes(manifest))
+        self.storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
         # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps
         # that retention drops are uncommitted before the outcome is published, so every rank's
-        # wait() sees the same steps; their bytes are deleted after (see _persist).
+        # wait() sees the same steps; their bytes are deleted after (see _persist).  Nothing is
+        # deleted unless the lease is still this job's after the commit.
+        self._lease.check()
         garbage: list[str] = []
         try:
             # Files of an older generation of this step, and temp files, are garbage now.
             for name in self.storage.listdir(step_rel):
                 if name != MANIFEST_NAME and name not in manifest.files:
                     garbage.append(f"{step_rel}/{name}")
-            garbage += retire_steps(self.storage, self.keep_last, self.keep_every, in_progress=step)
+            garbage += retire_steps(
+                self.storage,
+                self.keep_last,
+                self.keep_every,
+                in_progress=step,
+                collect=self._collectable,
+            )
         except Exception as e:
             log.warning("retention after committing step %d failed: %s", step, e)
+        finally:
+            self._uncommitted_seen, self._uncommitted_next = self._uncommitted_next, set()
         committer.publish("ok")
         committer.cleanup()
         return garbage
+
+    def _collectable(self, info: StepInfo) -> bool:
+        """Whether an uncommitted step directory is garbage this job may delete: one of its own
+        saves that failed, or one that was already there, uncommitted, at this job's previous
+        commit (so a directory another writer is filling right now, should two ever write at
+        once, is never deleted under it)."""
+        mine = info.dir in self._began
+        seen = info.dir in self._uncommitted_seen
+        self._uncommitted_next.add(info.dir)
+        return mine or seen
 
     def _get_store(self) -> Any:
         if self._store is None:
@@ -501,13 +544,13 @@ class Checkpointer:
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
-        for i, s in enumerate(candidates):
+        for i, (s, seq, generation) in enumerate(candidates):
             pending: _PendingLoad | None = None
             error: BaseException | None = None
             try:
                 if s < 0:
                     raise self._not_found_error(step, None)
-                pending = self._read_step(state, s, layout)
+                pending = self._read_step(state, s, layout, (seq, generation))
             except Exception as e:  # every rank must reach the agreement below, whatever failed
                 error = e
             code = 0 if error is None else (1 if _retryable(error) else 2)
@@ -522,38 +565,46 @@ class Checkpointer:
                 pending.discard()
             if code != worst:  # another rank failed worse (or alone): raise what it saw
                 error = _peer_error(who, s, worst, self._peer_message(who, s))
-            if worst == 2 or i + 1 == len(candidates) or candidates[i + 1] < 0:
+            if worst == 2 or i + 1 == len(candidates) or candidates[i + 1][0] < 0:
                 raise error
-            warnings.warn(f"{error}; falling back to step {candidates[i + 1]}", stacklevel=2)
-            log.warning(
-                "step %d failed to load (%s); falling back to step %d", s, error, candidates[i + 1]
-            )
+            after = candidates[i + 1][0]
+            warnings.warn(f"{error}; falling back to step {after}", stacklevel=2)
+            log.warning("step %d failed to load (%s); falling back to step %d", s, error, after)
             skipped.append(s)
         raise AssertionError("unreachable")
 
-    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
-        """The steps to try, newest first, as rank 0 sees them (every rank loads the same ones);
-        -1 stands for "nothing to load" (every rank then raises CheckpointNotFoundError)."""
+    def _candidates(self, step: int | None, fallback: bool) -> list[tuple[int, int, int]]:
+        """The steps to try, newest first, as rank 0 sees them (every rank loads the same ones),
+        each with the version of it rank 0 saw (commit_seq, generation): a rank that reads
+        another version (the step was re-saved meanwhile) treats it as retired, so no two ranks
+        ever load different data.  Step -1 stands for "nothing to load" (every rank then raises
+        CheckpointNotFoundError)."""
+        found: list[tuple[int, int, int]] = []
         if self.rank == 0:
             try:
+                catalog = self.catalog()
                 if step is not None:
-                    found = [self._resolve_step(step)]
+                    steps = [self._resolve_step(step)]
                 else:
-                    found = self.catalog().line()[: (_MAX_FALLBACKS if fallback else 1)]
+                    steps = catalog.line()[: (_MAX_FALLBACKS if fallback else 1)]
+                for s in steps:
+                    info = catalog.get(s)
+                    found.append((s, info.commit_seq, info.generation))
             except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
                 found = []
-            found = found or [-1]
-        else:
-            found = []
+            found = found or [(-1, 0, 0)]
         if not self._distributed or self.world_size == 1:
             return found
-        buf = torch.full((_MAX_FALLBACKS + 1,), -2, dtype=torch.int64, device=_device())
+        buf = torch.full((1 + 3 * _MAX_FALLBACKS,), -2, dtype=torch.int64, device=_device())
         if self.rank == 0:
             buf[0] = len(found)
-            buf[1 : len(found) + 1] = torch.tensor(found, dtype=torch.int64)
+            buf[1 : 3 * len(found) + 1] = torch.tensor(
+                [x for c in found for x in c], dtype=torch.int64
+            )
         dist.broadcast(buf, src=0)
         n = int(buf[0].item())
-        return [int(x) for x in buf[1 : n + 1].tolist()]
+        flat = [int(x) for x in buf[1 : 3 * n + 1].tolist()]
+        return [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
 
     def _not_found_error(self, step: int | None, _unused: Any) -> CheckpointNotFoundError:
         if step is None:
@@ -594,10 +645,23 @@ class Checkpointer:
         except Exception:
             return {"type": "ResilientError", "message": "(its message did not come through)"}
 
-    def _read_step(self, state: Mapping[str, Any], step: int, layout: Layout) -> _PendingLoad:
-        """Read and check every byte this rank needs of ``step`` into scratch memory."""
+    def _read_step(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        layout: Layout,
+        version: tuple[int, int] | None = None,
+    ) -> _PendingLoad:
+        """Read and check every byte this rank needs of ``step`` into scratch memory; the step's
+        manifest must be ``version`` (commit_seq, generation) when given."""
         with watching_retirement(self.storage, step):
             manifest = read_manifest(self.storage, step)
+            if version is not None and (manifest.commit_seq, manifest.generation) != version:
+                raise StepRetiredError(
+                    f"step {step} of {self.url} was re-saved while it was being loaded (rank 0 "
+                    f"picked commit {version[0]}, generation {version[1]}; this rank found commit "
+                    f"{manifest.commit_seq}, generation {manifest.generation}); load again"
+                )
             flat = FlatState()
             try:
                 flatten_state(state, layout, self.rank, for_load=True, flat=flat)
@@ -714,7 +778,7 @@ def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> Resilie
     import resilient.errors as errors
 
     cls = getattr(errors, msg.get("type", ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, ResilientError)) or cls is StorageError:
+    if not (isinstance(cls, type) and issubclass(cls, ResilientError)):
         cls = CheckpointCorruptError if code == 1 else ResilientError
     return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
 

@@ -1,6 +1,6 @@
 """Block checksums, optional chunk compression, and the safetensors header.
 
-Owns the byte-level encodings of format v1: crc32 per fixed-size block, zstd with byte grouping
+Owns the byte-level encodings of the format (unchanged from v1 to v2): crc32 per fixed-size block, zstd with byte grouping
 (the k bytes of each k-byte element are gathered into k planes, which is what makes float data
 compressible), and the safetensors header that makes every rank file a valid safetensors file.
 """

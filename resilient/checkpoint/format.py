@@ -1,4 +1,4 @@
-"""Checkpoint format v1: the manifest schema, strict JSON (de)serialization and validation.
+"""Checkpoint format v2 (v1 read and upgraded): the manifest schema, strict JSON (de)serialization and validation.
 
 This module owns what is on disk (docs/FORMAT.md is the normative prose copy): the frozen
 dataclasses of MANIFEST.json, the dtype table, the file-name rules and the checks that reject a
@@ -48,6 +48,7 @@ __all__ = [
     "manifest_to_bytes",
     "manifest_from_bytes",
     "manifest_summary",
+    "manifest_of_step",
     "ManifestSummary",
     "upgrade_v1",
     "check_json_depth",
@@ -70,8 +71,9 @@ MAX_INT = (1 << 63) - 1  # every size, offset and byte count fits an int64
 MAX_JSON_DEPTH = 64  # nesting of the free-form JSON values (extras)
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
 
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_FILE_RE = re.compile(r"^rank_(\d{5,})(?:\.g(\d+))?\.safetensors$")
+# ASCII digits only: \d matches any Unicode digit ("step_" + Arabic-Indic digits would be a step)
+_STEP_RE = re.compile(r"step_([0-9]{8,19})")
+_FILE_RE = re.compile(r"rank_([0-9]{5,})(?:\.g([0-9]{1,18}))?\.safetensors")
 _RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # ASCII digits only (str.isdigit takes "²")
 
 
@@ -127,10 +129,11 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     m = _STEP_RE.fullmatch(name)
-    if m is None or len(m.group(1)) > 19:  # not a step directory (no step needs 20 digits)
+    if m is None:
         return None
     step = int(m.group(1))
-    return step if step <= MAX_INT else None
+    # only the canonical spelling: step_000000001 would be a second directory for step 1
+    return step if step <= MAX_INT and name == step_dir_name(step) else None
 
 
 def rank_file_name(rank: int, generation: int = 0) -> str:
@@ -323,10 +326,17 @@ class Manifest:
                 f"manifest.checksum is {_short(d['checksum'])}; format v{FORMAT_VERSION} knows 'crc32'"
             )
         created = d["created_unix_s"]
-        if not isinstance(created, (int, float)) or isinstance(created, bool):
+        try:
+            if (
+                isinstance(created, bool)
+                or not isinstance(created, (int, float))
+                or not math.isfinite(float(created))
+            ):
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):
             raise CheckpointCorruptError(
-                f"manifest.created_unix_s must be a number, found {created!r}"
-            )
+                f"manifest.created_unix_s must be a finite number, found {_short(created)}"
+            ) from None
         rank_extras = {}
         for r, v in d["rank_extras"].items():
             if not _RANK_KEY_RE.fullmatch(r) or not isinstance(v, dict):
@@ -475,16 +485,18 @@ def distinct_nonempty_chunks(
             if not isinstance(p, Shard) or p.dim != d or not pieces:
                 continue
             k = layout.size(axis)
-            split: list[tuple[int, int]] = []
-            for off, length in pieces:
-                step = -(-length // k)
-                split += [(off + i, min(step, length - i)) for i in range(0, length, step)]
-                if len(split) > max(limit, 1):
-                    break
-            pieces = split
-            if len(pieces) > max(limit, 1):
+            # count first (a piece of n split k ways has ceil(n / ceil(n / k)) non-empty
+            # parts): the pieces are built only when there are no more than the limit
+            steps = [-(-length // k) for _, length in pieces]
+            count = sum(-(-length // step) for (_, length), step in zip(pieces, steps))
+            if count > max(limit, 1):
                 too_many = True
                 break
+            pieces = [
+                (off + i, min(step, length - i))
+                for (off, length), step in zip(pieces, steps)
+                for i in range(0, length, step)
+            ]
         per_dim.append(pieces)
     if any(not p for p in per_dim):
         return set()  # some dim is empty everywhere: every chunk is empty
@@ -521,6 +533,19 @@ def manifest_from_bytes(data: bytes, where: str) -> Manifest:
         m.validate()
     except CheckpointCorruptError as e:
         raise CheckpointCorruptError(f"{where}: {e}") from None
+    return m
+
+
+def manifest_of_step(data: bytes, where: str, step: int) -> Manifest:
+    """A manifest in full (``manifest_from_bytes``) that must be the one of ``step``: what readers
+    accept as a commit, and what a writer checks the bytes it is about to publish against."""
+    m = manifest_from_bytes(data, where)
+    if m.step != step:
+        raise CheckpointCorruptError(
+            f"{where} says step {m.step}, but it is in the directory of step {step}; a step "
+            f"directory copied or renamed under another number is not that step — rename it back "
+            f"or delete it"
+        )
     return m
 
 

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 LEASE_NAME = "LEASE.json"
 _MAX_LEASE_BYTES = 64 << 10
+# A lease record's own timeout is honoured up to this (a record cannot make takers wait a year).
+MAX_WATCH_S = 3600.0
 
 
 def default_job_id() -> str:
@@ -56,6 +58,8 @@ def default_job_id() -> str:
     addr = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
     where = f"{addr}:{port}" if addr and port else ""
+    if where and _host_local(addr or ""):  # 127.0.0.1:29500 on two hosts is two jobs
+        where = f"{where}@{socket.gethostname()}/{_boot_id()}"
     if run_id and run_id != "none":
         return f"torchrun:{run_id}"
     if run_id:
@@ -63,6 +67,18 @@ def default_job_id() -> str:
     if where and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return f"pg@{where}"
     return f"process:{uuid.uuid4().hex[:12]}"
+
+
+def _host_local(addr: str) -> bool:
+    return addr in ("localhost", "::1", "0.0.0.0") or addr.startswith("127.")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -89,28 +105,34 @@ class LeaseRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> LeaseRecord | None:
-        """The record, or None when the file is not one (torn, foreign)."""
+        """The record, or None when the file is not one (torn, foreign, a field of the wrong type
+        or out of range): such a lease is treated as a silent owner of unknown identity."""
         try:
             d = json.loads(data)
             if not isinstance(d, dict) or d.pop("format", None) != "resilient-lease-v1":
                 return None
             r = cls(**d)
-            if not all(
-                isinstance(getattr(r, f), t)
-                for f, t in (
-                    ("job_id", str),
-                    ("token", str),
-                    ("host", str),
-                    ("machine", str),
-                    ("pid", int),
-                    ("pid_start", str),
-                    ("beat", int),
-                )
-            ):
-                return None
-            return r
         except (ValueError, TypeError, RecursionError):
             return None
+        strings = ("job_id", "token", "host", "machine", "pid_start")
+        if not all(isinstance(getattr(r, f), str) and len(getattr(r, f)) <= 1024 for f in strings):
+            return None
+        if not all(
+            isinstance(getattr(r, f), int) and not isinstance(getattr(r, f), bool)
+            for f in ("pid", "beat")
+        ) or not (1 <= r.pid < 1 << 31 and 0 <= r.beat < 1 << 62):
+            return None
+        for f in ("acquired_unix_s", "heartbeat_unix_s", "timeout_s"):
+            v = getattr(r, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1e12:
+                return None
+        return r if r.timeout_s > 0 else None
+
+    def watch_s(self, own_timeout_s: float) -> float:
+        """How long a taker must see this lease unchanged before taking it over: the longer of
+        its own timeout and the owner's (the owner renews only every ``timeout_s / 4``), capped
+        at MAX_WATCH_S."""
+        return max(own_timeout_s, min(self.timeout_s, MAX_WATCH_S))
 
 
 def _process_start(pid: int) -> str:
@@ -217,9 +239,9 @@ class WriterLease:
         )
 
     def _write(self, record: LeaseRecord, *, exclusive: bool) -> bool:
-        """Publish ``record``; with ``exclusive`` on a local disk, only if no lease exists (False
-        when one appeared meanwhile)."""
-        if exclusive and self.storage.is_local:
+        """Publish ``record``; with ``exclusive``, only if no lease exists (False when one
+        appeared meanwhile): link() on a local disk, a conditional PUT where the store has one."""
+        if exclusive:
             return self.storage.create_exclusive(LEASE_NAME, record.to_bytes())
         self.storage.publish(LEASE_NAME, record.to_bytes())
         return True
@@ -263,10 +285,11 @@ class WriterLease:
                         "before taking the lease over",
                         current.describe() if current else "an unreadable lease file",
                         self.storage.url,
-                        self.timeout_s,
+                        current.watch_s(self.timeout_s) if current else self.timeout_s,
                     )
-                if now - watched[1] < self.timeout_s:
-                    self.sleep(min(self.timeout_s / 20, 1.0))
+                watch = current.watch_s(self.timeout_s) if current else self.timeout_s
+                if now - watched[1] < watch:
+                    self.sleep(min(watch / 20, 1.0))
                     continue
                 log.warning(
                     "taking over the stale lease of %s from %s: no heartbeat for %.0fs",

@@ -31,7 +31,7 @@ from resilient.checkpoint.format import (
     Manifest,
     TensorEntry,
     dtype_info,
-    manifest_from_bytes,
+    manifest_of_step,
     step_dir_name,
 )
 from resilient.checkpoint.state import TensorLeaf
@@ -88,14 +88,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     """A step's manifest, read within the size cap and checked in full; it must be the manifest
     of ``step`` (a step directory copied under another number is not that step)."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
-    m = manifest_from_bytes(storage.read_small(rel, MAX_MANIFEST_BYTES), storage.display(rel))
-    if m.step != step:
-        raise CheckpointCorruptError(
-            f"{storage.display(rel)} says step {m.step}, but it is in the directory of step {step}; "
-            f"a step directory copied or renamed under another number is not that step — rename "
-            f"it back or delete it"
-        )
-    return m
+    return manifest_of_step(storage.read_small(rel, MAX_MANIFEST_BYTES), storage.display(rel), step)
 
 
 @contextlib.contextmanager
@@ -105,6 +98,8 @@ def watching_retirement(storage: Storage, step: int) -> Iterator[None]:
     process read it): that is not corruption, and reading again finds the newest step."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     before = _stat_or_none(storage, rel)
+    if before is None:  # it was listed as committed a moment ago
+        raise _retired(storage, step, None, "its manifest was gone when the read began")
     try:
         yield
     except (StorageError, CheckpointCorruptError) as e:
@@ -715,6 +710,9 @@ def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     """
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     before = _stat_or_none(storage, rel)
+    if before is None:  # listed as committed a moment ago (or never there: the read says which)
+        if _stat_or_none(storage, step_dir_name(step)) is not None:
+            raise _retired(storage, step, None, "its manifest was gone when the read began")
     report = _verify(storage, step, progress)
     if not report.ok:  # problems because the step was retired while it was read are not damage
         after = _stat_or_none(storage, rel)

@@ -10,9 +10,9 @@ parse (damaged, see catalog.py) is never counted and never deleted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from resilient.checkpoint.catalog import Catalog, line_of, scan
+from resilient.checkpoint.catalog import Catalog, StepInfo, line_of, scan
 from resilient.checkpoint.format import MANIFEST_NAME, parse_step_dir
 from resilient.checkpoint.storage import Storage
 
@@ -63,10 +63,11 @@ def retire_steps(
     *,
     in_progress: int | None = None,
     catalog: Catalog | None = None,
+    collect: Callable[[StepInfo], bool] | None = None,
 ) -> list[str]:
     """Uncommit the steps retention drops (their manifests go first, which is quick) and return
     the step directories to delete: those, and directories of saves that never committed (except
-    ``in_progress``).  Damaged steps are left alone.
+    ``in_progress``, and those ``collect`` declines).  Damaged steps are left alone.
 
     Readers stop seeing a retired step as soon as this returns; deleting its bytes
     (:func:`delete_dirs`) can happen later, off the critical path.
@@ -77,7 +78,11 @@ def retire_steps(
         info = catalog.get(step)
         storage.remove(f"{info.dir}/{MANIFEST_NAME}")
         doomed.append(info.dir)
-    doomed += [i.dir for i in catalog.uncommitted() if i.step != in_progress]
+    doomed += [
+        i.dir
+        for i in catalog.uncommitted()
+        if i.step != in_progress and (collect is None or collect(i))
+    ]
     return sorted(doomed)
 
 

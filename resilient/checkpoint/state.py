@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from resilient.errors import LayoutError
+from resilient.errors import LayoutError, StateMismatchError
 from resilient.layout import (
     AxisPlacement,
     Layout,
@@ -364,25 +364,37 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> bool:
     returns whether it did (``opt.state.clear()`` undoes it).
 
     Optimizers like Adam create their state on the first step.  Take one step with zero
-    gradients and a learning rate of zero (so parameters do not move), then drop the gradients;
-    the load overwrites the state that step created.
+    gradients and a learning rate of zero (so parameters do not move); the learning rates and the
+    gradients the parameters had (a warm-up step may have left some) are put back whatever
+    happens, and the load overwrites the state that step created.  An optimizer that cannot take
+    such a step (it needs a closure, sparse gradients) is a StateMismatchError naming it.
     """
     if opt.state:
         return False
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-    if not params or any(p.grad is not None for p in params):
+    if not params:
         return False
-    saved = []
-    for g in opt.param_groups:
-        saved.append(g.get("lr"))
-        if "lr" in g:
-            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    with torch.no_grad():
-        opt.step()
-    for g, lr in zip(opt.param_groups, saved):
-        if lr is not None:
-            g["lr"] = lr
-    opt.zero_grad(set_to_none=True)
+    saved_lr = [g.get("lr") for g in opt.param_groups]
+    saved_grads = [p.grad for p in params]
+    try:
+        for g in opt.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            opt.step()
+    except Exception as e:
+        opt.state.clear()
+        raise StateMismatchError(
+            f"optimizer {type(opt).__name__} cannot create its state for loading by a step with "
+            f"zero gradients ({type(e).__name__}: {e}); take one real step before loading, or "
+            f"checkpoint it through an object with state_dict()/load_state_dict()"
+        ) from e
+    finally:
+        for g, lr in zip(opt.param_groups, saved_lr):
+            if lr is not None:
+                g["lr"] = lr
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
     return True

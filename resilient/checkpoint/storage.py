@@ -284,13 +284,18 @@ class Storage:
         """Where the root really is, for telling whether two URLs name the same place: the real
         path on a local disk (symlinks, ``..``, ``./`` and trailing slashes resolved), else the
         protocol, the endpoint and the normalised path."""
-        if self.is_local:
+        fs = self.fs
+        cached = sys.modules.get("fsspec.implementations.cached")
+        while cached is not None and isinstance(fs, cached.CachingFileSystem):
+            fs = fs.fs  # simplecache::, filecache::, blockcache:: read and write their target
+        if isinstance(fs, LocalFileSystem):
             return ("file", os.path.realpath(self.root))
-        opts = getattr(self.fs, "storage_options", {}) or {}
+        opts = getattr(fs, "storage_options", {}) or {}
         endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get(
             "endpoint_url", ""
         )
-        return (self.protocol, str(endpoint), posixpath.normpath("/" + self.root.strip("/")))
+        protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+        return (protocol, str(endpoint), posixpath.normpath("/" + self.root.strip("/")))
 
     # --- retry core ---------------------------------------------------------------------------
     def _call(self, operation: str, rel: str, fn: Callable[[], T]) -> T:
@@ -366,6 +371,8 @@ class Storage:
                         raise
                     with contextlib.suppress(FileExistsError):
                         _local_ops.mkdir(part, dir_fd=fd)
+                        # the new entry must survive a power loss before anything in it counts
+                        _local_ops.fsync(fd)
                     nfd = os.open(part, flags, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -702,11 +709,30 @@ class Storage:
     write_atomic = publish  # the earlier name
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
-        """Local disks: publish a small file only if nothing is at ``rel`` yet (written to a
-        temporary, made durable, then ``link()``ed into place, which fails if the name exists);
-        False when something is there."""
+        """Publish a small file only if nothing is at ``rel`` yet; False when something is there.
+
+        Local disks: written to a temporary, made durable, then ``link()``ed into place, which
+        fails if the name exists.  Elsewhere a conditional PUT (``If-None-Match: *`` on S3, an
+        exclusive open on ``memory://``); a store that cannot do one (fsspec raises) gets a plain
+        publish, and the caller must settle races itself (the lease re-reads after a moment).
+        """
         if not self.is_local:
-            raise NotImplementedError("exclusive create is only known on a local disk")
+
+            def put_if_absent() -> bool:
+                try:
+                    self.fs.pipe_file(self.path(rel), data, mode="create")
+                    return True
+                except FileExistsError:
+                    return False
+                except (TypeError, NotImplementedError, ValueError):  # no conditional PUT here
+                    self.fs.pipe_file(self.path(rel), data)
+                    return True
+                except Exception as e:
+                    if "PreconditionFailed" in repr(e) or "412" in str(e):
+                        return False
+                    raise
+
+            return self._call("exclusive create", rel, put_if_absent)
 
         def create() -> bool:
             d, _, name = rel.rpartition("/")
