@@ -143,7 +143,7 @@ def _failing_rank(rank, world, url):
 
 def test_a_rank_failing_to_write_fails_the_commit_everywhere(tmp_path):
     out = run_distributed(_failing_rank, 2, str(tmp_path))
-    for msg, steps in out:
+    for _, steps in out:
         assert steps == [1]
     # the coordinator names the rank that failed and why; the other rank says its own failure
     assert "rank 1 failed to write: StorageError" in out[0][0]
