@@ -532,7 +532,7 @@ def manifest_from_bytes(data: bytes, where: str) -> Manifest:
         m = Manifest.from_json(d)
         m.validate()
     except CheckpointCorruptError as e:
-        raise CheckpointCorruptError(f"{where}: {e}") from None
+        raise CheckpointCorruptError(f"{where}: {_capped(str(e))}") from None
     return m
 
 
@@ -614,7 +614,7 @@ def _layout(data: Any) -> Layout:
     try:
         layout = Layout.from_json(data)
     except LayoutError as e:
-        raise CheckpointCorruptError(f"manifest.layout: {e}") from None
+        raise CheckpointCorruptError(f"manifest.layout: {_capped(str(e), 500)}") from None
     if layout.world_size > MAX_WORLD_SIZE:
         raise CheckpointCorruptError(
             f"manifest.layout is {layout.describe()}; format v{FORMAT_VERSION} allows at most "
@@ -684,6 +684,13 @@ def _int(v: Any, where: str) -> int:
     return v
 
 
+def _capped(message: str, limit: int = 2000) -> str:
+    """An error message about untrusted input stays readable (and small) whatever the input."""
+    return (
+        message if len(message) <= limit else message[: limit - 40] + f" ... ({len(message)} chars)"
+    )
+
+
 def _short(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
@@ -691,18 +698,18 @@ def _short(v: Any) -> str:
 
 def _str(v: Any, where: str) -> str:
     if not isinstance(v, str):
-        raise CheckpointCorruptError(f"{where} must be a string, found {v!r}")
+        raise CheckpointCorruptError(f"{where} must be a string, found {_short(v)}")
     return v
 
 
 def _ints(v: Any, where: str) -> tuple[int, ...]:
     if not isinstance(v, list):
-        raise CheckpointCorruptError(f"{where} must be a list of integers, found {v!r}")
+        raise CheckpointCorruptError(f"{where} must be a list of integers, found {_short(v)}")
     return tuple(_int(x, where) for x in v)
 
 
 def _pair(v: Any, where: str) -> tuple[int, int]:
     t = _ints(v, where)
     if len(t) != 2:
-        raise CheckpointCorruptError(f"{where} must be [start, end], found {v!r}")
+        raise CheckpointCorruptError(f"{where} must be [start, end], found {_short(v)}")
     return t[0], t[1]
