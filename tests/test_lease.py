@@ -149,3 +149,23 @@ def test_two_processes_on_one_url(tmp_path):
         out_state = state(0.0)
         s = ck.load(out_state)
         assert torch.equal(out_state["w"], torch.full((256,), float(s)))
+
+
+@pytest.mark.parametrize("backend", ["local", "memory", "s3"])
+def test_the_first_lease_is_created_exclusively_on_every_backend(tmp_path, backend, request):
+    """link() on a local disk, a conditional PUT (If-None-Match) on S3, an exclusive open on
+    memory://: of two first takers exactly one creates the lease."""
+    import uuid
+
+    from resilient.checkpoint.storage import Storage
+
+    if backend == "local":
+        st = Storage(str(tmp_path))
+    elif backend == "memory":
+        st = Storage(f"memory://lease-{uuid.uuid4().hex[:8]}")
+    else:
+        s3 = request.getfixturevalue("s3")
+        st = Storage(f"s3://{s3.new_bucket()}/r", s3.options)
+    assert st.create_exclusive(LEASE, b"first") is True
+    assert st.create_exclusive(LEASE, b"second") is False
+    assert st.read(LEASE) == b"first"
