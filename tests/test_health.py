@@ -414,3 +414,27 @@ def test_a_skewed_wall_clock_gives_no_verdict_and_the_skew_is_logged(tmp_path):
         out, _ = proc.communicate(timeout=60)
         sim.close()
     assert "verdict" not in out
+
+
+def test_the_event_log_and_the_monitor_take_reentrant_locks(tmp_path):
+    """Run's SIGTERM handler writes an event and announces "exiting" from the main thread, which
+    the signal may have interrupted in the middle of a write: that must not deadlock (it held a
+    rank until torchrun's SIGKILL, 30 s into a restart)."""
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    sim = Sim(tmp_path, world=2)
+    done = threading.Event()
+
+    def interrupted_inside_a_write():
+        with log._lock:  # as if the handler ran here
+            log.write("exit", reason="SIGTERM")
+        with sim.monitors[0]._lock:
+            sim.monitors[0].leaving(3)
+        done.set()
+
+    t = threading.Thread(target=interrupted_inside_a_write, daemon=True)
+    t.start()
+    try:
+        assert done.wait(30), "deadlocked"
+        assert [e["event"] for e in log.read()] == ["exit"]
+    finally:
+        sim.close()

@@ -17,7 +17,10 @@ class EventLog:
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        # reentrant: the SIGTERM handler (Run) writes from the main thread, which the signal may
+        # have interrupted inside a write; a plain lock deadlocked that rank until torchrun's
+        # SIGKILL 30 s later
+        self._lock = threading.RLock()
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 

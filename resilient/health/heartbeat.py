@@ -94,7 +94,10 @@ class Monitor:
         self.on_failure = on_failure or self._exit
         self.kill_local = kill_local
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self._lock = threading.Lock()  # one store client, several threads
+        # one store client, several threads; reentrant because the SIGTERM handler announces
+        # "exiting" from the main thread, which the signal may have interrupted holding it
+        # (handlers run between bytecodes, never inside a store call, so reentry is safe)
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._verdict: Finding | None = None
         self._reported: set[tuple[str, int | None]] = set()
