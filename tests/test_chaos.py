@@ -193,7 +193,10 @@ def test_verdict_checks():
     assert _verdict_checks(s, wrong, [], {})[0].ok is False
     none = parse_scenario(GOOD.replace('final_state = "exact"', 'verdict = "none"'))
     assert _verdict_checks(none, [], [], {})[0].ok
-    assert _verdict_checks(none, [], dead, {})[0].ok is False
+    assert _verdict_checks(none, dead, [], {})[0].ok is False
+    slow_ = [{"verdict": "STRAGGLER", "rank": 0, "detail": "1.5x", "time": 1.0}]
+    reported = _verdict_checks(none, [], slow_, {})[0]  # a report is not a verdict that acts
+    assert reported.ok and "reported only: [('STRAGGLER', 0)]" in reported.detail
     slow = parse_scenario(GOOD.replace('final_state = "exact"', 'verdict = "STRAGGLER"'))
     strag = [{"verdict": "STRAGGLER", "rank": 1, "detail": "2.1x", "time": 1.0}]
     checks = _verdict_checks(slow, [], strag, {"restarts": 0})

