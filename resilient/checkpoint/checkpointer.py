@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.checkpoint.buffers import scratch_for
 from resilient.checkpoint.catalog import Catalog, StepInfo, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
@@ -666,10 +667,7 @@ class Checkpointer:
             try:
                 flatten_state(state, layout, self.rank, for_load=True, flat=flat)
                 items = plan_reads(manifest, flat.tensors, layout, self.rank)
-                scratch = {
-                    k: torch.empty(leaf.local.shape, dtype=leaf.local.dtype)
-                    for k, leaf in flat.tensors.items()
-                }
+                scratch = scratch_for({k: leaf.local for k, leaf in flat.tensors.items()})
                 rs: ReadStats = execute_reads(self.storage, manifest, items, scratch)
                 missing = [
                     k

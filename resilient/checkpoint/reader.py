@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from resilient.checkpoint.buffers import scratch_like
 from resilient.checkpoint.codec import decompress, parse_safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -57,6 +58,7 @@ __all__ = [
     "verify_step",
     "VerifyReport",
     "watching_retirement",
+    "scratch_like",
 ]
 
 # The most bytes of staged reads in flight at once (bounds memory), the reader threads, and the

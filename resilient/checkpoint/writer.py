@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from resilient.checkpoint.buffers import huge_pages
 from resilient.checkpoint.codec import _CRC_POOL, block_checksums, compress, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -165,6 +166,8 @@ class Stager:
         ):
             self._buffer = None  # free the old one first: peak memory is one buffer
             self._buffer = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=on_gpu)
+            if not on_gpu:  # the first snapshot faults it all in: 2 MiB pages make that cheap
+                huge_pages(self._buffer)
         buf = self._buffer
         with torch.no_grad():
             for it in plan.items:
