@@ -11,7 +11,7 @@ import torch
 
 from resilient import Checkpointer
 from resilient.checkpoint.format import MANIFEST_NAME
-from resilient.checkpoint.storage import Storage
+from resilient.checkpoint.storage import PinnedFiles, Storage
 from resilient.errors import (
     CheckpointCorruptError,
     StateMismatchError,
@@ -193,22 +193,30 @@ def test_convert_overwrite_keeps_the_old_target_step_until_the_new_one_commits(t
 # --- readers while retention retires the step they read ------------------------------------------
 
 
-def test_a_step_retired_while_it_is_read_says_so(tmp_path, monkeypatch):
+@pytest.mark.parametrize("pause_at", ["size", "read_into"])
+def test_a_step_retired_while_it_is_read_says_so(tmp_path, monkeypatch, pause_at):
+    """Retired before this rank's files are open: StepRetiredError.  Retired after (a local load
+    holds its files open from the size check on): the load reads the retired step's intact bytes."""
     writer = Checkpointer(str(tmp_path), keep_last=1)
     writer.save(1, state(1)).wait()
     reader = Checkpointer(str(tmp_path))
     reading, retired = threading.Event(), threading.Event()
-    real = Storage.read_into
 
-    def read_into(self, rel, start, out):
-        if "rank_" in rel and not reading.is_set():
-            reading.set()
-            assert retired.wait(60)  # retention runs while this read is under way
-        return real(self, rel, start, out)
+    def pausing(real):
+        def wrapper(self, rel, *a):
+            if "rank_" in rel and not reading.is_set():
+                reading.set()
+                assert retired.wait(60)  # retention runs while this read is under way
+            return real(self, rel, *a)
 
-    monkeypatch.setattr(Storage, "read_into", read_into)
+        return wrapper
+
+    # a local load reads through files it holds open; other stores through Storage
+    for cls in (Storage, PinnedFiles):
+        monkeypatch.setattr(cls, pause_at, pausing(getattr(cls, pause_at)))
     box = {}
-    t = threading.Thread(target=lambda: box.update(r=_try(lambda: reader.load(blank()))))
+    out = blank()
+    t = threading.Thread(target=lambda: box.update(r=_try(lambda: reader.load(out))))
     t.start()
     assert reading.wait(60)
     writer.save(2, state(2)).wait()  # keep_last=1: step 1 is retired...
@@ -217,9 +225,12 @@ def test_a_step_retired_while_it_is_read_says_so(tmp_path, monkeypatch):
     retired.set()
     t.join(60)
     err = box["r"]
-    assert isinstance(err, StepRetiredError), err
-    assert "step 1 of" in str(err) and "retired (its manifest was removed)" in str(err)
-    assert "not corruption" in str(err)
+    if pause_at == "read_into":
+        assert err == 1 and torch.equal(out["w"], state(1)["w"]), err
+    else:
+        assert isinstance(err, StepRetiredError), err
+        assert "step 1 of" in str(err) and "retired (its manifest was removed)" in str(err)
+        assert "not corruption" in str(err)
     monkeypatch.undo()
     out = blank()
     assert reader.load(out) == 2  # reading again finds the newest step
@@ -255,7 +266,9 @@ def _try(fn):
 # --- all or nothing -------------------------------------------------------------------------------
 
 
-def test_a_failed_load_leaves_the_state_as_it_was(tmp_path):
+# local: checked with the files held open, then read in place; zstd and memory://: into scratch
+@pytest.mark.parametrize("how", ["local", "local-zstd", "memory"])
+def test_a_failed_load_leaves_the_state_as_it_was(tmp_path, how):
     def full(seed):
         torch.manual_seed(seed)
         model = torch.nn.Linear(64, 64)
@@ -264,18 +277,22 @@ def test_a_failed_load_leaves_the_state_as_it_was(tmp_path):
     src = full(1)
     src["model"](torch.randn(2, 64)).sum().backward()
     src["optim"].step()
-    with Checkpointer(str(tmp_path), block_bytes=4096) as ck:
+    url = f"memory://{tmp_path.name}" if how == "memory" else str(tmp_path)
+    zstd = "zstd" if how == "local-zstd" else None
+    with Checkpointer(url, block_bytes=4096, compression=zstd) as ck:
         ck.save(1, src).wait()
     # the last block of the rank file is corrupt: most tensors read fine before it fails
-    f = tmp_path / "step_00000001" / "rank_00000.safetensors"
-    data = bytearray(f.read_bytes())
+    fs, path = fsspec.core.url_to_fs(url)
+    f = f"{path}/step_00000001/rank_00000.safetensors"
+    data = bytearray(fs.cat_file(f))
     data[-3] ^= 0xFF
-    f.write_bytes(bytes(data))
+    fs.pipe_file(f, bytes(data))
     dst = full(2)
     before = {k: v.clone() for k, v in dst["model"].state_dict().items()}
-    with Checkpointer(str(tmp_path)) as ck:
+    with Checkpointer(url) as ck:
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             ck.load(dst)
+        assert ck.storage.is_local == (how != "memory")
     for k, v in dst["model"].state_dict().items():
         assert torch.equal(v, before[k]), k
     assert dst["v"] == {"s": 2}
@@ -299,3 +316,75 @@ def test_the_lease_file_is_not_a_step(tmp_path):
         assert json.loads((tmp_path / "LEASE.json").read_text())["format"] == "resilient-lease-v1"
         assert ck.steps() == [1]
     assert fsspec  # (the module is used by the backend fixtures)
+
+
+# --- reading in place: check every byte first, then read it again into the state ---------------
+
+
+def _saved(tmp_path, n=1 << 20):
+    src = {"w": torch.randn(n), "v": {"s": 1}}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, src).wait()
+    return src
+
+
+def test_a_local_load_holds_no_copy_of_the_state(tmp_path):
+    from tests.peak import PeakGrowth
+
+    n = 32 << 20  # 128 MiB of float32
+    src = _saved(tmp_path, n)
+    dst = {"w": torch.zeros(n), "v": {"s": 0}}
+    dst["w"].fill_(0.5)  # fault the destination in before measuring
+    with Checkpointer(str(tmp_path)) as ck, PeakGrowth() as p:
+        ck.load(dst)
+    assert torch.equal(dst["w"], src["w"])
+    # a scratch copy of the state would raise the peak by 128 MiB; the check's ring is bounded
+    assert p.mib < 64, f"the load raised the peak by {p.mib:.0f} MiB"
+
+
+def test_what_loads_is_what_was_checked_even_if_the_file_is_replaced_meanwhile(
+    tmp_path, monkeypatch
+):
+    src = _saved(tmp_path)
+    f = tmp_path / "step_00000001" / "rank_00000.safetensors"
+    agree = Checkpointer._agree
+
+    def replace_then_agree(self, *a, **k):
+        # as a re-save would: a new file renamed over the checked one, between check and apply
+        other = bytearray(f.read_bytes())
+        other[-4096:] = bytes(4096)
+        tmp = f.with_suffix(".new")
+        tmp.write_bytes(bytes(other))
+        os.replace(tmp, f)
+        return agree(self, *a, **k)
+
+    monkeypatch.setattr(Checkpointer, "_agree", replace_then_agree)
+    dst = {"w": torch.zeros(1 << 20), "v": {"s": 0}}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.load(dst)
+    assert torch.equal(dst["w"], src["w"])  # the checked bytes, not the replacement's zeros
+
+
+def test_a_failure_reading_in_place_after_the_check_says_the_state_changed(tmp_path, monkeypatch):
+    import errno
+
+    import resilient.checkpoint.storage as storage_mod
+
+    _saved(tmp_path)
+    checked = threading.Event()
+    agree, pread_into = Checkpointer._agree, storage_mod._pread_into
+
+    def agree_then_mark(self, *a, **k):
+        checked.set()
+        return agree(self, *a, **k)
+
+    def failing_after_check(fd, start, out):
+        if checked.is_set():
+            raise OSError(errno.EIO, "Input/output error")
+        return pread_into(fd, start, out)
+
+    monkeypatch.setattr(Checkpointer, "_agree", agree_then_mark)
+    monkeypatch.setattr(storage_mod, "_pread_into", failing_after_check)
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(StorageError, match="partly overwritten"):
+            ck.load({"w": torch.zeros(1 << 20), "v": {"s": 0}})

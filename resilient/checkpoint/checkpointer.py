@@ -34,6 +34,8 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.lease import WriterLease, default_job_id
 from resilient.checkpoint.reader import (
+    ReadItem,
+    ReadRing,
     ReadStats,
     execute_reads,
     plan_reads,
@@ -43,7 +45,7 @@ from resilient.checkpoint.reader import (
 )
 from resilient.checkpoint.retention import delete_dirs, retire_steps
 from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
-from resilient.checkpoint.storage import RetryPolicy, Storage
+from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
 from resilient.checkpoint.writer import (
     CommitError,
     Committer,
@@ -664,11 +666,22 @@ class Checkpointer:
                     f"{manifest.commit_seq}, generation {manifest.generation}); load again"
                 )
             flat = FlatState()
+            scratch: dict[str, torch.Tensor] = {}
+            in_place: _InPlace | None = None
             try:
                 flatten_state(state, layout, self.rank, for_load=True, flat=flat)
                 items = plan_reads(manifest, flat.tensors, layout, self.rank)
-                scratch = scratch_for({k: leaf.local for k, leaf in flat.tensors.items()})
-                rs: ReadStats = execute_reads(self.storage, manifest, items, scratch)
+                if self._in_place(manifest, items, flat):
+                    # check every byte now, through a small reused ring, with the files held
+                    # open; apply() reads them again (from the page cache) into the state
+                    files, ring = PinnedFiles(self.storage), ReadRing()
+                    in_place = _InPlace(self.storage, manifest, items, files, ring)
+                    rs: ReadStats = execute_reads(
+                        self.storage, manifest, items, {}, files=files, ring=ring, place=False
+                    )
+                else:
+                    scratch = scratch_for({k: leaf.local for k, leaf in flat.tensors.items()})
+                    rs = execute_reads(self.storage, manifest, items, scratch)
                 missing = [
                     k
                     for k in flat.values
@@ -692,13 +705,30 @@ class Checkpointer:
                         )
                     values[key] = value
             except BaseException:
+                if in_place is not None:
+                    in_place.files.close()
                 for undo in flat.undo:
                     undo()
                 raise
         stats = LoadStats(
             step, rs.bytes_read, rs.bytes_verified, rs.num_requests, manifest.layout != layout
         )
-        return _PendingLoad(flat, scratch, values, stats)
+        return _PendingLoad(flat, scratch, values, stats, in_place)
+
+    def _in_place(self, manifest: Manifest, items: list[ReadItem], flat: FlatState) -> bool:
+        """Whether a load can check every byte first and then read it again straight into the
+        state (local files held open, so the second read sees what the first checked): no
+        scratch copy of the state, whose fresh memory costs more to fault in than a second read
+        from the page cache costs to copy.  Not for compressed chunks (the second read would
+        decompress what the first did not), destinations that are not contiguous, or more files
+        than a rank should hold open at once."""
+        if not self.storage.is_local:
+            return False
+        if len({it.chunk.file for it in items}) > _MAX_PINNED_FILES:
+            return False
+        if any(it.chunk.codec != "none" for it in items):
+            return False
+        return all(leaf.local.is_contiguous() for leaf in flat.tensors.values())
 
     def _resolve_step(self, step: int | None) -> int:
         catalog = self.catalog()
@@ -735,8 +765,25 @@ class Checkpointer:
 _MAX_FALLBACKS = 64
 
 
+# A load reads in place (checks first, then reads again into the state) from at most this many
+# files per rank; beyond it, into scratch memory.
+_MAX_PINNED_FILES = 256
+
+
+@dataclass
+class _InPlace:
+    """A step checked with its files held open, to be read again straight into the state."""
+
+    storage: Storage
+    manifest: Manifest
+    items: list[ReadItem]
+    files: PinnedFiles
+    ring: ReadRing
+
+
 class _PendingLoad:
-    """A step read and checked into scratch memory, not yet in the caller's state."""
+    """A step read and checked (into scratch memory, or with its files held open to be read in
+    place), not yet in the caller's state."""
 
     def __init__(
         self,
@@ -744,13 +791,18 @@ class _PendingLoad:
         scratch: dict[str, torch.Tensor],
         values: dict[str, Any],
         stats: LoadStats,
+        in_place: _InPlace | None = None,
     ) -> None:
         self.flat, self.scratch, self.values, self.stats = flat, scratch, values, stats
+        self.in_place = in_place
 
     def apply(self) -> LoadStats:
-        with torch.no_grad():
-            for key, leaf in self.flat.tensors.items():
-                leaf.local.copy_(self.scratch[key])
+        if self.in_place is not None:
+            self._read_in_place(self.in_place)
+        else:
+            with torch.no_grad():
+                for key, leaf in self.flat.tensors.items():
+                    leaf.local.copy_(self.scratch[key])
         for key, value in self.values.items():
             setter = self.flat.setters.get(key)
             if setter is not None:
@@ -760,7 +812,27 @@ class _PendingLoad:
         self.scratch = {}
         return self.stats
 
+    def _read_in_place(self, p: _InPlace) -> None:
+        dests = {key: leaf.local for key, leaf in self.flat.tensors.items()}
+        try:
+            execute_reads(
+                p.storage, p.manifest, p.items, dests, files=p.files, ring=p.ring, verify=False
+            )
+        except ResilientError as e:
+            # the bytes were all read and checked a moment ago, from these open files: only a
+            # failing disk, or someone writing into the files in place, gets here
+            raise type(e)(
+                f"{e} — the state was partly overwritten: this step's files could be read and "
+                f"checked but not read again; load again, or an earlier step"
+            ) from e
+        finally:
+            p.files.close()
+            self.in_place = None
+
     def discard(self) -> None:
+        if self.in_place is not None:
+            self.in_place.files.close()
+            self.in_place = None
         for undo in self.flat.undo:
             undo()
         self.scratch = {}

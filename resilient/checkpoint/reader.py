@@ -36,7 +36,7 @@ from resilient.checkpoint.format import (
     step_dir_name,
 )
 from resilient.checkpoint.state import TensorLeaf
-from resilient.checkpoint.storage import Storage
+from resilient.checkpoint.storage import PinnedFiles, Storage
 from resilient.errors import (
     CheckpointCorruptError,
     LayoutError,
@@ -388,6 +388,9 @@ def execute_reads(
     *,
     max_inflight_bytes: int | None = None,
     ring: ReadRing | None = None,
+    files: PinnedFiles | None = None,
+    place: bool = True,
+    verify: bool = True,
 ) -> ReadStats:
     """Read, verify and place every item (one batch of ``stream_reads``)."""
     out: list[ReadStats] = []
@@ -397,6 +400,9 @@ def execute_reads(
         [ReadBatch(items, dests, out.append)],
         max_inflight_bytes=max_inflight_bytes,
         ring=ring,
+        files=files,
+        place=place,
+        verify=verify,
     )
     return out[0]
 
@@ -409,6 +415,9 @@ def stream_reads(
     max_inflight_bytes: int | None = None,
     ring: ReadRing | None = None,
     max_open_batches: int = 2,
+    files: PinnedFiles | None = None,
+    place: bool = True,
+    verify: bool = True,
 ) -> None:
     """Read, verify and place the items of each batch, in order, with reads in flight across batch
     boundaries: the next batch is taken from ``batches`` (which may wait, e.g. for a free buffer)
@@ -424,6 +433,11 @@ def stream_reads(
     verify (crc32 drops the GIL) concurrently.  The ring holds the staged reads in flight: at most
     ``MAX_INFLIGHT`` reads and ``max_inflight_bytes`` (default ``BATCH_BYTES``), or one read if it
     is larger.
+
+    ``files`` reads through descriptors held open (the bytes a check read are the bytes a later
+    read places); ``place=False`` only reads and verifies (every read lands in the ring, the
+    destinations are not touched); ``verify=False`` skips the checksums (for bytes of ``files``
+    already checked).
     """
     budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
@@ -440,7 +454,8 @@ def stream_reads(
         for file, file_items in sorted(by_file.items()):
             rel = f"{step_rel}/{file}"
             if file not in sized:
-                actual, declared = storage.size(rel), manifest.files[file].size_bytes
+                actual = storage.size(rel) if files is None else files.size(rel)
+                declared = manifest.files[file].size_bytes
                 if actual != declared:
                     raise CheckpointCorruptError(
                         f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the "
@@ -451,7 +466,7 @@ def stream_reads(
             staged, file_requests = [], []
             for it in file_items:
                 entry = manifest.tensors[it.key]
-                target = _direct_target(it, entry, batch.dests[it.key])
+                target = _direct_target(it, entry, batch.dests[it.key]) if place else None
                 if target is not None:
                     file_requests.append((rel, it.span, [it], target))
                 else:
@@ -468,12 +483,15 @@ def stream_reads(
         v: _Verifier, rel: str, a: int, p0: int, p1: int, group: list[ReadItem], mv: memoryview
     ) -> None:
         """Read bytes [p0, p1) of a request starting at ``a`` into its place, and verify them."""
-        got = storage.read_into(rel, p0, mv[p0 - a : p1 - a])
+        reader = storage if files is None else files
+        got = reader.read_into(rel, p0, mv[p0 - a : p1 - a])
         if got != p1 - p0:
             raise CheckpointCorruptError(
                 f"{storage.display(rel)} (step {manifest.step}): read of bytes [{p0}, {p1}) "
                 f"returned {got} bytes; the file is truncated — load an earlier step"
             )
+        if not verify:
+            return
         for it in group:
             s0, s1 = max(it.span[0], p0), min(it.span[1], p1)
             if s0 < s1:
@@ -532,7 +550,7 @@ def stream_reads(
                     batch.stats.bytes_read += b - a
                     batch.stats.num_requests += 1
                     if target is None:
-                        for it in group:
+                        for it in group if place else ():
                             piece = mv[it.span[0] - a : it.span[1] - a]
                             entry = manifest.tensors[it.key]
                             _place(it, piece, entry, batch.batch.dests[it.key], manifest.step)

@@ -19,6 +19,7 @@ import secrets
 import shutil
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from resilient.errors import ResilientError, StorageError
 __all__ = [
     "RetryPolicy",
     "Storage",
+    "PinnedFiles",
     "LocalOps",
     "set_local_ops",
     "is_transient",
@@ -615,13 +617,7 @@ class Storage:
         def pread() -> int:
             fd, _ = self._open_regular(rel, "read")
             try:
-                n = 0
-                while n < len(out):
-                    got = os.preadv(fd, [out[n:]], start + n)
-                    if got == 0:
-                        break
-                    n += got
-                return n
+                return _pread_into(fd, start, out)
             finally:
                 os.close(fd)
 
@@ -881,6 +877,71 @@ class Storage:
             return list(out)
 
         return self._call(f"read {len(ranges)} ranges", rel, cat)
+
+
+class PinnedFiles:
+    """Files of a local step held open and read by descriptor, so a second read of a range sees
+    the bytes a first one checked: a path renamed over (a re-save) or deleted (retention) meanwhile
+    does not change an open file, and checkpoint files are never written in place.  Close it
+    (or use it as a context manager)."""
+
+    def __init__(self, storage: Storage) -> None:
+        if not storage.is_local:
+            raise ValueError("PinnedFiles holds local files only")
+        self.storage = storage
+        self._files: dict[str, tuple[int, int]] = {}  # rel -> (fd, size at open)
+        self._lock = threading.Lock()  # reader threads open files concurrently
+
+    def _open(self, rel: str) -> tuple[int, int]:
+        with self._lock:
+            got = self._files.get(rel)
+        if got is not None:
+            return got
+
+        def open_() -> tuple[int, int]:
+            fd, st = self.storage._open_regular(rel, "read")
+            return fd, st.st_size
+
+        fd, size = self.storage._call("open", rel, open_)
+        with self._lock:
+            if rel in self._files:  # another thread opened it first
+                os.close(fd)
+                return self._files[rel]
+            self._files[rel] = (fd, size)
+            return fd, size
+
+    def size(self, rel: str) -> int:
+        return self._open(rel)[1]
+
+    def read_into(self, rel: str, start: int, out: memoryview) -> int:
+        """As ``Storage.read_into``, from the file as it was when first opened here."""
+        out = memoryview(out).cast("B")
+        fd, _ = self._open(rel)
+        return self.storage._call(
+            f"read [{start}, {start + len(out)})", rel, lambda: _pread_into(fd, start, out)
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = self._files, {}
+        for fd, _ in files.values():
+            os.close(fd)
+
+    def __enter__(self) -> PinnedFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pread_into(fd: int, start: int, out: memoryview) -> int:
+    n = 0
+    while n < len(out):
+        got = os.preadv(fd, [out[n:]], start + n)
+        if got == 0:
+            break
+        n += got
+    return n
 
 
 def _detect_commit_method(fs: Any, is_local: bool) -> str | None:
