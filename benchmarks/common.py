@@ -23,7 +23,14 @@ def machine() -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
 
-    return f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB RAM, torch {torch.__version__}, Python {platform.python_version()}"
+    try:
+        from resilient.checkpoint.codec import CRC32_IMPL
+    except ImportError:  # a tree from before the choice of crc32 implementation
+        CRC32_IMPL = "zlib"
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB RAM, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, crc32 by {CRC32_IMPL}"
+    )
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -16,14 +16,34 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 __all__ = [
+    "CRC32_IMPL",
     "block_checksums",
+    "crc32",
     "compress",
     "decompress",
     "safetensors_header",
     "parse_safetensors_header",
 ]
 
-# zlib.crc32 releases the GIL for large buffers, so blocks checksum in parallel threads.
+try:  # Intel ISA-L's crc32: the same polynomial, initial value and result as zlib's, ~3.5x faster
+    from isal.isal_zlib import crc32 as _fast_crc32
+except ImportError:  # no wheel for this platform: zlib's is the same function, slower
+    _fast_crc32 = None
+
+#: The implementation in use: "isal" or "zlib" (benchmarks print it).
+CRC32_IMPL = "zlib" if _fast_crc32 is None else "isal"
+
+
+def crc32(data: memoryview | bytes, value: int = 0) -> int:
+    """zlib's crc32 of ``data``, continuing from ``value`` (what every checksum in the format is),
+    computed by ISA-L where it is installed: on a 2-core EPYC zlib 1.2.13 checks 2 GB/s, ISA-L 7,
+    and checksums were the largest CPU cost of a load.  Both release the GIL."""
+    if _fast_crc32 is None:
+        return zlib.crc32(data, value)
+    return _fast_crc32(data, value)
+
+
+# crc32 releases the GIL for large buffers, so blocks checksum in parallel threads.
 _CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resilient-crc")
 
 
@@ -32,8 +52,8 @@ def block_checksums(data: memoryview, block_bytes: int, *, parallel: bool = True
     n = len(data)
     spans = [(i, min(i + block_bytes, n)) for i in range(0, n, block_bytes)]
     if not parallel or len(spans) < 4:
-        return [zlib.crc32(data[a:b]) for a, b in spans]
-    return list(_CRC_POOL.map(lambda s: zlib.crc32(data[s[0] : s[1]]), spans))
+        return [crc32(data[a:b]) for a, b in spans]
+    return list(_CRC_POOL.map(lambda s: crc32(data[s[0] : s[1]]), spans))
 
 
 def _zstd():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from resilient.checkpoint.buffers import scratch_like
-from resilient.checkpoint.codec import decompress, parse_safetensors_header
+from resilient.checkpoint.codec import crc32, decompress, parse_safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -270,7 +269,7 @@ class _Verifier:
             with self._lock:
                 if tag in self.done:
                     continue
-            got = zlib.crc32(data[b0 - span[0] : b1 - span[0]])
+            got = crc32(data[b0 - span[0] : b1 - span[0]])
             if got != c.checksums[i]:
                 raise CheckpointCorruptError(
                     f"checksum mismatch in {self.storage.display(step_dir_name(self.m.step) + '/' + c.file)}, "
@@ -804,7 +803,7 @@ def _verify(storage: Storage, step: int, progress) -> VerifyReport:
         for i in range((r0 - start) // bb, -(-(r1 - start) // bb)):
             b0, b1 = start + i * bb, min(start + (i + 1) * bb, end)
             if whole:
-                got = zlib.crc32(buf[b0 - r0 : b1 - r0])
+                got = crc32(buf[b0 - r0 : b1 - r0])
                 pos = b1
             else:
                 got, pos = 0, b0
@@ -812,7 +811,7 @@ def _verify(storage: Storage, step: int, progress) -> VerifyReport:
                 n = min(len(buf), b1 - pos)
                 if storage.read_into(path, pos, buf[:n]) != n:
                     return [f"{where}: read of bytes [{pos}, {pos + n}) came back short"], 0
-                got = zlib.crc32(buf[:n], got)
+                got = crc32(buf[:n], got)
                 pos += n
             if got != c.checksums[i]:
                 out.append(
