@@ -55,7 +55,8 @@ def _worker(rank, world, port, task, args, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as torchrun sets them: every rank of these runs is on this machine
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         queue.put((rank, task(rank, world, *args)))

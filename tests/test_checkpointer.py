@@ -464,3 +464,20 @@ def test_bad_arguments():
     bad = {"target_protocol": "file", "faults": [{"op": "read", "latency_s": 0}]}
     with pytest.raises(StorageError, match=r"bad fault rule .*; check the storage options"):
         Checkpointer("faulty:///tmp/x", storage_options=bad)
+
+
+def test_local_loads_share_the_cores_among_the_ranks_of_a_node(monkeypatch):
+    """A local load's reader threads: the process's cores over torchrun's LOCAL_WORLD_SIZE,
+    between 1 and READ_THREADS (copying and checksumming are CPU work)."""
+    import os
+
+    from resilient.checkpoint import checkpointer as ckpt_mod
+    from resilient.checkpoint.reader import READ_THREADS
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
+    assert ckpt_mod._local_read_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert ckpt_mod._local_read_threads() == max(1, min(READ_THREADS, cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert ckpt_mod._local_read_threads() == max(1, min(READ_THREADS, cores))

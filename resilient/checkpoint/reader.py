@@ -60,11 +60,10 @@ __all__ = [
     "scratch_like",
 ]
 
-# The most bytes of staged reads in flight at once (bounds memory), the reader threads, and the
-# reads issued ahead of the one being placed.
+# The most bytes of staged reads in flight at once (bounds memory) and the reader threads (by
+# default; twice as many reads are issued ahead of the one being placed).
 BATCH_BYTES = 256 << 20
 READ_THREADS = 4
-MAX_INFLIGHT = 2 * READ_THREADS
 # Reads are kept near this size: a large overlap is read in slabs that are placed (and their memory
 # reused) one by one, and a read that is still larger is fetched and verified in pieces of about this
 # size (cut at block boundaries) by the reader threads concurrently.
@@ -390,6 +389,8 @@ def execute_reads(
     files: PinnedFiles | None = None,
     place: bool = True,
     verify: bool = True,
+    threads: int | None = None,
+    piece_bytes: int | None = None,
 ) -> ReadStats:
     """Read, verify and place every item (one batch of ``stream_reads``)."""
     out: list[ReadStats] = []
@@ -402,6 +403,8 @@ def execute_reads(
         files=files,
         place=place,
         verify=verify,
+        threads=threads,
+        piece_bytes=piece_bytes,
     )
     return out[0]
 
@@ -417,6 +420,8 @@ def stream_reads(
     files: PinnedFiles | None = None,
     place: bool = True,
     verify: bool = True,
+    threads: int | None = None,
+    piece_bytes: int | None = None,
 ) -> None:
     """Read, verify and place the items of each batch, in order, with reads in flight across batch
     boundaries: the next batch is taken from ``batches`` (which may wait, e.g. for a free buffer)
@@ -430,14 +435,18 @@ def stream_reads(
     coalesced into reads of about ``PIECE_BYTES`` that land in reused memory (``ring``, or one
     sized here) and are placed from there by this thread, in order.  Reader threads fetch and
     verify (crc32 drops the GIL) concurrently.  The ring holds the staged reads in flight: at most
-    ``MAX_INFLIGHT`` reads and ``max_inflight_bytes`` (default ``BATCH_BYTES``), or one read if it
+    ``2 * threads`` reads and ``max_inflight_bytes`` (default ``BATCH_BYTES``), or one read if it
     is larger.
 
     ``files`` reads through descriptors held open (the bytes a check read are the bytes a later
     read places); ``place=False`` only reads and verifies (every read lands in the ring, the
     destinations are not touched); ``verify=False`` skips the checksums (for bytes of ``files``
-    already checked).
+    already checked).  ``threads`` reader threads (``2 * threads`` reads in flight) and reads of
+    about ``piece_bytes`` (defaults ``READ_THREADS``, ``PIECE_BYTES``).
     """
+    threads = READ_THREADS if threads is None else threads
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+    max_inflight = 2 * threads
     budget = BATCH_BYTES if max_inflight_bytes is None else max_inflight_bytes
     step_rel = step_dir_name(manifest.step)
     bb = manifest.block_bytes
@@ -469,12 +478,12 @@ def stream_reads(
                 if target is not None:
                     file_requests.append((rel, it.span, [it], target))
                 else:
-                    staged += _split(it, PIECE_BYTES, dtype_info(entry.dtype).itemsize, bb)
-            file_requests += [(rel, r, group, None) for r, group in _coalesce(staged, PIECE_BYTES)]
+                    staged += _split(it, piece_bytes, dtype_info(entry.dtype).itemsize, bb)
+            file_requests += [(rel, r, group, None) for r, group in _coalesce(staged, piece_bytes)]
             requests += sorted(file_requests, key=lambda r: r[1])
-        if ring.idle:  # size the ring for what can be in flight (slabs keep reads near PIECE_BYTES)
+        if ring.idle:  # size the ring for what can be in flight (slabs keep reads near piece_bytes)
             staged_sizes = [b - a for _, (a, b), _, target in requests if target is None]
-            depth = min(budget, sum(staged_sizes), MAX_INFLIGHT * PIECE_BYTES)
+            depth = min(budget, sum(staged_sizes), max_inflight * piece_bytes)
             ring.reserve(max([depth, *staged_sizes]))
         return requests
 
@@ -500,10 +509,10 @@ def stream_reads(
     queued: deque[tuple[_Batch, _Request]] = deque()  # issued in this order, not yet in flight
     inflight: deque[tuple[_Batch, _Request, memoryview, list[Future[None]]]] = deque()
     more, open_batches = True, 0
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="resilient-read") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="resilient-read") as pool:
         try:
             while True:
-                while len(inflight) < MAX_INFLIGHT:
+                while len(inflight) < max_inflight:
                     if not queued:
                         if open_batches >= max_open_batches:
                             break  # the source may be waiting on memory only done() gives back
@@ -534,7 +543,7 @@ def stream_reads(
                             break
                     futs = [
                         pool.submit(fetch, batch.verifier, rel, a, p0, p1, group, region)
-                        for p0, p1 in _pieces(a, b, group, bb)
+                        for p0, p1 in _pieces(a, b, group, bb, piece_bytes)
                     ]
                     inflight.append((batch, req, region, futs))
                     queued.popleft()
@@ -571,16 +580,19 @@ def stream_reads(
             raise
 
 
-def _pieces(a: int, b: int, group: list[ReadItem], block: int) -> list[tuple[int, int]]:
-    """Cut the read [a, b) into pieces of about ``PIECE_BYTES`` that reader threads fetch and
+def _pieces(
+    a: int, b: int, group: list[ReadItem], block: int, piece_bytes: int | None = None
+) -> list[tuple[int, int]]:
+    """Cut the read [a, b) into pieces of about ``piece_bytes`` that reader threads fetch and
     verify concurrently; every cut falls on a block boundary of the stored chunk it lies in, so
     each piece verifies on its own."""
-    if b - a <= PIECE_BYTES:
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+    if b - a <= piece_bytes:
         return [(a, b)]
     chunks = sorted({it.chunk.byte_range for it in group})
     out, pos = [], a
-    while b - pos > PIECE_BYTES:
-        want = pos + PIECE_BYTES
+    while b - pos > piece_bytes:
+        want = pos + piece_bytes
         c0, c1 = next(((c0, c1) for c0, c1 in chunks if c0 <= want < c1), (want, want))
         cut = c0 + (want - c0) // block * block if c1 > c0 else want
         if cut <= pos:
