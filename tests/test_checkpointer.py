@@ -468,16 +468,17 @@ def test_bad_arguments():
 
 def test_local_loads_share_the_cores_among_the_ranks_of_a_node(monkeypatch):
     """A local load's reader threads: the process's cores over torchrun's LOCAL_WORLD_SIZE,
-    between 1 and READ_THREADS (copying and checksumming are CPU work)."""
+    between 1 and READ_THREADS (copying and checksumming are CPU work); a rank pinned to a
+    subset of the cores keeps that subset."""
     import os
 
     from resilient.checkpoint import checkpointer as ckpt_mod
-    from resilient.checkpoint.reader import READ_THREADS
 
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
-    assert ckpt_mod._local_read_threads() == 1
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert ckpt_mod._local_read_threads() == max(1, min(READ_THREADS, cores))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
-    assert ckpt_mod._local_read_threads() == max(1, min(READ_THREADS, cores))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    for local, want in (("8", 2), ("16", 1), ("64", 1), ("1", 4), ("0", 4), ("-3", 4), ("x", 4)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert ckpt_mod._local_read_threads() == want, local
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6})  # pinned: its own 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ckpt_mod._local_read_threads() == 3

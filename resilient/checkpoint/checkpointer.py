@@ -559,7 +559,12 @@ class Checkpointer:
             except Exception as e:  # every rank must reach the agreement below, whatever failed
                 error = e
             code = 0 if error is None else (1 if _retryable(error) else 2)
-            worst, who = self._agree(code, error, s)
+            try:
+                worst, who = self._agree(code, error, s)
+            except BaseException:  # the group failed or the user interrupted: let the files go
+                if pending is not None:
+                    pending.discard()
+                raise
             if worst == 0:
                 stats = pending.apply()
                 stats.skipped_steps = skipped
@@ -787,17 +792,21 @@ _LOCAL_PIECE_BYTES = 8 << 20
 
 def _local_read_threads() -> int:
     """Reader threads for a local load: the cores this process may use, shared with the other
-    ranks on the node (torchrun's ``LOCAL_WORLD_SIZE``), between 1 and ``READ_THREADS``.  A local
+    ranks on the node (torchrun's ``LOCAL_WORLD_SIZE``; a rank pinned to fewer cores than the
+    machine has keeps its own), between 1 and ``READ_THREADS``.  A local
     read is copying and checksumming, CPU work: four ranks with four threads each on two cores
     fought over them (a cold 4-rank load took 1.6x as long as with one thread each).  Object
     stores keep ``READ_THREADS`` (their reads wait on the network, not on a core)."""
+    machine = os.cpu_count() or 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+        cores = machine
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
+        local = 1
+    if cores < machine:  # pinned (numactl, srun --cpu-bind): these cores are this rank's own
         local = 1
     return max(1, min(READ_THREADS, cores // local))
 
@@ -865,9 +874,20 @@ class _PendingLoad:
                 f"{e} — the state was partly overwritten: this step's files could be read and "
                 f"checked but not read again; load again, or an earlier step"
             ) from e
+        except BaseException as e:  # interrupted (Ctrl-C) or a destination that refused a copy
+            e.add_note(
+                "resilient: the state was partly overwritten (interrupted while a checked step "
+                "was read into it); load again"
+            )
+            raise
         finally:
             p.files.close()
             self.in_place = None
+            # the reads wrote into the tensors' memory behind autograd's back: count it as the
+            # in-place write it is, so a graph that saved one of them refuses to backward
+            for t in dests.values():
+                if not t.is_inference():  # inference tensors keep no version
+                    torch.autograd.graph.increment_version(t)
 
     def discard(self) -> None:
         if self.in_place is not None:
