@@ -683,17 +683,7 @@ class Checkpointer:
                     # open; apply() reads them again (from the page cache) into the state
                     files, ring = PinnedFiles(self.storage), ReadRing()
                     in_place = _InPlace(self.storage, manifest, items, files, ring)
-                    rs: ReadStats = execute_reads(
-                        self.storage,
-                        manifest,
-                        items,
-                        {},
-                        files=files,
-                        ring=ring,
-                        place=False,
-                        threads=_local_read_threads(),
-                        piece_bytes=_LOCAL_PIECE_BYTES,
-                    )
+                    rs: ReadStats = in_place.read({}, check=True)
                 else:
                     scratch = scratch_for({k: leaf.local for k, leaf in flat.tensors.items()})
                     rs = execute_reads(self.storage, manifest, items, scratch)
@@ -820,6 +810,23 @@ class _InPlace:
     items: list[ReadItem]
     files: PinnedFiles
     ring: ReadRing
+    threads: int = field(default_factory=lambda: _local_read_threads())
+
+    def read(self, dests: Mapping[str, torch.Tensor], *, check: bool) -> ReadStats:
+        """Check every byte (``check``: into the ring, ``dests`` untouched), or read the checked
+        bytes again into ``dests``, through the same open files, threads and piece size."""
+        return execute_reads(
+            self.storage,
+            self.manifest,
+            self.items,
+            dests,
+            files=self.files,
+            ring=self.ring,
+            place=not check,
+            verify=check,
+            threads=self.threads,
+            piece_bytes=_LOCAL_PIECE_BYTES,
+        )
 
 
 class _PendingLoad:
@@ -856,17 +863,7 @@ class _PendingLoad:
     def _read_in_place(self, p: _InPlace) -> None:
         dests = {key: leaf.local for key, leaf in self.flat.tensors.items()}
         try:
-            execute_reads(
-                p.storage,
-                p.manifest,
-                p.items,
-                dests,
-                files=p.files,
-                ring=p.ring,
-                verify=False,
-                threads=_local_read_threads(),
-                piece_bytes=_LOCAL_PIECE_BYTES,
-            )
+            p.read(dests, check=False)
         except ResilientError as e:
             # the bytes were all read and checked a moment ago, from these open files: only a
             # failing disk, or someone writing into the files in place, gets here
