@@ -26,9 +26,13 @@ __all__ = ["corpus_files", "load_tokens", "Loader"]
 
 
 def corpus_files(data: str | None) -> list[Path]:
-    if data is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if data is None:  # the standard library's *.py files, not the packages installed beside it
+        root = sysconfig.get_paths()["stdlib"]
+        found = []
+        for parent, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d != "site-packages"]  # never walked, not filtered after
+            found += [Path(parent, n) for n in names if n.endswith(".py")]
+        return sorted(found)
     path = Path(data)
     if path.is_file():
         return [path]
@@ -48,8 +52,9 @@ def _cache_dir() -> Path:
 def load_tokens(data: str | None) -> np.ndarray:
     """All tokens of the corpus as a read-only uint8 array (memory-mapped from the cache)."""
     files = corpus_files(data)
+    stats = [f.stat() for f in files]
     key = hashlib.sha256(
-        json.dumps([[str(f), f.stat().st_size, int(f.stat().st_mtime)] for f in files]).encode()
+        json.dumps([[str(f), s.st_size, int(s.st_mtime)] for f, s in zip(files, stats)]).encode()
     ).hexdigest()[:16]
     cache = _cache_dir() / f"tokens-{key}.u8"
     if not cache.exists():
