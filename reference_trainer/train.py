@@ -6,6 +6,7 @@ group and returns a summary.  The command line lives in ``__main__.py``.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -96,6 +97,9 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
         ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
     )
     loader = _loader(cfg, pc)
+    if not gc.isenabled():  # the command line turned collection off for start-up
+        gc.freeze()  # what start-up made lives as long as the process: never scan it again
+        gc.enable()
     counters = {"tokens": 0}
     config = {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}
     autocast = (
