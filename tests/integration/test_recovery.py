@@ -120,24 +120,34 @@ def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(t
     )
 
 
-@pytest.mark.parametrize(
-    "sig,victim",
-    [("SIGSTOP", 1), ("SIGKILL", 1), ("SIGSTOP", 0)],
-    ids=["frozen-rank", "killed-rank", "frozen-leader"],
-)
-def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig, victim):
-    from tests.integration.trainer_runs import gather_checkpoint
+REFERENCE_STEPS = 40
 
-    steps = 40
-    env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The fault-free run the recoveries must reproduce bit for bit (one for the module)."""
+    root = tmp_path_factory.mktemp("reference")
     ref = subprocess.run(
-        trainer(tmp_path, "ref", steps, 5, "--max-restarts", "2"),
-        env=env,
+        trainer(root, "ref", REFERENCE_STEPS, 5, "--max-restarts", "2"),
+        env=dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
+    return root / "ref"
+
+
+@pytest.mark.parametrize(
+    "sig,victim",
+    [("SIGSTOP", 1), ("SIGKILL", 1), ("SIGSTOP", 0)],
+    ids=["frozen-rank", "killed-rank", "frozen-leader"],
+)
+def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, reference, sig, victim):
+    from tests.integration.trainer_runs import gather_checkpoint
+
+    steps = REFERENCE_STEPS
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1")
     # frozen (only our detector sees it) or dead
     rc, _ = run_and_signal(
         tmp_path,
@@ -156,7 +166,7 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, sig, victim):
     restarts = [e.get("restart", 0) for e in events if e["event"] == "monitor"]
     assert max(restarts) >= 1  # the group restarted and resumed
     a, b = (
-        gather_checkpoint(str(tmp_path / "ref"), steps),
+        gather_checkpoint(str(reference), steps),
         gather_checkpoint(str(tmp_path / "ck"), steps),
     )
     assert a.keys() == b.keys()
