@@ -19,8 +19,12 @@ def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("chaos")
 
 
-def quick_jobs() -> set[str]:
-    return {job_hash(s.job) for s in builtin_scenarios(quick=True)}
+# The other built-in scenarios whose job is a quick-suite job: they run here, next to the quick
+# suite, and share its reference runs; the rest run in test_chaos_other_jobs.py.
+_QUICK_JOBS = {job_hash(s.job) for s in builtin_scenarios(quick=True)}
+WITH_QUICK_JOBS = [
+    s.name for s in builtin_scenarios() if s.name not in QUICK and job_hash(s.job) in _QUICK_JOBS
+]
 
 
 def _assert_passed(report: dict) -> None:
@@ -47,14 +51,7 @@ def test_quick_suite(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [
-        s.name
-        for s in builtin_scenarios()
-        if s.name not in QUICK and job_hash(s.job) in quick_jobs()
-    ],
-)
+@pytest.mark.parametrize("name", WITH_QUICK_JOBS)
 def test_full_suite_scenario(out, name):
     scenario = next(s for s in builtin_scenarios() if s.name == name)
     # next to the quick suite's runs: the scenarios with the same job share one reference run

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.chaos.harness import job_hash
 from resilient.chaos.runner import QUICK, builtin_scenarios, run_scenario
-from tests.integration.test_chaos import _assert_passed, quick_jobs
+from tests.integration.test_chaos import WITH_QUICK_JOBS, _assert_passed
 
 pytestmark = [pytest.mark.distributed]
 
@@ -22,19 +21,18 @@ def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("chaos-other-jobs")
 
 
+OWN_JOBS = [s.name for s in builtin_scenarios() if s.name not in set(QUICK) | set(WITH_QUICK_JOBS)]
+
+
 def test_every_builtin_scenario_is_run_by_one_of_the_two_files():
-    quick = quick_jobs()
-    here = {s.name for s in builtin_scenarios() if job_hash(s.job) not in quick}
-    there = {s.name for s in builtin_scenarios() if s.name in QUICK or job_hash(s.job) in quick}
+    here, there = set(OWN_JOBS), set(QUICK) | set(WITH_QUICK_JOBS)
     assert here and not here & there
     assert here | there == {s.name for s in builtin_scenarios()}
     assert {"stop-rank-at-time", "clock-skew", "kill-node-shrink"} <= here
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name", [s.name for s in builtin_scenarios() if job_hash(s.job) not in quick_jobs()]
-)
+@pytest.mark.parametrize("name", OWN_JOBS)
 def test_scenario_with_its_own_job(out, name):
     scenario = next(s for s in builtin_scenarios() if s.name == name)
     _assert_passed(run_scenario(scenario, out, say=lambda *_: None))
