@@ -366,8 +366,11 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> bool:
     Optimizers like Adam create their state on the first step.  Take one step with zero
     gradients and a learning rate of zero (so parameters do not move); the learning rates and the
     gradients the parameters had (a warm-up step may have left some) are put back whatever
-    happens, and the load overwrites the state that step created.  An optimizer that cannot take
-    such a step (it needs a closure, sparse gradients) is a StateMismatchError naming it.
+    happens, and the load overwrites the state that step created.  The state it leaves is what the
+    optimizer's own first step starts from (step counts and tensors zero: Adam's moments, SGD's
+    momentum), so a save of it before the first step (a size check, an early snapshot) does not
+    change training either.  An optimizer that cannot take such a step (it needs a closure,
+    sparse gradients) is a StateMismatchError naming it.
     """
     if opt.state:
         return False
@@ -384,6 +387,12 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> bool:
             p.grad = torch.zeros_like(p)
         with torch.no_grad():
             opt.step()
+            for st in opt.state.values():  # as fresh as a lazily created state
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        v.zero_()
+                    elif k == "step" and isinstance(v, int | float):
+                        st[k] = type(v)(0)
     except Exception as e:
         opt.state.clear()
         raise StateMismatchError(
