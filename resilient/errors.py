@@ -17,6 +17,7 @@ __all__ = [
     "StateMismatchError",
     "RankFailureError",
     "ScenarioError",
+    "MemoryTierError",
 ]
 
 
@@ -64,3 +65,8 @@ class RankFailureError(ResilientError):
 
 class ScenarioError(ResilientError, ValueError):
     """A chaos scenario file is malformed; the message names the file, the line and the field."""
+
+
+class MemoryTierError(ResilientError):
+    """The host-memory tier cannot work on this node (no room, no writable directory, a directory
+    that belongs to another job); raised at start, before training."""

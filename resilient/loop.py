@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
-from resilient.errors import LeaseError, RankFailureError, ResilientError
+from resilient.errors import (
+    CheckpointNotFoundError,
+    LeaseError,
+    RankFailureError,
+    ResilientError,
+)
 from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
 from resilient.health.attach import detect_by_default, start_monitor, take_over
 from resilient.health.events import default_event_log
@@ -100,7 +105,7 @@ class Run:
     ``Run(checkpoint_url, *, save_every=100, keep_last=3, keep_every=None, max_failed_saves=3,
     heartbeat_interval_s=1.0, hang_timeout_s=None, join_timeout_s=120.0, phase_budgets_s=None,
     storage_options=None, layout=None, monitor=None, detect=None, event_log=None, fallback=True,
-    hooks=())``; see the README for what each does.
+    hooks=(), memory_every=None, memory_root=None)``; see the README for what each does.
     """
 
     def __init__(
@@ -122,6 +127,8 @@ class Run:
         event_log: str | None = None,
         fallback: bool = True,
         hooks: Sequence[Any] = (),
+        memory_every: int | None = None,
+        memory_root: str | None = None,
     ) -> None:
         detector = check_run_options(
             save_every=save_every,
@@ -133,8 +140,10 @@ class Run:
             join_timeout_s=join_timeout_s,
             phase_budgets_s=phase_budgets_s,
             hooks=hooks,
+            memory_every=memory_every,
         )
         self.url, self.save_every = checkpoint_url, save_every
+        self.memory_every, self.memory_root = memory_every, memory_root
         self.keep_last, self.keep_every = keep_last, keep_every
         self.max_failed_saves = max_failed_saves
         self.heartbeat_interval_s, self.hang_timeout_s = heartbeat_interval_s, hang_timeout_s
@@ -176,6 +185,8 @@ class Run:
         self._old_handler: Any = None
         self._busy_s: float | None = None
         self._handle: Any = None  # the newest save, until it is settled (logged, counted)
+        self._snap: Any = None  # the newest memory snapshot, until it is settled
+        self._failed_snapshots = 0  # consecutive
         self._failing = False
         self._install_sigterm()
 
@@ -206,17 +217,28 @@ class Run:
                 keep_last=self.keep_last,
                 keep_every=self.keep_every,
                 storage_options=self.storage_options,
+                memory_every=self.memory_every,
+                memory_root=self.memory_root,
             )
-        if self.checkpointer.latest_step() is None:
+        if self.checkpointer.memory is not None:
+            self.checkpointer.check_memory_room(self.state)
+        durable = self.checkpointer.latest_step()
+        if durable is None and not self.checkpointer.memory_steps():
             return
         t0 = time.time()
-        loaded = self.checkpointer.load(self.state, fallback=self.fallback)
+        try:
+            loaded = self.checkpointer.load(self.state, fallback=self.fallback)
+        except CheckpointNotFoundError:
+            if durable is not None:
+                raise
+            return  # only snapshots that must not be restored (stale): a fresh run
         self.step = int(self.state["run"]["step"])
         self.restored_step = loaded
         self._saved_step = self._committed_step = self.step
         if self.rank == 0:
-            log.info("restored step %d from %s", self.step, self.url)
             last = self.checkpointer.last_load
+            source = last.source if last else "durable"
+            log.info("restored step %d from %s (%s)", self.step, self.url, source)
             self.events.write(
                 "restore",
                 rank=0,
@@ -225,6 +247,7 @@ class Run:
                 seconds=time.time() - t0,
                 skipped_steps=list(last.skipped_steps) if last else [],
                 resharded=bool(last and last.resharded),
+                source=source,
             )
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -250,6 +273,10 @@ class Run:
             if self._agree_preempted():
                 self._stop_for_preemption()
             # the final step is saved below, synchronously
+            if self.memory_every and step % self.memory_every == 0 and step != total:
+                self.snapshot()
+            else:
+                self._poll_snapshot()
             if self.save_every and step % self.save_every == 0 and step != total:
                 self.save()
             else:
@@ -277,10 +304,78 @@ class Run:
             self._join_save(final=True)
             self.checkpointer.wait()  # and its clean-up (retention), before returning
 
+    def snapshot(self) -> None:
+        """Snapshot the tracked state into the node's memory at the current step (the memory tier;
+        ``memory_every`` does it for you).  The previous snapshot is joined first; a failed one
+        is logged and warned about, never raised: durable saves still protect the run."""
+        if self.checkpointer is None or self.checkpointer.memory is None:
+            return
+        self._progress(self.step, "checkpoint")
+        self._join_snapshot()
+        try:
+            self._snap = self.checkpointer.snapshot(self.step, self.state)
+        except ResilientError as e:  # it could not even start (the tier's directory is gone, ...)
+            self._snapshot_failed(self.step, e)
+        self._progress(self.step, "train", self._busy_s)
+
+    def _poll_snapshot(self) -> None:
+        h = self._snap
+        if h is not None and h.done():
+            self._join_snapshot()
+
+    def _join_snapshot(self) -> None:
+        h, self._snap = self._snap, None
+        if h is None:
+            return
+        try:
+            h.wait()
+        except BaseException:  # reported below
+            pass
+        error = h.error
+        if error is None:
+            self._failed_snapshots = 0
+            return
+        self._snapshot_failed(h.step, error)
+
+    def _snapshot_failed(self, step: int, error: BaseException) -> None:
+        self._failed_snapshots += 1
+        self.events.write(
+            "snapshot",
+            rank=self.rank,
+            step=step,
+            ok=False,
+            error=f"{type(error).__name__}: {error}"[:2000],
+            consecutive_failures=self._failed_snapshots,
+        )
+        message = (
+            f"rank {self.rank}: memory snapshot of step {step} failed: {error}. Training goes "
+            f"on; a restart restores the newest snapshot that verifies, or durable storage."
+        )
+        log.warning(message)
+        warnings.warn(message, SaveFailedWarning, stacklevel=3)
+
+    def _release_memory(self) -> None:
+        """The run completed and its final step is durable: give the node's memory back."""
+        ckpt = self.checkpointer
+        if ckpt is None or ckpt.memory is None:
+            return
+        self._join_snapshot()
+        ckpt.close_memory()
+        if self.distributed and self.world_size > 1:
+            dist.barrier()  # every rank of the node is done with the tier
+        if int(os.environ.get("LOCAL_RANK", str(self.rank))) == 0:
+            ckpt.memory.release()
+
     def _commit_final(self) -> None:
         """The run completed: make sure its final step is committed before returning."""
         if self.checkpointer is None:
             return
+        self._join_snapshot()
+        self._commit_final_durable()
+        self._release_memory()
+
+    def _commit_final_durable(self) -> None:
+        assert self.checkpointer is not None
         if self._handle is not None and self._handle.step == self.step:
             self._progress(self.step, "commit")
             self._join_save(final=True)
@@ -412,6 +507,7 @@ class Run:
         try:
             if self.checkpointer is not None:
                 try:
+                    self._join_snapshot()
                     self._join_save(final=announce)
                     self.checkpointer.close()
                 except ResilientError as e:
@@ -483,6 +579,7 @@ def check_run_options(
     join_timeout_s: float,
     phase_budgets_s: dict[str, float] | None,
     hooks: Sequence[Any] = (),
+    memory_every: int | None = None,
 ) -> DetectorConfig:
     """Validate ``Run``'s values (before any process group exists, when ``fault_tolerant`` calls
     it); returns the detector settings they make."""
@@ -502,6 +599,12 @@ def check_run_options(
         raise ValueError(
             f"max_failed_saves must be an int >= 1 (1: the first failed save ends the run), "
             f"got {max_failed_saves!r}"
+        )
+    if memory_every is not None and (
+        isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 1
+    ):
+        raise ValueError(
+            f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
         )
     if isinstance(hooks, str | bytes) or not isinstance(hooks, Sequence):
         raise ValueError(f"hooks must be a list of hook objects, got {hooks!r}")

@@ -5,6 +5,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def memory_root(tmp_path, monkeypatch):
+    """Every test's memory tier lives in its own directory (never the machine's /dev/shm/resilient);
+    processes a test starts inherit it."""
+    root = tmp_path / "memory-root"
+    monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(root))
+    return root
+
+
 @pytest.fixture(scope="session")
 def s3():
     from tests.s3server import LocalS3

@@ -7,9 +7,11 @@ state.py (what a state is), writer.py (save), reader.py (load), retention.py and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import warnings
@@ -46,6 +48,7 @@ from resilient.checkpoint.reader import (
     watching_retirement,
 )
 from resilient.checkpoint.retention import delete_dirs, retire_steps
+from resilient.checkpoint.snapshots import MemoryPlace, default_root, memory_place
 from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
 from resilient.checkpoint.writer import (
@@ -99,6 +102,7 @@ class LoadStats:
     resharded: bool = False
     seconds: float = 0.0
     skipped_steps: list[int] = field(default_factory=list)
+    source: str = "durable"  # the tier it came from: "memory" or "durable"
 
 
 class SaveHandle:
@@ -149,6 +153,13 @@ class Checkpointer:
     process group's store address, else a fresh id), ``lease_timeout_s`` (after how long without a
     heartbeat another job's lease may be taken over), ``commit_method`` (``"rename"`` or
     ``"put"``, for a filesystem that is neither a local disk nor a known object store).
+
+    The memory tier: ``memory_every=N`` keeps snapshots in the node's host memory
+    (``memory_root``, default ``$RESILIENT_MEMORY_ROOT`` or ``/dev/shm/resilient``), in this same
+    format, so they outlive the training processes: ``snapshot(step, state)`` takes one when
+    ``step`` is a multiple of ``N`` (the two newest are kept), and ``load()`` restores the newest
+    step of either tier, memory first, falling back to durable storage when a snapshot is missing
+    or damaged.  ``save()`` keeps its meaning: a durable commit to ``url``.
     """
 
     def __init__(
@@ -167,6 +178,9 @@ class Checkpointer:
         job_id: str | None = None,
         lease_timeout_s: float = 60.0,
         commit_method: str | None = None,
+        memory_every: int | None = None,
+        memory_root: str | None = None,
+        _namespace: str = "ckpt",
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(
@@ -182,6 +196,12 @@ class Checkpointer:
             raise ValueError(f"lease_timeout_s must be positive, got {lease_timeout_s!r}")
         if not commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s must be positive, got {commit_timeout_s!r}")
+        if memory_every is not None and (
+            isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 1
+        ):
+            raise ValueError(
+                f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
+            )
         self.storage = Storage(url, storage_options, retry, commit_method=commit_method)
         self.url = self.storage.url
         self.keep_last, self.keep_every, self.compression = keep_last, keep_every, compression
@@ -196,6 +216,7 @@ class Checkpointer:
             layout.check_world_size(self.world_size)
         self.layout = layout
         self._store = store
+        self._namespace = _namespace  # the store keys of this checkpointer's handshakes
         self._uid: int | None = None
         self._seq = 0
         self._loads = 0
@@ -209,6 +230,43 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.last_load: LoadStats | None = None
+        nodes = 1 if memory_every is None else self._memory_nodes(memory_root)
+        if memory_every is not None and nodes > 1:
+            message = (
+                f"memory_every={memory_every}: this job spans {nodes} nodes, and the memory tier "
+                f"works within one node in this version (snapshots across nodes need peer "
+                f"replicas, not built yet); the tier is off, durable saves to {self.url} protect "
+                f"the run"
+            )
+            warnings.warn(message, stacklevel=2)
+            log.warning(message)
+            memory_every = None
+        self.memory_every = memory_every
+        self.memory: MemoryPlace | None = None
+        self._memory: Checkpointer | None = None
+        # The newest durable commit (step, commit_seq) this job's state descends from: every
+        # snapshot records it, and a snapshot whose durable commit is no longer on the durable
+        # line (a rollback, deleted steps, a fresh start at the URL) is never restored.
+        self._anchor: tuple[int, int] | None = None
+        self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
+        if memory_every is not None:
+            # a local path is its absolute path: "ckpt" run from two directories is two jobs
+            key = os.path.abspath(self.storage.path()) if self.storage.is_local else self.url
+            self.memory = memory_place(key, memory_root)
+            self.memory.claim()
+            self._memory = Checkpointer(
+                self.memory.steps,
+                layout=layout,
+                keep_last=2,
+                block_bytes=block_bytes,
+                commit_timeout_s=commit_timeout_s,
+                # its own connection: the two checkpointers' handshakes run on two threads at
+                # once, and one store client serializes them (each would wait inside the other)
+                store=store.clone() if store is not None and hasattr(store, "clone") else None,
+                job_id=self.job_id,
+                lease_timeout_s=lease_timeout_s,
+                _namespace="mem",
+            )
 
     # --- context manager ------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -234,6 +292,17 @@ class Checkpointer:
         """The most recently committed step (not the highest number: see README, rollback)."""
         newest = self.catalog().newest()
         return None if newest is None else newest.step
+
+    @property
+    def snapshots(self) -> Checkpointer | None:
+        """The memory tier's own checkpointer (its steps, manifests, verify), or None."""
+        return self._memory
+
+    def memory_steps(self) -> list[int]:
+        """The steps this node's memory tier holds, newest first ([] without the tier)."""
+        if self._memory is None:
+            return []
+        return self._memory.catalog().line()
 
     def manifest(self, step: int | None = None) -> Manifest:
         return read_manifest(self.storage, self._resolve_step(step))
@@ -270,6 +339,60 @@ class Checkpointer:
         self._thread.start()
         return handle
 
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
+        """Snapshot ``state`` into the node's memory when ``step`` is a multiple of
+        ``memory_every`` (else do nothing and return None); returns once the snapshot is staged.
+        Waits for the previous snapshot first and re-raises its failure, if any."""
+        self._check_open()
+        if self._memory is None or self.memory_every is None:
+            raise ResilientError(
+                f"Checkpointer({self.url!r}) has no memory tier; pass memory_every=N to use "
+                f"snapshot()"
+            )
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+            raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
+        if step % self.memory_every:
+            return None
+        if self._memory.layout is None:
+            self._memory.layout = self._layout_for(state)
+        anchor = "" if self._anchor is None else f"{self._anchor[0]}:{self._anchor[1]}"
+        return self._memory.save(step, {**state, ANCHOR_KEY: anchor})
+
+    def wait_snapshot(self) -> SaveStats | None:
+        """Block until the pending memory snapshot is committed; re-raise its failure."""
+        self._check_open()
+        return None if self._memory is None else self._memory.wait()
+
+    def close_memory(self) -> None:
+        """Wait for the pending memory snapshot and stop using the tier (its snapshots stay)."""
+        if self._memory is not None:
+            self._memory.close()
+
+    def release_memory(self) -> None:
+        """Give this job's host memory back (after its final durable commit): every snapshot of
+        this job on this node is removed.  Call it on one rank per node, once every rank of the
+        node is done with the tier."""
+        self.close_memory()
+        if self.memory is not None:
+            self.memory.release()
+
+    def check_memory_room(self, state: Mapping[str, Any]) -> int:
+        """Raise MemoryTierError, before training, when this node's memory root cannot hold the
+        tier: two snapshots plus one peer replica of every local rank's share of ``state``
+        (ranks on a node are assumed to hold about the same bytes).  Returns the bytes needed."""
+        if self.memory is None:
+            return 0
+        flat = flatten_state(state, self._layout_for(state), self.rank)
+        mine = sum(leaf.local.numel() * leaf.local.element_size() for leaf in flat.tensors.values())
+        if self._distributed and self.world_size > 1:  # every rank decides on the same number
+            most = torch.tensor([mine], dtype=torch.int64, device=_device())
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            mine = int(most.item())
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+        need = 3 * mine * max(1, local_ranks)
+        self.memory.check_room(need)
+        return need
+
     def wait(self) -> SaveStats | None:
         """Block until the pending save is committed; re-raise its failure."""
         self._check_open()
@@ -281,7 +404,11 @@ class Checkpointer:
         if self._closed:
             return
         try:
-            self._join_pending()
+            try:
+                self._join_pending()
+            finally:
+                if self._memory is not None:
+                    self._memory.close()
         finally:
             self._closed = True
             self._stager = Stager()
@@ -444,6 +571,7 @@ class Checkpointer:
         self.storage.sync_dir(step_rel)
         self._lease.check()  # nobody took the URL over while the files were written
         self.storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
+        self._anchor = (step, seq)  # snapshots from now on descend from this commit
         # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps
         # that retention drops are uncommitted before the outcome is published, so every rank's
         # wait() sees the same steps; their bytes are deleted after (see _persist).  Nothing is
@@ -482,14 +610,16 @@ class Checkpointer:
 
     def _get_store(self) -> Any:
         if self._store is None:
-            self._store = dist.distributed_c10d._get_default_store()
+            store = dist.distributed_c10d._get_default_store()
+            # the memory tier's handshakes run beside the durable ones: a connection of its own
+            self._store = store.clone() if self._namespace != "ckpt" else store
         return self._store
 
     def _ensure_uid(self) -> int:
         if self._uid is None:
             # Every rank increments one counter once per Checkpointer; ranks agree on the result
             # without a collective, and a store that outlives a restart never reuses a prefix.
-            n = self._get_store().add("resilient/ckpt/instances", 1)
+            n = self._get_store().add(f"resilient/{self._namespace}/instances", 1)
             self._uid = (n - 1) // self.world_size
         return self._uid
 
@@ -500,7 +630,7 @@ class Checkpointer:
         self._seq += 1
         return Committer(
             self._get_store(),
-            f"resilient/ckpt/{uid}/{self._seq}",
+            f"resilient/{self._namespace}/{uid}/{self._seq}",
             self.rank,
             self.world_size,
             self.commit_timeout_s,
@@ -549,16 +679,19 @@ class Checkpointer:
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
-        for i, (s, seq, generation) in enumerate(candidates):
+        for i, (tier, s, seq, generation) in enumerate(candidates):
             pending: _PendingLoad | None = None
             error: BaseException | None = None
+            source = self._memory if tier == _MEMORY and self._memory is not None else self
             try:
                 if s < 0:
                     raise self._not_found_error(step, None)
-                pending = self._read_step(state, s, layout, (seq, generation))
+                pending = source._read_step(state, s, layout, (seq, generation))
             except Exception as e:  # every rank must reach the agreement below, whatever failed
                 error = e
-            code = 0 if error is None else (1 if _retryable(error) else 2)
+            # anything wrong with a snapshot (even a state it does not match: a stale one) falls
+            # back to durable storage, which then says what is wrong, if anything
+            code = 0 if error is None else (1 if _retryable(error) or tier == _MEMORY else 2)
             try:
                 worst, who = self._agree(code, error, s)
             except BaseException:  # the group failed or the user interrupted: let the files go
@@ -567,6 +700,8 @@ class Checkpointer:
                 raise
             if worst == 0:
                 stats = pending.apply()
+                stats.source = "memory" if source is not self else "durable"
+                self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
                 stats.skipped_steps = skipped
                 stats.seconds = time.monotonic() - t0
                 self.last_load = stats
@@ -575,48 +710,111 @@ class Checkpointer:
                 pending.discard()
             if code != worst:  # another rank failed worse (or alone): raise what it saw
                 error = _peer_error(who, s, worst, self._peer_message(who, s))
-            if worst == 2 or i + 1 == len(candidates) or candidates[i + 1][0] < 0:
+            if worst == 2 or i + 1 == len(candidates) or candidates[i + 1][1] < 0:
                 raise error
-            after = candidates[i + 1][0]
-            warnings.warn(f"{error}; falling back to step {after}", stacklevel=2)
-            log.warning("step %d failed to load (%s); falling back to step %d", s, error, after)
+            after = f"step {candidates[i + 1][1]}"
+            if self._memory is not None:
+                after += " (memory)" if candidates[i + 1][0] == _MEMORY else " (durable)"
+            warnings.warn(f"{error}; falling back to {after}", stacklevel=2)
+            log.warning("step %d failed to load (%s); falling back to %s", s, error, after)
             skipped.append(s)
         raise AssertionError("unreachable")
 
-    def _candidates(self, step: int | None, fallback: bool) -> list[tuple[int, int, int]]:
-        """The steps to try, newest first, as rank 0 sees them (every rank loads the same ones),
-        each with the version of it rank 0 saw (commit_seq, generation): a rank that reads
-        another version (the step was re-saved meanwhile) treats it as retired, so no two ranks
-        ever load different data.  Step -1 stands for "nothing to load" (every rank then raises
+    def _candidates(self, step: int | None, fallback: bool) -> list[tuple[int, int, int, int]]:
+        """The steps to try, newest first, as rank 0 sees them (every rank loads the same ones):
+        (tier, step, commit_seq, generation).  The version (commit_seq, generation) is the one
+        rank 0 saw: a rank that reads another version (the step was re-saved meanwhile) treats it
+        as retired, so no two ranks ever load different data.  With the memory tier, its steps
+        at least as new as the newest durable one come first (a step in both tiers is read from
+        memory), and a snapshot that fails falls back through the tiers whatever ``fallback``
+        says.  Step -1 stands for "nothing to load" (every rank then raises
         CheckpointNotFoundError)."""
-        found: list[tuple[int, int, int]] = []
+        found: list[tuple[int, int, int, int]] = []
         if self.rank == 0:
-            try:
-                catalog = self.catalog()
-                if step is not None:
-                    steps = [self._resolve_step(step)]
-                else:
-                    steps = catalog.line()[: (_MAX_FALLBACKS if fallback else 1)]
-                for s in steps:
-                    info = catalog.get(s)
-                    found.append((s, info.commit_seq, info.generation))
-            except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
-                found = []
-            found = found or [(-1, 0, 0)]
+            found = self._durable_candidates(step, fallback)
+            if self._memory is not None:
+                found = self._memory_candidates(step, found) + found
+            found = found[:_MAX_FALLBACKS] or [(_DURABLE, -1, 0, 0)]
         if not self._distributed or self.world_size == 1:
             return found
-        buf = torch.full((1 + 3 * _MAX_FALLBACKS,), -2, dtype=torch.int64, device=_device())
+        buf = torch.full((1 + 4 * _MAX_FALLBACKS,), -2, dtype=torch.int64, device=_device())
         if self.rank == 0:
             buf[0] = len(found)
-            buf[1 : 3 * len(found) + 1] = torch.tensor(
+            buf[1 : 4 * len(found) + 1] = torch.tensor(
                 [x for c in found for x in c], dtype=torch.int64
             )
         dist.broadcast(buf, src=0)
         n = int(buf[0].item())
-        flat = [int(x) for x in buf[1 : 3 * n + 1].tolist()]
-        return [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+        flat = [int(x) for x in buf[1 : 4 * n + 1].tolist()]
+        return [tuple(flat[i : i + 4]) for i in range(0, len(flat), 4)]
+
+    def _durable_candidates(
+        self, step: int | None, fallback: bool
+    ) -> list[tuple[int, int, int, int]]:
+        try:
+            catalog = self.catalog()
+            if step is not None:
+                steps = [self._resolve_step(step)]
+            else:
+                steps = catalog.line()[: (_MAX_FALLBACKS if fallback else 1)]
+            found = []
+            for s in steps:
+                info = catalog.get(s)
+                found.append((_DURABLE, s, info.commit_seq, info.generation))
+            return found
+        except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
+            return []
+
+    def _memory_candidates(
+        self, step: int | None, durable: list[tuple[int, int, int, int]]
+    ) -> list[tuple[int, int, int, int]]:
+        assert self._memory is not None
+        try:
+            catalog = self._memory.catalog()
+            newest_durable = durable[0][1] if durable else -1
+            try:
+                durable_catalog: Catalog | None = self.catalog()
+                line = set(durable_catalog.line())
+            except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
+                durable_catalog, line = None, set()
+            found = []
+            for s in catalog.line():
+                if not ((step is None and s >= newest_durable) or s == step):
+                    continue
+                anchor = read_manifest(self._memory.storage, s).extras.get(ANCHOR_KEY)
+                why = _stale(anchor, durable_catalog, line)
+                if why:
+                    log.warning("memory snapshot of step %d is not restored: %s", s, why)
+                    continue
+                info = catalog.get(s)
+                found.append((_MEMORY, s, info.commit_seq, info.generation))
+                self._anchors[s] = _parse_anchor(anchor)
+            return found
+        except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
+            log.warning(
+                "the memory tier of %s cannot be read (%s); using durable storage", self.url, e
+            )
+            return []
+
+    def _memory_nodes(self, root: str | None) -> int:
+        """How many nodes (memory roots) the job's ranks are on: torchrun's count, or more when
+        ranks differ in host, boot or memory root (every rank calls this: it is a collective)."""
+        nodes = _nodes(self.world_size)
+        if self._distributed and self.world_size > 1:
+            where = f"{socket.gethostname()}/{_boot_id()}/{os.path.abspath(root or default_root())}"
+            h = int.from_bytes(hashlib.sha256(where.encode()).digest()[:7], "little")
+            both = torch.tensor([h, -h], dtype=torch.int64, device=_device())
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            if int(both[0].item()) != -int(both[1].item()):  # max != min: more than one place
+                nodes = max(nodes, 2)
+        return nodes
 
     def _not_found_error(self, step: int | None, _unused: Any) -> CheckpointNotFoundError:
+        if step is not None and step in self.memory_steps():
+            return CheckpointNotFoundError(
+                f"step {step} of {self.url} is in this node's memory tier only, and rank 0 could "
+                f"not read it there; it is not a durable commit either"
+            )
         if step is None:
             return CheckpointNotFoundError(
                 f"no committed checkpoint under {self.url}; save one first, or check the URL"
@@ -638,7 +836,7 @@ class Checkpointer:
         return worst, who
 
     def _load_key(self, rank: int, step: int) -> str:
-        return f"resilient/ckpt/{self._ensure_uid()}/load{self._loads}/{step}/{rank}"
+        return f"resilient/{self._namespace}/{self._ensure_uid()}/load{self._loads}/{step}/{rank}"
 
     def _publish_error(self, step: int, error: BaseException) -> None:
         try:
@@ -768,6 +966,8 @@ class Checkpointer:
 
 # A load falls back at most this many steps along the line.
 _MAX_FALLBACKS = 64
+# The tiers a load candidate comes from.
+_DURABLE, _MEMORY = 0, 1
 
 
 # A load reads in place (checks first, then reads again into the state) from at most this many
@@ -893,6 +1093,58 @@ class _PendingLoad:
         for undo in self.flat.undo:
             undo()
         self.scratch = {}
+
+
+# The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
+# the snapshot's state descends from.
+ANCHOR_KEY = "_resilient_durable_anchor"
+
+
+def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
+    if isinstance(anchor, str) and anchor.count(":") == 1:
+        a, q = anchor.split(":")
+        if a.isdigit() and q.isdigit() and len(a) < 20 and len(q) < 20:
+            return int(a), int(q)
+    return None
+
+
+def _stale(anchor: Any, durable: Catalog | None, line: set[int]) -> str | None:
+    """Why a snapshot descended from durable commit ``anchor`` must not be restored, or None."""
+    if anchor is None:
+        return "it records no durable commit it descends from"
+    if anchor == "":
+        if durable is not None and durable.newest() is not None:
+            return "it was taken before any durable commit, and durable storage has commits now"
+        return None
+    parsed = _parse_anchor(anchor)
+    if parsed is None:
+        return f"its durable anchor {str(anchor)[:64]!r} does not parse"
+    info = durable.get(parsed[0]) if durable is not None else None
+    if info is None or info.state != "committed" or info.commit_seq != parsed[1]:
+        return (
+            f"the durable commit it descends from (step {parsed[0]}, commit {parsed[1]}) is no "
+            f"longer in durable storage"
+        )
+    if parsed[0] not in line:
+        return (
+            f"the durable commit it descends from (step {parsed[0]}) is on an abandoned branch "
+            f"(a rollback happened since)"
+        )
+    return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _nodes(world_size: int) -> int:
+    """How many nodes the job spans, as torchrun says (one without torchrun)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) or world_size)
+    return max(1, -(-world_size // max(1, local)))
 
 
 def _retryable(error: BaseException) -> bool:

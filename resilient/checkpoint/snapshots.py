@@ -1,0 +1,211 @@
+"""Where a job's host-memory snapshots live on a node, and how much room they may take.
+
+The memory tier stores snapshots in the checkpoint format itself (docs/FORMAT.md), in a directory
+on the node's shared memory (``/dev/shm``, a tmpfs): the verified, resharding reader serves both
+tiers, a snapshot outlives the processes that wrote it (not the node), and a crashed job's
+snapshots are found again by the next run of the same job on that node.
+
+Layout (docs/FORMAT.md, section 9)::
+
+    <root>/                                 RESILIENT_MEMORY_ROOT, default /dev/shm/resilient-<uid>
+      job-<16 hex>/                         one job: sha256 of its checkpoint URL (mode 0700)
+        JOB.json                            {"url": ..., "created_unix_s": ...}: whose it is
+        steps/                              a checkpoint directory (steps, manifests, lease)
+
+A job only ever reads, writes or deletes its own ``job-*`` directory: another job's snapshots
+(another URL) are never touched, and a job directory that is not this user's own real directory
+(a link, another owner, writable by others) or whose ``JOB.json`` is not a record of this URL is
+refused, never adopted or removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import time
+
+from resilient.errors import MemoryTierError
+
+__all__ = [
+    "ENV_LIMIT",
+    "ENV_ROOT",
+    "MemoryPlace",
+    "default_root",
+    "memory_place",
+]
+
+ENV_ROOT = "RESILIENT_MEMORY_ROOT"
+# An optional cap (bytes; K/M/G suffixes) on what this job's snapshots may use on a node, for nodes
+# shared with other work; the tier refuses to start when its need exceeds it.
+ENV_LIMIT = "RESILIENT_MEMORY_LIMIT"
+JOB_FILE = "JOB.json"
+STEPS_DIR = "steps"
+_MAX_JOB_FILE = 64 << 10
+
+
+def default_root() -> str:
+    """``$RESILIENT_MEMORY_ROOT``, else ``/dev/shm/resilient-<uid>`` (else a temp dir, where there
+    is no /dev/shm: memory only if that is a tmpfs)."""
+    env = os.environ.get(ENV_ROOT)
+    if env:
+        return env
+    if os.path.isdir("/dev/shm"):
+        return f"/dev/shm/resilient-{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), f"resilient-memory-{os.getuid()}")
+
+
+def job_key(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def _parse_bytes(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    digits = t[:-1] if scale > 1 else t
+    try:
+        value = int(float(digits) * scale)
+    except (ValueError, OverflowError):  # "lots", "inf", "1e400"
+        value = -1
+    if value < 0:
+        raise MemoryTierError(
+            f"{ENV_LIMIT}={text!r} is not a size; expected bytes, optionally with K, M or G "
+            f"(for example 8G)"
+        )
+    return value
+
+
+class MemoryPlace:
+    """One job's directory in a node's memory root."""
+
+    def __init__(self, root: str, url: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = url
+        self.dir = os.path.join(self.root, f"job-{job_key(url)}")
+        self.steps = os.path.join(self.dir, STEPS_DIR)
+
+    def claim(self) -> None:
+        """Create (or adopt) this job's directory; refuse one that is not this user's own real
+        directory, or whose record names another URL (or is not a record at all)."""
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            try:
+                os.mkdir(self.dir, 0o700)
+            except FileExistsError:
+                pass
+            self._check_dir(self.dir, "directory")
+            path = os.path.join(self.dir, JOB_FILE)
+            owner = self._owner(path)
+            if owner is None:
+                record = {"url": self.url, "created_unix_s": time.time()}
+                tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(record, f)
+                os.replace(tmp, path)
+            elif owner != self.url:
+                raise MemoryTierError(
+                    f"the memory tier's directory {self.dir} belongs to checkpoint URL "
+                    f"{owner!r}, not {self.url!r} (a hash collision or a hand-made directory); it "
+                    f"is left as it is: set {ENV_ROOT} to another directory"
+                )
+            try:
+                os.mkdir(self.steps, 0o700)
+            except FileExistsError:
+                pass
+            self._check_dir(self.steps, "snapshot directory")
+        except OSError as e:
+            raise MemoryTierError(
+                f"cannot use the memory tier's directory {self.dir}: {e}; set {ENV_ROOT} to a "
+                f"writable directory on a tmpfs (such as /dev/shm), or turn the tier off "
+                f"(memory_every=None)"
+            ) from e
+
+    def _check_dir(self, path: str, what: str) -> None:
+        st = os.lstat(path)
+        problem = None
+        if stat.S_ISLNK(st.st_mode):
+            problem = "is a symbolic link"
+        elif not stat.S_ISDIR(st.st_mode):
+            problem = "is not a directory"
+        elif st.st_uid != os.getuid():
+            problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+        elif st.st_mode & 0o022:
+            problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        if problem:
+            raise MemoryTierError(
+                f"the memory tier's {what} {path} {problem}: it is not this job's own, so it is "
+                f"neither used nor removed; delete it if it is stale, or set {ENV_ROOT} to "
+                f"another directory"
+            )
+
+    def _owner(self, path: str) -> str | None:
+        """The URL the job record names; None when there is no record yet."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JOB_FILE:
+            return "(not a job record)"
+        try:
+            with open(path, "rb") as f:
+                record = json.loads(f.read(_MAX_JOB_FILE))
+        except (OSError, ValueError, RecursionError):
+            return "(not a job record)"
+        url = record.get("url") if isinstance(record, dict) else None
+        return url if isinstance(url, str) else "(not a job record)"
+
+    def used_bytes(self) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(self.dir):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    pass
+        return total
+
+    def check_room(self, need_bytes: int) -> None:
+        """Raise MemoryTierError when the node cannot hold ``need_bytes`` of this job's snapshots
+        (what the job holds there already counts as room: it is replaced)."""
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize + self.used_bytes()
+        limit_text = os.environ.get(ENV_LIMIT)
+        limit = _parse_bytes(limit_text) if limit_text else None
+        room = free if limit is None else min(free, limit)
+        if need_bytes <= room:
+            return
+        where = (
+            f"{ENV_LIMIT}={limit_text}"
+            if limit is not None and limit < free
+            else f"{_fmt(free)} free in {self.root}"
+        )
+        raise MemoryTierError(
+            f"the memory tier needs {_fmt(need_bytes)} of host memory on this node (two "
+            f"snapshots plus one peer replica of this node's ranks' state) but has {where}. "
+            f"Give the node more shared memory (docker run --shm-size, or a larger /dev/shm), "
+            f"point {ENV_ROOT} at a larger tmpfs, snapshot less state, or turn the tier off "
+            f"(memory_every=None / --memory-every 0)"
+        )
+
+    def release(self) -> None:
+        """Give the memory back: remove this job's directory (never anything else: a link in
+        its place is not followed)."""
+        if os.path.isdir(self.dir) and not os.path.islink(self.dir):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def memory_place(url: str, root: str | None = None) -> MemoryPlace:
+    return MemoryPlace(root or default_root(), url)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

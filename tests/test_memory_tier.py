@@ -1,0 +1,415 @@
+"""The memory tier: snapshots in the node's host memory, in the checkpoint format, read by the same
+verified reader; a damaged or missing snapshot falls back to durable storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient import Checkpointer, CheckpointNotFoundError, MemoryTierError, ResilientError, Run
+from resilient.checkpoint.snapshots import JOB_FILE, memory_place
+from tests.dist import run_distributed
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 4)
+
+
+def _bump(model: torch.nn.Module, by: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_snapshot_cadence_and_restore_from_memory(tmp_path, memory_root):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=2) as ck:
+        assert ck.memory is not None and Path(ck.memory.dir).parent == memory_root
+        ck.save(2, {"model": m}).wait()
+        assert ck.snapshot(3, {"model": m}) is None  # not a multiple of memory_every
+        _bump(m, 1.0)
+        ck.snapshot(4, {"model": m}).wait()
+        want = {k: v.clone() for k, v in m.state_dict().items()}
+        _bump(m, 5.0)
+        assert ck.memory_steps() == [4] and ck.steps() == [2]
+        assert ck.load({"model": m}) == 4
+        assert ck.last_load.source == "memory"
+        assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+        # a snapshot is a checkpoint in the same format: the same verifier reads it
+        assert ck.snapshots.verify(4).ok
+        # an explicit durable step still loads from durable storage
+        assert ck.load({"model": m}, step=2) == 2 and ck.last_load.source == "durable"
+
+
+def test_two_snapshots_are_kept(tmp_path):
+    m = _model()
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1) as ck:
+        for step in range(1, 6):
+            ck.snapshot(step, {"model": m}).wait()
+        ck.wait_snapshot()
+        assert ck.memory_steps() == [5, 4]
+        names = sorted(n for n in os.listdir(ck.memory.steps) if n.startswith("step_"))
+        assert names == ["step_00000004", "step_00000005"]
+
+
+def test_corrupt_snapshot_falls_back_through_the_tiers(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.save(1, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(2, {"model": m}).wait()
+        want2 = {k: v.clone() for k, v in m.state_dict().items()}
+        _bump(m, 1.0)
+        ck.snapshot(3, {"model": m}).wait()
+        step3 = Path(ck.memory.steps) / "step_00000003"
+        _flip(next(step3.glob("rank_*.safetensors")))
+        _bump(m, 9.0)
+        with pytest.warns(
+            UserWarning, match=r"checksum mismatch.*falling back to step 2 \(memory\)"
+        ):
+            assert ck.load({"model": m}) == 2
+        assert ck.last_load.source == "memory" and ck.last_load.skipped_steps == [3]
+        assert all(torch.equal(m.state_dict()[k], want2[k]) for k in want2)
+        # both snapshots damaged: durable storage, even without fallback=True
+        _flip(next((Path(ck.memory.steps) / "step_00000002").glob("rank_*.safetensors")))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert ck.load({"model": m}, fallback=False) == 1
+        assert ck.last_load.source == "durable" and ck.last_load.skipped_steps == [3, 2]
+
+
+def test_missing_memory_falls_back_to_durable(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.save(1, {"model": m}).wait()
+        ck.snapshot(2, {"model": m}).wait()
+        ck.memory.release()  # the node's memory was dropped (a reboot)
+        assert ck.memory_steps() == []
+        assert ck.load({"model": m}) == 1 and ck.last_load.source == "durable"
+
+
+def test_jobs_never_touch_each_others_snapshots(tmp_path, memory_root):
+    m = _model()
+    a = Checkpointer(str(tmp_path / "a"), memory_every=1)
+    b = Checkpointer(str(tmp_path / "b"), memory_every=1)
+    a.snapshot(1, {"model": m}).wait()
+    b.snapshot(7, {"model": m}).wait()
+    assert a.memory.dir != b.memory.dir
+    assert a.memory_steps() == [1] and b.memory_steps() == [7]
+    a.release_memory()
+    assert not os.path.exists(a.memory.dir) and b.memory_steps() == [7]
+    b.close()
+    # a directory that says it belongs to another URL is refused, not adopted or removed
+    place = memory_place(str(tmp_path / "c"))
+    os.makedirs(place.dir)
+    Path(place.dir, JOB_FILE).write_text(json.dumps({"url": "s3://someone/else"}))
+    with pytest.raises(MemoryTierError, match="belongs to checkpoint URL 's3://someone/else'"):
+        Checkpointer(str(tmp_path / "c"), memory_every=1)
+    assert json.loads(Path(place.dir, JOB_FILE).read_text())["url"] == "s3://someone/else"
+
+
+def test_room_is_checked_before_training(tmp_path, monkeypatch):
+    m = torch.nn.Linear(256, 256)  # 257 KiB of state
+    ck = Checkpointer(str(tmp_path / "ckpt"), memory_every=1)
+    assert ck.check_memory_room({"model": m}) == 3 * (256 * 256 + 256) * 4
+    monkeypatch.setenv("RESILIENT_MEMORY_LIMIT", "100K")
+    with pytest.raises(MemoryTierError, match=r"needs 771\.0 KiB .* RESILIENT_MEMORY_LIMIT=100K"):
+        ck.check_memory_room({"model": m})
+    monkeypatch.setenv("RESILIENT_MEMORY_LIMIT", "lots")
+    with pytest.raises(MemoryTierError, match="'lots' is not a size"):
+        ck.check_memory_room({"model": m})
+    ck.close()
+
+
+def test_options_are_checked(tmp_path):
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="memory_every must be None"):
+            Checkpointer(str(tmp_path / "x"), memory_every=bad)
+        with pytest.raises(ValueError, match="memory_every must be None"):
+            Run(str(tmp_path / "x"), memory_every=bad, detect=False)
+    with Checkpointer(str(tmp_path / "x")) as ck, pytest.raises(ResilientError, match="no memory"):
+        ck.snapshot(1, {"model": _model()})
+
+
+def _train(run: Run, model: torch.nn.Module, total: int, crash_at: int | None = None) -> None:
+    for step in run.steps(total):
+        if step == crash_at:
+            raise RuntimeError("crash")
+        _bump(model, float(step))
+
+
+def test_run_restores_from_memory_and_releases_it_at_the_end(tmp_path):
+    url = str(tmp_path / "ckpt")
+    model = _model()
+    with pytest.raises(RuntimeError, match="crash"):
+        with Run(url, save_every=5, memory_every=1, detect=False) as run:
+            run.track(model=model)
+            _train(run, model, 20, crash_at=8)
+    place = memory_place(url)
+    assert os.path.isdir(place.dir)  # a crashed run leaves its snapshots for the next one
+    want = _model()
+    for step in range(1, 8):
+        _bump(want, float(step))
+    fresh = _model(seed=1)
+    with Run(url, save_every=5, memory_every=1, detect=False) as run:
+        assert run.track(model=fresh) == 7  # memory: step 7; durable storage holds step 5
+        assert run.checkpointer.last_load.source == "memory"
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.state_dict().items())
+        events = [json.loads(x) for x in Path(run.events.path).read_text().splitlines()]
+        restore = [e for e in events if e["event"] == "restore"][-1]
+        assert restore["step"] == 7 and restore["source"] == "memory"
+        _train(run, fresh, 12)
+        assert run.checkpointer.steps()[-1] == 12  # the final step is durable ...
+    assert not os.path.exists(place.dir)  # ... and the memory is given back
+
+
+def _two_nodes_without_replicas(rank: int, world: int, url: str, roots: list[str]) -> tuple:
+    # Two "nodes" (one rank each, own memory roots): the tier turns itself off, with a warning,
+    # instead of writing snapshots that no node could restore alone.
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["RESILIENT_MEMORY_ROOT"] = roots[rank]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = Checkpointer(url, memory_every=1)
+    m = _model()
+    ck.save(1, {"model": m}).wait()
+    off = ck.memory is None and ck.snapshots is None
+    ck.close()
+    return off, [str(w.message) for w in caught]
+
+
+def test_a_job_across_nodes_turns_the_tier_off(tmp_path):
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    results = run_distributed(_two_nodes_without_replicas, 2, str(tmp_path / "ckpt"), roots)
+    for off, messages in results:
+        assert off
+        assert any("spans 2 nodes" in m and "the tier is off" in m for m in messages)
+    assert not any(Path(r).exists() for r in roots)
+
+
+def _agree_on_fallback(rank: int, world: int, url: str) -> tuple:
+    m = _model()
+    ck = Checkpointer(url, memory_every=1)
+    ck.save(1, {"model": m}).wait()
+    _bump(m, 1.0)
+    ck.snapshot(2, {"model": m}).wait()
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:  # only rank 1's file is damaged: every rank must load step 1 together
+        step2 = Path(ck.memory.steps) / "step_00000002"
+        _flip(step2 / "rank_00001.safetensors")
+    dist.barrier()
+    _bump(m, 3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ck.load({"model": m})
+    source = ck.last_load.source
+    ck.snapshot(2, {"model": m}).wait()  # the next snapshot of the step replaces the damaged one
+    dist.barrier()
+    again = ck.load({"model": m})
+    ck.close()
+    return got, source, again, ck.last_load.source
+
+
+def test_ranks_agree_when_one_rank_finds_its_snapshot_damaged(tmp_path):
+    # a 2-rank Linear has replicated parameters: rank 1 writes a part of the state too
+    results = run_distributed(_agree_on_fallback, 2, str(tmp_path / "ckpt"))
+    assert results[0] == results[1]
+    assert results[0] == (1, "durable", 2, "memory")
+
+
+def _snapshot_and_save_at_once(rank: int, world: int, url: str) -> list[int]:
+    m = _model()
+    ck = Checkpointer(url, memory_every=1, commit_timeout_s=30)
+    for step in range(1, 5):
+        _bump(m, 1.0)
+        snap = ck.snapshot(step, {"model": m})  # both commits in flight on both ranks
+        save = ck.save(step, {"model": m})
+        snap.wait()
+        save.wait()
+    steps = ck.memory_steps()
+    ck.close()
+    return steps
+
+
+def test_a_snapshot_and_a_save_in_flight_together_both_commit(tmp_path):
+    # the two commit handshakes run on two threads of every rank at once; on one store client
+    # each waited inside the other until the commit timeout
+    results = run_distributed(_snapshot_and_save_at_once, 2, str(tmp_path / "ckpt"), timeout_s=150)
+    assert results == [[4, 3], [4, 3]]
+
+
+def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_a_snapshot_from_an_abandoned_line_is_never_restored(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.save(30, {"model": m}).wait()
+        at30 = _weights(m)
+        _bump(m, 1.0)
+        ck.save(40, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(100, {"model": m}).wait()  # descends from step 40
+    with Checkpointer(url, memory_every=1) as ck:  # a user rolls back to 30 and trains on
+        assert ck.load({"model": m}, step=30) == 30 and ck.last_load.source == "durable"
+        _bump(m, -5.0)
+        ck.save(35, {"model": m}).wait()
+        want = _weights(m)
+    with Checkpointer(url, memory_every=1) as ck:
+        _bump(m, 9.0)
+        # the newest durable commit is 35 (on the line from 30); snapshot 100 descends from 40,
+        # which is on the abandoned branch: not restored, although its step is higher
+        assert ck.load({"model": m}) == 35 and ck.last_load.source == "durable"
+        assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+        assert at30  # (the rollback point itself stays loadable)
+
+
+def test_a_snapshot_is_not_restored_when_durable_storage_moved_on(tmp_path):
+    import shutil
+
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.save(10, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.save(30, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(31, {"model": m}).wait()
+    # the user deletes the newer durable steps: the snapshot's durable commit (30) is gone
+    shutil.rmtree(Path(url) / "step_00000030")
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.load({"model": m}) == 10 and ck.last_load.source == "durable"
+    # the user starts afresh at the same URL: nothing is restored at all
+    shutil.rmtree(url)
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.memory_steps() == [31]
+        with pytest.raises(CheckpointNotFoundError):
+            ck.load({"model": m})
+    with Run(url, memory_every=1, detect=False) as run:
+        assert run.track(model=m) == 0
+
+
+def test_a_snapshot_taken_before_any_durable_commit_is_restored(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:
+        _bump(m, 2.0)
+        ck.snapshot(3, {"model": m}).wait()  # the job died before its first durable save
+        want = _weights(m)
+    with Checkpointer(url, memory_every=1) as ck:
+        _bump(m, 1.0)
+        assert ck.load({"model": m}) == 3 and ck.last_load.source == "memory"
+        assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+        # and the next snapshot descends from the same (no) durable commit
+        ck.snapshot(4, {"model": m}).wait()
+        ck.save(4, {"model": m}).wait()
+        ck.snapshot(5, {"model": m}).wait()
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.load({"model": m}) == 5 and ck.last_load.source == "memory"
+
+
+def test_a_relative_url_is_a_job_per_directory(tmp_path, monkeypatch):
+    m = _model()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with Checkpointer("ckpt", memory_every=1) as ck:
+        ck.snapshot(5, {"model": m}).wait()
+    monkeypatch.chdir(tmp_path / "b")
+    with Checkpointer("ckpt", memory_every=1) as ck:
+        assert ck.memory_steps() == []
+        with pytest.raises(CheckpointNotFoundError):
+            ck.load({"model": m})
+
+
+def test_directories_that_are_not_the_jobs_own_are_refused(tmp_path, memory_root):
+    url = str(tmp_path / "ckpt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    place = memory_place(url)
+    os.makedirs(memory_root)
+    os.symlink(elsewhere, place.dir)  # the job's directory is a link
+    with pytest.raises(MemoryTierError, match="is a symbolic link"):
+        Checkpointer(url, memory_every=1)
+    place.release()  # never follows the link
+    assert elsewhere.exists() and os.path.islink(place.dir)
+    os.unlink(place.dir)
+    # steps/ is a link (for example to the durable checkpoints, which retention would prune)
+    os.mkdir(place.dir, 0o700)
+    os.symlink(elsewhere, place.steps)
+    with pytest.raises(MemoryTierError, match="snapshot directory .* is a symbolic link"):
+        Checkpointer(url, memory_every=1)
+    os.unlink(place.steps)
+    Path(place.steps).write_text("not a directory")
+    with pytest.raises(MemoryTierError, match="is not a directory"):
+        Checkpointer(url, memory_every=1)
+    os.unlink(place.steps)
+    os.chmod(place.dir, 0o777)
+    with pytest.raises(MemoryTierError, match="writable by others"):
+        Checkpointer(url, memory_every=1)
+    os.chmod(place.dir, 0o700)
+    for record in ("[1, 2]", "{not json", "[" * 100000, json.dumps({"url": 5})):
+        Path(place.dir, JOB_FILE).write_text(record)
+        with pytest.raises(MemoryTierError, match="belongs to checkpoint URL '\\(not a job record"):
+            Checkpointer(url, memory_every=1)
+        assert Path(place.dir, JOB_FILE).read_text() == record  # left as it was
+
+
+@pytest.mark.parametrize("limit", ["inf", "1e400", "-5", "", "G"])
+def test_a_bad_memory_limit_is_a_named_error(tmp_path, monkeypatch, limit):
+    ck = Checkpointer(str(tmp_path / "ckpt"), memory_every=1)
+    monkeypatch.setenv("RESILIENT_MEMORY_LIMIT", limit)
+    if limit == "":
+        assert ck.check_memory_room({"model": _model()}) > 0  # unset
+    else:
+        with pytest.raises(MemoryTierError, match="is not a size"):
+            ck.check_memory_room({"model": _model()})
+    ck.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adamw", "adam", "sgd"],
+)
+def test_state_created_before_the_first_step_does_not_change_training(make):
+    # the memory tier measures the state (and may snapshot it) before the first step; an
+    # optimizer whose state that creates must train exactly as one left alone
+    from resilient.checkpoint.state import init_optimizer_state
+
+    def train(create: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(6, 3)
+        opt = make(m.parameters())
+        if create:
+            assert init_optimizer_state(opt)
+        for _ in range(4):
+            opt.zero_grad()
+            m(torch.randn(5, 6)).pow(2).sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in m.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(False), train(True)))
