@@ -164,8 +164,14 @@ class ChaosHook:
         elif kind in ("corrupt", "truncate"):
             if run is None or run.checkpointer is None:
                 raise ChaosError(f"{f['id']}: the run has no checkpoint to damage")
-            run.checkpointer.wait()  # damage a committed step, not one being written
-            detail = damage_newest_checkpoint(run.checkpointer, kind)
+            target = run.checkpointer
+            if f.get("tier") == "memory":
+                target = run.checkpointer.snapshots
+                if target is None:
+                    raise ChaosError(f"{f['id']}: the run has no memory tier (memory_every)")
+            target.wait()  # damage a committed step, not one being written
+            detail = damage_newest_checkpoint(target, kind)
+            detail["tier"] = f.get("tier") or "durable"
             self.events.write("fault_detail", id=f["id"], **detail)
 
 

@@ -88,6 +88,7 @@ class Launch:
     timed_out: bool = False
     killed_nodes: list[int] = field(default_factory=list)
     reference: str | None = None
+    memory_left: list[str] = field(default_factory=list)  # job dirs left in the memory roots
 
     @property
     def succeeded(self) -> bool:
@@ -130,11 +131,15 @@ def launch_job(
     *,
     say: Any = print,
 ) -> Launch:
-    """Run ``job`` to completion (or its timeout) with ``faults`` injected; writes run.json."""
+    """Run ``job`` to completion (or its timeout) with ``faults`` injected; writes run.json.
+
+    Each agent (a node) gets its own memory root for the memory tier (``RESILIENT_MEMORY_ROOT``,
+    on /dev/shm), removed afterwards; a ``kill_job`` fault SIGKILLs every process of the job and
+    then runs the same job again, once, as a user would."""
     paths.root.mkdir(parents=True, exist_ok=True)
     events = EventLog(str(paths.events))
     in_rank = [f.to_json() for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
-    external = [f for f in faults if f.kind == "kill_node" or f.at_s is not None]
+    external = [f for f in faults if f.kind in ("kill_node", "kill_job") or f.at_s is not None]
     storage = [f for f in faults if f.kind == "storage"]
     for node in range(job.nodes):  # the plan reaches the ranks only through the job's own flag
         paths.plan(node).write_text(
@@ -148,32 +153,90 @@ def launch_job(
                 indent=1,
             )
         )
-    port = free_port()
-    rdzv_id = f"chaos-{uuid.uuid4().hex[:8]}"  # one rendezvous for every agent
-    cmds = [
-        _command(job, paths, port, rdzv_id, storage, node, bool(in_rank))
-        for node in range(job.nodes)
-    ]
-    cmd = cmds[0]
+    memory = memory_roots(paths, job.nodes)
+    started = time.time()
+    killed: list[int] = []
+    timed_out = False
+    try:
+        for attempt in range(2):
+            port = free_port()
+            rdzv_id = f"chaos-{uuid.uuid4().hex[:8]}"  # one rendezvous for every agent
+            cmds = [
+                _command(job, paths, port, rdzv_id, storage, node, bool(in_rank))
+                for node in range(job.nodes)
+            ]
+            if attempt == 0:
+                events.write("job_start", nodes=job.nodes, nproc=job.nproc, command=cmds[0])
+            else:
+                events.write("job_rerun", nodes=job.nodes, nproc=job.nproc, command=cmds[0])
+                say("  the whole job was killed: running it again")
+            codes, killed, timed_out, job_killed = _attempt(
+                job, paths, cmds, port, memory, external, events, started, say, rerun=attempt > 0
+            )
+            if not job_killed or timed_out:
+                break
+            external = [f for f in external if f.kind != "kill_job"]
+        leftover = sorted(
+            str(d) for root in memory for d in (root.iterdir() if root.exists() else [])
+        )
+    finally:
+        for root in memory:
+            shutil.rmtree(root, ignore_errors=True)
+    result = Launch(
+        run_dir=str(paths.root),
+        command=cmds[0],
+        started=started,
+        ended=time.time(),
+        exit_codes=codes,
+        timed_out=timed_out,
+        killed_nodes=killed,
+        memory_left=leftover,
+    )
+    events.write("job_end", exit_codes=result.exit_codes, timed_out=timed_out)
+    paths.run_json.write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def memory_roots(paths: RunPaths, nodes: int) -> list[Path]:
+    """A fresh memory root per node, on /dev/shm where there is one (the run's directory else)."""
+    shm = Path("/dev/shm")
+    key = hashlib.sha256(str(paths.root.resolve()).encode()).hexdigest()[:12]
+    base = shm / f"resilient-chaos-{key}" if shm.is_dir() else paths.root / "memory"
+    shutil.rmtree(base, ignore_errors=True)
+    return [base / f"node{n}" for n in range(nodes)]
+
+
+def _attempt(
+    job: Job,
+    paths: RunPaths,
+    cmds: list[list[str]],
+    port: int,
+    memory: list[Path],
+    external: list[Fault],
+    events: EventLog,
+    started: float,
+    say: Any,
+    *,
+    rerun: bool,
+) -> tuple[list[int | None], list[int], bool, bool]:
+    """Start the agents and supervise them: (exit codes, nodes killed, timed out, job killed)."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "RESILIENT_DETECT": "1",
         "PYTHONUNBUFFERED": "1",
-        **job.env,
     }
     agents: list[subprocess.Popen] = []
     logs = []
-    started = time.time()
-    events.write("job_start", nodes=job.nodes, nproc=job.nproc, command=cmd)
     try:
         for node in range(job.nodes):
-            log = open(paths.log(node), "w")
+            log = open(paths.log(node), "a" if rerun else "w")
             logs.append(log)
+            node_env = {**env, "RESILIENT_MEMORY_ROOT": str(memory[node]), **job.env}
             agents.append(
                 subprocess.Popen(
                     cmds[node],
-                    env=env,
+                    env=node_env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -181,7 +244,9 @@ def launch_job(
             )
             if node == 0 and job.nodes > 1:
                 _wait_for_port(port, agents[0], timeout=60)  # node 0 hosts the rendezvous store
-        killed, timed_out = _supervise(job, paths, agents, external, events, started, say)
+        killed, timed_out, job_killed = _supervise(
+            job, paths, agents, external, events, started, say
+        )
     finally:
         for a in agents:
             if a.poll() is None:
@@ -189,18 +254,7 @@ def launch_job(
                 a.wait()
         for log in logs:
             log.close()
-    result = Launch(
-        run_dir=str(paths.root),
-        command=cmd,
-        started=started,
-        ended=time.time(),
-        exit_codes=[a.returncode for a in agents],
-        timed_out=timed_out,
-        killed_nodes=killed,
-    )
-    events.write("job_end", exit_codes=result.exit_codes, timed_out=timed_out)
-    paths.run_json.write_text(json.dumps(result.to_json(), indent=1))
-    return result
+    return [a.returncode for a in agents], killed, timed_out, job_killed
 
 
 def _supervise(
@@ -211,8 +265,9 @@ def _supervise(
     events: EventLog,
     started: float,
     say: Any,
-) -> tuple[list[int], bool]:
-    """Wait for the agents, firing the harness-side faults when their trigger comes."""
+) -> tuple[list[int], bool, bool]:
+    """Wait for the agents, firing the harness-side faults when their trigger comes:
+    (nodes killed, timed out, the whole job killed)."""
     pending, killed = list(external), []
     progress = _MetricsTail(paths.metrics)
     deadline = started + job.timeout_s
@@ -220,7 +275,7 @@ def _supervise(
         now = time.time()
         if now > deadline:
             say(f"  timeout: the job ran past {job.timeout_s:.0f}s; killing it")
-            return killed, True
+            return killed, True, False
         step = progress.last_step()
         for f in list(pending):
             due = (f.step is not None and step >= f.step) or (
@@ -229,6 +284,12 @@ def _supervise(
             if not due:
                 continue
             pending.remove(f)
+            if f.kind == "kill_job":
+                pids = [p for a in agents for p in kill_tree(a.pid)]
+                for a in agents:
+                    a.wait()
+                events.write("fault", id=f.id, kind=f.kind, step=step, pids=pids, source="harness")
+                return killed, False, True
             if f.kind == "kill_node":
                 pids = kill_tree(agents[f.node].pid)
                 killed.append(f.node)
@@ -253,7 +314,7 @@ def _supervise(
                 )
                 os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
         time.sleep(0.05)
-    return killed, False
+    return killed, False, False
 
 
 class _MetricsTail:

@@ -17,13 +17,15 @@ steps = 40
 save_every = 5
 
 [[faults]]
-kind = "kill"             # kill stop raise hang pause slow corrupt truncate skew kill_node storage
+kind = "kill"             # kill stop raise hang pause slow corrupt truncate skew kill_node kill_job
+                          # storage (kill_job: SIGKILL every process of the job, then run it again)
 rank = 1
 step = 12                 # trigger: at a step ...
 when = "step"             # ... before it ("step") or while its save is written ("save")
 # when = "import"         # or a start-up phase, without a step: "import" (before the heartbeat),
                           # "init" (process-group init) or "restore" (loading the checkpoint)
-# at_s = 8.0              # or at a time after the job started (kill, stop, kill_node)
+# at_s = 8.0              # or at a time after the job started (kill, stop, kill_node, kill_job)
+# tier = "memory"         # corrupt/truncate: damage the newest memory snapshot, not the durable step
 
 [expect]
 completed = true
@@ -57,7 +59,7 @@ from resilient.errors import ScenarioError
 
 __all__ = ["Scenario", "Job", "Fault", "Expect", "load_scenario", "parse_scenario", "KINDS"]
 
-KINDS = (*IN_RANK_KINDS, "kill_node", "storage")
+KINDS = (*IN_RANK_KINDS, "kill_node", "kill_job", "storage")
 STORAGE_ERRORS = ("transient", "timeout", "permanent", "enospc")
 STORAGE_OPS = ("read", "write", "list", "exists", "remove", "mkdir", "any")
 VERDICTS = ("DEAD", "HUNG", "STRAGGLER", "none")
@@ -68,6 +70,7 @@ TRAINER_FLAGS = {
     "zero": bool,
     "steps": int,
     "save_every": int,
+    "memory_every": int,
     "keep_last": int,
     "preset": str,
     "seed": int,
@@ -83,7 +86,13 @@ TRAINER_FLAGS = {
     "data": str,
 }
 
-DETECTION_FLAGS = ("heartbeat_interval_s", "hang_timeout_s", "join_timeout_s", "max_failed_saves")
+DETECTION_FLAGS = (
+    "heartbeat_interval_s",
+    "hang_timeout_s",
+    "join_timeout_s",
+    "max_failed_saves",
+    "memory_every",
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ class Fault:
     seconds: float | None = None
     factor: float | None = None
     mode: str | None = None  # slow: "compute" (default) or "throttle"
+    tier: str | None = None  # corrupt/truncate: "durable" (default) or "memory"
     # storage faults (the faulty:// filesystem in front of the checkpoint URL)
     error: str | None = None
     op: str = "any"
@@ -356,7 +366,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             v.fail(at, "kind", f"a {kind} fault cannot fire in the {when!r} phase")
     elif (step is None) == (at_s is None):
         v.fail(at, "step", f"a {kind} fault needs exactly one trigger: step = N or at_s = SECONDS")
-    if at_s is not None and kind not in ("kill", "stop", "kill_node"):
+    if at_s is not None and kind not in ("kill", "stop", "kill_node", "kill_job"):
         v.fail(at, "at_s", f"a {kind} fault fires inside a rank: trigger it with step = N")
     if kind == "kill_node":
         if job.nodes < 2:
@@ -365,6 +375,9 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             v.fail(at, "node", f"which agent to kill: 0..{job.nodes - 1}")
         if node == 0:
             v.fail(at, "node", "node 0 hosts the rendezvous store; kill node 1")
+    elif kind == "kill_job":
+        if rank is not None or node is not None:
+            v.fail(at, "rank", "a kill_job fault kills every process of the job: no rank or node")
     elif kind not in ("corrupt", "truncate") and rank is None:
         v.fail(at, "rank", f"a {kind} fault needs the rank it hits")
     factor = v.typed(t, "factor", (int, float), at, default=None)
@@ -375,6 +388,9 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         v.fail(at, "mode", f"{mode!r}: a slow fault's mode is 'compute' or 'throttle'")
     if kind == "pause" and (seconds is None or seconds <= 0):
         v.fail(at, "seconds", "a pause fault needs seconds > 0")
+    tier = v.typed(t, "tier", str, at, default=None)
+    if tier is not None and (kind not in ("corrupt", "truncate") or tier not in TIERS):
+        v.fail(at, "tier", f"{tier!r}: a corrupt or truncate fault's tier is 'durable' or 'memory'")
     return Fault(
         id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
         kind=kind,
@@ -386,7 +402,11 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         seconds=None if seconds is None else float(seconds),
         factor=None if factor is None else float(factor),
         mode=mode,
+        tier=tier,
     )
+
+
+TIERS = ("durable", "memory")
 
 
 def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:

@@ -229,6 +229,17 @@ def verify_run(
     # 7. every global sample exactly once in the committed history
     if exp.samples_exactly_once and applies:
         checks.append(_samples_once(history, job.steps))
+    m["restore_sources"] = [e.get("source", "durable") for e in events if e["event"] == "restore"]
+    if job.trainer and job.trainer.get("memory_every") and applies:
+        checks.append(
+            Check(
+                "memory tier released",
+                not launch.memory_left,
+                "the job's snapshots were removed from host memory at the end"
+                if not launch.memory_left
+                else f"left in host memory: {launch.memory_left}",
+            )
+        )
 
     # 8. verdicts; 9. detection and recovery latency
     verdicts = [e for e in events if e["event"] == "verdict"]

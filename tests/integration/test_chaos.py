@@ -19,11 +19,15 @@ def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("chaos")
 
 
-# The other built-in scenarios whose job is a quick-suite job: they run here, next to the quick
-# suite, and share its reference runs; the rest run in test_chaos_other_jobs.py.
+# The memory tier's scenarios run in test_chaos_memory.py (with checks of their own); the other
+# built-in scenarios whose job is a quick-suite job run here, next to the quick suite, and share
+# its reference runs; the rest run in test_chaos_other_jobs.py.
+MEMORY_TIER = [s.name for s in builtin_scenarios() if s.name.startswith("memory-")]
 _QUICK_JOBS = {job_hash(s.job) for s in builtin_scenarios(quick=True)}
 WITH_QUICK_JOBS = [
-    s.name for s in builtin_scenarios() if s.name not in QUICK and job_hash(s.job) in _QUICK_JOBS
+    s.name
+    for s in builtin_scenarios()
+    if s.name not in QUICK and s.name not in MEMORY_TIER and job_hash(s.job) in _QUICK_JOBS
 ]
 
 

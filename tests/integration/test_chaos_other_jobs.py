@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from resilient.chaos.runner import QUICK, builtin_scenarios, run_scenario
-from tests.integration.test_chaos import WITH_QUICK_JOBS, _assert_passed
+from tests.integration.test_chaos import MEMORY_TIER, WITH_QUICK_JOBS, _assert_passed
 
 pytestmark = [pytest.mark.distributed]
 
@@ -21,13 +21,17 @@ def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("chaos-other-jobs")
 
 
-OWN_JOBS = [s.name for s in builtin_scenarios() if s.name not in set(QUICK) | set(WITH_QUICK_JOBS)]
+OWN_JOBS = [
+    s.name
+    for s in builtin_scenarios()
+    if s.name not in set(QUICK) | set(WITH_QUICK_JOBS) | set(MEMORY_TIER)
+]
 
 
-def test_every_builtin_scenario_is_run_by_one_of_the_two_files():
-    here, there = set(OWN_JOBS), set(QUICK) | set(WITH_QUICK_JOBS)
-    assert here and not here & there
-    assert here | there == {s.name for s in builtin_scenarios()}
+def test_every_builtin_scenario_is_run_by_one_of_the_three_files():
+    here, there, memory = set(OWN_JOBS), set(QUICK) | set(WITH_QUICK_JOBS), set(MEMORY_TIER)
+    assert here and memory and not here & there and not (here | there) & memory
+    assert here | there | memory == {s.name for s in builtin_scenarios()}
     assert {"stop-rank-at-time", "clock-skew", "kill-node-shrink"} <= here
 
 
