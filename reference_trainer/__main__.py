@@ -52,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=0,
+        help="snapshot into the node's host memory every N steps (the memory tier: a restart "
+        "restores from there; 0: off)",
+    )
     p.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--preset", default="tiny")
@@ -152,6 +159,7 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
         zero=args.zero,
         steps=args.steps,
         save_every=args.save_every,
+        memory_every=args.memory_every,
         ckpt=args.ckpt,
         keep_last=args.keep_last,
         data=args.data,

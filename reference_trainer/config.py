@@ -112,6 +112,7 @@ class TrainConfig:
     zero: bool = False
     steps: int = 100
     save_every: int = 0  # 0: never
+    memory_every: int = 0  # 0: no memory tier
     ckpt: str | None = None
     keep_last: int = 3
     data: str | None = None  # None: the Python standard library's source files
@@ -189,6 +190,15 @@ class TrainConfig:
             raise ConfigError(f"--save-every {self.save_every}: must be >= 0 (0 disables saving)")
         if self.save_every and not self.ckpt:
             raise ConfigError(f"--save-every {self.save_every} needs --ckpt URL to save to")
+        if self.memory_every < 0:
+            raise ConfigError(
+                f"--memory-every {self.memory_every}: must be >= 0 (0 turns the memory tier off)"
+            )
+        if self.memory_every and not self.ckpt:
+            raise ConfigError(
+                f"--memory-every {self.memory_every} needs --ckpt URL (the memory tier belongs to "
+                f"a checkpoint URL, and the final step is committed there)"
+            )
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(
                 f"--data {self.data}: no such file or directory; give a text file or a directory of them"

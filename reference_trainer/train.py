@@ -110,6 +110,7 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     run = Run(
         cfg.ckpt,
         save_every=cfg.save_every,
+        memory_every=cfg.memory_every or None,
         keep_last=cfg.keep_last,
         layout=pc.layout,
         heartbeat_interval_s=cfg.heartbeat_interval_s,

@@ -1,13 +1,14 @@
 """``resilient demo``: the end-to-end story on CPU, in a couple of minutes on 2 cores.
 
 1. The bundled MoE trainer runs on 4 ranks (torchrun, gloo; tp 2 x ep 2, ZeRO-1) with asynchronous
-   checkpoints every 5 steps, next to a fault-free reference run of the same job.
-2. Rank 1 is killed at step 12: torchrun sees the process exit, restarts the group, and it
-   resumes from the newest committed checkpoint.  Rank 2 freezes at step 27, which torchrun cannot
+   checkpoints every 5 steps and a snapshot in the node's memory after every step (the memory
+   tier), next to a fault-free reference run of the same job.
+2. Rank 1 is killed at step 14: torchrun sees the process exit, restarts the group, and it
+   resumes from the newest snapshot in memory, losing at most one step.  Rank 2 freezes at step 29, which torchrun cannot
    see: the detector declares it DEAD within seconds (stacks in the event log), kills it, and the
    group restarts again.
 3. The chaos harness verifies the run against the reference: bit-identical weights, every
-   checkpoint intact, every sample consumed exactly once, the steps lost within the save interval.
+   checkpoint intact, every sample consumed exactly once, at most one step lost per fault.
 4. The final checkpoint is resharded to another layout (dp 2 x ep 2 x tp 1) with ``reshape``, and
    training continues there, next to the reference continuing in the original layout.
 5. report.json, report.md, the event log and timeline.png are written to ``--out``.
@@ -37,7 +38,7 @@ from resilient.chaos.verify import lineage, read_jsonl, verify_run
 
 __all__ = ["run_demo", "SCENARIO"]
 
-STEPS, MORE, KILL_AT, FREEZE_AT, SAVE_EVERY = 40, 10, 12, 27, 5
+STEPS, MORE, KILL_AT, FREEZE_AT, SAVE_EVERY, MEMORY_EVERY = 40, 10, 14, 29, 5, 1
 TARGET = {"dp": 2, "ep": 2, "tp": 1}
 LOSS_RTOL = 1e-4
 
@@ -56,6 +57,7 @@ ep = 2
 zero = true
 steps = {STEPS}
 save_every = {SAVE_EVERY}
+memory_every = {MEMORY_EVERY}
 
 [[faults]]
 id = "kill-rank-1"
@@ -72,7 +74,7 @@ step = {FREEZE_AT}
 [expect]
 final_state = "exact"
 verdict = "DEAD"
-max_steps_lost = {SAVE_EVERY}
+max_steps_lost = {MEMORY_EVERY}
 detect_within_s = 5.0
 recover_within_s = 30.0
 """
@@ -90,7 +92,8 @@ def run_demo(out: str | Path) -> bool:
     console.print(
         "[bold]1.[/] The bundled MoE transformer trains on 4 CPU ranks (torchrun, gloo) in "
         f"layout tp 2 x ep 2 with ZeRO-1,\n   saving sharded checkpoints asynchronously every "
-        f"{SAVE_EVERY} steps. First, a fault-free reference run of the same job:"
+        f"{SAVE_EVERY} steps and a snapshot into the node's memory\n   after every step. First, a "
+        f"fault-free reference run of the same job:"
     )
     t0 = time.monotonic()
     ref = run_reference(scenario.job, out / "reference", say=lambda *_: None)
@@ -175,6 +178,7 @@ class _Narrator:
         self._seen_records = 0
         self._restarts: set[int] = set()
         self._fault_t: float | None = None
+        self._durable: int | None = None  # the newest durable commit seen
 
     def start(self) -> None:
         self._thread.start()
@@ -206,6 +210,7 @@ class _Narrator:
         say = self.console.print
         kind = e["event"]
         if kind == "save" and e.get("ok"):
+            self._durable = e["step"]
             say(
                 f"   [green]checkpoint[/] step {e['step']} committed: {e['bytes'] / 1e6:.1f} MB "
                 f"written in the background; the loop waited {e['stage_s'] * 1e3:.0f} ms"
@@ -235,11 +240,20 @@ class _Narrator:
             say(f"   [bold]torchrun[/] restarts the group (restart {e['restart']})")
         elif kind == "restore":
             skipped = e.get("skipped_steps") or []
+            where = (
+                "the newest snapshot in the node's memory"
+                if e.get("source") == "memory"
+                else "the newest committed checkpoint"
+            )
             say(
-                f"   resumed from the newest committed checkpoint, step {e['step']} (loaded and "
-                f"verified in {e['seconds']:.2f}s"
+                f"   resumed from {where}, step {e['step']}, loaded and verified in "
+                f"{e['seconds']:.2f}s"
                 + (f"; skipped corrupt steps {skipped}" if skipped else "")
-                + ")"
+                + (
+                    f" (durable storage holds step {self._durable})"
+                    if e.get("source") == "memory" and self._durable is not None
+                    else ""
+                )
             )
 
 

@@ -92,6 +92,10 @@ def test_demo_runs_end_to_end(tmp_path):
     for name in ("report.md", "events.jsonl", "timeline.png"):
         assert (out / name).exists(), name
     assert "detector: DEAD rank 2" in result.output and "all checks passed" in result.output
+    # the memory tier: both restarts restored a snapshot newer than the newest durable step
+    assert report["measurements"]["restore_sources"] == ["memory", "memory"]
+    assert max(report["measurements"]["steps_lost"]) <= 1
+    assert "newest snapshot in the node's memory" in result.output
     # a second run may replace its own output, never a directory it did not write
     other = tmp_path / "other"
     other.mkdir()

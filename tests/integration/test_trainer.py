@@ -88,6 +88,16 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, name):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.parametrize("name", ["dp2-zero", "1x2x2"])
+def test_the_memory_tier_does_not_change_training(curves, tmp_path, name):
+    """Snapshots every step (and the size check before the first one, which makes a ZeRO
+    optimizer create its state) leave the loss curve bit for bit as it is without them."""
+    world, flags = LAYOUTS[name]
+    run = {"steps": 10, "global_batch": 8, "memory_every": 1, "ckpt": str(tmp_path / "c")}
+    with_tier = run_distributed(run_train, world, {**run, **flags})[0]
+    assert with_tier == curves[name]
+
+
 def test_resume_in_another_layout_continues_the_curve(tmp_path):
     """The checkpointer reshards on load: (ep2, tp2) for 4 steps, then dp2 with ZeRO-1 to 8."""
     straight = run_distributed(run_train, 4, {"steps": 8, "global_batch": 8, "ep": 2, "tp": 2})[0]
