@@ -46,7 +46,7 @@ def test_killed_rank_restores_from_memory(out):
     report = _run(out, "memory-kill-rank")
     m = report["measurements"]
     assert m["restore_sources"] == ["memory"]
-    assert m["steps_lost"] and max(m["steps_lost"]) <= 1
+    assert max(m["steps_lost"], default=0) <= 1  # 0 when the snapshot before the kill committed
     restore = next(e for e in _events(report) if e["event"] == "restore")
     # durable storage held step 10; the snapshot of step 12 was committed before the one of step
     # 13 was taken (a snapshot waits for the one before it), and the kill came before step 14
@@ -74,7 +74,7 @@ def test_killed_job_resumes_from_memory_when_run_again(out):
     restore = next(e for e in events if e["event"] == "restore")
     # durable storage held step 10; the rerun found a newer snapshot in the node's memory
     assert restore["source"] == "memory" and restore["step"] > 10
-    assert max(report["measurements"]["steps_lost"]) <= 1
+    assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 
 @pytest.mark.slow
