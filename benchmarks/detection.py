@@ -22,6 +22,8 @@ in its own process, run from its own tree), so both see the same machine.
     python benchmarks/detection.py [--sizes 64,512,4096] [--interval 0.5] [--trials 5]
                                    [--recovery-trials 20] [--skip-scale]
     python benchmarks/detection.py --baseline /tmp/before [--recovery-trials 6] [--kinds stop,hang]
+    python benchmarks/detection.py --skip-scale --recovery-trials 20 --kinds kill,stop \\
+        --memory-every 1      (each trial without and with the memory tier, side by side)
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ tp = 2
 ep = 2
 steps = 24
 save_every = 5
-hang_timeout_s = 3.0
+hang_timeout_s = 3.0{memory}
 [[faults]]
 id = "fault"
 kind = "{kind}"
@@ -142,31 +144,41 @@ final_state = "any"
 """
 
 
-def recovery_trials(kinds: list[str], trials: int, out: str) -> dict[str, list[dict]]:
+def recovery_trials(
+    kinds: list[str], trials: int, out: str, memory_every: int = 0
+) -> dict[str, list[dict]]:
     """Per kind, ``trials`` real torchrun runs with one fault each; the verdict and recovery
-    timings the chaos harness measured."""
+    timings the chaos harness measured.  With ``memory_every``, each trial runs twice, without
+    and with the memory tier (a snapshot every ``memory_every`` steps), one after the other."""
     from pathlib import Path
 
     from resilient.chaos.harness import RunPaths, launch_job
     from resilient.chaos.scenario import parse_scenario
 
     results: dict[str, list[dict]] = {}
+    variants = [("", "")] + ([("_mem", f"\nmemory_every = {memory_every}")] if memory_every else [])
     for kind in kinds:
-        results[kind] = []
         for t in range(trials):
-            name = f"{kind}-{t}"
-            text = RECOVERY_JOB.format(name=name, kind=kind, rank=1 + t % 3, step=8 + t % 5)
-            scenario = parse_scenario(text, name)
-            run_dir = Path(out) / name
-            launch = launch_job(scenario.job, RunPaths(run_dir), list(scenario.faults), say=print)
-            (run_dir / "scenario.toml").write_text(text)  # so `resilient report` can redo it
-            results[kind].append(trial_result(scenario, run_dir, launch))
-            r = results[kind][-1]
-            print(
-                f"  {name}: verdict {r['verdict']}, detection {r['detection_s']}, "
-                f"recovery {r['recovery_s']}s",
-                flush=True,
-            )
+            for suffix, memory in variants:
+                name = f"{kind}{suffix}-{t}"
+                text = RECOVERY_JOB.format(
+                    name=name, kind=kind, rank=1 + t % 3, step=8 + t % 5, memory=memory
+                )
+                scenario = parse_scenario(text, name)
+                run_dir = Path(out) / name
+                launch = launch_job(
+                    scenario.job, RunPaths(run_dir), list(scenario.faults), say=print
+                )
+                (run_dir / "scenario.toml").write_text(text)  # so `resilient report` can redo it
+                results.setdefault(f"{kind}{suffix}", []).append(
+                    trial_result(scenario, run_dir, launch)
+                )
+                r = results[f"{kind}{suffix}"][-1]
+                print(
+                    f"  {name}: verdict {r['verdict']}, detection {r['detection_s']}, "
+                    f"recovery {r['recovery_s']}s, steps lost {r['steps_lost']}",
+                    flush=True,
+                )
     return results
 
 
@@ -182,6 +194,8 @@ def trial_result(scenario, run_dir, launch) -> dict:
         "detection_s": m.get("detection_s"),
         "recovery_s": rec.get("seconds"),
         "breakdown": rec.get("breakdown", {}),
+        "steps_lost": max(m.get("steps_lost") or [0]),
+        "restore_sources": m.get("restore_sources", []),
     }
 
 
@@ -227,6 +241,8 @@ def recovery_table(results: dict[str, list[dict]]) -> str:
         for ph in phases:
             xs = [t["breakdown"][ph] for t in done if ph in t["breakdown"]]
             cells.append(f"{statistics.median(xs):.2f}" if xs else "-")
+        lost = [t.get("steps_lost", 0) for t in done]
+        cells.append(f"{statistics.median(lost):.0f} / {max(lost)}" if lost else "-")
         rows.append(cells)
     return markdown_table(
         [
@@ -236,6 +252,7 @@ def recovery_table(results: dict[str, list[dict]]) -> str:
             "fault to verdict s (median / p99)",
             "fault to first step s (median / p99)",
             *[f"{p} (median s)" for p in phases],
+            "steps lost (median / max)",
         ],
         rows,
     )
@@ -398,6 +415,12 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--recovery-trials", type=int, default=0)
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=0,
+        help="also run every recovery trial with the memory tier (a snapshot every N steps)",
+    )
     p.add_argument("--kinds", default="kill,stop,hang")
     p.add_argument("--skip-scale", action="store_true")
     p.add_argument(
@@ -418,7 +441,9 @@ def main() -> None:
         return
     if args.recovery_trials:
         out = args.out or tempfile.mkdtemp(prefix="detection-bench-")
-        results = recovery_trials(args.kinds.split(","), args.recovery_trials, out)
+        results = recovery_trials(
+            args.kinds.split(","), args.recovery_trials, out, args.memory_every
+        )
         with open(os.path.join(out, "recovery.json"), "w") as f:
             json.dump(results, f, indent=1)
         print(f"\nmachine: {machine()}; tiny MoE, 4 torchrun ranks (tp 2 x ep 2), heartbeat 1 s")
