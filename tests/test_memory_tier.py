@@ -413,3 +413,25 @@ def test_state_created_before_the_first_step_does_not_change_training(make):
         return [p.detach().clone() for p in m.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train(False), train(True)))
+
+
+def test_a_snapshot_taken_while_the_first_durable_save_was_in_flight_is_restored(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.snapshot(5, {"model": m}).wait()  # taken before its job's first durable commit ...
+        ck.save(5, {"model": m}).wait()  # ... which committed right after: its own commit
+    # (a new Checkpointer is a new job in a single process, like a rerun)
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.load({"model": m}) == 5 and ck.last_load.source == "memory"
+
+
+def test_a_snapshot_taken_before_another_jobs_durable_commits_is_not_restored(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1) as ck:  # job A: never saved durably, crashed
+        ck.snapshot(9, {"model": m}).wait()
+    with Checkpointer(url) as other:  # job B (another job id) starts afresh at the URL
+        other.save(2, {"model": m}).wait()
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.load({"model": m}) == 2 and ck.last_load.source == "durable"

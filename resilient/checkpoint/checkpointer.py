@@ -781,8 +781,9 @@ class Checkpointer:
             for s in catalog.line():
                 if not ((step is None and s >= newest_durable) or s == step):
                     continue
-                anchor = read_manifest(self._memory.storage, s).extras.get(ANCHOR_KEY)
-                why = _stale(anchor, durable_catalog, line)
+                snap = read_manifest(self._memory.storage, s)
+                why = _stale(snap.extras.get(ANCHOR_KEY), snap.job_id, durable_catalog, line)
+                anchor = snap.extras.get(ANCHOR_KEY)
                 if why:
                     log.warning("memory snapshot of step %d is not restored: %s", s, why)
                     continue
@@ -1108,13 +1109,24 @@ def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
     return None
 
 
-def _stale(anchor: Any, durable: Catalog | None, line: set[int]) -> str | None:
-    """Why a snapshot descended from durable commit ``anchor`` must not be restored, or None."""
+def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
+    """Why a snapshot (taken by ``job_id``) descended from durable commit ``anchor`` must not be
+    restored, or None."""
     if anchor is None:
         return "it records no durable commit it descends from"
     if anchor == "":
-        if durable is not None and durable.newest() is not None:
-            return "it was taken before any durable commit, and durable storage has commits now"
+        # taken before this job knew of any durable commit: fine while every commit on the line
+        # is this job's own (its first save may have been in flight), not after another job's
+        others = (
+            sorted({info.job_id for s in line if (info := durable.get(s)) is not None} - {job_id})
+            if durable is not None
+            else []
+        )
+        if others:
+            return (
+                f"it was taken before any durable commit, and durable storage now has commits "
+                f"by another job ({others[0]!r})"
+            )
         return None
     parsed = _parse_anchor(anchor)
     if parsed is None:
