@@ -228,10 +228,20 @@ class Run:
         t0 = time.time()
         try:
             loaded = self.checkpointer.load(self.state, fallback=self.fallback)
-        except CheckpointNotFoundError:
+        except ResilientError as e:
             if durable is not None:
                 raise
-            return  # only snapshots that must not be restored (stale): a fresh run
+            # nothing durable, and no snapshot in memory that is restorable (stale, damaged, of
+            # another state): a fresh run, said loudly, rather than the same error at every rerun
+            if not isinstance(e, CheckpointNotFoundError):
+                message = (
+                    f"rank {self.rank}: no durable checkpoint under {self.url}, and the memory "
+                    f"tier's snapshots ({self.checkpointer.memory.steps if self.checkpointer.memory else ''}) "
+                    f"cannot be restored: {e}. Starting from step 0."
+                )
+                log.warning(message)
+                warnings.warn(message, stacklevel=3)
+            return
         self.step = int(self.state["run"]["step"])
         self.restored_step = loaded
         self._saved_step = self._committed_step = self.step
@@ -329,7 +339,7 @@ class Run:
             return
         try:
             h.wait()
-        except BaseException:  # reported below
+        except Exception:  # reported below (an interrupt is not swallowed)
             pass
         error = h.error
         if error is None:

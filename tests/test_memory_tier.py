@@ -435,3 +435,57 @@ def test_a_snapshot_taken_before_another_jobs_durable_commits_is_not_restored(tm
         other.save(2, {"model": m}).wait()
     with Checkpointer(url, memory_every=1) as ck:
         assert ck.load({"model": m}) == 2 and ck.last_load.source == "durable"
+
+
+def test_reruns_in_a_chain_keep_restoring_from_memory(tmp_path):
+    # each Run in a single process is a new job; A dies right after its first durable save, B
+    # resumes from it and dies three steps later: C must resume from B's newest snapshot
+    url = str(tmp_path / "ckpt")
+    model = _model()
+    for crash_at, resumes in ((6, 0), (9, 5)):
+        with pytest.raises(RuntimeError, match="crash"):
+            with Run(url, save_every=5, memory_every=1, detect=False) as run:
+                assert run.track(model=model) == resumes
+                _train(run, model, 20, crash_at=crash_at)
+    with Run(url, save_every=5, memory_every=1, detect=False) as run:
+        assert run.track(model=model) == 8
+        assert run.checkpointer.last_load.source == "memory"
+
+
+def test_a_snapshot_whose_durable_commit_retention_pruned_is_restored(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, keep_last=1, memory_every=1) as ck:
+        ck.save(10, {"model": m}).wait()
+        ck.snapshot(11, {"model": m}).wait()
+        ck.snapshot(12, {"model": m}).wait()  # descends from 10 (the save of 12 not yet done)
+        ck.save(12, {"model": m}).wait()  # keep_last=1: step 10 is pruned
+        assert ck.steps() == [12]
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.load({"model": m}) == 12 and ck.last_load.source == "memory"
+
+
+def test_unrestorable_snapshots_and_nothing_durable_start_afresh_with_a_warning(tmp_path):
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.snapshot(4, {"model": _model()}).wait()
+    # the model changed shape since: the snapshot cannot be restored, and there is nothing else
+    with pytest.warns(UserWarning, match="cannot be restored.*Starting from step 0"):
+        with Run(url, memory_every=1, detect=False) as run:
+            assert run.track(model=torch.nn.Linear(3, 2)) == 0
+
+
+def test_a_memory_root_others_could_swap_is_refused(tmp_path, monkeypatch):
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    os.chmod(open_root, 0o777)  # writable by all, no sticky bit
+    monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(open_root))
+    with pytest.raises(MemoryTierError, match="writable by others without the sticky bit"):
+        Checkpointer(str(tmp_path / "ckpt"), memory_every=1)
+    os.chmod(open_root, 0o1777)  # as /dev/shm: fine
+    Checkpointer(str(tmp_path / "ckpt"), memory_every=1).close()
+    link = tmp_path / "link"
+    os.symlink(open_root, link)
+    monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(link))
+    with pytest.raises(MemoryTierError, match="root .* is a symbolic link"):
+        Checkpointer(str(tmp_path / "ckpt2"), memory_every=1)

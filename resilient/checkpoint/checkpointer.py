@@ -65,6 +65,7 @@ from resilient.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     LeaseError,
+    MemoryTierError,
     ResilientError,
     StateMismatchError,
     StepRetiredError,
@@ -155,7 +156,7 @@ class Checkpointer:
     ``"put"``, for a filesystem that is neither a local disk nor a known object store).
 
     The memory tier: ``memory_every=N`` keeps snapshots in the node's host memory
-    (``memory_root``, default ``$RESILIENT_MEMORY_ROOT`` or ``/dev/shm/resilient``), in this same
+    (``memory_root``, default ``$RESILIENT_MEMORY_ROOT`` or ``/dev/shm/resilient-<uid>``), in this same
     format, so they outlive the training processes: ``snapshot(step, state)`` takes one when
     ``step`` is a multiple of ``N`` (the two newest are kept), and ``load()`` restores the newest
     step of either tier, memory first, falling back to durable storage when a snapshot is missing
@@ -390,7 +391,21 @@ class Checkpointer:
             mine = int(most.item())
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
         need = 3 * mine * max(1, local_ranks)
-        self.memory.check_room(need)
+        error: MemoryTierError | None = None
+        try:
+            self.memory.check_room(need)
+        except MemoryTierError as e:
+            error = e
+        if self._distributed and self.world_size > 1:  # ... and on the outcome: all or none
+            failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=_device())
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if error is None and int(failed.item()):
+                error = MemoryTierError(
+                    f"another rank's node cannot hold the memory tier ({_fmt_bytes(need)} "
+                    f"needed); see its error"
+                )
+        if error is not None:
+            raise error
         return need
 
     def wait(self) -> SaveStats | None:
@@ -789,7 +804,12 @@ class Checkpointer:
                     continue
                 info = catalog.get(s)
                 found.append((_MEMORY, s, info.commit_seq, info.generation))
-                self._anchors[s] = _parse_anchor(anchor)
+                # what a job restored from it descends from: its anchor, or (taken before its
+                # job knew of one) the newest durable commit, which the check above found its own
+                newest = durable_catalog.newest() if durable_catalog is not None else None
+                self._anchors[s] = _parse_anchor(anchor) or (
+                    (newest.step, newest.commit_seq) if newest is not None else None
+                )
             return found
         except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
             log.warning(
@@ -1132,6 +1152,12 @@ def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) ->
     if parsed is None:
         return f"its durable anchor {str(anchor)[:64]!r} does not parse"
     info = durable.get(parsed[0]) if durable is not None else None
+    if info is None and durable is not None:
+        # pruned by retention once a newer commit of the line landed (a save that was in
+        # flight when the snapshot was taken), or deleted by hand (then nothing newer is there)
+        newer = [i for t in line if (i := durable.get(t)) is not None and i.commit_seq > parsed[1]]
+        if newer:
+            return None
     if info is None or info.state != "committed" or info.commit_seq != parsed[1]:
         return (
             f"the durable commit it descends from (step {parsed[0]}, commit {parsed[1]}) is no "
@@ -1143,6 +1169,10 @@ def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) ->
             f"(a rollback happened since)"
         )
     return None
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _boot_id() -> str:

@@ -93,6 +93,7 @@ class MemoryPlace:
         directory, or whose record names another URL (or is not a record at all)."""
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
+            self._check_root()
             try:
                 os.mkdir(self.dir, 0o700)
             except FileExistsError:
@@ -124,6 +125,24 @@ class MemoryPlace:
                 f"writable directory on a tmpfs (such as /dev/shm), or turn the tier off "
                 f"(memory_every=None)"
             ) from e
+
+    def _check_root(self) -> None:
+        """The root holds the job's directory: not a link, and not a place where others could
+        move it away (writable by others without the sticky bit, as /dev/shm itself has)."""
+        st = os.lstat(self.root)
+        problem = None
+        if stat.S_ISLNK(st.st_mode):
+            problem = "is a symbolic link"
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            problem = (
+                f"is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):o})"
+            )
+        if problem:
+            raise MemoryTierError(
+                f"the memory tier's root {self.root} {problem}: another user could replace this "
+                f"job's directory; set {ENV_ROOT} to a directory of your own (for example "
+                f"/dev/shm/resilient-{os.getuid()})"
+            )
 
     def _check_dir(self, path: str, what: str) -> None:
         st = os.lstat(path)

@@ -366,10 +366,11 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> bool:
     Optimizers like Adam create their state on the first step.  Take one step with zero
     gradients and a learning rate of zero (so parameters do not move); the learning rates and the
     gradients the parameters had (a warm-up step may have left some) are put back whatever
-    happens, and the load overwrites the state that step created.  The state it leaves is what the
-    optimizer's own first step starts from (step counts and tensors zero: Adam's moments, SGD's
-    momentum), so a save of it before the first step (a size check, an early snapshot) does not
-    change training either.  An optimizer that cannot take such a step (it needs a closure,
+    happens, and the load overwrites the state that step created.  Step counts and state tensors
+    are then zeroed: for Adam, AdamW, RAdam, Adamax, RMSprop and SGD without dampening that is the
+    state their own first step starts from, so a save of it before the first step (a size check,
+    an early snapshot) does not change their training (NAdam, ASGD, Rprop and SGD with dampening
+    start elsewhere: load into them, do not save them before their first step).  An optimizer that cannot take such a step (it needs a closure,
     sparse gradients) is a StateMismatchError naming it.
     """
     if opt.state:
