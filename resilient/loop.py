@@ -229,15 +229,15 @@ class Run:
         try:
             loaded = self.checkpointer.load(self.state, fallback=self.fallback)
         except ResilientError as e:
-            if durable is not None:
+            if durable is not None or isinstance(e, RankFailureError):
                 raise
             # nothing durable, and no snapshot in memory that is restorable (stale, damaged, of
             # another state): a fresh run, said loudly, rather than the same error at every rerun
             if not isinstance(e, CheckpointNotFoundError):
+                where = self.checkpointer.memory.steps if self.checkpointer.memory else "memory"
                 message = (
                     f"rank {self.rank}: no durable checkpoint under {self.url}, and the memory "
-                    f"tier's snapshots ({self.checkpointer.memory.steps if self.checkpointer.memory else ''}) "
-                    f"cannot be restored: {e}. Starting from step 0."
+                    f"tier's snapshots ({where}) cannot be restored: {e}. Starting from step 0."
                 )
                 log.warning(message)
                 warnings.warn(message, stacklevel=3)
