@@ -23,14 +23,24 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "res
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    queue,
+    env: dict[str, str],
 ) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        **env,
     )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -49,8 +59,11 @@ def run_distributed(
     """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
     port = free_port()
     queue = _CTX.Queue()
+    # the forkserver's environment is that of the test that started it: pass on this test's
+    # memory root (tests/conftest.py), so no rank writes into the machine's /dev/shm
+    env = {k: os.environ[k] for k in ("RESILIENT_MEMORY_ROOT",) if k in os.environ}
     procs = [
-        _CTX.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
+        _CTX.Process(target=_child, args=(fn, r, world_size, port, args, queue, env), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

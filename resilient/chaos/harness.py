@@ -182,6 +182,10 @@ def launch_job(
     finally:
         for root in memory:
             shutil.rmtree(root, ignore_errors=True)
+        try:
+            memory[0].parent.rmdir()  # the run's own base (empty now)
+        except OSError:
+            pass
     result = Launch(
         run_dir=str(paths.root),
         command=cmds[0],
