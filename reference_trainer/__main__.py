@@ -208,11 +208,19 @@ def main(argv: list[str] | None = None) -> int:
 
         hooks.append(ChaosHook.from_file(args.chaos))
         call(hooks, "at_phase", "import", None)  # before the heavy imports and the heartbeat
-    from reference_trainer.train import train
-
-    train(cfg, hooks=hooks)
     import torch.distributed as dist
 
+    from reference_trainer.train import train
+
+    try:
+        train(cfg, hooks=hooks)
+    except SystemExit:
+        # a clean stop (preemption saved the current step): leave the process group before the
+        # interpreter tears down, as a completed run does; its threads alive at exit made a rank
+        # abort now and then ("terminate called without an active exception", exit -6)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
