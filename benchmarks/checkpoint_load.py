@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, markdown_table, read_tree  # noqa: E402
+from common import drop_caches, machine, markdown_table, read_tree  # noqa: E402
 
 NUM_ROWS = 8
 
@@ -171,22 +171,12 @@ def cold_start(rank: int, drop: bool = True) -> None:
     gc.collect()
     dist.barrier()
     if rank == 0 and drop:
-        _drop_caches()
+        drop_caches()
     dist.barrier()
 
 
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def raw_read(root: str) -> tuple[float, int]:
-    _drop_caches()
+    drop_caches()
     t0 = time.perf_counter()
     total = read_tree(root)
     return time.perf_counter() - t0, total
@@ -198,7 +188,7 @@ def verify_cold(url: str) -> tuple[float, int]:
     from resilient.checkpoint.storage import Storage
 
     storage = Storage(url)
-    _drop_caches()
+    drop_caches()
     t0 = time.perf_counter()
     report = verify_step(storage, 1)
     seconds = time.perf_counter() - t0
@@ -217,7 +207,7 @@ def main() -> None:
     shapes = _shapes(args.mib << 20)
     root = tempfile.mkdtemp(prefix="ckpt-load-bench-", dir=args.dir)
     url, dcp_path = os.path.join(root, "resilient"), os.path.join(root, "dcp")
-    drop = _drop_caches()
+    drop = drop_caches()
     print(
         f"state: {len(shapes)} bf16 tensors of {shapes['w0']}, {args.mib} MiB; caches dropped: {drop}",
         flush=True,

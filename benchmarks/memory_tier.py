@@ -34,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gib, machine, markdown_table, median, write_results  # noqa: E402
+from common import drop_caches, gib, machine, markdown_table, median, write_results  # noqa: E402
 
 from resilient import Checkpointer  # noqa: E402
 
@@ -115,7 +115,7 @@ def bench(args) -> dict:
             durable.load(target, step=step)
             dur = time.perf_counter() - t0
             cold = None
-            if _drop_page_cache():
+            if drop_caches():
                 t0 = time.perf_counter()
                 durable.load(target, step=step)
                 cold = time.perf_counter() - t0
@@ -161,16 +161,6 @@ def trainer_runs(args) -> dict[str, list[float]]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
-
-
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> None:

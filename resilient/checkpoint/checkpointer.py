@@ -35,7 +35,7 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import WriterLease, default_job_id
+from resilient.checkpoint.lease import WriterLease, _boot_id, default_job_id
 from resilient.checkpoint.reader import (
     READ_THREADS,
     ReadItem,
@@ -48,7 +48,7 @@ from resilient.checkpoint.reader import (
     watching_retirement,
 )
 from resilient.checkpoint.retention import delete_dirs, retire_steps
-from resilient.checkpoint.snapshots import MemoryPlace, default_root, memory_place
+from resilient.checkpoint.snapshots import MemoryPlace, _fmt, default_root, memory_place
 from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
 from resilient.checkpoint.writer import (
@@ -401,7 +401,7 @@ class Checkpointer:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if error is None and int(failed.item()):
                 error = MemoryTierError(
-                    f"another rank's node cannot hold the memory tier ({_fmt_bytes(need)} "
+                    f"another rank's node cannot hold the memory tier ({_fmt(need)} "
                     f"needed); see its error"
                 )
         if error is not None:
@@ -1169,18 +1169,6 @@ def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) ->
             f"(a rollback happened since)"
         )
     return None
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _nodes(world_size: int) -> int:
