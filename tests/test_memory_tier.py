@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -44,13 +45,16 @@ def test_snapshot_cadence_and_restore_from_memory(tmp_path, memory_root):
         ck.snapshot(4, {"model": m}).wait()
         want = {k: v.clone() for k, v in m.state_dict().items()}
         _bump(m, 5.0)
-        assert ck.memory_steps() == [4] and ck.steps() == [2]
+        # a durable save is a snapshot of its step promoted by the persister: both tiers hold 2
+        assert ck.memory_steps() == [4, 2] and ck.steps() == [2]
         assert ck.load({"model": m}) == 4
         assert ck.last_load.source == "memory"
         assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
         # a snapshot is a checkpoint in the same format: the same verifier reads it
         assert ck.snapshots.verify(4).ok
-        # an explicit durable step still loads from durable storage
+        # an explicit step in both tiers loads from memory; once memory lacks it, from durable
+        assert ck.load({"model": m}, step=2) == 2 and ck.last_load.source == "memory"
+        shutil.rmtree(Path(ck.memory.steps) / "step_00000002")
         assert ck.load({"model": m}, step=2) == 2 and ck.last_load.source == "durable"
 
 
@@ -231,7 +235,8 @@ def test_ranks_agree_when_one_rank_finds_its_snapshot_damaged(tmp_path):
     # a 2-rank Linear has replicated parameters: rank 1 writes a part of the state too
     results = run_distributed(_agree_on_fallback, 2, str(tmp_path / "ckpt"))
     assert results[0] == results[1]
-    assert results[0] == (1, "durable", 2, "memory")
+    # step 1 was saved durably through a snapshot of it: the memory copy of step 1 serves
+    assert results[0] == (1, "memory", 2, "memory")
 
 
 def _snapshot_and_save_at_once(rank: int, world: int, url: str) -> list[int]:
@@ -262,7 +267,8 @@ def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_a_snapshot_from_an_abandoned_line_is_never_restored(tmp_path):
     url = str(tmp_path / "ckpt")
     m = _model()
-    with Checkpointer(url, memory_every=1) as ck:
+    # persister=False: a job whose persister died with it (nothing flushed the newest snapshot)
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
         ck.save(30, {"model": m}).wait()
         at30 = _weights(m)
         _bump(m, 1.0)
@@ -278,7 +284,7 @@ def test_a_snapshot_from_an_abandoned_line_is_never_restored(tmp_path):
         _bump(m, 9.0)
         # the newest durable commit is 35 (on the line from 30); snapshot 100 descends from 40,
         # which is on the abandoned branch: not restored, although its step is higher
-        assert ck.load({"model": m}) == 35 and ck.last_load.source == "durable"
+        assert ck.load({"model": m}) == 35  # (from memory: the save of 35 went through it)
         assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
         assert at30  # (the rollback point itself stays loadable)
 
@@ -288,7 +294,7 @@ def test_a_snapshot_is_not_restored_when_durable_storage_moved_on(tmp_path):
 
     url = str(tmp_path / "ckpt")
     m = _model()
-    with Checkpointer(url, memory_every=1) as ck:
+    with Checkpointer(url, memory_every=1, persister=False) as ck:  # nothing flushes snapshot 31
         ck.save(10, {"model": m}).wait()
         _bump(m, 1.0)
         ck.save(30, {"model": m}).wait()
@@ -467,7 +473,7 @@ def test_a_snapshot_whose_durable_commit_retention_pruned_is_restored(tmp_path):
 
 def test_unrestorable_snapshots_and_nothing_durable_start_afresh_with_a_warning(tmp_path):
     url = str(tmp_path / "ckpt")
-    with Checkpointer(url, memory_every=1) as ck:
+    with Checkpointer(url, memory_every=1, persister=False) as ck:  # nothing flushes it
         ck.snapshot(4, {"model": _model()}).wait()
     # the model changed shape since: the snapshot cannot be restored, and there is nothing else
     with pytest.warns(UserWarning, match="cannot be restored.*Starting from step 0"):

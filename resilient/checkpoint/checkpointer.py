@@ -7,6 +7,7 @@ state.py (what a state is), writer.py (save), reader.py (load), retention.py and
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,15 +28,13 @@ from resilient.checkpoint.buffers import scratch_for
 from resilient.checkpoint.catalog import Catalog, StepInfo, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
-    MANIFEST_NAME,
     MAX_INT,
     Manifest,
-    manifest_of_step,
-    manifest_to_bytes,
     rank_file_name,
     step_dir_name,
 )
 from resilient.checkpoint.lease import WriterLease, _boot_id, default_job_id
+from resilient.checkpoint.persister import PersisterClient, link_to_outbox
 from resilient.checkpoint.reader import (
     READ_THREADS,
     ReadItem,
@@ -47,8 +46,16 @@ from resilient.checkpoint.reader import (
     verify_step,
     watching_retirement,
 )
-from resilient.checkpoint.retention import delete_dirs, retire_steps
-from resilient.checkpoint.snapshots import MemoryPlace, _fmt, default_root, memory_place
+from resilient.checkpoint.retention import delete_dirs
+from resilient.checkpoint.snapshots import (
+    ANCHOR_KEY,
+    MemoryPlace,
+    _fmt,
+    _parse_anchor,
+    _stale,
+    default_root,
+    memory_place,
+)
 from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
 from resilient.checkpoint.writer import (
@@ -60,6 +67,7 @@ from resilient.checkpoint.writer import (
     next_generation,
     persist_rank_file,
     plan_writes,
+    publish_commit,
 )
 from resilient.errors import (
     CheckpointCorruptError,
@@ -181,6 +189,7 @@ class Checkpointer:
         commit_method: str | None = None,
         memory_every: int | None = None,
         memory_root: str | None = None,
+        persister: bool | None = None,
         _namespace: str = "ckpt",
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -231,6 +240,10 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.last_load: LoadStats | None = None
+        # (the memory tier's own checkpointer) what to run on its coordinator right after a
+        # step commits, before the step can be retired: the outer one pins it for the persister
+        self._after_commit: dict[int, Any] = {}
+        self._hook_lock = threading.Lock()
         nodes = 1 if memory_every is None else self._memory_nodes(memory_root)
         if memory_every is not None and nodes > 1:
             message = (
@@ -268,6 +281,46 @@ class Checkpointer:
                 lease_timeout_s=lease_timeout_s,
                 _namespace="mem",
             )
+        # Durable saves through the persister process (persister.py) when the tier is on.
+        self._snap: SaveHandle | None = None  # the newest snapshot this checkpointer took
+        self._persister: PersisterClient | None = None
+        self._persister_config: dict[str, Any] | None = None
+        if self._memory is not None and persister is not False:
+            why_not = self._persister_unavailable(storage_options, retry, compression)
+            if why_not and persister:
+                raise ValueError(f"persister=True cannot work here: {why_not}")
+            if why_not:
+                log.info("durable saves stay in the trainer's process: %s", why_not)
+            else:
+                self._persister_config = {
+                    "url": self.url,
+                    "storage_options": storage_options or {},
+                    "retry": dataclasses.asdict(self.storage.retry),
+                    "commit_method": self.storage.commit_method,
+                    "job_id": self.job_id,
+                    "keep_last": keep_last,
+                    "keep_every": keep_every,
+                    "lease_timeout_s": lease_timeout_s,
+                }
+
+    def _persister_unavailable(
+        self, storage_options: Any, retry: RetryPolicy | None, compression: str | None
+    ) -> str | None:
+        """Why durable saves cannot be handed to a persister process, or None."""
+        if self.storage.protocol == "memory":
+            return f"{self.url} is in this process's memory, which another process cannot see"
+        if compression is not None:
+            return "compression re-encodes the bytes; the persister copies snapshots as they are"
+        try:
+            json.dumps(storage_options or {})
+        except (TypeError, ValueError):
+            return "the storage options are not plain JSON, so they cannot be handed over"
+        return None
+
+    @property
+    def persister_pid(self) -> int | None:
+        """The pid of the process that writes this job's durable saves (rank 0, memory tier)."""
+        return None if self._persister is None else self._persister.pid
 
     # --- context manager ------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -322,6 +375,8 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
             raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
         self._join_pending()
+        if self._persister_config is not None:
+            return self._save_through_persister(step, state)
         t0 = time.monotonic()
         layout = self._layout_for(state)
         flat = flatten_state(state, layout, self.rank)
@@ -354,10 +409,114 @@ class Checkpointer:
             raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
         if step % self.memory_every:
             return None
+        return self._take_snapshot(step, state)
+
+    def _take_snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        assert self._memory is not None
         if self._memory.layout is None:
             self._memory.layout = self._layout_for(state)
+        if self._persister_config is not None and self.rank == 0:
+            self._start_persister()  # early: it flushes this snapshot should the trainer die
         anchor = "" if self._anchor is None else f"{self._anchor[0]}:{self._anchor[1]}"
-        return self._memory.save(step, {**state, ANCHOR_KEY: anchor})
+        self._snap = self._memory.save(step, {**state, ANCHOR_KEY: anchor})
+        return self._snap
+
+    def _start_persister(self) -> PersisterClient:
+        assert self.memory is not None and self._persister_config is not None
+        if self._persister is None:
+            self._persister = PersisterClient(self.memory.dir, self._persister_config)
+        self._persister.start()
+        return self._persister
+
+    def _save_through_persister(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """A durable save with the memory tier: the snapshot of ``step`` (the one just taken, or
+        a new one) is committed to the URL by the persister process (persister.py)."""
+        assert self._memory is not None and self.memory is not None
+        t0 = time.monotonic()
+        snap = self._snap
+        if snap is None or snap.step != step or (snap.done() and snap.error is not None):
+            snap = self._take_snapshot(step, state)
+        handle = SaveHandle(step)
+        handle.stats.stage_s = time.monotonic() - t0
+        pinned: dict[str, Any] = {}
+        if self.rank == 0:
+            outbox = self._start_persister().outbox
+            steps_dir = self.memory.steps
+
+            def pin() -> None:  # hard links: retention may retire the step, not its bytes
+                try:
+                    pinned["dir"] = link_to_outbox(steps_dir, step, outbox)
+                except Exception as e:
+                    pinned["error"] = e
+
+            with self._memory._hook_lock:
+                if snap.done():
+                    if snap.error is None:
+                        pin()
+                else:
+                    self._memory._after_commit[step] = pin
+        committer = self._committer(step)
+        self._pending = handle
+        self._thread = threading.Thread(
+            target=self._persist_elsewhere,
+            args=(handle, snap, pinned, committer),
+            name=f"resilient-ckpt-save-{step}",
+            daemon=True,
+        )
+        self._thread.start()
+        return handle
+
+    def _persist_elsewhere(
+        self, handle: SaveHandle, snap: SaveHandle, pinned: dict[str, Any], committer: Committer
+    ) -> None:
+        step = handle.step
+        error: BaseException | None = None
+        t0 = time.monotonic()
+        try:
+            snap._done.wait()
+            if snap.error is not None:
+                raise CommitError(
+                    f"step {step} was not saved: its memory snapshot failed: {snap.error}"
+                ) from snap.error
+            handle.stats.write_s = time.monotonic() - t0
+            if committer.is_coordinator:
+                try:
+                    if "error" in pinned:
+                        raise CommitError(
+                            f"cannot hand step {step} to the persister: linking its snapshot "
+                            f"into the outbox failed: {_describe(pinned['error'])}"
+                        ) from pinned["error"]
+                    assert self._persister is not None
+                    reply = self._persister.persist(step, self.commit_timeout_s)
+                    if not reply.get("ok"):
+                        cls = LeaseError if reply.get("type") == "LeaseError" else CommitError
+                        raise cls(
+                            f"step {step} was not committed to {self.url} by the persister: "
+                            f"{reply.get('type')}: {reply.get('error')}"
+                        )
+                    self._anchor = (step, int(reply["commit_seq"]))
+                    handle.stats.bytes_written = int(reply.get("bytes", 0))
+                except BaseException as e:
+                    if committer.store is not None:
+                        try:
+                            committer.publish(_describe(e))
+                        except Exception:
+                            pass
+                    raise
+                committer.publish("ok")
+            else:
+                outcome = committer.wait_outcome()
+                if outcome != "ok":
+                    cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
+                    raise cls(f"step {step} was not committed: {outcome}")
+            handle.stats.commit_s = time.monotonic() - t0 - handle.stats.write_s
+            handle.stats.committed = True
+        except BaseException as e:
+            error = e if isinstance(e, ResilientError) else CommitError(f"{_describe(e)}")
+            if error is not e:
+                error.__cause__ = e
+            log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
+        handle._finish(error)
 
     def wait_snapshot(self) -> SaveStats | None:
         """Block until the pending memory snapshot is committed; re-raise its failure."""
@@ -365,9 +524,23 @@ class Checkpointer:
         return None if self._memory is None else self._memory.wait()
 
     def close_memory(self) -> None:
-        """Wait for the pending memory snapshot and stop using the tier (its snapshots stay)."""
-        if self._memory is not None:
-            self._memory.close()
+        """Wait for the pending memory snapshot and stop using the tier (its snapshots stay); the
+        persister process, if any, is told goodbye and waited for (it first persists a
+        snapshot newer than the newest durable commit, if there is one)."""
+        try:
+            if self._persister_config is not None:
+                self._join_pending()  # durable saves need the tier
+        finally:
+            try:
+                if self._memory is not None:
+                    self._memory.close()
+            finally:
+                self._close_persister()
+
+    def _close_persister(self) -> None:
+        if self._persister is not None:
+            persister, self._persister = self._persister, None
+            persister.close(timeout_s=self.commit_timeout_s)
 
     def release_memory(self) -> None:
         """Give this job's host memory back (after its final durable commit): every snapshot of
@@ -422,8 +595,11 @@ class Checkpointer:
             try:
                 self._join_pending()
             finally:
-                if self._memory is not None:
-                    self._memory.close()
+                try:
+                    if self._memory is not None:
+                        self._memory.close()
+                finally:
+                    self._close_persister()
         finally:
             self._closed = True
             self._stager = Stager()
@@ -526,7 +702,11 @@ class Checkpointer:
                 except Exception:  # the store itself may be gone
                     pass
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
-        handle._finish(error)
+        with self._hook_lock:  # save() of the outer checkpointer checks done() under it
+            hook = self._after_commit.pop(step, None)
+            if hook is not None and error is None:
+                hook()
+            handle._finish(error)
         # Deleting retired bytes is not part of making this step durable, but it stays on this
         # thread, so the next save (which joins it) never overlaps it.
         try:
@@ -576,39 +756,16 @@ class Checkpointer:
             commit_seq=seq,
             job_id=self.job_id,
         )
-        data = manifest_to_bytes(manifest)
-        try:  # never publish what a reader would refuse (the caps, JSON depth, ...)
-            manifest_of_step(data, self.storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
-        except CheckpointCorruptError as e:
-            raise CommitError(
-                f"refusing to commit step {step}: readers would refuse it: {e}"
-            ) from None
-        self.storage.sync_dir(step_rel)
-        self._lease.check()  # nobody took the URL over while the files were written
-        self.storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
+        garbage = publish_commit(
+            self.storage,
+            self._lease,
+            manifest,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            collect=self._collectable,
+        )
         self._anchor = (step, seq)  # snapshots from now on descend from this commit
-        # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps
-        # that retention drops are uncommitted before the outcome is published, so every rank's
-        # wait() sees the same steps; their bytes are deleted after (see _persist).  Nothing is
-        # deleted unless the lease is still this job's after the commit.
-        self._lease.check()
-        garbage: list[str] = []
-        try:
-            # Files of an older generation of this step, and temp files, are garbage now.
-            for name in self.storage.listdir(step_rel):
-                if name != MANIFEST_NAME and name not in manifest.files:
-                    garbage.append(f"{step_rel}/{name}")
-            garbage += retire_steps(
-                self.storage,
-                self.keep_last,
-                self.keep_every,
-                in_progress=step,
-                collect=self._collectable,
-            )
-        except Exception as e:
-            log.warning("retention after committing step %d failed: %s", step, e)
-        finally:
-            self._uncommitted_seen, self._uncommitted_next = self._uncommitted_next, set()
+        self._uncommitted_seen, self._uncommitted_next = self._uncommitted_next, set()
         committer.publish("ok")
         committer.cleanup()
         return garbage
@@ -1114,61 +1271,6 @@ class _PendingLoad:
         for undo in self.flat.undo:
             undo()
         self.scratch = {}
-
-
-# The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
-# the snapshot's state descends from.
-ANCHOR_KEY = "_resilient_durable_anchor"
-
-
-def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
-    if isinstance(anchor, str) and anchor.count(":") == 1:
-        a, q = anchor.split(":")
-        if a.isdigit() and q.isdigit() and len(a) < 20 and len(q) < 20:
-            return int(a), int(q)
-    return None
-
-
-def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
-    """Why a snapshot (taken by ``job_id``) descended from durable commit ``anchor`` must not be
-    restored, or None."""
-    if anchor is None:
-        return "it records no durable commit it descends from"
-    if anchor == "":
-        # taken before this job knew of any durable commit: fine while every commit on the line
-        # is this job's own (its first save may have been in flight), not after another job's
-        others = (
-            sorted({info.job_id for s in line if (info := durable.get(s)) is not None} - {job_id})
-            if durable is not None
-            else []
-        )
-        if others:
-            return (
-                f"it was taken before any durable commit, and durable storage now has commits "
-                f"by another job ({others[0]!r})"
-            )
-        return None
-    parsed = _parse_anchor(anchor)
-    if parsed is None:
-        return f"its durable anchor {str(anchor)[:64]!r} does not parse"
-    info = durable.get(parsed[0]) if durable is not None else None
-    if info is None and durable is not None:
-        # pruned by retention once a newer commit of the line landed (a save that was in
-        # flight when the snapshot was taken), or deleted by hand (then nothing newer is there)
-        newer = [i for t in line if (i := durable.get(t)) is not None and i.commit_seq > parsed[1]]
-        if newer:
-            return None
-    if info is None or info.state != "committed" or info.commit_seq != parsed[1]:
-        return (
-            f"the durable commit it descends from (step {parsed[0]}, commit {parsed[1]}) is no "
-            f"longer in durable storage"
-        )
-    if parsed[0] not in line:
-        return (
-            f"the durable commit it descends from (step {parsed[0]}) is on an abandoned branch "
-            f"(a rollback happened since)"
-        )
-    return None
 
 
 def _nodes(world_size: int) -> int:

@@ -28,7 +28,9 @@ import shutil
 import stat
 import tempfile
 import time
+from typing import Any
 
+from resilient.checkpoint.catalog import Catalog
 from resilient.errors import MemoryTierError
 
 __all__ = [
@@ -228,3 +230,58 @@ def _fmt(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+# The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
+# the snapshot's state descends from.
+ANCHOR_KEY = "_resilient_durable_anchor"
+
+
+def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
+    if isinstance(anchor, str) and anchor.count(":") == 1:
+        a, q = anchor.split(":")
+        if a.isdigit() and q.isdigit() and len(a) < 20 and len(q) < 20:
+            return int(a), int(q)
+    return None
+
+
+def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
+    """Why a snapshot (taken by ``job_id``) descended from durable commit ``anchor`` must not be
+    restored, or None."""
+    if anchor is None:
+        return "it records no durable commit it descends from"
+    if anchor == "":
+        # taken before this job knew of any durable commit: fine while every commit on the line
+        # is this job's own (its first save may have been in flight), not after another job's
+        others = (
+            sorted({info.job_id for s in line if (info := durable.get(s)) is not None} - {job_id})
+            if durable is not None
+            else []
+        )
+        if others:
+            return (
+                f"it was taken before any durable commit, and durable storage now has commits "
+                f"by another job ({others[0]!r})"
+            )
+        return None
+    parsed = _parse_anchor(anchor)
+    if parsed is None:
+        return f"its durable anchor {str(anchor)[:64]!r} does not parse"
+    info = durable.get(parsed[0]) if durable is not None else None
+    if info is None and durable is not None:
+        # pruned by retention once a newer commit of the line landed (a save that was in
+        # flight when the snapshot was taken), or deleted by hand (then nothing newer is there)
+        newer = [i for t in line if (i := durable.get(t)) is not None and i.commit_seq > parsed[1]]
+        if newer:
+            return None
+    if info is None or info.state != "committed" or info.commit_seq != parsed[1]:
+        return (
+            f"the durable commit it descends from (step {parsed[0]}, commit {parsed[1]}) is no "
+            f"longer in durable storage"
+        )
+    if parsed[0] not in line:
+        return (
+            f"the durable commit it descends from (step {parsed[0]}) is on an abandoned branch "
+            f"(a rollback happened since)"
+        )
+    return None

@@ -25,7 +25,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,9 +43,13 @@ from resilient.checkpoint.format import (
     TensorEntry,
     dtype_info,
     dtype_name,
+    manifest_of_step,
     manifest_summary,
+    manifest_to_bytes,
     parse_step_dir,
+    step_dir_name,
 )
+from resilient.checkpoint.retention import retire_steps
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, LeaseError, ResilientError
@@ -61,6 +65,7 @@ __all__ = [
     "CommitError",
     "next_generation",
     "rank_file_metadata",
+    "publish_commit",
 ]
 
 log = logging.getLogger(__name__)
@@ -470,3 +475,43 @@ def build_manifest(
 
 
 _MISSING = object()
+
+
+def publish_commit(
+    storage: Storage,
+    lease: Any,
+    manifest: Manifest,
+    *,
+    keep_last: int,
+    keep_every: int | None,
+    collect: Callable[[Any], bool] | None = None,
+) -> list[str]:
+    """Commit a step whose files are written: check that readers would accept the manifest,
+    make the directory durable, check the writer lease, publish the manifest, then (under the
+    lease still) run retention.  Returns what to delete afterwards: older generations and temp
+    files of this step, and the directories retention dropped (uncommitted already)."""
+    step = manifest.step
+    step_rel = step_dir_name(step)
+    data = manifest_to_bytes(manifest)
+    try:  # never publish what a reader would refuse (the caps, JSON depth, ...)
+        manifest_of_step(data, storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
+    except CheckpointCorruptError as e:
+        raise CommitError(f"refusing to commit step {step}: readers would refuse it: {e}") from None
+    storage.sync_dir(step_rel)
+    lease.check()  # nobody took the URL over while the files were written
+    storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
+    # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps that
+    # retention drops are uncommitted before the outcome is published, so every rank's wait()
+    # sees the same steps; their bytes are deleted after.  Nothing is deleted unless the lease is
+    # still this job's after the commit.
+    lease.check()
+    garbage: list[str] = []
+    try:
+        # Files of an older generation of this step, and temp files, are garbage now.
+        for name in storage.listdir(step_rel):
+            if name != MANIFEST_NAME and name not in manifest.files:
+                garbage.append(f"{step_rel}/{name}")
+        garbage += retire_steps(storage, keep_last, keep_every, in_progress=step, collect=collect)
+    except Exception as e:
+        log.warning("retention after committing step %d failed: %s", step, e)
+    return garbage

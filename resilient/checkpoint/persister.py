@@ -1,0 +1,555 @@
+"""The persister: durable writes from a process that is not the trainer (the memory tier).
+
+With the memory tier on, a durable save is a memory snapshot that a separate process promotes to
+the checkpoint URL, so the trainer's GIL and cores are not taken by copies, checksums and uploads,
+and a snapshot newer than the newest durable commit is still written out when the trainer dies.
+
+* Rank 0 starts the persister (a ``python`` running :func:`main`) at its first
+  snapshot or save, one per job on its node, in a session of its own: it outlives the workers
+  (torchrun's teardown signals their process groups, not it).  Its log is ``persister.log`` in the
+  job's memory directory.
+* A save of step S snapshots the state into memory (or reuses the snapshot of S just taken).  Once
+  that snapshot is committed, rank 0 hard-links its files into ``<job>/outbox/step_S`` (the memory
+  tier's retention may drop the step meanwhile; the bytes stay until the copy is done) and asks
+  the persister, over a pipe, to persist S.  Every other rank waits for rank 0's word on the store,
+  as for any commit.
+* The persister checks every chunk of every rank file against the snapshot's checksums, copies the
+  files to the URL under the step's next generation, commits a manifest there like any save (the
+  next commit_seq, the job id, the writer lease it holds, retention) and answers.  Nothing the
+  trainer does waits for it except the next durable save (one in flight, as always).
+* When the trainer says goodbye, or the pipe closes without one (rank 0 is gone: a crash, SIGKILL,
+  torchrun tearing the workers down, an OOM), the persister flushes: it persists the newest
+  snapshot of the node's memory that is newer than the newest durable commit and restorable (the
+  checks a load makes), if there is one, then exits.  One persister per job at a time (a lock in the job directory): a restarted
+  trainer's persister waits for its predecessor's flush.
+
+Messages are JSON lines: the trainer sends the configuration, then ``{"op": "persist", "id": n,
+"step": S}`` and finally ``{"op": "close"}``; the persister answers ``{"id": n, "ok": true,
+"commit_seq": Q, "bytes": B, "seconds": T}`` or ``{"id": n, "ok": false, "type": ..., "error":
+...}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import mmap
+import os
+import queue
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.codec import block_checksums
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    manifest_of_step,
+    rank_file_name,
+    step_dir_name,
+)
+from resilient.checkpoint.lease import WriterLease
+from resilient.checkpoint.retention import delete_dirs
+from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
+from resilient.checkpoint.storage import RetryPolicy, Storage
+from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
+from resilient.errors import CheckpointCorruptError, ResilientError
+
+__all__ = ["OUTBOX", "PersisterClient", "link_to_outbox", "main"]
+
+log = logging.getLogger(__name__)
+
+OUTBOX = "outbox"
+LOCK_NAME = "PERSISTER.lock"
+LOG_NAME = "persister.log"
+_MAX_MESSAGE = 1 << 20
+# not "-m resilient.checkpoint.persister": the package imports this module before runpy would
+_ENTRY = "import sys; from resilient.checkpoint.persister import main; sys.exit(main())"
+
+
+# --- the trainer's side ------------------------------------------------------------------------------
+
+
+def link_to_outbox(steps_dir: str, step: int, outbox: str) -> str:
+    """Hard-link a committed snapshot's manifest and rank files into ``<outbox>/step_S``
+    (replacing an older entry of that step); returns that directory.  Microseconds: no bytes move,
+    and the memory tier may retire the step from now on without taking them from the copy."""
+    name = step_dir_name(step)
+    src = os.path.join(steps_dir, name)
+    os.makedirs(outbox, mode=0o700, exist_ok=True)
+    tmp = os.path.join(outbox, f".{name}.tmp-{secrets.token_hex(4)}")
+    os.mkdir(tmp, 0o700)
+    try:
+        manifest = _read_small(os.path.join(src, MANIFEST_NAME), MAX_MANIFEST_BYTES)
+        files = manifest_of_step(manifest, f"{src}/{MANIFEST_NAME}", step).files
+        for f in files:
+            os.link(os.path.join(src, f), os.path.join(tmp, f), follow_symlinks=False)
+        # the manifest last, and as a copy of what was read: what the files were checked against
+        fd = os.open(os.path.join(tmp, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(manifest)
+        dest = os.path.join(outbox, name)
+        if os.path.lexists(dest):
+            shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+        return dest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class PersisterClient:
+    """Rank 0's handle on the job's persister process: start it, ask it to persist a step, say
+    goodbye.  Thread-safe; a persister that died is restarted at the next request."""
+
+    def __init__(self, job_dir: str, config: dict[str, Any]) -> None:
+        self.job_dir = job_dir
+        # this trainer's own outbox: a predecessor's persister, flushing, cleans only its own
+        self.outbox = os.path.join(job_dir, OUTBOX, f"{os.getpid()}-{secrets.token_hex(4)}")
+        self.config = dict(config, job_dir=job_dir, outbox=self.outbox, parent_pid=os.getpid())
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._next_id = 0
+        self._gone: str | None = None  # why the current process can answer no more
+        self.started = 0  # how many processes this client started
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> None:
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None and self._gone is None:
+                return
+            if self._proc is not None:
+                log.warning(
+                    "the persister of %s (pid %d) is gone (%s); starting another",
+                    self.config["url"],
+                    self._proc.pid,
+                    self._gone or f"exit code {self._proc.poll()}",
+                )
+            self._spawn()
+
+    def _spawn(self) -> None:
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        log_path = os.path.join(self.job_dir, LOG_NAME)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _ENTRY],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=fd,
+                env=env,
+                start_new_session=True,  # not in the workers' process group: it outlives them
+                close_fds=True,
+            )
+        finally:
+            os.close(fd)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(self.config).encode() + b"\n")
+        proc.stdin.flush()
+        self._proc, self._gone = proc, None
+        self.started += 1
+        threading.Thread(
+            target=self._read_replies, args=(proc,), name="resilient-persister-replies", daemon=True
+        ).start()
+
+    def _read_replies(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                reply = json.loads(line[:_MAX_MESSAGE])
+                rid = int(reply["id"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("the persister said something unexpected: %r", line[:200])
+                continue
+            with self._cond:
+                self._replies[rid] = reply
+                self._cond.notify_all()
+        code = proc.wait()
+        with self._cond:
+            if self._proc is proc:
+                self._gone = f"it exited with code {code}; see {self.job_dir}/{LOG_NAME}"
+            self._cond.notify_all()
+
+    def persist(self, step: int, timeout_s: float) -> dict[str, Any]:
+        """Ask the persister to persist ``step`` (its outbox entry); its reply."""
+        self.start()
+        with self._cond:
+            self._next_id += 1
+            rid = self._next_id
+            proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        try:
+            proc.stdin.write(
+                json.dumps({"op": "persist", "id": rid, "step": step}).encode() + b"\n"
+            )
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise CommitError(
+                f"cannot ask the persister (pid {proc.pid}) to persist step {step}: {e}; see "
+                f"{self.job_dir}/{LOG_NAME}"
+            ) from e
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while rid not in self._replies:
+                if self._gone is not None and self._proc is proc:
+                    raise CommitError(
+                        f"the persister (pid {proc.pid}) did not persist step {step}: {self._gone}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommitError(
+                        f"the persister (pid {proc.pid}) did not persist step {step} within "
+                        f"{timeout_s:.0f}s (commit_timeout_s); it goes on in the background; "
+                        f"see {self.job_dir}/{LOG_NAME}"
+                    )
+                self._cond.wait(min(left, 1.0))
+            return self._replies.pop(rid)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Say goodbye (no flush: the trainer ended cleanly) and wait for the process to exit, so
+        the job's memory can be given back."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(b'{"op": "close"}\n')
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "the persister (pid %d) did not exit within %.0fs of being closed; it is left "
+                "to finish; see %s/%s",
+                proc.pid,
+                timeout_s,
+                self.job_dir,
+                LOG_NAME,
+            )
+
+
+# --- the persister's side --------------------------------------------------------------------------
+
+
+class Promoter:
+    """Copies committed snapshots from the node's memory to the URL and commits them there."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.job_dir: str = config["job_dir"]
+        self.steps_dir = os.path.join(self.job_dir, "steps")
+        self.outbox: str = config["outbox"]
+        self.storage = Storage(
+            config["url"],
+            config.get("storage_options"),
+            RetryPolicy(**config.get("retry", {})),
+            commit_method=config.get("commit_method"),
+        )
+        self.job_id: str = config["job_id"]
+        self.keep_last: int = config["keep_last"]
+        self.keep_every: int | None = config.get("keep_every")
+        self.lease = WriterLease(self.storage, self.job_id, timeout_s=config["lease_timeout_s"])
+        self._began: set[str] = set()
+        self._seen: set[str] = set()
+        self._next: set[str] = set()
+
+    def persist(self, step: int, src: str | None = None) -> dict[str, Any]:
+        """Commit the snapshot in ``src`` (default: the outbox entry of ``step``) as durable step
+        ``step``; the outbox entry is removed afterwards, whatever happened."""
+        src = src or os.path.join(self.outbox, step_dir_name(step))
+        t0 = time.monotonic()
+        try:
+            return self._persist(step, src, t0)
+        finally:
+            shutil.rmtree(src, ignore_errors=True)
+
+    def _persist(self, step: int, src: str, t0: float) -> dict[str, Any]:
+        where = f"the memory snapshot of step {step} ({src})"
+        try:
+            data = _read_small(os.path.join(src, MANIFEST_NAME), MAX_MANIFEST_BYTES)
+        except OSError as e:
+            raise CheckpointCorruptError(f"{where} has no readable manifest: {e}") from e
+        snap = manifest_of_step(data, f"{src}/{MANIFEST_NAME}", step)
+        if self.storage.commit_method is None:
+            raise self.storage.refusal_to_commit()
+        step_rel = step_dir_name(step)
+        self.lease.acquire()
+        self.storage.makedirs(step_rel)
+        self._began.add(step_rel)
+        generation = next_generation(self.storage, step_rel)
+        names = {old: rank_file_name(entry.rank, generation) for old, entry in snap.files.items()}
+        chunks_of: dict[str, list[tuple[str, Any]]] = {f: [] for f in snap.files}
+        for key, t in snap.tensors.items():
+            for c in t.chunks:
+                chunks_of[c.file].append((key, c))
+        total = 0
+        for old, entry in sorted(snap.files.items()):
+            total += self._copy(src, old, entry.size_bytes, chunks_of[old], snap, step_rel, names)
+        seq = scan(self.storage).next_commit_seq()
+        manifest = _promoted(snap, names, generation, seq, self.job_id)
+        garbage = publish_commit(
+            self.storage,
+            self.lease,
+            manifest,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            collect=self._collectable,
+        )
+        self._seen, self._next = self._next, set()
+        try:
+            delete_dirs(self.storage, garbage)
+        except Exception as e:
+            log.warning("deleting retired checkpoint files failed: %s", e)
+        seconds = time.monotonic() - t0
+        log.info("persisted step %d (%d bytes, commit %d) in %.2fs", step, total, seq, seconds)
+        return {"commit_seq": seq, "generation": generation, "bytes": total, "seconds": seconds}
+
+    def _copy(
+        self,
+        src: str,
+        name: str,
+        size: int,
+        chunks: list[tuple[str, Any]],
+        snap: Manifest,
+        step_rel: str,
+        names: dict[str, str],
+    ) -> int:
+        """Check one rank file's chunks against the snapshot's checksums and write it to the URL."""
+        path = os.path.join(src, name)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise CheckpointCorruptError(
+                    f"memory snapshot file {path} has {st.st_size} bytes, its manifest says "
+                    f"{size}; the snapshot is damaged and is not persisted"
+                )
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+            view = memoryview(mm) if mm is not None else memoryview(b"")
+            try:
+                for key, c in chunks:
+                    b, e = c.byte_range
+                    if block_checksums(view[b:e], snap.block_bytes, parallel=False) != list(
+                        c.checksums
+                    ):
+                        raise CheckpointCorruptError(
+                            f"memory snapshot file {path}: chunk {key!r} does not match its "
+                            f"checksums; the snapshot is damaged and is not persisted"
+                        )
+                self.storage.write_file(f"{step_rel}/{names[name]}", [view])
+            finally:
+                view.release()
+                if mm is not None:
+                    mm.close()
+        finally:
+            os.close(fd)
+        return size
+
+    def _collectable(self, info: Any) -> bool:
+        """As the Checkpointer's: this process's own failed saves, or what was already
+        uncommitted at its previous commit."""
+        mine = info.dir in self._began
+        seen = info.dir in self._seen
+        self._next.add(info.dir)
+        return mine or seen
+
+    def flush(self) -> dict[str, Any] | None:
+        """Persist the newest restorable snapshot newer than the newest durable commit, if any."""
+        mem = Storage(self.steps_dir)
+        snaps = scan(mem)
+        durable = scan(self.storage)
+        newest = durable.newest()
+        line = set(durable.line())
+        for s in snaps.line():
+            if newest is not None and s <= newest.step:
+                log.info("flush: nothing newer than durable step %d in memory", newest.step)
+                return None
+            try:
+                data = _read_small(
+                    os.path.join(self.steps_dir, step_dir_name(s), MANIFEST_NAME),
+                    MAX_MANIFEST_BYTES,
+                )
+                snap = manifest_of_step(data, f"memory step {s}", s)
+            except (OSError, ResilientError) as e:
+                log.warning("flush: memory step %d is not readable (%s); trying an older one", s, e)
+                continue
+            why = _stale(snap.extras.get(ANCHOR_KEY), snap.job_id, durable, line)
+            if why:
+                log.warning("flush: memory step %d is not persisted: %s", s, why)
+                continue
+            try:
+                link_to_outbox(self.steps_dir, s, self.outbox)
+            except (OSError, ResilientError) as e:  # retired meanwhile: a newer one exists
+                log.warning("flush: memory step %d went away (%s); trying an older one", s, e)
+                continue
+            return {"step": s, **self.persist(s)}
+        log.info("flush: no snapshot in memory to persist")
+        return None
+
+    def close(self) -> None:
+        if self.lease.held:
+            self.lease.release()
+
+
+def _promoted(
+    snap: Manifest, names: dict[str, str], generation: int, seq: int, job_id: str
+) -> Manifest:
+    """The durable manifest of a snapshot: its files renamed to the durable generation, this
+    commit's place in the durable commit order, and no memory-tier bookkeeping."""
+    tensors = {
+        k: dataclasses.replace(
+            t, chunks=tuple(dataclasses.replace(c, file=names[c.file]) for c in t.chunks)
+        )
+        for k, t in snap.tensors.items()
+    }
+    extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
+    rank_extras = {}
+    for r, values in snap.rank_extras.items():
+        kept = {k: v for k, v in values.items() if k != ANCHOR_KEY}
+        if kept:
+            rank_extras[r] = kept
+    return dataclasses.replace(
+        snap,
+        tensors=tensors,
+        files={names[f]: e for f, e in snap.files.items()},
+        extras=extras,
+        rank_extras=rank_extras,
+        generation=generation,
+        commit_seq=seq,
+        job_id=job_id,
+        created_unix_s=time.time(),
+    )
+
+
+def _read_small(path: str, cap: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise CheckpointCorruptError(f"{path} is larger than {cap} bytes")
+    return data
+
+
+def _reclaim_outboxes(root: str) -> None:
+    """Remove the outboxes of trainers that are gone (``<pid>-<token>``): a predecessor's
+    persister is done with them (this one holds the lock), and what they hold is older than what
+    the memory tier holds."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        pid = name.split("-", 1)[0]
+        if pid.isdigit() and len(pid) < 10 and _running(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reply(out: Any, message: dict[str, Any]) -> None:
+    try:
+        out.write(json.dumps(message).encode() + b"\n")
+        out.flush()
+    except (BrokenPipeError, OSError):  # the trainer is gone; the log has it
+        pass
+
+
+def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
+    """Answer requests until a goodbye (True) or the pipe's end without one (False)."""
+    while True:
+        msg = requests.get()
+        if msg is None:
+            return False
+        if msg.get("op") == "close":
+            return True
+        if msg.get("op") != "persist":
+            log.warning("unknown request %r", msg)
+            continue
+        rid, step = msg.get("id"), msg.get("step")
+        try:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ResilientError(f"persist request without a valid step: {msg!r}")
+            _reply(out, {"id": rid, "ok": True, **promoter.persist(step)})
+        except Exception as e:
+            log.error("persisting step %s failed: %s: %s", step, type(e).__name__, e)
+            _reply(out, {"id": rid, "ok": False, "type": type(e).__name__, "error": str(e)[:4000]})
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s persister[{os.getpid()}] %(levelname)s %(message)s",
+    )
+    stdin, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but replies on the pipe
+    config = json.loads(stdin.readline(_MAX_MESSAGE))
+    job_dir = config["job_dir"]
+    lock = os.open(os.path.join(job_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    log.info(
+        "started for %s (trainer pid %s); waiting for the lock",
+        config["url"],
+        config.get("parent_pid"),
+    )
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a predecessor may still be flushing
+    _reclaim_outboxes(os.path.join(job_dir, OUTBOX))
+    requests: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stdin:
+            try:
+                requests.put(json.loads(line[:_MAX_MESSAGE]))
+            except ValueError:
+                log.warning("unreadable request %r", line[:200])
+        requests.put(None)
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    promoter = Promoter(config)
+    try:
+        if _serve(promoter, requests, out):
+            log.info("closed by the trainer; flushing what durable storage lacks, if anything")
+        else:
+            log.info("the trainer is gone without a goodbye: flushing the newest snapshot")
+        try:
+            done = promoter.flush()
+            if done:
+                log.info("flushed step %d (commit %d)", done["step"], done["commit_seq"])
+        except Exception as e:
+            log.error("flush failed: %s: %s", type(e).__name__, e)
+            return 1
+        return 0
+    finally:
+        promoter.close()
+        shutil.rmtree(promoter.outbox, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Durable writes out of the trainer's process: with the memory tier on, a durable save is a memory
+snapshot that the persister process (resilient/checkpoint/persister.py) verifies, copies to the URL
+and commits; when the trainer dies, the persister writes out the newest snapshot that durable
+storage lacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient import CheckpointCorruptError, Checkpointer, LeaseError
+from resilient.checkpoint.persister import OUTBOX, Promoter, link_to_outbox
+from tests.dist import run_distributed
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 4)
+
+
+def _bump(model: torch.nn.Module, by: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+
+
+def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _same(m: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+
+
+def _wait_for(what: str, cond, timeout_s: float = 120.0) -> None:
+    """An event, not a time: poll until ``cond()`` holds (the bound only ends a broken test)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (our child, not yet reaped) is gone for this purpose
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_durable_saves_are_committed_by_another_process(tmp_path):
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1) as ck:
+        _bump(m, 1.0)
+        ck.save(3, {"model": m}).wait()
+        want = _weights(m)
+        pid = ck.persister_pid
+        assert pid is not None and pid != os.getpid() and _alive(pid)
+        # the writer lease of the URL is held by the persister, not by this process
+        lease = json.loads((url / "LEASE.json").read_text())
+        assert lease["pid"] == pid
+        _bump(m, 1.0)
+        ck.save(4, {"model": m}).wait()
+        assert ck.persister_pid == pid  # one process for the job, not one per save
+    assert not _alive(pid)  # close() said goodbye and waited
+    assert not (url / "LEASE.json").exists()
+    fresh = Checkpointer(str(url))
+    assert fresh.steps() == [3, 4] and fresh.verify(3).ok and fresh.verify(4).ok
+    m2 = _model(1)
+    assert fresh.load({"model": m2}, step=3) == 3 and _same(m2, want)
+    manifest = fresh.manifest(3)
+    assert "_resilient_durable_anchor" not in json.dumps(manifest.to_json())
+    assert manifest.commit_seq == 1 and fresh.manifest(4).commit_seq == 2
+
+
+def test_where_another_process_cannot_write_the_trainer_does(tmp_path):
+    # an in-process fsspec filesystem, or compression (the persister copies bytes as they are)
+    with Checkpointer("memory://persister-test", memory_every=1) as ck:
+        ck.save(1, {"model": _model()}).wait()
+        assert ck.persister_pid is None and ck.steps() == [1]
+    with Checkpointer(str(tmp_path / "z"), memory_every=1, compression="zstd") as ck:
+        ck.save(1, {"model": _model()}).wait()
+        assert ck.persister_pid is None and ck.steps() == [1]
+    with pytest.raises(ValueError, match="persister=True cannot work here.*memory"):
+        Checkpointer("memory://persister-test-2", memory_every=1, persister=True)
+
+
+_TRAINER = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from resilient import Checkpointer
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    ck = Checkpointer(sys.argv[1], memory_every=1)
+    for step in range(1, 9):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        ck.snapshot(step, {"model": m})
+        if step == 4:
+            ck.save(step, {"model": m}).wait()
+    ck.wait_snapshot()
+    torch.save(m.state_dict(), sys.argv[2])  # (the test's reference: not a checkpoint)
+    print(ck.persister_pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no goodbye: the job is gone
+    """
+)
+
+
+def test_a_killed_trainers_newest_snapshot_is_flushed_to_durable_storage(tmp_path):
+    url = tmp_path / "ckpt"
+    ref = tmp_path / "reference.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRAINER, str(url), str(ref)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid = int(proc.stdout.split()[-1])
+    # the persister saw the pipe close without a goodbye, wrote step 8 out and exited
+    _wait_for("the persister's exit", lambda: not _alive(pid))
+    ck = Checkpointer(str(url))
+    assert ck.steps() == [4, 8]
+    assert ck.verify(8).ok
+    m = _model(1)
+    ck.load({"model": m})
+    want = torch.load(ref, weights_only=True)
+    assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+    log = next(Path(os.environ["RESILIENT_MEMORY_ROOT"]).glob("job-*/persister.log")).read_text()
+    assert "gone without a goodbye" in log and "flushed step 8" in log
+
+
+def _promoter(ck: Checkpointer) -> Promoter:
+    """The persister's worker, in this process, for a checkpointer without a persister."""
+    assert ck.memory is not None
+    outbox = os.path.join(ck.memory.dir, OUTBOX, "test")
+    return Promoter(dict(_config(ck), job_dir=ck.memory.dir, outbox=outbox))
+
+
+def test_a_damaged_snapshot_is_never_promoted(tmp_path):
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        ck.snapshot(5, {"model": m}).wait()
+        promoter = _promoter(ck)
+        src = link_to_outbox(ck.memory.steps, 5, promoter.outbox)
+        rank_file = Path(src) / "rank_00000.safetensors"
+        data = bytearray(rank_file.read_bytes())
+        data[-3] ^= 0xFF  # the outbox holds links: the snapshot itself is damaged
+        rank_file.write_bytes(bytes(data))
+        with pytest.raises(CheckpointCorruptError, match="does not match its checksums"):
+            promoter.persist(5)
+        promoter.close()
+        assert not Path(src).exists()  # the outbox entry goes, whatever happened
+    assert Checkpointer(str(url)).steps() == []
+
+
+def _config(ck: Checkpointer) -> dict:
+    return {
+        "url": ck.url,
+        "storage_options": {},
+        "retry": {},
+        "commit_method": ck.storage.commit_method,
+        "job_id": ck.job_id,
+        "keep_last": 3,
+        "keep_every": None,
+        "lease_timeout_s": 60.0,
+    }
+
+
+def test_a_stale_snapshot_is_never_flushed(tmp_path):
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        ck.save(30, {"model": m}).wait()
+        ck.save(40, {"model": m}).wait()
+        ck.snapshot(100, {"model": m}).wait()  # descends from 40
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        ck.load({"model": m}, step=30)  # a rollback to 30: 40 and snapshot 100 are abandoned
+        ck.save(35, {"model": m}).wait()
+        promoter = _promoter(ck)
+        assert promoter.flush() is None
+        promoter.close()
+        assert ck.latest_step() == 35 and ck.commits() == [30, 40, 35]
+
+
+def test_a_newer_snapshot_is_flushed_when_the_trainer_closes(tmp_path):
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1) as ck:
+        ck.save(2, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(3, {"model": m}).wait()
+        want = _weights(m)
+    # nothing newer in memory is lost when the job ends: the goodbye flushes step 3
+    ck = Checkpointer(str(url))
+    assert ck.steps() == [2, 3]
+    m2 = _model(1)
+    assert ck.load({"model": m2}) == 3 and _same(m2, want)
+
+
+def test_a_dead_persister_fails_its_save_and_is_replaced(tmp_path):
+    m = _model()
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1) as ck:
+        ck.save(1, {"model": m}).wait()
+        first = ck.persister_pid
+        os.kill(first, signal.SIGKILL)
+        _wait_for("the persister's death", lambda: not _alive(first))
+        _bump(m, 1.0)
+        ck.snapshot(2, {"model": m}).wait()  # rank 0 starts another with the snapshot
+        ck.save(2, {"model": m}).wait()
+        assert ck.persister_pid not in (None, first)
+        assert ck.steps() == [1, 2]
+
+
+def test_another_jobs_lease_is_a_lease_error(tmp_path):
+    url = tmp_path / "ckpt"
+    with Checkpointer(str(url), job_id="other-job", lease_timeout_s=2) as other:
+        other.save(1, {"model": _model()}).wait()  # holds the lease until closed
+        with Checkpointer(str(url), memory_every=1, job_id="this-job", lease_timeout_s=2) as ck:
+            with pytest.raises(LeaseError, match="other-job"):
+                ck.save(2, {"model": _model()}).wait()
+            assert ck.steps() == [1]
+
+
+def _two_ranks(rank: int, world: int, url: str) -> tuple:
+    m = _model()
+    ck = Checkpointer(url, memory_every=1)
+    _bump(m, float(rank))  # rank 1 holds other values: each rank's share is its own
+    ck.snapshot(1, {"model": m}).wait()
+    stats = ck.save(1, {"model": m}).wait()
+    pid = ck.persister_pid
+    ck.close()
+    return stats.committed, pid
+
+
+def test_two_ranks_save_through_rank_zeros_persister(tmp_path):
+    results = run_distributed(_two_ranks, 2, str(tmp_path / "ckpt"))
+    assert results[0][0] and results[1][0]
+    assert results[0][1] is not None and results[1][1] is None  # one persister: rank 0's
+    ck = Checkpointer(str(tmp_path / "ckpt"))
+    assert ck.steps() == [1] and ck.verify(1).ok
