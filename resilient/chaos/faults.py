@@ -330,15 +330,42 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
-    """Signal an agent and all its workers (a node lost at once); returns the pids signalled."""
-    pids = descendants(pid)
+def kill_tree(pid: int, sig: int = signal.SIGKILL, *, spare_persisters: bool = False) -> list[int]:
+    """Signal an agent and all its workers (a node lost at once); returns the pids signalled.
+    With ``spare_persisters``, the job's processes die and the node's persister lives on."""
+    pids = [p for p in descendants(pid) if not (spare_persisters and is_persister(p))]
     for p in pids:
         try:
             os.kill(p, sig)
         except ProcessLookupError:
             pass
     return pids
+
+
+def is_persister(pid: int) -> bool:
+    """Whether ``pid`` is a memory tier's persister (resilient/checkpoint/persister.py): the one
+    process of a job that outlives its workers."""
+    try:
+        return b"resilient.checkpoint.persister" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def persisters_of(roots: list[Path]) -> list[int]:
+    """The running persisters whose memory root (``RESILIENT_MEMORY_ROOT``) is one of ``roots``."""
+    wanted = {f"RESILIENT_MEMORY_ROOT={r}".encode() for r in roots}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or not is_persister(int(entry)):
+            continue
+        try:
+            env = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if env & wanted and state != "Z":
+            found.append(int(entry))
+    return found
 
 
 def worker_pid(agent: int, rank: int) -> int | None:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, worker_pid
-from resilient.chaos.scenario import Fault, Job
+from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
+from resilient.chaos.scenario import JOB_KILLS, Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
 
@@ -135,11 +135,13 @@ def launch_job(
 
     Each agent (a node) gets its own memory root for the memory tier (``RESILIENT_MEMORY_ROOT``,
     on /dev/shm), removed afterwards; a ``kill_job`` fault SIGKILLs every process of the job and
-    then runs the same job again, once, as a user would."""
+    then runs the same job again, once, as a user would; a ``crash_job`` fault SIGKILLs the job's
+    agents and workers but not the memory tier's persister, waits for the persister to finish,
+    and runs the job again on nodes whose memory is empty (new nodes)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     events = EventLog(str(paths.events))
     in_rank = [f.to_json() for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
-    external = [f for f in faults if f.kind in ("kill_node", "kill_job") or f.at_s is not None]
+    external = [f for f in faults if f.kind in ("kill_node", *JOB_KILLS) or f.at_s is not None]
     storage = [f for f in faults if f.kind == "storage"]
     for node in range(job.nodes):  # the plan reaches the ranks only through the job's own flag
         paths.plan(node).write_text(
@@ -175,7 +177,9 @@ def launch_job(
             )
             if not job_killed or timed_out:
                 break
-            external = [f for f in external if f.kind != "kill_job"]
+            external = [f for f in external if f.kind not in JOB_KILLS]
+            if job_killed == "crash_job":
+                _drop_memory(memory, events, say)
         leftover = sorted(
             str(d) for root in memory for d in (root.iterdir() if root.exists() else [])
         )
@@ -201,6 +205,22 @@ def launch_job(
     return result
 
 
+def _drop_memory(memory: list[Path], events: EventLog, say: Any, timeout_s: float = 120.0) -> None:
+    """Wait for the persisters that outlived a crashed job to finish (a persister of this run is
+    one whose memory root is one of its nodes'), then empty every node's memory: the rerun comes
+    up on nodes that hold nothing of the job."""
+    deadline = time.monotonic() + timeout_s
+    while left := persisters_of(memory):
+        if time.monotonic() > deadline:
+            say(f"  persisters {left} still run after {timeout_s:.0f}s; dropping the memory anyway")
+            break
+        time.sleep(0.05)
+    for root in memory:
+        shutil.rmtree(root, ignore_errors=True)
+    events.write("memory_dropped", nodes=len(memory), source="harness")
+    say("  the job's processes are gone and its persister is done: rerunning on empty memory")
+
+
 def memory_roots(paths: RunPaths, nodes: int) -> list[Path]:
     """A fresh memory root per node, on /dev/shm where there is one (the run's directory else)."""
     shm = Path("/dev/shm")
@@ -222,8 +242,9 @@ def _attempt(
     say: Any,
     *,
     rerun: bool,
-) -> tuple[list[int | None], list[int], bool, bool]:
-    """Start the agents and supervise them: (exit codes, nodes killed, timed out, job killed)."""
+) -> tuple[list[int | None], list[int], bool, str | None]:
+    """Start the agents and supervise them: (exit codes, nodes killed, timed out, the kind of
+    fault that killed the whole job, if one did)."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -269,9 +290,9 @@ def _supervise(
     events: EventLog,
     started: float,
     say: Any,
-) -> tuple[list[int], bool, bool]:
+) -> tuple[list[int], bool, str | None]:
     """Wait for the agents, firing the harness-side faults when their trigger comes:
-    (nodes killed, timed out, the whole job killed)."""
+    (nodes killed, timed out, the kind of fault that killed the whole job)."""
     pending, killed = list(external), []
     progress = _MetricsTail(paths.metrics)
     deadline = started + job.timeout_s
@@ -279,7 +300,7 @@ def _supervise(
         now = time.time()
         if now > deadline:
             say(f"  timeout: the job ran past {job.timeout_s:.0f}s; killing it")
-            return killed, True, False
+            return killed, True, None
         step = progress.last_step()
         for f in list(pending):
             due = (f.step is not None and step >= f.step) or (
@@ -288,12 +309,13 @@ def _supervise(
             if not due:
                 continue
             pending.remove(f)
-            if f.kind == "kill_job":
-                pids = [p for a in agents for p in kill_tree(a.pid)]
+            if f.kind in JOB_KILLS:
+                spare = f.kind == "crash_job"
+                pids = [p for a in agents for p in kill_tree(a.pid, spare_persisters=spare)]
                 for a in agents:
                     a.wait()
                 events.write("fault", id=f.id, kind=f.kind, step=step, pids=pids, source="harness")
-                return killed, False, True
+                return killed, False, f.kind
             if f.kind == "kill_node":
                 pids = kill_tree(agents[f.node].pid)
                 killed.append(f.node)
@@ -318,7 +340,7 @@ def _supervise(
                 )
                 os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
         time.sleep(0.05)
-    return killed, False, False
+    return killed, False, None
 
 
 class _MetricsTail:

@@ -18,13 +18,16 @@ save_every = 5
 
 [[faults]]
 kind = "kill"             # kill stop raise hang pause slow corrupt truncate skew kill_node kill_job
-                          # storage (kill_job: SIGKILL every process of the job, then run it again)
+                          # crash_job storage (kill_job: SIGKILL every process of the job, then run
+                          # it again; crash_job: SIGKILL the job's agents and workers, not the
+                          # memory tier's persister, then run it again on nodes with empty memory)
 rank = 1
 step = 12                 # trigger: at a step ...
 when = "step"             # ... before it ("step") or while its save is written ("save")
 # when = "import"         # or a start-up phase, without a step: "import" (before the heartbeat),
                           # "init" (process-group init) or "restore" (loading the checkpoint)
-# at_s = 8.0              # or at a time after the job started (kill, stop, kill_node, kill_job)
+# at_s = 8.0              # or at a time after the job started (kill, stop, kill_node, kill_job,
+                          # crash_job)
 # tier = "memory"         # corrupt/truncate: damage the newest memory snapshot, not the durable step
 
 [expect]
@@ -59,7 +62,8 @@ from resilient.errors import ScenarioError
 
 __all__ = ["Scenario", "Job", "Fault", "Expect", "load_scenario", "parse_scenario", "KINDS"]
 
-KINDS = (*IN_RANK_KINDS, "kill_node", "kill_job", "storage")
+KINDS = (*IN_RANK_KINDS, "kill_node", "kill_job", "crash_job", "storage")
+JOB_KILLS = ("kill_job", "crash_job")  # the harness kills the whole job, then runs it again
 STORAGE_ERRORS = ("transient", "timeout", "permanent", "enospc")
 STORAGE_OPS = ("read", "write", "list", "exists", "remove", "mkdir", "any")
 VERDICTS = ("DEAD", "HUNG", "STRAGGLER", "none")
@@ -366,7 +370,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             v.fail(at, "kind", f"a {kind} fault cannot fire in the {when!r} phase")
     elif (step is None) == (at_s is None):
         v.fail(at, "step", f"a {kind} fault needs exactly one trigger: step = N or at_s = SECONDS")
-    if at_s is not None and kind not in ("kill", "stop", "kill_node", "kill_job"):
+    if at_s is not None and kind not in ("kill", "stop", "kill_node", *JOB_KILLS):
         v.fail(at, "at_s", f"a {kind} fault fires inside a rank: trigger it with step = N")
     if kind == "kill_node":
         if job.nodes < 2:
@@ -375,9 +379,9 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             v.fail(at, "node", f"which agent to kill: 0..{job.nodes - 1}")
         if node == 0:
             v.fail(at, "node", "node 0 hosts the rendezvous store; kill node 1")
-    elif kind == "kill_job":
+    elif kind in JOB_KILLS:
         if rank is not None or node is not None:
-            v.fail(at, "rank", "a kill_job fault kills every process of the job: no rank or node")
+            v.fail(at, "rank", f"a {kind} fault kills every process of the job: no rank or node")
     elif kind not in ("corrupt", "truncate") and rank is None:
         v.fail(at, "rank", f"a {kind} fault needs the rank it hits")
     factor = v.typed(t, "factor", (int, float), at, default=None)

@@ -37,6 +37,7 @@ def test_the_memory_scenarios_are_the_ones_this_file_runs():
         "memory-kill-rank",
         "memory-corrupt",
         "memory-kill-job",
+        "memory-crash-job",
         "memory-too-small",
     }
 
@@ -74,6 +75,20 @@ def test_killed_job_resumes_from_memory_when_run_again(out):
     restore = next(e for e in events if e["event"] == "restore")
     # durable storage held step 10; the rerun found a newer snapshot in the node's memory
     assert restore["source"] == "memory" and restore["step"] > 10
+    assert max(report["measurements"]["steps_lost"], default=0) <= 1
+
+
+@pytest.mark.slow
+def test_crashed_job_resumes_from_what_its_persister_flushed(out):
+    report = _run(out, "memory-crash-job")
+    events = _events(report)
+    crash = next(e for e in events if e["event"] == "fault" and e["kind"] == "crash_job")
+    assert next(e for e in events if e["event"] == "memory_dropped")
+    restore = next(e for e in events if e["event"] == "restore")
+    # the nodes' memory was empty at the rerun: what it resumed from, newer than durable step
+    # 10, is what the persister wrote out after the job's processes were killed
+    assert restore["source"] == "durable" and restore["step"] > 10
+    assert restore["step"] >= crash["step"] - 1
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 
