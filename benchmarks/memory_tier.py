@@ -12,12 +12,18 @@
   this process may drop the page cache (root), cold, as after a reboot or on another node's disk.
   Dropping the cache does not touch the memory tier: tmpfs pages are not cache.
 
+- The persister's work for one durable save (check the snapshot, copy it to the disk, commit),
+  timed in this process for its CPU time, against a raw write + fsync of the same bytes.
+- Interference (``--interference-runs N``): the reference trainer, ``--interference-preset``
+  (``small``) on 2 ranks, a durable save every ``--save-every`` steps written by the trainer's own
+  thread, the same saves through the persister process, and none; interleaved.
 - Training with the tier (``--trainer-runs N``): the reference trainer, ``--preset`` on 2 ranks
   (dp 2), with a snapshot every step against none, N runs of each, interleaved; the median time
   between consecutive steps (wall clock, so it includes the snapshot's stall) after the first 5.
 
     python benchmarks/memory_tier.py [--gib 0.5] [--dir /path/on/disk] [--repeats 5]
                                      [--trainer-runs 3] [--preset tiny] [--steps 40]
+                                     [--interference-runs 2] [--save-every 2] [--skip-bench]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import drop_caches, gib, machine, markdown_table, median, write_results  # noqa: E402
 
 from resilient import Checkpointer  # noqa: E402
+from resilient.checkpoint.persister import OUTBOX, Promoter, link_to_outbox  # noqa: E402
 
 
 def make_state(total_bytes: int, num_tensors: int = 64) -> dict[str, torch.Tensor]:
@@ -100,6 +107,34 @@ def bench(args) -> dict:
             add("snapshot stall, back to back", b2b)
             add("background write to memory", write)
             add("raw write to tmpfs", raw)
+        # the persister's work for one durable save: check the snapshot's checksums, copy it to
+        # the disk, commit (run here, in this process, to time its CPU), against a raw write +
+        # fsync of the same bytes to the same disk
+        for r in range(args.repeats + 1):
+            step += 1
+            ck.snapshot(step, state).wait()
+            outbox = os.path.join(ck.memory.dir, OUTBOX, "bench")
+            promoter = Promoter(
+                {**ck._persister_config, "job_dir": ck.memory.dir, "outbox": outbox}
+            )
+            src = link_to_outbox(ck.memory.steps, step, outbox)
+            c0, t0 = time.process_time(), time.perf_counter()
+            promoter.persist(step, src)
+            persist, persist_cpu = time.perf_counter() - t0, time.process_time() - c0
+            promoter.close()
+            raw_path = os.path.join(disk, "raw.bin")
+            t0 = time.perf_counter()
+            with open(raw_path, "wb") as f:
+                for v in state.values():
+                    f.write(memoryview(v.view(torch.uint8).numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+            raw_disk = time.perf_counter() - t0
+            os.unlink(raw_path)
+            if r:
+                add("persister: check, copy to disk, commit", persist)
+                add("persister: its CPU time", persist_cpu)
+                add("raw write + fsync to the disk", raw_disk)
         # restore: memory against durable (the same step in both tiers)
         step += 1
         ck.snapshot(step, state).wait()
@@ -163,6 +198,52 @@ def trainer_runs(args) -> dict[str, list[float]]:
     return out
 
 
+INTERFERENCE = {
+    "no saves": ["--save-every", "0"],
+    "saves from the trainer's thread": ["--save-every", "{k}"],
+    "saves through the persister": ["--save-every", "{k}", "--memory-every", "{k}"],
+}
+
+
+def interference_runs(args) -> dict[str, dict[str, list[float]]]:
+    """The reference trainer (``--preset``, 2 ranks, dp 2) with a durable save every
+    ``--save-every`` steps written by the trainer's own background thread, the same saves handed
+    to the persister process (the memory tier: a snapshot of the step into the node's memory,
+    copied to durable storage by another process), and no saves; interleaved runs.  Per run: the
+    median time between consecutive steps after ``--warmup`` steps, and the median of the steps
+    right after a save (their gap holds the save's stall and the start of its background work)."""
+    out: dict[str, dict[str, list[float]]] = {
+        name: {"median": [], "after a save": []} for name in INTERFERENCE
+    }
+    root = tempfile.mkdtemp(prefix="mem-bench-interference-", dir=args.dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": os.path.join(root, "m")}
+    k = args.save_every
+    try:
+        for r in range(args.interference_runs):
+            for i, (name, flags) in enumerate(INTERFERENCE.items()):
+                d = os.path.join(root, f"{r}-{i}")
+                cmd = [
+                    sys.executable, "-m", "reference_trainer", "--nproc", "2", "--dp", "2",
+                    "--preset", args.interference_preset, "--steps", str(args.interference_steps),
+                    "--ckpt", d + "/ckpt", "--metrics", d + "/metrics.jsonl",
+                    *[f.format(k=k) for f in flags],
+                ]  # fmt: skip
+                t0 = time.perf_counter()
+                subprocess.run(cmd, check=True, env=env, capture_output=True)
+                print(f"  {name}: run {r} took {time.perf_counter() - t0:.0f}s", flush=True)
+                with open(d + "/metrics.jsonl") as f:
+                    rows = [json.loads(line) for line in f if line.strip()]
+                wall = {row["step"]: row["wall_time"] for row in rows}
+                gaps = {s: wall[s] - wall[s - 1] for s in wall if s - 1 in wall and s > args.warmup}
+                after = [g for s, g in gaps.items() if (s - 1) % k == 0]
+                out[name]["median"].append(median(list(gaps.values())))
+                out[name]["after a save"].append(median(after))
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -173,10 +254,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--trainer-runs", type=int, default=0)
+    p.add_argument("--interference-runs", type=int, default=0)
+    p.add_argument("--interference-preset", default="small")
+    p.add_argument("--interference-steps", type=int, default=12)
+    p.add_argument("--save-every", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     args = p.parse_args()
-    res = bench(args)
+    res = {"median_s": {}, "bytes": 0, "machine": machine()} if args.skip_bench else bench(args)
     if args.trainer_runs:
         res["trainer_step_s"] = trainer_runs(args)
     m = res["median_s"]
@@ -187,13 +274,36 @@ def main() -> None:
         "background write to memory": "raw write to tmpfs",
         "restore from memory": "restore from durable (local disk, page cache)",
         "restore from durable (local disk, cold)": "restore from memory",
+        "persister: check, copy to disk, commit": "raw write + fsync to the disk",
     }
     rows = []
     for name, s in m.items():
         ratio = f"{s / m[floor[name]]:.2f}x {floor[name]}" if name in floor else ""
         rows.append([name, f"{s * 1000:.0f}", f"{total / s / 2**30:.2f}", ratio])
-    print(f"{res['machine']}; state {gib(total)} in 64 bf16 tensors, medians of {args.repeats}")
-    print(markdown_table(["what", "ms", "GiB/s", "ratio"], rows))
+    if rows:
+        print(f"{res['machine']}; state {gib(total)} in 64 bf16 tensors, medians of {args.repeats}")
+        print(markdown_table(["what", "ms", "GiB/s", "ratio"], rows))
+    if args.interference_runs:
+        res["interference_s"] = t = interference_runs(args)
+        base = median(t["no saves"]["median"])
+        rows = []
+        for name, v in t.items():
+            med, after = median(v["median"]), median(v["after a save"])
+            rows.append(
+                [name, f"{med:.2f}", f"{(med / base - 1) * 100:+.0f}%", f"{after:.2f}",
+                 f"{(after / base - 1) * 100:+.0f}%"]
+            )  # fmt: skip
+        print(
+            f"\ntrainer, preset {args.interference_preset}, 2 ranks (dp 2), "
+            f"{args.interference_steps} steps, a save every {args.save_every}; median of "
+            f"{args.interference_runs} runs"
+        )
+        print(
+            markdown_table(
+                ["saves", "median step s", "vs no saves", "step after a save s", "vs no saves"],
+                rows,
+            )
+        )
     if args.trainer_runs:
         t = res["trainer_step_s"]
         off, on = median(t["no snapshots"]), median(t["a snapshot every step"])

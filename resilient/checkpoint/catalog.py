@@ -35,14 +35,16 @@ from typing import Literal
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    Manifest,
     ManifestSummary,
     manifest_of_step,
     parse_step_dir,
+    step_dir_name,
 )
 from resilient.checkpoint.storage import Storage
 from resilient.errors import ResilientError
 
-__all__ = ["StepInfo", "Catalog", "scan", "line_of"]
+__all__ = ["StepInfo", "Catalog", "scan", "line_of", "remember_commit"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,24 @@ def scan(storage: Storage) -> Catalog:
                 )
             )
     return Catalog(infos)
+
+
+def remember_commit(storage: Storage, m: Manifest) -> None:
+    """Put the manifest a writer has just checked and published into the scan cache, so that the
+    scans right after a commit (retention, the next save) do not parse it again.  Keyed by the
+    file's stat like any entry: if the file changes, the entry is not used."""
+    rel = f"{step_dir_name(m.step)}/{MANIFEST_NAME}"
+    try:
+        key = storage.stat_key(rel)
+    except ResilientError:
+        return
+    if key is None:
+        return
+    summary = ManifestSummary(m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files))
+    with _LOCK:
+        _CACHE[(storage.location(), rel, key)] = summary
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
 
 
 def _damaged(storage: Storage, step: int, name: str, problem: str, key: tuple) -> StepInfo:

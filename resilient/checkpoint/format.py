@@ -523,7 +523,9 @@ def expected_chunk(
 
 
 def manifest_to_bytes(m: Manifest) -> bytes:
-    return json.dumps(m.to_json(), indent=1, allow_nan=False, sort_keys=False).encode()
+    # one line: json's C encoder serves only unindented output (indent=1 took 5x as long, 4 ms
+    # for a 92-tensor manifest: a fixed cost of every save and every memory snapshot)
+    return json.dumps(m.to_json(), allow_nan=False, sort_keys=False).encode()
 
 
 def manifest_from_bytes(data: bytes, where: str) -> Manifest:

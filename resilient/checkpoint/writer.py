@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from resilient.checkpoint.buffers import huge_pages
+from resilient.checkpoint.catalog import remember_commit
 from resilient.checkpoint.codec import _CRC_POOL, block_checksums, compress, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -500,6 +501,7 @@ def publish_commit(
     storage.sync_dir(step_rel)
     lease.check()  # nobody took the URL over while the files were written
     storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
+    remember_commit(storage, manifest)
     # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps that
     # retention drops are uncommitted before the outcome is published, so every rank's wait()
     # sees the same steps; their bytes are deleted after.  Nothing is deleted unless the lease is
