@@ -373,7 +373,7 @@ class Run:
         ckpt.close_memory()
         if self.distributed and self.world_size > 1:
             dist.barrier()  # every rank of the node is done with the tier
-        if int(os.environ.get("LOCAL_RANK", str(self.rank))) == 0:
+        if ckpt.nodes.is_leader(self.rank):  # one rank per node (memory root)
             ckpt.memory.release()
 
     def _commit_final(self) -> None:

@@ -270,7 +270,7 @@ def _attempt(
             if node == 0 and job.nodes > 1:
                 _wait_for_port(port, agents[0], timeout=60)  # node 0 hosts the rendezvous store
         killed, timed_out, job_killed = _supervise(
-            job, paths, agents, external, events, started, say
+            job, paths, agents, external, events, started, say, memory
         )
     finally:
         for a in agents:
@@ -290,6 +290,7 @@ def _supervise(
     events: EventLog,
     started: float,
     say: Any,
+    memory: list[Path],
 ) -> tuple[list[int], bool, str | None]:
     """Wait for the agents, firing the harness-side faults when their trigger comes:
     (nodes killed, timed out, the kind of fault that killed the whole job)."""
@@ -319,6 +320,9 @@ def _supervise(
             if f.kind == "kill_node":
                 pids = kill_tree(agents[f.node].pid)
                 killed.append(f.node)
+                # the node is gone, and its memory with it (the memory tier's snapshots and the
+                # replicas it kept of its peer's)
+                shutil.rmtree(memory[f.node], ignore_errors=True)
                 events.write(
                     "fault",
                     id=f.id,

@@ -8,11 +8,9 @@ state.py (what a state is), writer.py (save), reader.py (load), retention.py and
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
@@ -28,8 +26,12 @@ from resilient.checkpoint.buffers import scratch_for
 from resilient.checkpoint.catalog import Catalog, StepInfo, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
+    MANIFEST_NAME,
     MAX_INT,
+    MAX_MANIFEST_BYTES,
     Manifest,
+    manifest_of_step,
+    manifest_to_bytes,
     rank_file_name,
     step_dir_name,
 )
@@ -46,6 +48,7 @@ from resilient.checkpoint.reader import (
     verify_step,
     watching_retirement,
 )
+from resilient.checkpoint.replicas import NodeMap, Replicas, node_map
 from resilient.checkpoint.retention import delete_dirs
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
@@ -243,14 +246,21 @@ class Checkpointer:
         # (the memory tier's own checkpointer) what to run on its coordinator right after a
         # step commits, before the step can be retired: the outer one pins it for the persister
         self._after_commit: dict[int, Any] = {}
+        self._shared_manifest: str | None = None  # the store key of the newest shared manifest
         self._hook_lock = threading.Lock()
-        nodes = 1 if memory_every is None else self._memory_nodes(memory_root)
-        if memory_every is not None and nodes > 1:
+        # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
+        self.nodes = NodeMap((0,) * self.world_size)
+        self._replicas: Replicas | None = None
+        if memory_every is not None and self._distributed and self.world_size > 1:
+            self.nodes = node_map(
+                self.world_size, self.rank, memory_root or default_root(), _boot_id()
+            )
+        if memory_every is not None and self.nodes.nodes > 1 and not self.nodes.uniform:
+            counts = sorted({len(self.nodes.ranks_of(n)) for n in range(self.nodes.nodes)})
             message = (
-                f"memory_every={memory_every}: this job spans {nodes} nodes, and the memory tier "
-                f"works within one node in this version (snapshots across nodes need peer "
-                f"replicas, not built yet); the tier is off, durable saves to {self.url} protect "
-                f"the run"
+                f"memory_every={memory_every}: this job's {self.nodes.nodes} nodes hold different "
+                f"numbers of ranks ({counts}), and peer replicas pair the ranks of neighbouring "
+                f"nodes; the tier is off, durable saves to {self.url} protect the run"
             )
             warnings.warn(message, stacklevel=2)
             log.warning(message)
@@ -281,11 +291,22 @@ class Checkpointer:
                 lease_timeout_s=lease_timeout_s,
                 _namespace="mem",
             )
+            if self.nodes.nodes > 1:
+                self._memory.nodes = self.nodes
+                self._memory._replicas = Replicas(
+                    self.nodes, self.rank, timeout_s=min(commit_timeout_s, 300.0)
+                )
         # Durable saves through the persister process (persister.py) when the tier is on.
         self._snap: SaveHandle | None = None  # the newest snapshot this checkpointer took
         self._persister: PersisterClient | None = None
         self._persister_config: dict[str, Any] | None = None
-        if self._memory is not None and persister is not False:
+        if self._memory is not None and persister is not False and self.nodes.nodes > 1:
+            if persister:
+                raise ValueError(
+                    "persister=True: a job on several nodes writes durable saves from its ranks "
+                    "(the persister serves one node in this version)"
+                )
+        elif self._memory is not None and persister is not False:
             why_not = self._persister_unavailable(storage_options, retry, compression)
             if why_not and persister:
                 raise ValueError(f"persister=True cannot work here: {why_not}")
@@ -647,6 +668,8 @@ class Checkpointer:
                     begin = committer.wait_begin(extra_s=self.lease_timeout_s)
                 generation = int(begin["generation"])
                 file = rank_file_name(self.rank, generation)
+                if self._replicas is not None and not coordinator:
+                    self.storage.makedirs(step_rel)  # this node's memory: its own directory
                 res = persist_rank_file(
                     self.storage,
                     step_rel,
@@ -684,8 +707,15 @@ class Checkpointer:
                 if outcome != "ok":
                     cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
                     raise cls(f"step {step} was not committed: {outcome}")
+                if self._replicas is not None and self.nodes.is_leader(self.rank):
+                    garbage = self._publish_on_this_node(committer, step)
             handle.stats.commit_s = time.monotonic() - t1
             handle.stats.committed = True
+            if self._replicas is not None:
+                try:
+                    self._replicas.replicate(self.storage, step_rel, file, generation)
+                except Exception as e:  # the snapshot is committed; its replica is a bonus
+                    log.warning("replicating snapshot %d to the peer node failed: %s", step, e)
         except BaseException as e:  # stored, re-raised at the next save/wait/close
             error = (
                 e
@@ -756,6 +786,11 @@ class Checkpointer:
             commit_seq=seq,
             job_id=self.job_id,
         )
+        if self._replicas is not None:  # every node's leader publishes it in its own memory
+            committer.store.set(f"{committer.prefix}/manifest", manifest_to_bytes(manifest))
+            if self._shared_manifest is not None:  # every leader has read the previous one
+                committer.store.delete_key(self._shared_manifest)
+            self._shared_manifest = f"{committer.prefix}/manifest"
         garbage = publish_commit(
             self.storage,
             self._lease,
@@ -769,6 +804,21 @@ class Checkpointer:
         committer.publish("ok")
         committer.cleanup()
         return garbage
+
+    def _publish_on_this_node(self, committer: Committer, step: int) -> list[str]:
+        """(a node's leader, memory tier across nodes) Publish the manifest rank 0 committed in
+        this node's own directory, and run retention there; returns what to delete."""
+        data = committer.store.get(f"{committer.prefix}/manifest")
+        step_rel = step_dir_name(step)
+        manifest = manifest_of_step(data, self.storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
+        return publish_commit(
+            self.storage,
+            _NodeLocal(),
+            manifest,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            collect=self._collectable,
+        )
 
     def _collectable(self, info: StepInfo) -> bool:
         """Whether an uncommitted step directory is garbage this job may delete: one of its own
@@ -846,6 +896,10 @@ class Checkpointer:
         """
         self._check_open()
         self._join_pending()
+        if self._memory is not None and self._memory._thread is not None:
+            # the snapshot in flight (and its replica) first: the exchange below uses the same
+            # group; its failure, if any, is reported by its own handle
+            self._memory._thread.join()
         t0 = time.monotonic()
         self._loads += 1
         candidates = self._candidates(step, fallback)
@@ -974,19 +1028,6 @@ class Checkpointer:
             )
             return []
 
-    def _memory_nodes(self, root: str | None) -> int:
-        """How many nodes (memory roots) the job's ranks are on: torchrun's count, or more when
-        ranks differ in host, boot or memory root (every rank calls this: it is a collective)."""
-        nodes = _nodes(self.world_size)
-        if self._distributed and self.world_size > 1:
-            where = f"{socket.gethostname()}/{_boot_id()}/{os.path.abspath(root or default_root())}"
-            h = int.from_bytes(hashlib.sha256(where.encode()).digest()[:7], "little")
-            both = torch.tensor([h, -h], dtype=torch.int64, device=_device())
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
-            if int(both[0].item()) != -int(both[1].item()):  # max != min: more than one place
-                nodes = max(nodes, 2)
-        return nodes
-
     def _not_found_error(self, step: int | None, _unused: Any) -> CheckpointNotFoundError:
         if step is not None and step in self.memory_steps():
             return CheckpointNotFoundError(
@@ -1040,6 +1081,8 @@ class Checkpointer:
     ) -> _PendingLoad:
         """Read and check every byte this rank needs of ``step`` into scratch memory; the step's
         manifest must be ``version`` (commit_seq, generation) when given."""
+        if self._replicas is not None:
+            self._gather_files(state, step, layout)
         with watching_retirement(self.storage, step):
             manifest = read_manifest(self.storage, step)
             if version is not None and (manifest.commit_seq, manifest.generation) != version:
@@ -1095,6 +1138,48 @@ class Checkpointer:
             step, rs.bytes_read, rs.bytes_verified, rs.num_requests, manifest.layout != layout
         )
         return _PendingLoad(flat, scratch, values, stats, in_place)
+
+    def _gather_files(self, state: Mapping[str, Any], step: int, layout: Layout) -> None:
+        """(memory tier across nodes; every rank, a collective) Bring the files of ``step`` that
+        this rank needs and its node lacks from the nodes that hold them (replicas.py)."""
+        assert self._replicas is not None
+        step_rel = step_dir_name(step)
+        rel = f"{step_rel}/{MANIFEST_NAME}"
+        local = None
+        if self.rank == 0:
+            try:
+                local = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
+            except Exception as e:
+                log.warning("memory step %d: rank 0 cannot read its manifest: %s", step, e)
+        data = self._replicas.share_manifest(local)
+        manifest = manifest_of_step(data, self.storage.display(rel), step)
+        need: set[str] | None = None
+        error: BaseException | None = None
+        flat = FlatState()
+        try:
+            flatten_state(state, layout, self.rank, for_load=True, flat=flat)
+            need = {it.chunk.file for it in plan_reads(manifest, flat.tensors, layout, self.rank)}
+        except Exception as e:  # said below, after taking part (nobody waits for this rank)
+            error = e
+        finally:
+            for undo in flat.undo:
+                undo()
+        sizes = {name: entry.size_bytes for name, entry in manifest.files.items()}
+        try:
+            self._replicas.fetch(self.storage, step_rel, sizes, need)
+        except CheckpointNotFoundError:
+            if error is not None:
+                raise error from None  # this rank's own reason, not "a rank failed"
+            raise
+        if error is not None:
+            raise error
+        try:
+            mine = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
+        except Exception:  # a node that had nothing of this step (a replacement node)
+            mine = None
+        if mine != data:  # this node now holds rank 0's version of the step (the read checks it)
+            self.storage.makedirs(step_rel)
+            self.storage.publish(rel, data)
 
     def _in_place(self, manifest: Manifest, items: list[ReadItem], flat: FlatState) -> bool:
         """Whether a load can check every byte first and then read it again straight into the
@@ -1271,6 +1356,14 @@ class _PendingLoad:
         for undo in self.flat.undo:
             undo()
         self.scratch = {}
+
+
+class _NodeLocal:
+    """The lease of a node's own memory directory: nobody else writes there (it is this job's,
+    claimed; see snapshots.py), so there is nothing to check."""
+
+    def check(self) -> None:
+        return None
 
 
 def _nodes(world_size: int) -> int:

@@ -38,6 +38,7 @@ def test_the_memory_scenarios_are_the_ones_this_file_runs():
         "memory-corrupt",
         "memory-kill-job",
         "memory-crash-job",
+        "memory-kill-node-shrink",
         "memory-too-small",
     }
 
@@ -89,6 +90,19 @@ def test_crashed_job_resumes_from_what_its_persister_flushed(out):
     # 10, is what the persister wrote out after the job's processes were killed
     assert restore["source"] == "durable" and restore["step"] > 10
     assert restore["step"] >= crash["step"] - 1
+    assert max(report["measurements"]["steps_lost"], default=0) <= 1
+
+
+@pytest.mark.slow
+def test_lost_node_restores_from_its_peers_replica(out):
+    report = _run(out, "memory-kill-node-shrink")
+    events = _events(report)
+    lost = next(e for e in events if e["event"] == "fault" and e["kind"] == "kill_node")
+    restore = next(e for e in events if e["event"] == "restore")
+    # durable storage held step 10; node 0 restored a newer step from memory, which needed the
+    # replicas of node 1's files (node 1's ranks wrote their own shards), resharded to dp 1
+    assert restore["source"] == "memory" and restore["resharded"]
+    assert lost["step"] - 1 <= restore["step"] <= lost["step"]
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 

@@ -1,0 +1,249 @@
+"""The memory tier across nodes: which ranks share a node, peer replicas, and the restore exchange.
+
+A job whose ranks are on several nodes (memory roots) keeps each snapshot where it was written:
+every rank's file in its own node's memory, and the manifest on every node (rank 0 commits it,
+each node's leader publishes the same bytes in its own directory).  So that losing a node loses
+nothing, every rank then sends its file of the newest snapshot to its **peer**, the rank with the
+same local index on the next node (a ring of nodes), which keeps it beside its own files: each
+node holds its ranks' two newest snapshots and one replica of the previous node's newest.
+
+A restore from memory may need files that are not on the restoring rank's node: the layout changed
+(an elastic shrink), a node was replaced (its memory is empty), or a replicated chunk was written
+by a rank on another node.  Before reading, every rank says which of the step's files it needs and
+which its node holds; each missing file is sent by a rank whose node holds it to one rank of each
+node that needs it, which writes it into its node's directory; then every rank reads locally, with
+the usual checks.  When some needed file is on no node, the step cannot be restored from memory
+and every rank falls back together (to an older snapshot, then to durable storage).
+
+Transport: a gloo process group of its own (created with the checkpointer, on every rank), used by
+the snapshot's background thread (replication) and by ``load`` (the exchange) — never both at
+once: a load first joins the snapshot in flight.  Sizes and names travel as int64 and uint8
+tensors; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from resilient.checkpoint.format import rank_file_name
+from resilient.checkpoint.storage import Storage
+from resilient.errors import CheckpointNotFoundError
+
+__all__ = ["NodeMap", "Replicas", "node_map"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """Which node (memory root) each rank is on; nodes numbered by their lowest rank."""
+
+    node_of: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return max(self.node_of) + 1 if self.node_of else 1
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def leader(self, node: int) -> int:
+        return self.ranks_of(node)[0]
+
+    def is_leader(self, rank: int) -> bool:
+        return self.leader(self.node_of[rank]) == rank
+
+    @property
+    def uniform(self) -> bool:
+        return len({len(self.ranks_of(n)) for n in range(self.nodes)}) == 1
+
+    def peer(self, rank: int) -> int | None:
+        """Where ``rank`` sends its replica: the same local index on the next node."""
+        if self.nodes < 2 or not self.uniform:
+            return None
+        node = self.node_of[rank]
+        return self.ranks_of((node + 1) % self.nodes)[self.ranks_of(node).index(rank)]
+
+    def source(self, rank: int) -> int | None:
+        """Whose replica ``rank`` keeps: the same local index on the previous node."""
+        if self.nodes < 2 or not self.uniform:
+            return None
+        node = self.node_of[rank]
+        return self.ranks_of((node - 1) % self.nodes)[self.ranks_of(node).index(rank)]
+
+
+def node_map(world_size: int, rank: int, root: str, boot_id: str) -> NodeMap:
+    """Every rank's node, by host, boot and memory root (a collective: every rank calls it)."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return NodeMap((0,) * world_size)
+    where = f"{socket.gethostname()}/{boot_id}/{os.path.abspath(root)}"
+    h = int.from_bytes(hashlib.sha256(where.encode()).digest()[:7], "little")
+    mine = torch.tensor([h], dtype=torch.int64, device=_device())
+    every = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    ids: dict[int, int] = {}
+    out = []
+    for t in every:
+        out.append(ids.setdefault(int(t.item()), len(ids)))
+    return NodeMap(tuple(out))
+
+
+class Replicas:
+    """Peer replicas and the restore exchange of one memory-tier checkpointer (module docstring)."""
+
+    def __init__(self, nodes: NodeMap, rank: int, timeout_s: float) -> None:
+        self.nodes, self.rank = nodes, rank
+        # a group of its own: collectives of the training group are never issued from here
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    # --- replication (the snapshot's background thread, every rank, after every commit) -----------
+    def replicate(self, storage: Storage, step_rel: str, own: str, generation: int) -> None:
+        """Send this rank's file of the just-committed step to its peer; keep its source's file
+        (and drop the replicas of older steps: one replica per rank is held)."""
+        peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
+        if peer is None or source is None:
+            return
+        data = _read_file(storage, f"{step_rel}/{own}")
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        theirs = torch.zeros(1, dtype=torch.int64)
+        reqs = [
+            dist.isend(size, peer, group=self.group),
+            dist.irecv(theirs, source, group=self.group),
+        ]
+        for r in reqs:
+            r.wait()
+        incoming = torch.empty(int(theirs.item()), dtype=torch.uint8)
+        reqs = [
+            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, group=self.group)
+            if data
+            else None,
+            dist.irecv(incoming, source, group=self.group) if incoming.numel() else None,
+        ]
+        for r in reqs:
+            if r is not None:
+                r.wait()
+        name = rank_file_name(source, generation)
+        storage.write_file(f"{step_rel}/{name}", [memoryview(incoming.numpy())], fsync=False)
+        self._drop_older(storage, step_rel, source)
+
+    def _drop_older(self, storage: Storage, keep_rel: str, source: int) -> None:
+        """Remove the replicas of ``source``'s node held for steps other than ``keep_rel``."""
+        theirs = {f"rank_{r:05d}" for r in self.nodes.ranks_of(self.nodes.node_of[source])}
+        for name in storage.listdir(""):
+            if name == keep_rel or not name.startswith("step_"):
+                continue
+            try:
+                files = storage.listdir(name)
+            except Exception:  # retired meanwhile
+                continue
+            for f in files:
+                if f.split(".", 1)[0] in theirs:
+                    try:
+                        storage.remove(f"{name}/{f}")
+                    except Exception as e:
+                        log.warning("could not drop an old replica %s/%s: %s", name, f, e)
+
+    # --- the restore exchange (load, every rank, main thread) ---------------------------------
+    def share_manifest(self, data: bytes | None) -> bytes:
+        """Rank 0's manifest bytes of the step being restored, on every rank."""
+        size = torch.tensor([len(data) if data is not None else -1], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.group)
+        n = int(size.item())
+        if n < 0:
+            raise CheckpointNotFoundError("rank 0 could not read the snapshot's manifest")
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0 and n
+            else torch.empty(n, dtype=torch.uint8)
+        )
+        if n:
+            dist.broadcast(buf, 0, group=self.group)
+        return bytes(buf.numpy()) if self.rank != 0 else (data or b"")
+
+    def fetch(
+        self, storage: Storage, step_rel: str, files: dict[str, int], need: set[str] | None
+    ) -> int:
+        """Make every file this rank ``need``\\ s present in its node's ``step_rel`` (files: name ->
+        size, the manifest's, sorted the same on every rank); ``need`` None: this rank failed
+        before it knew (it still takes part, so nobody waits for it).  Returns the bytes received.
+        Raises CheckpointNotFoundError on every rank when a needed file is on no node, or when a
+        rank failed."""
+        names = sorted(files)
+        have = torch.zeros(len(names) + 1, dtype=torch.uint8)
+        want = torch.zeros(len(names) + 1, dtype=torch.uint8)
+        for i, name in enumerate(names):
+            have[i] = int(_present(storage, f"{step_rel}/{name}", files[name]))
+            want[i] = int(need is not None and name in need)
+        want[-1] = int(need is None)
+        world = dist.get_world_size(self.group)
+        haves = [torch.zeros_like(have) for _ in range(world)]
+        wants = [torch.zeros_like(want) for _ in range(world)]
+        dist.all_gather(haves, have, group=self.group)
+        dist.all_gather(wants, want, group=self.group)
+        failed = [r for r in range(world) if int(wants[r][-1])]
+        if failed:
+            raise CheckpointNotFoundError(
+                f"rank {failed[0]} could not plan its part of {step_rel} in memory"
+            )
+        node_of = self.nodes.node_of
+        transfers: list[tuple[int, int, int]] = []  # (file index, sender, receiver)
+        for i, name in enumerate(names):
+            holders = [r for r in range(world) if int(haves[r][i])]
+            nodes_with = {node_of[r] for r in holders}
+            receivers: dict[int, int] = {}  # node -> the first rank there that needs the file
+            for r in range(world):
+                if int(wants[r][i]) and node_of[r] not in nodes_with:
+                    receivers.setdefault(node_of[r], r)
+            if receivers and not holders:
+                raise CheckpointNotFoundError(
+                    f"{step_rel}/{name} is needed by rank {min(receivers.values())} but no node "
+                    f"holds it (its node and its peer's replica are gone)"
+                )
+            for receiver in receivers.values():
+                transfers.append((i, holders[0], receiver))
+        received = 0
+        for i, sender, receiver in transfers:  # one global order: no two ranks wait on each other
+            if self.rank == sender:
+                data = _read_file(storage, f"{step_rel}/{names[i]}")
+                dist.send(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8), receiver, group=self.group
+                )
+            elif self.rank == receiver:
+                buf = torch.empty(files[names[i]], dtype=torch.uint8)
+                dist.recv(buf, sender, group=self.group)
+                storage.makedirs(step_rel)
+                storage.write_file(f"{step_rel}/{names[i]}", [memoryview(buf.numpy())], fsync=False)
+                received += buf.numel()
+        if transfers:
+            dist.barrier(group=self.group)  # every received file is in place before anyone reads
+            log.info(
+                "restore of %s from memory: %d file(s) fetched from other nodes",
+                step_rel,
+                len(transfers),
+            )
+        return received
+
+
+def _present(storage: Storage, rel: str, size: int) -> bool:
+    try:
+        return storage.size(rel) == size
+    except Exception:
+        return False
+
+
+def _read_file(storage: Storage, rel: str) -> bytes:
+    return storage.read(rel)
+
+
+def _device() -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

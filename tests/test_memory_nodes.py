@@ -1,0 +1,108 @@
+"""The memory tier across nodes: each node keeps its ranks' snapshots, every rank's file of the
+newest one is replicated to its peer on the next node, and a restore brings the files a rank needs
+from whichever node holds them.  Nodes are memory roots here: four ranks, two roots, as two
+torchrun agents on one host stand for two nodes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from resilient import Checkpointer, Shard, sharded
+from tests.dist import run_distributed
+
+
+def _root(base: str, node: int) -> str:
+    return str(Path(base) / f"node{node}")
+
+
+def _state(rank: int, world: int, value: float) -> dict:
+    # every rank holds its own slice of "w" (16 values in all, so every rank's file holds bytes no
+    # other rank has), and a replicated "b"
+    w = torch.full((16 // world,), value + rank, dtype=torch.float32)
+    return {
+        "w": sharded(w, {"dp": Shard(0)}, global_shape=(16,)),
+        "b": torch.full((3,), value, dtype=torch.float32),
+        "meta": {"value": value},
+    }
+
+
+def _snapshot_on_two_nodes(rank: int, world: int, url: str, base: str) -> dict:
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    assert ck.nodes.nodes == 2 and ck.nodes.peer(rank) == (rank + 2) % 4
+    for step in (1, 2, 3):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    own = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000003").iterdir())
+    older = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
+    ck.close()
+    return {"own": own, "older": older, "memory_steps": ck.memory_steps()}
+
+
+def _restore(rank: int, world: int, url: str, base: str, node: int | None) -> tuple:
+    node = rank // 2 if node is None else node
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, node), persister=False)
+    state = _state(rank, world, 0.0)
+    got = ck.load(state)
+    out = (got, ck.last_load.source, state["w"].tolist(), state["b"].tolist(), state["meta"])
+    ck.close()
+    return out
+
+
+def test_every_node_holds_its_snapshots_and_the_previous_nodes_newest_replica(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_snapshot_on_two_nodes, 4, url, base)
+    for node in (0, 1):
+        r = results[2 * node]
+        assert r["memory_steps"] == [3, 2]
+        mine = {f"rank_{x:05d}.safetensors" for x in (2 * node, 2 * node + 1)}
+        theirs = {f"rank_{x:05d}.safetensors" for x in (2 * (1 - node), 2 * (1 - node) + 1)}
+        # the newest step: this node's files, the peer node's replicas and the manifest
+        assert set(r["own"]) == mine | theirs | {"MANIFEST.json"}
+        # older steps keep no replica: one replica per rank is held
+        assert set(r["older"]) == mine | {"MANIFEST.json"}
+
+
+def test_a_replaced_node_restores_from_its_peers_replica(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshot_on_two_nodes, 4, url, base)
+    shutil.rmtree(_root(base, 1))  # node 1 is lost; its replacement's memory is empty
+    results = run_distributed(_restore, 4, url, base, None)
+    for rank, (step, source, w, b, meta) in enumerate(results):
+        assert (step, source) == (3, "memory")
+        assert w == [3.0 + rank] * 4 and b == [3.0] * 3 and meta == {"value": 3.0}
+
+
+def test_after_an_elastic_shrink_the_survivors_restore_from_memory(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshot_on_two_nodes, 4, url, base)
+    shutil.rmtree(_root(base, 1))
+    # two ranks on node 0 now hold what four held: resharded from node 0's own files and the
+    # replicas of node 1's
+    results = run_distributed(_restore, 2, url, base, 0)
+    (s0, src0, w0, b0, _), (s1, src1, w1, b1, _) = results
+    assert (s0, src0, s1, src1) == (3, "memory", 3, "memory")
+    assert w0 + w1 == [3.0] * 4 + [4.0] * 4 + [5.0] * 4 + [6.0] * 4  # what ranks 0-3 held
+    assert b0 == b1 == [3.0] * 3
+
+
+def test_with_both_copies_of_a_file_gone_every_rank_falls_back_together(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)
+    # rank 2's file of step 3 is gone from its node and from the replica on node 0
+    for node in (0, 1):
+        for f in (Path(base) / f"node{node}").glob("job-*/steps/step_00000003/rank_00002*"):
+            f.unlink()
+    results = run_distributed(_restore, 4, url, base, None)
+    # step 2 in memory (its files are on their nodes, without replicas) serves every rank
+    assert [r[:2] for r in results] == [(2, "memory")] * 4
+    assert [r[2] for r in results] == [[2.0 + rank] * 4 for rank in range(4)]
+
+
+def _durable_then_snapshots(rank: int, world: int, url: str, base: str) -> None:
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for step in (2, 3):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    ck.close()
