@@ -247,6 +247,7 @@ class Checkpointer:
         # step commits, before the step can be retired: the outer one pins it for the persister
         self._after_commit: dict[int, Any] = {}
         self._shared_manifest: str | None = None  # the store key of the newest shared manifest
+        self._last_outcome: str | None = None  # the failure of the last joined save, if any
         self._hook_lock = threading.Lock()
         # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
         self.nodes = NodeMap((0,) * self.world_size)
@@ -314,7 +315,8 @@ class Checkpointer:
                 log.info("durable saves stay in the trainer's process: %s", why_not)
             else:
                 self._persister_config = {
-                    "url": self.url,
+                    # a local path made absolute: the persister does not share our directory
+                    "url": self.storage.path() if self.storage.is_local else self.url,
                     "storage_options": storage_options or {},
                     "retry": dataclasses.asdict(self.storage.retry),
                     "commit_method": self.storage.commit_method,
@@ -396,7 +398,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
             raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
         self._join_pending()
-        if self._persister_config is not None:
+        if self._persister_config is not None and self._through_persister(step):
             return self._save_through_persister(step, state)
         t0 = time.monotonic()
         layout = self._layout_for(state)
@@ -442,12 +444,40 @@ class Checkpointer:
         self._snap = self._memory.save(step, {**state, ANCHOR_KEY: anchor})
         return self._snap
 
-    def _start_persister(self) -> PersisterClient:
+    def _persister_client(self) -> PersisterClient:
         assert self.memory is not None and self._persister_config is not None
         if self._persister is None:
             self._persister = PersisterClient(self.memory.dir, self._persister_config)
-        self._persister.start()
         return self._persister
+
+    def _start_persister(self) -> None:
+        try:
+            self._persister_client().start()
+        except Exception as e:  # the save that needs it says so; training goes on
+            log.warning("could not start the persister process: %s", e)
+
+    def _through_persister(self, step: int) -> bool:
+        """Whether this durable save goes through the persister, decided alike on every rank:
+        not once the tier is closed, nor while the tier's newest finished snapshot failed (a
+        full tmpfs must not fail the durable saves too: this process writes them meanwhile)."""
+        assert self._memory is not None
+        if self._memory._closed:
+            return False
+        pending = self._memory._pending
+        if pending is not None and pending.step != step:  # an older snapshot: its outcome first
+            try:
+                self._memory._join_pending()
+            except Exception:  # its own handle reports it
+                pass
+        failed = self._memory._last_outcome
+        if failed is not None:
+            log.warning(
+                "the memory tier's last snapshot failed (%s); this durable save is written by the "
+                "trainer's own thread",
+                failed,
+            )
+            return False
+        return True
 
     def _save_through_persister(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """A durable save with the memory tier: the snapshot of ``step`` (the one just taken, or
@@ -455,13 +485,13 @@ class Checkpointer:
         assert self._memory is not None and self.memory is not None
         t0 = time.monotonic()
         snap = self._snap
-        if snap is None or snap.step != step or (snap.done() and snap.error is not None):
+        if snap is None or snap.step != step:  # (never on timing: every rank decides alike)
             snap = self._take_snapshot(step, state)
         handle = SaveHandle(step)
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
         if self.rank == 0:
-            outbox = self._start_persister().outbox
+            outbox = self._persister_client().outbox  # (started in the background thread)
             steps_dir = self.memory.steps
 
             def pin() -> None:  # hard links: retention may retire the step, not its bytes
@@ -573,7 +603,8 @@ class Checkpointer:
 
     def check_memory_room(self, state: Mapping[str, Any]) -> int:
         """Raise MemoryTierError, before training, when this node's memory root cannot hold the
-        tier: two snapshots plus one peer replica of every local rank's share of ``state``
+        tier: two snapshots, one peer replica and one snapshot being persisted, of every local rank's
+        share of ``state``
         (ranks on a node are assumed to hold about the same bytes).  Returns the bytes needed."""
         if self.memory is None:
             return 0
@@ -584,7 +615,8 @@ class Checkpointer:
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             mine = int(most.item())
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
-        need = 3 * mine * max(1, local_ranks)
+        # two snapshots, one peer replica, one snapshot pinned for the persister (the outbox)
+        need = 4 * mine * max(1, local_ranks)
         error: MemoryTierError | None = None
         try:
             self.memory.check_room(need)
@@ -635,6 +667,8 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
         self._pending, self._thread = None, None
+        # what the last joined save came to: the same on every rank (a commit's outcome is)
+        self._last_outcome = None if handle._error is None else _describe(handle._error)
         if handle._error is not None and handle._error_reported:
             return handle.stats  # the caller already saw this failure through the handle
         return handle.wait()

@@ -57,12 +57,12 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import WriterLease
+from resilient.checkpoint.lease import WriterLease, _process_start
 from resilient.checkpoint.retention import delete_dirs
 from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
-from resilient.errors import CheckpointCorruptError, ResilientError
+from resilient.errors import CheckpointCorruptError, MemoryTierError, ResilientError
 
 __all__ = ["OUTBOX", "PersisterClient", "link_to_outbox", "main"]
 
@@ -86,6 +86,9 @@ def link_to_outbox(steps_dir: str, step: int, outbox: str) -> str:
     name = step_dir_name(step)
     src = os.path.join(steps_dir, name)
     os.makedirs(outbox, mode=0o700, exist_ok=True)
+    for d in (os.path.dirname(outbox), outbox):
+        if os.path.islink(d):
+            raise MemoryTierError(f"{d} is a symbolic link, not this job's outbox; remove it")
     tmp = os.path.join(outbox, f".{name}.tmp-{secrets.token_hex(4)}")
     os.mkdir(tmp, 0o700)
     try:
@@ -115,7 +118,13 @@ class PersisterClient:
         self.job_dir = job_dir
         # this trainer's own outbox: a predecessor's persister, flushing, cleans only its own
         self.outbox = os.path.join(job_dir, OUTBOX, f"{os.getpid()}-{secrets.token_hex(4)}")
-        self.config = dict(config, job_dir=job_dir, outbox=self.outbox, parent_pid=os.getpid())
+        self.config = dict(
+            config,
+            job_dir=job_dir,
+            outbox=self.outbox,
+            parent_pid=os.getpid(),
+            parent_start=_process_start(os.getpid()),
+        )
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition()
@@ -133,6 +142,11 @@ class PersisterClient:
             if self._proc is not None and self._proc.poll() is None and self._gone is None:
                 return
             if self._proc is not None:
+                try:
+                    self._proc.kill()  # dying or stuck: make sure it is gone before another starts
+                except OSError:
+                    pass
+            if self._proc is not None:
                 log.warning(
                     "the persister of %s (pid %d) is gone (%s); starting another",
                     self.config["url"],
@@ -147,7 +161,13 @@ class PersisterClient:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
         log_path = os.path.join(self.job_dir, LOG_NAME)
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise MemoryTierError(
+                f"cannot open the persister's log {log_path}: {e}; the job's memory directory "
+                f"must be this job's own (remove what is in the way)"
+            ) from e
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _ENTRY],
@@ -188,7 +208,19 @@ class PersisterClient:
             self._cond.notify_all()
 
     def persist(self, step: int, timeout_s: float) -> dict[str, Any]:
-        """Ask the persister to persist ``step`` (its outbox entry); its reply."""
+        """Ask the persister to persist ``step`` (its outbox entry); its reply.  A persister that
+        dies before it answers is replaced once and asked again (persisting a step twice only
+        commits it again)."""
+        try:
+            return self._persist_once(step, timeout_s)
+        except _Gone as e:
+            log.warning("%s; starting another and asking again", e)
+            try:
+                return self._persist_once(step, timeout_s)
+            except _Gone as again:
+                raise CommitError(str(again)) from None
+
+    def _persist_once(self, step: int, timeout_s: float) -> dict[str, Any]:
         self.start()
         with self._cond:
             self._next_id += 1
@@ -201,7 +233,10 @@ class PersisterClient:
             )
             proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
-            raise CommitError(
+            with self._cond:
+                if self._proc is proc and self._gone is None:
+                    self._gone = f"its pipe is closed ({e})"
+            raise _Gone(
                 f"cannot ask the persister (pid {proc.pid}) to persist step {step}: {e}; see "
                 f"{self.job_dir}/{LOG_NAME}"
             ) from e
@@ -209,7 +244,7 @@ class PersisterClient:
         with self._cond:
             while rid not in self._replies:
                 if self._gone is not None and self._proc is proc:
-                    raise CommitError(
+                    raise _Gone(
                         f"the persister (pid {proc.pid}) did not persist step {step}: {self._gone}"
                     )
                 left = deadline - time.monotonic()
@@ -223,8 +258,8 @@ class PersisterClient:
             return self._replies.pop(rid)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Say goodbye (no flush: the trainer ended cleanly) and wait for the process to exit, so
-        the job's memory can be given back."""
+        """Say goodbye and wait for the process to exit (after it has persisted the newest
+        snapshot that durable storage lacks, if any), so the job's memory can be given back."""
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is None:
@@ -394,15 +429,19 @@ class Promoter:
                 log.warning("flush: memory step %d is not readable (%s); trying an older one", s, e)
                 continue
             why = _stale(snap.extras.get(ANCHOR_KEY), snap.job_id, durable, line)
+            if snap.job_id != self.job_id:  # a later job's trainer took it: not ours to write
+                why = f"it was taken by job {snap.job_id!r}, not by this persister's"
             if why:
                 log.warning("flush: memory step %d is not persisted: %s", s, why)
                 continue
             try:
                 link_to_outbox(self.steps_dir, s, self.outbox)
-            except (OSError, ResilientError) as e:  # retired meanwhile: a newer one exists
-                log.warning("flush: memory step %d went away (%s); trying an older one", s, e)
+                return {"step": s, **self.persist(s)}
+            except (OSError, ResilientError) as e:  # damaged, or retired meanwhile
+                log.warning(
+                    "flush: memory step %d was not persisted (%s); trying an older one", s, e
+                )
                 continue
-            return {"step": s, **self.persist(s)}
         log.info("flush: no snapshot in memory to persist")
         return None
 
@@ -441,6 +480,10 @@ def _promoted(
     )
 
 
+class _Gone(ResilientError):
+    """The persister process went away before it answered."""
+
+
 def _read_small(path: str, cap: int) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
@@ -454,6 +497,9 @@ def _reclaim_outboxes(root: str) -> None:
     """Remove the outboxes of trainers that are gone (``<pid>-<token>``): a predecessor's
     persister is done with them (this one holds the lock), and what they hold is older than what
     the memory tier holds."""
+    if os.path.islink(root):
+        log.warning("%s is a symbolic link: not this job's outbox; left alone", root)
+        return
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -473,6 +519,17 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _watch_parent(pid: Any, start: Any, requests: queue.Queue) -> None:
+    """Say the trainer is gone when its process is, even if a process it forked (a data loader's
+    worker) still holds the pipe open."""
+    if not isinstance(pid, int):
+        return
+    while _running(pid) and (not start or _process_start(pid) == start):
+        time.sleep(0.2)
+    log.info("the trainer (pid %d) is gone", pid)
+    requests.put(None)
 
 
 def _reply(out: Any, message: dict[str, Any]) -> None:
@@ -532,6 +589,12 @@ def main() -> int:
         requests.put(None)
 
     threading.Thread(target=read, name="requests", daemon=True).start()
+    threading.Thread(
+        target=_watch_parent,
+        args=(config.get("parent_pid"), config.get("parent_start"), requests),
+        name="parent",
+        daemon=True,
+    ).start()
     promoter = Promoter(config)
     try:
         if _serve(promoter, requests, out):

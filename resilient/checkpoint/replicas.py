@@ -111,8 +111,8 @@ class Replicas:
         peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
         if peer is None or source is None:
             return
-        data = _read_file(storage, f"{step_rel}/{own}")
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        data = _file_tensor(storage, f"{step_rel}/{own}")
+        size = torch.tensor([data.numel()], dtype=torch.int64)
         theirs = torch.zeros(1, dtype=torch.int64)
         reqs = [
             dist.isend(size, peer, group=self.group),
@@ -122,9 +122,7 @@ class Replicas:
             r.wait()
         incoming = torch.empty(int(theirs.item()), dtype=torch.uint8)
         reqs = [
-            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, group=self.group)
-            if data
-            else None,
+            dist.isend(data, peer, group=self.group) if data.numel() else None,
             dist.irecv(incoming, source, group=self.group) if incoming.numel() else None,
         ]
         for r in reqs:
@@ -212,9 +210,8 @@ class Replicas:
         received = 0
         for i, sender, receiver in transfers:  # one global order: no two ranks wait on each other
             if self.rank == sender:
-                data = _read_file(storage, f"{step_rel}/{names[i]}")
                 dist.send(
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8), receiver, group=self.group
+                    _file_tensor(storage, f"{step_rel}/{names[i]}"), receiver, group=self.group
                 )
             elif self.rank == receiver:
                 buf = torch.empty(files[names[i]], dtype=torch.uint8)
@@ -239,8 +236,16 @@ def _present(storage: Storage, rel: str, size: int) -> bool:
         return False
 
 
-def _read_file(storage: Storage, rel: str) -> bytes:
-    return storage.read(rel)
+def _file_tensor(storage: Storage, rel: str) -> torch.Tensor:
+    """A file of this node's memory as a uint8 tensor, mapped (it is on a tmpfs), not copied;
+    only ever sent, never written."""
+    path = storage.path(rel)
+    if os.path.islink(path):
+        raise OSError(f"{path} is a symbolic link; a snapshot's files never are")
+    size = os.path.getsize(path)
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
 def _device() -> torch.device:

@@ -207,7 +207,8 @@ class MemoryPlace:
         )
         raise MemoryTierError(
             f"the memory tier needs {_fmt(need_bytes)} of host memory on this node (two "
-            f"snapshots plus one peer replica of this node's ranks' state) but has {where}. "
+            f"snapshots, one peer replica and one snapshot being persisted, of this node's "
+            f"ranks' state) but has {where}. "
             f"Give the node more shared memory (docker run --shm-size, or a larger /dev/shm), "
             f"point {ENV_ROOT} at a larger tmpfs, snapshot less state, or turn the tier off "
             f"(memory_every=None / --memory-every 0)"
