@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
+import secrets
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -103,6 +106,12 @@ class Replicas:
         self.nodes, self.rank = nodes, rank
         # a group of its own: collectives of the training group are never issued from here
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # Replicas travel on two more groups, by the parity of the sending node: a pair of ranks
+        # then carries one direction per group (two nodes send to each other at once, and one
+        # connection carrying both directions moved them one after the other: half the speed)
+        self.lanes = [
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) for _ in range(2)
+        ]
 
     # --- replication (the snapshot's background thread, every rank, after every commit) -----------
     def replicate(self, storage: Storage, step_rel: str, own: str, generation: int) -> None:
@@ -120,16 +129,17 @@ class Replicas:
         ]
         for r in reqs:
             r.wait()
-        incoming = torch.empty(int(theirs.item()), dtype=torch.uint8)
-        reqs = [
-            dist.isend(data, peer, group=self.group) if data.numel() else None,
-            dist.irecv(incoming, source, group=self.group) if incoming.numel() else None,
-        ]
-        for r in reqs:
-            if r is not None:
-                r.wait()
         name = rank_file_name(source, generation)
-        storage.write_file(f"{step_rel}/{name}", [memoryview(incoming.numpy())], fsync=False)
+        with _Incoming(storage, f"{step_rel}/{name}", int(theirs.item())) as incoming:
+            out_lane = self.lanes[self.nodes.node_of[self.rank] % 2]
+            in_lane = self.lanes[self.nodes.node_of[source] % 2]
+            reqs = [
+                dist.isend(data, peer, group=out_lane) if data.numel() else None,
+                dist.irecv(incoming.tensor, source, group=in_lane) if incoming.size else None,
+            ]
+            for r in reqs:
+                if r is not None:
+                    r.wait()
         self._drop_older(storage, step_rel, source)
 
     def _drop_older(self, storage: Storage, keep_rel: str, source: int) -> None:
@@ -214,11 +224,11 @@ class Replicas:
                     _file_tensor(storage, f"{step_rel}/{names[i]}"), receiver, group=self.group
                 )
             elif self.rank == receiver:
-                buf = torch.empty(files[names[i]], dtype=torch.uint8)
-                dist.recv(buf, sender, group=self.group)
                 storage.makedirs(step_rel)
-                storage.write_file(f"{step_rel}/{names[i]}", [memoryview(buf.numpy())], fsync=False)
-                received += buf.numel()
+                with _Incoming(storage, f"{step_rel}/{names[i]}", files[names[i]]) as incoming:
+                    if incoming.size:
+                        dist.recv(incoming.tensor, sender, group=self.group)
+                received += files[names[i]]
         if transfers:
             dist.barrier(group=self.group)  # every received file is in place before anyone reads
             log.info(
@@ -229,6 +239,38 @@ class Replicas:
         return received
 
 
+class _Incoming:
+    """A file of this node's memory received straight into its pages: a temporary of the final
+    size, mapped as the receive buffer (no second copy), renamed into place once complete."""
+
+    def __init__(self, storage: Storage, rel: str, size: int) -> None:
+        self.path = storage.path(rel)
+        self.tmp = f"{self.path}.tmp-{secrets.token_hex(4)}"
+        self.size = size
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+    def __enter__(self) -> _Incoming:
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            if self.size:
+                mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+                self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        finally:
+            os.close(fd)
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # unmapped
+        if exc_type is None:
+            os.rename(self.tmp, self.path)
+        else:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+
+
 def _present(storage: Storage, rel: str, size: int) -> bool:
     try:
         return storage.size(rel) == size
@@ -237,15 +279,24 @@ def _present(storage: Storage, rel: str, size: int) -> bool:
 
 
 def _file_tensor(storage: Storage, rel: str) -> torch.Tensor:
-    """A file of this node's memory as a uint8 tensor, mapped (it is on a tmpfs), not copied;
-    only ever sent, never written."""
+    """A file of this node's memory as a uint8 tensor, mapped (it is on a tmpfs), not copied:
+    read-only, populated at once (faulting it in page by page during the send cost as much as
+    the transfer).  Only ever sent."""
     path = storage.path(rel)
-    if os.path.islink(path):
-        raise OSError(f"{path} is a symbolic link; a snapshot's files never are")
-    size = os.path.getsize(path)
-    if not size:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return torch.empty(0, dtype=torch.uint8)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # "not writable": it is not, and it is never written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _device() -> torch.device:
