@@ -15,8 +15,9 @@
 - The persister's work for one durable save (check the snapshot, copy it to the disk, commit),
   timed in this process for its CPU time, against a raw write + fsync of the same bytes.
 - Interference (``--interference-runs N``): the reference trainer, ``--interference-preset``
-  (``small``) on 2 ranks, a durable save every ``--save-every`` steps written by the trainer's own
-  thread, the same saves through the persister process, and none; interleaved.
+  (``small``) on 2 ranks, a durable save every ``--save-every`` steps: written by the trainer's
+  own thread without the memory tier; with the tier (a snapshot at each save), written by the
+  trainer's thread (``RESILIENT_PERSISTER=0``) or by the persister process; and no saves.
 - Training with the tier (``--trainer-runs N``): the reference trainer, ``--preset`` on 2 ranks
   (dp 2), with a snapshot every step against none, N runs of each, interleaved; the median time
   between consecutive steps (wall clock, so it includes the snapshot's stall) after the first 5.
@@ -201,8 +202,11 @@ def trainer_runs(args) -> dict[str, list[float]]:
 INTERFERENCE = {
     "no saves": ["--save-every", "0"],
     "saves from the trainer's thread": ["--save-every", "{k}"],
-    "saves through the persister": ["--save-every", "{k}", "--memory-every", "{k}"],
-}
+    "memory tier, saves from the trainer's thread": [
+        "--save-every", "{k}", "--memory-every", "{k}", "env:RESILIENT_PERSISTER=0",
+    ],
+    "memory tier, saves through the persister": ["--save-every", "{k}", "--memory-every", "{k}"],
+}  # fmt: skip
 
 
 def interference_runs(args) -> dict[str, dict[str, list[float]]]:
@@ -222,14 +226,15 @@ def interference_runs(args) -> dict[str, dict[str, list[float]]]:
         for r in range(args.interference_runs):
             for i, (name, flags) in enumerate(INTERFERENCE.items()):
                 d = os.path.join(root, f"{r}-{i}")
+                extra_env = dict(f[4:].split("=", 1) for f in flags if f.startswith("env:"))
                 cmd = [
                     sys.executable, "-m", "reference_trainer", "--nproc", "2", "--dp", "2",
                     "--preset", args.interference_preset, "--steps", str(args.interference_steps),
                     "--ckpt", d + "/ckpt", "--metrics", d + "/metrics.jsonl",
-                    *[f.format(k=k) for f in flags],
+                    *[f.format(k=k) for f in flags if not f.startswith("env:")],
                 ]  # fmt: skip
                 t0 = time.perf_counter()
-                subprocess.run(cmd, check=True, env=env, capture_output=True)
+                subprocess.run(cmd, check=True, env={**env, **extra_env}, capture_output=True)
                 print(f"  {name}: run {r} took {time.perf_counter() - t0:.0f}s", flush=True)
                 with open(d + "/metrics.jsonl") as f:
                     rows = [json.loads(line) for line in f if line.strip()]
