@@ -43,7 +43,13 @@ def _child(
         **env,
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        except Exception as e:
+            if "EADDRINUSE" in str(e):  # the port was taken after free_port() chose it
+                queue.put((rank, "port-taken", traceback.format_exc()))
+                return
+            raise
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:
@@ -56,7 +62,23 @@ def _child(
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180
 ) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
+    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order.  When
+    another process takes the chosen port before rank 0 listens on it (nothing ran yet), the
+    world starts again on another port, up to twice."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout_s)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
     port = free_port()
     queue = _CTX.Queue()
     # the forkserver's environment is that of the test that started it: pass on this test's
@@ -70,6 +92,7 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    port_taken = False
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not errors:
@@ -88,6 +111,9 @@ def run_distributed(
                 continue
             if status == "ok":
                 results[rank] = payload
+            elif status == "port-taken":
+                port_taken = True
+                errors.append(f"--- rank {rank} ---\n{payload}")
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
     finally:
@@ -96,6 +122,8 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join()
+    if port_taken:
+        raise _PortTaken()
     if errors:
         raise AssertionError("a rank failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -34,6 +34,9 @@ def _snapshot_on_two_nodes(rank: int, world: int, url: str, base: str) -> dict:
     assert ck.nodes.nodes == 2 and ck.nodes.peer(rank) == (rank + 2) % 4
     for step in (1, 2, 3):
         ck.snapshot(step, _state(rank, world, float(step))).wait()
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank's replica is in (a rank's wait() covers its own receive only)
     own = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000003").iterdir())
     older = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
     ck.close()
@@ -106,3 +109,41 @@ def _durable_then_snapshots(rank: int, world: int, url: str, base: str) -> None:
     for step in (2, 3):
         ck.snapshot(step, _state(rank, world, float(step))).wait()
     ck.close()
+
+
+def _a_failed_snapshot_on_one_node(rank: int, world: int, url: str, base: str) -> tuple:
+    import os
+
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    ck.snapshot(1, _state(rank, world, 1.0)).wait()
+    dist.barrier()
+    if rank == 2:  # node 1's snapshot directory is swapped for a file: its ranks cannot write
+        shutil.rmtree(ck.memory.steps)
+        Path(ck.memory.steps).write_text("in the way")
+    dist.barrier()
+    try:
+        ck.snapshot(2, _state(rank, world, 2.0)).wait()
+        failed = False
+    except Exception:
+        failed = True
+    dist.barrier()
+    if rank == 2:
+        os.unlink(ck.memory.steps)
+        os.mkdir(ck.memory.steps, 0o700)
+    dist.barrier()
+    # no rank waits for a replica that will not come: the next snapshot commits, replicated
+    ck.snapshot(3, _state(rank, world, 3.0)).wait()
+    dist.barrier()
+    held = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000003").iterdir())
+    ck.close()
+    return failed, held
+
+
+def test_a_snapshot_that_fails_on_one_node_is_not_replicated_and_the_next_one_is(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_a_failed_snapshot_on_one_node, 4, url, base, timeout_s=120)
+    assert [failed for failed, _ in results] == [True] * 4  # every rank: one commit, one outcome
+    every = {f"rank_{r:05d}.safetensors" for r in range(4)} | {"MANIFEST.json"}
+    assert set(results[0][1]) == every and set(results[2][1]) == every

@@ -618,9 +618,11 @@ class Checkpointer:
             most = torch.tensor([mine], dtype=torch.int64, device=_device())
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             mine = int(most.item())
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
-        # two snapshots, one peer replica, one snapshot pinned for the persister (the outbox)
-        need = 4 * mine * max(1, local_ranks)
+        local_ranks = len(self.nodes.ranks_of(self.nodes.node_of[self.rank]))
+        # two snapshots and the one being written; across nodes, the peer's replica and the one
+        # being received; on one node, the snapshot pinned for the persister (the outbox)
+        copies = 5 if self.nodes.nodes > 1 else 4
+        need = copies * mine * max(1, local_ranks)
         error: MemoryTierError | None = None
         try:
             self.memory.check_room(need)
@@ -691,6 +693,7 @@ class Checkpointer:
         step_rel = step_dir_name(step)
         garbage: list[str] = []
         coordinator = committer.is_coordinator
+        file, generation = "", -1
         try:
             try:
                 t0 = time.monotonic()
@@ -746,14 +749,14 @@ class Checkpointer:
                     cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
                     raise cls(f"step {step} was not committed: {outcome}")
                 if self._replicas is not None and self.nodes.is_leader(self.rank):
-                    garbage = self._publish_on_this_node(committer, step)
+                    try:
+                        garbage = self._publish_on_this_node(committer, step)
+                    except Exception as e:  # committed all the same; restores bring what lacks
+                        log.warning(
+                            "publishing snapshot %d in this node's memory failed: %s", step, e
+                        )
             handle.stats.commit_s = time.monotonic() - t1
             handle.stats.committed = True
-            if self._replicas is not None:
-                try:
-                    self._replicas.replicate(self.storage, step_rel, file, generation)
-                except Exception as e:  # the snapshot is committed; its replica is a bonus
-                    log.warning("replicating snapshot %d to the peer node failed: %s", step, e)
         except BaseException as e:  # stored, re-raised at the next save/wait/close
             error = (
                 e
@@ -770,6 +773,12 @@ class Checkpointer:
                 except Exception:  # the store itself may be gone
                     pass
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
+        if self._replicas is not None:  # every rank, whatever happened: the peers agree first
+            try:
+                ok = error is None and handle.stats.committed
+                self._replicas.replicate(self.storage, step_rel, file if ok else None, generation)
+            except Exception as e:  # the snapshot is committed; its replica is a bonus
+                log.warning("replicating snapshot %d to the peer node failed: %s", step, e)
         with self._hook_lock:  # save() of the outer checkpointer checks done() under it
             hook = self._after_commit.pop(step, None)
             if hook is not None and error is None:
@@ -849,14 +858,17 @@ class Checkpointer:
         data = committer.store.get(f"{committer.prefix}/manifest")
         step_rel = step_dir_name(step)
         manifest = manifest_of_step(data, self.storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
-        return publish_commit(
+        garbage = publish_commit(
             self.storage,
             _NodeLocal(),
             manifest,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             collect=self._collectable,
+            sweep_step=False,  # the node's other ranks may be receiving replicas into it
         )
+        self._uncommitted_seen, self._uncommitted_next = self._uncommitted_next, set()
+        return garbage
 
     def _collectable(self, info: StepInfo) -> bool:
         """Whether an uncommitted step directory is garbage this job may delete: one of its own
@@ -1189,7 +1201,12 @@ class Checkpointer:
                 local = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
             except Exception as e:
                 log.warning("memory step %d: rank 0 cannot read its manifest: %s", step, e)
-        data = self._replicas.share_manifest(local)
+        try:
+            data = self._replicas.share_manifest(local)
+        except RuntimeError as e:  # the replica group failed (a peer is gone): not from memory
+            raise CheckpointNotFoundError(
+                f"memory step {step}: the exchange between nodes failed: {e}"
+            ) from e
         manifest = manifest_of_step(data, self.storage.display(rel), step)
         need: set[str] | None = None
         error: BaseException | None = None
@@ -1209,6 +1226,10 @@ class Checkpointer:
             if error is not None:
                 raise error from None  # this rank's own reason, not "a rank failed"
             raise
+        except RuntimeError as e:  # the replica group failed (a peer is gone)
+            raise CheckpointNotFoundError(
+                f"memory step {step}: the exchange between nodes failed: {e}"
+            ) from e
         if error is not None:
             raise error
         try:

@@ -87,7 +87,7 @@ def node_map(world_size: int, rank: int, root: str, boot_id: str) -> NodeMap:
     """Every rank's node, by host, boot and memory root (a collective: every rank calls it)."""
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return NodeMap((0,) * world_size)
-    where = f"{socket.gethostname()}/{boot_id}/{os.path.abspath(root)}"
+    where = f"{socket.gethostname()}/{boot_id}/{os.path.realpath(root)}"
     h = int.from_bytes(hashlib.sha256(where.encode()).digest()[:7], "little")
     mine = torch.tensor([h], dtype=torch.int64, device=_device())
     every = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(world_size)]
@@ -114,13 +114,25 @@ class Replicas:
         ]
 
     # --- replication (the snapshot's background thread, every rank, after every commit) -----------
-    def replicate(self, storage: Storage, step_rel: str, own: str, generation: int) -> None:
+    def replicate(self, storage: Storage, step_rel: str, own: str | None, generation: int) -> None:
         """Send this rank's file of the just-committed step to its peer; keep its source's file
-        (and drop the replicas of older steps: one replica per rank is held)."""
+        (and drop the replicas of older steps: one replica per rank is held).  Every rank calls
+        this after every snapshot, ``own`` None where the snapshot failed: the ranks agree first,
+        and replicate only when it committed everywhere (no rank waits for a peer that will not
+        send)."""
         peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
         if peer is None or source is None:
             return
-        data = _file_tensor(storage, f"{step_rel}/{own}")
+        data: torch.Tensor | None = None
+        try:
+            if own is not None:
+                data = _file_tensor(storage, f"{step_rel}/{own}")
+        except OSError as e:
+            log.warning("cannot read %s/%s to replicate it: %s", step_rel, own, e)
+        agreed = torch.tensor([0 if data is None else 1], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        if data is None or not int(agreed.item()):
+            return
         size = torch.tensor([data.numel()], dtype=torch.int64)
         theirs = torch.zeros(1, dtype=torch.int64)
         reqs = [
@@ -248,12 +260,20 @@ class _Incoming:
         self.tmp = f"{self.path}.tmp-{secrets.token_hex(4)}"
         self.size = size
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.failed: OSError | None = None
 
     def __enter__(self) -> _Incoming:
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, self.size)
             if self.size:
+                try:
+                    # the pages now: a full tmpfs says so here, not as a fault inside the receive
+                    os.posix_fallocate(fd, 0, self.size)
+                except OSError as e:
+                    self.failed = e
+                    log.warning("no room for %s in this node's memory: %s", self.path, e)
+                    self.tensor = torch.empty(self.size, dtype=torch.uint8)  # drained, dropped
+                    return self
                 mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
                 self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         finally:
@@ -262,7 +282,7 @@ class _Incoming:
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)  # unmapped
-        if exc_type is None:
+        if exc_type is None and self.failed is None:
             os.rename(self.tmp, self.path)
         else:
             try:

@@ -486,6 +486,7 @@ def publish_commit(
     keep_last: int,
     keep_every: int | None,
     collect: Callable[[Any], bool] | None = None,
+    sweep_step: bool = True,
 ) -> list[str]:
     """Commit a step whose files are written: check that readers would accept the manifest,
     make the directory durable, check the writer lease, publish the manifest, then (under the
@@ -510,7 +511,7 @@ def publish_commit(
     garbage: list[str] = []
     try:
         # Files of an older generation of this step, and temp files, are garbage now.
-        for name in storage.listdir(step_rel):
+        for name in storage.listdir(step_rel) if sweep_step else ():
             if name != MANIFEST_NAME and name not in manifest.files:
                 garbage.append(f"{step_rel}/{name}")
         garbage += retire_steps(storage, keep_last, keep_every, in_progress=step, collect=collect)
