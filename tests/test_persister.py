@@ -20,21 +20,7 @@ import torch
 from resilient import CheckpointCorruptError, Checkpointer, LeaseError, ResilientError
 from resilient.checkpoint.persister import OUTBOX, Promoter, link_to_outbox
 from tests.dist import run_distributed
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(8, 4)
-
-
-def _bump(model: torch.nn.Module, by: float) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(by)
-
-
-def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in m.state_dict().items()}
+from tests.test_memory_tier import _bump, _model, _weights
 
 
 def _same(m: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:

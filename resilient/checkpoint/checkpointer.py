@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint.buffers import scratch_for
-from resilient.checkpoint.catalog import Catalog, StepInfo, scan
+from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
@@ -49,7 +49,7 @@ from resilient.checkpoint.reader import (
     watching_retirement,
 )
 from resilient.checkpoint.replicas import NodeMap, Replicas, node_map
-from resilient.checkpoint.retention import delete_dirs
+from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     MemoryPlace,
@@ -234,9 +234,7 @@ class Checkpointer:
         self._seq = 0
         self._loads = 0
         self._lease: WriterLease | None = None
-        self._began: set[str] = set()  # step directories this job's saves created
-        self._uncommitted_seen: set[str] = set()  # uncommitted at the previous commit
-        self._uncommitted_next: set[str] = set()
+        self._sweep = Sweep()  # the uncommitted step directories this job may delete
         self._stager = Stager()
         self._plan_cache: tuple[Any, WritePlan] | None = None
         self._pending: SaveHandle | None = None
@@ -586,11 +584,15 @@ class Checkpointer:
             if self._persister_config is not None:
                 self._join_pending()  # durable saves need the tier
         finally:
-            try:
-                if self._memory is not None:
-                    self._memory.close()
-            finally:
-                self._close_persister()
+            self._close_tier()
+
+    def _close_tier(self) -> None:
+        """Stop using the memory tier: its pending snapshot first, then the persister."""
+        try:
+            if self._memory is not None:
+                self._memory.close()
+        finally:
+            self._close_persister()
 
     def _close_persister(self) -> None:
         if self._persister is not None:
@@ -654,11 +656,7 @@ class Checkpointer:
             try:
                 self._join_pending()
             finally:
-                try:
-                    if self._memory is not None:
-                        self._memory.close()
-                finally:
-                    self._close_persister()
+                self._close_tier()
         finally:
             self._closed = True
             self._stager = Stager()
@@ -799,7 +797,7 @@ class Checkpointer:
             self._lease = WriterLease(self.storage, self.job_id, timeout_s=self.lease_timeout_s)
         self._lease.acquire()
         self.storage.makedirs(step_rel)
-        self._began.add(step_rel)
+        self._sweep.began.add(step_rel)
         return {"generation": next_generation(self.storage, step_rel)}
 
     def _coordinate(
@@ -844,10 +842,10 @@ class Checkpointer:
             manifest,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
-            collect=self._collectable,
+            collect=self._sweep,
         )
         self._anchor = (step, seq)  # snapshots from now on descend from this commit
-        self._uncommitted_seen, self._uncommitted_next = self._uncommitted_next, set()
+        self._sweep.committed()
         committer.publish("ok")
         committer.cleanup()
         return garbage
@@ -864,21 +862,11 @@ class Checkpointer:
             manifest,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
-            collect=self._collectable,
+            collect=self._sweep,
             sweep_step=False,  # the node's other ranks may be receiving replicas into it
         )
-        self._uncommitted_seen, self._uncommitted_next = self._uncommitted_next, set()
+        self._sweep.committed()
         return garbage
-
-    def _collectable(self, info: StepInfo) -> bool:
-        """Whether an uncommitted step directory is garbage this job may delete: one of its own
-        saves that failed, or one that was already there, uncommitted, at this job's previous
-        commit (so a directory another writer is filling right now, should two ever write at
-        once, is never deleted under it)."""
-        mine = info.dir in self._began
-        seen = info.dir in self._uncommitted_seen
-        self._uncommitted_next.add(info.dir)
-        return mine or seen
 
     def _get_store(self) -> Any:
         if self._store is None:

@@ -58,7 +58,7 @@ from resilient.checkpoint.format import (
     step_dir_name,
 )
 from resilient.checkpoint.lease import WriterLease, _process_start
-from resilient.checkpoint.retention import delete_dirs
+from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
@@ -304,9 +304,7 @@ class Promoter:
         self.keep_last: int = config["keep_last"]
         self.keep_every: int | None = config.get("keep_every")
         self.lease = WriterLease(self.storage, self.job_id, timeout_s=config["lease_timeout_s"])
-        self._began: set[str] = set()
-        self._seen: set[str] = set()
-        self._next: set[str] = set()
+        self._sweep = Sweep()  # as the Checkpointer's
 
     def persist(self, step: int, src: str | None = None) -> dict[str, Any]:
         """Commit the snapshot in ``src`` (default: the outbox entry of ``step``) as durable step
@@ -330,7 +328,7 @@ class Promoter:
         step_rel = step_dir_name(step)
         self.lease.acquire()
         self.storage.makedirs(step_rel)
-        self._began.add(step_rel)
+        self._sweep.began.add(step_rel)
         generation = next_generation(self.storage, step_rel)
         names = {old: rank_file_name(entry.rank, generation) for old, entry in snap.files.items()}
         chunks_of: dict[str, list[tuple[str, Any]]] = {f: [] for f in snap.files}
@@ -348,9 +346,9 @@ class Promoter:
             manifest,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
-            collect=self._collectable,
+            collect=self._sweep,
         )
-        self._seen, self._next = self._next, set()
+        self._sweep.committed()
         try:
             delete_dirs(self.storage, garbage)
         except Exception as e:
@@ -399,14 +397,6 @@ class Promoter:
         finally:
             os.close(fd)
         return size
-
-    def _collectable(self, info: Any) -> bool:
-        """As the Checkpointer's: this process's own failed saves, or what was already
-        uncommitted at its previous commit."""
-        mine = info.dir in self._began
-        seen = info.dir in self._seen
-        self._next.add(info.dir)
-        return mine or seen
 
     def flush(self) -> dict[str, Any] | None:
         """Persist the newest restorable snapshot newer than the newest durable commit, if any."""

@@ -56,6 +56,25 @@ def committed_steps(storage: Storage) -> list[int]:
     return scan(storage).steps()
 
 
+class Sweep:
+    """Which uncommitted step directories a writer may delete at its commits: one of its own
+    saves that failed (``began``), or one that was already there, uncommitted, at its previous
+    commit (so a directory another writer is filling right now, should two ever write at once,
+    is never deleted under it).  Pass it as ``collect``; call ``committed()`` after each commit."""
+
+    def __init__(self) -> None:
+        self.began: set[str] = set()  # step directories this writer's saves created
+        self._seen: set[str] = set()  # uncommitted at the previous commit
+        self._next: set[str] = set()
+
+    def __call__(self, info: StepInfo) -> bool:
+        self._next.add(info.dir)
+        return info.dir in self.began or info.dir in self._seen
+
+    def committed(self) -> None:
+        self._seen, self._next = self._next, set()
+
+
 def retire_steps(
     storage: Storage,
     keep_last: int,
