@@ -50,6 +50,7 @@ from resilient.checkpoint.reader import (
 )
 from resilient.checkpoint.replicas import NodeMap, Replicas, node_map
 from resilient.checkpoint.retention import Sweep, delete_dirs
+from resilient.checkpoint.slots import Slots, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     MemoryPlace,
@@ -236,6 +237,7 @@ class Checkpointer:
         self._lease: WriterLease | None = None
         self._sweep = Sweep()  # the uncommitted step directories this job may delete
         self._stager = Stager()
+        self._slots: Slots | None = None  # (the memory tier's own) the lean snapshot path
         self._plan_cache: tuple[Any, WritePlan] | None = None
         self._pending: SaveHandle | None = None
         self._thread: threading.Thread | None = None
@@ -290,6 +292,7 @@ class Checkpointer:
                 lease_timeout_s=lease_timeout_s,
                 _namespace="mem",
             )
+            self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
                 self._memory._replicas = Replicas(
@@ -399,14 +402,30 @@ class Checkpointer:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
             raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
-        self._join_pending()
+        lean = self._slots is not None
+        if not lean:
+            self._join_pending()
         if self._persister_config is not None and self._through_persister(step):
             return self._save_through_persister(step, state)
         t0 = time.monotonic()
         layout = self._layout_for(state)
         flat = flatten_state(state, layout, self.rank)
         plan = self._plan(flat, layout)
-        data = self._stager.stage(plan, flat.tensors)
+        data: torch.Tensor | _Slot
+        if lean and not any(t.local.is_cuda for t in flat.tensors.values()):
+            assert self._slots is not None
+            # Straight into the tmpfs rank file, while the snapshot before this one finishes
+            # committing on another core; it is committed (or its failure raised) before this
+            # one returns, so a fault loses at most the step being staged.
+            data = self._slots.stage(plan, flat.tensors, step)
+            try:
+                self._join_pending()
+            except BaseException:
+                self._slots.settled(data, False)
+                raise
+        else:
+            self._join_pending()
+            data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step)
         handle.stats.stage_s = time.monotonic() - t0
         committer = self._committer(step)
@@ -660,6 +679,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stager = Stager()
+            if self._slots is not None:
+                self._slots.close()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None
@@ -683,7 +704,7 @@ class Checkpointer:
         step: int,
         layout: Layout,
         plan: WritePlan,
-        data: torch.Tensor,
+        data: torch.Tensor | _Slot,
         values: dict[str, Any],
         committer: Committer,
     ) -> None:
@@ -709,16 +730,20 @@ class Checkpointer:
                 file = rank_file_name(self.rank, generation)
                 if self._replicas is not None and not coordinator:
                     self.storage.makedirs(step_rel)  # this node's memory: its own directory
-                res = persist_rank_file(
-                    self.storage,
-                    step_rel,
-                    file,
-                    plan,
-                    data,
-                    block_bytes=self.block_bytes,
-                    compression=self.compression,
-                    step=step,
-                )
+                if isinstance(data, _Slot):
+                    assert self._slots is not None
+                    res = self._slots.persist(data, step_rel, file, plan, self.block_bytes)
+                else:
+                    res = persist_rank_file(
+                        self.storage,
+                        step_rel,
+                        file,
+                        plan,
+                        data,
+                        block_bytes=self.block_bytes,
+                        compression=self.compression,
+                        step=step,
+                    )
                 handle.stats.write_s = time.monotonic() - t0
                 handle.stats.bytes_written = res.size_bytes
                 report = {
@@ -771,6 +796,8 @@ class Checkpointer:
                 except Exception:  # the store itself may be gone
                     pass
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
+        if isinstance(data, _Slot) and self._slots is not None:  # a committed file is reused
+            self._slots.settled(data, error is None and handle.stats.committed)
         if self._replicas is not None:  # every rank, whatever happened: the peers agree first
             try:
                 ok = error is None and handle.stats.committed

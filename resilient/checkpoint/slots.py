@@ -1,0 +1,271 @@
+"""The memory tier's lean snapshot path: stage straight into the rank file on the tmpfs, and reuse
+the file of the snapshot that is about to be retired.
+
+A durable save stages into a CPU buffer and writes it out in the background.  On the node's
+shared memory that is two copies of every byte, and the write lands in fresh tmpfs pages, which
+the kernel allocates and zeroes at about 2 GiB/s, several times slower than a copy.  Here the
+snapshot is copied once, into a rank file that is already laid out and mapped:
+
+* The file is a plain rank file of the checkpoint format (docs/FORMAT.md section 2).  Its
+  safetensors header is padded with spaces to a page, sized for the largest step number, so the
+  data section starts at the same page-aligned offset at every step and the header of the next
+  step overwrites the last one in place.
+* A rank keeps its two newest committed snapshot files mapped.  The next snapshot takes the
+  older one (the step that this snapshot's commit retires anyway) when it has the same layout and
+  nothing else links it (the persister pins a step it writes out by a hard link), renames it to
+  the rank's staging name, and copies the state into the pages it already has.  Otherwise a fresh
+  file is made, with every page allocated up front (``posix_fallocate``), so that a full tmpfs is
+  an error here and never a SIGBUS in the middle of a copy.
+* In the background the checksums are computed from the mapped data and the file is renamed into
+  the step's directory under the name the commit expects; the commit itself is the usual one.
+
+So at any time a rank holds its two newest committed snapshots, or the newest one and the one
+being staged; a crash while staging leaves the older step with a missing file (its checksums
+refuse it: the newer one is restored) and the staging file, which the next run of the same rank
+reuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+
+import torch
+
+from resilient.checkpoint.codec import block_checksums, safetensors_header
+from resilient.checkpoint.format import ChunkEntry, dtype_info
+from resilient.checkpoint.state import TensorLeaf
+from resilient.checkpoint.writer import PersistResult, WritePlan, rank_file_metadata
+from resilient.errors import MemoryTierError
+
+__all__ = ["Slots", "STAGING_DIR"]
+
+STAGING_DIR = "staging"
+_PAGE = 4096
+_MAX_STEP = str(2**63 - 1)  # the widest step number a header must have room for
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class _Slot:
+    """One rank file on the tmpfs, open and mapped."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, key: tuple, prefix: int) -> None:
+        self.path, self.fd, self.mm, self.key, self.prefix = path, fd, mm, key, prefix
+        self.size = len(mm)
+        self.ino = os.fstat(fd).st_ino
+
+    def data(self) -> torch.Tensor:
+        return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.prefix)
+
+    def reusable(self, key: tuple) -> bool:
+        """Same layout, still at its path, and linked nowhere else (not pinned for a persister)."""
+        if key != self.key:
+            return False
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_ino == self.ino and st.st_nlink == 1
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()  # a tensor still viewing it keeps the mapping until it is freed
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class Slots:
+    """(one rank of the memory tier) Where its snapshots are staged, and which files it reuses."""
+
+    def __init__(self, job_dir: str, steps_dir: str, rank: int) -> None:
+        self.steps_dir = steps_dir
+        # three names: a snapshot committing, the next one being staged, and the spare
+        self.names = tuple(
+            os.path.join(job_dir, STAGING_DIR, f"rank_{rank:05d}.{k}.safetensors") for k in range(3)
+        )
+        for name in self.names:  # what a crashed run of this rank left (never another rank's)
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        self._committed: deque[_Slot] = deque()  # this rank's newest committed files, oldest first
+        self._staged: list[_Slot] = []  # staged and not settled yet, oldest first
+        self._spare: _Slot | None = None  # a retired snapshot's file, kept for the next one
+        self._lock = threading.Lock()  # the caller stages while a background thread settles
+        self._prefix: tuple[WritePlan, int] | None = None  # the header's room, per plan
+        self.reused = 0  # snapshots staged into a reused file (for tests and benchmarks)
+
+    def stage(self, plan: WritePlan, leaves: Mapping[str, TensorLeaf], step: int) -> _Slot:
+        """Copy this rank's chunks into a laid-out rank file at a staging name (the caller's
+        thread: this is the snapshot's stall).  At most one earlier snapshot may be unsettled."""
+        header = self._header(plan, step)
+        if self._prefix is None or self._prefix[0] is not plan:
+            self._prefix = (plan, _round_up(len(self._header(plan, _MAX_STEP)), _PAGE))
+        prefix = self._prefix[1]
+        key = (plan.digest, plan.rank, plan.data_bytes, prefix)
+        with self._lock:
+            while len(self._staged) > 1:  # (a save that never ran its persist)
+                self._settle(self._staged[0], False)
+            slot, self._spare = self._spare, None
+            if slot is None and len(self._committed) >= 2:
+                # the older of two committed snapshots is retired by this snapshot's commit
+                slot = self._take(self._committed.popleft())
+            if slot is not None and slot.key != key:  # another layout: a file of its own
+                slot.close()
+                slot = None
+            if slot is None:
+                busy = {x.path for x in self._staged}
+                slot = self._fresh(
+                    next(n for n in self.names if n not in busy),
+                    key,
+                    prefix + plan.data_bytes,
+                    prefix,
+                )
+            else:
+                self.reused += 1
+            self._staged.append(slot)
+        mm = slot.mm
+        mm[:8] = struct.pack("<Q", prefix - 8)
+        mm[8 : len(header)] = header[8:]
+        mm[len(header) : prefix] = b" " * (prefix - len(header))
+        if plan.data_bytes:
+            data = slot.data()
+            with torch.no_grad():
+                for it in plan.items:
+                    src = leaves[it.key].local
+                    data[it.begin : it.end].view(src.dtype).view(src.shape).copy_(src)
+            del data
+        return slot
+
+    def persist(
+        self, slot: _Slot, step_rel: str, file: str, plan: WritePlan, block_bytes: int
+    ) -> PersistResult:
+        """(background) Checksum the staged file and move it into the step's directory; keep
+        the file of the snapshot this one retires as the spare, before the commit deletes it."""
+        t0 = time.monotonic()
+        view = memoryview(slot.mm)[slot.prefix :]
+        try:
+            chunks = {
+                it.key: ChunkEntry(
+                    offsets=it.offsets,
+                    sizes=it.sizes,
+                    file=file,
+                    name=it.key,
+                    byte_range=(slot.prefix + it.begin, slot.prefix + it.end),
+                    checksums=tuple(
+                        block_checksums(view[it.begin : it.end], block_bytes, parallel=False)
+                    ),
+                    codec="none",
+                    raw_bytes=it.end - it.begin,
+                )
+                for it in plan.items
+            }
+        finally:
+            view.release()
+        dest = os.path.join(self.steps_dir, step_rel, file)
+        os.replace(slot.path, dest)
+        slot.path = dest
+        with self._lock:
+            if self._spare is None and len(self._committed) >= 2:
+                self._spare = self._take(self._committed.popleft())
+        return PersistResult(file, slot.size, chunks, time.monotonic() - t0)
+
+    def settled(self, slot: _Slot, committed: bool) -> None:
+        """A staged snapshot's save is over: keep its file for reuse when it was committed."""
+        with self._lock:
+            self._settle(slot, committed)
+
+    def _settle(self, slot: _Slot, committed: bool) -> None:
+        if slot not in self._staged:
+            return
+        self._staged.remove(slot)
+        if committed and slot.path not in self.names:
+            self._committed.append(slot)
+            while len(self._committed) > 2:  # retention retires the step: its file goes
+                self._committed.popleft().close()
+        elif slot.path in self.names and self._spare is None:
+            self._spare = slot  # staged, never committed: its file serves the next snapshot
+        else:
+            slot.close()
+
+    def _take(self, old: _Slot) -> _Slot | None:
+        """(under the lock) Move a committed snapshot's file to a free name, to be overwritten;
+        None (and the file left alone) when something else links it or it is gone."""
+        taken = None
+        if old.reusable(old.key):
+            busy = {x.path for x in self._staged}
+            if self._spare is not None:
+                busy.add(self._spare.path)
+            name = next(n for n in self.names if n not in busy)
+            try:
+                os.replace(old.path, name)
+                old.path = name
+                # a persister that linked it just before the move holds it now: its bytes stay
+                # as they are, and this name is given up
+                if os.fstat(old.fd).st_nlink == 1:
+                    taken = old
+                else:
+                    os.unlink(name)
+            except OSError:
+                pass
+        if taken is None:
+            old.close()
+        return taken
+
+    def close(self) -> None:
+        with self._lock:
+            while self._staged:
+                self._settle(self._staged[0], False)
+            for slot in (*self._committed, *((self._spare,) if self._spare else ())):
+                slot.close()
+            self._committed.clear()
+            self._spare = None
+            for name in self.names:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+
+    @staticmethod
+    def _header(plan: WritePlan, step: int | str) -> bytes:
+        return safetensors_header(
+            [
+                (it.key, dtype_info(it.dtype).safetensors, it.local_shape, it.begin, it.end)
+                for it in plan.items
+            ],
+            rank_file_metadata(step),  # type: ignore[arg-type]
+        )
+
+    def _fresh(self, staging: str, key: tuple, size: int, prefix: int) -> _Slot:
+        """A new file at the staging name (a crashed run's leftover is replaced), every page
+        allocated now: a tmpfs with no room left fails here, not with a SIGBUS mid-copy."""
+        fd = -1
+        try:
+            os.makedirs(os.path.dirname(staging), mode=0o700, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            fd = os.open(
+                staging,
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                0o600,
+            )
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(staging)
+            raise MemoryTierError(
+                f"cannot make room for a {size}-byte snapshot at {staging}: {e}; give the node "
+                f"more shared memory, or snapshot less state"
+            ) from e
+        return _Slot(staging, fd, mm, key, prefix)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to

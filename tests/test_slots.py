@@ -1,0 +1,173 @@
+"""The memory tier's lean snapshot path (checkpoint/slots.py): snapshots are staged straight into
+laid-out tmpfs rank files, and the file of the snapshot a commit retires is reused.  Reuse must
+never change a byte that something still reads: a committed snapshot, or one pinned for the
+persister; and the files are plain rank files of the checkpoint format."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from resilient import Checkpointer, ResilientError, StorageError
+from resilient.checkpoint import slots as slots_mod
+from tests.test_memory_tier import _bump, _weights
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300, 7, generator=g),
+        "b": torch.randn(33, generator=g).bfloat16(),
+        "i": torch.arange(5, dtype=torch.int64),
+    }
+
+
+def _rank_files(ck: Checkpointer) -> list[Path]:
+    return sorted(Path(ck.memory.dir).rglob("rank_*.safetensors"))
+
+
+def test_snapshots_reuse_the_retired_files_and_restore_bit_exact(tmp_path):
+    m = torch.nn.Linear(64, 32)
+    seen = {}
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        slots = ck._memory._slots
+        for step in range(1, 9):
+            _bump(m, 0.25)
+            ck.snapshot(step, {"model": m})
+            seen[step] = _weights(m)
+        ck.wait_snapshot()
+        # the first three snapshots need files; from then on, retired files are reused
+        assert slots.reused == 5
+        # two committed snapshots and a spare: three files of this rank's state, never more
+        assert len(_rank_files(ck)) == 3
+        for step in (8, 7):  # both committed snapshots hold their own step's bytes
+            assert ck.load({"model": m}, step=step) == step
+            assert ck.last_load.source == "memory"
+            assert all(torch.equal(m.state_dict()[k], v) for k, v in seen[step].items())
+        assert ck.snapshots.verify(8).ok and ck.snapshots.verify(7).ok
+
+
+def test_a_snapshot_file_is_a_plain_safetensors_file_with_a_page_aligned_data_section(tmp_path):
+    state = _state()
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        for step in (9, 10, 11, 12, 10**12):  # a longer step number fits the same header room
+            ck.snapshot(step, state).wait()
+        ck.wait_snapshot()
+        path = next(Path(ck.memory.steps).glob("step_*1000000000000/rank_*.safetensors"))
+        raw = path.read_bytes()
+        header_len = int.from_bytes(raw[:8], "little")
+        assert (8 + header_len) % 4096 == 0
+        with safe_open(str(path), framework="pt") as f:  # the reference reader agrees
+            assert f.metadata()["step"] == str(10**12)
+            got = {k: f.get_tensor(k) for k in f.keys()}
+        assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_a_file_pinned_for_the_persister_is_never_overwritten(tmp_path):
+    m = torch.nn.Linear(64, 32)
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        for step in (1, 2, 3):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+        ck.wait_snapshot()
+        # what the persister does to a step it writes out: a hard link to each file
+        pinned = next(Path(ck.memory.steps).glob("step_00000002/rank_*.safetensors"))
+        link = tmp_path / "pinned.safetensors"
+        os.link(pinned, link)
+        before = link.read_bytes()
+        for step in range(4, 9):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+        ck.wait_snapshot()
+        assert link.read_bytes() == before
+        assert len(_rank_files(ck)) <= 3  # the pinned one is the persister's now, not ours
+
+
+def test_a_new_layout_gets_a_file_of_its_own(tmp_path):
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        for step in (1, 2, 3):
+            ck.snapshot(step, _state(step)).wait()
+        bigger = {**_state(4), "extra": torch.ones(1000)}
+        ck.snapshot(4, bigger).wait()
+        ck.snapshot(5, bigger).wait()
+        ck.wait_snapshot()
+        target = {k: torch.empty_like(v) for k, v in bigger.items()}
+        assert ck.load(target) == 5
+        assert all(torch.equal(target[k], bigger[k]) for k in bigger)
+
+
+def test_a_snapshot_that_fails_after_taking_a_retired_file_leaves_the_newest_restorable(tmp_path):
+    url = str(tmp_path / "ckpt")
+    m = torch.nn.Linear(16, 8)
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        for step in (1, 2, 3):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+        ck.wait_snapshot()
+        want = _weights(m)
+        # the next snapshot takes the file of step 2 (retired by its commit) and fails before
+        # it commits, as when the process dies in the middle
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(slots_mod.Slots, "persist", _killed)
+            _bump(m, 1.0)
+            ck.snapshot(4, {"model": m})
+            with pytest.raises(ResilientError):
+                ck.wait_snapshot()
+        assert slots_mod.Slots.persist is not _killed
+    m2 = torch.nn.Linear(16, 8)
+    with Checkpointer(url, memory_every=1, persister=False) as again:
+        assert again.load({"model": m2}) == 3 and again.last_load.source == "memory"
+        assert all(torch.equal(m2.state_dict()[k], v) for k, v in want.items())
+        # the retired step whose file was taken is a named error, never read as step 2
+        with pytest.raises(StorageError, match="rank_00000.safetensors.*does not exist"):
+            again.snapshots.load({"model": m2}, step=2, fallback=False)
+
+
+def _killed(*_a, **_k):
+    raise OSError("killed")
+
+
+def test_a_crashed_runs_staging_files_are_reclaimed(tmp_path):
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        staging = Path(ck.memory.dir) / slots_mod.STAGING_DIR
+        ck.snapshot(1, _state()).wait()
+        ck.wait_snapshot()
+        leftover = staging / "rank_00000.2.safetensors"
+        leftover.write_bytes(b"x" * 4096)  # as a killed run leaves it
+        other = staging / "rank_00001.0.safetensors"  # another rank's: not this rank's to take
+        other.write_bytes(b"y")
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False):
+        assert not leftover.exists() and other.exists()
+
+
+def test_no_room_for_a_snapshot_file_is_a_named_error_not_a_crash(tmp_path):
+    """A tmpfs that fills up must fail the snapshot with MemoryTierError; writing into a mapping
+    with no pages behind it would kill the process with SIGBUS.  The file size limit stands in
+    for a full tmpfs (the same error path: the allocation of the file's pages fails)."""
+    script = textwrap.dedent(
+        f"""
+        import os, resource, signal, torch
+        from resilient import Checkpointer, MemoryTierError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        os.environ["RESILIENT_MEMORY_ROOT"] = {str(tmp_path / "shm")!r}
+        ck = Checkpointer({str(tmp_path / "ckpt")!r}, memory_every=1, persister=False)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        try:
+            ck.snapshot(1, {{"w": torch.zeros(1 << 20)}})
+        except MemoryTierError as e:
+            print("named:", e)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "named: cannot make room for a" in out.stdout
