@@ -68,16 +68,20 @@ def _worker(rank: int, args, port: int, roots: list[str], results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     nbytes = args.mib << 20
-    storage = Storage(roots[rank])
+    storage = Storage(os.path.join(roots[rank], "steps"))
     step_rel = step_dir_name(1)
     storage.makedirs(step_rel)
     own = rank_file_name(rank, 0)
     storage.write_file(f"{step_rel}/{own}", [os.urandom(1 << 20) * args.mib], fsync=False)
-    replicas = Replicas(NodeMap((0, 1)), rank, timeout_s=300)
+    replicas = Replicas(NodeMap((0, 1)), rank, timeout_s=300, spare_dir=roots[rank])
     out: dict[str, list[float]] = {"replication": [], "raw socket, both ways": []}
     out["exchange (one file, one way)"] = []
     out["raw socket, one way"] = []
     for r in range(args.repeats + 1):
+        # a new step each time, as after every snapshot: its own file moves along (not timed)
+        prev, step_rel = step_rel, step_dir_name(r + 2)
+        storage.makedirs(step_rel)
+        os.replace(storage.path(f"{prev}/{own}"), storage.path(f"{step_rel}/{own}"))
         dist.barrier()
         t0 = time.perf_counter()
         replicas.replicate(storage, step_rel, own, 0)

@@ -39,8 +39,16 @@ def _snapshot_on_two_nodes(rank: int, world: int, url: str, base: str) -> dict:
     dist.barrier()  # every rank's replica is in (a rank's wait() covers its own receive only)
     own = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000003").iterdir())
     older = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
+    staging = sorted(p.name for p in (Path(ck.memory.dir) / "staging").iterdir())
+    reused = ck._memory._replicas.reused
     ck.close()
-    return {"own": own, "older": older, "memory_steps": ck.memory_steps()}
+    return {
+        "own": own,
+        "older": older,
+        "memory_steps": ck.memory_steps(),
+        "staging": staging,
+        "replicas_into_spare": reused,
+    }
 
 
 def _restore(rank: int, world: int, url: str, base: str, node: int | None) -> tuple:
@@ -65,6 +73,11 @@ def test_every_node_holds_its_snapshots_and_the_previous_nodes_newest_replica(tm
         assert set(r["own"]) == mine | theirs | {"MANIFEST.json"}
         # older steps keep no replica: one replica per rank is held
         assert set(r["older"]) == mine | {"MANIFEST.json"}
+    for rank, r in enumerate(results):
+        # the third replica went into the file of the first (the second's is the spare now);
+        # the next test restores a replaced node from it
+        assert r["replicas_into_spare"] == 1
+        assert f"replica_{rank:05d}.safetensors" in r["staging"]
 
 
 def test_a_replaced_node_restores_from_its_peers_replica(tmp_path):

@@ -96,6 +96,7 @@ DETECTION_FLAGS = (
     "join_timeout_s",
     "max_failed_saves",
     "memory_every",
+    "save_every",
 )
 
 

@@ -50,7 +50,7 @@ from resilient.checkpoint.reader import (
 )
 from resilient.checkpoint.replicas import NodeMap, Replicas, node_map
 from resilient.checkpoint.retention import Sweep, delete_dirs
-from resilient.checkpoint.slots import Slots, _Slot
+from resilient.checkpoint.slots import STAGING_DIR, Slots, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     MemoryPlace,
@@ -296,7 +296,10 @@ class Checkpointer:
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
                 self._memory._replicas = Replicas(
-                    self.nodes, self.rank, timeout_s=min(commit_timeout_s, 300.0)
+                    self.nodes,
+                    self.rank,
+                    timeout_s=min(commit_timeout_s, 300.0),
+                    spare_dir=os.path.join(self.memory.dir, STAGING_DIR),
                 )
         # Durable saves through the persister process (persister.py) when the tier is on;
         # RESILIENT_PERSISTER=0 asks for the trainer's own thread where the code says nothing.
@@ -681,6 +684,8 @@ class Checkpointer:
             self._stager = Stager()
             if self._slots is not None:
                 self._slots.close()
+            if self._replicas is not None:
+                self._replicas.close()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None

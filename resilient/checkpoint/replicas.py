@@ -5,7 +5,10 @@ every rank's file in its own node's memory, and the manifest on every node (rank
 each node's leader publishes the same bytes in its own directory).  So that losing a node loses
 nothing, every rank then sends its file of the newest snapshot to its **peer**, the rank with the
 same local index on the next node (a ring of nodes), which keeps it beside its own files: each
-node holds its ranks' two newest snapshots and one replica of the previous node's newest.
+node holds its ranks' two newest snapshots and one replica of the previous node's newest.  A
+replica is received straight into the pages of a file of its final size; the file of the replica
+it replaces is kept, mapped, as the next one's (allocating a tmpfs file's pages costs more than
+receiving the bytes), so a rank holds one replica and one spare.
 
 A restore from memory may need files that are not on the restoring rank's node: the layout changed
 (an elastic shrink), a node was replaced (its memory is empty), or a replicated chunk was written
@@ -29,6 +32,7 @@ import mmap
 import os
 import secrets
 import socket
+import stat
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -102,8 +106,22 @@ def node_map(world_size: int, rank: int, root: str, boot_id: str) -> NodeMap:
 class Replicas:
     """Peer replicas and the restore exchange of one memory-tier checkpointer (module docstring)."""
 
-    def __init__(self, nodes: NodeMap, rank: int, timeout_s: float) -> None:
+    def __init__(
+        self, nodes: NodeMap, rank: int, timeout_s: float, spare_dir: str | None = None
+    ) -> None:
         self.nodes, self.rank = nodes, rank
+        # the replica held now, and the file the next one is received into (both mapped)
+        self.spare_path = (
+            os.path.join(spare_dir, f"replica_{rank:05d}.safetensors") if spare_dir else None
+        )
+        if self.spare_path is not None:  # what a crashed run of this rank left
+            try:
+                os.unlink(self.spare_path)
+            except OSError:
+                pass
+        self._held: _Mapped | None = None
+        self._spare: _Mapped | None = None
+        self.reused = 0  # replicas received into the spare (for tests and benchmarks)
         # a group of its own: collectives of the training group are never issued from here
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         # Replicas travel on two more groups, by the parity of the sending node: a pair of ranks
@@ -142,7 +160,12 @@ class Replicas:
         for r in reqs:
             r.wait()
         name = rank_file_name(source, generation)
-        with _Incoming(storage, f"{step_rel}/{name}", int(theirs.item())) as incoming:
+        size = int(theirs.item())
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.size != size:
+            spare.close()
+            spare = None
+        with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
             out_lane = self.lanes[self.nodes.node_of[self.rank] % 2]
             in_lane = self.lanes[self.nodes.node_of[source] % 2]
             reqs = [
@@ -152,11 +175,23 @@ class Replicas:
             for r in reqs:
                 if r is not None:
                     r.wait()
-        self._drop_older(storage, step_rel, source)
+        self.reused += incoming.from_spare
+        older, self._held = self._held, incoming.kept
+        self._drop_older(storage, step_rel, source, older)
 
-    def _drop_older(self, storage: Storage, keep_rel: str, source: int) -> None:
-        """Remove the replicas of ``source``'s node held for steps other than ``keep_rel``."""
-        theirs = {f"rank_{r:05d}" for r in self.nodes.ranks_of(self.nodes.node_of[source])}
+    def _drop_older(
+        self, storage: Storage, keep_rel: str, source: int, older: _Mapped | None
+    ) -> None:
+        """Remove the replicas of ``source``'s file held for steps other than ``keep_rel``; the
+        one this rank received last (``older``) becomes the spare when it is still there and
+        linked nowhere else."""
+        if older is not None:
+            if self.spare_path is not None and older.move_to(self.spare_path):
+                self._spare = older
+            else:
+                older.close()
+        # only this rank's source's: the node's other ranks keep (and drop) their own sources'
+        theirs = {f"rank_{source:05d}"}
         for name in storage.listdir(""):
             if name == keep_rel or not name.startswith("step_"):
                 continue
@@ -170,6 +205,18 @@ class Replicas:
                         storage.remove(f"{name}/{f}")
                     except Exception as e:
                         log.warning("could not drop an old replica %s/%s: %s", name, f, e)
+
+    def close(self) -> None:
+        """Unmap the replica and the spare, and remove the spare's file."""
+        for held in (self._held, self._spare):
+            if held is not None:
+                held.close()
+        self._held = self._spare = None
+        if self.spare_path is not None:
+            try:
+                os.unlink(self.spare_path)
+            except OSError:
+                pass
 
     # --- the restore exchange (load, every rank, main thread) ---------------------------------
     def share_manifest(self, data: bytes | None) -> bytes:
@@ -251,18 +298,64 @@ class Replicas:
         return received
 
 
+class _Mapped:
+    """A file of this node's memory, mapped read-write (kept to receive the next replica into)."""
+
+    def __init__(self, path: str, mm: mmap.mmap, ino: int) -> None:
+        self.path, self.mm, self.ino, self.size = path, mm, ino, len(mm)
+
+    def move_to(self, path: str) -> bool:
+        """Rename it to ``path`` if it is still this file, at its place, and linked nowhere else."""
+        try:
+            st = os.lstat(self.path)
+            if not stat.S_ISREG(st.st_mode) or st.st_ino != self.ino or st.st_nlink != 1:
+                return False
+            os.replace(self.path, path)
+        except OSError:
+            return False
+        self.path = path
+        return True
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):  # a tensor still views it: freed with the tensor
+            pass
+
+
 class _Incoming:
     """A file of this node's memory received straight into its pages: a temporary of the final
-    size, mapped as the receive buffer (no second copy), renamed into place once complete."""
+    size, mapped as the receive buffer (no second copy), renamed into place once complete.  With
+    ``spare``, the spare's file and mapping are the temporary (no page is allocated); with
+    ``keep``, the mapping is kept (``kept``) once the file is in place."""
 
-    def __init__(self, storage: Storage, rel: str, size: int) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        rel: str,
+        size: int,
+        *,
+        spare: _Mapped | None = None,
+        keep: bool = False,
+    ) -> None:
         self.path = storage.path(rel)
         self.tmp = f"{self.path}.tmp-{secrets.token_hex(4)}"
         self.size = size
+        self.spare, self.keep = spare, keep
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self.failed: OSError | None = None
+        self.mapped: _Mapped | None = None
+        self.kept: _Mapped | None = None
+        self.from_spare = False
 
     def __enter__(self) -> _Incoming:
+        if self.spare is not None and self.size and self.spare.move_to(self.tmp):
+            self.mapped, self.spare, self.from_spare = self.spare, None, True
+            self.tensor = torch.frombuffer(self.mapped.mm, dtype=torch.uint8)
+            return self
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             if self.size:
@@ -275,20 +368,27 @@ class _Incoming:
                     self.tensor = torch.empty(self.size, dtype=torch.uint8)  # drained, dropped
                     return self
                 mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+                self.mapped = _Mapped(self.tmp, mm, os.fstat(fd).st_ino)
                 self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         finally:
             os.close(fd)
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        self.tensor = torch.empty(0, dtype=torch.uint8)  # unmapped
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # the tensor's view of the mapping goes
         if exc_type is None and self.failed is None:
             os.rename(self.tmp, self.path)
+            if self.mapped is not None:
+                self.mapped.path = self.path
+                if self.keep:
+                    self.kept, self.mapped = self.mapped, None
         else:
             try:
                 os.unlink(self.tmp)
             except OSError:
                 pass
+        if self.mapped is not None:
+            self.mapped.close()
 
 
 def _present(storage: Storage, rel: str, size: int) -> bool:
