@@ -30,6 +30,7 @@ from resilient.health.attach import (
     detect_by_default,
     hand_over,
     restart_count,
+    shares_agent_store,
     start_monitor,
 )
 from resilient.health.detector import DetectorConfig
@@ -57,14 +58,18 @@ def init_process_group(
     if dist.is_initialized():
         return
     timeout = timedelta(seconds=timeout_s)
-    under_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    under_agent = shares_agent_store()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     monitor = None
-    if (
+    # under torchrun, the monitor watches the rendezvous too: it starts on the agent's store,
+    # before the group; where the agent hosts none (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), on the
+    # group's store, once the group has formed
+    watch = (
         world > 1
         and "TORCHELASTIC_RUN_ID" in os.environ
         and (detect if detect is not None else detect_by_default())
-    ):
+    )
+    if watch and under_agent:
         monitor = start_monitor(
             rank, world, detector or DetectorConfig(), EventLog(event_log), store=agent_store()
         )
@@ -86,6 +91,9 @@ def init_process_group(
         )
     else:
         dist.init_process_group(backend, timeout=timeout)
+    if watch and not under_agent:
+        monitor = start_monitor(rank, world, detector or DetectorConfig(), EventLog(event_log))
+        hand_over(monitor)
     if monitor is not None:
         monitor.progress(None, "setup")
 

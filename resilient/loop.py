@@ -258,6 +258,7 @@ class Run:
                 skipped_steps=list(last.skipped_steps) if last else [],
                 resharded=bool(last and last.resharded),
                 source=source,
+                peer_files=last.peer_files if last else 0,
             )
 
     # --- the loop ----------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
-from resilient.chaos.scenario import JOB_KILLS, Fault, Job
+from resilient.chaos.scenario import JOB_KILLS, NODE_KILLS, Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
 
@@ -141,7 +141,7 @@ def launch_job(
     paths.root.mkdir(parents=True, exist_ok=True)
     events = EventLog(str(paths.events))
     in_rank = [f.to_json() for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
-    external = [f for f in faults if f.kind in ("kill_node", *JOB_KILLS) or f.at_s is not None]
+    external = [f for f in faults if f.kind in (*NODE_KILLS, *JOB_KILLS) or f.at_s is not None]
     storage = [f for f in faults if f.kind == "storage"]
     for node in range(job.nodes):  # the plan reaches the ranks only through the job's own flag
         paths.plan(node).write_text(
@@ -251,26 +251,30 @@ def _attempt(
         "RESILIENT_DETECT": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if any(f.kind == "replace_node" for f in external):
+        # With the rendezvous store shared with the workers (torch's default since 2.4), rank 0's
+        # agent publishes the workers' store address in the first round only, and an agent that
+        # joins a later round (a replacement node) waits for it until the join times out.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents: list[subprocess.Popen] = []
     logs = []
+
+    def start(node: int, mode: str) -> subprocess.Popen:
+        """An agent for ``node`` (a replacement too: the same command, the node's memory root)."""
+        log = open(paths.log(node), mode)
+        logs.append(log)
+        node_env = {**env, "RESILIENT_MEMORY_ROOT": str(memory[node]), **job.env}
+        return subprocess.Popen(
+            cmds[node], env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
     try:
         for node in range(job.nodes):
-            log = open(paths.log(node), "a" if rerun else "w")
-            logs.append(log)
-            node_env = {**env, "RESILIENT_MEMORY_ROOT": str(memory[node]), **job.env}
-            agents.append(
-                subprocess.Popen(
-                    cmds[node],
-                    env=node_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            agents.append(start(node, "a" if rerun else "w"))
             if node == 0 and job.nodes > 1:
                 _wait_for_port(port, agents[0], timeout=60)  # node 0 hosts the rendezvous store
         killed, timed_out, job_killed = _supervise(
-            job, paths, agents, external, events, started, say, memory
+            job, paths, agents, external, events, started, say, memory, start
         )
     finally:
         for a in agents:
@@ -291,9 +295,11 @@ def _supervise(
     started: float,
     say: Any,
     memory: list[Path],
+    start: Any,
 ) -> tuple[list[int], bool, str | None]:
     """Wait for the agents, firing the harness-side faults when their trigger comes:
-    (nodes killed, timed out, the kind of fault that killed the whole job)."""
+    (nodes killed for good, timed out, the kind of fault that killed the whole job).  A replaced
+    node's agent is started again by ``start(node, mode)`` and takes its place in ``agents``."""
     pending, killed = list(external), []
     progress = _MetricsTail(paths.metrics)
     deadline = started + job.timeout_s
@@ -317,9 +323,9 @@ def _supervise(
                     a.wait()
                 events.write("fault", id=f.id, kind=f.kind, step=step, pids=pids, source="harness")
                 return killed, False, f.kind
-            if f.kind == "kill_node":
+            if f.kind in NODE_KILLS:
                 pids = kill_tree(agents[f.node].pid)
-                killed.append(f.node)
+                agents[f.node].wait()
                 # the node is gone, and its memory with it (the memory tier's snapshots and the
                 # replicas it kept of its peer's)
                 shutil.rmtree(memory[f.node], ignore_errors=True)
@@ -332,6 +338,12 @@ def _supervise(
                     pids=pids,
                     source="harness",
                 )
+                if f.kind == "kill_node":
+                    killed.append(f.node)
+                else:  # a new host in its place: same command, empty memory
+                    agents[f.node] = start(f.node, "a")
+                    events.write("node_replaced", node=f.node, source="harness")
+                    say(f"  node {f.node} replaced by a new agent with empty memory")
             else:
                 pid = next(
                     (p for a in agents if (p := worker_pid(a.pid, f.rank)) is not None), None

@@ -17,8 +17,10 @@ steps = 40
 save_every = 5
 
 [[faults]]
-kind = "kill"             # kill stop raise hang pause slow corrupt truncate skew kill_node kill_job
-                          # crash_job storage (kill_job: SIGKILL every process of the job, then run
+kind = "kill"             # kill stop raise hang pause slow corrupt truncate skew kill_node
+                          # replace_node kill_job crash_job storage (replace_node: kill_node, then
+                          # a new agent with empty memory takes the node's place; kill_job: SIGKILL
+                          # every process of the job, then run
                           # it again; crash_job: SIGKILL the job's agents and workers, not the
                           # memory tier's persister, then run it again on nodes with empty memory)
 rank = 1
@@ -62,7 +64,8 @@ from resilient.errors import ScenarioError
 
 __all__ = ["Scenario", "Job", "Fault", "Expect", "load_scenario", "parse_scenario", "KINDS"]
 
-KINDS = (*IN_RANK_KINDS, "kill_node", "kill_job", "crash_job", "storage")
+KINDS = (*IN_RANK_KINDS, "kill_node", "replace_node", "kill_job", "crash_job", "storage")
+NODE_KILLS = ("kill_node", "replace_node")  # the harness kills one agent (and its memory)
 JOB_KILLS = ("kill_job", "crash_job")  # the harness kills the whole job, then runs it again
 STORAGE_ERRORS = ("transient", "timeout", "permanent", "enospc")
 STORAGE_OPS = ("read", "write", "list", "exists", "remove", "mkdir", "any")
@@ -371,11 +374,11 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             v.fail(at, "kind", f"a {kind} fault cannot fire in the {when!r} phase")
     elif (step is None) == (at_s is None):
         v.fail(at, "step", f"a {kind} fault needs exactly one trigger: step = N or at_s = SECONDS")
-    if at_s is not None and kind not in ("kill", "stop", "kill_node", *JOB_KILLS):
+    if at_s is not None and kind not in ("kill", "stop", *NODE_KILLS, *JOB_KILLS):
         v.fail(at, "at_s", f"a {kind} fault fires inside a rank: trigger it with step = N")
-    if kind == "kill_node":
+    if kind in NODE_KILLS:
         if job.nodes < 2:
-            v.fail(at, "kind", "kill_node needs a job with nodes = 2")
+            v.fail(at, "kind", f"{kind} needs a job with nodes = 2")
         if node is None or not 0 <= node < job.nodes:
             v.fail(at, "node", f"which agent to kill: 0..{job.nodes - 1}")
         if node == 0:

@@ -229,7 +229,12 @@ def verify_run(
     # 7. every global sample exactly once in the committed history
     if exp.samples_exactly_once and applies:
         checks.append(_samples_once(history, job.steps))
-    m["restore_sources"] = [e.get("source", "durable") for e in events if e["event"] == "restore"]
+    # "peer": from memory, with files another node held (a replica, or a file of another node's)
+    m["restore_sources"] = [
+        "peer" if e.get("peer_files") else e.get("source", "durable")
+        for e in events
+        if e["event"] == "restore"
+    ]
     if job.trainer and job.trainer.get("memory_every") and applies:
         checks.append(
             Check(

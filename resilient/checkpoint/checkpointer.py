@@ -116,6 +116,7 @@ class LoadStats:
     seconds: float = 0.0
     skipped_steps: list[int] = field(default_factory=list)
     source: str = "durable"  # the tier it came from: "memory" or "durable"
+    peer_files: int = 0  # (memory, across nodes) files brought from other nodes' memory first
 
 
 class SaveHandle:
@@ -1151,8 +1152,7 @@ class Checkpointer:
     ) -> _PendingLoad:
         """Read and check every byte this rank needs of ``step`` into scratch memory; the step's
         manifest must be ``version`` (commit_seq, generation) when given."""
-        if self._replicas is not None:
-            self._gather_files(state, step, layout)
+        peer_files = self._gather_files(state, step, layout) if self._replicas is not None else 0
         with watching_retirement(self.storage, step):
             manifest = read_manifest(self.storage, step)
             if version is not None and (manifest.commit_seq, manifest.generation) != version:
@@ -1207,11 +1207,13 @@ class Checkpointer:
         stats = LoadStats(
             step, rs.bytes_read, rs.bytes_verified, rs.num_requests, manifest.layout != layout
         )
+        stats.peer_files = peer_files
         return _PendingLoad(flat, scratch, values, stats, in_place)
 
-    def _gather_files(self, state: Mapping[str, Any], step: int, layout: Layout) -> None:
+    def _gather_files(self, state: Mapping[str, Any], step: int, layout: Layout) -> int:
         """(memory tier across nodes; every rank, a collective) Bring the files of ``step`` that
-        this rank needs and its node lacks from the nodes that hold them (replicas.py)."""
+        this rank needs and its node lacks from the nodes that hold them (replicas.py); returns
+        how many files moved between nodes (the same on every rank)."""
         assert self._replicas is not None
         step_rel = step_dir_name(step)
         rel = f"{step_rel}/{MANIFEST_NAME}"
@@ -1241,7 +1243,7 @@ class Checkpointer:
                 undo()
         sizes = {name: entry.size_bytes for name, entry in manifest.files.items()}
         try:
-            self._replicas.fetch(self.storage, step_rel, sizes, need)
+            moved = self._replicas.fetch(self.storage, step_rel, sizes, need)
         except CheckpointNotFoundError:
             if error is not None:
                 raise error from None  # this rank's own reason, not "a rank failed"
@@ -1259,6 +1261,7 @@ class Checkpointer:
         if mine != data:  # this node now holds rank 0's version of the step (the read checks it)
             self.storage.makedirs(step_rel)
             self.storage.publish(rel, data)
+        return moved
 
     def _in_place(self, manifest: Manifest, items: list[ReadItem], flat: FlatState) -> bool:
         """Whether a load can check every byte first and then read it again straight into the

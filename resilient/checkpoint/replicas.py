@@ -240,7 +240,8 @@ class Replicas:
     ) -> int:
         """Make every file this rank ``need``\\ s present in its node's ``step_rel`` (files: name ->
         size, the manifest's, sorted the same on every rank); ``need`` None: this rank failed
-        before it knew (it still takes part, so nobody waits for it).  Returns the bytes received.
+        before it knew (it still takes part, so nobody waits for it).  Returns how many files
+        moved between nodes (the same on every rank).
         Raises CheckpointNotFoundError on every rank when a needed file is on no node, or when a
         rank failed."""
         names = sorted(files)
@@ -276,7 +277,6 @@ class Replicas:
                 )
             for receiver in receivers.values():
                 transfers.append((i, holders[0], receiver))
-        received = 0
         for i, sender, receiver in transfers:  # one global order: no two ranks wait on each other
             if self.rank == sender:
                 dist.send(
@@ -287,7 +287,6 @@ class Replicas:
                 with _Incoming(storage, f"{step_rel}/{names[i]}", files[names[i]]) as incoming:
                     if incoming.size:
                         dist.recv(incoming.tensor, sender, group=self.group)
-                received += files[names[i]]
         if transfers:
             dist.barrier(group=self.group)  # every received file is in place before anyone reads
             log.info(
@@ -295,7 +294,7 @@ class Replicas:
                 step_rel,
                 len(transfers),
             )
-        return received
+        return len(transfers)
 
 
 class _Mapped:

@@ -25,6 +25,7 @@ __all__ = [
     "detect_by_default",
     "start_monitor",
     "agent_store",
+    "shares_agent_store",
     "hand_over",
     "take_over",
     "restart_count",
@@ -46,10 +47,19 @@ def detect_by_default() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def shares_agent_store() -> bool:
+    """Whether torchrun's agent hosts the workers' store (MASTER_ADDR:MASTER_PORT), as it does
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; then rank 0 hosts it once the group forms."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def agent_store(timeout_s: float = 60.0) -> Any:
-    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT)."""
+    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT); None where the agent does
+    not host one (``shares_agent_store``)."""
     import torch.distributed as dist
 
+    if not shares_agent_store():
+        return None
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -68,8 +78,9 @@ def start_monitor(
 ) -> Monitor:
     """Heartbeats go to torchrun's agent store when there is one (it outlives the workers), else to
     the default process group's store; keys live under a per-run, per-restart prefix."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        store = store if store is not None else agent_store()
+    if store is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        store = agent_store()
+    if store is not None and "TORCHELASTIC_RUN_ID" in os.environ:
         prefix = f"resilient/health/{os.environ['TORCHELASTIC_RUN_ID']}/{restart_count()}"
     else:
         import torch.distributed as dist

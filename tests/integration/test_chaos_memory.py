@@ -39,6 +39,7 @@ def test_the_memory_scenarios_are_the_ones_this_file_runs():
         "memory-kill-job",
         "memory-crash-job",
         "memory-kill-node-shrink",
+        "memory-replace-node",
         "memory-too-small",
     }
 
@@ -102,6 +103,22 @@ def test_lost_node_restores_from_its_peers_replica(out):
     # durable storage held step 10; node 0 restored a newer step from memory, which needed the
     # replicas of node 1's files (node 1's ranks wrote their own shards), resharded to dp 1
     assert restore["source"] == "memory" and restore["resharded"]
+    assert lost["step"] - 1 <= restore["step"] <= lost["step"]
+    assert max(report["measurements"]["steps_lost"], default=0) <= 1
+
+
+@pytest.mark.slow
+def test_a_replaced_node_restores_its_ranks_from_the_peers_replicas(out):
+    report = _run(out, "memory-replace-node")
+    events = _events(report)
+    lost = next(e for e in events if e["event"] == "fault" and e["kind"] == "replace_node")
+    assert next(e for e in events if e["event"] == "node_replaced")["node"] == 1
+    restore = next(e for e in events if e["event"] == "restore")
+    # node 1 came back with empty memory: its ranks' files came from node 0's replicas, and the
+    # layout is the same (no reshard), so the run is bit-identical to the fault-free one
+    assert restore["source"] == "memory" and not restore["resharded"]
+    assert restore["peer_files"] >= 2  # at least ranks 2 and 3's files, from node 0's replicas
+    assert report["measurements"]["restore_sources"] == ["peer"]
     assert lost["step"] - 1 <= restore["step"] <= lost["step"]
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
