@@ -160,3 +160,62 @@ def test_a_snapshot_that_fails_on_one_node_is_not_replicated_and_the_next_one_is
     assert [failed for failed, _ in results] == [True] * 4  # every rank: one commit, one outcome
     every = {f"rank_{r:05d}.safetensors" for r in range(4)} | {"MANIFEST.json"}
     assert set(results[0][1]) == every and set(results[2][1]) == every
+
+
+def _save_across_nodes(rank: int, world: int, url: str, base: str, damage: bool) -> tuple:
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2))
+    for step in (1, 2):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    if damage and rank == 2:  # node 1's snapshot of step 2 rots before its persister reads it
+        path = Path(ck.memory.steps) / "step_00000002" / "rank_00002.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        stats = ck.save(2, _state(rank, world, 2.0)).wait()
+        outcome = "committed" if stats.committed else "not committed"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    pid = ck.persister_pid
+    ck.close()
+    return outcome, pid
+
+
+def test_every_nodes_persister_writes_its_nodes_files_and_rank_0s_commits(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_save_across_nodes, 4, url, base, False)
+    assert [r[0] for r in results] == ["committed"] * 4
+    pids = [r[1] for r in results]
+    # one persister per node, its leader's (ranks 0 and 2); the others ask none
+    assert pids[0] and pids[2] and pids[0] != pids[2] and pids[1] is None and pids[3] is None
+    logs = [next(Path(_root(base, n)).glob("job-*/persister.log")).read_text() for n in (0, 1)]
+    assert "wrote 2 file(s) of step 2" in logs[0] and "persisted step 2" in logs[0]
+    assert "wrote 2 file(s) of step 2" in logs[1] and "persisted step" not in logs[1]
+    # a durable checkpoint like any other: every rank's share, bit-exact, read without the tier
+    ck = Checkpointer(url)
+    assert ck.steps() == [2] and ck.verify(2).ok
+    want = torch.cat([torch.full((4,), 2.0 + r) for r in range(4)])
+    got = {"w": torch.zeros(16), "b": torch.zeros(3), "meta": {"value": 0.0}}
+    ck.load(got)
+    assert torch.equal(got["w"], want) and got["meta"] == {"value": 2.0}
+
+
+def test_a_node_whose_snapshot_is_damaged_fails_the_save_on_every_rank(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_save_across_nodes, 4, url, base, True)
+    for rank, (outcome, _pid) in enumerate(results):
+        assert outcome.startswith("CommitError") and "does not match its checksums" in outcome
+        assert rank == 2 or "rank 2 failed to write" in outcome
+    # at close, rank 0's node's persister flushed the step durable storage lacked: node 0 holds
+    # it whole (its ranks' files and the intact replicas of node 1's), so step 2 is durable after
+    # all, from good bytes
+    log = next(Path(_root(base, 0)).glob("job-*/persister.log")).read_text()
+    assert "flushed step 2" in log
+    ck = Checkpointer(url)
+    assert ck.steps() == [2] and ck.verify(2).ok
+    got = {"w": torch.zeros(16), "b": torch.zeros(3), "meta": {"value": 0.0}}
+    ck.load(got)
+    assert torch.equal(got["w"], torch.cat([torch.full((4,), 2.0 + r) for r in range(4)]))

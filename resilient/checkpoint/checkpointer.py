@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -302,21 +303,15 @@ class Checkpointer:
                     timeout_s=min(commit_timeout_s, 300.0),
                     spare_dir=os.path.join(self.memory.dir, STAGING_DIR),
                 )
-        # Durable saves through the persister process (persister.py) when the tier is on;
-        # RESILIENT_PERSISTER=0 asks for the trainer's own thread where the code says nothing.
+        # Durable saves through the persister process (persister.py) when the tier is on, one per
+        # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
+        # code says nothing.
         if persister is None and os.environ.get(ENV_PERSISTER, "").strip() == "0":
             persister = False
-        # Durable saves through the persister process (persister.py) when the tier is on.
         self._snap: SaveHandle | None = None  # the newest snapshot this checkpointer took
         self._persister: PersisterClient | None = None
         self._persister_config: dict[str, Any] | None = None
-        if self._memory is not None and persister is not False and self.nodes.nodes > 1:
-            if persister:
-                raise ValueError(
-                    "persister=True: a job on several nodes writes durable saves from its ranks "
-                    "(the persister serves one node in this version)"
-                )
-        elif self._memory is not None and persister is not False:
+        if self._memory is not None and persister is not False:
             why_not = self._persister_unavailable(storage_options, retry, compression)
             if why_not and persister:
                 raise ValueError(f"persister=True cannot work here: {why_not}")
@@ -333,6 +328,9 @@ class Checkpointer:
                     "keep_last": keep_last,
                     "keep_every": keep_every,
                     "lease_timeout_s": lease_timeout_s,
+                    # the flush when the trainer dies: rank 0's node's (across nodes, it holds
+                    # the newest snapshot whole only with two nodes: its files and the replicas)
+                    "flush": self.nodes.node_of[self.rank] == self.nodes.node_of[0],
                 }
 
     def _persister_unavailable(
@@ -351,7 +349,8 @@ class Checkpointer:
 
     @property
     def persister_pid(self) -> int | None:
-        """The pid of the process that writes this job's durable saves (rank 0, memory tier)."""
+        """The pid of the process that writes this job's durable saves (a node's leader rank,
+        memory tier)."""
         return None if self._persister is None else self._persister.pid
 
     # --- context manager ------------------------------------------------------------------
@@ -463,7 +462,7 @@ class Checkpointer:
         assert self._memory is not None
         if self._memory.layout is None:
             self._memory.layout = self._layout_for(state)
-        if self._persister_config is not None and self.rank == 0:
+        if self._persister_config is not None and self.nodes.is_leader(self.rank):
             self._start_persister()  # early: it flushes this snapshot should the trainer die
         anchor = "" if self._anchor is None else f"{self._anchor[0]}:{self._anchor[1]}"
         self._snap = self._memory.save(step, {**state, ANCHOR_KEY: anchor})
@@ -515,13 +514,20 @@ class Checkpointer:
         handle = SaveHandle(step)
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
-        if self.rank == 0:
+        if self.nodes.is_leader(self.rank):  # (rank 0 on one node)
             outbox = self._persister_client().outbox  # (started in the background thread)
             steps_dir = self.memory.steps
+            # across nodes, each node's persister writes the files its node's ranks wrote
+            ranks = (
+                set(self.nodes.ranks_of(self.nodes.node_of[self.rank]))
+                if self.nodes.nodes > 1
+                else None
+            )
 
             def pin() -> None:  # hard links: retention may retire the step, not its bytes
                 try:
-                    pinned["dir"] = link_to_outbox(steps_dir, step, outbox)
+                    pinned["dir"] = link_to_outbox(steps_dir, step, outbox, ranks)
+                    pinned["files"] = sorted(os.listdir(pinned["dir"]))
                 except Exception as e:
                     pinned["error"] = e
 
@@ -555,21 +561,11 @@ class Checkpointer:
                     f"step {step} was not saved: its memory snapshot failed: {snap.error}"
                 ) from snap.error
             handle.stats.write_s = time.monotonic() - t0
-            if committer.is_coordinator:
+            if self.nodes.nodes > 1:
+                self._persist_across_nodes(handle, pinned, committer)
+            elif committer.is_coordinator:
                 try:
-                    if "error" in pinned:
-                        raise CommitError(
-                            f"cannot hand step {step} to the persister: linking its snapshot "
-                            f"into the outbox failed: {_describe(pinned['error'])}"
-                        ) from pinned["error"]
-                    assert self._persister is not None
-                    reply = self._persister.persist(step, self.commit_timeout_s)
-                    if not reply.get("ok"):
-                        cls = LeaseError if reply.get("type") == "LeaseError" else CommitError
-                        raise cls(
-                            f"step {step} was not committed to {self.url} by the persister: "
-                            f"{reply.get('type')}: {reply.get('error')}"
-                        )
+                    reply = self._ask_persister("persist", step, pinned)
                     self._anchor = (step, int(reply["commit_seq"]))
                     handle.stats.bytes_written = int(reply.get("bytes", 0))
                 except BaseException as e:
@@ -593,6 +589,87 @@ class Checkpointer:
                 error.__cause__ = e
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
         handle._finish(error)
+
+    def _ask_persister(
+        self, op: str, step: int, pinned: dict[str, Any], **fields: Any
+    ) -> dict[str, Any]:
+        """(a node's leader) One request to this node's persister; its failure raised."""
+        if "error" in pinned:
+            raise CommitError(
+                f"cannot hand step {step} to the persister: linking its snapshot into the "
+                f"outbox failed: {_describe(pinned['error'])}"
+            ) from pinned["error"]
+        assert self._persister is not None
+        reply = self._persister.request(op, step, self.commit_timeout_s, **fields)
+        if not reply.get("ok"):
+            cls = LeaseError if reply.get("type") == "LeaseError" else CommitError
+            raise cls(
+                f"step {step} was not committed to {self.url} by the persister ({op}): "
+                f"{reply.get('type')}: {reply.get('error')}"
+            )
+        return reply
+
+    def _persist_across_nodes(
+        self, handle: SaveHandle, pinned: dict[str, Any], committer: Committer
+    ) -> None:
+        """A durable save from the memory tier on several nodes: rank 0's persister takes the
+        lease and picks the generation, every node's persister writes the files its node's ranks
+        wrote, and rank 0's commits once every node reported; the ranks hear the outcome over
+        the store, as for any commit."""
+        step, coordinator = handle.step, committer.is_coordinator
+        leader = self.nodes.is_leader(self.rank)
+        if coordinator:
+            try:
+                generation = int(self._ask_persister("begin", step, pinned)["generation"])
+            except BaseException as e:
+                committer.publish_begin({"error": _describe(e), "type": type(e).__name__})
+                self._drop_outbox(step)
+                raise
+            committer.publish_begin({"generation": generation})
+        else:
+            generation = int(committer.wait_begin(extra_s=self.lease_timeout_s)["generation"])
+        own: BaseException | None = None
+        report: dict[str, Any] = {"rank": self.rank}
+        try:
+            if leader:
+                files = [f for f in pinned.get("files", ()) if f != MANIFEST_NAME]
+                reply = self._ask_persister(
+                    "copy", step, pinned, generation=generation, files=files, last=not coordinator
+                )
+                handle.stats.bytes_written = int(reply.get("bytes", 0))
+        except BaseException as e:
+            own, report = e, {"rank": self.rank, "error": _describe(e)}
+        if not coordinator:
+            committer.report(report)
+            if own is not None:
+                raise own
+            outcome = committer.wait_outcome()
+            if outcome != "ok":
+                cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
+                raise cls(f"step {step} was not committed: {outcome}")
+            return
+        try:
+            failed = [r for r in committer.gather(report) if r.get("error")]
+            if failed:
+                raise CommitError(
+                    "; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed)
+                )
+            reply = self._ask_persister("commit", step, pinned, generation=generation)
+            self._anchor = (step, int(reply["commit_seq"]))
+        except BaseException as e:
+            self._drop_outbox(step)
+            try:
+                committer.publish(_describe(e))
+            except Exception:
+                pass
+            raise
+        committer.publish("ok")
+        committer.cleanup()
+
+    def _drop_outbox(self, step: int) -> None:
+        """(rank 0, across nodes) Let go of a step the persister will not commit."""
+        if self._persister is not None:
+            shutil.rmtree(os.path.join(self._persister.outbox, step_dir_name(step)), True)
 
     def wait_snapshot(self) -> SaveStats | None:
         """Block until the pending memory snapshot is committed; re-raise its failure."""
@@ -644,9 +721,10 @@ class Checkpointer:
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             mine = int(most.item())
         local_ranks = len(self.nodes.ranks_of(self.nodes.node_of[self.rank]))
-        # two snapshots and the one being written; across nodes, the peer's replica and the one
-        # being received; on one node, the snapshot pinned for the persister (the outbox)
-        copies = 5 if self.nodes.nodes > 1 else 4
+        # two snapshots and the file the next one is written into, the snapshot pinned for the
+        # persister (the outbox); across nodes, the peer's replica and the file the next one is
+        # received into
+        copies = 6 if self.nodes.nodes > 1 else 4
         need = copies * mine * max(1, local_ranks)
         error: MemoryTierError | None = None
         try:

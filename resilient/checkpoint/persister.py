@@ -23,10 +23,18 @@ and a snapshot newer than the newest durable commit is still written out when th
   checks a load makes), if there is one, then exits.  One persister per job at a time (a lock in the job directory): a restarted
   trainer's persister waits for its predecessor's flush.
 
+* Across nodes there is one persister per node, its lowest rank's.  Each leader links its node's
+  ranks' files of the snapshot into its outbox; rank 0's persister takes the lease and picks the
+  generation (``begin``), every node's persister checks and writes its node's files (``copy``),
+  and rank 0's commits once every node has reported over the store (``commit``).  Only rank 0's
+  node's persister flushes when the trainer dies (its node holds the newest snapshot whole when
+  there are two nodes: its own files and the peer replicas).
+
 Messages are JSON lines: the trainer sends the configuration, then ``{"op": "persist", "id": n,
-"step": S}`` and finally ``{"op": "close"}``; the persister answers ``{"id": n, "ok": true,
-"commit_seq": Q, "bytes": B, "seconds": T}`` or ``{"id": n, "ok": false, "type": ..., "error":
-...}``.
+"step": S}`` (or ``begin``; ``copy`` with ``generation``, ``files`` and ``last``; ``commit`` with
+``generation``) and finally ``{"op": "close"}``; the persister answers ``{"id": n, "ok": true,
+...}`` (``commit_seq``, ``bytes``, ``seconds``; ``generation`` for ``begin``) or ``{"id": n,
+"ok": false, "type": ..., "error": ...}``.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 from resilient.checkpoint.catalog import scan
@@ -79,10 +88,13 @@ _ENTRY = "import sys; from resilient.checkpoint.persister import main; sys.exit(
 # --- the trainer's side ------------------------------------------------------------------------------
 
 
-def link_to_outbox(steps_dir: str, step: int, outbox: str) -> str:
-    """Hard-link a committed snapshot's manifest and rank files into ``<outbox>/step_S``
-    (replacing an older entry of that step); returns that directory.  Microseconds: no bytes move,
-    and the memory tier may retire the step from now on without taking them from the copy."""
+def link_to_outbox(
+    steps_dir: str, step: int, outbox: str, ranks: Collection[int] | None = None
+) -> str:
+    """Hard-link a committed snapshot's manifest and rank files (those written by ``ranks``, or
+    all) into ``<outbox>/step_S`` (replacing an older entry of that step); returns that directory.
+    Microseconds: no bytes move, and the memory tier may retire the step from now on without
+    taking them from the copy."""
     name = step_dir_name(step)
     src = os.path.join(steps_dir, name)
     os.makedirs(outbox, mode=0o700, exist_ok=True)
@@ -94,7 +106,9 @@ def link_to_outbox(steps_dir: str, step: int, outbox: str) -> str:
     try:
         manifest = _read_small(os.path.join(src, MANIFEST_NAME), MAX_MANIFEST_BYTES)
         files = manifest_of_step(manifest, f"{src}/{MANIFEST_NAME}", step).files
-        for f in files:
+        for f, entry in files.items():
+            if ranks is not None and entry.rank not in ranks:
+                continue
             os.link(os.path.join(src, f), os.path.join(tmp, f), follow_symlinks=False)
         # the manifest last, and as a copy of what was read: what the files were checked against
         fd = os.open(os.path.join(tmp, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -211,16 +225,23 @@ class PersisterClient:
         """Ask the persister to persist ``step`` (its outbox entry); its reply.  A persister that
         dies before it answers is replaced once and asked again (persisting a step twice only
         commits it again)."""
+        return self.request("persist", step, timeout_s)
+
+    def request(self, op: str, step: int, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """Ask for ``op`` on ``step`` (``persist``; across nodes ``begin``, ``copy``, ``commit``)
+        and wait for the reply; a persister that dies first is replaced and asked once more."""
         try:
-            return self._persist_once(step, timeout_s)
+            return self._request_once(op, step, timeout_s, fields)
         except _Gone as e:
             log.warning("%s; starting another and asking again", e)
             try:
-                return self._persist_once(step, timeout_s)
+                return self._request_once(op, step, timeout_s, fields)
             except _Gone as again:
                 raise CommitError(str(again)) from None
 
-    def _persist_once(self, step: int, timeout_s: float) -> dict[str, Any]:
+    def _request_once(
+        self, op: str, step: int, timeout_s: float, fields: dict[str, Any]
+    ) -> dict[str, Any]:
         self.start()
         with self._cond:
             self._next_id += 1
@@ -229,7 +250,7 @@ class PersisterClient:
         assert proc is not None and proc.stdin is not None
         try:
             proc.stdin.write(
-                json.dumps({"op": "persist", "id": rid, "step": step}).encode() + b"\n"
+                json.dumps({"op": op, "id": rid, "step": step, **fields}).encode() + b"\n"
             )
             proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
@@ -316,28 +337,92 @@ class Promoter:
         finally:
             shutil.rmtree(src, ignore_errors=True)
 
+    def done(self, step: int) -> None:
+        """(across nodes) Drop the outbox entry of ``step``."""
+        shutil.rmtree(os.path.join(self.outbox, step_dir_name(step)), ignore_errors=True)
+
     def _persist(self, step: int, src: str, t0: float) -> dict[str, Any]:
+        generation = self.begin(step)["generation"]
+        total = self.copy(step, generation, None, src)["bytes"]
+        return {**self.commit(step, generation, src, t0=t0), "bytes": total}
+
+    def _snapshot(self, step: int, src: str) -> Manifest:
         where = f"the memory snapshot of step {step} ({src})"
         try:
             data = _read_small(os.path.join(src, MANIFEST_NAME), MAX_MANIFEST_BYTES)
         except OSError as e:
             raise CheckpointCorruptError(f"{where} has no readable manifest: {e}") from e
-        snap = manifest_of_step(data, f"{src}/{MANIFEST_NAME}", step)
+        return manifest_of_step(data, f"{src}/{MANIFEST_NAME}", step)
+
+    def begin(self, step: int) -> dict[str, Any]:
+        """Take the writer lease, make the step's directory, pick its generation."""
         if self.storage.commit_method is None:
             raise self.storage.refusal_to_commit()
         step_rel = step_dir_name(step)
         self.lease.acquire()
         self.storage.makedirs(step_rel)
         self._sweep.began.add(step_rel)
-        generation = next_generation(self.storage, step_rel)
+        return {"generation": next_generation(self.storage, step_rel)}
+
+    def copy(
+        self, step: int, generation: int, files: list[str] | None, src: str | None = None
+    ) -> dict[str, Any]:
+        """Check and write ``files`` of the snapshot in ``src`` (all of them: None) to the URL
+        under ``generation`` (across nodes, each node's persister writes its own node's files,
+        with no lease: rank 0's persister commits)."""
+        src = src or os.path.join(self.outbox, step_dir_name(step))
+        snap = self._snapshot(step, src)
+        unknown = sorted(set(files or ()) - set(snap.files))
+        if unknown:
+            raise CheckpointCorruptError(
+                f"the memory snapshot of step {step} names no file {unknown[0]!r}"
+            )
         names = {old: rank_file_name(entry.rank, generation) for old, entry in snap.files.items()}
         chunks_of: dict[str, list[tuple[str, Any]]] = {f: [] for f in snap.files}
         for key, t in snap.tensors.items():
             for c in t.chunks:
                 chunks_of[c.file].append((key, c))
+        step_rel = step_dir_name(step)
+        if files is not None:
+            self.storage.makedirs(step_rel)
+        total = 0
+        chosen = sorted(snap.files if files is None else files)
+        for old in chosen:
+            size = snap.files[old].size_bytes
+            total += self._copy(src, old, size, chunks_of[old], snap, step_rel, names)
+        log.info(
+            "wrote %d file(s) of step %d (%d bytes, generation %d)",
+            len(chosen),
+            step,
+            total,
+            generation,
+        )
+        return {"bytes": total}
+
+    def commit(
+        self, step: int, generation: int, src: str | None = None, *, t0: float | None = None
+    ) -> dict[str, Any]:
+        """Commit the snapshot's manifest at the URL once every file is written there (by this
+        persister or, across nodes, by each node's)."""
+        t0 = time.monotonic() if t0 is None else t0
+        src = src or os.path.join(self.outbox, step_dir_name(step))
+        snap = self._snapshot(step, src)
+        step_rel = step_dir_name(step)
+        names = {old: rank_file_name(entry.rank, generation) for old, entry in snap.files.items()}
         total = 0
         for old, entry in sorted(snap.files.items()):
-            total += self._copy(src, old, entry.size_bytes, chunks_of[old], snap, step_rel, names)
+            try:
+                found = self.storage.size(f"{step_rel}/{names[old]}")
+            except Exception as e:
+                raise CommitError(
+                    f"step {step} is not committed: {names[old]} was not written ({e})"
+                ) from e
+            if found != entry.size_bytes:
+                raise CommitError(
+                    f"step {step} is not committed: {names[old]} has {found} bytes, the snapshot's "
+                    f"file {entry.size_bytes}"
+                )
+            total += found
         seq = scan(self.storage).next_commit_seq()
         manifest = _promoted(snap, names, generation, seq, self.job_id)
         garbage = publish_commit(
@@ -530,6 +615,27 @@ def _reply(out: Any, message: dict[str, Any]) -> None:
         pass
 
 
+def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[str, Any]:
+    """One request: ``persist`` (one node: all of it); across nodes ``begin`` (rank 0's node),
+    ``copy`` (every node: its own ranks' files) and ``commit`` (rank 0's node)."""
+    if op == "persist":
+        return promoter.persist(step)
+    if op == "begin":
+        return promoter.begin(step)
+    generation, files = msg.get("generation"), msg.get("files")
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise ResilientError(f"{op} request without a valid generation: {msg!r}")
+    try:
+        if op == "copy":
+            if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+                raise ResilientError(f"copy request without a list of files: {msg!r}")
+            return promoter.copy(step, generation, files)
+        return promoter.commit(step, generation)
+    finally:
+        if op == "commit" or msg.get("last"):
+            promoter.done(step)
+
+
 def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
     """Answer requests until a goodbye (True) or the pipe's end without one (False)."""
     while True:
@@ -538,14 +644,14 @@ def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
             return False
         if msg.get("op") == "close":
             return True
-        if msg.get("op") != "persist":
+        op, rid, step = msg.get("op"), msg.get("id"), msg.get("step")
+        if op not in ("persist", "begin", "copy", "commit"):
             log.warning("unknown request %r", msg)
             continue
-        rid, step = msg.get("id"), msg.get("step")
         try:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise ResilientError(f"persist request without a valid step: {msg!r}")
-            _reply(out, {"id": rid, "ok": True, **promoter.persist(step)})
+                raise ResilientError(f"{op} request without a valid step: {msg!r}")
+            _reply(out, {"id": rid, "ok": True, **_run(promoter, op, step, msg)})
         except Exception as e:
             log.error("persisting step %s failed: %s: %s", step, type(e).__name__, e)
             _reply(out, {"id": rid, "ok": False, "type": type(e).__name__, "error": str(e)[:4000]})
@@ -591,6 +697,8 @@ def main() -> int:
             log.info("closed by the trainer; flushing what durable storage lacks, if anything")
         else:
             log.info("the trainer is gone without a goodbye: flushing the newest snapshot")
+        if not config.get("flush", True):  # across nodes, rank 0's node's persister flushes
+            return 0
         try:
             done = promoter.flush()
             if done:
