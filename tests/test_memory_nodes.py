@@ -5,6 +5,7 @@ torchrun agents on one host stand for two nodes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -162,8 +163,12 @@ def test_a_snapshot_that_fails_on_one_node_is_not_replicated_and_the_next_one_is
     assert set(results[0][1]) == every and set(results[2][1]) == every
 
 
-def _save_across_nodes(rank: int, world: int, url: str, base: str, damage: bool) -> tuple:
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2))
+def _save_across_nodes(
+    rank: int, world: int, url: str, base: str, damage: bool, lease_timeout_s: float = 60.0
+) -> tuple:
+    ck = Checkpointer(
+        url, memory_every=1, memory_root=_root(base, rank // 2), lease_timeout_s=lease_timeout_s
+    )
     for step in (1, 2):
         ck.snapshot(step, _state(rank, world, float(step))).wait()
     if damage and rank == 2:  # node 1's snapshot of step 2 rots before its persister reads it
@@ -180,8 +185,10 @@ def _save_across_nodes(rank: int, world: int, url: str, base: str, damage: bool)
     except Exception as e:
         outcome = f"{type(e).__name__}: {e}"
     pid = ck.persister_pid
+    # what the node's persister still holds pinned for this save (nothing, once it is over)
+    outbox = sorted(os.listdir(ck._persister.outbox)) if ck._persister is not None else []
     ck.close()
-    return outcome, pid
+    return outcome, pid, outbox
 
 
 def test_every_nodes_persister_writes_its_nodes_files_and_rank_0s_commits(tmp_path):
@@ -206,7 +213,7 @@ def test_every_nodes_persister_writes_its_nodes_files_and_rank_0s_commits(tmp_pa
 def test_a_node_whose_snapshot_is_damaged_fails_the_save_on_every_rank(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     results = run_distributed(_save_across_nodes, 4, url, base, True)
-    for rank, (outcome, _pid) in enumerate(results):
+    for rank, (outcome, _pid, _outbox) in enumerate(results):
         assert outcome.startswith("CommitError") and "does not match its checksums" in outcome
         assert rank == 2 or "rank 2 failed to write" in outcome
     # at close, rank 0's node's persister flushed the step durable storage lacked: node 0 holds
@@ -219,3 +226,14 @@ def test_a_node_whose_snapshot_is_damaged_fails_the_save_on_every_rank(tmp_path)
     got = {"w": torch.zeros(16), "b": torch.zeros(3), "meta": {"value": 0.0}}
     ck.load(got)
     assert torch.equal(got["w"], torch.cat([torch.full((4,), 2.0 + r) for r in range(4)]))
+
+
+def test_when_rank_0_cannot_begin_every_rank_fails_and_no_node_keeps_the_step_pinned(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    # another job holds the URL's lease, and its heartbeats say it is alive
+    with Checkpointer(url, job_id="another-job", lease_timeout_s=10) as other:
+        other.save(1, {"w": torch.zeros(1)}).wait()
+        results = run_distributed(_save_across_nodes, 4, url, base, False, 10.0)
+    for outcome, _pid, outbox in results:
+        assert outcome.startswith("LeaseError") and "another-job" in outcome
+        assert outbox == []  # node 1's leader let go of its pinned files too

@@ -414,17 +414,23 @@ class Checkpointer:
         layout = self._layout_for(state)
         flat = flatten_state(state, layout, self.rank)
         plan = self._plan(flat, layout)
-        data: torch.Tensor | _Slot
+        data: torch.Tensor | _Slot | Exception
         if lean and not any(t.local.is_cuda for t in flat.tensors.values()):
             assert self._slots is not None
             # Straight into the tmpfs rank file, while the snapshot before this one finishes
             # committing on another core; it is committed (or its failure raised) before this
-            # one returns, so a fault loses at most the step being staged.
-            data = self._slots.stage(plan, flat.tensors, step)
+            # one returns, so a fault loses at most the step being staged.  A failure here (no
+            # room on the tmpfs) is this rank's alone: it is reported through the commit, like a
+            # failed write, so that every rank counts this save and hears the same outcome.
+            try:
+                data = self._slots.stage(plan, flat.tensors, step)
+            except Exception as e:
+                data = e
             try:
                 self._join_pending()
             except BaseException:
-                self._slots.settled(data, False)
+                if isinstance(data, _Slot):
+                    self._slots.settled(data, False)
                 raise
         else:
             self._join_pending()
@@ -577,7 +583,8 @@ class Checkpointer:
                     raise
                 committer.publish("ok")
             else:
-                outcome = committer.wait_outcome()
+                # rank 0's persister may take up to commit_timeout_s to answer: then rank 0 says
+                outcome = committer.wait_outcome(extra_s=self.commit_timeout_s)
                 if outcome != "ok":
                     cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
                     raise cls(f"step {step} was not committed: {outcome}")
@@ -627,7 +634,12 @@ class Checkpointer:
                 raise
             committer.publish_begin({"generation": generation})
         else:
-            generation = int(committer.wait_begin(extra_s=self.lease_timeout_s)["generation"])
+            try:
+                begin = committer.wait_begin(extra_s=self.lease_timeout_s + self.commit_timeout_s)
+            except BaseException:
+                self._drop_outbox(step)  # (a leader) the step will not be copied
+                raise
+            generation = int(begin["generation"])
         own: BaseException | None = None
         report: dict[str, Any] = {"rank": self.rank}
         try:
@@ -639,11 +651,15 @@ class Checkpointer:
                 handle.stats.bytes_written = int(reply.get("bytes", 0))
         except BaseException as e:
             own, report = e, {"rank": self.rank, "error": _describe(e)}
+            if not coordinator:
+                self._drop_outbox(step)  # (its persister drops it too, if it got that far)
         if not coordinator:
             committer.report(report)
             if own is not None:
                 raise own
-            outcome = committer.wait_outcome()
+            # rank 0 waits for every node's copy, then its persister commits: each may take up
+            # to commit_timeout_s
+            outcome = committer.wait_outcome(extra_s=2 * self.commit_timeout_s)
             if outcome != "ok":
                 cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
                 raise cls(f"step {step} was not committed: {outcome}")
@@ -667,7 +683,8 @@ class Checkpointer:
         committer.cleanup()
 
     def _drop_outbox(self, step: int) -> None:
-        """(rank 0, across nodes) Let go of a step the persister will not commit."""
+        """(a node's leader, across nodes) Let go of a step its persister will not copy or
+        commit."""
         if self._persister is not None:
             shutil.rmtree(os.path.join(self._persister.outbox, step_dir_name(step)), True)
 
@@ -788,7 +805,7 @@ class Checkpointer:
         step: int,
         layout: Layout,
         plan: WritePlan,
-        data: torch.Tensor | _Slot,
+        data: torch.Tensor | _Slot | Exception,
         values: dict[str, Any],
         committer: Committer,
     ) -> None:
@@ -814,6 +831,8 @@ class Checkpointer:
                 file = rank_file_name(self.rank, generation)
                 if self._replicas is not None and not coordinator:
                     self.storage.makedirs(step_rel)  # this node's memory: its own directory
+                if isinstance(data, Exception):
+                    raise data  # staging failed on this rank (save())
                 if isinstance(data, _Slot):
                     assert self._slots is not None
                     res = self._slots.persist(data, step_rel, file, plan, self.block_bytes)

@@ -163,7 +163,7 @@ class Replicas:
         size = int(theirs.item())
         spare, self._spare = self._spare, None
         if spare is not None and spare.size != size:
-            spare.close()
+            spare.discard()
             spare = None
         with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
             out_lane = self.lanes[self.nodes.node_of[self.rank] % 2]
@@ -321,6 +321,15 @@ class _Mapped:
         except (BufferError, ValueError):  # a tensor still views it: freed with the tensor
             pass
 
+    def discard(self) -> None:
+        """Close it and remove its file (when that is still this file)."""
+        self.close()
+        try:
+            if os.lstat(self.path).st_ino == self.ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+
 
 class _Incoming:
     """A file of this node's memory received straight into its pages: a temporary of the final
@@ -353,7 +362,7 @@ class _Incoming:
             self.tensor = torch.frombuffer(self.mapped.mm, dtype=torch.uint8)
             return self
         if self.spare is not None:
-            self.spare.close()
+            self.spare.discard()
             self.spare = None
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:

@@ -110,14 +110,12 @@ class Slots:
         prefix = self._prefix[1]
         key = (plan.digest, plan.rank, plan.data_bytes, prefix)
         with self._lock:
-            while len(self._staged) > 1:  # (a save that never ran its persist)
-                self._settle(self._staged[0], False)
             slot, self._spare = self._spare, None
             if slot is None and len(self._committed) >= 2:
                 # the older of two committed snapshots is retired by this snapshot's commit
                 slot = self._take(self._committed.popleft())
             if slot is not None and slot.key != key:  # another layout: a file of its own
-                slot.close()
+                self._discard(slot)
                 slot = None
             if slot is None:
                 busy = {x.path for x in self._staged}
@@ -130,17 +128,21 @@ class Slots:
             else:
                 self.reused += 1
             self._staged.append(slot)
-        mm = slot.mm
-        mm[:8] = struct.pack("<Q", prefix - 8)
-        mm[8 : len(header)] = header[8:]
-        mm[len(header) : prefix] = b" " * (prefix - len(header))
-        if plan.data_bytes:
-            data = slot.data()
-            with torch.no_grad():
-                for it in plan.items:
-                    src = leaves[it.key].local
-                    data[it.begin : it.end].view(src.dtype).view(src.shape).copy_(src)
-            del data
+        try:
+            mm = slot.mm
+            mm[:8] = struct.pack("<Q", prefix - 8)
+            mm[8 : len(header)] = header[8:]
+            mm[len(header) : prefix] = b" " * (prefix - len(header))
+            if plan.data_bytes:
+                data = slot.data()
+                with torch.no_grad():
+                    for it in plan.items:
+                        src = leaves[it.key].local
+                        data[it.begin : it.end].view(src.dtype).view(src.shape).copy_(src)
+                del data
+        except BaseException:
+            self.settled(slot, False)  # half-written: the spare, never a snapshot
+            raise
         return slot
 
     def persist(
@@ -192,7 +194,14 @@ class Slots:
         elif slot.path in self.names and self._spare is None:
             self._spare = slot  # staged, never committed: its file serves the next snapshot
         else:
-            slot.close()
+            self._discard(slot)
+
+    def _discard(self, slot: _Slot) -> None:
+        """Close a slot; its file goes too when it is at a staging name (nothing else has it)."""
+        slot.close()
+        if slot.path in self.names:
+            with contextlib.suppress(OSError):
+                os.unlink(slot.path)
 
     def _take(self, old: _Slot) -> _Slot | None:
         """(under the lock) Move a committed snapshot's file to a free name, to be overwritten;

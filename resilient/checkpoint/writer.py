@@ -396,9 +396,9 @@ class Committer:
         if self.store is not None:
             self.store.set(f"{self.prefix}/done", outcome)
 
-    def wait_outcome(self) -> str:
+    def wait_outcome(self, extra_s: float = 0.0) -> str:
         key = f"{self.prefix}/done"
-        self._wait(key, 0, "publish the commit outcome", self.timeout_s)
+        self._wait(key, 0, "publish the commit outcome", self.timeout_s + extra_s)
         return self.store.get(key).decode()
 
     def cleanup(self) -> None:

@@ -86,6 +86,10 @@ def start_monitor(
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
+        if hasattr(store, "clone"):
+            # a connection of its own: one client serializes its requests, and a commit's long
+            # wait on the group's store would hold the heartbeats back (a false DEAD verdict)
+            store = store.clone()
         n = store.add("resilient/health/runs", 1)
         prefix = f"resilient/health/local/{(n - 1) // world_size}"
     events.write("monitor", rank=rank, prefix=prefix, pid=os.getpid(), restart=restart_count())
