@@ -575,19 +575,12 @@ class Checkpointer:
                     self._anchor = (step, int(reply["commit_seq"]))
                     handle.stats.bytes_written = int(reply.get("bytes", 0))
                 except BaseException as e:
-                    if committer.store is not None:
-                        try:
-                            committer.publish(_describe(e))
-                        except Exception:
-                            pass
+                    _publish_failure(committer, e)
                     raise
                 committer.publish("ok")
             else:
                 # rank 0's persister may take up to commit_timeout_s to answer: then rank 0 says
-                outcome = committer.wait_outcome(extra_s=self.commit_timeout_s)
-                if outcome != "ok":
-                    cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
-                    raise cls(f"step {step} was not committed: {outcome}")
+                _await_outcome(committer, step, extra_s=self.commit_timeout_s)
             handle.stats.commit_s = time.monotonic() - t0 - handle.stats.write_s
             handle.stats.committed = True
         except BaseException as e:
@@ -659,10 +652,7 @@ class Checkpointer:
                 raise own
             # rank 0 waits for every node's copy, then its persister commits: each may take up
             # to commit_timeout_s
-            outcome = committer.wait_outcome(extra_s=2 * self.commit_timeout_s)
-            if outcome != "ok":
-                cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
-                raise cls(f"step {step} was not committed: {outcome}")
+            _await_outcome(committer, step, extra_s=2 * self.commit_timeout_s)
             return
         try:
             failed = [r for r in committer.gather(report) if r.get("error")]
@@ -674,10 +664,7 @@ class Checkpointer:
             self._anchor = (step, int(reply["commit_seq"]))
         except BaseException as e:
             self._drop_outbox(step)
-            try:
-                committer.publish(_describe(e))
-            except Exception:
-                pass
+            _publish_failure(committer, e)
             raise
         committer.publish("ok")
         committer.cleanup()
@@ -870,10 +857,7 @@ class Checkpointer:
                     committer, report, step, step_rel, layout, plan, generation
                 )
             else:
-                outcome = committer.wait_outcome()
-                if outcome != "ok":
-                    cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
-                    raise cls(f"step {step} was not committed: {outcome}")
+                _await_outcome(committer, step)
                 if self._replicas is not None and self.nodes.is_leader(self.rank):
                     try:
                         garbage = self._publish_on_this_node(committer, step)
@@ -893,11 +877,8 @@ class Checkpointer:
             )
             if error is not e:
                 error.__cause__ = e
-            if coordinator and committer.store is not None:
-                try:
-                    committer.publish(_describe(e))
-                except Exception:  # the store itself may be gone
-                    pass
+            if coordinator:
+                _publish_failure(committer, e)
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
         if isinstance(data, _Slot) and self._slots is not None:  # a committed file is reused
             self._slots.settled(data, error is None and handle.stats.committed)
@@ -1567,6 +1548,24 @@ def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> Resilie
     if not (isinstance(cls, type) and issubclass(cls, ResilientError)):
         cls = CheckpointCorruptError if code == 1 else ResilientError
     return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
+
+
+def _await_outcome(committer: Committer, step: int, extra_s: float = 0.0) -> None:
+    """(not the coordinator) Wait for the coordinator's word on ``step``; its failure raised (a
+    LeaseError stays a LeaseError)."""
+    outcome = committer.wait_outcome(extra_s=extra_s)
+    if outcome != "ok":
+        cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
+        raise cls(f"step {step} was not committed: {outcome}")
+
+
+def _publish_failure(committer: Committer, e: BaseException) -> None:
+    """(the coordinator) Tell every rank the save failed; best effort: the store may be gone."""
+    if committer.store is not None:
+        try:
+            committer.publish(_describe(e))
+        except Exception:
+            pass
 
 
 def _describe(e: BaseException) -> str:

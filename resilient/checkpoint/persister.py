@@ -342,9 +342,10 @@ class Promoter:
         shutil.rmtree(os.path.join(self.outbox, step_dir_name(step)), ignore_errors=True)
 
     def _persist(self, step: int, src: str, t0: float) -> dict[str, Any]:
+        snap = self._snapshot(step, src)  # read once for both phases
         generation = self.begin(step)["generation"]
-        total = self.copy(step, generation, None, src)["bytes"]
-        return {**self.commit(step, generation, src, t0=t0), "bytes": total}
+        total = self.copy(step, generation, None, src, snap=snap)["bytes"]
+        return {**self.commit(step, generation, src, t0=t0, snap=snap), "bytes": total}
 
     def _snapshot(self, step: int, src: str) -> Manifest:
         where = f"the memory snapshot of step {step} ({src})"
@@ -365,13 +366,19 @@ class Promoter:
         return {"generation": next_generation(self.storage, step_rel)}
 
     def copy(
-        self, step: int, generation: int, files: list[str] | None, src: str | None = None
+        self,
+        step: int,
+        generation: int,
+        files: list[str] | None,
+        src: str | None = None,
+        *,
+        snap: Manifest | None = None,
     ) -> dict[str, Any]:
         """Check and write ``files`` of the snapshot in ``src`` (all of them: None) to the URL
         under ``generation`` (across nodes, each node's persister writes its own node's files,
         with no lease: rank 0's persister commits)."""
         src = src or os.path.join(self.outbox, step_dir_name(step))
-        snap = self._snapshot(step, src)
+        snap = snap or self._snapshot(step, src)
         unknown = sorted(set(files or ()) - set(snap.files))
         if unknown:
             raise CheckpointCorruptError(
@@ -400,13 +407,19 @@ class Promoter:
         return {"bytes": total}
 
     def commit(
-        self, step: int, generation: int, src: str | None = None, *, t0: float | None = None
+        self,
+        step: int,
+        generation: int,
+        src: str | None = None,
+        *,
+        t0: float | None = None,
+        snap: Manifest | None = None,
     ) -> dict[str, Any]:
         """Commit the snapshot's manifest at the URL once every file is written there (by this
         persister or, across nodes, by each node's)."""
         t0 = time.monotonic() if t0 is None else t0
         src = src or os.path.join(self.outbox, step_dir_name(step))
-        snap = self._snapshot(step, src)
+        snap = snap or self._snapshot(step, src)
         step_rel = step_dir_name(step)
         names = {old: rank_file_name(entry.rank, generation) for old, entry in snap.files.items()}
         total = 0

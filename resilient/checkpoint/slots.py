@@ -65,10 +65,8 @@ class _Slot:
     def data(self) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.prefix)
 
-    def reusable(self, key: tuple) -> bool:
-        """Same layout, still at its path, and linked nowhere else (not pinned for a persister)."""
-        if key != self.key:
-            return False
+    def reusable(self) -> bool:
+        """Still at its path, and linked nowhere else (not pinned for a persister)."""
         try:
             st = os.lstat(self.path)
         except OSError:
@@ -207,7 +205,7 @@ class Slots:
         """(under the lock) Move a committed snapshot's file to a free name, to be overwritten;
         None (and the file left alone) when something else links it or it is gone."""
         taken = None
-        if old.reusable(old.key):
+        if old.reusable():
             busy = {x.path for x in self._staged}
             if self._spare is not None:
                 busy.add(self._spare.path)
