@@ -19,6 +19,7 @@ Conventions (DESIGN.md section 3):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ class Layout:
     Rank order is row-major: ``rank = ((dp_i * ep) + ep_i) * tp + tp_i``.
     """
 
-    __slots__ = ("_axes",)
+    __slots__ = ("_axes", "_names")
 
     def __init__(
         self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, **sizes: int
@@ -101,6 +102,7 @@ class Layout:
                     f"(layout {dict(items)})"
                 )
         self._axes: tuple[tuple[str, int], ...] = tuple(items)
+        self._names: tuple[str, ...] = tuple(names)
 
     # --- basic properties -------------------------------------------------------------------
     @property
@@ -109,7 +111,7 @@ class Layout:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self._axes)
+        return self._names
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -187,7 +189,9 @@ def normalize_placement(
     placement: Mapping[str, AxisPlacement] | Placement | None, layout: Layout
 ) -> Placement:
     """One ``(axis, Shard|Replicate)`` per layout axis, in layout order; unnamed axes replicate."""
-    given = dict(placement or {})
+    if not placement:
+        return _replicated(layout)
+    given = dict(placement)
     unknown = [a for a in given if a not in layout]
     if unknown:
         raise LayoutError(
@@ -203,6 +207,12 @@ def normalize_placement(
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _replicated(layout: Layout) -> Placement:
+    """Every axis replicates (most tensors of a state, asked for at every save)."""
+    return tuple((name, Replicate()) for name in layout.names)
+
+
 def placement_to_json(placement: Placement) -> dict[str, Any]:
     """Only the sharded axes are written: ``{"tp": {"dim": 0, "parts": 3}}``."""
     return {n: {"dim": p.dim, "parts": p.parts} for n, p in placement if isinstance(p, Shard)}
@@ -211,6 +221,8 @@ def placement_to_json(placement: Placement) -> dict[str, Any]:
 def placement_from_json(data: Any, layout: Layout) -> Placement:
     if not isinstance(data, dict):
         raise LayoutError(f"a placement must be a JSON object, found {data!r}")
+    if not data:
+        return _replicated(layout)
     parsed: dict[str, AxisPlacement] = {}
     for axis, spec in data.items():
         if not isinstance(spec, dict) or set(spec) != {"dim", "parts"}:

@@ -1,5 +1,8 @@
 """One storage contract, run against every backend: local disk, memory://, S3 (moto over HTTP)."""
 
+import errno
+import time
+
 import pytest
 import torch
 
@@ -157,3 +160,47 @@ def test_s3_two_ranks_save_and_reshard(s3):
     url = f"s3://{s3.new_bucket()}/job"
     run_distributed(_s3_rank, 2, url, s3.options, (("tp", 2),), 4, "save")
     assert run_distributed(_s3_rank, 4, url, s3.options, (("tp", 4),), 4, "load") == [True] * 4
+
+
+def test_a_call_that_succeeds_first_time_skips_the_retry_machinery_and_one_that_fails_retries(
+    tmp_path,
+):
+    """Storage._call runs the call once directly; after a transient failure the retry machinery
+    takes over with the same attempt count, backoff and time budget as when it ran every call."""
+    st = Storage(str(tmp_path), retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.0))
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("reset")
+        return "ok"
+
+    assert st._call("read", "x", lambda: "first") == "first" and st.retries_done == 0
+    assert st._call("read", "x", flaky) == "ok"
+    assert len(calls) == 3 and st.retries_done == 2
+
+    def always():
+        raise ConnectionError("down")
+
+    with pytest.raises(StorageError, match=r"kept failing after 3 attempt\(s\)"):
+        st._call("read", "x", always)
+
+    def full():
+        raise OSError(errno.ENOSPC, "full")
+
+    with pytest.raises(StorageError, match=r"failed after 1 attempt\(s\)"):
+        st._call("write", "x", full)
+
+    # the time budget counts from the first attempt: one that used it up is not retried
+    slow = Storage(str(tmp_path), retry=RetryPolicy(max_attempts=5, max_total_s=0.05))
+    tries = []
+
+    def slow_fail():
+        tries.append(1)
+        time.sleep(0.1)
+        raise ConnectionError("slow")
+
+    with pytest.raises(StorageError, match=r"kept failing after 1 attempt\(s\)"):
+        slow._call("read", "x", slow_fail)
+    assert len(tries) == 1

@@ -174,11 +174,39 @@ class ChunkEntry:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ChunkEntry:
-        _keys(
-            d,
-            {"offsets", "sizes", "file", "name", "byte_range", "checksums", "codec", "raw_bytes"},
-            where,
+        _keys(d, _CHUNK_KEYS, where)
+        # A manifest lists a chunk per rank per tensor, parsed at every commit and load: plain
+        # values take a fast path; anything else goes through the checks that name the field.
+        offsets, sizes, byte_range, checksums = (
+            d["offsets"],
+            d["sizes"],
+            d["byte_range"],
+            d["checksums"],
         )
+        file, name, codec, raw_bytes = d["file"], d["name"], d["codec"], d["raw_bytes"]
+        if (
+            type(file) is str
+            and type(name) is str
+            and type(codec) is str
+            and type(raw_bytes) is int
+            and 0 <= raw_bytes <= MAX_INT
+            and type(byte_range) is list
+            and len(byte_range) == 2
+            and _plain_ints(offsets)
+            and _plain_ints(sizes)
+            and _plain_ints(byte_range)
+            and _plain_ints(checksums)
+        ):
+            return cls(
+                offsets=tuple(offsets),
+                sizes=tuple(sizes),
+                file=file,
+                name=name,
+                byte_range=(byte_range[0], byte_range[1]),
+                checksums=tuple(checksums),
+                codec=codec,
+                raw_bytes=raw_bytes,
+            )
         return cls(
             offsets=_ints(d["offsets"], f"{where}.offsets"),
             sizes=_ints(d["sizes"], f"{where}.sizes"),
@@ -418,13 +446,14 @@ class Manifest:
             raise CheckpointCorruptError(f"tensor {key!r}: {e}") from None
         found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         for c in t.chunks:
-            where = f"tensor {key!r} chunk {list(c.offsets)} in file {c.file!r} (step {self.step})"
-            if not _FILE_RE.fullmatch(c.file):
-                raise CheckpointCorruptError(
-                    f"{where}: files must be plain names like 'rank_00000.safetensors' inside the "
-                    f"step directory (no paths, no URLs)"
-                )
-            if c.file not in self.files:
+            # (built only for a message: a manifest has a chunk per rank per tensor)
+            where = _ChunkWhere(key, c, self.step)
+            if c.file not in self.files:  # validate() checked the names of the listed files
+                if not _FILE_RE.fullmatch(c.file):
+                    raise CheckpointCorruptError(
+                        f"{where}: files must be plain names like 'rank_00000.safetensors' inside "
+                        f"the step directory (no paths, no URLs)"
+                    )
                 raise CheckpointCorruptError(f"{where}: the file is not listed in manifest.files")
             if c.codec not in CODECS:
                 raise CheckpointCorruptError(
@@ -451,7 +480,7 @@ class Manifest:
                 raise CheckpointCorruptError(
                     f"{where}: has {len(c.checksums)} checksums for {n_blocks} blocks of {self.block_bytes} bytes"
                 )
-            if any(x > 0xFFFFFFFF for x in c.checksums):
+            if c.checksums and max(c.checksums) > 0xFFFFFFFF:
                 raise CheckpointCorruptError(f"{where}: a crc32 checksum does not fit 32 bits")
             found.add((c.offsets, c.sizes))
         if expected is None or found != expected or len(found) != len(t.chunks):
@@ -465,9 +494,49 @@ class Manifest:
             )
 
 
+class _ChunkWhere:
+    """Where a chunk is, for an error message; formatted only when one is raised."""
+
+    __slots__ = ("key", "chunk", "step")
+
+    def __init__(self, key: str, chunk: ChunkEntry, step: int) -> None:
+        self.key, self.chunk, self.step = key, chunk, step
+
+    def __str__(self) -> str:
+        c = self.chunk
+        return f"tensor {self.key!r} chunk {list(c.offsets)} in file {c.file!r} (step {self.step})"
+
+
+# Every commit validates its manifest and every tensor in it asks the same question as at the
+# last commit (a snapshot every step asks it per step): small answers are kept, a bounded number.
+_CHUNKS_MEMO: dict[tuple[Any, ...], frozenset[tuple[tuple[int, ...], tuple[int, ...]]] | None] = {}
+_CHUNKS_MEMO_MAX_ENTRIES = 4096
+_CHUNKS_MEMO_MAX_CHUNKS = 256
+
+
 def distinct_nonempty_chunks(
     shape: tuple[int, ...], placement: Placement, layout: Layout, *, limit: int
-) -> set[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+) -> frozenset[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """The distinct non-empty chunks ``(offsets, sizes)`` of a tensor split by ``placement`` on
+    ``layout`` (see ``_distinct_nonempty_chunks``), remembered when the answer is small."""
+    key = (shape, placement, layout, limit)
+    try:
+        return _CHUNKS_MEMO[key]
+    except KeyError:
+        pass
+    except TypeError:  # not hashable: no memo
+        return _distinct_nonempty_chunks(shape, placement, layout, limit=limit)
+    out = _distinct_nonempty_chunks(shape, placement, layout, limit=limit)
+    if out is None or len(out) <= _CHUNKS_MEMO_MAX_CHUNKS:
+        if len(_CHUNKS_MEMO) >= _CHUNKS_MEMO_MAX_ENTRIES:
+            _CHUNKS_MEMO.clear()
+        _CHUNKS_MEMO[key] = out
+    return out
+
+
+def _distinct_nonempty_chunks(
+    shape: tuple[int, ...], placement: Placement, layout: Layout, *, limit: int
+) -> frozenset[tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """The distinct non-empty chunks ``(offsets, sizes)`` of a tensor split by ``placement`` on
     ``layout``, as the manifest records them; None when there are more than ``limit``.
 
@@ -499,13 +568,13 @@ def distinct_nonempty_chunks(
             ]
         per_dim.append(pieces)
     if any(not p for p in per_dim):
-        return set()  # some dim is empty everywhere: every chunk is empty
+        return frozenset()  # some dim is empty everywhere: every chunk is empty
     if too_many or math.prod(len(p) for p in per_dim) > limit:
         return None
-    out = set()
-    for combo in itertools.product(*per_dim):
-        out.add((tuple(o for o, _ in combo), tuple(n for _, n in combo)))
-    return out
+    return frozenset(
+        (tuple(o for o, _ in combo), tuple(n for _, n in combo))
+        for combo in itertools.product(*per_dim)
+    )
 
 
 def _parts_factor(t: TensorEntry) -> int:
@@ -670,10 +739,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _keys(d: Any, expected: set[str], where: str) -> None:
+def _keys(d: Any, expected: set[str] | frozenset[str], where: str) -> None:
     if not isinstance(d, dict):
         raise CheckpointCorruptError(f"{where} must be a JSON object, found {type(d).__name__}")
-    if set(d) != expected:
+    if d.keys() != expected:
         missing, extra = sorted(expected - set(d)), sorted(set(d) - expected)
         raise CheckpointCorruptError(f"{where}: missing fields {missing}, unknown fields {extra}")
 
@@ -702,6 +771,21 @@ def _str(v: Any, where: str) -> str:
     if not isinstance(v, str):
         raise CheckpointCorruptError(f"{where} must be a string, found {_short(v)}")
     return v
+
+
+_CHUNK_KEYS = frozenset(
+    {"offsets", "sizes", "file", "name", "byte_range", "checksums", "codec", "raw_bytes"}
+)
+
+
+def _plain_ints(v: Any) -> bool:
+    """A JSON list of integers in [0, 2**63 - 1] (what ``_ints`` accepts), without a message."""
+    return type(v) is list and (
+        not v or ({*map(type, v)} == _INT_TYPE and min(v) >= 0 and max(v) <= MAX_INT)
+    )
+
+
+_INT_TYPE = {int}  # exactly int: a bool is not a count
 
 
 def _ints(v: Any, where: str) -> tuple[int, ...]:

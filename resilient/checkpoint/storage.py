@@ -301,6 +301,22 @@ class Storage:
 
     # --- retry core ---------------------------------------------------------------------------
     def _call(self, operation: str, rel: str, fn: Callable[[], T]) -> T:
+        start = time.monotonic()
+        try:  # the common case, without building the retry machinery (a commit makes ~20 calls)
+            return fn()
+        except ResilientError:
+            raise  # not a storage failure: e.g. corrupt bytes found while streaming a write
+        except Exception as e:
+            first = e
+        # The first attempt failed: the retrying machinery replays that failure as its own first
+        # attempt (the same log line, backoff and attempt count as when it ran the call itself).
+        replay = [first]
+
+        def attempt() -> T:
+            if replay:
+                raise replay.pop()
+            return fn()
+
         def before_sleep(state: RetryCallState) -> None:
             self.retries_done += 1
             exc = state.outcome.exception() if state.outcome else None
@@ -315,7 +331,8 @@ class Storage:
 
         retrying = Retrying(
             stop=stop_after_attempt(self.retry.max_attempts)
-            | stop_after_delay(self.retry.max_total_s),
+            # the time budget counts from the first attempt, which ran before this machinery
+            | stop_after_delay(max(0.0, self.retry.max_total_s - (time.monotonic() - start))),
             # exponential backoff plus random jitter, so that many ranks do not retry in lockstep
             wait=wait_exponential(
                 multiplier=self.retry.initial_backoff_s, max=self.retry.max_backoff_s
@@ -325,9 +342,8 @@ class Storage:
             before_sleep=before_sleep,
             reraise=True,
         )
-        start = time.monotonic()
         try:
-            return retrying(fn)
+            return retrying(attempt)
         except ResilientError:
             raise  # not a storage failure: e.g. corrupt bytes found while streaming a write
         except Exception as e:
