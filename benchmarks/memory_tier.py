@@ -2,9 +2,10 @@
 
 - Snapshot stall: how long ``Checkpointer.snapshot`` keeps the caller, against a bare ``copy_``
   of the same tensors into preallocated buffers (the floor for a consistent snapshot).  Measured
-  twice: with the previous snapshot's background write finished (a step long enough to hide it),
-  and back to back (every call also waits for the previous write: the worst case of a snapshot
-  every step).
+  with the previous snapshot's background write finished (a step long enough to hide it), back
+  to back (every call also waits for the previous write: a snapshot every step of a step that
+  computes nothing), and with a training step's worth of torch compute between two snapshots,
+  from a quarter of a bare copy to two copies long.
 - Background write: the snapshot's write into the node's memory (tmpfs; serialize, checksum,
   commit), against a bare memcpy and a raw write of the same bytes to the same tmpfs.
 - Restore: ``load`` from the memory tier against ``load`` from durable storage on the local disk,
@@ -56,6 +57,23 @@ def make_state(total_bytes: int, num_tensors: int = 64) -> dict[str, torch.Tenso
     }
 
 
+GAPS = (0.25, 0.5, 1.0, 1.5, 2.0)  # compute between snapshots, in bare copies
+
+
+def gap_name(frac: float) -> str:
+    return f"snapshot stall, {frac:g} bare copies of compute after the previous one"
+
+
+_A = torch.randn(128, 128)
+
+
+def compute(seconds: float) -> None:
+    """Keep one core busy with torch for ``seconds``, as a training step does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(_A, _A)
+
+
 def bench(args) -> dict:
     state = make_state(int(args.gib * 2**30))
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -93,6 +111,19 @@ def bench(args) -> dict:
             ck.snapshot(step, state)
             b2b = time.perf_counter() - t0
             ck.wait_snapshot()
+            # with compute between snapshots (a training step), a fraction of a bare copy long:
+            # how much of a step the background work needs before the stall is one copy again
+            for frac in GAPS:
+                step += 1
+                ck.snapshot(step, state)
+                compute(frac * bare)
+                step += 1
+                t0 = time.perf_counter()
+                ck.snapshot(step, state)
+                gapped = time.perf_counter() - t0
+                ck.wait_snapshot()
+                if r:
+                    add(gap_name(frac), gapped)
             # raw write of the same bytes into the same tmpfs
             raw_path = os.path.join(shm, "raw.bin")
             t0 = time.perf_counter()
@@ -276,6 +307,7 @@ def main() -> None:
     floor = {
         "snapshot stall": "bare copy",
         "snapshot stall, back to back": "bare copy",
+        **{gap_name(f): "bare copy" for f in GAPS},
         "background write to memory": "raw write to tmpfs",
         "restore from memory": "restore from durable (local disk, page cache)",
         "restore from durable (local disk, cold)": "restore from memory",

@@ -19,7 +19,6 @@ Conventions (DESIGN.md section 3):
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -207,10 +206,20 @@ def normalize_placement(
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
+_REPLICATED: dict[Layout, Placement] = {}
+
+
 def _replicated(layout: Layout) -> Placement:
-    """Every axis replicates (most tensors of a state, asked for at every save)."""
-    return tuple((name, Replicate()) for name in layout.names)
+    """Every axis replicates (most tensors of a state, asked for at every save).  Kept for a few
+    layouts with short names only: a layout read from an untrusted manifest is never held."""
+    out = _REPLICATED.get(layout)
+    if out is None:
+        out = tuple((name, Replicate()) for name in layout.names)
+        if len(layout.names) <= 8 and sum(map(len, layout.names)) <= 64:
+            if len(_REPLICATED) >= 16:
+                _REPLICATED.clear()
+            _REPLICATED[layout] = out
+    return out
 
 
 def placement_to_json(placement: Placement) -> dict[str, Any]:

@@ -380,3 +380,31 @@ def test_verify_with_huge_blocks_reads_through_a_bounded_buffer(tmp_path, monkey
     f.write_bytes(bytes(data))
     report = verify_step(Storage(str(tmp_path)), 1)
     assert not report.ok and "crc32 expected" in report.problems[0]
+
+
+def test_reading_a_manifest_keeps_nothing_of_it_once_the_read_returns(tmp_path):
+    """The manifest checks remember small answers between commits (a snapshot every step asks the
+    same questions); nothing they keep may come from an untrusted manifest's text: a directory
+    whose layouts have megabyte axis names must not leave them in this process's memory."""
+    from resilient import Layout
+    from resilient.checkpoint import format as fmt
+    from resilient.layout import _REPLICATED
+
+    name = "a" * 1_000_000
+    with Checkpointer(str(tmp_path), layout=Layout({name: 1})) as ck:
+        ck.save(1, {"w": torch.ones(4)}).wait()
+        fmt._CHUNKS_MEMO.clear()
+        _REPLICATED.clear()
+        assert read_manifest(ck.storage, 1).layout.names == (name,)
+        assert ck.steps() == [1]
+
+    def leaves(x):
+        if isinstance(x, (tuple, frozenset)):
+            for v in x:
+                yield from leaves(v)
+        else:
+            yield x
+
+    kept = [v for k, v in fmt._CHUNKS_MEMO.items() for v in leaves((k, v))]
+    assert all(isinstance(v, int) or v is None for v in kept), "an untrusted value is kept"
+    assert all(len(n) < 1000 for layout in _REPLICATED for n in layout.names)

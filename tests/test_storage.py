@@ -204,3 +204,19 @@ def test_a_call_that_succeeds_first_time_skips_the_retry_machinery_and_one_that_
     with pytest.raises(StorageError, match=r"kept failing after 1 attempt\(s\)"):
         slow._call("read", "x", slow_fail)
     assert len(tries) == 1
+
+    # a BaseException is never retried, whatever its name says, on the first attempt or later
+    class GreenletTimeout(BaseException):
+        pass
+
+    seen = []
+
+    def interrupted():
+        seen.append(1)
+        if len(seen) == 1:
+            raise ConnectionError("reset")
+        raise GreenletTimeout()
+
+    with pytest.raises(GreenletTimeout):
+        st._call("read", "x", interrupted)
+    assert len(seen) == 2

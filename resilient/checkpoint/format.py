@@ -509,28 +509,36 @@ class _ChunkWhere:
 
 # Every commit validates its manifest and every tensor in it asks the same question as at the
 # last commit (a snapshot every step asks it per step): small answers are kept, a bounded number.
+# The key holds numbers only (never an axis name from an untrusted manifest), and only small keys
+# and answers are kept: a hostile manifest cannot make the memo hold more than about 10 MB.
 _CHUNKS_MEMO: dict[tuple[Any, ...], frozenset[tuple[tuple[int, ...], tuple[int, ...]]] | None] = {}
-_CHUNKS_MEMO_MAX_ENTRIES = 4096
-_CHUNKS_MEMO_MAX_CHUNKS = 256
+_CHUNKS_MEMO_MAX_ENTRIES = 256
+_CHUNKS_MEMO_MAX_CHUNKS = 64
+_CHUNKS_MEMO_MAX_DIMS = 8
 
 
 def distinct_nonempty_chunks(
     shape: tuple[int, ...], placement: Placement, layout: Layout, *, limit: int
 ) -> frozenset[tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """The distinct non-empty chunks ``(offsets, sizes)`` of a tensor split by ``placement`` on
-    ``layout`` (see ``_distinct_nonempty_chunks``), remembered when the answer is small."""
-    key = (shape, placement, layout, limit)
-    try:
-        return _CHUNKS_MEMO[key]
-    except KeyError:
-        pass
-    except TypeError:  # not hashable: no memo
+    ``layout`` (see ``_distinct_nonempty_chunks``), remembered when the question and the answer
+    are small."""
+    splits = tuple(
+        (p.dim, p.parts, layout.size(axis)) for axis, p in placement if isinstance(p, Shard)
+    )
+    if (
+        limit > _CHUNKS_MEMO_MAX_CHUNKS  # (so a kept answer is None or at most that many chunks)
+        or len(shape) > _CHUNKS_MEMO_MAX_DIMS
+        or len(splits) > _CHUNKS_MEMO_MAX_DIMS
+    ):
         return _distinct_nonempty_chunks(shape, placement, layout, limit=limit)
+    key = (tuple(shape), splits, limit)
+    if key in _CHUNKS_MEMO:
+        return _CHUNKS_MEMO[key]
     out = _distinct_nonempty_chunks(shape, placement, layout, limit=limit)
-    if out is None or len(out) <= _CHUNKS_MEMO_MAX_CHUNKS:
-        if len(_CHUNKS_MEMO) >= _CHUNKS_MEMO_MAX_ENTRIES:
-            _CHUNKS_MEMO.clear()
-        _CHUNKS_MEMO[key] = out
+    if len(_CHUNKS_MEMO) >= _CHUNKS_MEMO_MAX_ENTRIES:
+        _CHUNKS_MEMO.clear()
+    _CHUNKS_MEMO[key] = out
     return out
 
 

@@ -338,7 +338,8 @@ class Storage:
                 multiplier=self.retry.initial_backoff_s, max=self.retry.max_backoff_s
             )
             + wait_random(0, self.retry.initial_backoff_s),
-            retry=retry_if_exception(is_transient),
+            # (an Exception only, as the first attempt above: a BaseException is never retried)
+            retry=retry_if_exception(lambda e: isinstance(e, Exception) and is_transient(e)),
             before_sleep=before_sleep,
             reraise=True,
         )
