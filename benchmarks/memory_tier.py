@@ -13,6 +13,8 @@
   this process may drop the page cache (root), cold, as after a reboot or on another node's disk.
   Dropping the cache does not touch the memory tier: tmpfs pages are not cache.
 
+- The fixed cost of a snapshot (a small state: 92 fp32 tensors, 1 MB, as the tiny preset's):
+  wall and CPU time per snapshot, from the call to the commit, in one process.
 - The persister's work for one durable save (check the snapshot, copy it to the disk, commit),
   timed in this process for its CPU time, against a raw write + fsync of the same bytes.
 - Interference (``--interference-runs N``): the reference trainer, ``--interference-preset``
@@ -202,6 +204,33 @@ def bench(args) -> dict:
     return {"bytes": total, "median_s": medians, "samples_s": out, "machine": machine()}
 
 
+def small_state(args) -> dict[str, float]:
+    """The fixed cost of a snapshot: a small state (``--small-tensors`` fp32 tensors, 1 MB in
+    all, as the tiny preset's), one process, from the call to the commit; wall and CPU time of
+    this process (the trainer's thread and the snapshot's background thread) per snapshot."""
+    g = torch.Generator().manual_seed(0)
+    n = args.small_tensors
+    state = {f"l{i}.w": torch.randn(2**20 // 4 // n, generator=g) for i in range(n)}
+    disk = tempfile.mkdtemp(prefix="mem-bench-small-", dir=args.dir)
+    shm = tempfile.mkdtemp(prefix="mem-bench-small-", dir=args.shm)
+    os.environ["RESILIENT_MEMORY_ROOT"] = shm
+    try:
+        ck = Checkpointer(os.path.join(disk, "ckpt"), memory_every=1)
+        for step in range(1, 31):  # warm-up
+            ck.snapshot(step, state).wait()
+        count = args.small_snapshots
+        c0, t0 = time.process_time(), time.perf_counter()
+        for step in range(31, 31 + count):
+            ck.snapshot(step, state).wait()
+        wall, cpu = (time.perf_counter() - t0) / count, (time.process_time() - c0) / count
+        ck.release_memory()
+        ck.close()
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    return {"wall_s": wall, "cpu_s": cpu, "tensors": n}
+
+
 def trainer_runs(args) -> dict[str, list[float]]:
     """Median seconds between steps of the reference trainer, per run, with and without a
     snapshot every step."""
@@ -298,8 +327,12 @@ def main() -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
+    p.add_argument("--small-tensors", type=int, default=92)
+    p.add_argument("--small-snapshots", type=int, default=400)
     args = p.parse_args()
     res = {"median_s": {}, "bytes": 0, "machine": machine()} if args.skip_bench else bench(args)
+    if not args.skip_bench:
+        res["small_state"] = small = small_state(args)
     if args.trainer_runs:
         res["trainer_step_s"] = trainer_runs(args)
     m = res["median_s"]
@@ -320,6 +353,11 @@ def main() -> None:
     if rows:
         print(f"{res['machine']}; state {gib(total)} in 64 bf16 tensors, medians of {args.repeats}")
         print(markdown_table(["what", "ms", "GiB/s", "ratio"], rows))
+    if not args.skip_bench:
+        print(
+            f"\nsmall state ({small['tensors']} fp32 tensors, 1 MB), one process, call to commit: "
+            f"{small['wall_s'] * 1000:.1f} ms per snapshot, {small['cpu_s'] * 1000:.1f} ms of CPU"
+        )
     if args.interference_runs:
         res["interference_s"] = t = interference_runs(args)
         base = median(t["no saves"]["median"])
