@@ -251,10 +251,14 @@ def _attempt(
         "RESILIENT_DETECT": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    if any(f.kind == "replace_node" for f in external):
+    if len(cmds) > 1:
         # With the rendezvous store shared with the workers (torch's default since 2.4), rank 0's
-        # agent publishes the workers' store address in the first round only, and an agent that
-        # joins a later round (a replacement node) waits for it until the join times out.
+        # agent publishes the workers' store address in the first round only, and agents in a
+        # later round with two or more nodes wait for it until the join times out: a replacement
+        # node, and also two agents re-forming the group after one missed its keep-alives on a
+        # loaded machine (seen under make-test-under-load: both waited 60 s for round 1's
+        # MASTER_ADDR and the job failed before its first step).  The README says the same for
+        # users.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents: list[subprocess.Popen] = []
     logs = []
