@@ -236,7 +236,8 @@ def trainer_runs(args) -> dict[str, list[float]]:
     snapshot every step."""
     out: dict[str, list[float]] = {"no snapshots": [], "a snapshot every step": []}
     root = tempfile.mkdtemp(prefix="mem-bench-trainer-", dir=args.dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": os.path.join(root, "m")}
+    memory = tempfile.mkdtemp(prefix="mem-bench-trainer-", dir=args.shm)  # host memory, not disk
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": memory}
     try:
         for r in range(args.trainer_runs):
             for name, extra in (
@@ -256,6 +257,7 @@ def trainer_runs(args) -> dict[str, list[float]]:
                 out[name].append(median(gaps))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
     return out
 
 
@@ -280,7 +282,8 @@ def interference_runs(args) -> dict[str, dict[str, list[float]]]:
         name: {"median": [], "after a save": []} for name in INTERFERENCE
     }
     root = tempfile.mkdtemp(prefix="mem-bench-interference-", dir=args.dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": os.path.join(root, "m")}
+    memory = tempfile.mkdtemp(prefix="mem-bench-interference-", dir=args.shm)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": memory}
     k = args.save_every
     try:
         for r in range(args.interference_runs):
@@ -306,6 +309,7 @@ def interference_runs(args) -> dict[str, dict[str, list[float]]]:
                 shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
     return out
 
 

@@ -115,6 +115,28 @@ def report(
     raise typer.Exit(0 if result["passed"] else 1)
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def launch(ctx: typer.Context) -> None:
+    """torchrun with hot spares and in-job recovery: resilient launch [torchrun's flags]
+    [--spares K] SCRIPT|-m MODULE [ARGS].  A failed rank is taken over by a spare (default 1 per
+    node) while the healthy ranks stay alive; without a spare it restarts the workers as torchrun
+    does.  The loop must use @fault_tolerant (or Run with resilient.launch.regroup)."""
+    args = list(ctx.args)
+    if not args or args[0] in ("-h", "--help"):
+        typer.echo(
+            "usage: resilient launch [torchrun's flags] [--spares K] SCRIPT|-m MODULE [ARGS]\n\n"
+            + (launch.__doc__ or "")
+            + "\n\ntorchrun's flags: see `torchrun --help`."
+        )
+        raise typer.Exit(0 if args else 2)
+    from resilient.launch.agent import launch_main
+
+    raise typer.Exit(launch_main(args))
+
+
 def main() -> None:
     app()
 

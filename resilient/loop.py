@@ -42,7 +42,7 @@ from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monito
 from resilient.health.attach import detect_by_default, start_monitor, take_over
 from resilient.health.events import default_event_log
 from resilient.hooks import call as call_hooks
-from resilient.launch import init_process_group
+from resilient.launch import init_process_group, injob_enabled, regroup
 from resilient.layout import Layout
 
 __all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE", "SaveFailedWarning"]
@@ -189,6 +189,14 @@ class Run:
         self._failed_snapshots = 0  # consecutive
         self._failing = False
         self._install_sigterm()
+        if monitor is not None and injob_enabled():
+            monitor.on_peer_failure = self._peer_failed
+
+    def _peer_failed(self, finding: Any) -> None:
+        """(in-job recovery; the monitor's thread) A verdict on another rank: a commit that waits
+        for it gives up now, so the loop reaches its next collective, which fails, and regroups."""
+        if self.checkpointer is not None:
+            self.checkpointer.abort()
 
     # --- state -----------------------------------------------------------------------------------
     def track(self, *, layout: Layout | None = None, **objects: Any) -> int:
@@ -489,7 +497,16 @@ class Run:
         failed = exc is not None and not isinstance(exc, SystemExit | GeneratorExit)
         if failed:
             self._failing = True  # from here a SIGTERM (torchrun tearing the group down) ends it
-            self.explain_failure(exc)
+            if recoverable_in_job(exc):
+                # in-job recovery comes next: no wait for a verdict, and a commit that waits
+                # for the dead peer gives up now
+                self.events.write(
+                    "error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000]
+                )
+                if self.checkpointer is not None:
+                    self.checkpointer.abort()
+            else:
+                self.explain_failure(exc)
         self.close(announce=not failed)  # a crashed rank is not "done": peers must see it die
 
     def explain_failure(self, exc: BaseException) -> None:
@@ -641,6 +658,16 @@ def _is_peer_failure(exc: BaseException) -> bool:
     )
 
 
+def recoverable_in_job(exc: BaseException) -> bool:
+    """Under ``resilient launch`` with spares: an error that means a peer failed (a collective's,
+    or the detector's verdict on another rank), which in-job recovery answers."""
+    return injob_enabled() and (_is_peer_failure(exc) or isinstance(exc, RankFailureError))
+
+
+def _describe_exc(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
 def process_start_time() -> float:
     """When this process started (wall clock; Linux /proc), else now."""
     try:
@@ -698,23 +725,41 @@ def fault_tolerant(
         @functools.wraps(fn)
         def runner(*args: Any, **kwargs: Any) -> Any:
             created = False
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            group = {
+                "detector": detector,
+                "event_log": event_log,
+                "detect": options.get("detect"),
+                "hooks": options.get("hooks", ()),
+            }
             if (
                 int(os.environ.get("WORLD_SIZE", "1")) > 1
                 and dist.is_available()
                 and not dist.is_initialized()
             ):
-                init_process_group(
-                    "nccl" if torch.cuda.is_available() else "gloo",
-                    detector=detector,
-                    event_log=event_log,
-                    detect=options.get("detect"),
-                    hooks=options.get("hooks", ()),
-                )
+                init_process_group(backend, **group)
                 created = True
-            run = Run(checkpoint_url, **options)
             try:
-                with run:
-                    return fn(run, *args, **kwargs)
+                while True:
+                    run = Run(checkpoint_url, **options)
+                    try:
+                        with run:
+                            return fn(run, *args, **kwargs)
+                    except BaseException as e:
+                        if not (created and recoverable_in_job(e)):
+                            raise
+                        # in-job recovery: this rank stays; a spare takes the failed one's rank,
+                        # the group forms again, and ``fn`` runs again from the newest snapshot
+                        events = EventLog(event_log)
+                        t0 = time.monotonic()
+                        events.write("injob_leave", rank=run.rank, error=_describe_exc(e))
+                        gen = regroup(backend, **group)
+                        events.write(
+                            "injob_rejoin",
+                            rank=dist.get_rank(),
+                            generation=gen,
+                            regroup_s=round(time.monotonic() - t0, 3),
+                        )
             finally:
                 if created and dist.is_initialized():
                     dist.destroy_process_group()

@@ -271,6 +271,8 @@ class Checkpointer:
         self.memory_every = memory_every
         self.memory: MemoryPlace | None = None
         self._memory: Checkpointer | None = None
+        self._abort = threading.Event()
+        self._live_committer: Committer | None = None
         # The newest durable commit (step, commit_seq) this job's state descends from: every
         # snapshot records it, and a snapshot whose durable commit is no longer on the durable
         # line (a rollback, deleted steps, a fresh start at the URL) is never restored.
@@ -1000,14 +1002,27 @@ class Checkpointer:
             return Committer(None, "", 0, 1, self.commit_timeout_s, step=step)
         uid = self._ensure_uid()
         self._seq += 1
-        return Committer(
+        self._live_committer = Committer(
             self._get_store(),
             f"resilient/{self._namespace}/{uid}/{self._seq}",
             self.rank,
             self.world_size,
             self.commit_timeout_s,
             step=step,
+            abort=self._abort,
         )
+        return self._live_committer
+
+    def abort(self) -> None:
+        """The process group broke (a peer died; in-job recovery): a save or snapshot whose commit
+        handshake is waiting for a peer gives up at once (it fails; what is committed stays), so
+        that closing this checkpointer does not wait ``commit_timeout_s`` for a dead rank."""
+        self._abort.set()
+        committer = self._live_committer
+        if committer is not None and (self._thread is not None and self._thread.is_alive()):
+            committer.abandon(f"rank {self.rank} left the broken process group")
+        if self._memory is not None:
+            self._memory.abort()
 
     def _plan(self, flat: FlatState, layout: Layout) -> WritePlan:
         sig = (

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -319,11 +320,13 @@ class Committer:
         *,
         step: int | None = None,
         progress_every_s: float = 30.0,
+        abort: threading.Event | None = None,
     ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.timeout_s = timeout_s
         self.step = step
         self.progress_every_s = progress_every_s
+        self.abort = abort  # set: every wait gives up at once (the group broke; see abort())
 
     @property
     def is_coordinator(self) -> bool:
@@ -337,7 +340,13 @@ class Committer:
         CommitError naming the peer at the timeout."""
         start = time.monotonic()
         deadline = start + timeout_s
+        next_log = start + self.progress_every_s
         while True:
+            if self.abort is not None and self.abort.is_set():
+                raise CommitError(
+                    f"rank {self.rank}: the {self._what()} was abandoned while waiting for rank "
+                    f"{peer} to {waiting_for}: the process group broke (in-job recovery)"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommitError(
@@ -349,7 +358,8 @@ class Committer:
                 return
             except Exception:  # the store raises its own timeout types; try the next slice
                 waited = time.monotonic() - start
-                if waited + 0.05 < timeout_s:
+                if waited + 0.05 < timeout_s and time.monotonic() >= next_log:
+                    next_log = time.monotonic() + self.progress_every_s
                     log.warning(
                         "rank %d: waiting for rank %d to %s of the %s for %.0fs",
                         self.rank,
@@ -400,6 +410,30 @@ class Committer:
         key = f"{self.prefix}/done"
         self._wait(key, 0, "publish the commit outcome", self.timeout_s + extra_s)
         return self.store.get(key).decode()
+
+    def abandon(self, why: str) -> None:
+        """Wake every rank that waits in this handshake (the group broke): each key a rank may
+        wait for that is not set yet gets a failure, so its wait returns and the save fails; a key
+        already set keeps its value (a commit that completed stays completed)."""
+        if self.store is None:
+            return
+        fail = json.dumps({"error": why, "type": "CommitError"})
+        # a connection of its own: the waiting thread holds its client's connection in the wait,
+        # and a request on that connection would queue behind it until the wait times out
+        store = self.store
+        try:
+            store = store.clone()
+        except Exception:  # a store without clone(): the same connection, best effort
+            pass
+        keys = [("begin", fail), ("done", f"CommitError: {why}")]
+        keys += [
+            (f"report/{r}", json.dumps({"rank": r, "error": why})) for r in range(self.world_size)
+        ]
+        for key, value in keys:
+            try:
+                store.compare_set(f"{self.prefix}/{key}", "", value)
+            except Exception:  # best effort: the store may be gone
+                pass
 
     def cleanup(self) -> None:
         if self.store is None:

@@ -82,6 +82,9 @@ def start_monitor(
         store = agent_store()
     if store is not None and "TORCHELASTIC_RUN_ID" in os.environ:
         prefix = f"resilient/health/{os.environ['TORCHELASTIC_RUN_ID']}/{restart_count()}"
+        gen = os.environ.get("RESILIENT_INJOB_GEN", "0")  # in-job recovery's generation
+        if gen != "0":
+            prefix += f".{gen}"
     else:
         import torch.distributed as dist
 

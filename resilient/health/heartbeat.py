@@ -92,6 +92,8 @@ class Monitor:
         self.detector = Detector(self.config, start=self.started_mono)
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
+        # in-job recovery: called (from the monitor's thread) on a verdict about another rank
+        self.on_peer_failure: Callable[[Finding], None] | None = None
         self.kill_local = kill_local
         self.host, self.pid = socket.gethostname(), os.getpid()
         # one store client, several threads; reentrant because the SIGTERM handler announces
@@ -387,6 +389,16 @@ class Monitor:
                     self.events.write("killed", rank=finding.rank, pid=pid)
                 except ProcessLookupError:
                     pass
+        if (
+            os.environ.get("RESILIENT_INJOB") == "1"
+            and finding.rank is not None
+            and finding.rank != self.rank
+        ):
+            # in-job recovery (resilient launch): the failed rank's process is gone or killed,
+            # this rank's collectives fail, and it forms the next generation with a spare
+            if self.on_peer_failure is not None:
+                self.on_peer_failure(finding)
+            return
         self.on_failure(finding)
 
     def _exit(self, finding: Finding) -> None:

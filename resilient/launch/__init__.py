@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,8 +37,18 @@ from resilient.health.attach import (
 from resilient.health.detector import DetectorConfig
 from resilient.health.events import EventLog
 from resilient.hooks import call as call_hooks
+from resilient.launch.injob import (
+    ENV_GEN,
+    ENV_SPARE,
+    generation,
+    injob_enabled,
+    mark_formed,
+    store_prefix,
+    wait_for_generation,
+    wait_for_rank,
+)
 
-__all__ = ["init_process_group", "restart_count", "free_port"]
+__all__ = ["init_process_group", "regroup", "restart_count", "free_port", "injob_enabled"]
 
 
 def init_process_group(
@@ -59,6 +70,10 @@ def init_process_group(
         return
     timeout = timedelta(seconds=timeout_s)
     under_agent = shares_agent_store()
+    if os.environ.get(ENV_SPARE) and injob_enabled():
+        # a hot spare of ``resilient launch``: wait here, imports done, until given a rank
+        if not wait_for_rank(agent_store()):
+            raise SystemExit(0)  # the job finished without needing this spare
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     monitor = None
     # under torchrun, the monitor watches the rendezvous too: it starts on the agent's store,
@@ -85,10 +100,15 @@ def init_process_group(
             is_master=False,
             timeout=timeout,
         )
-        prefixed = dist.PrefixStore(f"/resilient/attempt_{restart_count()}", store)
+        gen = generation() if injob_enabled() else 0
+        if gen:
+            _gather(store, gen, world, min(timeout_s, 120.0))
+        prefixed = dist.PrefixStore(store_prefix(restart_count(), gen), store)
         dist.init_process_group(
             backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
         )
+        if injob_enabled():
+            mark_formed(store, gen)
     else:
         dist.init_process_group(backend, timeout=timeout)
     if watch and not under_agent:
@@ -96,6 +116,56 @@ def init_process_group(
         hand_over(monitor)
     if monitor is not None:
         monitor.progress(None, "setup")
+
+
+def _gather(store: Any, gen: int, world: int, timeout_s: float) -> None:
+    """Before forming generation ``gen``: wait until every rank is there, so that a second fault
+    now (the generation moves on, or a rank never comes) ends in the launcher's restart rather than
+    in a group that waits for a rank forever."""
+    from resilient.errors import RankFailureError
+    from resilient.launch.injob import base_key
+
+    key = f"{base_key()}/joining/{gen}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < world:
+        newest = int(store.add(f"{base_key()}/gen", 0))
+        if newest != gen or time.monotonic() > deadline:
+            raise RankFailureError(
+                f"generation {gen} of the group did not form (newest generation {newest}, "
+                f"{int(store.add(key, 0))} of {world} ranks there): leaving for the launcher to "
+                f"restart the workers"
+            )
+        time.sleep(0.002)
+
+
+def regroup(
+    backend: str,
+    *,
+    wait_s: float = 60.0,
+    timeout_s: float = 600.0,
+    detector: DetectorConfig | None = None,
+    event_log: str | None = None,
+    detect: bool | None = None,
+    hooks: Sequence[Any] = (),
+) -> int:
+    """(in-job recovery, a healthy rank) Leave the broken group, wait up to ``wait_s`` for the
+    agent to open the next generation (a spare takes the failed rank), form it; returns the
+    generation.  Raises RankFailureError when no generation opens or it cannot form: then exit,
+    and the launcher restarts the workers."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gen = wait_for_generation(agent_store(), generation(), wait_s)
+    os.environ[ENV_GEN] = str(gen)
+    init_process_group(
+        backend,
+        timeout_s=timeout_s,
+        detector=detector,
+        event_log=event_log,
+        detect=detect,
+        hooks=hooks,
+    )
+    return gen
 
 
 def free_port() -> int:

@@ -1,0 +1,401 @@
+"""``resilient launch``: torchrun's launcher with hot spares and in-job recovery.
+
+It is torch.distributed.elastic throughout: torchrun's own argument parser and launch config, its
+rendezvous handlers, its ``SimpleElasticAgent`` (rendezvous, rank assignment, restarts, the exit
+barrier) and the agent's store.  What differs is the worker policy (``InJobAgent``): torchrun's
+process context stops every worker as soon as one fails; here the agent owns its worker processes,
+and when one exits with a failure it
+
+1. gives the failed rank to a spare of its node (``--spares K``, started ahead of time: torch and
+   the script's imports are loaded, and ``resilient.launch.init_process_group`` holds it),
+2. opens the next generation of the group (``resilient.launch.injob``); the healthy ranks leave
+   the broken group and form the new one with the spare, which restores the failed rank's state
+   from the node's memory tier, and
+3. starts a new spare in the background.
+
+When that cannot work (no spare is left, the store is not the agent's, a worker fails again before
+the previous recovery formed its group, the group cannot form), it falls back to torchrun's policy:
+stop the workers, rendezvous again and restart them (``--max-restarts``), or fail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from resilient.launch.injob import ENV_GEN, ENV_INJOB, ENV_SPARE, base_key
+
+log = logging.getLogger("resilient.launch")
+
+__all__ = ["launch_main", "InJobAgent", "parse_args"]
+
+SPARES_DEFAULT = 1
+
+
+def parse_args(argv: list[str]) -> Any:
+    """torchrun's own parser, with ``--spares K`` added (before the script, like its flags)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "resilient launch"
+    parser.add_argument(
+        "--spares",
+        type=_spares,
+        default=SPARES_DEFAULT,
+        help="spare processes per node, started ahead of time, that take a failed rank over "
+        "while the healthy ranks stay alive (in-job recovery); 0 restarts the workers as torchrun "
+        f"does (default {SPARES_DEFAULT})",
+    )
+    return parser.parse_args(argv)
+
+
+def _spares(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a whole number of spare processes per node (0 turns in-job "
+            f"recovery off)"
+        )
+    return value
+
+
+class InJobAgent:
+    """Factory for the agent class (torch is imported only when a launch happens)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _agent_class()(*args, **kwargs)
+
+
+_CLASS: Any = None
+
+
+def _agent_class() -> Any:
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import (
+        RunResult,
+        SimpleElasticAgent,
+        WorkerGroup,
+        WorkerState,
+    )
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    class _InJobAgent(SimpleElasticAgent):
+        def __init__(self, spec: Any, spares: int, *, exit_barrier_timeout: float = 300) -> None:
+            super().__init__(spec, exit_barrier_timeout)
+            self.spares_wanted = spares
+            self._procs: dict[int, subprocess.Popen] = {}
+            self._spares: list[tuple[int, subprocess.Popen]] = []
+            self._next_spare = 0
+            self._client: Any = None
+            self._pending_gen: int | None = None  # a recovery whose group has not formed yet
+            self.recoveries: list[dict[str, Any]] = []
+            self._lock = threading.Lock()
+
+        # --- processes ------------------------------------------------------------------------
+        def _env(self, wg: WorkerGroup, worker: Any | None) -> dict[str, str]:
+            spec = wg.spec
+            restart = spec.max_restarts - self._remaining_restarts
+            env = {
+                **os.environ,
+                "GROUP_RANK": str(wg.group_rank),
+                "ROLE_NAME": spec.role,
+                "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+                "WORLD_SIZE": str(wg.workers[0].world_size),
+                "GROUP_WORLD_SIZE": str(wg.group_world_size),
+                "ROLE_WORLD_SIZE": str(wg.workers[0].role_world_size),
+                "MASTER_ADDR": wg.master_addr,
+                "MASTER_PORT": str(wg.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(restart),
+                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+                "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv(
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+                ),
+                ENV_INJOB: "1" if self._injob_possible() else "0",
+                ENV_GEN: "0",
+            }
+            env.pop(ENV_SPARE, None)
+            if worker is not None:
+                env.update(
+                    RANK=str(worker.global_rank),
+                    LOCAL_RANK=str(worker.local_rank),
+                    ROLE_RANK=str(worker.role_rank),
+                )
+            return env
+
+        def _injob_possible(self) -> bool:
+            return self.spares_wanted > 0 and bool(
+                self._worker_group.spec.rdzv_handler.use_agent_store
+            )
+
+        def _cmd(self, local_rank: int) -> list[str]:
+            spec = self._worker_group.spec
+            from torch.distributed.elastic.utils import macros
+
+            return [spec.entrypoint, *macros.substitute(list(spec.args), str(local_rank))]
+
+        def _start_spare(self) -> None:
+            wg = self._worker_group
+            index = self._next_spare
+            self._next_spare += 1
+            env = self._env(wg, None)
+            env[ENV_SPARE] = f"{wg.group_rank}:{index}"
+            env["LOCAL_RANK"] = "0"  # until it is given a rank
+            proc = subprocess.Popen(self._cmd(0), env=env)
+            self._spares.append((index, proc))
+            log.info("spare %d started (pid %d)", index, proc.pid)
+
+        def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+            self._client = None
+            self._pending_gen = None
+            pids = {}
+            for w in worker_group.workers:
+                p = subprocess.Popen(self._cmd(w.local_rank), env=self._env(worker_group, w))
+                self._procs[w.local_rank] = p
+                pids[w.local_rank] = p.pid
+            if self._injob_possible():
+                for _ in range(self.spares_wanted):
+                    self._start_spare()
+            elif self.spares_wanted > 0:
+                log.warning(
+                    "in-job recovery is off: the workers' store is not the agent's "
+                    "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set?); failures restart the workers"
+                )
+            return pids
+
+        def _kill_all(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+            self._release_spares()
+            procs = list(self._procs.values()) + [p for _, p in self._spares]
+            for p in procs:
+                if p.poll() is None:
+                    try:
+                        p.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    p.wait(max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            self._procs.clear()
+            self._spares.clear()
+
+        def _release_spares(self) -> None:
+            """Tell the idle spares the job needs no more of them."""
+            store = self._store_client(quiet=True)
+            for index, p in self._spares:
+                if store is not None and p.poll() is None:
+                    try:
+                        store.set(self._assign_key(index), json.dumps({"exit": 1}))
+                    except Exception:
+                        pass
+
+        def _stop_workers(self, worker_group: WorkerGroup) -> None:
+            self._kill_all()
+
+        def _shutdown(
+            self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30, **_: Any
+        ) -> None:
+            self._kill_all(death_sig, timeout)
+
+        # --- the store ------------------------------------------------------------------------
+        def _store_client(self, quiet: bool = False) -> Any:
+            if self._client is None:
+                wg = self._worker_group
+                try:
+                    self._client = dist.TCPStore(
+                        wg.master_addr,
+                        int(wg.master_port),
+                        is_master=False,
+                        timeout=timedelta(seconds=30),
+                    )
+                except Exception:
+                    if not quiet:
+                        raise
+            return self._client
+
+        def _assign_key(self, index: int) -> str:
+            return f"{self._base()}/assign/{self._worker_group.group_rank}/{index}"
+
+        def _base(self) -> str:
+            spec = self._worker_group.spec
+            return base_key(
+                spec.rdzv_handler.get_run_id(), spec.max_restarts - self._remaining_restarts
+            )
+
+        # --- monitoring -----------------------------------------------------------------------
+        def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+            codes = {lr: p.poll() for lr, p in self._procs.items()}
+            self._spares = [(i, p) for i, p in self._spares if p.poll() is None]
+            failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+            if not failed:
+                if all(c == 0 for c in codes.values()):
+                    self._release_spares()
+                    return RunResult(
+                        state=WorkerState.SUCCEEDED,
+                        return_values={w.global_rank: None for w in worker_group.workers},
+                    )
+                self._check_formed()
+                return RunResult(state=WorkerState.HEALTHY)
+            reason = self._cannot_recover(len(failed))
+            if reason is None:
+                for lr, code in failed.items():
+                    self._take_over(worker_group, lr, code)
+                return RunResult(state=WorkerState.HEALTHY)
+            log.warning("in-job recovery not possible (%s): restarting the workers", reason)
+            failures = {}
+            for lr, code in failed.items():
+                w = worker_group.workers[lr]
+                failures[w.global_rank] = ProcessFailure(
+                    local_rank=lr, pid=self._procs[lr].pid, exitcode=code, error_file=""
+                )
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+
+        def _cannot_recover(self, n_failed: int) -> str | None:
+            if not self._injob_possible():
+                return "in-job recovery is off"
+            if self._pending_gen is not None:
+                return f"a worker failed while generation {self._pending_gen} was forming"
+            if len(self._spares) < n_failed:
+                return f"{len(self._spares)} spare(s) left for {n_failed} failed worker(s)"
+            return None
+
+        def _check_formed(self) -> None:
+            if self._pending_gen is None:
+                return
+            store = self._store_client(quiet=True)
+            try:
+                formed = int(store.add(f"{self._base()}/formed/{self._pending_gen}", 0))
+            except Exception:
+                return
+            if formed >= self._worker_group.workers[0].world_size:
+                rec = self.recoveries[-1]
+                rec["formed_s"] = round(time.monotonic() - rec["t0"], 3)
+                log.warning(
+                    "in-job recovery: generation %d formed %.2fs after the failure",
+                    self._pending_gen,
+                    rec["formed_s"],
+                )
+                self._pending_gen = None
+
+        def _take_over(self, wg: WorkerGroup, local_rank: int, code: int) -> None:
+            t0 = time.monotonic()
+            worker = wg.workers[local_rank]
+            index, spare = self._spares.pop(0)
+            store = self._store_client()
+            gen = int(store.add(f"{self._base()}/gen", 1))
+            store.set(
+                self._assign_key(index),
+                json.dumps({"rank": worker.global_rank, "local_rank": local_rank, "gen": gen}),
+            )
+            old = self._procs[local_rank]
+            self._procs[local_rank] = spare
+            worker.id = spare.pid
+            self._pending_gen = gen
+            self.recoveries.append(
+                {"t0": t0, "rank": worker.global_rank, "exitcode": code, "gen": gen,
+                 "old_pid": old.pid, "spare_pid": spare.pid}
+            )  # fmt: skip
+            log.warning(
+                "rank %d (pid %d) exited with %s: spare pid %d takes its rank, generation %d",
+                worker.global_rank,
+                old.pid,
+                code,
+                spare.pid,
+                gen,
+            )
+            self._start_spare()  # refill the pool (it imports in the background)
+
+    _CLASS = _InJobAgent
+    return _CLASS
+
+
+def launch_main(argv: list[str]) -> int:
+    """``resilient launch [torchrun's flags] [--spares K] SCRIPT ...``; returns the exit code."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    args = parse_args(argv)
+    spares = args.spares
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
+            "c10d",
+            "localhost:0",
+            str(uuid.uuid4()),
+        )
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
+                "c10d",
+                "localhost:0",
+                str(uuid.uuid4()),
+            )
+    if args.master_port is None:
+        args.master_port = 29500
+    config, cmd, cmd_args = config_from_args(args)
+    if not isinstance(cmd, str):
+        raise SystemExit("resilient launch: the entrypoint must be a script or -m MODULE")
+    rdzv = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id or str(uuid.uuid4().int),
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(rdzv)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+        max_restarts=config.max_restarts,
+        monitor_interval=min(config.monitor_interval, 0.05),
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+    )
+    agent = InJobAgent(spec, spares)
+    try:
+        result = agent.run()
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        return 1
+    finally:
+        spec.rdzv_handler.shutdown()
+    if result is None or result.is_failed():
+        if result is not None:
+            for rank, f in sorted(result.failures.items()):
+                print(
+                    f"resilient launch: rank {rank} (pid {f.pid}) failed with exit code "
+                    f"{f.exitcode}",
+                    file=sys.stderr,
+                )
+        return 1
+    return 0

@@ -1,0 +1,132 @@
+"""In-job recovery, the workers' side: hot spares and process-group generations.
+
+Under ``resilient launch`` (``RESILIENT_INJOB=1``) the agent keeps ``--spares`` processes per node
+started ahead of time.  A spare runs the user's script like any worker; ``init_process_group``
+holds it (torch and the script's imports loaded) until the agent gives it a rank.  When a worker
+dies, the agent of its node kills it if it still exists, gives its rank to a spare and opens the
+next *generation* of the group; the healthy ranks leave the broken group (their collectives fail
+at once when a peer's process is gone), wait for that generation and form it with the spare.
+
+Everything goes through the agent's store (torchrun's, which outlives the workers), under
+
+    resilient/injob/<run id>/<restart>/gen                     the generation counter
+    resilient/injob/<run id>/<restart>/assign/<node>/<spare>   a spare's rank, or "exit"
+    resilient/injob/<run id>/<restart>/formed/<gen>            ranks that formed that generation
+
+and generation ``g`` forms its group under ``/resilient/attempt_<restart>/gen_<g>`` (generation 0:
+``/resilient/attempt_<restart>``, as without in-job recovery).  When a generation cannot form (a
+second fault during recovery, no spare), every rank exits with ``EXIT_RANK_FAILURE`` and the agent
+falls back to what torchrun does: restart the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from resilient.errors import RankFailureError
+
+ENV_INJOB = "RESILIENT_INJOB"
+ENV_SPARE = "RESILIENT_SPARE"  # "<node>:<index>" in a spare's environment
+ENV_GEN = "RESILIENT_INJOB_GEN"
+
+__all__ = [
+    "ENV_INJOB",
+    "ENV_SPARE",
+    "ENV_GEN",
+    "injob_enabled",
+    "generation",
+    "base_key",
+    "wait_for_rank",
+    "wait_for_generation",
+    "mark_formed",
+]
+
+
+def injob_enabled() -> bool:
+    """Whether this worker runs under ``resilient launch`` with in-job recovery on."""
+    return os.environ.get(ENV_INJOB) == "1" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == (
+        "True"
+    )
+
+
+def generation() -> int:
+    return int(os.environ.get(ENV_GEN, "0"))
+
+
+def base_key(run_id: str | None = None, restart: int | None = None) -> str:
+    run_id = run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if restart is None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return f"resilient/injob/{run_id}/{restart}"
+
+
+def store_prefix(restart: int, gen: int) -> str:
+    """Where generation ``gen`` of restart ``restart`` forms its process group."""
+    base = f"/resilient/attempt_{restart}"
+    return base if gen == 0 else f"{base}/gen_{gen}"
+
+
+def wait_for_rank(store: Any, poll_s: float = 0.05) -> bool:
+    """(a spare) Wait for the agent to hand this process a rank; set RANK, LOCAL_RANK and the
+    generation in the environment and return True, or return False when the agent says the job is
+    over (or went away)."""
+    _warm_up()
+    node, index = os.environ[ENV_SPARE].split(":")
+    key = f"{base_key()}/assign/{node}/{index}"
+    parent = os.getppid()
+    while True:
+        try:
+            if store.check([key]):
+                break
+        except Exception:  # the agent's store is gone: the job is over
+            return False
+        if os.getppid() != parent:  # the agent died
+            return False
+        time.sleep(poll_s)
+    got = json.loads(store.get(key))
+    if got.get("exit"):
+        return False
+    os.environ["RANK"] = str(got["rank"])
+    os.environ["LOCAL_RANK"] = str(got["local_rank"])
+    os.environ[ENV_GEN] = str(got["gen"])
+    os.environ.pop(ENV_SPARE, None)
+    return True
+
+
+def _warm_up() -> None:
+    """Load now what a rank's first steps load lazily, so that taking a rank over costs none of
+    it: torch's optimizers import torch._dynamo on first use (seconds), and the checkpointer
+    its storage and format modules."""
+    try:
+        import torch
+
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        import resilient.checkpoint.checkpointer  # noqa: F401
+    except Exception:  # a warm-up only
+        pass
+
+
+def wait_for_generation(store: Any, after: int, timeout_s: float, poll_s: float = 0.005) -> int:
+    """(a healthy rank whose group broke) Wait until the agent that lost a worker opens a
+    generation newer than ``after``; returns it, or raises RankFailureError at the timeout (no
+    agent could recover in-job: the agents restart the workers instead)."""
+    key = f"{base_key()}/gen"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gen = int(store.add(key, 0))
+        if gen > after:
+            return gen
+        if time.monotonic() > deadline:
+            raise RankFailureError(
+                f"no in-job recovery within {timeout_s:.0f}s of the group's failure (generation "
+                f"{after} is still the newest); leaving for the launcher to restart the workers"
+            )
+        time.sleep(poll_s)
+
+
+def mark_formed(store: Any, gen: int) -> None:
+    """Tell the agents that this rank is in generation ``gen``'s group (recovery is over for it)."""
+    store.add(f"{base_key()}/formed/{gen}", 1)
