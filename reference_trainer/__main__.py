@@ -39,6 +39,13 @@ def parser() -> argparse.ArgumentParser:
         "--nproc", type=int, default=None, help="launch this many local ranks with torchrun"
     )
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="with --nproc: hot spare processes; K > 0 launches through `resilient launch`, where "
+        "a spare takes a failed rank over and the healthy ranks stay alive (in-job recovery)",
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument(
@@ -184,7 +191,10 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    under_launcher = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # a worker of torchrun / resilient launch, or a spare of resilient launch (no rank yet)
+    under_launcher = (
+        "LOCAL_RANK" in os.environ or "RESILIENT_SPARE" in os.environ
+    ) and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else (args.nproc or 1)
     try:
         if args.nproc is not None and args.nproc < 1:
@@ -194,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None and not under_launcher:
-        return _launch(args.nproc, args.max_restarts, _without_launcher_flags(argv))
+        if args.spares < 0:
+            raise ConfigError(f"--spares {args.spares}: must be >= 0")
+        return _launch(args.nproc, args.max_restarts, _without_launcher_flags(argv), args.spares)
     if not under_launcher:  # a world of one, in this process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -232,16 +244,16 @@ def _without_launcher_flags(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts"):
+        if a in ("--nproc", "--max-restarts", "--spares"):
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=")):
+        if a.startswith(("--nproc=", "--max-restarts=", "--spares=")):
             continue
         out.append(a)
     return out
 
 
-def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
+def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> int:
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -250,22 +262,29 @@ def _launch(nproc: int, max_restarts: int, rest: list[str]) -> int:
 
     gc.enable()  # a long-lived launcher collects as usual
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    flags = [
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+    ]
+    if spares:
+        from resilient.launch.agent import launch_main
+
+        code = launch_main([*flags, "--spares", str(spares), "-m", "reference_trainer", *rest])
+        if code == 128 + signal.SIGTERM:
+            print(
+                "preempted (SIGTERM): the ranks saved the current step; rerun to resume",
+                file=sys.stderr,
+            )
+            return 0
+        return code
     try:
-        torchrun(
-            [
-                "--nproc-per-node",
-                str(nproc),
-                "--max-restarts",
-                str(max_restarts),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{free_port()}",
-                "-m",
-                "reference_trainer",
-                *rest,
-            ]
-        )
+        torchrun([*flags, "-m", "reference_trainer", *rest])
     except ChildFailedError as e:
         print(f"error: training failed: {e}", file=sys.stderr)
         return 1

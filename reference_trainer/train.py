@@ -24,7 +24,7 @@ from reference_trainer.config import TrainConfig, sizing_warnings
 from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
-from resilient import Checkpointer, Run
+from resilient import Checkpointer, InJobRecovery, Run
 from resilient.health import DetectorConfig, default_event_log
 from resilient.launch import init_process_group
 
@@ -72,13 +72,23 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
         hang_timeout_s=cfg.hang_timeout_s,
         join_timeout_s=cfg.join_timeout_s,
     )
+    backend = "nccl" if device.type == "cuda" else "gloo"
     # the heartbeat starts here, before the process group: a rank stuck joining it is caught
-    init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        detector=detector,
-        event_log=events,
-        hooks=hooks,
-    )
+    init_process_group(backend, detector=detector, event_log=events, hooks=hooks)
+    # under `resilient launch` with spares, a failed peer is replaced in this process: the
+    # group forms again and training goes on from the node's memory (else: re-raised)
+    recovery = InJobRecovery(backend, detector=detector, event_log=events, hooks=hooks)
+    while True:
+        try:
+            return _train(cfg, device, events, hooks, recovery)
+        except BaseException as e:
+            recovery.recover(e)  # or re-raises e
+
+
+def _train(
+    cfg: TrainConfig, device: Any, events: Any, hooks: Any, recovery: InJobRecovery
+) -> dict[str, Any]:
+    """One generation of the process group: build the model, restore, train to the end."""
     cfg = cfg.with_(world_size=dist.get_world_size())
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     rank = pc.rank
@@ -122,6 +132,7 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
         event_log=events,
         hooks=hooks,
     )
+    recovery.attach(run)
     metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
     losses: list[float] = []
     with run:  # on an error, the detector first gets a moment to name a failed peer

@@ -7,7 +7,7 @@ from resilient.checkpoint import Checkpointer, RetryPolicy, sharded  # noqa: E40
 from resilient.errors import *  # noqa: E402, F403  (every error class, importable from here)
 from resilient.hooks import Hook  # noqa: E402
 from resilient.layout import Layout, Replicate, Shard  # noqa: E402
-from resilient.loop import Run, SaveFailedWarning, fault_tolerant  # noqa: E402
+from resilient.loop import InJobRecovery, Run, SaveFailedWarning, fault_tolerant  # noqa: E402
 
 __all__ = [
     "Layout",
@@ -18,6 +18,7 @@ __all__ = [
     "sharded",
     "Run",
     "fault_tolerant",
+    "InJobRecovery",
     "Hook",
     "SaveFailedWarning",
     *_errors.__all__,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import gc
 import inspect
 import logging
 import os
@@ -23,6 +24,7 @@ import random
 import signal
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -164,6 +166,7 @@ class Run:
             world_size=self.world_size,
             pid=os.getpid(),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            generation=int(os.environ.get("RESILIENT_INJOB_GEN", "0") or 0),  # in-job recovery
             process_start=process_start_time(),
         )
         detecting = detect if detect is not None else detect_by_default()
@@ -188,6 +191,8 @@ class Run:
         self._snap: Any = None  # the newest memory snapshot, until it is settled
         self._failed_snapshots = 0  # consecutive
         self._failing = False
+        self._carry = False  # (in-job recovery) the checkpointer goes on to the next generation
+        self._rebind = False  # (in-job recovery) the checkpointer came from the previous one
         self._install_sigterm()
         if monitor is not None and injob_enabled():
             monitor.on_peer_failure = self._peer_failed
@@ -218,6 +223,12 @@ class Run:
         return self.step
 
     def _restore(self, layout: Layout | None) -> None:
+        if self._rebind:
+            # (in-job recovery) the previous generation's checkpointer, joined to the new group
+            # here, where a new one would be built: its collectives come in the same order as
+            # the spare's new checkpointer's
+            self._rebind = False
+            self.checkpointer.rebind()
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(
                 self.url,
@@ -503,8 +514,13 @@ class Run:
                 self.events.write(
                     "error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000]
                 )
+                if self.monitor is not None:
+                    self.monitor.leaving(self.step)  # not to be declared dead meanwhile
                 if self.checkpointer is not None:
                     self.checkpointer.abort()
+                    # kept for the next generation: its memory tier, persister and lease; the
+                    # saves the abort abandoned are not waited for
+                    self._carry = self.checkpointer.can_rebind
             else:
                 self.explain_failure(exc)
         self.close(announce=not failed)  # a crashed rank is not "done": peers must see it die
@@ -533,7 +549,7 @@ class Run:
         rank finished (False when it is failing, and then a save's failure is logged, not raised
         over the error that ends the run)."""
         try:
-            if self.checkpointer is not None:
+            if self.checkpointer is not None and not self._carry:
                 try:
                     self._join_snapshot()
                     self._join_save(final=announce)
@@ -664,6 +680,74 @@ def recoverable_in_job(exc: BaseException) -> bool:
     return injob_enabled() and (_is_peer_failure(exc) or isinstance(exc, RankFailureError))
 
 
+class InJobRecovery:
+    """In-job recovery for a loop that builds its own ``Run`` (what ``@fault_tolerant`` does for
+    its function): under ``resilient launch`` with spares, a peer's failure is answered in this
+    process, without a restart::
+
+        recovery = InJobRecovery("gloo", detector=..., event_log=...)
+        while True:
+            run = Run(url, ...)
+            recovery.attach(run)      # the previous generation's checkpointer, if any
+            try:
+                with run:
+                    ...build the model, run.track(...), train...
+                    break
+            except BaseException as e:
+                recovery.recover(e)   # re-raises what in-job recovery does not answer
+
+    ``recover`` leaves the broken process group, waits for the spare's generation, forms it
+    (``resilient.launch.regroup``) and returns: build the model again and ``track`` it, which
+    restores the newest snapshot every rank holds.  The checkpointer (its memory tier, its
+    persister process, the writer lease) goes on to the new ``Run`` when it can."""
+
+    def __init__(self, backend: str, **group: Any) -> None:
+        self.backend, self.group = backend, group
+        self.generations = 0
+        self._run: Run | None = None
+        self._carried: Checkpointer | None = None
+
+    def attach(self, run: Run) -> None:
+        """The ``Run`` of this generation (before its ``track``): it gets the previous
+        generation's checkpointer, if any, and is the one ``recover`` closes over."""
+        self._run = run
+        carried, self._carried = self._carried, None
+        if carried is not None and run.checkpointer is None:
+            run.checkpointer = carried
+            run._rebind = True
+
+    def recover(self, error: BaseException) -> None:
+        """Answer ``error`` in this process (raised in or after the attached ``Run``'s ``with``
+        block), or re-raise it: not under ``resilient launch`` with spares, not a peer's failure,
+        or no ``Run`` attached yet."""
+        run, self._run = self._run, None
+        if run is None or not recoverable_in_job(error):
+            raise error
+        events = EventLog(self.group.get("event_log"))
+        t0 = time.monotonic()
+        events.write("injob_leave", rank=run.rank, error=_describe_exc(error))
+        carried = run.checkpointer if run._carry else None
+        # Let go of everything that holds the old groups (the model and its parallel context,
+        # in the failed attempt's frames and in the run's state): a gloo group closes its
+        # connections only when it is freed, not when it is destroyed, and a healthy peer still
+        # blocked in a collective with this rank is released only by that.
+        traceback.clear_frames(error.__traceback__)
+        run.state = {}
+        del run
+        gc.unfreeze()  # objects a gc.freeze() made permanent are collectable again
+        gc.collect()
+        gen = regroup(self.backend, **self.group)
+        self._carried = carried  # rebound by the next Run's track(), where a new one is built
+        self.generations += 1
+        events.write(
+            "injob_rejoin",
+            rank=dist.get_rank(),
+            generation=gen,
+            regroup_s=round(time.monotonic() - t0, 3),
+            kept_checkpointer=carried is not None,
+        )
+
+
 def _describe_exc(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:2000]
 
@@ -739,27 +823,19 @@ def fault_tolerant(
             ):
                 init_process_group(backend, **group)
                 created = True
+            recovery = InJobRecovery(backend, **group) if created else None
             try:
                 while True:
                     run = Run(checkpoint_url, **options)
+                    if recovery is not None:
+                        recovery.attach(run)
                     try:
                         with run:
                             return fn(run, *args, **kwargs)
                     except BaseException as e:
-                        if not (created and recoverable_in_job(e)):
+                        if recovery is None:
                             raise
-                        # in-job recovery: this rank stays; a spare takes the failed one's rank,
-                        # the group forms again, and ``fn`` runs again from the newest snapshot
-                        events = EventLog(event_log)
-                        t0 = time.monotonic()
-                        events.write("injob_leave", rank=run.rank, error=_describe_exc(e))
-                        gen = regroup(backend, **group)
-                        events.write(
-                            "injob_rejoin",
-                            rank=dist.get_rank(),
-                            generation=gen,
-                            regroup_s=round(time.monotonic() - t0, 3),
-                        )
+                        recovery.recover(e)  # or re-raises e
             finally:
                 if created and dist.is_initialized():
                     dist.destroy_process_group()

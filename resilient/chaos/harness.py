@@ -395,10 +395,13 @@ def _command(
     chaos: bool,
 ) -> list[str]:
     nnodes = f"1:{job.nodes}" if job.elastic else str(job.nodes)
+    launcher = ["torch.distributed.run"]
+    if job.spares is not None:  # torchrun's flags, with hot spares and in-job recovery
+        launcher = ["resilient.cli", "launch", "--spares", str(job.spares)]
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        *launcher,
         "--nnodes",
         nnodes,
         "--nproc-per-node",

@@ -80,6 +80,8 @@ def markdown(report: dict[str, Any]) -> str:
     ):
         if key in m:
             lines.append(f"| {key} | {m[key]} |")
+    for r in m.get("recoveries", []):
+        lines.append(f"| recovery path | {r.get('path', 'restart')}: {r['seconds']} s |")
     for phase, secs in m.get("breakdown", {}).items():
         lines.append(f"| recovery: {phase} (s) | {secs} |")
     for v in m.get("verdicts", []):

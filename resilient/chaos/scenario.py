@@ -9,6 +9,7 @@ nproc = 4                 # ranks per node
 nodes = 1                 # torchrun agents on this machine (c10d rendezvous on localhost)
 elastic = false           # --nnodes 1:NODES: continue on the nodes that are left
 max_restarts = 2
+# spares = 1              # launch with `resilient launch --spares 1` (in-job recovery), not torchrun
 timeout_s = 300
 [job.trainer]             # reference_trainer flags (or: command = ["python", "x.py", "{ckpt}"])
 tp = 2
@@ -113,6 +114,7 @@ class Job:
     trainer: dict[str, Any] | None = None
     command: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    spares: int | None = None  # None: torchrun; K: `resilient launch --spares K` (in-job recovery)
 
     @property
     def steps(self) -> int | None:
@@ -242,7 +244,17 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
     at = ("job",)
     v.keys(
         t,
-        {"nproc", "nodes", "elastic", "max_restarts", "timeout_s", "trainer", "command", "env"},
+        {
+            "nproc",
+            "nodes",
+            "elastic",
+            "max_restarts",
+            "spares",
+            "timeout_s",
+            "trainer",
+            "command",
+            "env",
+        },
         at,
     )
     nproc = v.positive(t, "nproc", at, default=4)
@@ -281,6 +293,18 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
     env = v.typed(t, "env", dict, at, default={})
     if not all(isinstance(x, str) for x in env.values()):
         v.fail(at, "env", "values must be strings")
+    spares = t.get("spares")
+    if spares is not None:
+        v.typed(t, "spares", int, at)
+        if spares < 0:
+            v.fail(at, "spares", f"{spares}: a number of spare processes per node, >= 0")
+        if nodes > 1:
+            v.fail(
+                at,
+                "spares",
+                "in-job recovery runs on one node for now (a job of two nodes runs with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and the spares need the agent's store)",
+            )
     return Job(
         nproc=nproc,
         nodes=nodes,
@@ -290,6 +314,7 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         trainer=trainer,
         command=command,
         env=env,
+        spares=spares,
     )
 
 

@@ -290,18 +290,21 @@ def verify_run(
         )
     # one recovery per restart of the group: from the newest fault before it to the first step
     # completed after it (a restart may resume exactly where the job stopped: no rollback)
-    attempts: dict[int, float] = {}
+    # (in-job recovery: a new generation of the group, the same restart)
+    attempts: dict[tuple[int, int], float] = {}
     for e in events:
-        if e["event"] == "start" and e.get("restart", 0) > 0:
-            attempts[e["restart"]] = min(attempts.get(e["restart"], e["time"]), e["time"])
+        key = (int(e.get("restart", 0)), int(e.get("generation", 0)))
+        if e["event"] == "start" and key != (0, 0):
+            attempts[key] = min(attempts.get(key, e["time"]), e["time"])
     recoveries = []
-    for _, began in sorted(attempts.items()):
+    for (_, gen), began in sorted(attempts.items()):
         first = next((r for r in records if r.get("wall_time", 0) > began), None)
         c = cause(began)
         if first is not None and c is not None:
             recoveries.append(
                 {
                     "seconds": round(first["wall_time"] - c, 3),
+                    "path": "in-job" if gen > 0 else "restart",
                     "breakdown": recovery_breakdown(events, c),
                 }
             )
@@ -392,12 +395,17 @@ def _within(name: str, value: float | None, bound: float, what: str, missing: st
 def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str, float]:
     """Fault to first step after the restart, in phases: detection (fault to verdict, when the
     detector issued one before the restart), teardown and restart (to the new workers' process
-    start), start and rendezvous (to the new process group), checkpoint load, and the first step."""
+    start), start and rendezvous (to the new process group), checkpoint load, and the first step.
+    For an in-job recovery (a new generation, no restart): detection, teardown (to the healthy
+    ranks leaving the broken group), regroup (to the new group with the spare), load, first step."""
     starts = [e for e in events if e["event"] == "start" and e["time"] > fault_t]
     if not starts:
         return {}
-    attempt = starts[0].get("restart")
-    same = [e for e in starts if e.get("restart") == attempt]
+    attempt = (starts[0].get("restart"), starts[0].get("generation", 0))
+    same = [e for e in starts if (e.get("restart"), e.get("generation", 0)) == attempt]
+    leave = next(
+        (e["time"] for e in events if e["event"] == "injob_leave" and e["time"] >= fault_t), None
+    )
     proc = min(e.get("process_start", e["time"]) for e in same)
     ready = max(e["time"] for e in same)
     verdict = next(
@@ -417,8 +425,14 @@ def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str
     if verdict is not None:
         out["detection"] = verdict - t
         t = verdict
-    out["teardown_restart"] = proc - t
-    out["start_rendezvous"] = ready - proc
+    if attempt[1] and leave is not None:
+        # in-job: the healthy ranks leave the broken group (a pending commit abandoned), wait
+        # for the spare's generation and form it; the spare was started long before
+        out["teardown"] = leave - t
+        out["regroup"] = ready - leave
+    else:
+        out["teardown_restart"] = proc - t
+        out["start_rendezvous"] = ready - proc
     if restore is not None:
         out["load"] = restore["seconds"]
     if first is not None and restore is not None:

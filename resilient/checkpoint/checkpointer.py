@@ -232,6 +232,7 @@ class Checkpointer:
             layout.check_world_size(self.world_size)
         self.layout = layout
         self._store = store
+        self._store_given = store is not None
         self._namespace = _namespace  # the store keys of this checkpointer's handshakes
         self._uid: int | None = None
         self._seq = 0
@@ -253,6 +254,7 @@ class Checkpointer:
         self._hook_lock = threading.Lock()
         # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
         self.nodes = NodeMap((0,) * self.world_size)
+        self._memory_root = memory_root
         self._replicas: Replicas | None = None
         if memory_every is not None and self._distributed and self.world_size > 1:
             self.nodes = node_map(
@@ -1012,6 +1014,54 @@ class Checkpointer:
             abort=self._abort,
         )
         return self._live_committer
+
+    @property
+    def can_rebind(self) -> bool:
+        """Whether ``rebind`` can carry this checkpointer into the next generation of the group
+        (not with peer replicas: their process group died with the old one)."""
+        return (
+            not self._closed
+            and self._replicas is None
+            and (self._memory is None or self._memory._replicas is None)
+        )
+
+    def rebind(self) -> None:
+        """(in-job recovery, after ``abort``) The process group formed again, a spare in the
+        failed rank's place: forget the old group's store and handshake counters, so that this
+        checkpointer meets the spare's new one on the new group's keys, and keep the rest (the
+        memory tier and its persister process, the writer lease).  A save the abort abandoned is
+        not raised again by the next one."""
+        if not self.can_rebind:
+            raise ResilientError(f"Checkpointer({self.url!r}) cannot be carried to a new group")
+        if not self._store_given:
+            self._store = None
+        self._uid, self._seq, self._loads = None, 0, 0
+        self._abort, self._live_committer = threading.Event(), None
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._pending is not None:
+            self._pending._error_reported = True
+        if self._thread is not None and self._slots is not None:
+            # (the memory tier's) the abandoned snapshot ends at once; it must have released
+            # its slot before the next one is staged, and its failure must not count as the
+            # last snapshot's outcome: that decides, alike on every rank, how durable saves go
+            # (the spare's new checkpointer has no such failure)
+            self._thread.join(timeout=self.commit_timeout_s)
+            if not self._thread.is_alive():
+                self._pending, self._thread = None, None
+        self._last_outcome = None
+        if self.memory_every is not None and self._distributed and self.world_size > 1:
+            # the collective a new checkpointer runs in its constructor (the spare's does): every
+            # rank of the new group must run the same ones, in the same order
+            nodes = node_map(
+                self.world_size, self.rank, self._memory_root or default_root(), _boot_id()
+            )
+            if nodes != self.nodes:
+                raise ResilientError(
+                    f"Checkpointer({self.url!r}): the ranks' nodes changed in the new group "
+                    f"({self.nodes} -> {nodes}); a new checkpointer is needed"
+                )
+        if self._memory is not None:
+            self._memory.rebind()
 
     def abort(self) -> None:
         """The process group broke (a peer died; in-job recovery): a save or snapshot whose commit

@@ -425,10 +425,13 @@ class Committer:
             store = store.clone()
         except Exception:  # a store without clone(): the same connection, best effort
             pass
-        keys = [("begin", fail), ("done", f"CommitError: {why}")]
-        keys += [
-            (f"report/{r}", json.dumps({"rank": r, "error": why})) for r in range(self.world_size)
-        ]
+        if self.is_coordinator:  # it waits for the reports; the others wait for it
+            keys = [
+                (f"report/{r}", json.dumps({"rank": r, "error": why}))
+                for r in range(1, self.world_size)
+            ]
+        else:
+            keys = [("begin", fail), ("done", f"CommitError: {why}")]
         for key, value in keys:
             try:
                 store.compare_set(f"{self.prefix}/{key}", "", value)

@@ -390,14 +390,14 @@ class Monitor:
                 except ProcessLookupError:
                     pass
         if (
-            os.environ.get("RESILIENT_INJOB") == "1"
+            self.on_peer_failure is not None
             and finding.rank is not None
             and finding.rank != self.rank
         ):
-            # in-job recovery (resilient launch): the failed rank's process is gone or killed,
-            # this rank's collectives fail, and it forms the next generation with a spare
-            if self.on_peer_failure is not None:
-                self.on_peer_failure(finding)
+            # in-job recovery (resilient launch; Run sets the hook): the failed rank's process is
+            # gone or killed, this rank's collectives fail, and it forms the next generation with
+            # a spare
+            self.on_peer_failure(finding)
             return
         self.on_failure(finding)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -39,6 +40,7 @@ from resilient.health.events import EventLog
 from resilient.hooks import call as call_hooks
 from resilient.launch.injob import (
     ENV_GEN,
+    ENV_INJOB,
     ENV_SPARE,
     generation,
     injob_enabled,
@@ -70,6 +72,17 @@ def init_process_group(
         return
     timeout = timedelta(seconds=timeout_s)
     under_agent = shares_agent_store()
+    if backend != "gloo" and injob_enabled():
+        # In-job recovery needs a collective that fails when a peer's process is gone: gloo's
+        # does; NCCL's may wait for its timeout.  Off for this job: failures restart the workers.
+        os.environ[ENV_INJOB] = "0"
+        if os.environ.get(ENV_SPARE):
+            print(
+                f"resilient launch: spare not used: in-job recovery works with the gloo backend "
+                f"only (this job uses {backend}); failures restart the workers",
+                file=sys.stderr,
+            )
+            raise SystemExit(0)
     if os.environ.get(ENV_SPARE) and injob_enabled():
         # a hot spare of ``resilient launch``: wait here, imports done, until given a rank
         if not wait_for_rank(agent_store()):

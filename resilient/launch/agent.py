@@ -39,6 +39,8 @@ log = logging.getLogger("resilient.launch")
 __all__ = ["launch_main", "InJobAgent", "parse_args"]
 
 SPARES_DEFAULT = 1
+MAX_RECOVERIES_DEFAULT = 10
+REPEAT_WINDOW_S = 30.0  # a rank that fails again this soon after its takeover: restart instead
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -51,11 +53,31 @@ def parse_args(argv: list[str]) -> Any:
         "--spares",
         type=_spares,
         default=SPARES_DEFAULT,
-        help="spare processes per node, started ahead of time, that take a failed rank over "
-        "while the healthy ranks stay alive (in-job recovery); 0 restarts the workers as torchrun "
-        f"does (default {SPARES_DEFAULT})",
+        help="spare processes per node, started ahead of time, each of which takes a failed rank "
+        "over while the healthy ranks stay alive (in-job recovery); 0 restarts the workers as "
+        f"torchrun does (default {SPARES_DEFAULT})",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--max-recoveries",
+        type=_spares,
+        default=MAX_RECOVERIES_DEFAULT,
+        help="in-job recoveries per node before failures restart the workers instead (a rank that "
+        f"fails again within {REPEAT_WINDOW_S:.0f}s of its takeover restarts them at once; "
+        f"default {MAX_RECOVERIES_DEFAULT})",
+    )
+    args = parser.parse_args(argv)
+    for flag, value in (
+        ("--log-dir", args.log_dir),
+        ("--redirects", args.redirects),
+        ("--tee", args.tee),
+        ("--local-ranks-filter", args.local_ranks_filter),
+    ):
+        if value not in (None, "", "0", 0):
+            parser.error(
+                f"{flag} is not supported by resilient launch yet (the workers write to the "
+                f"launcher's stdout and stderr); use torchrun for it, or redirect the output"
+            )
+    return args
 
 
 def _spares(text: str) -> int:
@@ -97,9 +119,18 @@ def _agent_class() -> Any:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     class _InJobAgent(SimpleElasticAgent):
-        def __init__(self, spec: Any, spares: int, *, exit_barrier_timeout: float = 300) -> None:
+        def __init__(
+            self,
+            spec: Any,
+            spares: int,
+            *,
+            max_recoveries: int = MAX_RECOVERIES_DEFAULT,
+            exit_barrier_timeout: float = 300,
+        ) -> None:
             super().__init__(spec, exit_barrier_timeout)
             self.spares_wanted = spares
+            self.max_recoveries = max_recoveries
+            self._taken_over: dict[int, float] = {}  # local rank -> when a spare took it
             self._procs: dict[int, subprocess.Popen] = {}
             self._spares: list[tuple[int, subprocess.Popen]] = []
             self._next_spare = 0
@@ -158,7 +189,9 @@ def _agent_class() -> Any:
             self._next_spare += 1
             env = self._env(wg, None)
             env[ENV_SPARE] = f"{wg.group_rank}:{index}"
-            env["LOCAL_RANK"] = "0"  # until it is given a rank
+            # no LOCAL_RANK until it is given a rank: a script that picks its device at import
+            # fails loudly rather than landing on device 0
+            env.pop("LOCAL_RANK", None)
             proc = subprocess.Popen(self._cmd(0), env=env)
             self._spares.append((index, proc))
             log.info("spare %d started (pid %d)", index, proc.pid)
@@ -245,7 +278,11 @@ def _agent_class() -> Any:
 
         # --- monitoring -----------------------------------------------------------------------
         def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+            self._check_formed()
             codes = {lr: p.poll() for lr, p in self._procs.items()}
+            for i, p in self._spares:
+                if p.poll() is not None:
+                    log.warning("spare %d (pid %d) exited with %s", i, p.pid, p.returncode)
             self._spares = [(i, p) for i, p in self._spares if p.poll() is None]
             failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
             if not failed:
@@ -255,12 +292,10 @@ def _agent_class() -> Any:
                         state=WorkerState.SUCCEEDED,
                         return_values={w.global_rank: None for w in worker_group.workers},
                     )
-                self._check_formed()
                 return RunResult(state=WorkerState.HEALTHY)
-            reason = self._cannot_recover(len(failed))
+            reason = self._cannot_recover(failed)
             if reason is None:
-                for lr, code in failed.items():
-                    self._take_over(worker_group, lr, code)
+                self._take_over(worker_group, failed)
                 return RunResult(state=WorkerState.HEALTHY)
             log.warning("in-job recovery not possible (%s): restarting the workers", reason)
             failures = {}
@@ -271,13 +306,22 @@ def _agent_class() -> Any:
                 )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
-        def _cannot_recover(self, n_failed: int) -> str | None:
+        def _cannot_recover(self, failed: dict[int, int]) -> str | None:
             if not self._injob_possible():
                 return "in-job recovery is off"
             if self._pending_gen is not None:
                 return f"a worker failed while generation {self._pending_gen} was forming"
-            if len(self._spares) < n_failed:
-                return f"{len(self._spares)} spare(s) left for {n_failed} failed worker(s)"
+            if len(self._spares) < len(failed):
+                return f"{len(self._spares)} spare(s) left for {len(failed)} failed worker(s)"
+            if len(self.recoveries) >= self.max_recoveries:
+                return f"{len(self.recoveries)} in-job recoveries already (--max-recoveries)"
+            now = time.monotonic()
+            again = [lr for lr in failed if now - self._taken_over.get(lr, -1e9) < REPEAT_WINDOW_S]
+            if again:
+                return (
+                    f"local rank {again[0]} failed again within {REPEAT_WINDOW_S:.0f}s of its "
+                    f"takeover"
+                )
             return None
 
         def _check_formed(self) -> None:
@@ -298,33 +342,37 @@ def _agent_class() -> Any:
                 )
                 self._pending_gen = None
 
-        def _take_over(self, wg: WorkerGroup, local_rank: int, code: int) -> None:
+        def _take_over(self, wg: WorkerGroup, failed: dict[int, int]) -> None:
+            """Give every failed rank to a spare, in one new generation."""
             t0 = time.monotonic()
-            worker = wg.workers[local_rank]
-            index, spare = self._spares.pop(0)
             store = self._store_client()
             gen = int(store.add(f"{self._base()}/gen", 1))
-            store.set(
-                self._assign_key(index),
-                json.dumps({"rank": worker.global_rank, "local_rank": local_rank, "gen": gen}),
-            )
-            old = self._procs[local_rank]
-            self._procs[local_rank] = spare
-            worker.id = spare.pid
+            for local_rank, code in sorted(failed.items()):
+                worker = wg.workers[local_rank]
+                index, spare = self._spares.pop(0)
+                store.set(
+                    self._assign_key(index),
+                    json.dumps({"rank": worker.global_rank, "local_rank": local_rank, "gen": gen}),
+                )
+                old = self._procs[local_rank]
+                self._procs[local_rank] = spare
+                worker.id = spare.pid
+                self._taken_over[local_rank] = t0
+                self.recoveries.append(
+                    {"t0": t0, "rank": worker.global_rank, "exitcode": code, "gen": gen,
+                     "old_pid": old.pid, "spare_pid": spare.pid}
+                )  # fmt: skip
+                log.warning(
+                    "rank %d (pid %d) exited with %s: spare pid %d takes its rank, generation %d",
+                    worker.global_rank,
+                    old.pid,
+                    code,
+                    spare.pid,
+                    gen,
+                )
             self._pending_gen = gen
-            self.recoveries.append(
-                {"t0": t0, "rank": worker.global_rank, "exitcode": code, "gen": gen,
-                 "old_pid": old.pid, "spare_pid": spare.pid}
-            )  # fmt: skip
-            log.warning(
-                "rank %d (pid %d) exited with %s: spare pid %d takes its rank, generation %d",
-                worker.global_rank,
-                old.pid,
-                code,
-                spare.pid,
-                gen,
-            )
-            self._start_spare()  # refill the pool (it imports in the background)
+            for _ in failed:
+                self._start_spare()  # refill the pool (it imports in the background)
 
     _CLASS = _InJobAgent
     return _CLASS
@@ -333,6 +381,10 @@ def _agent_class() -> Any:
 def launch_main(argv: list[str]) -> int:
     """``resilient launch [torchrun's flags] [--spares K] SCRIPT ...``; returns the exit code."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import (
+        SignalException,
+        _terminate_process_handler,
+    )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -381,14 +433,24 @@ def launch_main(argv: list[str]) -> int:
         master_port=master_port,
         local_addr=config.local_addr,
     )
-    agent = InJobAgent(spec, spares)
+    agent = InJobAgent(spec, spares, max_recoveries=args.max_recoveries)
+    # as torchrun's process context does: a signal to the launcher becomes a SignalException in
+    # the agent's loop, which stops the workers with that signal (SIGTERM: a preemption save)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, _terminate_process_handler)
+    shutdown_rdzv = True
     try:
         result = agent.run()
+    except SignalException as e:
+        shutdown_rdzv = False  # torchrun's rule: the other agents may still need it
+        print(f"resilient launch: stopped by signal {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1
     finally:
-        spec.rdzv_handler.shutdown()
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
     if result is None or result.is_failed():
         if result is not None:
             for rank, f in sorted(result.failures.items()):

@@ -1,0 +1,71 @@
+"""In-job recovery's chaos scenarios (``resilient launch`` with a spare) on the reference trainer,
+each verified bit-exact against the fault-free run with every sample consumed once, plus what the
+path itself must show: the healthy ranks kept their processes, the failed rank's was replaced by a
+spare in a new generation of the group, and the restore came from the node's memory."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from resilient.chaos.runner import builtin_scenarios, run_scenario
+from tests.integration.test_chaos import IN_JOB, _assert_passed
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    """One output directory: the scenarios share one fault-free reference run."""
+    return tmp_path_factory.mktemp("chaos-injob")
+
+
+def _run(out: Path, name: str) -> tuple[dict, list[dict]]:
+    scenario = next(s for s in builtin_scenarios() if s.name == name)
+    report = run_scenario(scenario, out, say=lambda *_: None)
+    _assert_passed(report)
+    path = Path(report["run_dir"]) / "events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return report, events
+
+
+def _pids(events: list[dict], rank: int) -> list[int]:
+    return [int(e["pid"]) for e in events if e["event"] == "start" and int(e["rank"]) == rank]
+
+
+def test_the_in_job_scenarios_are_the_ones_this_file_runs():
+    assert set(IN_JOB) == {
+        "injob-kill-rank",
+        "injob-stop-rank",
+        "injob-raise-in-rank",
+        "injob-two-faults",
+        "injob-no-spare-left",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, failed",
+    [("injob-kill-rank", [1]), ("injob-stop-rank", [2]), ("injob-raise-in-rank", [3]),
+     ("injob-two-faults", [1, 2])],
+)  # fmt: skip
+def test_failed_ranks_are_replaced_in_job(out, name, failed):
+    report, events = _run(out, name)
+    m = report["measurements"]
+    assert m["restarts"] == 0
+    assert [r["path"] for r in m["recoveries"]] == ["in-job"] * len(failed)
+    assert set(m["breakdown"]) >= {"teardown", "regroup", "load"}
+    for rank in range(4):  # a healthy rank keeps its process; a failed one gets a spare's
+        pids = set(_pids(events, rank))
+        assert len(pids) == (1 + len(failed) if rank in failed else 1), (rank, pids)
+    assert m["restore_sources"] == ["memory"] * len(failed)
+    assert max(m["steps_lost"], default=0) <= 1
+
+
+@pytest.mark.slow
+def test_two_failures_with_one_spare_fall_back_to_a_restart(out):
+    report, events = _run(out, "injob-no-spare-left")
+    m = report["measurements"]
+    assert m["restarts"] == 1
+    assert [r["path"] for r in m["recoveries"]] == ["restart"]
+    assert len(set(_pids(events, 0))) == 2  # every worker started again
