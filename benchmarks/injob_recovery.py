@@ -61,7 +61,8 @@ def trial(root: str, mode: str, kill_step: int, steps: int) -> dict[str, float]:
     fault = min(marks)
     restore = [e for e in ev if e["event"] == "restore" and t(e) > fault]
     first = min(t(e) for e in ev if e["event"] == "first_step" and t(e) > fault)
-    lost = kill_step - int(restore[0]["step"]) if restore else kill_step
+    # the rank dies before step kill_step's update: kill_step - 1 steps were completed
+    lost = kill_step - 1 - (int(restore[0]["step"]) if restore else 0)
     return {"fault_to_first_step_s": first - fault, "steps_lost": lost}
 
 
