@@ -199,13 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+        if args.spares < 0:
+            raise ConfigError(f"--spares {args.spares}: must be >= 0")
+        if args.spares and args.nproc is None:
+            raise ConfigError(
+                f"--spares {args.spares}: spares come with --nproc (or run under "
+                f"`resilient launch --spares K`)"
+            )
         cfg = config_from(args, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None and not under_launcher:
-        if args.spares < 0:
-            raise ConfigError(f"--spares {args.spares}: must be >= 0")
         return _launch(args.nproc, args.max_restarts, _without_launcher_flags(argv), args.spares)
     if not under_launcher:  # a world of one, in this process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -548,6 +548,8 @@ class Run:
         """Wait for pending saves and restore the SIGTERM handler; ``announce``: tell peers this
         rank finished (False when it is failing, and then a save's failure is logged, not raised
         over the error that ends the run)."""
+        if self._carry and self.monitor is not None:
+            self.monitor.on_peer_failure = None  # a late verdict must not abort the next generation
         try:
             if self.checkpointer is not None and not self._carry:
                 try:
@@ -835,6 +837,7 @@ def fault_tolerant(
                     except BaseException as e:
                         if recovery is None:
                             raise
+                        run = None  # noqa: F841 (nothing here may hold the old groups)
                         recovery.recover(e)  # or re-raises e
             finally:
                 if created and dist.is_initialized():

@@ -267,6 +267,31 @@ def test_start_up_phase_triggers_fire_through_the_hook_protocol(tmp_path):
     assert fired == [("p", "import", None), ("r", "init", None), ("q", "restore", None)]
 
 
+def test_a_spares_hook_takes_the_faults_of_the_rank_it_is_given(tmp_path, monkeypatch):
+    """A spare of `resilient launch` builds its hook before it has a rank (no RANK): it must
+    fire neither rank 0's faults nor any other until it is given one, then that rank's."""
+    plan = {
+        "marker_dir": str(tmp_path / "faults"),
+        "faults": [
+            {"id": "zero", "kind": "pause", "rank": 0, "step": 3, "when": "step", "seconds": 0},
+            {"id": "one", "kind": "pause", "rank": 1, "step": 3, "when": "step", "seconds": 0},
+        ],
+    }
+    monkeypatch.delenv("RANK", raising=False)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "events": str(tmp_path / "events.jsonl")}))
+    hook = ChaosHook.from_file(str(path))
+    assert hook.rank is None and hook.faults == []
+    monkeypatch.setenv("RANK", "1")  # what init_process_group sets when the agent assigns it
+    hook.at_phase("init_process_group", None)
+    assert hook.rank == 1 and [f["id"] for f in hook.faults] == ["one"]
+    hook.at_step(3, None)
+    fired = [
+        e["id"] for e in EventLog(str(tmp_path / "events.jsonl")).read() if e["event"] == "fault"
+    ]
+    assert fired == ["one"]
+
+
 def test_skew_shifts_the_wall_clock_of_the_targeted_node_only(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "time", time.time)  # restored after the test
     plan = {

@@ -66,28 +66,41 @@ class ChaosHook:
     "faults": [{id, kind, rank, node, step, when, ...}]}``.  A hook (``resilient.hooks``)."""
 
     def __init__(
-        self, plan: dict[str, Any], rank: int, events: Any, *, node: int | None = None
+        self, plan: dict[str, Any], rank: int | None, events: Any, *, node: int | None = None
     ) -> None:
         self.marker_dir = Path(plan["marker_dir"])
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.events = rank, events
         self.node = plan.get("node") if node is None else node
-        self.faults = [
+        self._plan = plan
+        self.faults = self._mine()
+
+    def _mine(self) -> list[dict[str, Any]]:
+        return [
             f
-            for f in plan["faults"]
+            for f in self._plan["faults"]
             if f["kind"] in IN_RANK_KINDS and self._targets(f) and f.get("at_s") is None
         ]
+
+    def _learn_rank(self) -> None:
+        """A spare of ``resilient launch`` starts without a rank; once it is given one (in
+        ``init_process_group``), the faults aimed at that rank are its own."""
+        if self.rank is None and "RANK" in os.environ:
+            self.rank = int(os.environ["RANK"])
+            self.faults = self._mine()
 
     @classmethod
     def from_file(cls, path: str, rank: int | None = None) -> ChaosHook:
         """The hook for this process (its rank from the launcher's ``RANK``)."""
         with open(path) as f:
             plan = json.load(f)
-        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        if rank is None and "RANK" in os.environ:
+            rank = int(os.environ["RANK"])
+        # (no RANK: a spare, whose rank comes later; until then only rank-less faults are its)
         return cls(plan, rank, EventLog(plan.get("events")))
 
     def _targets(self, f: dict[str, Any]) -> bool:
-        if f.get("rank") is not None and f["rank"] != self.rank:
+        if f.get("rank") is not None and (self.rank is None or f["rank"] != self.rank):
             return False
         return not (
             f.get("kind") == "skew" and f.get("node") is not None and f["node"] != self.node
@@ -95,6 +108,7 @@ class ChaosHook:
 
     # --- the hook protocol ---------------------------------------------------------------------
     def at_phase(self, phase: str, run: Any | None) -> None:
+        self._learn_rank()
         if phase == "import":
             for f in self.faults:
                 if f["kind"] == "skew":  # a property of the host: every attempt, from the start
@@ -105,6 +119,7 @@ class ChaosHook:
                 self._trigger(when, None, run)
 
     def at_step(self, step: int, run: Any) -> None:
+        self._learn_rank()
         self._trigger("step", step, run)
 
     def during_save(self, step: int, run: Any) -> None:

@@ -256,6 +256,7 @@ class Checkpointer:
         self.nodes = NodeMap((0,) * self.world_size)
         self._memory_root = memory_root
         self._replicas: Replicas | None = None
+        self._memory_asked = memory_every is not None  # (rebind runs what this runs)
         if memory_every is not None and self._distributed and self.world_size > 1:
             self.nodes = node_map(
                 self.world_size, self.rank, memory_root or default_root(), _boot_id()
@@ -1022,7 +1023,10 @@ class Checkpointer:
         return (
             not self._closed
             and self._replicas is None
-            and (self._memory is None or self._memory._replicas is None)
+            and (
+                self._memory is None
+                or (self._memory._replicas is None and not self._memory._closed)
+            )
         )
 
     def rebind(self) -> None:
@@ -1036,6 +1040,7 @@ class Checkpointer:
         if not self._store_given:
             self._store = None
         self._uid, self._seq, self._loads = None, 0, 0
+        self._snap = None  # a snapshot of the old generation is never a durable save's source
         self._abort, self._live_committer = threading.Event(), None
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._pending is not None:
@@ -1049,7 +1054,7 @@ class Checkpointer:
             if not self._thread.is_alive():
                 self._pending, self._thread = None, None
         self._last_outcome = None
-        if self.memory_every is not None and self._distributed and self.world_size > 1:
+        if self._memory_asked and self._distributed and self.world_size > 1:
             # the collective a new checkpointer runs in its constructor (the spare's does): every
             # rank of the new group must run the same ones, in the same order
             nodes = node_map(
