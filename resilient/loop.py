@@ -45,6 +45,7 @@ from resilient.health.attach import detect_by_default, start_monitor, take_over
 from resilient.health.events import default_event_log
 from resilient.hooks import call as call_hooks
 from resilient.launch import init_process_group, injob_enabled, regroup
+from resilient.launch.injob import generation
 from resilient.layout import Layout
 
 __all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE", "SaveFailedWarning"]
@@ -166,7 +167,7 @@ class Run:
             world_size=self.world_size,
             pid=os.getpid(),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            generation=int(os.environ.get("RESILIENT_INJOB_GEN", "0") or 0),  # in-job recovery
+            generation=generation(),  # in-job recovery's generation of the group
             process_start=process_start_time(),
         )
         detecting = detect if detect is not None else detect_by_default()
@@ -511,9 +512,7 @@ class Run:
             if recoverable_in_job(exc):
                 # in-job recovery comes next: no wait for a verdict, and a commit that waits
                 # for the dead peer gives up now
-                self.events.write(
-                    "error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000]
-                )
+                self.events.write("error", rank=self.rank, error=_describe_exc(exc))
                 if self.monitor is not None:
                     self.monitor.leaving(self.step)  # not to be declared dead meanwhile
                 if self.checkpointer is not None:
@@ -533,7 +532,7 @@ class Run:
         torchrun's own SIGTERM (it saw a worker exit) ends the wait: recovery comes first."""
         if self.monitor is None or not _is_peer_failure(exc):
             return
-        self.events.write("error", rank=self.rank, error=f"{type(exc).__name__}: {exc}"[:2000])
+        self.events.write("error", rank=self.rank, error=_describe_exc(exc))
         config = self.monitor.config
         deadline = time.monotonic() + config.dead_timeout_s + 2 * config.interval_s
         # a SIGTERM already here is torchrun tearing the group down: it knows, so go at once
@@ -705,7 +704,6 @@ class InJobRecovery:
 
     def __init__(self, backend: str, **group: Any) -> None:
         self.backend, self.group = backend, group
-        self.generations = 0
         self._run: Run | None = None
         self._carried: Checkpointer | None = None
 
@@ -740,7 +738,6 @@ class InJobRecovery:
         gc.collect()
         gen = regroup(self.backend, **self.group)
         self._carried = carried  # rebound by the next Run's track(), where a new one is built
-        self.generations += 1
         events.write(
             "injob_rejoin",
             rank=dist.get_rank(),

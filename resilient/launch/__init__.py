@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from resilient.errors import RankFailureError
 from resilient.health.attach import (
     agent_store,
     detect_by_default,
@@ -42,6 +43,7 @@ from resilient.launch.injob import (
     ENV_GEN,
     ENV_INJOB,
     ENV_SPARE,
+    base_key,
     generation,
     injob_enabled,
     mark_formed,
@@ -135,14 +137,12 @@ def _gather(store: Any, gen: int, world: int, timeout_s: float) -> None:
     """Before forming generation ``gen``: wait until every rank is there, so that a second fault
     now (the generation moves on, or a rank never comes) ends in the launcher's restart rather than
     in a group that waits for a rank forever."""
-    from resilient.errors import RankFailureError
-    from resilient.launch.injob import base_key
-
-    key = f"{base_key()}/joining/{gen}"
+    base = base_key()
+    key, gen_key = f"{base}/joining/{gen}", f"{base}/gen"
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     while int(store.add(key, 0)) < world:
-        newest = int(store.add(f"{base_key()}/gen", 0))
+        newest = int(store.add(gen_key, 0))
         if newest != gen or time.monotonic() > deadline:
             raise RankFailureError(
                 f"generation {gen} of the group did not form (newest generation {newest}, "

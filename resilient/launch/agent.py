@@ -26,7 +26,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from datetime import timedelta
@@ -59,7 +58,7 @@ def parse_args(argv: list[str]) -> Any:
     )
     parser.add_argument(
         "--max-recoveries",
-        type=_spares,
+        type=_count("in-job recoveries per node"),
         default=MAX_RECOVERIES_DEFAULT,
         help="in-job recoveries per node before failures restart the workers instead (a rank that "
         f"fails again within {REPEAT_WINDOW_S:.0f}s of its takeover restarts them at once; "
@@ -80,19 +79,24 @@ def parse_args(argv: list[str]) -> Any:
     return args
 
 
-def _spares(text: str) -> int:
-    import argparse
+def _count(what: str) -> Any:
+    """An argparse type: a whole number >= 0 of ``what``."""
 
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a whole number of spare processes per node (0 turns in-job "
-            f"recovery off)"
-        )
-    return value
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of {what}")
+        return value
+
+    return parse
+
+
+_spares = _count("spare processes per node (0 turns in-job recovery off)")
 
 
 class InJobAgent:
@@ -137,7 +141,6 @@ def _agent_class() -> Any:
             self._client: Any = None
             self._pending_gen: int | None = None  # a recovery whose group has not formed yet
             self.recoveries: list[dict[str, Any]] = []
-            self._lock = threading.Lock()
 
         # --- processes ------------------------------------------------------------------------
         def _env(self, wg: WorkerGroup, worker: Any | None) -> dict[str, str]:
