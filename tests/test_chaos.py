@@ -138,6 +138,18 @@ def test_a_good_scenario_parses_with_defaults():
             ),
             "faults[0].kind: a slow fault cannot fire in the 'init' phase",
         ),
+        (("step = 12", 'step = 12\nafter = "kill-0"'), "faults[0].after: 'kill-0' is not another"),
+        (("step = 12", 'step = 12\nafter = "nope"'), "faults[0].after: 'nope' is not another"),
+        (
+            ("step = 12", 'step = 12\nid = "a"\n\n[[faults]]\nkind = "kill"\nrank = 2\n'
+             'when = "init"\nafter = "a"'),
+            None,  # a second fault armed by the first
+        ),
+        (
+            ("step = 12", 'at_s = 3.0\nid = "a"\n\n[[faults]]\nkind = "kill"\nrank = 2\n'
+             'when = "init"\nafter = "a"'),
+            "faults[1].after: 'a' is not an in-rank fault",
+        ),
     ],
 )
 def test_scenario_errors_name_the_file_line_and_field(change, expected):
@@ -265,6 +277,27 @@ def test_start_up_phase_triggers_fire_through_the_hook_protocol(tmp_path):
         hook.at_step(1, None)
     fired = [(e["id"], e["when"], e["step"]) for e in events.read() if e["event"] == "fault"]
     assert fired == [("p", "import", None), ("r", "init", None), ("q", "restore", None)]
+
+
+def test_a_fault_with_after_waits_until_the_one_it_follows_has_fired(tmp_path):
+    """`after`: the second fault of "a fault during recovery" must not fire in the first
+    process-group init, only in the one after the first fault fired (any process)."""
+    plan = {
+        "marker_dir": str(tmp_path / "faults"),
+        "faults": [
+            {"id": "first", "kind": "pause", "rank": 1, "step": 4, "when": "step", "seconds": 0},
+            {"id": "second", "kind": "raise", "rank": 2, "when": "init", "after": "first"},
+        ],
+    }
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    one, two = ChaosHook(plan, 1, events), ChaosHook(plan, 2, events)
+    two.at_phase("init_process_group", None)  # not armed yet: nothing happens
+    one.at_step(4, None)
+    with pytest.raises(RuntimeError, match="injected exception on rank 2 at phase init"):
+        two.at_phase("init_process_group", None)
+    two.at_phase("init_process_group", None)  # once only
+    fired = [e["id"] for e in events.read() if e["event"] == "fault"]
+    assert fired == ["first", "second"]
 
 
 def test_a_spares_hook_takes_the_faults_of_the_rank_it_is_given(tmp_path, monkeypatch):

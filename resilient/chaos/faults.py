@@ -10,7 +10,9 @@ being written), and the start-up phases ``import`` (the entry script, before the
 ``init`` (inside ``resilient.launch.init_process_group``, heartbeat running, before the process
 group) and ``restore`` (``Run.track``, before the load).  Each fault fires once per run, even across
 restarts: firing claims a marker file with ``O_EXCL``, and writes a ``fault`` event to the run's
-event log before it acts, so that the harness can prove it fired.
+event log before it acts, so that the harness can prove it fired.  A fault with ``after`` (another
+fault's id) is armed only once that fault's marker exists: a second fault during the first one's
+recovery.
 
 Kinds (in-rank): ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: frozen, heartbeat thread
 included), ``raise`` (an exception out of the loop), ``hang`` (the loop blocks while the heartbeat
@@ -131,6 +133,8 @@ class ChaosHook:
                 continue
             if when in ("step", "save") and (step is None or step < f["step"]):
                 continue
+            if f.get("after") and not (self.marker_dir / f"{f['after']}.fired").exists():
+                continue  # armed once the fault it follows has fired
             if self._claim_and_record(f, step, when):
                 self._fire(f, step, run)
 

@@ -32,6 +32,9 @@ when = "step"             # ... before it ("step") or while its save is written 
 # at_s = 8.0              # or at a time after the job started (kill, stop, kill_node, kill_job,
                           # crash_job)
 # tier = "memory"         # corrupt/truncate: damage the newest memory snapshot, not the durable step
+# after = "kill-rank-1"   # in-rank faults: arm only once the fault with this id has fired (a
+                          # second fault during the first one's recovery: when = "init" fires in
+                          # the next process-group init, which in-job recovery's regroup runs)
 
 [expect]
 completed = true
@@ -154,6 +157,7 @@ class Fault:
     factor: float | None = None
     mode: str | None = None  # slow: "compute" (default) or "throttle"
     tier: str | None = None  # corrupt/truncate: "durable" (default) or "memory"
+    after: str | None = None  # in-rank: armed once the fault with this id has fired
     # storage faults (the faulty:// filesystem in front of the checkpoint URL)
     error: str | None = None
     op: str = "any"
@@ -234,6 +238,24 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     for i, fid in enumerate(ids):
         if fid in ids[:i]:
             v.fail(("faults", i), "id", f"{fid!r} is used by another fault; ids must be unique")
+    for i, f in enumerate(faults):
+        if f.after is None:
+            continue
+        first = next((g for g in faults if g.id == f.after), None)
+        if first is None or first is f:
+            v.fail(
+                ("faults", i),
+                "after",
+                f"{f.after!r} is not another fault's id here (ids: {', '.join(ids)})",
+            )
+        if f.kind not in IN_RANK_KINDS or f.at_s is not None:
+            v.fail(("faults", i), "after", "only an in-rank fault (a step or phase trigger) waits")
+        if first.kind not in IN_RANK_KINDS or first.at_s is not None:
+            v.fail(
+                ("faults", i),
+                "after",
+                f"{f.after!r} is not an in-rank fault: its firing leaves no marker to wait for",
+            )
     expect = _expect(v, v.table(raw, "expect"), job)
     return Scenario(
         name, v.typed(raw, "description", str, (), default=""), job, faults, expect, source, text
@@ -436,6 +458,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         factor=None if factor is None else float(factor),
         mode=mode,
         tier=tier,
+        after=v.typed(t, "after", str, at, default=None),
     )
 
 

@@ -38,7 +38,9 @@ def test_the_in_job_scenarios_are_the_ones_this_file_runs():
         "injob-kill-rank",
         "injob-stop-rank",
         "injob-raise-in-rank",
+        "injob-hang-rank",
         "injob-two-faults",
+        "injob-fault-during-recovery",
         "injob-no-spare-left",
     }
 
@@ -47,7 +49,7 @@ def test_the_in_job_scenarios_are_the_ones_this_file_runs():
 @pytest.mark.parametrize(
     "name, failed",
     [("injob-kill-rank", [1]), ("injob-stop-rank", [2]), ("injob-raise-in-rank", [3]),
-     ("injob-two-faults", [1, 2])],
+     ("injob-hang-rank", [1]), ("injob-two-faults", [1, 2])],
 )  # fmt: skip
 def test_failed_ranks_are_replaced_in_job(out, name, failed):
     report, events = _run(out, name)
@@ -69,3 +71,17 @@ def test_two_failures_with_one_spare_fall_back_to_a_restart(out):
     assert m["restarts"] == 1
     assert [r["path"] for r in m["recoveries"]] == ["restart"]
     assert len(set(_pids(events, 0))) == 2  # every worker started again
+
+
+@pytest.mark.slow
+def test_a_fault_during_in_job_recovery_falls_back_to_a_restart(out):
+    """Rank 2 dies as it joins the generation the spare was given rank 1 for: that generation
+    never forms, and every worker restarts (from the node's memory), nothing lost."""
+    report, events = _run(out, "injob-fault-during-recovery")
+    m = report["measurements"]
+    assert m["restarts"] == 1
+    assert [r["path"] for r in m["recoveries"]] == ["restart"]
+    assert m["restore_sources"] == ["memory"]
+    fired = {e["id"]: e for e in events if e["event"] == "fault"}
+    assert fired["kill-rank-2-in-regroup"]["when"] == "init"  # in the regroup, not at a step
+    assert len(set(_pids(events, 0))) == 2
