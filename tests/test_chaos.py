@@ -141,13 +141,19 @@ def test_a_good_scenario_parses_with_defaults():
         (("step = 12", 'step = 12\nafter = "kill-0"'), "faults[0].after: 'kill-0' is not another"),
         (("step = 12", 'step = 12\nafter = "nope"'), "faults[0].after: 'nope' is not another"),
         (
-            ("step = 12", 'step = 12\nid = "a"\n\n[[faults]]\nkind = "kill"\nrank = 2\n'
-             'when = "init"\nafter = "a"'),
+            (
+                "step = 12",
+                'step = 12\nid = "a"\n\n[[faults]]\nkind = "kill"\nrank = 2\n'
+                'when = "init"\nafter = "a"',
+            ),
             None,  # a second fault armed by the first
         ),
         (
-            ("step = 12", 'at_s = 3.0\nid = "a"\n\n[[faults]]\nkind = "kill"\nrank = 2\n'
-             'when = "init"\nafter = "a"'),
+            (
+                "step = 12",
+                'at_s = 3.0\nid = "a"\n\n[[faults]]\nkind = "kill"\nrank = 2\n'
+                'when = "init"\nafter = "a"',
+            ),
             "faults[1].after: 'a' is not an in-rank fault",
         ),
     ],
