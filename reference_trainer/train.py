@@ -90,6 +90,12 @@ def _train(
 ) -> dict[str, Any]:
     """One generation of the process group: build the model, restore, train to the end."""
     cfg = cfg.with_(world_size=dist.get_world_size())
+    if not gc.isenabled():  # the command line turned collection off for start-up
+        # what start-up made (the imports: most of the heap) lives as long as the process: never
+        # scan it again; the model, its groups and the rest of a generation stay collectable,
+        # which in-job recovery needs to free the broken groups quickly
+        gc.freeze()
+        gc.enable()
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     rank = pc.rank
     tokens_per_rank = cfg.global_batch // cfg.data_replicas * cfg.model.seq_len
@@ -107,9 +113,6 @@ def _train(
         ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
     )
     loader = _loader(cfg, pc)
-    if not gc.isenabled():  # the command line turned collection off for start-up
-        gc.freeze()  # what start-up made lives as long as the process: never scan it again
-        gc.enable()
     counters = {"tokens": 0}
     config = {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}
     autocast = (
@@ -216,6 +219,12 @@ def evaluate(
     device = resolve_device(cfg.device)
     init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = cfg.with_(world_size=dist.get_world_size())
+    if not gc.isenabled():  # the command line turned collection off for start-up
+        # what start-up made (the imports: most of the heap) lives as long as the process: never
+        # scan it again; the model, its groups and the rest of a generation stay collectable,
+        # which in-job recovery needs to free the broken groups quickly
+        gc.freeze()
+        gc.enable()
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     model = MoETransformer(cfg.model, pc).to(device)
     init_parameters(model, pc, cfg.seed)

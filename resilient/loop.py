@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -729,13 +730,19 @@ class InJobRecovery:
         carried = run.checkpointer if run._carry else None
         # Let go of everything that holds the old groups (the model and its parallel context,
         # in the failed attempt's frames and in the run's state): a gloo group closes its
-        # connections only when it is freed, not when it is destroyed, and a healthy peer still
-        # blocked in a collective with this rank is released only by that.
+        # connections only when it is freed, not when it is destroyed (nor aborted), and a
+        # healthy peer still blocked in a collective with this rank is released only by that.
         traceback.clear_frames(error.__traceback__)
         run.state = {}
         del run
-        gc.unfreeze()  # objects a gc.freeze() made permanent are collectable again
-        gc.collect()
+        freed = _free_process_groups()
+        t_freed = time.monotonic()
+        if freed == "held":
+            log.warning(
+                "in-job recovery: a broken process group is still referenced after a full garbage "
+                "collection (a module-level cache or global holds it?); a peer blocked in a "
+                "collective with this rank waits for that collective's timeout"
+            )
         gen = regroup(self.backend, **self.group)
         self._carried = carried  # rebound by the next Run's track(), where a new one is built
         events.write(
@@ -743,8 +750,36 @@ class InJobRecovery:
             rank=dist.get_rank(),
             generation=gen,
             regroup_s=round(time.monotonic() - t0, 3),
+            free_s=round(t_freed - t0, 3),
+            freed=freed,
             kept_checkpointer=carried is not None,
         )
+
+
+def _free_process_groups() -> str:
+    """Destroy the broken groups and make sure they are freed, which closes their connections.
+    Dropping the last reference is usually enough; else a collection of what ``gc.freeze()`` left
+    collectable (a cycle holds a group); else of everything (a frozen cycle holds one).  Returns
+    which it took: "refcount", "unfrozen", "all", or "held" (something still references a group:
+    a peer blocked in a collective with this rank waits for that collective's timeout)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {}) if dist.is_initialized() else []
+    refs = [weakref.ref(g) for g in groups]
+    del groups
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+    def alive() -> bool:
+        return not refs or any(r() is not None for r in refs)  # no refs: cannot tell
+
+    if not alive():
+        return "refcount"
+    gc.collect()
+    if not alive():
+        return "unfrozen"
+    gc.unfreeze()  # objects a gc.freeze() made permanent are collectable again
+    gc.collect()
+    return "all" if not alive() or not refs else "held"
 
 
 def _describe_exc(e: BaseException) -> str:

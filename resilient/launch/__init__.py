@@ -27,6 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+# torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default argument,
+# evaluated when the module is first imported (torch._dynamo imports it, lazily, at the first
+# optimizer step): imported after init_process_group, they would hold the first world group for
+# the life of the process, and a gloo group closes its connections only when it is freed.  In-job
+# recovery frees the broken groups; imported here, before any group exists, the default is None.
+import torch.distributed.nn  # noqa: F401
+
 from resilient.errors import RankFailureError
 from resilient.health.attach import (
     agent_store,
