@@ -1,10 +1,11 @@
 """Failure detection: recovery on real torchrun jobs, detection latency at scale, monitoring cost.
 
-Recovery trials (``--recovery-trials N``): the tiny MoE on 4 torchrun ranks (tp 2 x ep 2), one
+Recovery trials (``--recovery-trials N``): the tiny MoE on 4 ranks (tp 2 x ep 2), one
 fault per trial (SIGKILL, SIGSTOP, or a hang with a 3 s hang timeout) on a rotating rank and step,
 run through the chaos harness; per trial the time from the fault to the verdict and to the first
-step completed after the restart, broken into detection, teardown and restart, start and
-rendezvous, checkpoint load, and the first step.
+step completed after the recovery, broken into detection, teardown and restart, start and
+rendezvous, checkpoint load, and the first step (torchrun's restart), or detection, teardown,
+regroup with the spare, rebuild, load and the first step (in-job recovery, ``--paths injob,...``).
 
 Scale simulation: one real TCPStore; the leader is a real ``Monitor`` (the code every job runs);
 the other N-1 ranks are lightweight simulated clients in another process, whose liveness and
@@ -24,6 +25,10 @@ in its own process, run from its own tree), so both see the same machine.
     python benchmarks/detection.py --baseline /tmp/before [--recovery-trials 6] [--kinds stop,hang]
     python benchmarks/detection.py --skip-scale --recovery-trials 20 --kinds kill,stop \\
         --memory-every 1      (each trial without and with the memory tier, side by side)
+    python benchmarks/detection.py --skip-scale --recovery-trials 20 --kinds kill,stop \
+        --paths injob,restart --heartbeat 0.25
+                              (in-job recovery with a hot spare against torchrun's restart, a
+                               memory snapshot every step, side by side trial by trial)
 """
 
 from __future__ import annotations
@@ -127,13 +132,13 @@ description = "benchmark trial"
 [job]
 nproc = 4
 max_restarts = 2
-timeout_s = 240
+timeout_s = 240{spares}
 [job.trainer]
 tp = 2
 ep = 2
 steps = 24
 save_every = 5
-hang_timeout_s = 3.0{memory}
+hang_timeout_s = 3.0{heartbeat}{memory}
 [[faults]]
 id = "fault"
 kind = "{kind}"
@@ -144,25 +149,49 @@ final_state = "any"
 """
 
 
+def recovery_variants(memory_every: int, paths: list[str]) -> list[tuple[str, str, str]]:
+    """(name suffix, [job] lines, [job.trainer] lines) of each variant a trial runs, in order.
+    Paths ``restart`` alone: without the memory tier, and with it when ``memory_every``; paths
+    ``injob,restart``: the same job (a memory snapshot every ``memory_every`` steps, default 1)
+    under ``resilient launch --spares 1`` and under torchrun, one after the other."""
+    if paths == ["restart"]:
+        mem = [("_mem", "", f"\nmemory_every = {memory_every}")] if memory_every else []
+        return [("", "", ""), *mem]
+    memory = f"\nmemory_every = {memory_every or 1}"
+    spares = {"injob": "\nspares = 1", "restart": ""}
+    return [(f"_{p}", spares[p], memory) for p in paths]
+
+
 def recovery_trials(
-    kinds: list[str], trials: int, out: str, memory_every: int = 0
+    kinds: list[str],
+    trials: int,
+    out: str,
+    memory_every: int = 0,
+    paths: list[str] | None = None,
+    heartbeat_s: float | None = None,
 ) -> dict[str, list[dict]]:
-    """Per kind, ``trials`` real torchrun runs with one fault each; the verdict and recovery
-    timings the chaos harness measured.  With ``memory_every``, each trial runs twice, without
-    and with the memory tier (a snapshot every ``memory_every`` steps), one after the other."""
+    """Per kind, ``trials`` real runs with one fault each; the verdict and recovery timings the
+    chaos harness measured, per variant (``recovery_variants``), interleaved trial by trial."""
     from pathlib import Path
 
     from resilient.chaos.harness import RunPaths, launch_job
     from resilient.chaos.scenario import parse_scenario
 
     results: dict[str, list[dict]] = {}
-    variants = [("", "")] + ([("_mem", f"\nmemory_every = {memory_every}")] if memory_every else [])
+    variants = recovery_variants(memory_every, paths or ["restart"])
+    heartbeat = f"\nheartbeat_interval_s = {heartbeat_s}" if heartbeat_s else ""
     for kind in kinds:
         for t in range(trials):
-            for suffix, memory in variants:
+            for suffix, spares, memory in variants:
                 name = f"{kind}{suffix}-{t}"
                 text = RECOVERY_JOB.format(
-                    name=name, kind=kind, rank=1 + t % 3, step=8 + t % 5, memory=memory
+                    name=name,
+                    kind=kind,
+                    rank=1 + t % 3,
+                    step=8 + t % 5,
+                    memory=memory,
+                    spares=spares,
+                    heartbeat=heartbeat,
                 )
                 scenario = parse_scenario(text, name)
                 run_dir = Path(out) / name
@@ -176,7 +205,7 @@ def recovery_trials(
                 r = results[f"{kind}{suffix}"][-1]
                 print(
                     f"  {name}: verdict {r['verdict']}, detection {r['detection_s']}, "
-                    f"recovery {r['recovery_s']}s, steps lost {r['steps_lost']}",
+                    f"recovery {r['recovery_s']}s ({r['path']}), steps lost {r['steps_lost']}",
                     flush=True,
                 )
     return results
@@ -190,6 +219,14 @@ def trial_result(scenario, run_dir, launch) -> dict:
     rec = (m.get("recoveries") or [{}])[0]
     return {
         "completed": launch.succeeded,
+        "path": rec.get("path"),
+        "restarts": m.get("restarts"),
+        # DEAD or HUNG verdicts on a rank the fault did not hit: false ones
+        "wrong_verdicts": sum(
+            1
+            for v in m.get("verdicts", [])
+            if v.get("verdict") in ("DEAD", "HUNG") and v.get("rank") != scenario.faults[0].rank
+        ),
         "verdict": (m.get("verdicts") or [{}])[0].get("verdict"),
         "detection_s": m.get("detection_s"),
         "recovery_s": rec.get("seconds"),
@@ -223,18 +260,34 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+PHASES = [
+    "detection",
+    "teardown",  # in-job: to the first healthy rank leaving the broken group
+    "regroup",  # in-job: to the last rank in the new group with the spare
+    "rebuild",  # in-job: the model built again
+    "teardown_restart",  # restart: to the new workers' processes
+    "start_rendezvous",  # restart: imports, rendezvous, the new group
+    "load",
+    "first_step",
+    "spare_takeover",  # in-job, overlapping the others: fault to the spare given the rank
+]
+
+
 def recovery_table(results: dict[str, list[dict]]) -> str:
-    phases = ["detection", "teardown_restart", "start_rendezvous", "load", "first_step"]
+    phases = [p for p in PHASES if any(p in t["breakdown"] for ts in results.values() for t in ts)]
     rows = []
     for kind, trials in results.items():
         done = [t for t in trials if t["completed"] and t["recovery_s"] is not None]
         verdicts = [t for t in trials if t["verdict"]]
         det = [t["detection_s"] for t in verdicts if t["detection_s"] is not None]
         rec = [t["recovery_s"] for t in done]
+        paths = sorted({t.get("path") or "restart" for t in done})
         cells = [
             kind,
             f"{len(done)}/{len(trials)}",
+            ", ".join(f"{p} {sum(t.get('path') == p for t in done)}" for p in paths) or "-",
             f"{len(verdicts)}/{len(trials)}",
+            str(sum(t.get("wrong_verdicts", 0) for t in trials)),
             f"{statistics.median(det):.2f} / {_pct(det, 0.99):.2f}" if det else "-",
             f"{statistics.median(rec):.2f} / {_pct(rec, 0.99):.2f}" if rec else "-",
         ]
@@ -244,11 +297,13 @@ def recovery_table(results: dict[str, list[dict]]) -> str:
         lost = [t.get("steps_lost", 0) for t in done]
         cells.append(f"{statistics.median(lost):.0f} / {max(lost)}" if lost else "-")
         rows.append(cells)
-    return markdown_table(
+    table = markdown_table(
         [
             "fault",
             "recovered",
+            "path",
             "verdicts",
+            "wrong verdicts",
             "fault to verdict s (median / p99)",
             "fault to first step s (median / p99)",
             *[f"{p} (median s)" for p in phases],
@@ -256,6 +311,28 @@ def recovery_table(results: dict[str, list[dict]]) -> str:
         ],
         rows,
     )
+    return table + "\n" + _ratios(results)
+
+
+def _ratios(results: dict[str, list[dict]]) -> str:
+    """Per fault kind run both ways: the restart path's median over in-job recovery's."""
+    lines = []
+    for key in results:
+        if not key.endswith("_injob") or key[: -len("_injob")] + "_restart" not in results:
+            continue
+        kind = key[: -len("_injob")]
+
+        def med(k: str) -> float | None:
+            xs = [t["recovery_s"] for t in results[k] if t["completed"] and t["recovery_s"]]
+            return statistics.median(xs) if xs else None
+
+        a, b = med(key), med(kind + "_restart")
+        if a and b:
+            lines.append(
+                f"- {kind}: in-job {a:.2f} s, restart {b:.2f} s (median fault to first step): "
+                f"{b / a:.1f}x faster"
+            )
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def overhead(steps: int) -> dict:
@@ -422,6 +499,19 @@ def main() -> None:
         help="also run every recovery trial with the memory tier (a snapshot every N steps)",
     )
     p.add_argument("--kinds", default="kill,stop,hang")
+    p.add_argument(
+        "--paths",
+        default="restart",
+        help="recovery paths to run each trial through: restart (torchrun), or injob,restart "
+        "(resilient launch --spares 1 and torchrun, side by side; a memory snapshot every step "
+        "unless --memory-every says otherwise)",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=None,
+        help="the trainer's heartbeat interval in the recovery trials (default: its own, 1 s)",
+    )
     p.add_argument("--skip-scale", action="store_true")
     p.add_argument(
         "--reanalyze", default=None, help="verify the trials under this directory again, no runs"
@@ -441,12 +531,23 @@ def main() -> None:
         return
     if args.recovery_trials:
         out = args.out or tempfile.mkdtemp(prefix="detection-bench-")
+        paths = args.paths.split(",")
+        if not set(paths) <= {"injob", "restart"}:
+            p.error(f"--paths {args.paths}: restart, or injob,restart")
         results = recovery_trials(
-            args.kinds.split(","), args.recovery_trials, out, args.memory_every
+            args.kinds.split(","),
+            args.recovery_trials,
+            out,
+            args.memory_every,
+            paths,
+            args.heartbeat,
         )
         with open(os.path.join(out, "recovery.json"), "w") as f:
             json.dump(results, f, indent=1)
-        print(f"\nmachine: {machine()}; tiny MoE, 4 torchrun ranks (tp 2 x ep 2), heartbeat 1 s")
+        print(
+            f"\nmachine: {machine()}; tiny MoE, 4 ranks (tp 2 x ep 2), heartbeat "
+            f"{args.heartbeat or 1.0} s; in-job: resilient launch --spares 1; restart: torchrun"
+        )
         print(recovery_table(results))
     if args.skip_scale:
         return

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -73,6 +74,10 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
         join_timeout_s=cfg.join_timeout_s,
     )
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # The corpus before the group: the same on every rank, and a hot spare of `resilient launch`
+    # (held in init_process_group until it takes a rank) has it ready, as has a healthy rank
+    # building its loader again after an in-job recovery.
+    tokens = load_tokens(cfg.data)
     # the heartbeat starts here, before the process group: a rank stuck joining it is caught
     init_process_group(backend, detector=detector, event_log=events, hooks=hooks)
     # under `resilient launch` with spares, a failed peer is replaced in this process: the
@@ -80,13 +85,18 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     recovery = InJobRecovery(backend, detector=detector, event_log=events, hooks=hooks)
     while True:
         try:
-            return _train(cfg, device, events, hooks, recovery)
+            return _train(cfg, device, events, hooks, recovery, tokens)
         except BaseException as e:
             recovery.recover(e)  # or re-raises e
 
 
 def _train(
-    cfg: TrainConfig, device: Any, events: Any, hooks: Any, recovery: InJobRecovery
+    cfg: TrainConfig,
+    device: Any,
+    events: Any,
+    hooks: Any,
+    recovery: InJobRecovery,
+    tokens: np.ndarray,
 ) -> dict[str, Any]:
     """One generation of the process group: build the model, restore, train to the end."""
     cfg = cfg.with_(world_size=dist.get_world_size())
@@ -112,7 +122,7 @@ def _train(
     optim: Any = (
         ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
     )
-    loader = _loader(cfg, pc)
+    loader = _loader(cfg, pc, tokens)
     counters = {"tokens": 0}
     config = {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}
     autocast = (
@@ -219,18 +229,12 @@ def evaluate(
     device = resolve_device(cfg.device)
     init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = cfg.with_(world_size=dist.get_world_size())
-    if not gc.isenabled():  # the command line turned collection off for start-up
-        # what start-up made (the imports: most of the heap) lives as long as the process: never
-        # scan it again; the model, its groups and the rest of a generation stay collectable,
-        # which in-job recovery needs to free the broken groups quickly
-        gc.freeze()
-        gc.enable()
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     model = MoETransformer(cfg.model, pc).to(device)
     init_parameters(model, pc, cfg.seed)
     with Checkpointer(cfg.ckpt, layout=pc.layout) as ck:
         ck.load({"model": model}, step=step)
-    x, _ = _loader(cfg, pc).batch(batch_step)
+    x, _ = _loader(cfg, pc, load_tokens(cfg.data)).batch(batch_step)
     with torch.no_grad():
         logits, _ = model(x.to(device))
     logits = logits.float().contiguous()
@@ -241,10 +245,10 @@ def evaluate(
     return torch.cat(parts).cpu()
 
 
-def _loader(cfg: TrainConfig, pc: ParallelContext) -> Loader:
+def _loader(cfg: TrainConfig, pc: ParallelContext, tokens: np.ndarray) -> Loader:
     """This rank's slice of the global batches (its data replica)."""
     return Loader(
-        load_tokens(cfg.data),
+        tokens,
         seq_len=cfg.model.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,

@@ -396,8 +396,10 @@ def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str
     """Fault to first step after the restart, in phases: detection (fault to verdict, when the
     detector issued one before the restart), teardown and restart (to the new workers' process
     start), start and rendezvous (to the new process group), checkpoint load, and the first step.
-    For an in-job recovery (a new generation, no restart): detection, teardown (to the healthy
-    ranks leaving the broken group), regroup (to the new group with the spare), load, first step."""
+    For an in-job recovery (a new generation, no restart): detection, teardown (to the first
+    healthy rank leaving the broken group), regroup (to the last rank in the new group with the
+    spare), rebuild (the model built again, to the last rank's start), load, first step; and, not
+    part of the sum, the spare's takeover (from the fault to the spare given the rank)."""
     starts = [e for e in events if e["event"] == "start" and e["time"] > fault_t]
     if not starts:
         return {}
@@ -428,8 +430,29 @@ def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str
     if attempt[1] and leave is not None:
         # in-job: the healthy ranks leave the broken group (a pending commit abandoned), wait
         # for the spare's generation and form it; the spare was started long before
+        rejoined = [
+            e["time"]
+            for e in events
+            if e["event"] == "injob_rejoin"
+            and int(e.get("generation", 0)) == attempt[1]
+            and leave <= e["time"] <= ready
+        ]
+        formed = max(rejoined, default=ready)
         out["teardown"] = leave - t
-        out["regroup"] = ready - leave
+        out["regroup"] = formed - leave
+        out["rebuild"] = ready - formed
+        takeover = next(
+            (
+                e["time"]
+                for e in events
+                if e["event"] == "spare_takeover"
+                and int(e.get("generation", 0)) == attempt[1]
+                and e["time"] >= fault_t
+            ),
+            None,
+        )
+        if takeover is not None:
+            out["spare_takeover"] = takeover - fault_t
     else:
         out["teardown_restart"] = proc - t
         out["start_rendezvous"] = ready - proc

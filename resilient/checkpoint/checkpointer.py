@@ -251,6 +251,8 @@ class Checkpointer:
         self._after_commit: dict[int, Any] = {}
         self._shared_manifest: str | None = None  # the store key of the newest shared manifest
         self._last_outcome: str | None = None  # the failure of the last joined save, if any
+        # (in-job recovery) the pending save is the previous group's: a load need not wait for it
+        self._pending_is_old = False
         self._hook_lock = threading.Lock()
         # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
         self.nodes = NodeMap((0,) * self.world_size)
@@ -784,7 +786,7 @@ class Checkpointer:
             return None
         if self._thread is not None:
             self._thread.join()
-        self._pending, self._thread = None, None
+        self._pending, self._thread, self._pending_is_old = None, None, False
         # what the last joined save came to: the same on every rank (a commit's outcome is)
         self._last_outcome = None if handle._error is None else _describe(handle._error)
         if handle._error is not None and handle._error_reported:
@@ -1054,6 +1056,10 @@ class Checkpointer:
             if not self._thread.is_alive():
                 self._pending, self._thread = None, None
         self._last_outcome = None
+        # A durable save of the old group still in flight (rank 0: the persister writing a step
+        # every rank had snapshotted, which it may still commit; the others: already abandoned)
+        # is joined by the next save, not by the restore: it reads nothing the restore reads.
+        self._pending_is_old = self._pending is not None
         if self._memory_asked and self._distributed and self.world_size > 1:
             # the collective a new checkpointer runs in its constructor (the spare's does): every
             # rank of the new group must run the same ones, in the same order
@@ -1115,7 +1121,8 @@ class Checkpointer:
         state does not match) is raised by every rank.
         """
         self._check_open()
-        self._join_pending()
+        if not self._pending_is_old:
+            self._join_pending()
         if self._memory is not None and self._memory._thread is not None:
             # the snapshot in flight (and its replica) first: the exchange below uses the same
             # group; its failure, if any, is reported by its own handle

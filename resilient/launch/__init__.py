@@ -96,6 +96,9 @@ def init_process_group(
         # a hot spare of ``resilient launch``: wait here, imports done, until given a rank
         if not wait_for_rank(agent_store()):
             raise SystemExit(0)  # the job finished without needing this spare
+        EventLog(event_log).write(
+            "spare_takeover", rank=int(os.environ["RANK"]), pid=os.getpid(), generation=generation()
+        )
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     monitor = None
     # under torchrun, the monitor watches the rendezvous too: it starts on the agent's store,

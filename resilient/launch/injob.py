@@ -69,7 +69,7 @@ def store_prefix(restart: int, gen: int) -> str:
     return base if gen == 0 else f"{base}/gen_{gen}"
 
 
-def wait_for_rank(store: Any, poll_s: float = 0.05) -> bool:
+def wait_for_rank(store: Any, poll_s: float = 0.01) -> bool:
     """(a spare) Wait for the agent to hand this process a rank; set RANK, LOCAL_RANK and the
     generation in the environment and return True, or return False when the agent says the job is
     over (or went away)."""
