@@ -159,7 +159,17 @@ def recovery_variants(memory_every: int, paths: list[str]) -> list[tuple[str, st
         return [("", "", ""), *mem]
     memory = f"\nmemory_every = {memory_every or 1}"
     spares = {"injob": "\nspares = 1", "restart": ""}
-    return [(f"_{p}", spares[p], memory) for p in paths]
+    # torchft paths run through torchft_trial; here they only keep their place in the order
+    return [(f"_{p}", spares.get(p, ""), memory) for p in paths]
+
+
+def torchft_timeout(path: str) -> float | None:
+    """``torchft``: torchft with a 3 s collective timeout (the trials' hang timeout: what a
+    collective may wait for a slow peer before the rank is declared failed); ``torchft-1s``: 1 s.
+    None: not a torchft path."""
+    if not path.startswith("torchft"):
+        return None
+    return float(path.split("-", 1)[1].rstrip("s")) if "-" in path else 3.0
 
 
 def recovery_trials(
@@ -184,6 +194,12 @@ def recovery_trials(
         for t in range(trials):
             for suffix, spares, memory in variants:
                 name = f"{kind}{suffix}-{t}"
+                ft = torchft_timeout(suffix[1:])
+                if ft is not None:
+                    r = torchft_trial(kind, t, out, heartbeat_s or 1.0, ft, suffix[1:])
+                    results.setdefault(f"{kind}{suffix}", []).append(r)
+                    print(f"  {name}: recovery {r['recovery_s']}s (torchft)", flush=True)
+                    continue
                 text = RECOVERY_JOB.format(
                     name=name,
                     kind=kind,
@@ -209,6 +225,112 @@ def recovery_trials(
                     flush=True,
                 )
     return results
+
+
+def torchft_trial(
+    kind: str,
+    t: int,
+    out: str,
+    heartbeat_s: float,
+    timeout_s: float = 3.0,
+    path: str = "torchft",
+    replicas: int = 4,
+) -> dict:
+    """The same fault on torchft (benchmarks/torchft_job.py): the tiny MoE data parallel over
+    ``replicas`` replica groups of one rank, a lighthouse on localhost whose heartbeat timeout is
+    two of our heartbeat intervals (our DEAD verdict's), collectives timing out after
+    ``timeout_s``; the fault hits replica 1 + t % 3 once every replica has committed step
+    8 + t % 5 in a full quorum.  Recovery: from the fault to the first step a survivor commits in
+    the quorum without it (torchft goes on with the survivors at three quarters of the batch;
+    nothing replaces the lost replica here)."""
+    import signal
+
+    from torchft.coordination import LighthouseServer
+
+    run_dir = os.path.join(out, f"{kind}_{path}-{t}")
+    os.makedirs(run_dir, exist_ok=True)
+    victim, at_step = 1 + t % 3, 8 + t % 5
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=replicas - 1,
+        join_timeout_ms=2000,
+        heartbeat_timeout_ms=int(2 * heartbeat_s * 1000),
+    )
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_job.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                job,
+                str(r),
+                str(replicas),
+                lighthouse.address(),
+                run_dir,
+                "200",
+                str(timeout_s),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(run_dir, f"replica{r}.log"), "w"),
+        )  # fmt: skip
+        for r in range(replicas)
+    ]
+
+    def records() -> list[dict]:
+        rows = []
+        for r in range(replicas):
+            path = os.path.join(run_dir, f"replica{r}.jsonl")
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows += [json.loads(line) for line in f if line.endswith("\n")]
+        return rows
+
+    result = {"completed": False, "path": path, "recovery_s": None, "detection_s": None,
+              "verdict": None, "breakdown": {}, "steps_lost": None, "restore_sources": [],
+              "wrong_verdicts": 0, "restarts": 0}  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            full = [x for x in records() if x["committed"] and x["participants"] == replicas]
+            if {x["replica"] for x in full if x["step"] >= at_step} == set(range(replicas)):
+                break
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a torchft replica exited early; see {run_dir}")
+            time.sleep(0.01)
+        else:
+            raise RuntimeError(f"torchft replicas did not reach step {at_step}; see {run_dir}")
+        fault_t = time.time()
+        procs[victim].send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        before = max(x["step"] for x in records() if x["committed"])
+        while time.monotonic() < deadline:
+            after = [
+                x
+                for x in records()
+                if x["replica"] != victim
+                and x["committed"]
+                and x["participants"] == replicas - 1
+                and x["time"] > fault_t
+            ]
+            if after:
+                first = min(after, key=lambda x: x["time"])
+                result.update(
+                    completed=True,
+                    recovery_s=round(first["time"] - fault_t, 3),
+                    # the step committed just now is the survivors' next: nothing rolled back
+                    steps_lost=max(0, before - (first["step"] - 1)),
+                )
+                break
+            if all(p.poll() is not None for i, p in enumerate(procs) if i != victim):
+                raise RuntimeError(f"every torchft survivor exited; see {run_dir}")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        lighthouse.shutdown()
+    return result
 
 
 def trial_result(scenario, run_dir, launch) -> dict:
@@ -315,23 +437,24 @@ def recovery_table(results: dict[str, list[dict]]) -> str:
 
 
 def _ratios(results: dict[str, list[dict]]) -> str:
-    """Per fault kind run both ways: the restart path's median over in-job recovery's."""
+    """Per fault kind: in-job recovery's median against each other path's run beside it."""
+
+    def med(key: str) -> float | None:
+        xs = [t["recovery_s"] for t in results[key] if t["completed"] and t["recovery_s"]]
+        return statistics.median(xs) if xs else None
+
     lines = []
     for key in results:
-        if not key.endswith("_injob") or key[: -len("_injob")] + "_restart" not in results:
+        if not key.endswith("_injob") or med(key) is None:
             continue
-        kind = key[: -len("_injob")]
-
-        def med(k: str) -> float | None:
-            xs = [t["recovery_s"] for t in results[k] if t["completed"] and t["recovery_s"]]
-            return statistics.median(xs) if xs else None
-
-        a, b = med(key), med(kind + "_restart")
-        if a and b:
-            lines.append(
-                f"- {kind}: in-job {a:.2f} s, restart {b:.2f} s (median fault to first step): "
-                f"{b / a:.1f}x faster"
-            )
+        kind, ours = key[: -len("_injob")], med(key)
+        for other in results:
+            if other.startswith(kind + "_") and other != key and med(other):
+                path = other[len(kind) + 1 :]
+                lines.append(
+                    f"- {kind}: in-job {ours:.2f} s, {path} {med(other):.2f} s (median fault to "
+                    f"first step): {path} / in-job = {med(other) / ours:.2f}"
+                )
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -502,9 +625,10 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="restart",
-        help="recovery paths to run each trial through: restart (torchrun), or injob,restart "
-        "(resilient launch --spares 1 and torchrun, side by side; a memory snapshot every step "
-        "unless --memory-every says otherwise)",
+        help="recovery paths to run each trial through: restart (torchrun), or injob and any of "
+        "restart, torchft, torchft-1s (resilient launch --spares 1, torchrun, torchft 0.2.0 with "
+        "a 3 s or 1 s collective timeout; side by side, trial by trial; a memory snapshot every "
+        "step unless --memory-every says otherwise)",
     )
     p.add_argument(
         "--heartbeat",
@@ -532,8 +656,12 @@ def main() -> None:
     if args.recovery_trials:
         out = args.out or tempfile.mkdtemp(prefix="detection-bench-")
         paths = args.paths.split(",")
-        if not set(paths) <= {"injob", "restart"}:
-            p.error(f"--paths {args.paths}: restart, or injob,restart")
+        try:
+            bad = [x for x in paths if x not in ("injob", "restart") and torchft_timeout(x) is None]
+        except ValueError:
+            bad = paths
+        if bad or (paths != ["restart"] and "injob" not in paths):
+            p.error(f"--paths {args.paths}: restart, or injob with any of restart, torchft[-Ns]")
         results = recovery_trials(
             args.kinds.split(","),
             args.recovery_trials,
