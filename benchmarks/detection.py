@@ -257,6 +257,7 @@ def torchft_trial(
         heartbeat_timeout_ms=int(2 * heartbeat_s * 1000),
     )
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_job.py")
+    logs = [open(os.path.join(run_dir, f"replica{r}.log"), "w") for r in range(replicas)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     procs = [
         subprocess.Popen(
@@ -272,7 +273,7 @@ def torchft_trial(
             ],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(os.path.join(run_dir, f"replica{r}.log"), "w"),
+            stderr=logs[r],
         )  # fmt: skip
         for r in range(replicas)
     ]
@@ -324,11 +325,15 @@ def torchft_trial(
             if all(p.poll() is not None for i, p in enumerate(procs) if i != victim):
                 raise RuntimeError(f"every torchft survivor exited; see {run_dir}")
             time.sleep(0.01)
+    except RuntimeError as e:  # this trial did not recover: recorded, the others go on
+        result["error"] = str(e)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for f in logs:
+            f.close()
         lighthouse.shutdown()
     return result
 
@@ -456,6 +461,72 @@ def _ratios(results: dict[str, list[dict]]) -> str:
                     f"first step): {path} / in-job = {med(other) / ours:.2f}"
                 )
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _hog(stop) -> None:
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+def fault_free(minutes: float, heartbeat_s: float, out: str) -> dict:
+    """No false verdicts on a busy machine: the reference trainer (tiny MoE, 4 ranks, tp 2 x ep 2,
+    a memory snapshot every step) under ``resilient launch --spares 1`` for ``minutes``, its
+    heartbeat every ``heartbeat_s``, beside one busy process per core; then SIGTERM (the
+    preemption save).  Counts what the detector and the launcher did: verdicts, stragglers,
+    in-job recoveries, restarts."""
+    import multiprocessing as mp
+    import signal
+
+    os.makedirs(out, exist_ok=True)
+    events, metrics = os.path.join(out, "events.jsonl"), os.path.join(out, "metrics.jsonl")
+    cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "4", "--spares", "1",
+           "--tp", "2", "--ep", "2", "--steps", "1000000", "--save-every", "100",
+           "--memory-every", "1", "--heartbeat-interval-s", str(heartbeat_s),
+           "--ckpt", os.path.join(out, "ckpt"), "--events", events,
+           "--metrics", metrics]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    hogs = [ctx.Process(target=_hog, args=(stop,)) for _ in range(os.cpu_count() or 2)]
+    for h in hogs:
+        h.start()
+    t0 = time.time()
+    try:
+        with open(os.path.join(out, "job.log"), "w") as log:
+            job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                job.wait(timeout=minutes * 60)
+            except subprocess.TimeoutExpired:
+                pass
+            t_end = time.time()
+            if job.poll() is None:
+                job.send_signal(signal.SIGTERM)
+                try:
+                    job.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+                    job.wait()
+    finally:
+        stop.set()
+        for h in hogs:
+            h.join()
+    with open(events) as f:
+        ev = [json.loads(line) for line in f if line.strip()]
+    with open(metrics) as f:
+        steps = [json.loads(line)["step_s"] for line in f if line.strip()]
+    return {
+        "minutes": round((time.time() - t0) / 60, 2),
+        "heartbeat_s": heartbeat_s,
+        "exit_code": job.returncode,
+        "steps": len(steps),
+        "step_s_median": round(statistics.median(steps), 3) if steps else None,
+        "step_s_max": round(max(steps), 3) if steps else None,
+        # before the SIGTERM that ends the run: what a healthy run should never see
+        "verdicts": [e for e in ev if e["event"] == "verdict" and e["time"] < t_end],
+        "stragglers": sum(1 for e in ev if e["event"] == "straggler" and e["time"] < t_end),
+        "injob_recoveries": sum(1 for e in ev if e["event"] == "spare_takeover"),
+        "restarts": max((int(e.get("restart", 0)) for e in ev if e["event"] == "start"), default=0),
+    }
 
 
 def overhead(steps: int) -> dict:
@@ -638,6 +709,14 @@ def main() -> None:
     )
     p.add_argument("--skip-scale", action="store_true")
     p.add_argument(
+        "--fault-free",
+        type=float,
+        default=0,
+        metavar="MINUTES",
+        help="run the trainer (4 ranks, resilient launch --spares 1) this long beside one busy "
+        "process per core, at --heartbeat (default 0.25 s), and count its verdicts",
+    )
+    p.add_argument(
         "--reanalyze", default=None, help="verify the trials under this directory again, no runs"
     )
     p.add_argument("--out", default=None, help="where the recovery trials' runs go (default: tmp)")
@@ -649,6 +728,15 @@ def main() -> None:
     args = p.parse_args()
     if args.baseline:
         compare(args)
+        return
+    if args.fault_free:
+        out = args.out or tempfile.mkdtemp(prefix="detection-fault-free-")
+        r = fault_free(args.fault_free, args.heartbeat or 0.25, out)
+        with open(os.path.join(out, "fault_free.json"), "w") as f:
+            json.dump(r, f, indent=1)
+        print(f"machine: {machine()}; {json.dumps({**r, 'verdicts': len(r['verdicts'])})}")
+        for v in r["verdicts"]:
+            print(f"  verdict: {v.get('verdict')} rank {v.get('rank')}: {v.get('detail')}")
         return
     if args.reanalyze:
         print(recovery_table(reanalyze(args.reanalyze)))
@@ -662,6 +750,11 @@ def main() -> None:
             bad = paths
         if bad or (paths != ["restart"] and "injob" not in paths):
             p.error(f"--paths {args.paths}: restart, or injob with any of restart, torchft[-Ns]")
+        if any(torchft_timeout(x) for x in paths) and not set(args.kinds.split(",")) <= {
+            "kill",
+            "stop",
+        }:
+            p.error("torchft paths take --kinds kill,stop (the torchft job has no hang injector)")
         results = recovery_trials(
             args.kinds.split(","),
             args.recovery_trials,

@@ -46,7 +46,7 @@ def main() -> None:
     loader = Loader(
         load_tokens(None),
         seq_len=cfg.model.seq_len,
-        global_batch=cfg.global_batch * replicas,
+        global_batch=cfg.global_batch,  # 8 sequences a step over the replicas, as in our job
         seed=cfg.seed,
         replica=replica,
         num_replicas=replicas,
