@@ -7,6 +7,7 @@ group and returns a summary.  The command line lives in ``__main__.py``.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import logging
 import math
@@ -101,9 +102,11 @@ def _train(
     """One generation of the process group: build the model, restore, train to the end."""
     cfg = cfg.with_(world_size=dist.get_world_size())
     if not gc.isenabled():  # the command line turned collection off for start-up
-        # what start-up made (the imports: most of the heap) lives as long as the process: never
-        # scan it again; the model, its groups and the rest of a generation stay collectable,
-        # which in-job recovery needs to free the broken groups quickly
+        # What start-up made (the imports: most of the heap; torch._dynamo too, which the
+        # optimizer's first step would import) lives as long as the process: never scan it
+        # again.  The model, its groups and the rest of a generation stay collectable, and the
+        # collection in-job recovery runs to free the broken groups stays short.
+        importlib.import_module("torch._dynamo")
         gc.freeze()
         gc.enable()
     pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)

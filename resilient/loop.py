@@ -757,29 +757,26 @@ class InJobRecovery:
 
 
 def _free_process_groups() -> str:
-    """Destroy the broken groups and make sure they are freed, which closes their connections.
-    Dropping the last reference is usually enough; else a collection of what ``gc.freeze()`` left
-    collectable (a cycle holds a group); else of everything (a frozen cycle holds one).  Returns
-    which it took: "refcount", "unfrozen", "all", or "held" (something still references a group:
-    a peer blocked in a collective with this rank waits for that collective's timeout)."""
+    """Destroy the broken groups and free them, which closes their connections.  A collection
+    always runs (a cycle may hold a group's backend, a DDP reducer or a pending work, which no
+    weakref to the group shows); it is cheap when start-up's objects are frozen (``gc.freeze()``).
+    If a group object is still alive after it, everything is collected, frozen objects included
+    (a frozen cycle holds it), and the survivors frozen again.  Returns "collected", "all", or
+    "held" (something still references a group: a peer blocked in a collective with this rank
+    waits for that collective's timeout)."""
     world = getattr(dist.distributed_c10d, "_world", None)
     groups = list(getattr(world, "pg_map", {}) or {}) if dist.is_initialized() else []
     refs = [weakref.ref(g) for g in groups]
     del groups
     if dist.is_initialized():
         dist.destroy_process_group()
-
-    def alive() -> bool:
-        return not refs or any(r() is not None for r in refs)  # no refs: cannot tell
-
-    if not alive():
-        return "refcount"
     gc.collect()
-    if not alive():
-        return "unfrozen"
+    if not any(r() is not None for r in refs):
+        return "collected"
     gc.unfreeze()  # objects a gc.freeze() made permanent are collectable again
     gc.collect()
-    return "all" if not alive() or not refs else "held"
+    gc.freeze()  # and what survives is start-up's again: later collections skip it
+    return "all" if not any(r() is not None for r in refs) else "held"
 
 
 def _describe_exc(e: BaseException) -> str:
