@@ -156,6 +156,22 @@ def test_a_good_scenario_parses_with_defaults():
             ),
             "faults[1].after: 'a' is not an in-rank fault",
         ),
+        (
+            (
+                "step = 12",
+                'step = 12\nid = "a"\nafter = "b"\n\n[[faults]]\nid = "b"\n'
+                'kind = "kill"\nrank = 2\nstep = 3\nafter = "a"',
+            ),
+            "faults[0].after: 'a' waits, through 'b', for itself",
+        ),
+        (
+            (
+                "step = 12",
+                'step = 12\nid = "a"\n\n[[faults]]\nkind = "skew"\nrank = 2\n'
+                'seconds = 5.0\nafter = "a"',
+            ),
+            "faults[1].after: only an in-rank fault with a step or phase trigger waits",
+        ),
     ],
 )
 def test_scenario_errors_name_the_file_line_and_field(change, expected):
@@ -519,3 +535,29 @@ def test_cli_rejects_a_bad_scenario_and_a_non_run_directory(tmp_path):
         text=True,
     )
     assert r.returncode == 2 and "is not a chaos run directory" in r.stderr
+
+
+def test_an_in_job_recovery_breaks_down_into_its_phases():
+    """Teardown to the first healthy rank leaving, regroup to the last one in the new group,
+    rebuild to the last start, then load and first step; the spare's takeover beside them."""
+    from resilient.chaos.verify import recovery_breakdown
+
+    events = [
+        {"event": "start", "time": 0.0, "rank": r, "restart": 0, "generation": 0} for r in range(2)
+    ] + [
+        {"event": "injob_leave", "time": 10.05, "rank": 0},
+        {"event": "spare_takeover", "time": 10.08, "rank": 1, "generation": 1},
+        {"event": "injob_rejoin", "time": 10.2, "rank": 0, "generation": 1},
+        {"event": "start", "time": 10.4, "rank": 0, "restart": 0, "generation": 1},
+        {"event": "start", "time": 10.5, "rank": 1, "restart": 0, "generation": 1},
+        {"event": "restore", "time": 10.8, "rank": 0, "seconds": 0.25},
+        {"event": "first_step", "time": 11.0, "rank": 0},
+    ]
+    assert recovery_breakdown(events, 10.0) == {
+        "teardown": 0.05,
+        "regroup": 0.15,
+        "rebuild": 0.3,
+        "spare_takeover": 0.08,
+        "load": 0.25,
+        "first_step": 0.2,
+    }

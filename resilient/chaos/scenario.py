@@ -248,8 +248,12 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
                 "after",
                 f"{f.after!r} is not another fault's id here (ids: {', '.join(ids)})",
             )
-        if f.kind not in IN_RANK_KINDS or f.at_s is not None:
-            v.fail(("faults", i), "after", "only an in-rank fault (a step or phase trigger) waits")
+        seen, g = {f.id}, first
+        while g is not None and g.after is not None:
+            if g.after in seen:
+                v.fail(("faults", i), "after", f"{f.id!r} waits, through {g.id!r}, for itself")
+            seen.add(g.after)
+            g = next((h for h in faults if h.id == g.after), None)
         if first.kind not in IN_RANK_KINDS or first.at_s is not None:
             v.fail(
                 ("faults", i),
@@ -356,6 +360,13 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     step = v.typed(t, "step", int, at, default=None)
     at_s = v.typed(t, "at_s", (int, float), at, default=None)
     when = v.typed(t, "when", str, at, default="step")
+    after = v.typed(t, "after", str, at, default=None)
+    if after is not None and (kind not in IN_RANK_KINDS or kind == "skew" or at_s is not None):
+        v.fail(
+            at,
+            "after",
+            "only an in-rank fault with a step or phase trigger waits (not skew, not at_s)",
+        )
     if when not in ("step", "save", *PHASE_TRIGGERS):
         v.fail(
             at,
@@ -458,7 +469,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         factor=None if factor is None else float(factor),
         mode=mode,
         tier=tier,
-        after=v.typed(t, "after", str, at, default=None),
+        after=after,
     )
 
 

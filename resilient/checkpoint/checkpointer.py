@@ -129,6 +129,7 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._error_reported = False
+        self._lineage = 0  # the checkpointer's lineage when this save began (see _advance_anchor)
         self.started_at = time.time()
         self.finished_at: float | None = None
 
@@ -282,6 +283,7 @@ class Checkpointer:
         # snapshot records it, and a snapshot whose durable commit is no longer on the durable
         # line (a rollback, deleted steps, a fresh start at the URL) is never restored.
         self._anchor: tuple[int, int] | None = None
+        self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
         if memory_every is not None:
             # a local path is its absolute path: "ckpt" run from two directories is two jobs
@@ -443,6 +445,7 @@ class Checkpointer:
             self._join_pending()
             data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step)
+        handle._lineage = self._lineage
         handle.stats.stage_s = time.monotonic() - t0
         committer = self._committer(step)
         self._pending = handle
@@ -525,6 +528,7 @@ class Checkpointer:
         if snap is None or snap.step != step:  # (never on timing: every rank decides alike)
             snap = self._take_snapshot(step, state)
         handle = SaveHandle(step)
+        handle._lineage = self._lineage
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
         if self.nodes.is_leader(self.rank):  # (rank 0 on one node)
@@ -579,7 +583,7 @@ class Checkpointer:
             elif committer.is_coordinator:
                 try:
                     reply = self._ask_persister("persist", step, pinned)
-                    self._anchor = (step, int(reply["commit_seq"]))
+                    self._advance_anchor(handle, step, int(reply["commit_seq"]))
                     handle.stats.bytes_written = int(reply.get("bytes", 0))
                 except BaseException as e:
                     _publish_failure(committer, e)
@@ -668,13 +672,20 @@ class Checkpointer:
                     "; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed)
                 )
             reply = self._ask_persister("commit", step, pinned, generation=generation)
-            self._anchor = (step, int(reply["commit_seq"]))
+            self._advance_anchor(handle, step, int(reply["commit_seq"]))
         except BaseException as e:
             self._drop_outbox(step)
             _publish_failure(committer, e)
             raise
         committer.publish("ok")
         committer.cleanup()
+
+    def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
+        """A durable commit is what the next snapshots descend from, unless a restore came
+        between its save and its commit (an in-job recovery leaves the old group's save running
+        while the state is restored, maybe to an older step): then the restore's anchor stands."""
+        if handle._lineage == self._lineage:
+            self._anchor = (step, seq)
 
     def _drop_outbox(self, step: int) -> None:
         """(a node's leader, across nodes) Let go of a step its persister will not copy or
@@ -861,7 +872,7 @@ class Checkpointer:
             t1 = time.monotonic()
             if coordinator:
                 garbage = self._coordinate(
-                    committer, report, step, step_rel, layout, plan, generation
+                    committer, report, step, step_rel, layout, plan, generation, handle
                 )
             else:
                 _await_outcome(committer, step)
@@ -927,6 +938,7 @@ class Checkpointer:
         layout: Layout,
         plan: WritePlan,
         generation: int,
+        handle: SaveHandle,
     ) -> list[str]:
         reports = committer.gather(own) if committer.store is not None else [own]
         catalog = scan(self.storage)
@@ -963,7 +975,7 @@ class Checkpointer:
             keep_every=self.keep_every,
             collect=self._sweep,
         )
-        self._anchor = (step, seq)  # snapshots from now on descend from this commit
+        self._advance_anchor(handle, step, seq)  # snapshots from now on descend from it
         self._sweep.committed()
         committer.publish("ok")
         committer.cleanup()
@@ -1155,6 +1167,7 @@ class Checkpointer:
                 stats = pending.apply()
                 stats.source = "memory" if source is not self else "durable"
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
+                self._lineage += 1
                 stats.skipped_steps = skipped
                 stats.seconds = time.monotonic() - t0
                 self.last_load = stats

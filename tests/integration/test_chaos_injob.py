@@ -86,6 +86,13 @@ def test_a_fault_during_in_job_recovery_falls_back_to_a_restart(out):
     assert m["restarts"] == 1
     assert [r["path"] for r in m["recoveries"]] == ["restart"]
     assert m["restore_sources"] == ["memory"]
-    fired = {e["id"]: e for e in events if e["event"] == "fault"}
-    assert fired["kill-rank-2-in-regroup"]["when"] == "init"  # in the regroup, not at a step
+    # the second fault hit rank 2's first process, in its regroup: before any restart began
+    second = next(
+        e for e in events if e["event"] == "fault" and e["id"] == "kill-rank-2-in-regroup"
+    )
+    first_pid = next(int(e["pid"]) for e in events if e["event"] == "start" and int(e["rank"]) == 2)
+    assert int(second["pid"]) == first_pid
+    assert any(e["event"] == "injob_leave" and int(e["rank"]) == 2 for e in events)
+    restarted = min(e["time"] for e in events if e["event"] == "start" and e.get("restart", 0))
+    assert second["time"] < restarted
     assert len(set(_pids(events, 0))) == 2
