@@ -649,16 +649,19 @@ def parse_json(data: bytes, where: str, max_bytes: int) -> Any:
 
 def check_json_depth(value: Any, where: str, max_depth: int = MAX_JSON_DEPTH) -> None:
     """Refuse JSON nested deeper than ``max_depth`` (iteratively: no recursion to exhaust)."""
-    stack = [(value, 1)]
+    if not isinstance(value, dict | list):
+        return
+    stack = [(value, 1)]  # containers only: most values are scalars, never pushed
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, dict | list):
-            if depth > max_depth:
-                raise CheckpointCorruptError(
-                    f"{where} nests deeper than {max_depth} levels; format v{FORMAT_VERSION} "
-                    f"allows at most {max_depth}"
-                )
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+        if depth > max_depth:
+            raise CheckpointCorruptError(
+                f"{where} nests deeper than {max_depth} levels; format v{FORMAT_VERSION} "
+                f"allows at most {max_depth}"
+            )
+        for x in v.values() if isinstance(v, dict) else v:
+            if isinstance(x, dict | list):
+                stack.append((x, depth + 1))
 
 
 def upgrade_v1(d: dict[str, Any]) -> dict[str, Any]:
