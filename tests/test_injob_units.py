@@ -61,8 +61,7 @@ def test_a_carried_checkpointers_restore_does_not_wait_for_the_old_groups_save(t
     ck.save(1, state).wait()
     # the old group's save of step 2, still running (its thread waits to be released)
     release = threading.Event()
-    old = SaveHandle(2)
-    old._lineage = ck._lineage
+    old = SaveHandle(2, ck._lineage)
 
     def in_flight() -> None:
         release.wait(60)

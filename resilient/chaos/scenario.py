@@ -238,10 +238,11 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     for i, fid in enumerate(ids):
         if fid in ids[:i]:
             v.fail(("faults", i), "id", f"{fid!r} is used by another fault; ids must be unique")
+    by_id = {f.id: f for f in faults}
     for i, f in enumerate(faults):
         if f.after is None:
             continue
-        first = next((g for g in faults if g.id == f.after), None)
+        first = by_id.get(f.after)
         if first is None or first is f:
             v.fail(
                 ("faults", i),
@@ -253,7 +254,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             if g.after in seen:
                 v.fail(("faults", i), "after", f"{f.id!r} waits, through {g.id!r}, for itself")
             seen.add(g.after)
-            g = next((h for h in faults if h.id == g.after), None)
+            g = by_id.get(g.after)
         if first.kind not in IN_RANK_KINDS or first.at_s is not None:
             v.fail(
                 ("faults", i),

@@ -123,13 +123,13 @@ class LoadStats:
 class SaveHandle:
     """A save in progress.  ``wait()`` blocks until it is committed and re-raises its failure."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, lineage: int = 0) -> None:
         self.step = step
         self.stats = SaveStats(step)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._error_reported = False
-        self._lineage = 0  # the checkpointer's lineage when this save began (see _advance_anchor)
+        self._lineage = lineage  # the checkpointer's when this save began (see _advance_anchor)
         self.started_at = time.time()
         self.finished_at: float | None = None
 
@@ -444,8 +444,7 @@ class Checkpointer:
         else:
             self._join_pending()
             data = self._stager.stage(plan, flat.tensors)
-        handle = SaveHandle(step)
-        handle._lineage = self._lineage
+        handle = SaveHandle(step, self._lineage)
         handle.stats.stage_s = time.monotonic() - t0
         committer = self._committer(step)
         self._pending = handle
@@ -527,8 +526,7 @@ class Checkpointer:
         snap = self._snap
         if snap is None or snap.step != step:  # (never on timing: every rank decides alike)
             snap = self._take_snapshot(step, state)
-        handle = SaveHandle(step)
-        handle._lineage = self._lineage
+        handle = SaveHandle(step, self._lineage)
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
         if self.nodes.is_leader(self.rank):  # (rank 0 on one node)
