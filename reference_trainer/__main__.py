@@ -67,6 +67,13 @@ def parser() -> argparse.ArgumentParser:
         "restores from there; 0: off)",
     )
     p.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from the model weights of this checkpoint URL (its newest step, any layout; "
+        "for example what `reshape import --format hf` wrote): a fresh optimizer at step 0. "
+        "Ignored once --ckpt holds a step to resume from",
+    )
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--preset", default="tiny")
     p.add_argument(
@@ -168,6 +175,7 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
         save_every=args.save_every,
         memory_every=args.memory_every,
         ckpt=args.ckpt,
+        init_from=args.init_from,
         keep_last=args.keep_last,
         data=args.data,
         seed=args.seed,

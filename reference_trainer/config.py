@@ -114,6 +114,7 @@ class TrainConfig:
     save_every: int = 0  # 0: never
     memory_every: int = 0  # 0: no memory tier
     ckpt: str | None = None
+    init_from: str | None = None  # model weights to start from (a checkpoint URL), step 0
     keep_last: int = 3
     data: str | None = None  # None: the Python standard library's source files
     seed: int = 0

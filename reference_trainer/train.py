@@ -6,6 +6,7 @@ group and returns a summary.  The command line lives in ``__main__.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import json
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reference_trainer.config import TrainConfig, sizing_warnings
+from reference_trainer.config import ConfigError, TrainConfig, sizing_warnings
 from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
@@ -127,7 +128,14 @@ def _train(
     )
     loader = _loader(cfg, pc, tokens)
     counters = {"tokens": 0}
-    config = {"preset": cfg.preset, "seed": cfg.seed, "global_batch": cfg.global_batch}
+    config = {
+        "preset": cfg.preset,
+        "seed": cfg.seed,
+        "global_batch": cfg.global_batch,
+        "model": dataclasses.asdict(cfg.model),  # what `reshape export --format hf` needs
+    }
+    if cfg.init_from:
+        _init_from(cfg, pc, model)
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
     )
@@ -165,6 +173,34 @@ def _train(
             if metrics is not None:
                 metrics.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+def _init_from(cfg: TrainConfig, pc: ParallelContext, model: torch.nn.Module) -> None:
+    """Load the model weights of ``cfg.init_from`` (its newest step, any layout), after checking
+    that it records the same model.  A resumed run then overwrites them with its own step."""
+    with Checkpointer(cfg.init_from, layout=pc.layout, storage_options=cfg.storage_options) as src:
+        recorded = {
+            k[len("config.model.") :]: v
+            for k, v in src.manifest().extras.items()
+            if k.startswith("config.model.")
+        }
+        mine = dataclasses.asdict(cfg.model)
+        differ = {
+            k: (v, mine[k])
+            for k, v in recorded.items()
+            if k in mine and k not in _TRAINING_ONLY and v != mine[k]
+        }
+        if differ:
+            raise ConfigError(
+                f"--init-from {cfg.init_from} holds another model than --preset {cfg.preset}: "
+                + ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items()))
+                + "; choose the preset (or model) it was made for"
+            )
+        src.load({"model": model})
+
+
+# ModelConfig fields that do not change the weights or the forward pass of the same tokens
+_TRAINING_ONLY = {"seq_len", "aux_loss_coef"}
 
 
 def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The ``reshape`` command line: inspect, verify, plan, convert and export checkpoints.
+"""The ``reshape`` command line: inspect, verify, plan, convert, export and import checkpoints.
 
 A thin typer layer over reshape.plan / reshape.execute / reshape.export and the checkpoint reader:
 rich tables and progress bars for people, ``--json`` for scripts.  Exit codes: 0 success, 1 a
@@ -272,26 +272,79 @@ def convert(
         )
 
 
+def _json_file(path: str | None, what: str) -> Any:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16 << 20)
+        return json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{what} {path}: cannot read it as JSON ({e})") from None
+
+
 @app.command()
 def export(
     src: str,
     out: str,
-    fmt: str = typer.Option(..., "--format", help="output format: hf (Hugging Face safetensors)"),
-    dtype: str = typer.Option(None, "--dtype", help="cast weights, e.g. bfloat16"),
+    fmt: str = typer.Option(
+        ...,
+        "--format",
+        help="hf: Hugging Face transformers (a reference-trainer checkpoint becomes a Qwen2-MoE "
+        "or Mixtral directory that AutoModelForCausalLM loads; any other checkpoint: its model. "
+        "tensors as safetensors shards under their own names). dcp: a "
+        "torch.distributed.checkpoint directory of every tensor, which dcp.load reads",
+    ),
+    dtype: str = typer.Option(None, "--dtype", help="hf: cast weights, e.g. bfloat16"),
     step: int = STEP,
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="split files at this size"),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="hf: split files at this size"
+    ),
+    model_config: str = typer.Option(
+        None,
+        "--model-config",
+        help="hf: a JSON file of the reference trainer's ModelConfig fields, for a checkpoint "
+        "written before the trainer recorded them",
+    ),
+    name_map: str = typer.Option(
+        None,
+        "--name-map",
+        help="hf, not a reference-trainer checkpoint: a JSON file mapping tensor names to the "
+        "names to write",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite"),
     as_json: bool = JSON,
 ) -> None:
-    """Export the model weights (keys under model.) as Hugging Face safetensors shards + index."""
+    """Export a step: Hugging Face transformers weights (hf) or a DCP checkpoint (dcp)."""
     from reshape.export import export_hf, parse_size
+    from reshape.formats.hf import export_reference_hf, is_reference_checkpoint
 
     with _errors():
-        if fmt != "hf":
-            raise ValueError(f"--format {fmt!r}: the only format is 'hf'")
+        if fmt not in ("hf", "dcp"):
+            raise ValueError(f"--format {fmt!r}: one of 'hf', 'dcp'")
         storage = Storage(src)
         s = _resolve(storage, step)
         m = read_manifest(storage, s)
+        if fmt == "dcp":
+            from reshape.formats.dcp import export_dcp
+
+            total = sum(t.nbytes for t in m.tensors.values())
+            with _progress(total, f"exporting step {s} as DCP", not as_json) as advance:
+                report: Any = export_dcp(src, out, step=s, overwrite=overwrite, progress=advance)
+            if as_json:
+                print(json.dumps(asdict(report), indent=1))
+                return
+            console.print(
+                f"step {s}: {report.tensors} tensors, {_human(report.total_bytes)} as a DCP "
+                f"checkpoint under {report.out} (dcp.load reads it)"
+            )
+            return
+        reference = is_reference_checkpoint(m)
+        if name_map is not None and reference:
+            raise ValueError(
+                f"--name-map: step {s} of {src} is a reference-trainer checkpoint, exported under "
+                f"transformers' own names; --name-map is for other checkpoints"
+            )
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
         total = sum(
             math.prod(t.shape) * itemsize.get(dtype or t.dtype, 4)
@@ -299,22 +352,103 @@ def export(
             if k.startswith("model.")
         )
         with _progress(total, f"exporting step {s}", not as_json) as advance:
-            report = export_hf(
-                src,
-                out,
-                step=s,
-                dtype=dtype,
-                max_shard_bytes=parse_size(max_shard_size),
-                overwrite=overwrite,
-                progress=advance,
-            )
+            if reference:
+                report = export_reference_hf(
+                    src,
+                    out,
+                    step=s,
+                    dtype=dtype,
+                    max_shard_bytes=parse_size(max_shard_size),
+                    overwrite=overwrite,
+                    model_config=_json_file(model_config, "--model-config"),
+                    progress=advance,
+                )
+            else:
+                report = export_hf(
+                    src,
+                    out,
+                    step=s,
+                    dtype=dtype,
+                    max_shard_bytes=parse_size(max_shard_size),
+                    overwrite=overwrite,
+                    progress=advance,
+                    name_map=_json_file(name_map, "--name-map"),
+                )
         if as_json:
             print(json.dumps(asdict(report), indent=1))
             return
-        console.print(
-            f"step {s}: {report.tensors} tensors, {_human(report.total_bytes)} in "
-            f"{len(report.files)} files under {report.out} (+ model.safetensors.index.json)"
-        )
+        if report.architecture:
+            console.print(
+                f"step {s}: {report.tensors} tensors, {_human(report.total_bytes)} in "
+                f"{len(report.files)} files under {report.out} as {report.architecture} "
+                f"(config.json + model.safetensors.index.json): "
+                f"AutoModelForCausalLM.from_pretrained({report.out!r}) loads it"
+            )
+        else:
+            console.print(
+                f"step {s}: {report.tensors} tensors, {_human(report.total_bytes)} in "
+                f"{len(report.files)} files under {report.out} (+ model.safetensors.index.json). "
+                f"Not a reference-trainer checkpoint: the tensors keep "
+                f"{'the names --name-map gave them' if name_map else 'their checkpoint names'} "
+                f"and no config.json is written, so transformers cannot load it as a model"
+            )
+
+
+@app.command("import")
+def import_(
+    src: str,
+    out: str,
+    fmt: str = typer.Option(
+        ...,
+        "--format",
+        help="hf: a Qwen2-MoE or Mixtral directory (config.json + safetensors) as a "
+        "reference-trainer checkpoint (model weights, step 0; start with --init-from OUT). "
+        "dcp: a torch.distributed.checkpoint directory (needs --trust-pickle)",
+    ),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel size of the checkpoint written"),
+    ep: int = typer.Option(1, "--ep", help="expert-parallel size"),
+    dp: int = typer.Option(1, "--dp", help="data-parallel size"),
+    trust_pickle: bool = typer.Option(
+        False,
+        "--trust-pickle",
+        help="dcp: allow reading DCP's .metadata, which is a Python pickle: unpickling a file "
+        "can run any code its author put in it, so pass this only for a directory you trust",
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace step 0 in OUT"),
+    as_json: bool = JSON,
+) -> None:
+    """Import weights from Hugging Face (hf) or torch.distributed.checkpoint (dcp) into a
+    checkpoint in the layout --tp/--ep/--dp."""
+    with _errors():
+        if fmt not in ("hf", "dcp"):
+            raise ValueError(f"--format {fmt!r}: one of 'hf', 'dcp'")
+        for name, v in (("--tp", tp), ("--ep", ep), ("--dp", dp)):
+            if v < 1:
+                raise ValueError(f"{name} {v}: a layout axis size is an int >= 1")
+        sizes = {"tp": tp, "ep": ep, "dp": dp}
+        if fmt == "hf":
+            from reshape.formats.hf import import_hf
+
+            report: Any = import_hf(src, out, sizes=sizes, overwrite=overwrite)
+            summary = (
+                f"{src} ({report['architecture']}) -> step 0 of {report['out']}: "
+                f"{report['tensors']} tensors, {_human(report['bytes_written'])}, layout "
+                f"{' x '.join(f'{a}={n}' for a, n in report['layout'])}; train from it with "
+                f"python -m reference_trainer ... --init-from {report['out']}"
+            )
+        else:
+            from reshape.formats.dcp import import_dcp
+
+            report = asdict(import_dcp(src, out, sizes=sizes, trust_pickle=trust_pickle,
+                                       overwrite=overwrite))  # fmt: skip
+            summary = (
+                f"{src} -> step 0 of {report['out']}: {report['tensors']} tensors, "
+                f"{_human(report['total_bytes'])}, verified against dcp.load"
+            )
+        if as_json:
+            print(json.dumps(report, indent=1))
+            return
+        console.print(summary)
 
 
 def tune_allocator() -> None:

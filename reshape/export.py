@@ -9,22 +9,31 @@ a time.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from reshape.execute import DestinationExistsError, resolve_step
 from resilient.checkpoint.codec import safetensors_header
-from resilient.checkpoint.format import DTYPES, dtype_info
+from resilient.checkpoint.format import DTYPES, Manifest, dtype_info
 from resilient.checkpoint.reader import execute_reads, plan_tensor_reads, read_manifest
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StateMismatchError
 from resilient.layout import normalize_placement
 
-__all__ = ["ExportReport", "export_hf", "parse_size"]
+__all__ = [
+    "ExportReport",
+    "check_name_map",
+    "clear_destination",
+    "export_hf",
+    "parse_size",
+    "read_whole",
+    "write_shards",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -38,6 +47,7 @@ class ExportReport:
     total_bytes: int
     dtype: str | None
     seconds: float
+    architecture: str | None = None  # the transformers architecture, or None: our own names
 
 
 def parse_size(text: str) -> int:
@@ -64,7 +74,10 @@ def export_hf(
     src_options: dict | None = None,
     out_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    name_map: Mapping[str, str] | None = None,
 ) -> ExportReport:
+    """Every tensor under ``model.``, whole, under its checkpoint name (or the name
+    ``name_map`` gives it), as safetensors shards and an index."""
     t0 = time.perf_counter()
     source, dest = Storage(src, src_options), Storage(out, out_options)
     step = resolve_step(source, step)
@@ -77,36 +90,110 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {sorted(DTYPES)}")
     out_dtype = {k: dtype or manifest.tensors[k].dtype for k in keys}
-    existing = [n for n in dest.listdir("") if n == INDEX_NAME or n.endswith(".safetensors")]
+    rename = check_name_map(name_map or {}, keys, source.url, step)
+    clear_destination(dest, overwrite)
+    items = [(rename.get(k, k), out_dtype[k], manifest.tensors[k].shape) for k in keys]
+    back = {rename.get(k, k): k for k in keys}
+
+    def produce(name: str) -> torch.Tensor:
+        k = back[name]
+        return read_whole(source, manifest, k).to(dtype_info(out_dtype[k]).torch_dtype)
+
+    names, weight_map, total = write_shards(dest, items, produce, max_shard_bytes, progress)
+    index = {
+        "metadata": {"total_size": total, "step": step, "source": source.url},
+        "weight_map": weight_map,
+    }
+    dest.write_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
+    return ExportReport(step, dest.url, names, len(keys), total, dtype, time.perf_counter() - t0)
+
+
+def check_name_map(
+    name_map: Mapping[str, str], keys: list[str], url: str, step: int
+) -> dict[str, str]:
+    """A user's renaming ({"checkpoint name": "output name"}), checked: every name it renames
+    exists, and no two tensors end up with the same output name."""
+    if not isinstance(name_map, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in name_map.items()
+    ):
+        raise ValueError("--name-map: expected a JSON object of tensor name -> new name (strings)")
+    missing = sorted(set(name_map) - set(keys))
+    if missing:
+        raise StateMismatchError(
+            f"--name-map renames {missing[:5]}, which step {step} of {url} does not have; its "
+            f"tensors are named like {keys[:3]}"
+        )
+    seen: dict[str, str] = {}
+    for k in keys:
+        out = name_map.get(k, k)
+        if out in seen:
+            raise ValueError(
+                f"--name-map gives {seen[out]!r} and {k!r} the same name {out!r}; every output "
+                f"name must be unique"
+            )
+        seen[out] = k
+    return dict(name_map)
+
+
+def clear_destination(dest: Storage, overwrite: bool, also: tuple[str, ...] = ()) -> None:
+    """Make ``dest`` ready for an export: refuse one that holds weights unless ``overwrite``,
+    then remove them (and the files named in ``also``)."""
+    existing = [
+        n for n in dest.listdir("") if n == INDEX_NAME or n.endswith(".safetensors") or n in also
+    ]
     if existing and not overwrite:
         raise DestinationExistsError(
-            f"{dest.url} already holds {existing[:5]}; pass --overwrite to replace them, or choose an empty directory"
+            f"{dest.url} already holds {existing[:5]}; pass --overwrite to replace them, or "
+            f"choose an empty directory"
         )
     dest.makedirs("")
     for name in existing:
         dest.remove(name)
-    # greedy split in key order: a new shard when the next tensor would pass the limit
-    shards: list[list[str]] = [[]]
+
+
+def read_whole(source: Storage, manifest: Manifest, key: str) -> torch.Tensor:
+    """Tensor ``key`` of ``manifest``, assembled whole from its chunks (every block verified)."""
+    t = manifest.tensors[key]
+    whole = torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype)
+    reads = plan_tensor_reads(
+        key,
+        t,
+        normalize_placement(None, manifest.layout),
+        (0,) * len(t.shape),
+        tuple(t.shape),
+        manifest.block_bytes,
+    )
+    execute_reads(source, manifest, reads, {key: whole})
+    return whole
+
+
+def write_shards(
+    dest: Storage,
+    items: list[tuple[str, str, tuple[int, ...]]],
+    produce: Callable[[str], torch.Tensor],
+    max_shard_bytes: int,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[str], dict[str, str], int]:
+    """Write ``items`` (name, dtype, shape), in order, into ``model-0000i-of-0000n.safetensors``
+    files of at most ``max_shard_bytes`` each (a tensor larger than that gets a file of its own);
+    ``produce(name)`` gives each tensor, one at a time.  Returns (file names, the weight map,
+    total bytes)."""
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     size = 0
-    for k in keys:
-        n = (
-            manifest.tensors[k].nbytes
-            // dtype_info(manifest.tensors[k].dtype).itemsize
-            * dtype_info(out_dtype[k]).itemsize
-        )
+    for item in items:
+        n = math.prod(item[2]) * dtype_info(item[1]).itemsize
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(k)
+        shards[-1].append(item)
         size += n
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):
         entries, pos = [], 0
-        for k in shard:
-            t = manifest.tensors[k]
-            n = t.nbytes // dtype_info(t.dtype).itemsize * dtype_info(out_dtype[k]).itemsize
-            entries.append((k, dtype_info(out_dtype[k]).safetensors, t.shape, pos, pos + n))
+        for k, dtype, shape in shard:
+            n = math.prod(shape) * dtype_info(dtype).itemsize
+            entries.append((k, dtype_info(dtype).safetensors, shape, pos, pos + n))
             pos += n
             weight_map[k] = name
         total += pos
@@ -114,28 +201,14 @@ def export_hf(
 
         def parts(shard=shard, header=header) -> Iterator[memoryview | bytes]:
             yield header
-            for k in shard:
-                t = manifest.tensors[k]
-                whole = torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype)
-                reads = plan_tensor_reads(
-                    k,
-                    t,
-                    normalize_placement(None, manifest.layout),
-                    (0,) * len(t.shape),
-                    tuple(t.shape),
-                    manifest.block_bytes,
-                )
-                execute_reads(source, manifest, reads, {k: whole})
-                cast = whole.to(dtype_info(out_dtype[k]).torch_dtype).contiguous()
-                data = memoryview(cast.reshape(-1).view(torch.uint8).numpy())
+            for k, dtype, shape in shard:
+                t = produce(k)
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype_info(dtype).torch_dtype:
+                    raise AssertionError(f"{k}: produced {t.dtype} {tuple(t.shape)}")
+                data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 yield data
                 if progress is not None:
                     progress(len(data))
 
         dest.write_file(name, parts)
-    index = {
-        "metadata": {"total_size": total, "step": step, "source": source.url},
-        "weight_map": weight_map,
-    }
-    dest.write_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
-    return ExportReport(step, dest.url, names, len(keys), total, dtype, time.perf_counter() - t0)
+    return names, weight_map, total

@@ -255,7 +255,7 @@ def test_cli_commands_and_exit_codes(tmp_path):
     r = runner.invoke(app, ["inspect", src, "--step", "9"])
     assert r.exit_code == 2 and "committed steps: 5" in r.output
     r = runner.invoke(app, ["export", src, str(tmp_path / "hf"), "--format", "onnx"])
-    assert r.exit_code == 2 and "the only format is 'hf'" in r.output
+    assert r.exit_code == 2 and "one of 'hf', 'dcp'" in r.output
     r = runner.invoke(
         app, ["export", src, str(tmp_path / "hf"), "--format", "hf", "--dtype", "bfloat16"]
     )

@@ -1,0 +1,127 @@
+"""What the import formats share: the reference trainer's placement table, and writing whole
+tensors as a checkpoint in any layout.
+
+``reshape`` does not import the trainer (the import boundary, ../shared/DESIGN.md section 10), so
+the table of how the reference trainer splits each weight is restated here as part of its
+checkpoint format; tests/test_hf_interop.py checks that it equals reference_trainer/parallel.py's.
+A tensor whose name is not in the table (an optimizer moment, a user's model) is written
+replicated, which every layout can load (a load reshards).
+
+An import first writes an ordinary checkpoint of one rank (layout dp=1 x ep=1 x tp=1, each tensor
+annotated with its placement) into a scratch directory, then converts it to the requested layout
+with ``reshape.execute.convert``: the bytes are verified and committed like any conversion, and an
+interrupted import leaves no committed step at the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from reshape.execute import ConvertReport, DestinationExistsError, convert
+from resilient.checkpoint import Checkpointer, sharded
+from resilient.checkpoint.retention import step_dirs
+from resilient.checkpoint.storage import Storage
+from resilient.layout import Layout, Shard
+
+__all__ = ["REFERENCE_PLACEMENTS", "reference_placement", "write_checkpoint", "LAYOUT_AXES"]
+
+LAYOUT_AXES = ("dp", "ep", "tp")  # the reference trainer's Layout(dp=, ep=, tp=), in its order
+
+# name (without the "model." prefix) -> placement; the same table as reference_trainer/parallel.py
+REFERENCE_PLACEMENTS: list[tuple[str, dict]] = [
+    (r"embed\.weight", {}),
+    (r"layers\.\d+\.(attn_norm|moe_norm)\.weight", {}),
+    (r"layers\.\d+\.attn\.wq\.weight", {"tp": Shard(0)}),
+    (r"layers\.\d+\.attn\.wkv\.weight", {"tp": Shard(0, parts=2)}),
+    (r"layers\.\d+\.attn\.wo\.weight", {"tp": Shard(1)}),
+    (r"layers\.\d+\.moe\.router\.weight", {}),
+    (r"layers\.\d+\.moe\.w_gate_up", {"ep": Shard(0), "tp": Shard(1, parts=2)}),
+    (r"layers\.\d+\.moe\.w_down", {"ep": Shard(0), "tp": Shard(2)}),
+    (r"layers\.\d+\.moe\.shared_gate_up\.weight", {"tp": Shard(0, parts=2)}),
+    (r"layers\.\d+\.moe\.shared_down\.weight", {"tp": Shard(1)}),
+    (r"norm\.weight", {}),
+    (r"lm_head\.weight", {}),
+]
+
+
+def reference_placement(key: str) -> dict:
+    """The reference trainer's placement of checkpoint key ``key`` (``model.<name>``); ``{}``
+    (replicated) for any other key."""
+    if not key.startswith("model."):
+        return {}
+    name = key[len("model.") :]
+    for pattern, placement in REFERENCE_PLACEMENTS:
+        if re.fullmatch(pattern, name):
+            return dict(placement)
+    return {}
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"model.a.b": t}`` -> ``{"model": {"a.b": t}}``: one level, as the trainer's state has
+    it (a module's state_dict keys keep their dots)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        if not rest:
+            raise ValueError(f"tensor name {key!r} has no '<group>.' prefix (such as 'model.')")
+        out.setdefault(head, {})[rest] = value
+    return out
+
+
+def write_checkpoint(
+    out: str,
+    tensors: Mapping[str, torch.Tensor],
+    sizes: Mapping[str, int],
+    *,
+    values: Mapping[str, Any] | None = None,  # top-level groups of JSON values: {"config": {...}}
+    step: int = 0,
+    placement: Callable[[str], dict] = reference_placement,
+    overwrite: bool = False,
+    out_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ConvertReport:
+    """Write whole ``tensors`` (``group.name`` keys, such as ``model.layers.0.attn.wq.weight``)
+    and JSON ``values`` as step ``step`` of a checkpoint at ``out`` in the layout ``sizes``
+    (``{"tp": 2, "ep": 1, "dp": 1}``), each tensor split by ``placement(key)``."""
+    unknown = sorted(set(sizes) - set(LAYOUT_AXES))
+    if unknown:
+        raise ValueError(f"layout axes {unknown}: the axes are {list(LAYOUT_AXES)}")
+    dest = Storage(out, out_options)
+    existing = sorted(step_dirs(dest))
+    if existing and not overwrite:
+        raise DestinationExistsError(
+            f"the destination {dest.url} already holds checkpoint steps {existing[-10:]}; pass "
+            f"--overwrite to replace step {step} there, or choose an empty destination"
+        )
+    one = Layout([(a, 1) for a in LAYOUT_AXES])
+    state: dict[str, Any] = {}
+    for key, t in tensors.items():
+        state[key] = sharded(t, placement(key), global_shape=tuple(t.shape))
+    tree: dict[str, Any] = _unflatten(state)
+    for key, value in (values or {}).items():
+        if key in tree:
+            raise ValueError(f"values[{key!r}] has the name of a group of tensors")
+        tree[key] = value
+    scratch = tempfile.mkdtemp(prefix="reshape-import-")
+    try:
+        with Checkpointer(scratch + "/ckpt", layout=one, keep_last=1) as ck:
+            ck.save(step, tree).wait()
+        return convert(
+            scratch + "/ckpt",
+            out,
+            {a: int(sizes.get(a, 1)) for a in LAYOUT_AXES},
+            step=step,
+            overwrite=overwrite,
+            dst_options=out_options,
+            progress=progress,
+        )
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(scratch)

@@ -1,0 +1,428 @@
+"""Hugging Face transformers, both ways: `reshape export --format hf` writes what
+AutoModelForCausalLM loads and computes the trainer's logits; `reshape import --format hf` brings
+such a directory (or a Mixtral / Qwen2-MoE one transformers wrote) back in any layout, and the
+trainer starts from it with --init-from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from reference_trainer.config import PRESETS, ConfigError, TrainConfig, preset
+from reference_trainer.model import MoETransformer, init_parameters
+from reference_trainer.parallel import PLACEMENTS, ParallelContext
+from reshape.cli import app
+from reshape.execute import convert
+from reshape.formats.hf import (
+    HfFormatError,
+    MoEConfig,
+    UnsupportedModelError,
+    architecture_for,
+    export_reference_hf,
+    hf_config,
+    import_hf,
+)
+from reshape.formats.reference import REFERENCE_PLACEMENTS
+from resilient import Checkpointer, Layout
+from resilient.errors import CheckpointCorruptError, StateMismatchError
+from tests.dist import run_distributed
+from tests.integration.trainer_runs import run_train
+
+runner = CliRunner()
+TOL = 1e-5  # float32 logits, the issue's bound
+TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(7))
+
+# The presets' structure (routing, shared expert, grouped KV ratio) at a width tests can train
+SHRUNK = {
+    "tiny": {},
+    "small": {"dim": 64, "num_layers": 2, "head_dim": 8, "expert_ffn_dim": 32, "seq_len": 64},
+    "zaya1-mini": {
+        "dim": 64,
+        "num_layers": 2,
+        "head_dim": 8,
+        "num_experts": 8,
+        "expert_ffn_dim": 32,
+        "seq_len": 64,
+    },
+}
+
+
+def trainer_logits(url: str, model_cfg, tokens=TOKENS) -> torch.Tensor:
+    """The reference trainer's own forward pass (one process) on the weights of ``url``."""
+    pc = ParallelContext.single()
+    model = MoETransformer(model_cfg, pc)
+    init_parameters(model, pc, seed=123)  # overwritten by the load
+    with Checkpointer(url, layout=pc.layout) as ck:
+        ck.load({"model": model})
+    with torch.no_grad():
+        return model(tokens)[0]
+
+
+def hf_logits(path: str, tokens=TOKENS) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True
+        )
+    # every weight came from the files, and every tensor in them was used
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info.get("mismatched_keys"), info
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def model_weights(url: str) -> dict[str, torch.Tensor]:
+    pc = ParallelContext.single()
+    with Checkpointer(url, layout=pc.layout) as ck:
+        cfg = MoEConfig.from_mapping(
+            {
+                k[len("config.model.") :]: v
+                for k, v in ck.manifest().extras.items()
+                if k.startswith("config.model.")
+            },
+            url,
+        )
+        model = MoETransformer(dataclasses.replace(preset("tiny"), **dataclasses.asdict(cfg)), pc)
+        ck.load({"model": model})
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A trainer checkpoint written by 4 ranks (tp 2 x ep 2), and the same step converted to
+    dp 2, ep 2 and tp 2: the source layouts of the export."""
+    root = tmp_path_factory.mktemp("hf")
+    url = str(root / "tp2xep2")
+    kw = {"steps": 2, "global_batch": 8, "ep": 2, "tp": 2, "save_every": 2, "ckpt": url}
+    run_distributed(run_train, 4, kw)
+    out = {"tp2xep2": url}
+    for name, sizes in (
+        ("dp2", {"dp": 2, "ep": 1, "tp": 1}),
+        ("ep2", {"dp": 1, "ep": 2, "tp": 1}),
+        ("tp2", {"dp": 1, "ep": 1, "tp": 2}),
+    ):
+        out[name] = str(root / name)
+        convert(url, out[name], sizes, step=2)
+    return out
+
+
+def test_the_placement_table_is_the_trainers():
+    assert [(p, dict(x)) for p, x in REFERENCE_PLACEMENTS] == [(p, dict(x)) for p, x in PLACEMENTS]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["tp2xep2", "dp2", "ep2", "tp2"])
+def test_export_loads_in_transformers_and_computes_the_trainers_logits(trained, source, tmp_path):
+    out = str(tmp_path / "hf")
+    report = export_reference_hf(trained[source], out)
+    assert report.architecture == "Qwen2MoeForCausalLM"  # tiny has a shared expert
+    cfg = json.loads(open(os.path.join(out, "config.json")).read())
+    assert cfg["model_type"] == "qwen2_moe" and cfg["norm_topk_prob"] is True
+    index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+    files = set(index["weight_map"].values())
+    on_disk = {}
+    for f in files:
+        on_disk.update(load_file(os.path.join(out, f)))
+    assert set(on_disk) == set(index["weight_map"])
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in on_disk
+    assert all(t.dtype == torch.float32 for t in on_disk.values())
+    got, want = hf_logits(out), trainer_logits(trained["tp2xep2"], preset("tiny"))
+    assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_presets_structure_exports_exactly(name, tmp_path):
+    """Each preset's routing and shared expert (top-2 + shared: Qwen2-MoE with a zero gate;
+    top-1, none: Qwen2-MoE with a zero shared expert), trained a step at a test's width."""
+    url = str(tmp_path / "ckpt")
+    kw = {"steps": 1, "global_batch": 2, "save_every": 1, "ckpt": url, "preset": name}
+    run_distributed(run_train, 1, {**kw, "model": SHRUNK[name]})
+    model_cfg = dataclasses.replace(preset(name), **SHRUNK[name])
+    export_reference_hf(url, str(tmp_path / "hf"))
+    diff = hf_logits(str(tmp_path / "hf")) - trainer_logits(url, model_cfg)
+    assert diff.abs().max().item() <= TOL, name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_presets_config_builds_its_shapes_in_transformers(name):
+    """At the presets' real sizes (on the meta device): every tensor the export writes is a
+    parameter of the transformers model, with the same shape, and nothing is missing."""
+    cfg = MoEConfig.from_mapping(dataclasses.asdict(preset(name)), name)
+    arch = architecture_for(cfg)
+    conf = transformers.AutoConfig.for_model(**hf_config(cfg, arch, "float32"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(conf)
+    from reshape.formats.hf import _rules
+
+    want = {n: shape for n, (_, _, shape) in _rules(cfg, arch).items()}
+    have = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # transformers 5 keeps the experts fused in memory; the files use one tensor per expert
+    fused = {n for n in have if re.search(r"experts\.(gate_up_proj|down_proj)$", n)}
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for n in fused:  # (E, 2F, D) = E x [gate (F, D); up (F, D)], (E, D, F) = E x down (D, F)
+        base, kind = n.rsplit(".", 1)
+        e, rows, cols = have[n]
+        for j in range(e):
+            if kind == "gate_up_proj":
+                for part in names[:2]:
+                    assert want.pop(f"{base}.{j}.{part}.weight") == (rows // 2, cols), (n, j)
+            else:
+                assert want.pop(f"{base}.{j}.{names[2]}.weight") == (rows, cols), (n, j)
+    assert want == {n: s for n, s in have.items() if n not in fused}
+
+
+def test_mixtral_where_it_computes_the_same(tmp_path):
+    cfg = {**dataclasses.asdict(preset("tiny")), "shared_expert": False}
+    model_cfg = MoEConfig.from_mapping(cfg, "test")
+    assert architecture_for(model_cfg) == "mixtral"
+    top1 = dataclasses.replace(model_cfg, top_k=1)
+    assert architecture_for(top1) == "qwen2_moe"  # Mixtral's top-1 weighs by 1.0
+    url = str(tmp_path / "ckpt")
+    kw = {"steps": 1, "global_batch": 2, "save_every": 1, "ckpt": url}
+    run_distributed(run_train, 1, {**kw, "model": {"shared_expert": False}})
+    report = export_reference_hf(url, str(tmp_path / "hf"))
+    assert report.architecture == "MixtralForCausalLM"
+    trainer_cfg = dataclasses.replace(preset("tiny"), shared_expert=False)
+    diff = hf_logits(str(tmp_path / "hf")) - trainer_logits(url, trainer_cfg)
+    assert diff.abs().max().item() <= TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_import_round_trips_bit_exact_and_the_trainer_starts_from_it(trained, tmp_path):
+    hf = str(tmp_path / "hf")
+    export_reference_hf(trained["tp2xep2"], hf)
+    back = str(tmp_path / "imported")
+    report = import_hf(hf, back, sizes={"tp": 2, "ep": 2, "dp": 1})
+    assert report["layout"] == [["dp", 1], ["ep", 2], ["tp", 2]]
+    src, got = model_weights(trained["tp2xep2"]), model_weights(back)
+    assert src.keys() == got.keys()
+    for k in src:
+        assert torch.equal(src[k], got[k]), k  # the shared expert's 2x then 0.5x is exact
+    with Checkpointer(back) as ck:
+        m = ck.manifest()
+        assert m.layout == Layout(dp=1, ep=2, tp=2)
+        assert m.tensors["model.layers.0.moe.w_gate_up"].placement[1][1].dim == 0  # ep splits
+    # the trainer starts from it: with a zero learning rate its first save equals the import
+    ckpt = str(tmp_path / "run")
+    kw = {"steps": 1, "global_batch": 8, "dp": 2, "save_every": 1, "ckpt": ckpt, "lr": 0.0}
+    run_distributed(run_train, 2, {**kw, "init_from": back})
+    after = model_weights(ckpt)
+    for k in src:
+        assert torch.equal(after[k], src[k]), k
+    # and without --init-from the same run starts elsewhere (the test can fail)
+    fresh = str(tmp_path / "fresh")
+    run_distributed(run_train, 2, {**kw, "ckpt": fresh})
+    assert not torch.equal(model_weights(fresh)["embed.weight"], src["embed.weight"])
+
+
+def test_init_from_refuses_another_model(tmp_path):
+    url = str(tmp_path / "ckpt")
+    cfg = MoEConfig.from_mapping(dataclasses.asdict(preset("tiny")), "t")
+    tensors = {k: torch.zeros(s) for k, s in cfg.tensor_shapes().items()}
+    from reshape.formats.reference import write_checkpoint
+
+    write_checkpoint(url, tensors, {}, values={"config": {"model": dataclasses.asdict(cfg)}})
+    from reference_trainer.train import _init_from
+
+    other = dataclasses.replace(preset("tiny"), num_experts=8)
+    pc = ParallelContext.single()
+    model = MoETransformer(other, pc)
+    init_parameters(model, pc, 0)
+    train_cfg = TrainConfig(model=other, init_from=url)
+    with pytest.raises(ConfigError, match=r"num_experts 4 there, 8 here"):
+        _init_from(train_cfg, pc, model)
+    model = MoETransformer(preset("tiny"), pc)
+    init_parameters(model, pc, 0)
+    _init_from(TrainConfig(model=preset("tiny"), init_from=url), pc, model)
+    assert all(not p.count_nonzero() for p in model.parameters())
+
+
+def _tiny_hf_config(kind: str, **extra):
+    common = dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, num_experts_per_tok=2,
+    )  # fmt: skip
+    if kind == "mixtral":
+        return transformers.MixtralConfig(
+            **common, intermediate_size=32, num_local_experts=4, sliding_window=None, **extra
+        )
+    return transformers.Qwen2MoeConfig(
+        **common, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        norm_topk_prob=True, intermediate_size=32, **extra,
+    )  # fmt: skip
+
+
+def _save(model, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(path)
+
+
+def test_import_a_mixtral_that_transformers_wrote(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")).eval()
+    _save(hf, tmp_path / "mixtral")
+    report = import_hf(str(tmp_path / "mixtral"), str(tmp_path / "ckpt"), sizes={"tp": 2})
+    assert report["architecture"] == "mixtral" and report["model"]["shared_expert"] is False
+    assert report["model"]["rope_theta"] == 1e6  # Mixtral's default, carried over
+    cfg = dataclasses.replace(preset("tiny"), **report["model"])
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    diff = trainer_logits(str(tmp_path / "ckpt"), cfg) - want
+    assert diff.abs().max().item() <= TOL
+
+
+def test_import_a_qwen2_moe_only_where_the_trainer_computes_the_same(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.Qwen2MoeForCausalLM(_tiny_hf_config("qwen2_moe")).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.shared_expert_gate.weight.normal_()  # a learned gate: not expressible
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+    _save(hf, tmp_path / "gated")
+    with pytest.raises(UnsupportedModelError, match="shared_expert_gate.weight is not all zeros"):
+        import_hf(str(tmp_path / "gated"), str(tmp_path / "no"), sizes={})
+    assert not os.path.exists(tmp_path / "no")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.shared_expert_gate.weight.zero_()
+    _save(hf, tmp_path / "ungated")
+    report = import_hf(str(tmp_path / "ungated"), str(tmp_path / "ckpt"), sizes={"ep": 2})
+    assert report["model"]["shared_expert"] is True
+    cfg = dataclasses.replace(preset("tiny"), **report["model"])
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (trainer_logits(str(tmp_path / "ckpt"), cfg) - want).abs().max().item() <= TOL
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.k_proj.bias.fill_(0.5)
+    _save(hf, tmp_path / "biased")
+    with pytest.raises(UnsupportedModelError, match="k_proj.bias is not all zeros"):
+        import_hf(str(tmp_path / "biased"), str(tmp_path / "no2"), sizes={})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_experts_per_tok": 1}, "top-1 Mixtral"),
+        ({"sliding_window": 16}, "sliding_window 16"),
+        ({"model_type": "llama"}, "model_type 'llama'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE type 'yarn'"),
+    ],
+)
+def test_import_refuses_what_the_trainer_cannot_compute(tmp_path, change, match):
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(UnsupportedModelError, match=match):
+        import_hf(str(tmp_path / "m"), str(tmp_path / "out"), sizes={})
+
+
+def test_import_names_a_damaged_directory(tmp_path):
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    with pytest.raises(HfFormatError, match="is not a directory"):
+        import_hf(str(tmp_path / "nope"), str(tmp_path / "o"), sizes={})
+    weights = [f for f in os.listdir(tmp_path / "m") if f.endswith(".safetensors")]
+    path = tmp_path / "m" / weights[0]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(CheckpointCorruptError, match=re.escape(weights[0])):
+        import_hf(str(tmp_path / "m"), str(tmp_path / "o"), sizes={})
+    path.write_bytes(b"\xff" * 64)
+    with pytest.raises(HfFormatError):
+        import_hf(str(tmp_path / "m"), str(tmp_path / "o"), sizes={})
+    (tmp_path / "m" / "config.json").write_text("[1, 2]")
+    with pytest.raises(HfFormatError, match="must be a JSON object"):
+        import_hf(str(tmp_path / "m"), str(tmp_path / "o"), sizes={})
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_a_checkpoint_without_its_model_config_names_the_option(tmp_path):
+    cfg = MoEConfig.from_mapping(dataclasses.asdict(preset("tiny")), "t")
+    url = str(tmp_path / "old")
+    with Checkpointer(url, layout=Layout(dp=1, ep=1, tp=1)) as ck:
+        tensors = {k[len("model.") :]: torch.randn(s) for k, s in cfg.tensor_shapes().items()}
+        ck.save(3, {"model": tensors, "config": {"preset": "tiny"}}).wait()
+    with pytest.raises(StateMismatchError, match=r"--model-config FILE.*preset\('tiny'\)"):
+        export_reference_hf(url, str(tmp_path / "hf"))
+    model_json = tmp_path / "model.json"
+    model_json.write_text(json.dumps(dataclasses.asdict(preset("tiny"))))
+    r = runner.invoke(
+        app,
+        ["export", url, str(tmp_path / "hf"), "--format", "hf", "--model-config", str(model_json)],
+    )
+    assert r.exit_code == 0, r.output
+    assert "Qwen2MoeForCausalLM" in r.output and "loads it" in r.output
+    bad = dict(dataclasses.asdict(preset("tiny")), num_experts=8)
+    model_json.write_text(json.dumps(bad))
+    r = runner.invoke(
+        app,
+        ["export", url, str(tmp_path / "hf2"), "--format", "hf", "--model-config", str(model_json)],
+    )
+    assert r.exit_code == 2 and "makes it (8, 64)" in r.output, r.output
+
+
+def test_other_checkpoints_keep_their_names_or_a_name_map(tmp_path):
+    url = str(tmp_path / "user")
+    with Checkpointer(url) as ck:
+        ck.save(1, {"model": {"enc.w": torch.ones(2, 3), "dec.w": torch.zeros(3)}}).wait()
+    r = runner.invoke(app, ["export", url, str(tmp_path / "a"), "--format", "hf"])
+    assert r.exit_code == 0 and "Not a reference-trainer checkpoint" in r.output, r.output
+    names = set(load_file(str(tmp_path / "a" / "model-00001-of-00001.safetensors")))
+    assert names == {"model.enc.w", "model.dec.w"}
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({"model.enc.w": "encoder.weight"}))
+    r = runner.invoke(
+        app, ["export", url, str(tmp_path / "b"), "--format", "hf", "--name-map", str(mapping)]
+    )
+    assert r.exit_code == 0, r.output
+    got = load_file(str(tmp_path / "b" / "model-00001-of-00001.safetensors"))
+    assert set(got) == {"encoder.weight", "model.dec.w"} and torch.equal(
+        got["encoder.weight"], torch.ones(2, 3)
+    )
+    mapping.write_text(json.dumps({"model.nope": "x"}))
+    r = runner.invoke(
+        app, ["export", url, str(tmp_path / "c"), "--format", "hf", "--name-map", str(mapping)]
+    )
+    assert r.exit_code == 2 and "model.nope" in r.output
+    mapping.write_text(json.dumps({"model.enc.w": "model.dec.w"}))
+    r = runner.invoke(
+        app, ["export", url, str(tmp_path / "d"), "--format", "hf", "--name-map", str(mapping)]
+    )
+    assert r.exit_code == 2 and "the same name" in r.output
+
+
+def test_cli_import_and_export_round_trip(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")).eval()
+    _save(hf, tmp_path / "m")
+    out = str(tmp_path / "ckpt")
+    r = runner.invoke(app, ["import", str(tmp_path / "m"), out, "--format", "hf", "--tp", "2"])
+    assert r.exit_code == 0 and "--init-from" in r.output, r.output
+    r = runner.invoke(app, ["import", str(tmp_path / "m"), out, "--format", "hf"])
+    assert r.exit_code == 2 and "--overwrite" in r.output
+    r = runner.invoke(app, ["export", out, str(tmp_path / "again"), "--format", "hf"])
+    assert r.exit_code == 0 and "MixtralForCausalLM" in r.output, r.output
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (hf_logits(str(tmp_path / "again")) - want).abs().max().item() <= TOL
+    r = runner.invoke(app, ["import", str(tmp_path / "m"), out, "--format", "onnx"])
+    assert r.exit_code == 2 and "one of 'hf', 'dcp'" in r.output
