@@ -293,7 +293,9 @@ def export(
         help="hf: Hugging Face transformers (a reference-trainer checkpoint becomes a Qwen2-MoE "
         "or Mixtral directory that AutoModelForCausalLM loads; any other checkpoint: its model. "
         "tensors as safetensors shards under their own names). dcp: a "
-        "torch.distributed.checkpoint directory of every tensor, which dcp.load reads",
+        "torch.distributed.checkpoint directory, every tensor whole under its key and the JSON "
+        "values as non-tensor entries, which dcp.load reads into plain tensors or DTensors on "
+        "any mesh (one tensor in memory at a time; read back and checked after writing)",
     ),
     dtype: str = typer.Option(None, "--dtype", help="hf: cast weights, e.g. bfloat16"),
     step: int = STEP,
@@ -403,7 +405,9 @@ def import_(
         "--format",
         help="hf: a Qwen2-MoE or Mixtral directory (config.json + safetensors) as a "
         "reference-trainer checkpoint (model weights, step 0; start with --init-from OUT). "
-        "dcp: a torch.distributed.checkpoint directory (needs --trust-pickle)",
+        "dcp: a torch.distributed.checkpoint directory (needs --trust-pickle), split the "
+        "reference trainer's way and checked bit for bit against dcp.load (holds the whole "
+        "state in memory)",
     ),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel size of the checkpoint written"),
     ep: int = typer.Option(1, "--ep", help="expert-parallel size"),
@@ -412,7 +416,9 @@ def import_(
         False,
         "--trust-pickle",
         help="dcp: allow reading DCP's .metadata, which is a Python pickle: unpickling a file "
-        "can run any code its author put in it, so pass this only for a directory you trust",
+        "can run any code its author put in it, so pass this only for a directory you trust (non-tensor "
+        "entries are still decoded with torch's restricted unpickler and kept only when they "
+        "are JSON values)",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace step 0 in OUT"),
     as_json: bool = JSON,

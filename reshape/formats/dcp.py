@@ -1,0 +1,792 @@
+"""Export to and import from ``torch.distributed.checkpoint`` (DCP) directories, through torch's own
+writer and reader, so that a user can leave this toolkit, or join it, at any step.
+
+Export: every tensor of a step, whole, under its checkpoint key, and the manifest's JSON values
+(``extras``) as DCP non-tensor entries under their keys, written by ``dcp.save``.  The state given
+to ``dcp.save`` holds meta tensors; the planner reads each tensor when torch's writer asks for it,
+and each tensor gets its own ``.distcp`` file (torch's writer keeps a file's tensors referenced
+until it closes the file), so one tensor is in memory at a time.  The result is read back with
+``dcp.load``, in batches, and each tensor's CRC-32 compared with what was written.
+
+Import: DCP's ``.metadata`` is a pickle, and unpickling an untrusted file can run arbitrary code,
+so an import needs ``trust_pickle=True``; without it nothing is read.  With it, torch's reader
+unpickles the metadata once, and it is checked before anything is allocated (chunks tile each
+tensor exactly; data files are plain names in the directory, regular, long enough for their byte
+ranges; supported dtypes; the state fits in memory).  ``dcp.load`` fills whole tensors, which
+``reshape.formats.reference.write_checkpoint`` writes in the requested layout; every tensor is
+then read back and compared bit for bit.  The import holds the whole state in memory (about twice
+that while writing).
+
+Non-tensor entries: DCP's own loader unpickles them with ``torch.load(weights_only=False)``; this
+module never does.  It takes their raw bytes and decodes them with torch's restricted unpickler
+(``weights_only=True``: containers, numbers, strings, tensors; never code), keeps JSON values and
+skips the rest with a note in the report.  A DCP tensor key without a dot (``weight``) is imported
+as ``dcp.<key>`` (``UNGROUPED``); value keys are kept.  The DCP side is a local directory.  DCP has
+no checksums: a flipped bit in a ``.distcp`` file's tensor bytes cannot be detected; damage to its
+structure is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import stat
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    BytesStorageMetadata,
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
+
+from reshape.execute import ConvertReport, DestinationExistsError, resolve_step
+from reshape.export import read_whole
+from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
+from resilient.checkpoint.format import DTYPES, Manifest, dtype_info
+from resilient.checkpoint.reader import read_manifest
+from resilient.checkpoint.retention import step_dirs
+from resilient.checkpoint.storage import Storage
+from resilient.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    LayoutError,
+    ResilientError,
+    StateMismatchError,
+    StorageError,
+)
+
+__all__ = [
+    "DcpReport",
+    "UntrustedPickleError",
+    "export_dcp",
+    "import_dcp",
+    "UNGROUPED",
+    "MAX_VALUE_BYTES",
+]
+
+METADATA_NAME = ".metadata"  # torch's name for the pickled Metadata of a DCP directory
+UNGROUPED = "dcp"  # the group of imported DCP tensor keys that have no dot
+MAX_VALUE_BYTES = 16 << 20  # a non-tensor entry larger than this is skipped, unread
+MAX_METADATA_BYTES = 1 << 30  # like MANIFEST.json's cap (docs/FORMAT.md section 5)
+MAX_DIMS = 32
+VERIFY_BATCH_BYTES = 1 << 30  # export: how much is read back per dcp.load call
+_TORCH_DTYPES = {d.torch_dtype: d.name for d in DTYPES.values()}
+
+
+class UntrustedPickleError(ResilientError, PermissionError):
+    """A DCP import was asked for without ``trust_pickle``: DCP's ``.metadata`` is a pickle."""
+
+
+@dataclass
+class DcpReport:
+    step: int
+    out: str
+    tensors: int
+    total_bytes: int  # tensor bytes written
+    seconds: float
+    values: int = 0  # JSON values carried over
+    files: int = 0  # .distcp files written (export) or read (import)
+    skipped: list[str] = field(default_factory=list)  # "key: why", for what was not carried over
+    renamed: dict[str, str] = field(default_factory=dict)  # import: DCP key -> checkpoint key
+    convert: ConvertReport | None = None  # import: the conversion into the requested layout
+
+
+# --- the DCP side: a local directory ---------------------------------------------------------------
+
+
+def _local_dir(path: str, what: str) -> str:
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    elif "://" in path or "::" in path:
+        raise StorageError(
+            f"{what} {path!r}: the DCP side of an import or export is a local directory (torch's "
+            f"FileSystemReader/Writer); copy it to a local disk first",
+            url=path,
+            operation="dcp",
+        )
+    return os.path.abspath(path)
+
+
+def _is_dcp_file(name: str) -> bool:
+    return name == METADATA_NAME or name.endswith(".distcp")
+
+
+def _prepare_out(out_dir: str, overwrite: bool) -> None:
+    """Refuse a non-empty ``out_dir`` unless ``overwrite``; then remove the DCP files there (the
+    old ``.metadata`` first, so an interrupted export never leaves it naming new files)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise DestinationExistsError(f"{out_dir} exists and is not a directory; choose another OUT")
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if names and not overwrite:
+        raise DestinationExistsError(
+            f"{out_dir} is not empty (it holds {names[:5]}); pass --overwrite to replace the DCP "
+            f"checkpoint there, or choose an empty directory"
+        )
+    os.makedirs(out_dir, exist_ok=True)
+    for name in sorted(names, key=lambda n: n != METADATA_NAME):
+        if _is_dcp_file(name) and os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """``dcp.save``/``dcp.load`` with ``no_dist=True`` warn that they assume one process: we mean
+    that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _underlying(e: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (a BaseException), or ``e``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return inner[0]
+    return e
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (so that NaNs and -0.0 compare by their bits)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(_bits(t).numpy()))
+
+
+# --- export ---------------------------------------------------------------------------------------
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner over a state of meta tensors: each tensor is read from the
+    checkpoint when torch's writer resolves it (SavePlanner.resolve_data is where the docs want
+    memory allocated), its CRC-32 noted for the read-back.  A failure is kept, to be raised as
+    itself rather than inside DCP's CheckpointException."""
+
+    def __init__(
+        self, storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None
+    ) -> None:
+        super().__init__()
+        self.storage, self.manifest, self.progress = storage, manifest, progress
+        self.crcs: dict[str, int] = {}
+        self.error: BaseException | None = None
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        key = write_item.index.fqn
+        try:
+            whole = read_whole(self.storage, self.manifest, key)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+        self.crcs[key] = _crc(whole)
+        if self.progress is not None:
+            self.progress(whole.numel() * whole.element_size())
+        return whole
+
+
+def export_dcp(
+    src: str,
+    out: str,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    src_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    verify: bool = True,
+) -> DcpReport:
+    """Write step ``step`` (default: the newest commit) of the checkpoint at ``src`` as a DCP
+    checkpoint in the local directory ``out``.
+
+    Every tensor is written whole under its checkpoint key, and every value of the manifest's
+    ``extras`` as a DCP non-tensor entry under its key (``optim.param_groups.0.lr``, ``run.step``);
+    values that differ per rank (``rank_extras``) have no place in DCP's one namespace and are
+    listed in ``skipped``.  One tensor is in memory at a time.  ``progress(nbytes)`` is called per
+    tensor.  With ``verify`` the written directory is read back with ``dcp.load`` and each
+    tensor's CRC-32 compared.  A non-empty ``out`` is refused unless ``overwrite`` (which replaces
+    the DCP files there).  DCP writes ``.metadata`` last: an interrupted export leaves a directory
+    ``dcp.load`` refuses.
+    """
+    t0 = time.perf_counter()
+    source = Storage(src, src_options)
+    step = resolve_step(source, step)
+    manifest = read_manifest(source, step)
+    out_dir = _local_dir(out, "OUT")
+    skipped: list[str] = []
+    state: dict[str, Any] = {
+        k: torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype, device="meta")
+        for k, t in manifest.tensors.items()
+    }
+    values = 0
+    for key, value in manifest.extras.items():
+        if key in state:
+            skipped.append(f"{key}: a value with the key of a tensor")
+            continue
+        state[key] = value
+        values += 1
+    for rank, per_rank in sorted(manifest.rank_extras.items()):
+        skipped.append(
+            f"rank_extras of rank {rank} ({len(per_rank)} values, such as {sorted(per_rank)[:3]}): "
+            f"values that differ per rank have no place in DCP's one namespace"
+        )
+    _prepare_out(out_dir, overwrite)
+    planner = _StreamingSavePlanner(source, manifest, progress)
+    writer = FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1)
+    try:
+        with _single_process():
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if planner.error is not None:
+            raise planner.error from None  # the source's own error (corrupt, missing, ...)
+        inner = _underlying(e)
+        if isinstance(inner, ResilientError):
+            raise inner from None
+        raise StorageError(
+            f"writing the DCP checkpoint {out_dir} failed: {type(inner).__name__}: {inner}; check "
+            f"the directory (space, permissions) and run the export again",
+            url=out_dir,
+            operation="dcp.save",
+        ) from inner
+    if verify:
+        _verify_export(out_dir, manifest, planner.crcs)
+    total = sum(t.nbytes for t in manifest.tensors.values())
+    files = sum(1 for n in os.listdir(out_dir) if n.endswith(".distcp"))
+    return DcpReport(
+        step,
+        out_dir,
+        len(manifest.tensors),
+        total,
+        time.perf_counter() - t0,
+        values=values,
+        files=files,
+        skipped=skipped,
+    )
+
+
+def _verify_export(out_dir: str, manifest: Manifest, crcs: Mapping[str, int]) -> None:
+    """Read the export back with ``dcp.load``, in batches of about VERIFY_BATCH_BYTES, and compare
+    each tensor's CRC-32 with the bytes that were written, and each value."""
+    keys = sorted(manifest.tensors, key=lambda k: manifest.tensors[k].nbytes)
+    batches: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        if batches[-1] and size + manifest.tensors[k].nbytes > VERIFY_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(k)
+        size += manifest.tensors[k].nbytes
+    for batch in batches:
+        state: dict[str, Any] = {
+            k: torch.empty(
+                manifest.tensors[k].shape, dtype=dtype_info(manifest.tensors[k].dtype).torch_dtype
+            )
+            for k in batch
+        }
+        _load(out_dir, state, {})
+        for k in batch:
+            if _crc(state[k]) != crcs.get(k):
+                raise CheckpointCorruptError(
+                    f"tensor {k!r}: the bytes dcp.load reads back from {out_dir} differ from the "
+                    f"bytes written; the disk or filesystem is damaging writes: check it and run "
+                    f"the export again"
+                )
+    value_keys = [k for k in manifest.extras if k not in manifest.tensors]
+    if value_keys:
+        raw: dict[str, bytes] = {}
+        _load(out_dir, dict.fromkeys(value_keys), raw)
+        for k in value_keys:
+            got, why = _decode_value(raw.get(k, b""))
+            if why is not None or got != manifest.extras[k]:
+                raise CheckpointCorruptError(
+                    f"value {k!r}: dcp.load reads back {got!r} from {out_dir}, expected "
+                    f"{manifest.extras[k]!r} ({why or 'different'}); run the export again"
+                )
+
+
+# --- reading a DCP directory ----------------------------------------------------------------------
+
+
+class _RawBytesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a non-tensor entry's bytes are kept raw (in
+    ``raw``) instead of being unpickled with ``torch.load(weights_only=False)``."""
+
+    def __init__(self, raw: dict[str, bytes]) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.raw[read_item.dest_index.fqn] = value.getvalue()
+
+
+class _NamingReader(FileSystemReader):
+    """torch's FileSystemReader, reading file by file so that a failure names its file, and
+    unpickling ``.metadata`` once: dcp.load gets the metadata that was checked."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.failure: tuple[str, BaseException] | None = None
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        fut = None
+        for name, items in per_file.items():
+            try:
+                fut = super().read_data(dataclasses.replace(plan, items=items), planner)
+                fut.wait()
+            except BaseException as e:
+                self.failure = (name, e)
+                raise
+        return fut if fut is not None else super().read_data(plan, planner)
+
+
+def _load(
+    src_dir: str,
+    state: dict[str, Any],
+    raw: dict[str, bytes],
+    reader: _NamingReader | None = None,
+) -> None:
+    """``dcp.load`` into ``state`` (tensors allocated whole; ``None`` for non-tensor entries, whose
+    raw bytes land in ``raw``); any failure becomes a CheckpointCorruptError naming the file."""
+    reader = reader if reader is not None else _NamingReader(src_dir)
+    try:
+        with _single_process():
+            dcp.load(state, storage_reader=reader, planner=_RawBytesLoadPlanner(raw), no_dist=True)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if reader.failure is not None:
+            name, inner = reader.failure
+            where = os.path.join(src_dir, name)
+        else:
+            inner, where = _underlying(e), src_dir
+        raise CheckpointCorruptError(
+            f"{where}: dcp.load failed ({type(inner).__name__}: {str(inner)[:300]}); the DCP "
+            f"checkpoint is damaged (a truncated or overwritten .distcp file) or was not written "
+            f"by torch.distributed.checkpoint.save: copy or save it again"
+        ) from inner
+
+
+def _decode_value(data: bytes) -> tuple[Any, str | None]:
+    """(value, None) for a non-tensor entry that holds a JSON value, else (None, why).
+
+    torch's restricted unpickler (``weights_only=True``) builds plain containers, numbers,
+    strings and tensors only; it refuses any other class or callable, so no code runs."""
+    try:
+        # audited (tests/test_imports.py): the restricted unpickler, never the full one
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        return None, f"not a plain value (torch's restricted unpickler refused it: {str(e)[:120]})"
+    try:
+        return json.loads(json.dumps(value, allow_nan=False)), None
+    except (TypeError, ValueError) as e:
+        return None, f"not a JSON value ({type(value).__name__}: {e})"
+
+
+def _check_tiling(fqn: str, md: TensorStorageMetadata) -> None:
+    """The chunks of a DCP tensor lie inside it and cover every element exactly once."""
+    shape = [int(n) for n in md.size]
+    if len(shape) > MAX_DIMS or any(n < 0 for n in shape):
+        raise CheckpointCorruptError(f"tensor {fqn!r}: shape {shape} is not a tensor's shape")
+    boxes: list[tuple[list[int], list[int]]] = []
+    volume = 0
+    for c in md.chunks:
+        off, size = [int(x) for x in c.offsets], [int(x) for x in c.sizes]
+        if (
+            len(off) != len(shape)
+            or len(size) != len(shape)
+            or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(off, size, shape))
+        ):
+            raise CheckpointCorruptError(
+                f"tensor {fqn!r}: chunk at {off} of sizes {size} is outside its shape {shape}"
+            )
+        if all(s > 0 for s in size):
+            boxes.append((off, [o + s for o, s in zip(off, size)]))
+            volume += math.prod(size)
+    if volume != math.prod(shape):
+        raise CheckpointCorruptError(
+            f"tensor {fqn!r}: its chunks hold {volume} elements, its shape {shape} has "
+            f"{math.prod(shape)}; the metadata is damaged"
+        )
+    if len(boxes) < 2:
+        return
+    # sweep along the dim with the most distinct offsets: few chunks are open at a time there
+    d = max(range(len(shape)), key=lambda i: len({b[0][i] for b in boxes}))
+    boxes.sort(key=lambda b: b[0][d])
+    open_: list[tuple[list[int], list[int]]] = []
+    for lo, hi in boxes:
+        open_ = [b for b in open_ if b[1][d] > lo[d]]
+        for plo, phi in open_:
+            if all(max(a, b) < min(x, y) for a, b, x, y in zip(plo, lo, phi, hi)):
+                raise CheckpointCorruptError(
+                    f"tensor {fqn!r}: chunks at {plo} and {lo} overlap; the metadata is damaged"
+                )
+        open_.append((lo, hi))
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+@dataclass
+class _DcpContents:
+    tensors: dict[str, TensorStorageMetadata]
+    values: list[str]  # non-tensor entries small enough to read
+    skipped: list[str]
+    files: int
+
+
+def _read_metadata(src_dir: str) -> tuple[_NamingReader, Metadata]:
+    path = os.path.join(src_dir, METADATA_NAME)
+    if not os.path.isdir(src_dir):
+        raise CheckpointNotFoundError(f"{src_dir}: no such directory; check DCP_DIR")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        ranks = [n for n in os.listdir(src_dir) if n.endswith(METADATA_NAME) and n != METADATA_NAME]
+        hint = (
+            f" (it holds per-rank {ranks[:3]}: a save without collectives, which is not supported)"
+            if ranks
+            else ""
+        )
+        raise CheckpointNotFoundError(
+            f"{path}: no such file{hint}; DCP_DIR must be a directory written by "
+            f"torch.distributed.checkpoint.save (an interrupted save has no .metadata)"
+        ) from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METADATA_BYTES:
+        raise CheckpointCorruptError(
+            f"{path}: not a regular file of at most {MAX_METADATA_BYTES} bytes "
+            f"({st.st_size} bytes); it is not DCP metadata"
+        )
+    reader = _NamingReader(src_dir)
+    try:
+        metadata = reader.read_metadata()  # pickle.load (in torch), behind trust_pickle
+    except Exception as e:
+        raise CheckpointCorruptError(
+            f"{path}: cannot read DCP metadata ({type(e).__name__}: {str(e)[:200]}); the file is "
+            f"damaged or was not written by torch.distributed.checkpoint.save"
+        ) from e
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointCorruptError(
+            f"{path}: holds a {type(metadata).__name__}, not torch.distributed.checkpoint's "
+            f"Metadata; it is not a DCP checkpoint"
+        )
+    return reader, metadata
+
+
+def _check_contents(src_dir: str, metadata: Metadata) -> _DcpContents:
+    """Everything about a DCP directory that can be checked before allocating or reading data."""
+    tensors: dict[str, TensorStorageMetadata] = {}
+    values: list[str] = []
+    skipped: list[str] = []
+    lengths: dict[tuple[str, str], list[tuple[int, int, bool]]] = {}  # (fqn, file) -> spans
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        name, fqn = getattr(info, "relative_path", None), getattr(index, "fqn", None)
+        start, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name:
+            raise CheckpointCorruptError(
+                f"{os.path.join(src_dir, METADATA_NAME)}: entry {fqn!r} names the file {name!r}; "
+                f"DCP data files are plain names inside the directory"
+            )
+        if not (isinstance(start, int) and isinstance(length, int) and start >= 0 and length >= 0):
+            raise CheckpointCorruptError(f"entry {fqn!r} in {name!r}: byte range is not valid")
+        if name not in sizes:
+            path = os.path.join(src_dir, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(
+                    f"{path}: missing (the metadata names it for {fqn!r}); the DCP checkpoint is "
+                    f"incomplete: copy the whole directory again"
+                ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError(f"{path}: not a regular file")
+            sizes[name] = st.st_size
+        if start + length > sizes[name]:
+            raise CheckpointCorruptError(
+                f"{os.path.join(src_dir, name)}: {sizes[name]} bytes, but the metadata puts "
+                f"{fqn!r} at bytes [{start}, {start + length}): the file is truncated; copy or "
+                f"save the DCP checkpoint again"
+            )
+        transformed = bool(getattr(info, "transform_descriptors", None))
+        lengths.setdefault((str(fqn), name), []).append((start, length, transformed))
+    stored: dict[str, int] = {}
+    untransformed: set[str] = set()
+    for (fqn, _), spans in lengths.items():
+        stored[fqn] = stored.get(fqn, 0) + sum(n for _, n, _ in spans)
+        if not any(t for _, _, t in spans):
+            untransformed.add(fqn)
+    total = 0
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        if not isinstance(fqn, str):
+            raise CheckpointCorruptError(f"the metadata has a key {fqn!r} that is not a string")
+        if isinstance(md, BytesStorageMetadata):
+            if stored.get(fqn, 0) > MAX_VALUE_BYTES:
+                skipped.append(f"{fqn}: a non-tensor entry of {stored[fqn]} bytes (not read)")
+            else:
+                values.append(fqn)
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointCorruptError(
+                f"entry {fqn!r} is a {type(md).__name__}, neither a tensor nor a non-tensor "
+                f"entry; it is not a DCP checkpoint this torch can read"
+            )
+        dtype = getattr(md.properties, "dtype", None)
+        if dtype not in _TORCH_DTYPES:
+            raise StateMismatchError(
+                f"tensor {fqn!r} has dtype {dtype}; checkpoints hold {sorted(DTYPES)}: convert "
+                f"it before saving the DCP checkpoint"
+            )
+        _check_tiling(fqn, md)
+        nbytes = math.prod(int(n) for n in md.size) * dtype_info(_TORCH_DTYPES[dtype]).itemsize
+        # torch.save writes at least the chunk's bytes: the files bound what the metadata claims
+        if fqn in untransformed and nbytes > stored.get(fqn, 0):
+            raise CheckpointCorruptError(
+                f"tensor {fqn!r}: the metadata gives it {nbytes} bytes, its files hold "
+                f"{stored.get(fqn, 0)}; the metadata or the data files are damaged"
+            )
+        tensors[fqn] = md
+        total += nbytes
+    memory = _physical_memory_bytes()
+    if total > memory:
+        raise StateMismatchError(
+            f"{src_dir}: its tensors hold {total} bytes; an import holds all of them in memory "
+            f"(and about twice that while writing), and this machine has {memory}: import on a "
+            f"machine with more memory"
+        )
+    return _DcpContents(tensors, values, skipped, len(sizes))
+
+
+# --- import ---------------------------------------------------------------------------------------
+
+
+def _check_sizes(sizes: Mapping[str, int]) -> dict[str, int]:
+    unknown = sorted(set(sizes) - set(LAYOUT_AXES))
+    bad = {a: n for a, n in sizes.items() if not isinstance(n, int) or n < 1}
+    if unknown or bad:
+        raise LayoutError(
+            f"layout {dict(sizes)}: the axes are {list(LAYOUT_AXES)}, each a size of at least 1 "
+            f"(found {'unknown axes ' + str(unknown) if unknown else 'sizes ' + str(bad)})"
+        )
+    return {a: int(sizes.get(a, 1)) for a in LAYOUT_AXES}
+
+
+def _check_destination(out: str, options: dict | None, step: int, overwrite: bool) -> None:
+    """Fail before reading a large DCP checkpoint when write_checkpoint would refuse ``out``."""
+    dest = Storage(out, options)
+    existing = sorted(step_dirs(dest))  # {} when there is no directory yet
+    if existing and not overwrite:
+        raise DestinationExistsError(
+            f"the destination {dest.url} already holds checkpoint steps {existing[-10:]}; pass "
+            f"--overwrite to replace step {step} there, or choose an empty destination"
+        )
+
+
+def _checkpoint_key(fqn: str) -> str:
+    head, dot, rest = fqn.partition(".")
+    return fqn if head and dot and rest else f"{UNGROUPED}.{fqn}"
+
+
+def _placement_of(shapes: Mapping[str, tuple[int, ...]]) -> Callable[[str], dict]:
+    """The reference trainer's placements, and for optimizer state
+    (``optim.state.<parameter key>.<name>``) of a parameter's shape, the parameter's (as the
+    trainer's optimizer state inherits its parameter's placement)."""
+
+    def placement(key: str) -> dict:
+        if key.startswith("optim.state."):
+            param, _, _ = key[len("optim.state.") :].rpartition(".")
+            if param in shapes and shapes[param] == shapes[key] and len(shapes[key]) > 0:
+                return reference_placement(param)
+        return reference_placement(key)
+
+    return placement
+
+
+def import_dcp(
+    src: str,
+    out: str,
+    *,
+    sizes: Mapping[str, int],
+    trust_pickle: bool,
+    step: int = 0,
+    overwrite: bool = False,
+    out_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> DcpReport:
+    """Write the DCP checkpoint in the local directory ``src`` as step ``step`` of a checkpoint at
+    ``out`` in the layout ``sizes`` (``{"tp": 2, "ep": 1, "dp": 1}``), split the reference
+    trainer's way (its names; other tensors replicated), verified bit for bit against
+    ``dcp.load``.
+
+    ``trust_pickle`` must be True: DCP's ``.metadata`` is a pickle (UntrustedPickleError
+    otherwise, before anything is read).  Tensor keys without a dot get the group ``dcp.``
+    (``report.renamed``); non-tensor entries that hold JSON values become the checkpoint's values,
+    others are skipped (``report.skipped``).  Holds the whole state in memory (about twice while
+    writing).  ``progress(nbytes)`` reports the bytes written.  Every failure is a
+    ResilientError naming the file.
+    """
+    t0 = time.perf_counter()
+    src_dir = _local_dir(src, "DCP_DIR")
+    if not trust_pickle:
+        raise UntrustedPickleError(
+            f"{src_dir}: a torch.distributed.checkpoint directory's .metadata is a Python pickle, "
+            f"and unpickling a file from an untrusted source can run arbitrary code on this "
+            f"machine. Pass --trust-pickle (trust_pickle=True) only for a directory that you, or "
+            f"someone you trust, wrote; nothing was read"
+        )
+    layout = _check_sizes(sizes)
+    _check_destination(out, out_options, step, overwrite)
+    reader, metadata = _read_metadata(src_dir)
+    try:
+        contents = _check_contents(src_dir, metadata)
+    except ResilientError:
+        raise
+    except Exception as e:  # a Metadata whose fields are not what torch writes
+        raise CheckpointCorruptError(
+            f"{os.path.join(src_dir, METADATA_NAME)}: malformed DCP metadata "
+            f"({type(e).__name__}: {str(e)[:200]}); it was not written by "
+            f"torch.distributed.checkpoint.save"
+        ) from e
+
+    renamed = {f: _checkpoint_key(f) for f in contents.tensors if _checkpoint_key(f) != f}
+    keys = {f: _checkpoint_key(f) for f in contents.tensors}
+    clash = sorted(f for f, k in keys.items() if k in contents.tensors and k != f)
+    if clash:
+        raise StateMismatchError(
+            f"{src_dir}: DCP keys {clash[:3]} would be imported as {[keys[f] for f in clash[:3]]}, "
+            f"which the checkpoint already holds; rename them in the DCP checkpoint"
+        )
+    state: dict[str, Any] = {
+        f: torch.empty(tuple(int(n) for n in md.size), dtype=md.properties.dtype)
+        for f, md in contents.tensors.items()
+    }
+    state.update(dict.fromkeys(contents.values))
+    raw: dict[str, bytes] = {}
+    _load(src_dir, state, raw, reader)
+
+    skipped = list(contents.skipped)
+    groups = {k.partition(".")[0] for k in keys.values()}
+    taken = set(keys.values())
+    values: dict[str, Any] = {}
+    for fqn in contents.values:
+        value, why = _decode_value(raw.get(fqn, b""))
+        if why is None:
+            leaves = dict(_json_leaves(fqn, value))
+            bad = [k for k in leaves if k in groups or k in taken or k in values]
+            if bad:
+                why = f"its key {bad[0]!r} is taken by a group of tensors, a tensor or a value"
+            elif not leaves:
+                why = "an empty mapping: nothing to store"
+            else:
+                values.update(leaves)
+        if why is not None:
+            skipped.append(f"{fqn}: {why}")
+    tensors = {keys[f]: state[f] for f in contents.tensors}
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    report = write_checkpoint(
+        out,
+        tensors,
+        layout,
+        values=values,
+        step=step,
+        placement=_placement_of(shapes),
+        overwrite=overwrite,
+        out_options=out_options,
+        progress=progress,
+    )
+    _verify_import(out, out_options, step, tensors, values)
+    return DcpReport(
+        step,
+        report.target,
+        len(tensors),
+        sum(t.numel() * t.element_size() for t in tensors.values()),
+        time.perf_counter() - t0,
+        values=len(values),
+        files=contents.files,
+        skipped=skipped,
+        renamed=renamed,
+        convert=report,
+    )
+
+
+def _json_leaves(key: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """A JSON value as the checkpoint stores values: nested mappings flattened into dotted keys
+    (a checkpoint never stores a mapping as one value), everything else whole."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _json_leaves(f"{key}.{k}", v)
+    else:
+        yield key, value
+
+
+def _verify_import(
+    out: str,
+    out_options: dict | None,
+    step: int,
+    tensors: Mapping[str, torch.Tensor],
+    values: Mapping[str, Any],
+) -> None:
+    """Every tensor of the written step, read back whole, has the bits ``dcp.load`` gave, and its
+    values are ``values``; one tensor at a time."""
+    storage = Storage(out, out_options)
+    manifest = read_manifest(storage, step)
+    if set(manifest.tensors) != set(tensors):
+        raise CheckpointCorruptError(
+            f"step {step} of {storage.url} holds tensors {sorted(set(manifest.tensors) ^ set(tensors))[:5]} "
+            f"differently from the DCP checkpoint; the import failed: run it again"
+        )
+    for key, expected in tensors.items():
+        got = read_whole(storage, manifest, key)
+        if got.dtype != expected.dtype or got.shape != expected.shape:
+            raise CheckpointCorruptError(
+                f"tensor {key!r} at step {step} of {storage.url}: {got.dtype} {list(got.shape)}, "
+                f"dcp.load gave {expected.dtype} {list(expected.shape)}; run the import again"
+            )
+        if not torch.equal(_bits(got), _bits(expected)):
+            raise CheckpointCorruptError(
+                f"tensor {key!r} at step {step} of {storage.url}: its bytes differ from what "
+                f"dcp.load gave; the destination is damaging writes: check it and run again"
+            )
+    if dict(manifest.extras) != dict(values):
+        diff = sorted(set(manifest.extras) ^ set(values)) or sorted(
+            k for k in values if manifest.extras.get(k) != values[k]
+        )
+        raise CheckpointCorruptError(
+            f"step {step} of {storage.url}: values {diff[:5]} differ from the DCP checkpoint's; "
+            f"run the import again"
+        )
