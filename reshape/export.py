@@ -31,6 +31,7 @@ __all__ = [
     "clear_destination",
     "export_hf",
     "parse_size",
+    "read_many",
     "read_whole",
     "write_shards",
 ]
@@ -153,17 +154,25 @@ def clear_destination(dest: Storage, overwrite: bool, also: tuple[str, ...] = ()
 
 def read_whole(source: Storage, manifest: Manifest, key: str) -> torch.Tensor:
     """Tensor ``key`` of ``manifest``, assembled whole from its chunks (every block verified)."""
-    t = manifest.tensors[key]
-    whole = torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype)
-    reads = plan_tensor_reads(
-        key,
-        t,
-        normalize_placement(None, manifest.layout),
-        (0,) * len(t.shape),
-        tuple(t.shape),
-        manifest.block_bytes,
-    )
-    execute_reads(source, manifest, reads, {key: whole})
+    return read_many(source, manifest, [key])[key]
+
+
+def read_many(source: Storage, manifest: Manifest, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``keys`` of ``manifest``, each assembled whole, in one batch of reads (one pool of
+    reader threads for all of them; every block verified)."""
+    whole, reads = {}, []
+    for key in keys:
+        t = manifest.tensors[key]
+        whole[key] = torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype)
+        reads += plan_tensor_reads(
+            key,
+            t,
+            normalize_placement(None, manifest.layout),
+            (0,) * len(t.shape),
+            tuple(t.shape),
+            manifest.block_bytes,
+        )
+    execute_reads(source, manifest, reads, whole)
     return whole
 
 

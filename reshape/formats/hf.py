@@ -42,7 +42,7 @@ from reshape.export import (
     INDEX_NAME,
     ExportReport,
     clear_destination,
-    read_whole,
+    read_many,
     write_shards,
 )
 from reshape.formats.reference import write_checkpoint
@@ -67,6 +67,7 @@ CONFIG_NAME = "config.json"
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_INDEX_BYTES = 64 << 20
 _CONFIG_PREFIX = "config.model."
+READ_AHEAD = 128 << 20  # bytes of checkpoint tensors an export reads in one batch
 
 
 class UnsupportedModelError(ResilientError, ValueError):
@@ -358,7 +359,9 @@ def export_reference_hf(
     arch = architecture_for(cfg)
     rules = _rules(cfg, arch)
     clear_destination(dest, overwrite, also=(CONFIG_NAME,))
-    cache: dict[str, torch.Tensor] = {}  # the checkpoint tensor the last rule read
+    # the checkpoint tensors the rules read, in order; read ahead in batches of READ_AHEAD bytes
+    order = list(dict.fromkeys(k for k, _, _ in rules.values() if k is not None))
+    cache: dict[str, torch.Tensor] = {}
 
     def produce(name: str) -> torch.Tensor:
         key, cut, shape = rules[name]
@@ -366,7 +369,13 @@ def export_reference_hf(
             return torch.zeros(shape, dtype=torch_dtype)
         if key not in cache:
             cache.clear()
-            cache[key] = read_whole(source, manifest, key)
+            batch, size = [], 0
+            for k in order[order.index(key) :]:
+                if batch and size + manifest.tensors[k].nbytes > READ_AHEAD:
+                    break
+                batch.append(k)
+                size += manifest.tensors[k].nbytes
+            cache.update(read_many(source, manifest, batch))
         t = cache[key]
         return (cut(t) if cut is not None else t).to(torch_dtype)
 
