@@ -21,11 +21,17 @@ import gc
 gc.disable()
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
-from reference_trainer.config import ConfigError, TrainConfig, preset
+from reference_trainer.config import ConfigError, ModelConfig, TrainConfig, preset
+from reshape.formats.hf import MoEConfig
+from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.reader import read_manifest
+from resilient.checkpoint.storage import Storage
+from resilient.errors import ResilientError
 from resilient.launch import free_port
 
 
@@ -75,7 +81,12 @@ def parser() -> argparse.ArgumentParser:
         "Ignored once --ckpt holds a step to resume from",
     )
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--preset", default="tiny")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help="tiny, small, zaya1-mini, or checkpoint: the model configuration that --ckpt's "
+        "newest step records, else --init-from's (for a model `reshape import` brought in)",
+    )
     p.add_argument(
         "--data", default=None, help="a text file or a directory (default: Python's stdlib)"
     )
@@ -163,10 +174,49 @@ def _storage_options(raw: str | None) -> dict | None:
     return options
 
 
+def _model(args: argparse.Namespace) -> ModelConfig:
+    """--preset NAME, or --preset checkpoint: the model configuration recorded by --ckpt's newest
+    step, else by --init-from's (say, a model `reshape import --format hf` brought in)."""
+    if args.preset != "checkpoint":
+        return preset(args.preset)
+    options = _storage_options(args.storage_options)
+    for flag, url in (("--ckpt", args.ckpt), ("--init-from", args.init_from)):
+        if not url:
+            continue
+        try:
+            storage = Storage(url, options)
+            steps = scan(storage).steps()
+            if not steps:
+                continue
+            extras = read_manifest(storage, steps[-1]).extras
+        except ResilientError as e:
+            raise ConfigError(f"--preset checkpoint: cannot read {flag} {url}: {e}") from None
+        fields = {k[len("config.model.") :]: v for k, v in extras.items()
+                  if k.startswith("config.model.")}  # fmt: skip
+        if not fields:
+            raise ConfigError(
+                f"--preset checkpoint: step {steps[-1]} of {flag} {url} records no model "
+                f"configuration (config.model.*); pass the --preset it was trained with"
+            )
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        try:
+            MoEConfig.from_mapping(fields, f"{flag} {url}")  # types and ranges of what matters
+            return ModelConfig(**{k: v for k, v in fields.items() if k in known})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"--preset checkpoint: the model configuration of {flag} {url} is not one the "
+                f"trainer builds: {e}"
+            ) from None
+    raise ConfigError(
+        "--preset checkpoint: neither --ckpt nor --init-from holds a committed step to take the "
+        "model configuration from"
+    )
+
+
 def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig:
     return TrainConfig(
         preset=args.preset,
-        model=preset(args.preset),
+        model=_model(args),
         dp=_dp(args, world_size),
         ep=args.ep,
         tp=args.tp,

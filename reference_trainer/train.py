@@ -28,6 +28,8 @@ from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
 from resilient import Checkpointer, InJobRecovery, Run
+from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.storage import Storage
 from resilient.health import DetectorConfig, default_event_log
 from resilient.launch import init_process_group
 
@@ -121,6 +123,9 @@ def _train(
 
     model = MoETransformer(cfg.model, pc).to(device)
     init_parameters(model, pc, cfg.seed)
+    if cfg.init_from and not _has_committed_step(cfg, device):
+        # before the optimizer: ZeRO-1 copies the weights into its fp32 masters when it is built
+        _init_from(cfg, pc, model)
     groups = _param_groups(model, cfg.weight_decay)
     adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
     optim: Any = (
@@ -134,8 +139,6 @@ def _train(
         "global_batch": cfg.global_batch,
         "model": dataclasses.asdict(cfg.model),  # what `reshape export --format hf` needs
     }
-    if cfg.init_from:
-        _init_from(cfg, pc, model)
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
     )
@@ -173,6 +176,22 @@ def _train(
             if metrics is not None:
                 metrics.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+def _has_committed_step(cfg: TrainConfig, device: Any) -> bool:
+    """Whether --ckpt holds a durable step to resume from (rank 0 looks; every rank hears the
+    same answer): then --init-from is not read at all."""
+    found = 0
+    if cfg.ckpt and (not dist.is_initialized() or dist.get_rank() == 0):
+        try:
+            found = int(bool(scan(Storage(cfg.ckpt, cfg.storage_options)).steps()))
+        except Exception as e:  # the restore names it, on every rank alike
+            log.warning("could not list %s (%s); reading --init-from", cfg.ckpt, e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([found], dtype=torch.int64, device=device)
+        dist.broadcast(flag, src=0)
+        found = int(flag.item())
+    return bool(found)
 
 
 def _init_from(cfg: TrainConfig, pc: ParallelContext, model: torch.nn.Module) -> None:

@@ -440,7 +440,7 @@ def import_(
                 f"{src} ({report['architecture']}) -> step 0 of {report['out']}: "
                 f"{report['tensors']} tensors, {_human(report['bytes_written'])}, layout "
                 f"{' x '.join(f'{a}={n}' for a, n in report['layout'])}; train from it with "
-                f"python -m reference_trainer ... --init-from {report['out']}"
+                f"python -m reference_trainer --preset checkpoint --init-from {report['out']} ..."
             )
         else:
             from reshape.formats.dcp import import_dcp

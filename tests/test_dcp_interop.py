@@ -30,6 +30,7 @@ from resilient.errors import (
     CheckpointNotFoundError,
     LayoutError,
     ResilientError,
+    StateMismatchError,
 )
 from resilient.layout import Replicate, Shard
 
@@ -347,6 +348,26 @@ def test_import_verification_catches_a_checkpoint_that_differs(tmp_path, monkeyp
     monkeypatch.setattr(dcp_format, "write_checkpoint", damaging)
     with pytest.raises(CheckpointCorruptError, match="'model.w'.*differ from what dcp.load gave"):
         import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
+    # the step it had committed is taken back: nothing that differs from its source stays
+    assert not os.path.exists(tmp_path / "out" / "step_00000000")
+    monkeypatch.setattr(dcp_format, "write_checkpoint", real)
+    import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)  # nothing in the way
+
+
+def test_import_refuses_keys_with_empty_parts_and_skips_values_nested_too_deep(tmp_path):
+    src = str(tmp_path / "dcp")
+    save_dcp(src, {"model.": torch.ones(2), ".x": torch.zeros(1)})
+    with pytest.raises(StateMismatchError, match="empty part between dots"):
+        import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
+    assert not os.path.exists(tmp_path / "out")
+    deep: list = []
+    for _ in range(100):  # deeper than a checkpoint value may nest (64)
+        deep = [deep]
+    src2 = str(tmp_path / "dcp2")
+    save_dcp(src2, {"model": {"w": torch.ones(2)}, "deep": deep})
+    report = import_dcp(src2, str(tmp_path / "out2"), sizes={"tp": 1}, trust_pickle=True)
+    assert [s.split(":")[0] for s in report.skipped] == ["deep"], report.skipped
+    assert "nested too deeply" in report.skipped[0]
 
 
 def test_import_without_trust_reads_and_writes_nothing(tmp_path):

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import warnings
 
 import pytest
@@ -223,10 +224,19 @@ def test_import_round_trips_bit_exact_and_the_trainer_starts_from_it(trained, tm
     after = model_weights(ckpt)
     for k in src:
         assert torch.equal(after[k], src[k]), k
+    # ZeRO-1 too: its fp32 masters are made from the weights the import gave
+    zero = str(tmp_path / "zero")
+    run_distributed(run_train, 2, {**kw, "ckpt": zero, "zero": True, "init_from": back})
+    after = model_weights(zero)
+    for k in src:
+        assert torch.equal(after[k], src[k]), k
     # and without --init-from the same run starts elsewhere (the test can fail)
     fresh = str(tmp_path / "fresh")
     run_distributed(run_train, 2, {**kw, "ckpt": fresh})
     assert not torch.equal(model_weights(fresh)["embed.weight"], src["embed.weight"])
+    # once --ckpt holds a step, --init-from is not read at all (here: it is gone)
+    shutil.rmtree(back)
+    run_distributed(run_train, 2, {**kw, "steps": 2, "init_from": back})
 
 
 def test_init_from_refuses_another_model(tmp_path):
@@ -281,8 +291,7 @@ def test_import_a_mixtral_that_transformers_wrote(tmp_path):
     assert report["architecture"] == "mixtral" and report["model"]["shared_expert"] is False
     assert report["model"]["rope_theta"] == 1e6  # Mixtral's default, carried over
     cfg = dataclasses.replace(preset("tiny"), **report["model"])
-    with torch.no_grad():
-        want = hf(TOKENS).logits
+    want = hf_logits(str(tmp_path / "mixtral"))  # what transformers makes of the files
     diff = trainer_logits(str(tmp_path / "ckpt"), cfg) - want
     assert diff.abs().max().item() <= TOL
 
@@ -306,8 +315,7 @@ def test_import_a_qwen2_moe_only_where_the_trainer_computes_the_same(tmp_path):
     report = import_hf(str(tmp_path / "ungated"), str(tmp_path / "ckpt"), sizes={"ep": 2})
     assert report["model"]["shared_expert"] is True
     cfg = dataclasses.replace(preset("tiny"), **report["model"])
-    with torch.no_grad():
-        want = hf(TOKENS).logits
+    want = hf_logits(str(tmp_path / "ungated"))
     assert (trainer_logits(str(tmp_path / "ckpt"), cfg) - want).abs().max().item() <= TOL
     with torch.no_grad():
         hf.model.layers[0].self_attn.k_proj.bias.fill_(0.5)
@@ -317,22 +325,45 @@ def test_import_a_qwen2_moe_only_where_the_trainer_computes_the_same(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "change, match",
+    "kind, change, match",
     [
-        ({"num_experts_per_tok": 1}, "top-1 Mixtral"),
-        ({"sliding_window": 16}, "sliding_window 16"),
-        ({"model_type": "llama"}, "model_type 'llama'"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE type 'yarn'"),
+        ("mixtral", {"num_experts_per_tok": 1}, "top-1 Mixtral"),
+        ("mixtral", {"sliding_window": 16}, "sliding_window 16"),
+        ("mixtral", {"model_type": "llama"}, "model_type 'llama'"),
+        ("mixtral", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
+        # transformers reads rope_scaling before rope_parameters
+        ("mixtral", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "'linear'"),
+        ("mixtral", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ("qwen2_moe", {"num_experts_per_tok": 1}, "norm_topk_prob is true with top-1"),
+        ("qwen2_moe", {"norm_topk_prob": False}, "norm_topk_prob is false with top-2"),
+        ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, "some layers are dense"),
     ],
 )
-def test_import_refuses_what_the_trainer_cannot_compute(tmp_path, change, match):
+def test_import_refuses_what_the_trainer_cannot_compute(tmp_path, kind, change, match):
     torch.manual_seed(0)
-    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    cls = transformers.MixtralForCausalLM if kind == "mixtral" else transformers.Qwen2MoeForCausalLM
+    _save(cls(_tiny_hf_config(kind)), tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(UnsupportedModelError, match=match):
         import_hf(str(tmp_path / "m"), str(tmp_path / "out"), sizes={})
+
+
+def test_a_mixtral_without_a_theta_gets_transformers_default(tmp_path):
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    conf = json.loads(path.read_text())
+    conf.pop("rope_theta", None)
+    conf.pop("rope_parameters", None)
+    path.write_text(json.dumps(conf))
+    report = import_hf(str(tmp_path / "m"), str(tmp_path / "ckpt"), sizes={})
+    assert report["model"]["rope_theta"] == 1e6
+    cfg = dataclasses.replace(preset("tiny"), **report["model"])
+    diff = trainer_logits(str(tmp_path / "ckpt"), cfg) - hf_logits(str(tmp_path / "m"))
+    assert diff.abs().max().item() <= TOL
 
 
 def test_import_names_a_damaged_directory(tmp_path):
@@ -382,8 +413,9 @@ def test_a_checkpoint_without_its_model_config_names_the_option(tmp_path):
 
 def test_other_checkpoints_keep_their_names_or_a_name_map(tmp_path):
     url = str(tmp_path / "user")
-    with Checkpointer(url) as ck:
-        ck.save(1, {"model": {"enc.w": torch.ones(2, 3), "dec.w": torch.zeros(3)}}).wait()
+    with Checkpointer(url) as ck:  # a user's own config.model values do not make it the trainer's
+        state = {"model": {"enc.w": torch.ones(2, 3), "dec.w": torch.zeros(3)}}
+        ck.save(1, {**state, "config": {"model": {"width": 3}}}).wait()
     r = runner.invoke(app, ["export", url, str(tmp_path / "a"), "--format", "hf"])
     assert r.exit_code == 0 and "Not a reference-trainer checkpoint" in r.output, r.output
     names = set(load_file(str(tmp_path / "a" / "model-00001-of-00001.safetensors")))
@@ -426,3 +458,35 @@ def test_cli_import_and_export_round_trip(tmp_path):
     assert (hf_logits(str(tmp_path / "again")) - want).abs().max().item() <= TOL
     r = runner.invoke(app, ["import", str(tmp_path / "m"), out, "--format", "onnx"])
     assert r.exit_code == 2 and "one of 'hf', 'dcp'" in r.output
+
+
+def test_preset_checkpoint_takes_the_model_the_import_recorded(tmp_path):
+    from reference_trainer.__main__ import config_from, parser
+
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    imported = str(tmp_path / "imported")
+    import_hf(str(tmp_path / "m"), imported, sizes={})
+    ckpt = str(tmp_path / "run")
+    argv = ["--preset", "checkpoint", "--init-from", imported, "--ckpt", ckpt, "--steps", "1"]
+    cfg = config_from(parser().parse_args(argv), 1)
+    assert cfg.model.rope_theta == 1e6 and cfg.model.expert_ffn_dim == 32
+    assert cfg.model.shared_expert is False and cfg.model.num_experts == 4
+    # it trains from those weights (a zero learning rate: its first save equals the import)
+    kw = {"steps": 1, "global_batch": 2, "save_every": 1, "ckpt": ckpt, "lr": 0.0}
+    run_distributed(
+        run_train, 1, {**kw, "init_from": imported, "model": dataclasses.asdict(cfg.model)}
+    )
+    assert model_weights(ckpt).keys() == model_weights(imported).keys()
+    for k, v in model_weights(imported).items():
+        assert torch.equal(model_weights(ckpt)[k], v), k
+    # once --ckpt has a step, the model comes from there
+    shutil.rmtree(imported)
+    assert config_from(parser().parse_args(argv), 1).model == cfg.model
+    with pytest.raises(ConfigError, match="neither --ckpt nor --init-from holds a committed step"):
+        config_from(parser().parse_args(["--preset", "checkpoint", "--ckpt", imported]), 1)
+    user = str(tmp_path / "user")
+    with Checkpointer(user) as ck:
+        ck.save(1, {"model": {"w": torch.ones(1)}}).wait()
+    with pytest.raises(ConfigError, match="records no model configuration"):
+        config_from(parser().parse_args(["--preset", "checkpoint", "--init-from", user]), 1)

@@ -58,7 +58,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, 
 from reshape.execute import ConvertReport, DestinationExistsError, resolve_step
 from reshape.export import read_whole
 from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
-from resilient.checkpoint.format import DTYPES, Manifest, dtype_info
+from resilient.checkpoint.format import (
+    DTYPES,
+    Manifest,
+    check_json_depth,
+    dtype_info,
+    step_dir_name,
+)
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.retention import step_dirs
 from resilient.checkpoint.storage import Storage
@@ -408,9 +414,14 @@ def _decode_value(data: bytes) -> tuple[Any, str | None]:
     except Exception as e:
         return None, f"not a plain value (torch's restricted unpickler refused it: {str(e)[:120]})"
     try:
-        return json.loads(json.dumps(value, allow_nan=False)), None
-    except (TypeError, ValueError) as e:
-        return None, f"not a JSON value ({type(value).__name__}: {e})"
+        decoded = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        return None, f"not a JSON value ({type(value).__name__}: {str(e)[:120]})"
+    try:
+        check_json_depth(decoded, "value")
+    except ResilientError as e:
+        return None, f"nested too deeply for a checkpoint value ({e})"
+    return decoded, None
 
 
 def _check_tiling(fqn: str, md: TensorStorageMetadata) -> None:
@@ -683,6 +694,12 @@ def import_dcp(
             f"torch.distributed.checkpoint.save"
         ) from e
 
+    empty = sorted(f for f in contents.tensors if "" in f.split("."))
+    if empty:
+        raise StateMismatchError(
+            f"{src_dir}: DCP keys {empty[:3]} have an empty part between dots (a checkpoint key "
+            f"is <group>.<name> with no empty parts); rename them in the DCP checkpoint"
+        )
     renamed = {f: _checkpoint_key(f) for f in contents.tensors if _checkpoint_key(f) != f}
     keys = {f: _checkpoint_key(f) for f in contents.tensors}
     clash = sorted(f for f, k in keys.items() if k in contents.tensors and k != f)
@@ -729,7 +746,13 @@ def import_dcp(
         out_options=out_options,
         progress=progress,
     )
-    _verify_import(out, out_options, step, tensors, values)
+    try:
+        _verify_import(out, out_options, step, tensors, values)
+    except BaseException:
+        # the step is committed by now: a step that does not equal its source must not stay
+        with contextlib.suppress(Exception):
+            Storage(out, out_options).remove_tree(step_dir_name(step))
+        raise
     return DcpReport(
         step,
         report.target,

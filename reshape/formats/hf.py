@@ -45,7 +45,7 @@ from reshape.export import (
     read_many,
     write_shards,
 )
-from reshape.formats.reference import write_checkpoint
+from reshape.formats.reference import check_memory, tensor_bytes, write_checkpoint
 from resilient.checkpoint.format import DTYPES, Manifest, dtype_info
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.storage import Storage
@@ -67,6 +67,8 @@ CONFIG_NAME = "config.json"
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_INDEX_BYTES = 64 << 20
 _CONFIG_PREFIX = "config.model."
+# RoPE's theta where config.json names none: transformers 5's default for each architecture
+_DEFAULT_THETA = {"mixtral": 1e6, "qwen2_moe": 1e4}
 READ_AHEAD = 128 << 20  # bytes of checkpoint tensors an export reads in one batch
 
 
@@ -152,10 +154,20 @@ class MoEConfig:
 
 
 def is_reference_checkpoint(manifest: Manifest) -> bool:
-    """Written by the reference trainer (its tensor names), or recording its model config."""
-    return "model.layers.0.moe.w_gate_up" in manifest.tensors or any(
-        k.startswith(_CONFIG_PREFIX) for k in manifest.extras
-    )
+    """Written by the reference trainer: its tensor names, or a model configuration it would
+    write (a user's own ``config.model`` values of another kind do not count)."""
+    if "model.layers.0.moe.w_gate_up" in manifest.tensors:
+        return True
+    recorded = {
+        k[len(_CONFIG_PREFIX) :]: v
+        for k, v in manifest.extras.items()
+        if k.startswith(_CONFIG_PREFIX)
+    }
+    try:
+        MoEConfig.from_mapping(recorded, "the checkpoint")
+    except StateMismatchError:
+        return False
+    return True
 
 
 def model_config_of(
@@ -446,15 +458,34 @@ def _config_from_hf(c: Mapping[str, Any], path: str) -> tuple[str, MoEConfig, di
         raise UnsupportedModelError(
             f"{path}: hidden_act {act!r}; the trainer's experts are SwiGLU (silu)"
         )
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise HfFormatError(f"{path}: rope_parameters is {rope!r}")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
+    # transformers reads rope_scaling first, then rope_parameters; neither may scale
+    for name in ("rope_scaling", "rope_parameters"):
+        spec = c.get(name)
+        if spec is None:
+            continue
+        if not isinstance(spec, dict):
+            raise HfFormatError(f"{path}: {name} is {spec!r}, expected an object")
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            raise UnsupportedModelError(
+                f"{path}: {name} has RoPE type {kind!r}; the trainer computes plain RoPE "
+                f"(rope_type 'default')"
+            )
+        for key in sorted(set(spec) - {"rope_type", "type", "rope_theta"}):
+            if key == "partial_rotary_factor" and spec[key] in (1, 1.0):
+                continue
+            raise UnsupportedModelError(
+                f"{path}: {name}.{key} = {spec[key]!r}; the trainer computes plain RoPE over the "
+                f"whole head (rope_type 'default', nothing else)"
+            )
+    if c.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise UnsupportedModelError(
-            f"{path}: RoPE type {kind!r}; the trainer computes plain RoPE (rope_type 'default')"
+            f"{path}: partial_rotary_factor {c['partial_rotary_factor']!r}; the trainer rotates "
+            f"the whole head"
         )
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    # where config.json names no theta, transformers uses the architecture's default
+    theta = rope.get("rope_theta", c.get("rope_theta", _DEFAULT_THETA[arch]))
     hidden = _field(c, "hidden_size", int, path)
     heads = _field(c, "num_attention_heads", int, path)
     if heads <= 0 or hidden <= 0:
@@ -490,10 +521,11 @@ def _config_from_hf(c: Mapping[str, Any], path: str) -> tuple[str, MoEConfig, di
         ffn = _field(c, "moe_intermediate_size", int, path)
         shared_width = _field(c, "shared_expert_intermediate_size", int, path)
         norm = bool(c.get("norm_topk_prob", False))
-        if norm != (top_k > 1) and top_k > 1:
+        if norm != (top_k > 1):
             raise UnsupportedModelError(
-                f"{path}: norm_topk_prob is false with top-{top_k} routing; the trainer "
-                f"renormalises the weights of its top-k experts when k > 1"
+                f"{path}: norm_topk_prob is {str(norm).lower()} with top-{top_k} routing; the "
+                f"trainer renormalises the weights of its top-k experts when k > 1 and weighs a "
+                f"top-1 expert by its probability (norm_topk_prob {str(top_k > 1).lower()})"
             )
     if c.get("tie_word_embeddings"):
         tied = True
@@ -613,6 +645,7 @@ def import_hf(
         )
     path = os.path.join(src, CONFIG_NAME)
     arch, cfg, extra = _config_from_hf(_read_json(path, _MAX_CONFIG_BYTES, "config"), path)
+    check_memory(tensor_bytes(cfg.tensor_shapes(), 4))  # float32, before reading any weight
     w = _Weights(src)
     d, f, kvd = cfg.dim, cfg.expert_ffn_dim, cfg.num_kv_heads * cfg.head_dim
     qd = cfg.num_heads * cfg.head_dim

@@ -8,7 +8,8 @@ A tensor whose name is not in the table (an optimizer moment, a user's model) is
 replicated, which every layout can load (a load reshards).
 
 An import first writes an ordinary checkpoint of one rank (layout dp=1 x ep=1 x tp=1, each tensor
-annotated with its placement) into a scratch directory, then converts it to the requested layout
+annotated with its placement) into a scratch directory (beside a local destination, else in the
+temp directory), then converts it to the requested layout
 with ``reshape.execute.convert``: the bytes are verified and committed like any conversion, and an
 interrupted import leaves no committed step at the destination.
 """
@@ -16,6 +17,8 @@ interrupted import leaves no committed step at the destination.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import re
 import shutil
 import tempfile
@@ -30,7 +33,14 @@ from resilient.checkpoint.retention import step_dirs
 from resilient.checkpoint.storage import Storage
 from resilient.layout import Layout, Shard
 
-__all__ = ["REFERENCE_PLACEMENTS", "reference_placement", "write_checkpoint", "LAYOUT_AXES"]
+__all__ = [
+    "LAYOUT_AXES",
+    "REFERENCE_PLACEMENTS",
+    "check_memory",
+    "reference_placement",
+    "tensor_bytes",
+    "write_checkpoint",
+]
 
 LAYOUT_AXES = ("dp", "ep", "tp")  # the reference trainer's Layout(dp=, ep=, tp=), in its order
 
@@ -61,6 +71,24 @@ def reference_placement(key: str) -> dict:
         if re.fullmatch(pattern, name):
             return dict(placement)
     return {}
+
+
+def check_memory(need: int) -> None:
+    """An import holds its tensors in memory, and about as much again while it writes them:
+    refuse, before reading them, one that this machine cannot hold."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return
+    if 2 * need > memory:
+        raise ValueError(
+            f"importing {need / 2**30:.1f} GiB of tensors needs about twice that in memory while "
+            f"it is written, and this machine has {memory / 2**30:.1f} GiB; run it on a larger one"
+        )
+
+
+def tensor_bytes(shapes: Mapping[str, tuple[int, ...]], itemsize: int) -> int:
+    return sum(math.prod(s) * itemsize for s in shapes.values())
 
 
 def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,7 +137,14 @@ def write_checkpoint(
         if key in tree:
             raise ValueError(f"values[{key!r}] has the name of a group of tensors")
         tree[key] = value
-    scratch = tempfile.mkdtemp(prefix="reshape-import-")
+    check_memory(sum(t.numel() * t.element_size() for t in tensors.values()))
+    # the one-rank copy goes beside a local destination (the same disk, which must hold the
+    # result anyway), else into the temp directory; the name says what it is if a crash leaves it
+    parent = None
+    if dest.is_local:
+        parent = os.path.dirname(os.path.abspath(dest.root)) or None
+        os.makedirs(parent, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".reshape-import-scratch-", dir=parent)
     try:
         with Checkpointer(scratch + "/ckpt", layout=one, keep_last=1) as ck:
             ck.save(step, tree).wait()
