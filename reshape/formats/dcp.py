@@ -56,7 +56,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
 
 from reshape.execute import ConvertReport, DestinationExistsError, resolve_step
-from reshape.export import read_whole
+from reshape.export import read_many, read_whole
 from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
 from resilient.checkpoint.format import (
     DTYPES,
@@ -87,6 +87,7 @@ __all__ = [
 ]
 
 METADATA_NAME = ".metadata"  # torch's name for the pickled Metadata of a DCP directory
+VERIFY_BATCH = 128 << 20  # bytes an import reads back at once to compare
 UNGROUPED = "dcp"  # the group of imported DCP tensor keys that have no dot
 MAX_VALUE_BYTES = 16 << 20  # a non-tensor entry larger than this is skipped, unread
 MAX_METADATA_BYTES = 1 << 30  # like MANIFEST.json's cap (docs/FORMAT.md section 5)
@@ -785,26 +786,39 @@ def _verify_import(
     values: Mapping[str, Any],
 ) -> None:
     """Every tensor of the written step, read back whole, has the bits ``dcp.load`` gave, and its
-    values are ``values``; one tensor at a time."""
+    values are ``values``; read in batches of about ``VERIFY_BATCH`` bytes."""
     storage = Storage(out, out_options)
     manifest = read_manifest(storage, step)
     if set(manifest.tensors) != set(tensors):
         raise CheckpointCorruptError(
-            f"step {step} of {storage.url} holds tensors {sorted(set(manifest.tensors) ^ set(tensors))[:5]} "
-            f"differently from the DCP checkpoint; the import failed: run it again"
+            f"step {step} of {storage.url} holds tensors "
+            f"{sorted(set(manifest.tensors) ^ set(tensors))[:5]} differently from the DCP "
+            f"checkpoint; the import failed: run it again"
         )
-    for key, expected in tensors.items():
-        got = read_whole(storage, manifest, key)
-        if got.dtype != expected.dtype or got.shape != expected.shape:
-            raise CheckpointCorruptError(
-                f"tensor {key!r} at step {step} of {storage.url}: {got.dtype} {list(got.shape)}, "
-                f"dcp.load gave {expected.dtype} {list(expected.shape)}; run the import again"
-            )
-        if not torch.equal(_bits(got), _bits(expected)):
-            raise CheckpointCorruptError(
-                f"tensor {key!r} at step {step} of {storage.url}: its bytes differ from what "
-                f"dcp.load gave; the destination is damaging writes: check it and run again"
-            )
+    batches: list[list[str]] = [[]]
+    size = 0
+    for key in tensors:
+        n = manifest.tensors[key].nbytes
+        if batches[-1] and size + n > VERIFY_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(key)
+        size += n
+    for batch in batches:
+        read = read_many(storage, manifest, batch)
+        for key in batch:
+            got, expected = read.pop(key), tensors[key]
+            if got.dtype != expected.dtype or got.shape != expected.shape:
+                raise CheckpointCorruptError(
+                    f"tensor {key!r} at step {step} of {storage.url}: {got.dtype} "
+                    f"{list(got.shape)}, dcp.load gave {expected.dtype} {list(expected.shape)}; "
+                    f"run the import again"
+                )
+            if not torch.equal(_bits(got), _bits(expected)):
+                raise CheckpointCorruptError(
+                    f"tensor {key!r} at step {step} of {storage.url}: its bytes differ from what "
+                    f"dcp.load gave; the destination is damaging writes: check it and run again"
+                )
     if dict(manifest.extras) != dict(values):
         diff = sorted(set(manifest.extras) ^ set(values)) or sorted(
             k for k in values if manifest.extras.get(k) != values[k]
