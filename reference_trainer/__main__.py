@@ -136,6 +136,13 @@ def parser() -> argparse.ArgumentParser:
         "training goes on until then); a failed final save always stops the run",
     )
     p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="before training, check every rank (store latency, a small all-reduce, pairwise "
+        "links, memory bandwidth, device health: a few seconds) and refuse to train when one is "
+        "slower than the others or broken; `resilient preflight` runs the full check",
+    )
+    p.add_argument(
         "--chaos",
         default=None,
         metavar="PLAN",
@@ -243,6 +250,7 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
         fallback=not args.no_fallback,
         events=args.events,
         world_size=world_size,
+        preflight=args.preflight,
     )
 
 
@@ -286,9 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from reference_trainer.train import train
+    from resilient.errors import PreflightError
 
     try:
         train(cfg, hooks=hooks)
+    except PreflightError as e:  # every rank refuses alike; one says why
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 1
     except SystemExit:
         # a clean stop (preemption saved the current step): leave the process group before the
         # interpreter tears down, as a completed run does; its threads alive at exit made a rank

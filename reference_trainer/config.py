@@ -135,6 +135,8 @@ class TrainConfig:
     fallback: bool = True  # on resume, fall back to the previous step if the newest is corrupt
     events: str | None = None  # the run's event log (default: events.jsonl in a local --ckpt)
     world_size: int | None = None  # what the launcher provides; checked against dp x ep x tp
+    # check every rank first (resilient's quick preflight) and refuse to train if one fails
+    preflight: bool = False
 
     def __post_init__(self) -> None:
         m = self.model

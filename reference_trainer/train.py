@@ -158,6 +158,7 @@ def _train(
         fallback=cfg.fallback,
         event_log=events,
         hooks=hooks,
+        preflight=cfg.preflight,
     )
     recovery.attach(run)
     metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None

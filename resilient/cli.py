@@ -115,6 +115,94 @@ def report(
     raise typer.Exit(0 if result["passed"] else 1)
 
 
+@app.command()
+def preflight(
+    nproc: int = typer.Option(
+        None, "--nproc", help="Start this many local ranks (default: the launcher's, or one)."
+    ),
+    json_path: str = typer.Option(None, "--json", help="Write every figure, per rank, here."),
+    checkpoint_url: str = typer.Option(
+        None,
+        "--checkpoint-url",
+        help="Test this storage (any fsspec URL): write, read, time to first byte, in a scratch "
+        "directory that is removed afterwards.  Default: skipped.",
+    ),
+    storage_options: str = typer.Option(
+        None, "--storage-options", help="JSON options for --checkpoint-url's filesystem (fsspec)."
+    ),
+    budget_s: float = typer.Option(
+        None,
+        "--budget-s",
+        help="Seconds the measurements may take (default 45, or 5 with --quick); message sizes "
+        "and repeats shrink to fit, and the report says what was cut.",
+    ),
+    plot_path: str = typer.Option(
+        None, "--plot", help="Draw bus bandwidth per collective and the link heatmap (PNG)."
+    ),
+    factor: float = typer.Option(
+        0.7, "--factor", help="Name a rank or link below this fraction of the median."
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="Only the few-second subset Run(preflight=True) runs."
+    ),
+    chaos: str = typer.Option(
+        None,
+        "--chaos",
+        metavar="PLAN",
+        help="Install the chaos harness's fault hook with this plan (tests of preflight itself).",
+    ),
+) -> None:
+    """Check every rank before training: collectives over message sizes (bus bandwidth), pairwise
+    links, memory and host-device bandwidth, checkpoint storage, store latency, device health.
+    Runs on the job's ranks under torchrun / `resilient launch`, or on --nproc local ranks.
+    Exit 0 when every check passed, 1 when one failed (an outlier rank or link, a device check,
+    the storage), 2 on bad usage or a crashed rank."""
+    import json
+
+    from resilient.preflight import PreflightConfig, preflight_main
+
+    try:
+        options = json.loads(storage_options) if storage_options else None
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"--storage-options must be a JSON object, got {storage_options!r}")
+        if nproc is not None and nproc < 1:
+            raise ValueError(f"--nproc {nproc}: must be >= 1")
+        config = (PreflightConfig.quick_check if quick else PreflightConfig)(
+            **({} if budget_s is None else {"budget_s": budget_s}),
+            factor=factor,
+            checkpoint_url=checkpoint_url,
+            storage_options=options,
+        )
+    except ValueError as e:  # a JSONDecodeError is one too
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    hooks = []
+    if chaos is not None:  # the chaos harness asked for its hook, by flag, explicitly
+        from resilient.chaos.faults import ChaosHook
+
+        hooks.append(ChaosHook.from_file(chaos))
+    # what the ranks --nproc starts need (the report comes back here for --json and --plot)
+    argv = ["--budget-s", repr(config.budget_s), "--factor", repr(factor)]
+    argv += ["--checkpoint-url", checkpoint_url] if checkpoint_url else []
+    argv += ["--storage-options", storage_options] if storage_options else []
+    argv += ["--quick"] if quick else []
+    argv += ["--chaos", chaos] if chaos else []
+    try:
+        code = preflight_main(
+            config,
+            nproc=nproc,
+            json_path=json_path,
+            plot_path=plot_path,
+            hooks=hooks,
+            argv=argv,
+            say=typer.echo,
+        )
+    except ImportError as e:  # --plot without matplotlib
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     add_help_option=False,

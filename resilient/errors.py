@@ -18,6 +18,7 @@ __all__ = [
     "RankFailureError",
     "ScenarioError",
     "MemoryTierError",
+    "PreflightError",
 ]
 
 
@@ -70,3 +71,14 @@ class ScenarioError(ResilientError, ValueError):
 class MemoryTierError(ResilientError):
     """The host-memory tier cannot work on this node (no room, no writable directory, a directory
     that belongs to another job); raised at start, before training."""
+
+
+class PreflightError(ResilientError):
+    """A preflight check failed (``Run(preflight=True)``): a rank or link slower than the others by
+    the factor, a device that computes wrong results or reports uncorrected errors, unreachable
+    checkpoint storage.  The message names each rank (and host) or link with its figure and the
+    median; ``report`` holds every figure."""
+
+    def __init__(self, message: str, *, report: object | None = None) -> None:
+        super().__init__(message)
+        self.report = report

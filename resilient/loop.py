@@ -38,6 +38,7 @@ from resilient.checkpoint import Checkpointer
 from resilient.errors import (
     CheckpointNotFoundError,
     LeaseError,
+    PreflightError,
     RankFailureError,
     ResilientError,
 )
@@ -48,6 +49,7 @@ from resilient.hooks import call as call_hooks
 from resilient.launch import init_process_group, injob_enabled, regroup
 from resilient.launch.injob import generation
 from resilient.layout import Layout
+from resilient.preflight import PreflightConfig, run_preflight
 
 __all__ = ["Run", "fault_tolerant", "RNGState", "PREEMPTED_EXIT_CODE", "SaveFailedWarning"]
 
@@ -109,7 +111,11 @@ class Run:
     ``Run(checkpoint_url, *, save_every=100, keep_last=3, keep_every=None, max_failed_saves=3,
     heartbeat_interval_s=1.0, hang_timeout_s=None, join_timeout_s=120.0, phase_budgets_s=None,
     storage_options=None, layout=None, monitor=None, detect=None, event_log=None, fallback=True,
-    hooks=(), memory_every=None, memory_root=None)``; see the README for what each does.
+    hooks=(), memory_every=None, memory_root=None, preflight=False)``; see the README for what
+    each does.  ``preflight=True`` (or a ``resilient.preflight.PreflightConfig``) checks every rank
+    before training (the quick subset of ``resilient preflight``: store latency, a small
+    all-reduce, pairwise links, memory bandwidth, device health; a few seconds) and raises
+    ``PreflightError`` naming the failing rank, host or link and its figure.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class Run:
         hooks: Sequence[Any] = (),
         memory_every: int | None = None,
         memory_root: str | None = None,
+        preflight: Any = False,
     ) -> None:
         detector = check_run_options(
             save_every=save_every,
@@ -145,6 +152,7 @@ class Run:
             phase_budgets_s=phase_budgets_s,
             hooks=hooks,
             memory_every=memory_every,
+            preflight=preflight,
         )
         self.url, self.save_every = checkpoint_url, save_every
         self.memory_every, self.memory_root = memory_every, memory_root
@@ -198,6 +206,32 @@ class Run:
         self._install_sigterm()
         if monitor is not None and injob_enabled():
             monitor.on_peer_failure = self._peer_failed
+        if preflight:
+            self._preflight(preflight)
+
+    def _preflight(self, setting: Any) -> None:
+        """Every rank checks the job together (a collective) and gets the same verdict; on a
+        failing one, every rank refuses to train with the same message."""
+        config = setting if isinstance(setting, PreflightConfig) else PreflightConfig.quick_check()
+        report = run_preflight(config)
+        if self.rank == 0:
+            self.events.write(
+                "preflight",
+                rank=0,
+                ok=report.ok,
+                used_s=round(report.used_s, 3),
+                failures=report.failures[:50],
+            )
+        if report.ok:
+            log.info("preflight passed on %d rank(s) in %.1f s", self.world_size, report.used_s)
+            return
+        self.close()  # a deliberate, agreed stop: no peer is declared dead for it
+        raise PreflightError(
+            f"preflight refused to train: {'; '.join(report.failures)}. Drain or fix what is "
+            f"named and start again (`resilient preflight --json FILE` on the same ranks shows "
+            f"every figure; Run(preflight=False) trains without the check)",
+            report=report,
+        )
 
     def _peer_failed(self, finding: Any) -> None:
         """(in-job recovery; the monitor's thread) A verdict on another rank: a commit that waits
@@ -626,6 +660,7 @@ def check_run_options(
     phase_budgets_s: dict[str, float] | None,
     hooks: Sequence[Any] = (),
     memory_every: int | None = None,
+    preflight: Any = False,
 ) -> DetectorConfig:
     """Validate ``Run``'s values (before any process group exists, when ``fault_tolerant`` calls
     it); returns the detector settings they make."""
@@ -651,6 +686,11 @@ def check_run_options(
     ):
         raise ValueError(
             f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
+        )
+    if not isinstance(preflight, bool | PreflightConfig):
+        raise ValueError(
+            f"preflight must be True, False or a resilient.preflight.PreflightConfig, got "
+            f"{preflight!r}"
         )
     if isinstance(hooks, str | bytes) or not isinstance(hooks, Sequence):
         raise ValueError(f"hooks must be a list of hook objects, got {hooks!r}")

@@ -32,7 +32,7 @@ LAYERS = {
     "resilient.data": 3,
     "resilient": 3,  # the package's public names (its __init__ imports the loop)
     "resilient.chaos": 4,
-    "resilient.preflight": 4,
+    "resilient.preflight": 3,  # Run(preflight=True) runs its quick subset
     "resilient.demo": 4,
     "resilient.cli": 4,
 }

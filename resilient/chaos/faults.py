@@ -21,7 +21,10 @@ thread keeps beating), ``pause`` (the loop blocks for ``seconds``, then goes on)
 speed, like a throttled GPU; ``mode = "throttle"`` instead stops and continues the whole process
 with SIGSTOP/SIGCONT, like an oversubscribed node), ``corrupt`` / ``truncate`` (bit rot or a lost tail in
 a file of the newest committed checkpoint), ``skew`` (the rank's wall clock, ``time.time``, runs
-``seconds`` off from the start of every attempt: a host without NTP).  From the harness:
+``seconds`` off from the start of every attempt: a host without NTP), ``delay_link`` (every
+point-to-point send from the rank to ``peer`` is held to ``bytes_per_s``, plus ``latency_s``: one
+slow link, for ``resilient preflight --chaos PLAN``; a plan-only kind, not a scenario's, since
+the trainer's traffic is collectives, not sends).  From the harness:
 ``kill_node`` (a torchrun agent and all its workers) and time-triggered signals to a rank
 (``kill_rank_process``).
 
@@ -52,9 +55,13 @@ __all__ = [
     "worker_pid",
     "kill_tree",
     "skew_clock",
+    "delay_link",
+    "LINK_KINDS",
 ]
 
 IN_RANK_KINDS = ("kill", "stop", "raise", "hang", "pause", "slow", "corrupt", "truncate", "skew")
+# kinds a plan may hold that scenario files do not take (see the module docstring)
+LINK_KINDS = ("delay_link",)
 # scenario ``when`` -> the hook phase it fires at
 PHASE_TRIGGERS = {"import": "import", "init": "init_process_group", "restore": "restore"}
 
@@ -81,7 +88,9 @@ class ChaosHook:
         return [
             f
             for f in self._plan["faults"]
-            if f["kind"] in IN_RANK_KINDS and self._targets(f) and f.get("at_s") is None
+            if f["kind"] in (*IN_RANK_KINDS, *LINK_KINDS)
+            and self._targets(f)
+            and f.get("at_s") is None
         ]
 
     def _learn_rank(self) -> None:
@@ -180,6 +189,8 @@ class ChaosHook:
                 throttle(os.getpid(), float(f["factor"]), float(f.get("seconds") or 0))
             else:
                 slow_compute(float(f["factor"]))
+        elif kind == "delay_link":
+            delay_link(int(f["peer"]), float(f["bytes_per_s"]), float(f.get("latency_s") or 0.0))
         elif kind in ("corrupt", "truncate"):
             if run is None or run.checkpointer is None:
                 raise ChaosError(f"{f['id']}: the run has no checkpoint to damage")
@@ -286,6 +297,44 @@ def slow_compute(factor: float) -> None:
                     self.debt = 0.0
 
     Slow().__enter__()  # stays on this thread's mode stack for the rest of the process
+
+
+def delay_link(peer: int, bytes_per_s: float, latency_s: float = 0.0) -> None:
+    """From now on, every point-to-point send from this rank to rank ``peer`` (``dist.send``,
+    ``dist.isend``, and the ``P2POp``\\s made from them afterwards) takes at least
+    ``latency_s + bytes / bytes_per_s``: one slow link (a bad cable or port, a degraded NIC) in
+    one direction.  The send itself runs at full speed; the rest of the time is slept after it
+    (before the returned work, for ``isend``), so the link's bandwidth is capped at
+    ``bytes_per_s``.  Other peers, receives and collectives are untouched."""
+    import torch.distributed as dist
+
+    if bytes_per_s <= 0 or latency_s < 0:
+        raise ValueError(
+            f"delay_link needs bytes_per_s > 0 and latency_s >= 0, got {bytes_per_s}, {latency_s}"
+        )
+
+    def hold(tensor: Any, t0: float) -> None:
+        due = latency_s + tensor.numel() * tensor.element_size() / bytes_per_s
+        left = due - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+
+    def wrap(fn: Any) -> Any:
+        def delayed(tensor: Any, dst: int | None = None, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            # (a send addressed by group_dst=, not dst=, is passed on untouched)
+            out = (
+                fn(tensor, dst, *args, **kwargs) if dst is not None else fn(tensor, *args, **kwargs)
+            )
+            if dst == peer:
+                hold(tensor, t0)
+            return out
+
+        delayed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return delayed
+
+    dist.send = wrap(dist.send)
+    dist.isend = wrap(dist.isend)
 
 
 _THROTTLE = """

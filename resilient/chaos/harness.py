@@ -267,7 +267,11 @@ def _attempt(
         """An agent for ``node`` (a replacement too: the same command, the node's memory root)."""
         log = open(paths.log(node), mode)
         logs.append(log)
-        node_env = {**env, "RESILIENT_MEMORY_ROOT": str(memory[node]), **job.env}
+        node_env = {
+            **env,
+            "RESILIENT_MEMORY_ROOT": str(memory[node]),
+            **{k: v.replace("{run_dir}", str(paths.root)) for k, v in job.env.items()},
+        }
         return subprocess.Popen(
             cmds[node], env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )

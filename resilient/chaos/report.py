@@ -86,6 +86,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| recovery: {phase} (s) | {secs} |")
     for v in m.get("verdicts", []):
         lines.append(f"| verdict | {v['verdict']} rank {v['rank']}: {v['detail']} |")
+    for a in m.get("hang_attributions", []):
+        lines.append(f"| hang attribution | {a.replace('|', '/')} |")
     lines.append("")
     if report.get("timeline"):
         lines.append(f"![timeline]({Path(report['timeline']).name})")

@@ -44,8 +44,12 @@ verdict = "DEAD"          # DEAD | HUNG | STRAGGLER | "none" (no DEAD/HUNG; stra
 detect_within_s = 6.0     # fault to verdict (in start-up: beyond the join or start-up timeout)
 recover_within_s = 45.0   # fault to the first step completed after the restart (ditto)
 # restarts = 0            # exactly this many restarts of the group
+# hang_rank = 1           # a HUNG verdict's record (hang_attribution) names this rank as the one
+# hang_collective = "all_reduce"   # never entering a collective of this operation that others wait in
 # failed_saves = 1        # exactly this many steps whose save failed (and training went on)
 ```
+
+``job.env`` values may say ``{run_dir}`` (the faulty run's directory).
 
 A command job (``job.command``) gets the chaos plan where it says ``{chaos}`` and must install the
 hook itself (``resilient.chaos.faults.ChaosHook.from_file``); the reference trainer takes it as
@@ -187,6 +191,8 @@ class Expect:
     error_contains: str | None = None
     restarts: int | None = None
     failed_saves: int | None = None
+    hang_rank: int | None = None  # the rank the hang attribution must name
+    hang_collective: str | None = None  # ... as missing from a collective of this operation
 
 
 @dataclass(frozen=True)
@@ -505,6 +511,8 @@ def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
         error_contains=v.typed(t, "error_contains", str, at, default=None),
         restarts=v.typed(t, "restarts", int, at, default=None),
         failed_saves=v.typed(t, "failed_saves", int, at, default=None),
+        hang_rank=v.typed(t, "hang_rank", int, at, default=None),
+        hang_collective=v.typed(t, "hang_collective", str, at, default=None),
         **floats,
     )
 

@@ -341,6 +341,7 @@ def verify_run(
                 else f"{who}: no clock_skew event near {f.seconds:+.0f}s in the event log",
             )
         )
+    checks += _attribution_checks(scenario, events, m)
     if exp.restarts is not None:
         checks.append(
             Check(
@@ -515,6 +516,73 @@ def _verdict_checks(
             )
         )
     return checks
+
+
+def _attribution_checks(
+    scenario: Scenario, events: list[dict[str, Any]], m: dict[str, Any]
+) -> list[Check]:
+    """The HUNG verdict's record names the hung rank and the collective the others wait in; with
+    PyTorch's flight recorder on, every rank that answered the verdict dumped it."""
+    exp, checks = scenario.expect, []
+    found = [e for e in events if e["event"] == "hang_attribution" and "summary" in e]
+    if found:
+        m["hang_attributions"] = [e["summary"] for e in found]
+    if exp.hang_rank is not None or exp.hang_collective is not None:
+
+        def names(e: dict[str, Any]) -> bool:
+            stuck = e.get("stuck", [])
+            return (exp.hang_rank is None or exp.hang_rank in e.get("culprits", [])) and (
+                exp.hang_collective is None
+                or any(
+                    s["op"] == exp.hang_collective
+                    and (exp.hang_rank is None or exp.hang_rank in s["missing"])
+                    for s in stuck
+                )
+            )
+
+        match = [e for e in found if names(e)]
+        want = " and ".join(
+            x
+            for x in (
+                f"rank {exp.hang_rank}" if exp.hang_rank is not None else "",
+                f"a {exp.hang_collective} it never entered" if exp.hang_collective else "",
+            )
+            if x
+        )
+        errors = [e["error"] for e in events if e["event"] == "hang_attribution" and "error" in e]
+        checks.append(
+            Check(
+                "hang attributed",
+                bool(match),
+                (
+                    match[0]["summary"]
+                    if match
+                    else f"no hang_attribution naming {want}; got "
+                    + (repr([e["summary"] for e in found]) if found else "none")
+                    + (f" (errors: {errors})" if errors else "")
+                ),
+            )  # fmt: skip
+        )
+    if _flight_recorder_on(scenario.job.env):
+        dumps = [e for e in events if e["event"] == "flight_recorder"]
+        missing = [e["path"] for e in dumps if e.get("path") and not Path(e["path"]).exists()]
+        failed = [e["error"] for e in dumps if e.get("error")]
+        ok = bool(dumps) and not missing and not failed
+        checks.append(
+            Check(
+                "flight recorder dumped",
+                ok,
+                f"{len(dumps)} ranks dumped it, e.g. {dumps[0].get('path')}"
+                if ok
+                else f"dumps {[e.get('path') for e in dumps]}; missing {missing}; errors {failed}",
+            )
+        )
+    return checks
+
+
+def _flight_recorder_on(env: dict[str, str]) -> bool:
+    raw = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"))
+    return raw.strip().isdigit() and int(raw) > 0
 
 
 def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) -> Check:

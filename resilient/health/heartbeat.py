@@ -16,7 +16,16 @@ Times: each heartbeat carries the sender's monotonic clock; the observer maps it
 (``resilient.health.clocks``), so a skewed or stepped wall clock on any host never causes a verdict.
 The skew the leader sees goes to the event log ("clock_skew").
 
-On DEAD or HUNG every live rank writes its Python stacks (faulthandler) and the failure record to
+Collectives: when the collective ring is installed (``resilient.health.ring``, by
+``resilient.launch.init_process_group``), the heartbeat thread publishes its summary with the
+liveness beat whenever it changed (one ``multi_set``, so no extra round trip); on HUNG every rank
+publishes its main thread's stack, and the leader compares the rings
+(``resilient.health.attribution``) and logs which collective the job is stuck in and which ranks
+never entered it (``hang_attribution``), waiting a few intervals at most for the stacks of the
+ranks it names.
+
+On DEAD or HUNG every live rank writes its Python stacks (faulthandler), its flight recorder dump
+when PyTorch's is on (``resilient.health.flight_recorder``), and the failure record to
 the event log, the leader SIGKILLs a hung or frozen rank on its own host (torchrun waits 30 s for
 a stopped process otherwise; a rank that never registered is found by its launcher environment),
 and every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun (``--max-restarts``) restarts the
@@ -31,13 +40,17 @@ import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resilient.health import flight_recorder
+from resilient.health.attribution import RankRing, attribute_hang, decode_summary
 from resilient.health.clocks import PeerClock, boot_id
 from resilient.health.detector import (
     GONE_PHASES,
@@ -49,6 +62,7 @@ from resilient.health.detector import (
     Verdict,
 )
 from resilient.health.events import EventLog
+from resilient.health.ring import CollectiveRing, installed
 
 __all__ = [
     "Monitor",
@@ -60,12 +74,14 @@ __all__ = [
     "encode_progress",
     "decode_progress",
     "local_rank_pid",
+    "main_thread_stack",
 ]
 
 # sysexits EX_TEMPFAIL: "try again" - a peer failed and the group must restart.
 EXIT_RANK_FAILURE = 75
 # how far past a deadline the leader looks (verdicts need the timeout strictly exceeded)
 _PAST = 0.005
+_PROCESS_RING = object()  # Monitor(ring=...) default: the ring this process installed, if any
 
 
 class Monitor:
@@ -80,7 +96,10 @@ class Monitor:
         events: EventLog | None = None,
         on_failure: Callable[[Finding], None] | None = None,
         kill_local: bool = True,
+        ring: CollectiveRing | None | object = _PROCESS_RING,
     ) -> None:
+        """``ring``: the collective ring to publish (default: the one this process installed,
+        looked up at every beat; None: none)."""
         self.store, self.prefix, self.rank, self.world_size = (
             store,
             prefix.rstrip("/"),
@@ -114,6 +133,9 @@ class Monitor:
         self._skew_reported: dict[int, float] = {}
         self._key_leader = f"{self.prefix}/leader"
         self._info: dict[int, tuple[str, int, str]] = {}  # rank -> (host, pid, boot id)
+        self._ring_arg = ring
+        self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
+        self.attribution: dict[str, Any] | None = None  # the leader's, on a HUNG verdict
         self._set("info", encode_info(self.host, self.pid, boot_id()))
         self._beat()
         self.progress(None, "init")
@@ -205,7 +227,22 @@ class Monitor:
                     return
 
     def _beat(self) -> None:
-        self._set("alive", encode_alive(time.monotonic(), time.time()))
+        alive = encode_alive(time.monotonic(), time.time())
+        ring = self._ring()
+        if ring is self._ring_sent and (ring is None or not ring.changed()):
+            self._set("alive", alive)
+            return
+        # the ring's summary rides with the beat, in one round trip ("" : no ring here)
+        summary = "" if ring is None else ring.summary()
+        self._ring_sent = ring
+        keys = [f"{self.prefix}/alive/{self.rank}", f"{self.prefix}/ring/{self.rank}"]
+        with self._lock:
+            self.store.multi_set(keys, [alive, summary])
+
+    def _ring(self) -> CollectiveRing | None:
+        if self._ring_arg is _PROCESS_RING:
+            return installed()
+        return self._ring_arg  # type: ignore[return-value]
 
     def _maybe_take_over(self) -> None:
         leader = self._leader()
@@ -376,8 +413,30 @@ class Monitor:
         self._respond(finding)
 
     def _respond(self, finding: Finding) -> None:
-        if self.is_leader:
+        leader = self.is_leader
+        if leader:
             self.events.write("verdict", leader=self.rank, **finding.to_json())
+        fr = None
+        try:
+            fr = flight_recorder.dump(self.rank)
+        except Exception as e:  # a failed dump must not stop the response
+            self.events.write("flight_recorder", rank=self.rank, error=repr(e))
+        if fr is not None:
+            self.events.write(
+                "flight_recorder",
+                rank=self.rank,
+                host=self.host,
+                path=fr,
+                analyse=flight_recorder.ANALYSE_HINT,
+            )
+        if finding.verdict is Verdict.HUNG:
+            stack = main_thread_stack()
+            try:
+                self._set("stack", json.dumps({"stack": stack, "flight_recorder": fr}))
+            except Exception:
+                pass
+            if leader:
+                self._attribute(finding, stack, fr)
         self.events.write("stacks", rank=self.rank, pid=self.pid, host=self.host, stacks=_stacks())
         if self.is_leader and self.kill_local and finding.rank is not None:
             pid = finding.pid if finding.host == self.host else 0
@@ -400,6 +459,94 @@ class Monitor:
             self.on_peer_failure(finding)
             return
         self.on_failure(finding)
+
+    def _attribute(self, finding: Finding, own_stack: str, own_fr: str | None) -> None:
+        """(the leader, on HUNG) Compare every rank's ring, fetch the Python stacks of the ranks
+        it names, and log the attribution.  Waits at most ``max(2 s, 3 intervals)`` for stacks
+        (a rank answers at its next beat), beating meanwhile so that no one takes the lead."""
+        try:
+            ranks = sorted(self._joined) or list(range(self.world_size))
+            rings = self._read_rings(ranks)
+            att = attribute_hang(rings, self.world_size, time.monotonic())
+            want = set(att.culprits)
+            if finding.rank is not None:
+                want.add(finding.rank)
+            published = {self.rank: {"stack": own_stack, "flight_recorder": own_fr}}
+            published.update(self._wait_for_stacks(want - {self.rank}))
+            stacks = {r: p["stack"] for r, p in published.items() if r in want and p.get("stack")}
+            att = attribute_hang(rings, self.world_size, time.monotonic(), stacks)
+            record = att.to_json()
+            no_stack = sorted(want - set(stacks))
+            if no_stack:
+                record["no_stack"] = no_stack
+            if flight_recorder.buffer_size() > 0:
+                record["flight_recorder"] = {
+                    "paths": {
+                        str(r): p["flight_recorder"]
+                        for r, p in sorted(published.items())
+                        if p.get("flight_recorder")
+                    },
+                    "note": "every rank dumps to "
+                    + flight_recorder.dump_path("<rank>")
+                    + " on its host (its flight_recorder event); analyse with "
+                    + flight_recorder.ANALYSE_HINT,
+                }
+            else:
+                record["flight_recorder"] = "off (TORCH_FR_BUFFER_SIZE is not set)"
+        except Exception as e:  # the attribution is a courtesy: the response must go on
+            self.events.write("hang_attribution", leader=self.rank, error=repr(e))
+            return
+        self.attribution = record
+        self.events.write("hang_attribution", leader=self.rank, verdict_rank=finding.rank, **record)
+
+    def _read_rings(self, ranks: list[int]) -> dict[int, RankRing | None]:
+        keys = [f"{self.prefix}/ring/{r}" for r in ranks]
+        with self._lock:
+            if self.store.check(keys):
+                values = dict(zip(ranks, self.store.multi_get(keys)))
+            else:  # a rank that joined but never beat with this code: read the others one by one
+                values = {
+                    r: self.store.get(k) for r, k in zip(ranks, keys) if self.store.check([k])
+                }
+        rings: dict[int, RankRing | None] = {}
+        for r in range(self.world_size):
+            raw = values.get(r)
+            if not raw:
+                rings[r] = None
+                continue
+            clock = self._clocks.get(r)
+            to_local = (lambda t: t) if r == self.rank or clock is None else clock.local
+            try:
+                rings[r] = decode_summary(raw, r, to_local)
+            except (ValueError, KeyError, TypeError):
+                rings[r] = None
+        return rings
+
+    def _wait_for_stacks(self, ranks: set[int]) -> dict[int, dict[str, Any]]:
+        interval = self.config.interval_s
+        deadline = time.monotonic() + max(2.0, 3 * interval)
+        next_beat = time.monotonic() + interval
+        got: dict[int, dict[str, Any]] = {}
+        todo = sorted(ranks)
+        while todo:
+            for r in list(todo):
+                key = f"{self.prefix}/stack/{r}"
+                with self._lock:
+                    raw = self.store.get(key) if self.store.check([key]) else None
+                if raw is not None:
+                    try:
+                        got[r] = json.loads(raw)
+                    except ValueError:
+                        got[r] = {}
+                    todo.remove(r)
+            now = time.monotonic()
+            if not todo or now > deadline:
+                break
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + interval
+            time.sleep(0.05)
+        return got
 
     def _exit(self, finding: Finding) -> None:
         self.events.write("exit", rank=self.rank, code=EXIT_RANK_FAILURE, reason=str(finding))
@@ -507,6 +654,31 @@ def local_rank_pid(rank: int) -> int | None:
             continue
     top = [pid for pid, parent in found.items() if parent not in found]
     return min(top) if top else None
+
+
+def main_thread_stack(limit: int = 12) -> str:
+    """The main thread's innermost ``limit`` frames, innermost first, one per line
+    (``resilient/chaos/faults.py:210 in _fire``)."""
+    main = threading.main_thread()
+    if threading.current_thread() is main:
+        frame = sys._getframe(1)  # the caller, not this function
+    else:
+        frame = sys._current_frames().get(main.ident or -1)
+    if frame is None:
+        return ""
+    entries = traceback.extract_stack(frame, limit=limit)
+    return "\n".join(f"{_short(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))
+
+
+def _short(path: str) -> str:
+    """A source path relative to the ``sys.path`` entry it was imported from
+    (``resilient/chaos/faults.py``, ``torch/distributed/distributed_c10d.py``)."""
+    best = ""
+    for root in sys.path:
+        root = (root or os.getcwd()).rstrip(os.sep) + os.sep
+        if path.startswith(root) and len(root) > len(best):
+            best = root
+    return path[len(best) :] if best else path
 
 
 def _stacks() -> str:

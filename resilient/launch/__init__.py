@@ -13,6 +13,11 @@ rendezvous, or is stuck before it, is declared like any other, and one that neve
 declared DEAD by the join timeout.  ``Run`` adopts that monitor.  Phases announced here: ``init``
 (the monitor started), ``rendezvous`` (inside ``dist.init_process_group``) and ``setup`` (the group
 is up; until ``Run.track``).
+
+It installs the collective ring (``resilient.health.ring``: every collective this process enters
+and leaves, for hang attribution) before the group exists, so that the first collective is
+recorded and a hook that wraps the same functions later (the chaos harness's ``slow`` fault)
+wraps the ring's wrappers; ``RESILIENT_COLLECTIVE_RING=0`` leaves torch's functions alone.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from resilient.health.attach import (
 )
 from resilient.health.detector import DetectorConfig
 from resilient.health.events import EventLog
+from resilient.health.ring import install as install_ring
 from resilient.hooks import call as call_hooks
 from resilient.launch.injob import (
     ENV_GEN,
@@ -79,6 +85,7 @@ def init_process_group(
     ``hooks``: called with ``at_phase("init_process_group", None)`` before joining the group."""
     if dist.is_initialized():
         return
+    install_ring()  # once per process; a new group (regroup) starts it over
     timeout = timedelta(seconds=timeout_s)
     under_agent = shares_agent_store()
     if backend != "gloo" and injob_enabled():

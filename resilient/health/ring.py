@@ -1,0 +1,433 @@
+"""The collective ring: every rank's record of the collectives it entered and left.
+
+``install()`` wraps ``torch.distributed``'s collective functions (``all_reduce``, ``all_gather``,
+``all_to_all_single``, ``broadcast``, ``barrier``, ``send``/``recv``, ...) once per process;
+``resilient.launch.init_process_group`` calls it before joining the group, unless
+``RESILIENT_COLLECTIVE_RING=0``.  Each call writes one slot of a fixed ring (``size`` slots, 128 by
+default): the operation, the process group (a readable name that every member spells the same way:
+``tp [0, 1]`` for a device mesh's axis, ``world [0-3]``, ``group 5 [0, 2]`` for a group made with
+``new_group``, ``p2p [0, 1]`` for a pair), the call's sequence number on that group (this rank's
+count of wrapped calls on it, which matches across the members as long as they call the same
+collectives in the same order), the bytes this rank contributes, and the monotonic times it
+entered and left (``None`` while inside).  The hot path is two clock reads, two dict lookups and
+one small list; no lock (the GIL orders the writes; a reader copies a slot at a time).
+
+Asynchronous calls (``async_op=True``, ``isend``/``irecv``) count as left when the call returns
+its ``Work``; the slot keeps a weak reference to it, and the summary marks the call ``pending``
+while that work reports not completed, so a rank blocked in ``wait()`` shows as inside it.
+
+Wrappers compose: a later wrapper (the chaos harness's ``slow`` fault wraps the same names) calls
+this one and the other way round; parameters are found by the signatures of
+``torch.distributed.distributed_c10d``'s functions, never of whatever is installed.  Calls made
+through other paths (functional collectives, DTensor's redistributions, C++) are not seen.
+
+The monitor's heartbeat thread publishes ``summary()`` (the last few calls, any call still inside,
+and every group's newest sequence numbers) to the store with its liveness beat when it changed;
+the leader reads every rank's when it declares HUNG (``resilient.health.attribution``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CollectiveRing",
+    "GroupInfo",
+    "install",
+    "installed",
+    "uninstall",
+    "ring_enabled",
+    "COLLECTIVES",
+    "ENV_RING",
+    "pack_ranks",
+    "unpack_ranks",
+    "format_ranks",
+]
+
+ENV_RING = "RESILIENT_COLLECTIVE_RING"
+DEFAULT_SIZE = 128
+SUMMARY_CALLS = 8  # the newest calls a summary carries (plus any still inside)
+SUMMARY_GROUPS = 64
+
+# name -> (the parameter that holds what this rank sends, or None; the peer parameters of a
+# point-to-point call, global then group rank)
+COLLECTIVES: dict[str, tuple[str | None, tuple[str, str] | None]] = {
+    "all_reduce": ("tensor", None),
+    "all_reduce_coalesced": ("tensors", None),
+    "all_gather": ("tensor", None),
+    "all_gather_into_tensor": ("input_tensor", None),
+    "all_gather_object": (None, None),
+    "all_to_all": ("input_tensor_list", None),
+    "all_to_all_single": ("input", None),
+    "reduce_scatter": ("input_list", None),
+    "reduce_scatter_tensor": ("input", None),
+    "broadcast": ("tensor", None),
+    "broadcast_object_list": (None, None),
+    "reduce": ("tensor", None),
+    "gather": ("tensor", None),
+    "gather_object": (None, None),
+    "scatter": ("tensor", None),
+    "scatter_object_list": (None, None),
+    "barrier": (None, None),
+    "monitored_barrier": (None, None),
+    "send": ("tensor", ("dst", "group_dst")),
+    "recv": ("tensor", ("src", "group_src")),
+    "isend": ("tensor", ("dst", "group_dst")),
+    "irecv": ("tensor", ("src", "group_src")),
+}
+_ALWAYS_ASYNC = ("isend", "irecv")
+
+# slot fields: [op, GroupInfo, seq, nbytes, entered, left, weakref to an async call's Work]
+_OP, _GROUP, _SEQ, _BYTES, _ENTERED, _LEFT, _WORK = range(7)
+
+
+def ring_enabled() -> bool:
+    """On unless ``RESILIENT_COLLECTIVE_RING`` is 0 (or false, no, off)."""
+    return os.environ.get(ENV_RING, "1").strip().lower() not in ("0", "false", "no", "off", "")
+
+
+class GroupInfo:
+    """One process group as the ring names it; ``entered``/``left``: the newest sequence numbers
+    this rank entered and left on it."""
+
+    __slots__ = ("name", "ranks", "entered", "left")
+
+    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
+        self.name, self.ranks = name, ranks
+        self.entered = 0
+        self.left = 0
+
+
+class CollectiveRing:
+    """A fixed ring of this process's collective calls.  ``enter``/``leave`` are the hot path
+    (the wrappers call them); ``summary`` is what the heartbeat thread publishes."""
+
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        if size < 1:
+            raise ValueError(f"the collective ring needs at least 1 slot, got {size}")
+        self.size = size
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every call and group (a new process group: sequence numbers start again)."""
+        self._slots: list[list[Any] | None] = [None] * self.size
+        self.count = 0  # calls entered since the reset
+        self._by_id: dict[Any, tuple[GroupInfo, Any]] = {}  # id(pg) or (id(pg), peer) -> group, ref
+        self._by_key: dict[str, GroupInfo] = {}  # pg name (+ the pair) -> its group
+        self._published: tuple[int, bool] | None = None
+        self._pending_any = False
+
+    # --- the hot path (the wrappers inline the same steps) ---------------------------------------
+    def enter(self, op: str, group: GroupInfo, nbytes: int | None) -> list[Any]:
+        group.entered += 1
+        slot = [op, group, group.entered, nbytes, time.monotonic(), None, None]
+        self._slots[self.count % self.size] = slot
+        self.count += 1
+        return slot
+
+    def leave(self, slot: list[Any], work: Any = None) -> None:
+        slot[_LEFT] = time.monotonic()
+        if work is not None:
+            self.watch(slot, work)
+        slot[_GROUP].left = slot[_SEQ]
+
+    def watch(self, slot: list[Any], work: Any) -> None:
+        """Keep a weak reference to an asynchronous call's work (pending until it completes)."""
+        try:
+            slot[_WORK] = weakref.ref(work)
+        except TypeError:  # not a Work (an object of another backend's making)
+            pass
+
+    def group(self, pg: Any) -> GroupInfo:
+        """The ring's name for process group ``pg`` (None: the default group)."""
+        hit = self._by_id.get(id(pg))
+        if hit is not None and (hit[1] is None or hit[1]() is pg):
+            return hit[0]
+        return self._new_group(pg, id(pg), None)
+
+    def pair(self, pg: Any, peer: int) -> GroupInfo:
+        """The ring's name for the pair (this rank, ``peer``; -1: any source) in ``pg``:
+        point-to-point calls count on the pair, so a send and its matching receive get the same
+        sequence number."""
+        key = (id(pg), peer)
+        hit = self._by_id.get(key)
+        if hit is not None and (hit[1] is None or hit[1]() is pg):
+            return hit[0]
+        return self._new_group(pg, key, peer)
+
+    def named(self, name: str, ranks: tuple[int, ...] | list[int]) -> GroupInfo:
+        """A group by name (for tests and simulations: no process group behind it)."""
+        g = self._by_key.get(name)
+        if g is None:
+            g = self._by_key[name] = GroupInfo(name, tuple(ranks))
+        return g
+
+    def _new_group(self, pg: Any, key: Any, peer: int | None) -> GroupInfo:
+        import torch.distributed as dist
+
+        try:
+            real = pg if pg is not None else dist.group.WORLD
+            ranks = tuple(dist.get_process_group_ranks(real))
+            pg_name = real.group_name
+            desc = getattr(real, "group_desc", "") or ""
+            me = dist.get_rank()
+        except Exception:  # no default group yet: the call itself will say so
+            return GroupInfo("group ?", ())
+        if peer is not None:
+            pair = (me,) if peer < 0 else (min(me, peer), max(me, peer))
+            label = "p2p " + format_ranks(pair) + ("" if peer >= 0 else " from any")
+            if desc != "default_pg":
+                label += f" in group {pg_name}"
+            unique, ranks = f"{pg_name}:{pair}", pair
+        else:
+            if desc == "default_pg":
+                label = "world"
+            elif desc.startswith("mesh_"):
+                label = desc[len("mesh_") :]  # a device mesh's axis: tp, ep, dp, ...
+            elif desc and desc != "undefined":
+                label = desc
+            else:
+                label = f"group {pg_name}"
+            label, unique = f"{label} {format_ranks(ranks)}", pg_name
+        # one GroupInfo per group name: the default group reached as None and as WORLD counts
+        # once, and a freed group whose id is reused by another is not mistaken for it
+        g = self._by_key.get(unique)
+        if g is None or g.ranks != ranks:
+            g = self._by_key[unique] = GroupInfo(label, ranks)
+        try:
+            ref = None if pg is None else weakref.ref(pg)
+        except TypeError:  # cannot be watched: look it up again next time
+            return g
+        self._by_id[key] = (g, ref)
+        return g
+
+    # --- what the heartbeat thread reads ---------------------------------------------------------
+    def calls(self) -> list[list[Any]]:
+        """Copies of the slots, oldest first."""
+        n, size = self.count, self.size
+        slots = self._slots
+        order = range(n - size, n) if n > size else range(n)
+        return [list(s) for i in order if (s := slots[i % size]) is not None]
+
+    def changed(self) -> bool:
+        """Whether a summary would differ from the last one published (a pending asynchronous
+        call counts as a change until it completes)."""
+        return self._published != self._mark() or self._pending_any
+
+    def _mark(self) -> tuple[int, bool]:
+        # calls entered, and whether the newest is still inside: what a stuck rank changes when
+        # it gets out (a call of another thread that returns out of order waits for the next)
+        n = self.count
+        newest = self._slots[(n - 1) % self.size] if n else None
+        return n, newest is not None and newest[_LEFT] is None
+
+    def summary(self, last: int = SUMMARY_CALLS) -> str:
+        """JSON: ``{"v": 1, "n": calls entered, "t": now, "calls": [[op, group, seq, bytes,
+        entered, left, pending], ...], "groups": {name: [ranks, entered, left]}}``; times are
+        this process's monotonic clock."""
+        mark = self._mark()
+        calls = self.calls()
+        keep = calls[-last:]
+        inside = [c for c in calls[:-last] if c[_LEFT] is None or _pending(c)]
+        out, pending_any, names = [], False, set()
+        for c in inside + keep:
+            pending = c[_LEFT] is not None and _pending(c)
+            pending_any |= pending
+            g: GroupInfo = c[_GROUP]
+            names.add(g.name)
+            out.append([c[_OP], g.name, c[_SEQ], c[_BYTES], c[_ENTERED], c[_LEFT], int(pending)])
+        groups = {}
+        for g in list(self._by_key.values()):
+            if g.entered and (g.name in names or len(groups) < SUMMARY_GROUPS):
+                groups[g.name] = [pack_ranks(g.ranks), g.entered, g.left]
+        self._published, self._pending_any = mark, pending_any
+        return json.dumps(
+            {"v": 1, "n": self.count, "t": time.monotonic(), "calls": out, "groups": groups},
+            separators=(",", ":"),
+        )
+
+
+def _pending(slot: list[Any]) -> bool:
+    ref = slot[_WORK]
+    if ref is None:
+        return False
+    work = ref()
+    if work is None:  # dropped by its caller: waited for, or never to be
+        return False
+    try:
+        return not work.is_completed()
+    except Exception:
+        return False
+
+
+def _nbytes(x: Any) -> int | None:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.nbytes
+    if isinstance(x, (list, tuple)):
+        return sum(t.nbytes for t in x if isinstance(t, torch.Tensor))
+    return None
+
+
+def _wrap(ring: CollectiveRing, op: str, fn: Any, reference: Any) -> Any:
+    """``fn`` (whatever ``torch.distributed.<op>`` is now), recording into ``ring``; parameters are
+    located by ``reference``'s signature (torch's own function)."""
+    params = list(inspect.signature(reference).parameters)
+    size_name, peer_names = COLLECTIVES[op]
+    size_i = params.index(size_name) if size_name in params else 1 << 30
+    group_i = params.index("group") if "group" in params else 1 << 30
+    async_i = params.index("async_op") if "async_op" in params else 1 << 30
+    always_async = op in _ALWAYS_ASYNC
+    if peer_names is not None:
+        peer_name, group_peer_name = peer_names
+        peer_i = params.index(peer_name)
+        gpeer_i = params.index(group_peer_name) if group_peer_name in params else 1 << 30
+
+        def where(args: tuple, kwargs: dict, group: Any) -> GroupInfo:
+            n = len(args)
+            peer = args[peer_i] if n > peer_i else kwargs.get(peer_name)
+            if peer is None:
+                gpeer = args[gpeer_i] if n > gpeer_i else kwargs.get(group_peer_name)
+                if gpeer is not None:
+                    import torch.distributed as dist
+
+                    try:
+                        peer = dist.get_global_rank(group or dist.group.WORLD, gpeer)
+                    except Exception:
+                        peer = None
+            return ring.pair(group, -1 if peer is None else peer)
+    else:
+        where = None  # type: ignore[assignment]
+
+    monotonic, tensor = time.monotonic, torch.Tensor
+    size = ring.size
+
+    # CollectiveRing.group + enter + leave, inlined: about 1 us a call instead of 2
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        n = len(args)
+        group = args[group_i] if n > group_i else kwargs.get("group")
+        if where is None:
+            hit = ring._by_id.get(id(group))
+            if hit is not None and (hit[1] is None or hit[1]() is group):
+                g = hit[0]
+            else:
+                g = ring.group(group)
+        else:
+            g = where(args, kwargs, group)
+        x = args[size_i] if n > size_i else kwargs.get(size_name)
+        seq = g.entered = g.entered + 1
+        slot = [op, g, seq, x.nbytes if type(x) is tensor else _nbytes(x), monotonic(), None, None]
+        i = ring.count
+        ring._slots[i % size] = slot
+        ring.count = i + 1
+        result = None
+        try:
+            result = fn(*args, **kwargs)
+            return result
+        finally:
+            slot[5] = monotonic()
+            g.left = seq
+            if result is not None and (
+                always_async or (args[async_i] if n > async_i else kwargs.get("async_op"))
+            ):
+                ring.watch(slot, result)
+
+    wrapper.__name__ = getattr(fn, "__name__", op)
+    wrapper.__qualname__ = getattr(fn, "__qualname__", op)
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper._resilient_ring = ring  # type: ignore[attr-defined]
+    return wrapper
+
+
+_RING: CollectiveRing | None = None
+_ORIGINALS: dict[str, Any] = {}
+_WRAPPERS: dict[str, Any] = {}
+
+
+def install(size: int = DEFAULT_SIZE, *, force: bool = False) -> CollectiveRing | None:
+    """Wrap ``torch.distributed``'s collectives once per process and return the ring; called
+    again (a new process group: in-job recovery forms one per generation), the ring starts over.
+    None when ``RESILIENT_COLLECTIVE_RING=0`` (unless ``force``)."""
+    global _RING
+    if not (force or ring_enabled()):
+        return None
+    if _RING is not None:
+        _RING.reset()
+        return _RING
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    ring = CollectiveRing(size)
+    for op in COLLECTIVES:
+        fn, reference = getattr(dist, op, None), getattr(c10d, op, None)
+        if fn is None or reference is None:
+            continue
+        _ORIGINALS[op] = fn
+        _WRAPPERS[op] = _wrap(ring, op, fn, reference)
+        setattr(dist, op, _WRAPPERS[op])
+    _RING = ring
+    return ring
+
+
+def installed() -> CollectiveRing | None:
+    """This process's ring, if ``install`` ran."""
+    return _RING
+
+
+def uninstall() -> None:
+    """Put torch's functions back where this module's wrappers are still the outermost (a wrapper
+    installed on top of them keeps calling them; they keep recording into the old ring)."""
+    global _RING
+    import torch.distributed as dist
+
+    for op, wrapper in _WRAPPERS.items():
+        if getattr(dist, op, None) is wrapper:
+            setattr(dist, op, _ORIGINALS[op])
+    _WRAPPERS.clear()
+    _ORIGINALS.clear()
+    _RING = None
+
+
+# --- rank lists: compact in the store, readable in the record ----------------------------------
+
+
+def pack_ranks(ranks: tuple[int, ...] | list[int]) -> list[int] | dict[str, int]:
+    """An arithmetic progression of 3 or more ranks as ``{"start", "stop", "step"}`` (a world of
+    4,096 stays a few bytes in every heartbeat); else the list."""
+    r = list(ranks)
+    if len(r) >= 3:
+        step = r[1] - r[0]
+        if step > 0 and all(b - a == step for a, b in zip(r, r[1:])):
+            return {"start": r[0], "stop": r[-1] + step, "step": step}
+    return r
+
+
+def unpack_ranks(packed: Any) -> tuple[int, ...]:
+    if isinstance(packed, dict):
+        return tuple(range(packed["start"], packed["stop"], packed["step"]))
+    return tuple(int(x) for x in packed)
+
+
+def format_ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    """``[0, 1]``, ``[0-3]``, ``[0, 2, 4, 6]``, ``[0-7, 9-15]``: runs of 3 or more collapse."""
+    r = sorted(ranks)
+    parts, i = [], 0
+    while i < len(r):
+        j = i
+        while j + 1 < len(r) and r[j + 1] == r[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{r[i]}-{r[j]}")
+        else:
+            parts += [str(x) for x in r[i : j + 1]]
+        i = j + 1
+    return "[" + ", ".join(parts) + "]"

@@ -1,0 +1,422 @@
+"""``run_preflight``: every check, on every rank of the job, within the budget; and the command.
+
+Call sequence (every rank calls ``run_preflight`` together, as a collective):
+
+1. device health, each rank at once: what torch sees, a matmul with a known result, the vendor's
+   error counters;
+2. per-node figures in turns (one local rank of every node at a time), ``repeats`` rounds:
+   memory bandwidth and its numpy anchor, matmul throughput, the store's round trip, host-device
+   copies where there is a GPU;
+3. pairwise links (world > 1);
+4. the checkpoint URL, in turns (when given);
+5. the collectives, in what is left of the budget;
+6. rank 0 gathers every rank's figures through the store, names the outliers, and shares the
+   report: every rank returns the same ``PreflightReport``.
+
+Budget shares: per-node figures 20%, links 20%, storage 15% (when a URL is given), collectives
+the rest; the quick subset (``Run(preflight=True)``) runs one 1 MiB all-reduce instead of the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from resilient.errors import ResilientError
+from resilient.preflight import collectives as coll
+from resilient.preflight import device as dev
+from resilient.preflight import host, links, storage
+from resilient.preflight.config import PreflightConfig
+from resilient.preflight.group import Group
+from resilient.preflight.outliers import human_bytes
+from resilient.preflight.report import PreflightReport, build_report
+
+__all__ = ["run_preflight", "preflight_main", "ENV_RESULT"]
+
+# set by ``resilient preflight --nproc N`` for the ranks it starts: rank 0 writes the report
+# there and every rank exits 0, and the launching process prints it and sets the exit code
+ENV_RESULT = "RESILIENT_PREFLIGHT_RESULT"
+
+
+def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
+    """Run the checks on every rank of the default process group (or a world of one without
+    one); every rank must call it, and every rank gets the same report back."""
+    config = config or PreflightConfig()
+    t_start = time.perf_counter()
+    group = Group()
+    timings: dict[str, float] = {}
+    skipped: list[str] = []
+    cut: list[str] = []
+    mine: dict[str, Any] = {
+        "rank": group.rank,
+        "host": group.host,
+        "local_rank": group.local_rank,
+        "pid": os.getpid(),
+        "failures": [],
+    }
+    where = f"rank {group.rank} ({group.host})"
+    budget = config.budget_s
+    has_url = config.checkpoint_url is not None
+
+    # 1. device health
+    t0 = time.perf_counter()
+    info = dev.device_info(group.device)
+    n = (4096 if config.quick else 8192) if group.device.type == "cuda" else 256
+    check = dev.matmul_check(group.device, n)
+    if not check["ok"]:
+        mine["failures"].append(
+            f"{where}: a {n}x{n} matmul on {info['name']} got {check['mismatches']} of {n * n} "
+            f"entries wrong (worst error {check['max_error']:g}) against the exact product "
+            f"(expected none); this device computes wrong results: drain the node"
+        )
+    vendor = dev.vendor_counters(info)
+    mine["failures"] += [f"{where}: {f}" for f in vendor.get("failures", [])]
+    mine["device"] = {**info, "matmul_check": check, "vendor": vendor}
+    timings["device"] = time.perf_counter() - t0
+
+    # 2. per-node figures, in turns
+    t0 = time.perf_counter()
+    mine.update(_local_figures(group, config, budget * (0.4 if config.quick else 0.2)))
+    timings["local"] = time.perf_counter() - t0
+    if group.device.type != "cuda":
+        skipped.append("host-device copies: no GPU on this job (CPU ranks)")
+    if group.store is None:
+        skipped.append("store round trip: no process group (a world of one)")
+
+    # 3. links
+    matrix: list[list[float | None]] | None = None
+    link_plan: dict[str, Any] = {}
+    if group.world > 1:
+        t0 = time.perf_counter()
+        message = min((1 << 20) if config.quick else (4 << 20), config.max_bytes)
+        est = links.probe_links(group, message)
+        share = budget * (0.35 if config.quick else 0.2)
+        m, k, r, link_cuts = links.plan_links(
+            world=group.world, budget_s=share, est_bytes_per_s=est, message_bytes=message
+        )
+        cut += link_cuts
+        matrix, ran = links.run_links(group, message_bytes=m, sends=k, repeats=r, budget_s=share)
+        if ran["repeats"] < r:
+            cut.append(f"pairwise links: {ran['repeats']} samples per pair instead of {r} (budget)")
+        concurrent = group.world > links.SEQUENTIAL_UP_TO
+        link_plan = {
+            "message_bytes": m,
+            **ran,
+            "schedule": "disjoint pairs at once" if concurrent else "one pair at a time",
+        }
+        timings["links"] = time.perf_counter() - t0
+    else:
+        skipped.append("pairwise links and collectives: a world of one")
+
+    # 4. storage
+    if has_url:
+        t0 = time.perf_counter()
+        mine["storage"] = _storage(group, config, budget * 0.15, where)
+        if "error" in mine["storage"]:
+            mine["failures"].append(mine["storage"]["error"])
+        timings["storage"] = time.perf_counter() - t0
+    else:
+        skipped.append("checkpoint storage: no --checkpoint-url given")
+
+    # 5. collectives, in what is left
+    results: list[coll.CollectiveResult] = []
+    if group.world > 1:
+        t0 = time.perf_counter()
+        (elapsed,) = group.agree_max([time.perf_counter() - t_start])
+        left = max(budget * 0.95 - elapsed, budget * 0.05)
+        cap = _buffer_cap(group)
+        if config.quick:
+            ops, sizes = ("all_reduce",), [min(1 << 20, config.max_bytes, cap)]
+        else:
+            ops = config.ops
+            wanted = coll.message_sizes(config.min_bytes, config.max_bytes)
+            sizes = [s for s in wanted if s <= cap]
+            if len(sizes) < len(wanted):
+                cut.append(
+                    f"collectives: sizes above {human_bytes(cap)} not run (two buffers of them "
+                    f"would not fit a quarter of the memory free to each rank)"
+                )
+        results, coll_cuts = coll.run_collectives(group, ops=ops, sizes=sizes, budget_s=left)
+        cut += coll_cuts
+        timings["collectives"] = time.perf_counter() - t0
+    if config.quick and group.world > 1:
+        cut.append("quick subset: one 1 MiB all-reduce instead of the collective sweep")
+
+    # 6. gather, judge, share
+    (used,) = group.agree_max([time.perf_counter() - t_start])
+    gathered = group.gather("ranks", mine)
+    report = None
+    if group.rank == 0:
+        report = build_report(
+            config=config,
+            ranks=gathered or [mine],
+            matrix=matrix,
+            link_plan=link_plan,
+            collectives=[r.to_dict() for r in results],
+            backend=group.backend,
+            device=group.device.type,
+            used_s=used,
+            timings_s=timings,
+            skipped=skipped,
+            cut=cut,
+        ).to_dict()
+    report = group.share("report", report)
+    group.sync()  # every rank has read the report before its keys go
+    group.cleanup(["ranks", "links", "report", "storage", "ping"])
+    return PreflightReport.from_dict(report)
+
+
+def _local_figures(group: Group, config: PreflightConfig, share_s: float) -> dict[str, Any]:
+    """Memory bandwidth, matmul throughput, store round trip (and host-device copies), measured in
+    turns; medians over ``repeats`` rounds, and the samples."""
+    on_gpu = group.device.type == "cuda"
+    llc = host.last_level_cache_bytes()
+    avail = host.available_memory_bytes() or (8 << 30)
+    want = max(64 << 20, 4 * llc)
+    nbytes = int(min(want, avail // (8 * max(group.turns, 1))))
+    (nbytes,) = group.agree_min([nbytes])
+    nbytes = int(nbytes)
+    repeats = 5
+    per_sample = 5 if on_gpu else 3  # torch copy, numpy copy, matmul (+ h2d, d2h)
+    sample_s = share_s / (repeats * max(group.turns, 1) * per_sample)
+    sample_s = min(max(sample_s, 0.01), 0.2)
+    src, dst = host.copy_buffers(nbytes)
+    pinned = device_buf = None
+    if on_gpu:
+        pinned = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+        device_buf = torch.empty(nbytes // 4, dtype=torch.float32, device=group.device)
+    n = 4096 if on_gpu else 256
+    mem, anchor, flops, store, h2d, d2h = [], [], [], [], [], []
+    t_start, rep = time.perf_counter(), 0
+    while rep < repeats:
+        for turn in range(group.turns):
+            if group.local_rank == turn:
+                s = host.memory_sample(src, dst, sample_s)
+                mem.append(s.torch_bytes_per_s)
+                anchor.append(s.numpy_bytes_per_s)
+                flops.append(dev.matmul_sample(group.device, n, sample_s))
+                store += group.store_round_trip(20)
+                if on_gpu:
+                    up, down = host.host_device_sample(pinned, device_buf, sample_s)
+                    h2d.append(up)
+                    d2h.append(down)
+            group.sync()
+        rep += 1
+        if rep == 1:  # a copy longer than the planned sample: fewer rounds (not below 3)
+            (first,) = group.agree_max([time.perf_counter() - t_start])
+            fits = 1 + int(max(share_s - first, 0.0) / max(first, 1e-9))
+            repeats = max(3, min(repeats, fits))
+    del src, dst, pinned, device_buf
+
+    def med(xs: Sequence[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    return {
+        "memory": {
+            "bytes": nbytes,
+            "sample_s": sample_s,
+            "repeats": repeats,
+            "torch_samples": mem,
+            "numpy_samples": anchor,
+        },
+        "memory_bytes_per_s": med(mem),
+        "numpy_copy_bytes_per_s": med(anchor),
+        "matmul_flops_per_s": med(flops),
+        "matmul_n": n,
+        "store_round_trip_s": med(store),
+        "h2d_bytes_per_s": med(h2d),
+        "d2h_bytes_per_s": med(d2h),
+    }
+
+
+def _buffer_cap(group: Group) -> int:
+    """The largest message size of which two buffers fit a quarter of this rank's free memory
+    (the agreed minimum over ranks)."""
+    if group.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(group.device)
+    else:
+        free = (host.available_memory_bytes() or (8 << 30)) // max(group.turns, 1)
+    cap = 1 << max(int(free // 8).bit_length() - 1, 12)
+    (cap,) = group.agree_min([cap])
+    return int(cap)
+
+
+def _storage(group: Group, config: PreflightConfig, share_s: float, where: str) -> dict[str, Any]:
+    """This rank's storage figures (or ``{"error": message}``); rank 0 names the scratch
+    directory and removes it at the end."""
+    url = config.checkpoint_url
+    assert url is not None
+    scratch = group.share("storage", storage.scratch_name() if group.rank == 0 else None)
+    result: dict[str, Any] = {"scratch": f"{url.rstrip('/')}/{scratch}"}
+    store = None
+    created_root = False
+    try:
+        store = storage.open_storage(url, config.storage_options)
+        # every rank: a node-local path is a directory per node (shared storage: one, idempotent)
+        created_root = storage.make_scratch(store, scratch)
+    except (ResilientError, OSError) as e:
+        result["error"] = (
+            f"{where}: checkpoint URL {url} cannot be opened or written: {e}; expected a "
+            f"writable location: check the URL, its credentials and free space"
+        )
+        store = None
+    group.sync()  # the scratch directory exists before any rank writes into it
+    for turn in range(group.turns):
+        if group.local_rank == turn and store is not None:
+            try:
+                probe = storage.storage_sample(store, scratch, group.rank, 4 << 20)
+                rate = min(probe["write_bytes_per_s"], probe["read_bytes_per_s"])
+                size = int(min(256 << 20, max(4 << 20, rate * share_s / group.turns / 3)))
+                size = 1 << (size.bit_length() - 1)
+                result.update(
+                    storage.storage_sample(store, scratch, group.rank, size)
+                    if size > 4 << 20
+                    else probe  # fmt: skip
+                )
+            except (ResilientError, OSError) as e:
+                result["error"] = (
+                    f"{where}: checkpoint URL {url} failed the storage check: {e}; expected to "
+                    f"write and read back a scratch file there: check the URL, its credentials "
+                    f"and free space"
+                )
+        group.sync()
+    if group.rank == 0 and store is not None:
+        try:
+            storage.remove_scratch(store, scratch, created_root=created_root)
+        except (ResilientError, OSError) as e:
+            result.setdefault(
+                "error", f"{where}: could not remove the scratch directory {scratch}: {e}"
+            )
+    return result
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def _under_launcher() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def preflight_main(
+    config: PreflightConfig,
+    *,
+    nproc: int | None = None,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    hooks: Sequence[Any] = (),
+    argv: Sequence[str] = (),
+    say: Any = print,
+) -> int:
+    """The ``resilient preflight`` command: under torchrun / ``resilient launch`` each rank runs
+    the checks; with ``nproc`` it starts that many local ranks itself (``argv``: the arguments
+    those ranks get); otherwise a world of one.  ``hooks``: ``resilient.hooks`` objects for
+    joining the group (the chaos harness's, through ``--chaos``).  Returns the exit code: 0 every
+    check passed, 1 a check failed (an outlier, a device check, the storage), 2 an error."""
+    if plot_path is not None:
+        from resilient.preflight.report import require_matplotlib
+
+        require_matplotlib()
+    if _under_launcher():
+        return _as_rank(config, json_path, plot_path, hooks, say)
+    if nproc is not None and nproc > 1:
+        return _launch(nproc, argv, json_path, plot_path, say)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from resilient.launch import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    return _as_rank(config, json_path, plot_path, hooks, say)
+
+
+def _as_rank(
+    config: PreflightConfig,
+    json_path: str | None,
+    plot_path: str | None,
+    hooks: Sequence[Any],
+    say: Any,
+) -> int:
+    import torch.distributed as dist
+
+    from resilient.launch import init_process_group
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    init_process_group(
+        backend, timeout_s=max(300.0, 4 * config.budget_s), detect=False, hooks=hooks
+    )
+    try:
+        report = run_preflight(config)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0 if os.environ.get(ENV_RESULT) or report.ok else 1
+    if os.environ.get(ENV_RESULT):
+        with open(os.environ[ENV_RESULT], "w") as f:
+            json.dump(report.to_dict(), f)
+        return 0
+    return _output(report, json_path, plot_path, say)
+
+
+def _output(report: PreflightReport, json_path: str | None, plot_path: str | None, say) -> int:
+    from resilient.preflight.report import plot, print_report
+
+    print_report(report)
+    if json_path:
+        report.write_json(json_path)
+        say(f"report: {json_path}")
+    if plot_path:
+        plot(report, plot_path)
+        say(f"plot: {plot_path}")
+    return 0 if report.ok else 1
+
+
+def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
+    """Start ``nproc`` local ranks of ``resilient preflight`` through torchrun; print their
+    report here."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    from resilient.launch import free_port
+
+    fd, result = tempfile.mkstemp(prefix="resilient-preflight-", suffix=".json")
+    os.close(fd)
+    os.environ[ENV_RESULT] = result
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    flags = [
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+    ]
+    try:
+        torchrun([*flags, "-m", "resilient.cli", "preflight", *argv])
+        with open(result) as f:
+            text = f.read()
+        if not text:
+            raise ValueError("rank 0 wrote no report")
+        report = PreflightReport.from_dict(json.loads(text))
+    except ChildFailedError as e:
+        print(f"error: a preflight rank failed: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: the preflight ranks returned no report ({e})", file=sys.stderr)
+        return 2
+    finally:
+        os.environ.pop(ENV_RESULT, None)
+        os.unlink(result)
+    return _output(report, json_path, plot_path, say)

@@ -1,0 +1,132 @@
+"""Preflight finds what the chaos harness breaks: a slowed rank and a slow link are named (exit 1),
+and a job with nothing injected names nothing (exit 0).
+
+The slow rank is the harness's ``slow`` fault (every torch operation on the rank takes ``factor``
+times as long: a throttled device), which changes the rank's memory-copy and matmul figures by the
+factor whatever else loads the machine; the SIGSTOP ``throttle`` mode is weaker on a loaded machine
+(a stopped process is rescheduled first when continued), so it is not what these tests lean on.
+The slow link is ``delay_link`` (sends from rank 0 to rank 1 held to 16 MiB/s, against 100-250
+MiB/s over loopback here).  The factor is 0.4: the injected faults move their figures 5x and more,
+and the median of five interleaved samples per rank (per link) keeps a busy 2-core machine's noise
+inside 2.5x.  Each fault's ``fault`` event proves it fired.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resilient.errors import PreflightError
+from resilient.preflight import PreflightConfig
+from tests.dist import run_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _preflight(tmp_path, *extra: str) -> tuple[int, dict, str]:
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "resilient.cli", "preflight", "--nproc", "3", "--quick"]
+    cmd += ["--budget-s", "8", "--factor", "0.4", "--json", str(out), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    text = done.stdout + done.stderr
+    assert out.exists(), text
+    return done.returncode, json.loads(out.read_text()), text
+
+
+def _plan(tmp_path, fault: dict) -> tuple[str, object]:
+    plan, events = tmp_path / "plan.json", tmp_path / "events.jsonl"
+    doc = {"marker_dir": str(tmp_path / "markers"), "events": str(events), "faults": [fault]}
+    plan.write_text(json.dumps(doc))
+    return str(plan), events
+
+
+def _fired(events) -> list[tuple[str, int]]:
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    return [(e["id"], e["rank"]) for e in lines if e["event"] == "fault"]
+
+
+def test_preflight_names_a_slowed_rank(tmp_path):
+    plan, events = _plan(
+        tmp_path, {"id": "slow-2", "kind": "slow", "factor": 5, "rank": 2, "when": "init"}
+    )
+    code, report, text = _preflight(tmp_path, "--chaos", plan)
+    assert _fired(events) == [("slow-2", 2)]
+    assert code == 1, text
+    named = [o for o in report["outliers"] if o["kind"] == "rank"]
+    assert ("memory_bytes_per_s", 2) in {(o["figure"], o["rank"]) for o in named}
+    # the harness's slow fault stretches the rank's communication too (torch routes c10d calls
+    # through torch functions), so its links may be named as well: but only rank 2's
+    for o in report["outliers"]:
+        assert 2 in (o["rank"], o["src"], o["dst"]), report["failures"]
+    assert f"rank 2 ({report['hosts'][2]}): host memory bandwidth" in "\n".join(report["failures"])
+    assert "FAILED" in text
+
+
+def test_preflight_names_a_slow_link(tmp_path):
+    plan, events = _plan(
+        tmp_path,
+        {
+            "id": "link-0-1",
+            "kind": "delay_link",
+            "rank": 0,
+            "peer": 1,
+            "bytes_per_s": 16 << 20,
+            "when": "init",
+        },
+    )
+    code, report, text = _preflight(tmp_path, "--chaos", plan)
+    assert _fired(events) == [("link-0-1", 0)]
+    assert code == 1, text
+    assert [(o["kind"], o["src"], o["dst"]) for o in report["outliers"]] == [("link", 0, 1)], (
+        report["failures"]
+    )
+    (message,) = report["failures"]
+    assert message.startswith("link 0->1: ") and "median" in message
+
+
+def test_preflight_names_nothing_when_nothing_is_injected(tmp_path):
+    code, report, text = _preflight(tmp_path, "--plot", str(tmp_path / "p.png"))
+    assert (code, report["outliers"], report["failures"]) == (0, [], []), text
+    assert report["ok"] and report["world_size"] == 3 and "PASSED" in text
+    assert (tmp_path / "p.png").exists()
+
+
+def _slowed_rank_1(rank, world):
+    from resilient import Run
+    from resilient.chaos.faults import slow_compute
+
+    if rank == 1:
+        slow_compute(5.0)
+    try:
+        Run(None, preflight=PreflightConfig.quick_check(budget_s=4.0, factor=0.4))
+    except PreflightError as e:
+        return str(e)
+    return None
+
+
+def test_run_refuses_to_train_on_a_slowed_rank():
+    messages = run_distributed(_slowed_rank_1, 3, timeout_s=400)
+    assert messages[0] == messages[1] == messages[2] is not None
+    assert messages[0].startswith("preflight refused to train: rank 1 (")
+    assert "host memory bandwidth" in messages[0] and "rank 0 (" not in messages[0]
+    assert "rank 2 (" not in messages[0] and "Run(preflight=False)" in messages[0]
+
+
+def test_the_trainer_refuses_to_train_on_a_slowed_rank(tmp_path):
+    plan, events = _plan(
+        tmp_path, {"id": "slow-1", "kind": "slow", "factor": 5, "rank": 1, "when": "init"}
+    )
+    cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "2", "--dp", "2", "--steps", "2"]
+    cmd += ["--preflight", "--ckpt", str(tmp_path / "ckpt"), "--chaos", plan]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    assert _fired(events) == [("slow-1", 1)]
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: preflight refused to train: rank 1 (" in done.stderr
+    assert not (tmp_path / "ckpt" / "step_00000002").exists()  # it never trained
+    record = [json.loads(line) for line in (tmp_path / "ckpt" / "events.jsonl").open()]
+    (pre,) = [e for e in record if e["event"] == "preflight"]
+    assert pre["ok"] is False and pre["failures"][0].startswith("rank 1 (")

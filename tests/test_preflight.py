@@ -1,0 +1,415 @@
+"""resilient preflight: the arithmetic (bus bandwidth, splits, pair schedules, outliers) without
+processes; the report, its JSON, table and plot; storage and device checks in one process; and the
+checks on real gloo groups of 2 and 3 ranks.  Fault injection (a slow rank, a slow link) is in
+tests/integration/test_preflight_chaos.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from resilient.errors import StorageError
+from resilient.preflight import PreflightConfig, PreflightReport, run_preflight
+from resilient.preflight import device as dev
+from resilient.preflight import storage as pstorage
+from resilient.preflight.collectives import bus_factor, message_sizes, uneven_splits
+from resilient.preflight.links import pair_rounds, plan_links
+from resilient.preflight.outliers import FIGURES, link_outliers, rank_outliers
+from resilient.preflight.report import build_report, plot, print_report
+from tests.dist import run_distributed
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+# --- arithmetic ----------------------------------------------------------------------------------
+
+
+def test_bus_bandwidth_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == pytest.approx(0.75)
+    assert bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
+    assert bus_factor("broadcast", 4) == 1.0
+    with pytest.raises(ValueError, match="unknown collective 'gather'"):
+        bus_factor("gather", 4)
+
+
+def test_message_sizes_span_4_kib_to_256_mib():
+    sizes = message_sizes(4 << 10, 256 << 20)
+    assert sizes[0] == 4096 and sizes[-1] == 256 << 20 and len(sizes) == 17
+    assert message_sizes(5000, 20000) == [8192, 16384]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_all_to_all_splits_are_uneven_and_consistent(n):
+    count = 1000 * n + 7
+    splits = [uneven_splits(count, n, r) for r in range(n)]
+    for r, (ins, outs) in enumerate(splits):
+        assert sum(ins) == count
+        assert outs == [splits[p][0][r] for p in range(n)]  # what p sends r
+        assert len(set(ins)) > 1  # uneven
+        assert abs(sum(outs) - count) < n * n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_pair_rounds_cover_every_ordered_pair_once(n, concurrent):
+    rounds = pair_rounds(n, concurrent)
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == sorted((i, j) for i in range(n) for j in range(n) if i != j)
+    for r in rounds:
+        ranks = [x for p in r for x in p]
+        assert len(ranks) == len(set(ranks))  # no rank twice in a round
+    if concurrent:
+        assert len(rounds) == 2 * (n - 1 + n % 2)  # the circle method, not n(n-1)
+
+
+def test_pair_rounds_go_concurrent_past_eight_ranks():
+    assert len(pair_rounds(8)) == 56 and len(pair_rounds(16)) == 30
+
+
+def test_link_plan_shrinks_to_the_budget():
+    m, k, r, cuts = plan_links(world=4, budget_s=1.0, est_bytes_per_s=1e9, message_bytes=4 * MiB)
+    assert (m, r) == (4 * MiB, 5) and 1 <= k and cuts == []
+    m, k, r, cuts = plan_links(world=4, budget_s=0.01, est_bytes_per_s=1e8, message_bytes=4 * MiB)
+    assert (m, k, r) == (64 << 10, 1, 3)
+    assert cuts == [
+        "pairwise links: 64 KiB messages instead of 4 MiB (budget)",
+        "pairwise links: 3 samples per pair instead of 5 (budget)",
+    ]
+
+
+# --- outliers --------------------------------------------------------------------------------
+
+
+def test_a_slow_rank_is_named_with_its_figure_and_the_median():
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    values = {0: 9.8 * GiB, 1: 10.0 * GiB, 2: 3.1 * GiB, 3: 9.6 * GiB}
+    (o,) = rank_outliers(values, FIGURES["memory_bytes_per_s"], 0.7, hosts)
+    assert (o.kind, o.rank, o.host) == ("rank", 2, "b")
+    assert o.message == "rank 2 (b): host memory bandwidth 3.1 GiB/s, median 9.7 GiB/s (0.32x)"
+    assert rank_outliers({0: 1.0, 1: 0.75}, FIGURES["memory_bytes_per_s"], 0.7) == []
+    assert rank_outliers({0: 1.0}, FIGURES["memory_bytes_per_s"], 0.7) == []  # nothing to compare
+
+
+def test_a_latency_is_named_when_slower_by_the_factor_and_the_slack():
+    store = FIGURES["store_round_trip_s"]
+    assert rank_outliers({0: 1e-4, 1: 1e-4, 2: 4e-4}, store, 0.7) == []  # 4x, but 0.3 ms
+    (o,) = rank_outliers({0: 1e-4, 1: 1e-4, 2: 5e-3}, store, 0.7)
+    assert o.message == "rank 2: store round trip 5 ms, median 100 us (50x)"
+
+
+def _matrix(n, value, slow=None, slow_rank=None):
+    m = [[None if i == j else value for j in range(n)] for i in range(n)]
+    if slow:
+        m[slow[0]][slow[1]] = slow[2]
+    if slow_rank is not None:
+        for k in range(n):
+            if k != slow_rank:
+                m[slow_rank][k] = m[k][slow_rank] = value / 4
+    return m
+
+
+def test_one_slow_link_is_named_and_no_rank():
+    found = link_outliers(_matrix(4, 2 * GiB, slow=(1, 3, 0.4 * GiB)), 0.7)
+    assert [o.message for o in found] == ["link 1->3: 410 MiB/s, median 2 GiB/s (0.2x)"]
+    assert (found[0].src, found[0].dst, found[0].kind) == (1, 3, "link")
+
+
+def test_a_slow_node_is_named_once_not_as_its_links():
+    found = link_outliers(_matrix(4, 2 * GiB, slow_rank=2), 0.7, {r: "h" for r in range(4)})
+    assert [o.message for o in found] == [
+        "rank 2 (h): pairwise send/recv bandwidth (median of its links) 512 MiB/s, median "
+        "2 GiB/s (0.25x)"
+    ]
+    assert link_outliers(_matrix(3, 2 * GiB), 0.7) == []
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def _rank(rank, memory, failures=()):
+    return {
+        "rank": rank,
+        "host": f"node{rank // 2}",
+        "local_rank": rank % 2,
+        "failures": list(failures),
+        "memory_bytes_per_s": memory,
+        "numpy_copy_bytes_per_s": 5 * GiB,
+        "matmul_flops_per_s": 2e10,
+        "store_round_trip_s": 2e-4,
+        "h2d_bytes_per_s": None,
+        "d2h_bytes_per_s": None,
+        "device": {
+            "kind": "cpu",
+            "name": "cpu",
+            "matmul_check": {"n": 256, "ok": True, "mismatches": 0, "max_error": 0.0},
+            "vendor": {"tool": None, "note": "no GPU on this rank: ECC counters skipped"},
+        },
+    }
+
+
+def _report(memory=(8, 8, 2, 8), matrix=None, failures=None):
+    ranks = [_rank(r, m * GiB, (failures or {}).get(r, ())) for r, m in enumerate(memory)]
+    collectives = [
+        {
+            "op": op,
+            "size_bytes": s,
+            "bytes": s,
+            "iters": 5,
+            "time_s": s / GiB,
+            "algbw_bytes_per_s": GiB,
+            "busbw_bytes_per_s": GiB * bus_factor(op, 4),
+        }
+        for op in ("all_reduce", "all_to_all")
+        for s in (4096, 8192)
+    ]
+    return build_report(
+        config=PreflightConfig(factor=0.7, budget_s=10),
+        ranks=ranks,
+        matrix=matrix or _matrix(4, GiB, slow=(0, 1, 0.1 * GiB)),
+        link_plan={"message_bytes": MiB, "sends_per_sample": 4, "repeats": 5, "schedule": "x"},
+        collectives=collectives,
+        backend="gloo",
+        device="cpu",
+        used_s=3.5,
+        timings_s={"local": 1.0},
+        skipped=["checkpoint storage: no --checkpoint-url given"],
+        cut=["all_reduce: 16 KiB..256 MiB not run (budget)"],
+    )
+
+
+def test_the_report_names_outliers_fails_and_round_trips_through_json(tmp_path):
+    report = _report(failures={1: ["rank 1 (node0): a 256x256 matmul got 3 entries wrong"]})
+    assert not report.ok
+    assert report.failures == [
+        "rank 1 (node0): a 256x256 matmul got 3 entries wrong",
+        "rank 2 (node1): host memory bandwidth 2 GiB/s, median 8 GiB/s (0.25x)",
+        "link 0->1 (node0 -> node0): 102 MiB/s, median 1 GiB/s (0.1x)",
+    ]
+    assert report.medians["memory_bytes_per_s"] == 8 * GiB
+    assert report.figures["memory_bytes_per_s"][2] == 2 * GiB
+    assert "no GPU on this rank: ECC counters skipped" in report.skipped
+    path = tmp_path / "r.json"
+    report.write_json(str(path))
+    data = json.loads(path.read_text())
+    assert data["outliers"][0]["ratio"] == pytest.approx(0.25) and data["budget_s"] == 10
+    assert data["links"]["matrix_bytes_per_s"][0][0] is None
+    again = PreflightReport.from_dict(data)
+    assert again == report
+    with pytest.raises(ValueError, match="version 9"):
+        PreflightReport.from_dict({**data, "version": 9})
+
+
+def test_a_clean_report_passes():
+    report = _report(memory=(8, 8, 7, 8), matrix=_matrix(4, GiB))
+    assert report.ok and report.failures == [] and report.outliers == []
+
+
+def test_the_table_shows_every_section():
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    print_report(_report(), console)
+    text = console.export_text()
+    for expected in (
+        "memory",
+        "node1",
+        "all_to_all",
+        "4 KiB",
+        "from\\to",
+        "cut: all_reduce: 16 KiB..256 MiB",
+        "FAILED rank 2 (node1): host memory bandwidth 2 GiB/s",
+        "skipped: checkpoint storage",
+    ):
+        assert expected in text, expected
+
+
+def test_the_plot_draws_both_panels(tmp_path):
+    path = tmp_path / "p.png"
+    plot(_report(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'resilient\[plot\]'"):
+        plot(_report(), str(tmp_path / "p.png"))
+    from resilient.cli import app
+
+    out = CliRunner().invoke(app, ["preflight", "--plot", str(tmp_path / "p.png")])
+    assert out.exit_code == 2 and "needs matplotlib" in out.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--factor", "1.5"], "--factor 1.5: must be between 0 and 1"),
+        (["--budget-s", "0"], "--budget-s 0.0: must be > 0 seconds"),
+        (["--storage-options", "[1]"], "--storage-options must be a JSON object"),
+        (["--nproc", "0"], "--nproc 0: must be >= 1"),
+    ],
+)
+def test_bad_usage_exits_2_naming_the_flag(args, message):
+    from resilient.cli import app
+
+    out = CliRunner().invoke(app, ["preflight", *args])
+    assert out.exit_code == 2 and message in out.output, out.output
+
+
+def test_the_command_lists_its_flags():
+    from resilient.cli import app
+
+    out = CliRunner().invoke(app, ["preflight", "--help"], terminal_width=200)
+    for flag in ("--nproc", "--json", "--checkpoint-url", "--budget-s", "--plot", "--factor"):
+        assert flag in out.output
+
+
+# --- device and storage, in this process -------------------------------------------------------
+
+
+def test_the_matmul_check_knows_the_exact_product():
+    check = dev.matmul_check(torch.device("cpu"), 100)
+    assert check == {"n": 100, "ok": True, "mismatches": 0, "max_error": 0.0}
+    a, b = dev._operands(37, torch.device("cpu"))
+    assert torch.equal(a @ b, dev._expected(37, torch.device("cpu")))
+
+
+def test_vendor_counters_are_parsed_and_judged():
+    ecc = "0, 00000000:19:00.0, 0, 12\n1, 00000000:3B:00.0, [N/A], [N/A]\n"
+    assert dev.parse_nvidia_ecc(ecc) == [
+        {"index": 0, "pci_bus_id": "00000000:19:00.0", "uncorrected": 0, "corrected": 12},
+        {"index": 1, "pci_bus_id": "00000000:3B:00.0", "uncorrected": None, "corrected": None},
+    ]
+    remap = dev.parse_nvidia_remap("00000000:19:00.0, 0, 2, No, Yes\n")
+    assert remap["00000000:19:00.0"] == {
+        "remapped_correctable": 0,
+        "remapped_uncorrectable": 2,
+        "remap_pending": False,
+        "remap_failure": True,
+    }
+    amd = {"gpu_0": {"ecc": {"total_correctable_count": 3, "total_uncorrectable_count": 1}}}
+    assert dev.parse_amd_json(json.dumps([amd])) == {"uncorrected": 1, "corrected": 3}
+    judged = dev._judge("nvidia-smi", {"uncorrected": 2, "remap_failure": True}, "GPU 0 (x)")
+    assert judged["failures"] == [
+        "GPU 0 (x): 2 uncorrected ECC errors since the driver loaded (expected 0); drain this "
+        "node and have its GPU checked (reset or replace)",
+        "GPU 0 (x): row remapping failed (expected none); the GPU needs replacing",
+    ]
+    assert dev._judge("nvidia-smi", {"uncorrected": 0, "corrected": 5}, "GPU 0")["failures"] == []
+    assert "skipped" in dev.vendor_counters({"kind": "cpu"})["note"]
+
+
+def test_storage_check_works_in_a_scratch_directory_and_leaves_nothing(tmp_path):
+    url = tmp_path / "ckpt"
+    (url / "step_00000001").mkdir(parents=True)
+    (url / "step_00000001" / "MANIFEST.json").write_text("keep")
+    store = pstorage.open_storage(str(url), None)
+    scratch = pstorage.scratch_name()
+    assert pstorage.make_scratch(store, scratch) is False
+    got = pstorage.storage_sample(store, scratch, 0, 1 << 20)
+    assert got["bytes"] == 1 << 20 and got["write_bytes_per_s"] > 0 and got["first_byte_s"] > 0
+    pstorage.remove_scratch(store, scratch)
+    assert sorted(p.name for p in url.iterdir()) == ["step_00000001"]
+    assert (url / "step_00000001" / "MANIFEST.json").read_text() == "keep"
+    with pytest.raises(StorageError, match="nosuchprotocol"):
+        pstorage.open_storage("nosuchprotocol://bucket/x", None)
+
+
+def test_a_world_of_one_runs_every_local_check(tmp_path):
+    """No process group: device, memory, storage; links, collectives and the store skipped."""
+    url = str(tmp_path / "new")
+    report = run_preflight(PreflightConfig.quick_check(budget_s=1.0, checkpoint_url=url))
+    assert report.ok, report.failures
+    assert report.world_size == 1 and report.figures["memory_bytes_per_s"][0] > 0
+    assert report.ranks[0]["storage"]["bytes"] >= 4 << 20
+    assert report.figures["numpy_copy_bytes_per_s"][0] > 0
+    assert "pairwise links and collectives: a world of one" in report.skipped
+    assert "store round trip: no process group (a world of one)" in report.skipped
+    assert not os.path.exists(url)  # it did not exist: created for the check, and removed
+
+
+def test_unwritable_storage_fails_the_check(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    report = run_preflight(
+        PreflightConfig.quick_check(budget_s=0.5, checkpoint_url=str(blocker / "ckpt"))
+    )
+    assert not report.ok
+    (failure,) = report.failures
+    assert failure.startswith(f"rank 0 ({report.hosts[0]}): checkpoint URL {blocker}/ckpt")
+    assert "check the URL, its credentials and free space" in failure
+
+
+# --- real process groups ---------------------------------------------------------------------
+
+
+def _quick(rank, world):
+    return run_preflight(PreflightConfig.quick_check(budget_s=2.0)).to_dict()
+
+
+def _full(rank, world):
+    config = PreflightConfig(budget_s=4.0, max_bytes=64 << 10, factor=0.1)
+    return run_preflight(config).to_dict()
+
+
+@pytest.mark.distributed
+def test_quick_preflight_on_three_ranks():
+    reports = run_distributed(_quick, 3)
+    assert reports[0] == reports[1] == reports[2]  # every rank gets the same report
+    r = reports[0]
+    assert r["world_size"] == 3 and r["quick"] and len(r["ranks"]) == 3
+    matrix = r["links"]["matrix_bytes_per_s"]
+    assert [matrix[i][i] for i in range(3)] == [None] * 3
+    assert all(matrix[i][j] > 0 for i in range(3) for j in range(3) if i != j)
+    (row,) = r["collectives"]
+    assert row["op"] == "all_reduce" and row["size_bytes"] == 1 << 20
+    assert row["busbw_bytes_per_s"] == pytest.approx(row["algbw_bytes_per_s"] * 4 / 3)
+    assert all(v > 0 for v in r["figures"]["store_round_trip_s"])
+
+
+@pytest.mark.distributed
+def test_full_preflight_times_every_collective_over_sizes():
+    r = run_distributed(_full, 2)[0]
+    ops = {c["op"] for c in r["collectives"]}
+    assert ops == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+    for c in r["collectives"]:
+        assert c["algbw_bytes_per_s"] == pytest.approx(c["bytes"] / c["time_s"])
+        assert c["busbw_bytes_per_s"] == pytest.approx(
+            c["algbw_bytes_per_s"] * bus_factor(c["op"], 2)
+        )
+    sizes = sorted({c["size_bytes"] for c in r["collectives"] if c["op"] == "all_reduce"})
+    assert sizes[0] == 4096 and sizes[-1] <= 64 << 10
+    assert set(r["timings_s"]) >= {"device", "local", "links", "collectives"}
+    assert r["used_s"] > 0 and r["budget_s"] == 4.0
+
+
+def _run_with_preflight(rank, world):
+    from resilient import Run
+
+    with Run(None, preflight=PreflightConfig.quick_check(budget_s=2.0, factor=0.2)) as run:
+        run.track(w=torch.zeros(2))
+        return [s for s in run.steps(2)]
+
+
+@pytest.mark.distributed
+def test_run_with_preflight_trains_when_every_rank_passes():
+    assert run_distributed(_run_with_preflight, 2) == [[1, 2], [1, 2]]
+
+
+def test_run_rejects_a_bad_preflight_setting():
+    from resilient import Run
+
+    with pytest.raises(ValueError, match="preflight must be True, False or a"):
+        Run(None, preflight="yes")
+
+
+def test_the_trainer_takes_preflight():
+    from reference_trainer.__main__ import config_from, parser
+
+    assert config_from(parser().parse_args(["--preflight"]), 1).preflight is True
+    assert config_from(parser().parse_args([]), 1).preflight is False

@@ -1,0 +1,486 @@
+"""The collective ring (resilient.health.ring) and hang attribution (resilient.health.attribution):
+the ring itself, its wrappers on real gloo groups, the comparison of rings as pure logic, the
+summary through a real TCPStore, and the leader's record on a HUNG verdict."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient.health import flight_recorder
+from resilient.health.attribution import (
+    Call,
+    GroupState,
+    RankRing,
+    attribute_hang,
+    decode_summary,
+    format_rank_list,
+)
+from resilient.health.detector import DetectorConfig
+from resilient.health.events import EventLog
+from resilient.health.heartbeat import Monitor, main_thread_stack
+from resilient.health.ring import (
+    CollectiveRing,
+    format_ranks,
+    pack_ranks,
+    unpack_ranks,
+)
+from tests.dist import run_distributed
+
+# --- the ring ------------------------------------------------------------------------------------
+
+
+def test_the_ring_keeps_the_newest_calls_and_counts_per_group():
+    ring = CollectiveRing(size=4)
+    world, tp = ring.named("world [0-3]", range(4)), ring.named("tp [0, 1]", (0, 1))
+    for i in range(10):
+        slot = ring.enter("all_reduce", world if i % 2 == 0 else tp, 16)
+        if i < 9:
+            ring.leave(slot)
+    calls = ring.calls()
+    assert len(calls) == 4 and ring.count == 10  # wrapped around: the newest four, oldest first
+    assert [(c[1].name, c[2]) for c in calls] == [
+        ("world [0-3]", 4),
+        ("tp [0, 1]", 4),
+        ("world [0-3]", 5),
+        ("tp [0, 1]", 5),
+    ]
+    assert calls[-1][5] is None and all(c[5] >= c[4] for c in calls[:-1])  # the last: inside
+    assert (world.entered, world.left, tp.entered, tp.left) == (5, 5, 5, 4)
+    d = json.loads(ring.summary(last=2))
+    assert [c[:3] for c in d["calls"]] == [
+        ["all_reduce", "world [0-3]", 5],
+        ["all_reduce", "tp [0, 1]", 5],
+    ]
+    assert d["groups"]["world [0-3]"] == [{"start": 0, "stop": 4, "step": 1}, 5, 5]
+    assert not ring.changed()  # nothing new to publish
+    ring.leave(slot)  # the last call returns
+    assert ring.changed()
+
+
+def test_a_summary_keeps_a_call_still_inside_that_is_older_than_the_last_few():
+    ring = CollectiveRing(size=16)
+    g, other = ring.named("world [0, 1]", (0, 1)), ring.named("p2p [0, 1]", (0, 1))
+    ring.enter("barrier", g, None)  # never returns (another thread made the newer calls)
+    for _ in range(5):
+        ring.leave(ring.enter("send", other, 4))
+    calls = json.loads(ring.summary(last=2))["calls"]
+    assert [(c[0], c[5]) for c in calls][0] == ("barrier", None) and len(calls) == 3
+
+
+def test_rank_lists_pack_and_read_compactly():
+    assert pack_ranks(range(0, 4096)) == {"start": 0, "stop": 4096, "step": 1}
+    assert unpack_ranks(pack_ranks((1, 3, 5, 7))) == (1, 3, 5, 7)
+    assert pack_ranks((0, 1)) == [0, 1] and unpack_ranks([4, 9, 2]) == (4, 9, 2)
+    assert format_ranks((0, 1)) == "[0, 1]"
+    assert format_ranks(range(8)) == "[0-7]"
+    assert format_ranks((0, 1, 2, 5, 7, 8, 9)) == "[0-2, 5, 7-9]"
+    assert format_rank_list([3]) == "rank 3" and format_rank_list([0, 1, 3]) == "ranks 0, 1, 3"
+
+
+# --- the wrappers on real gloo groups -----------------------------------------------------------
+
+
+def _record_collectives(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from resilient.health.ring import install, installed
+
+    calls_seen = []
+
+    def outer_before(fn):  # a wrapper installed before the ring (it ends up inside)
+        def w(*a, **k):
+            calls_seen.append(("before", fn.__name__))
+            return fn(*a, **k)
+
+        w.__name__ = fn.__name__
+        return w
+
+    dist.all_reduce = outer_before(dist.all_reduce)
+    ring = install(force=True)
+    assert installed() is ring and install(force=True) is ring  # once per process
+    # a wrapper installed after it, like the chaos harness's slow fault: takes (*args, **kwargs)
+    inner = dist.all_reduce
+
+    def after(*a, **k):
+        calls_seen.append(("after", "all_reduce"))
+        return inner(*a, **k)
+
+    dist.all_reduce = after
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_group("tp")
+    g = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    t = torch.ones(4)
+    dist.all_reduce(t)  # world, positional nothing
+    dist.all_reduce(t, dist.ReduceOp.SUM, tp)  # group positional
+    dist.all_reduce(t, group=dist.group.WORLD)  # the default group by name: same counter as None
+    dist.all_gather([torch.empty(4) for _ in range(2)], t, group=g)
+    dist.all_to_all_single(torch.empty(8), torch.ones(8, dtype=torch.float32), group=tp)
+    work = dist.all_reduce(t, async_op=True)
+    assert isinstance(work, dist.Work)  # the caller gets torch's own object back
+    work.wait()
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        dist.send(torch.ones(3), dst=peer)
+        dist.recv(t[:3], src=peer)
+    else:
+        dist.recv(t[:3], src=peer)
+        dist.send(torch.ones(3), dst=peer)
+    reqs = [dist.isend(torch.ones(2), peer), dist.irecv(torch.empty(2), peer)]
+    for r in reqs:
+        r.wait()
+    dist.barrier()
+    try:
+        dist.broadcast(t, src=99)  # a failing call still counts as left
+    except Exception:
+        pass
+    summary = ring.summary(last=64)
+    return summary, calls_seen
+
+
+@pytest.mark.distributed
+def test_the_wrappers_record_every_collective_with_its_group_sequence_and_size():
+    results = run_distributed(_record_collectives, 4)
+    rings = [decode_summary(s, r, lambda t: t) for r, (s, _) in enumerate(results)]
+    for r, ring in enumerate(rings):
+        names = [(c.op, c.group, c.seq, c.nbytes) for c in ring.calls]
+        tp = "tp [0, 1]" if r < 2 else "tp [2, 3]"
+        pair = "[0, 1]" if r < 2 else "[2, 3]"
+        assert names[:3] == [
+            ("all_reduce", "world [0-3]", 1, 16),
+            ("all_reduce", tp, 1, 16),  # a device mesh's axis by its name
+            ("all_reduce", "world [0-3]", 2, 16),  # group=WORLD counts with group=None
+        ]
+        # new_group's: named by its number, counted on its own
+        assert names[3][0] == "all_gather" and names[3][1].startswith("group ")
+        assert names[3][1].endswith(" [0, 2]" if r % 2 == 0 else " [1, 3]")
+        assert names[3][2:] == (1, 16)
+        assert names[4] == ("all_to_all_single", tp, 2, 32)
+        assert names[5] == ("all_reduce", "world [0-3]", 3, 16)  # async: counted the same
+        p2p = [n for n in names if n[0] in ("send", "recv", "isend", "irecv")]
+        # a send and its matching receive get the same sequence number on the pair
+        assert [n[1:3] for n in p2p] == [(f"p2p {pair}", i) for i in range(1, 5)]
+        assert [n[0] for n in p2p] == (
+            ["send", "recv", "isend", "irecv"] if r % 2 == 0 else ["recv", "send", "isend", "irecv"]
+        )
+        assert names[-2][:3] == ("barrier", "world [0-3]", 4)
+        assert names[-1][0] == "broadcast"
+        assert all(c.left_t is not None and c.left_t >= c.entered_t for c in ring.calls)
+        assert not any(c.pending for c in ring.calls)
+        assert ring.groups[tp] == GroupState((0, 1) if r < 2 else (2, 3), 2, 2)
+    # both other wrappers ran on every all_reduce: theirs and the ring compose either way round
+    for _, seen in results:
+        assert seen.count(("after", "all_reduce")) == 4
+        assert seen.count(("before", "all_reduce")) == 4
+
+
+def _pending_async(rank, world):
+    from resilient.health.ring import install
+
+    ring = install(force=True)
+    t = torch.ones(2)
+    if rank == 0:
+        work = dist.irecv(t, src=1)  # rank 1 sends only after rank 0 has published
+        first = ring.summary()
+        dist.barrier()
+        work.wait()
+        return first, ring.summary()
+    dist.barrier()
+    dist.send(t, dst=0)
+    return None, None
+
+
+@pytest.mark.distributed
+def test_an_asynchronous_call_is_pending_until_its_work_completes():
+    (first, after), _ = run_distributed(_pending_async, 2)
+    before = decode_summary(first, 0, lambda t: t)
+    assert before.inside() is not None and before.inside().op == "irecv"
+    assert before.inside().pending and before.inside().left_t is not None
+    assert decode_summary(after, 0, lambda t: t).inside() is None
+
+
+def _dump_flight_recorder(rank, world, prefix):
+    import os
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"  # read when a group is made
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
+    g = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(4), group=g)
+    return flight_recorder.dump(rank)
+
+
+@pytest.mark.distributed
+def test_the_flight_recorder_is_dumped_where_torch_would_put_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    assert flight_recorder.dump(0) is None  # off: nothing written, nothing named
+    prefix = str(tmp_path / "fr" / "trace_rank_")
+    paths = run_distributed(_dump_flight_recorder, 2, prefix)
+    assert paths == [f"{prefix}0", f"{prefix}1"]
+    trace = pickle.loads(open(paths[1], "rb").read())
+    assert any(e["profiling_name"].endswith("all_reduce") for e in trace["entries"])
+
+
+# --- attribution: pure logic ---------------------------------------------------------------------
+
+NOW = 100.0
+
+
+def _ring(rank, calls, groups=None):
+    """calls: (op, group, seq, entered, left or None)."""
+    cs = tuple(Call(op, g, seq, 64, t0, t1) for op, g, seq, t0, t1 in calls)
+    gs = {}
+    for c in cs:
+        ranks = (groups or {}).get(c.group, GROUPS.get(c.group, ()))
+        old = gs.get(c.group)
+        gs[c.group] = GroupState(
+            ranks,
+            max(c.seq, old.entered if old else 0),
+            max(c.seq if not c.inside else c.seq - 1, old.left if old else 0),
+        )
+    return RankRing(rank, cs, gs, len(cs))
+
+
+GROUPS = {
+    "world [0-3]": (0, 1, 2, 3),
+    "tp [0, 1]": (0, 1),
+    "tp [2, 3]": (2, 3),
+    "ep [0, 2]": (0, 2),
+    "ep [1, 3]": (1, 3),
+}
+
+
+def test_one_rank_behind_is_named_with_its_last_collective_and_stack():
+    rings = {
+        r: _ring(r, [("all_to_all", "world [0-3]", 56, 90, 95.9), ("all_reduce", "world [0-3]", 57, 96, None)])
+        for r in (0, 1, 3)
+    }  # fmt: skip
+    rings[2] = _ring(2, [("all_to_all", "world [0-3]", 56, 90, 95.9)])
+    a = attribute_hang(rings, 4, NOW, {2: "loop.py:10 in step\ntrain.py:5 in main"})
+    assert a.kind == "missing_rank" and a.culprits == (2,)
+    (s,) = a.stuck
+    assert (s.op, s.group, s.seq, s.waiting, s.missing) == (
+        "all_reduce",
+        "world [0-3]",
+        57,
+        (0, 1, 3),
+        (2,),
+    )
+    assert a.summary.startswith(
+        "ranks 0, 1, 3 are in all_reduce #57 on world [0-3]; rank 2 never entered it: it last "
+        "left all_to_all #56 on world [0-3] 4.1 s ago and is in no collective, at loop.py:10 in "
+        "step <- train.py:5 in main"
+    )
+    assert a.ranks[2]["last_left"]["seq"] == 56 and a.ranks[2]["stack"].startswith("loop.py")
+    json.dumps(a.to_json())  # goes to the event log as is
+
+
+def test_two_groups_name_the_rank_both_wait_for_and_the_ranks_waiting_behind_them():
+    # tp x ep on 4 ranks; rank 1 hangs between steps: rank 0 waits in tp [0, 1], rank 3 in
+    # ep [1, 3]; rank 2 waits in ep [0, 2] for rank 0, which is itself waiting
+    rings = {
+        0: _ring(0, [("all_reduce", "world [0-3]", 12, 80, 81), ("all_reduce", "tp [0, 1]", 40, 82, None)]),
+        1: _ring(1, [("all_reduce", "world [0-3]", 12, 80, 81)]),
+        2: _ring(2, [("all_reduce", "tp [2, 3]", 40, 82, 82.5), ("all_to_all_single", "ep [0, 2]", 20, 83, None)]),
+        3: _ring(3, [("all_reduce", "tp [2, 3]", 40, 82, 82.5), ("all_to_all_single", "ep [1, 3]", 20, 83, None)]),
+    }  # fmt: skip
+    rings[1].groups["tp [0, 1]"] = GroupState((0, 1), 39, 39)
+    rings[1].groups["ep [1, 3]"] = GroupState((1, 3), 19, 19)
+    rings[0].groups["ep [0, 2]"] = GroupState((0, 2), 19, 19)
+    a = attribute_hang(rings, 4, NOW)
+    assert a.kind == "missing_rank" and a.culprits == (1,)
+    assert [(s.name(), s.missing) for s in a.stuck[:2]] == [
+        ("all_reduce #40 on tp [0, 1]", (1,)),
+        ("all_to_all_single #20 on ep [1, 3]", (1,)),
+    ]
+    assert a.stuck[2].name() == "all_to_all_single #20 on ep [0, 2]" and a.stuck[2].missing == (0,)
+    assert (
+        "rank 1 never entered either of them: it last left all_reduce #12 on world [0-3]"
+        in a.summary
+    )
+    assert (
+        "meanwhile rank 2 is in all_to_all_single #20 on ep [0, 2], waiting for rank 0 (in "
+        "all_reduce #40 on tp [0, 1])" in a.summary
+    )
+
+
+def test_a_rank_inside_another_collective_at_the_same_call_is_a_mismatch():
+    rings = {r: _ring(r, [("all_reduce", "world [0-3]", 57, 96, None)]) for r in (0, 1, 3)}
+    rings[2] = _ring(2, [("all_gather", "world [0-3]", 57, 96, None)])
+    a = attribute_hang(rings, 4, NOW)
+    assert a.kind == "mismatch" and a.culprits == ()
+    assert a.stuck[0].mismatched == {2: "all_gather"}
+    assert a.summary == (
+        "ranks 0, 1, 3 are in all_reduce #57 on world [0-3] but rank 2 is in all_gather #57 on "
+        "the same group: the ranks called different collectives"
+    )
+
+
+def test_every_rank_inside_the_same_collective_puts_the_hang_inside_it():
+    rings = {r: _ring(r, [("all_reduce", "world [0-3]", 57, 96 + r / 10, None)]) for r in range(4)}
+    a = attribute_hang(rings, 4, NOW)
+    assert a.kind == "inside_collective" and a.culprits == ()
+    assert a.summary.startswith(
+        "ranks 0-3 all entered all_reduce #57 on world [0-3] 4.0 s ago and every member is in "
+        "it: the hang is inside the collective"
+    )
+
+
+def test_a_rank_with_an_empty_ring_never_entered_and_says_so():
+    rings = {r: _ring(r, [("barrier", "world [0-3]", 1, 96, None)]) for r in (0, 1, 2)}
+    rings[3] = RankRing(3, (), {}, 0)  # its ring is on, it made no collective yet
+    a = attribute_hang(rings, 4, NOW)
+    assert a.kind == "missing_rank" and a.culprits == (3,)
+    assert "rank 3 never entered it: it has recorded no collective" in a.summary
+
+
+def test_ranks_without_a_ring_are_reported_not_blamed():
+    rings = {r: _ring(r, [("barrier", "world [0-3]", 1, 96, None)]) for r in (0, 1, 2)}
+    rings[3] = None
+    a = attribute_hang(rings, 4, NOW)
+    assert a.culprits == () and a.stuck[0].unknown == (3,)
+    assert "rank 3 published no ring" in a.summary
+    off = attribute_hang({r: None for r in range(4)}, 4, NOW)
+    assert off.kind == "no_ring" and "RESILIENT_COLLECTIVE_RING=0" in off.summary
+
+
+def test_a_circular_wait_and_no_collective_at_all_are_told_apart():
+    rings = {
+        0: _ring(0, [("all_reduce", "tp [0, 1]", 5, 90, None)]),
+        1: _ring(1, [("all_to_all", "ep [1, 3]", 5, 90, None)]),
+        2: _ring(2, [("all_to_all", "ep [0, 2]", 5, 90, None)]),
+        3: _ring(3, [("all_reduce", "tp [2, 3]", 5, 90, None)]),
+    }
+    for r, ring in rings.items():
+        for g, ranks in GROUPS.items():
+            if r in ranks and g not in ring.groups:
+                ring.groups[g] = GroupState(ranks, 4, 4)
+    a = attribute_hang(rings, 4, NOW)
+    assert a.kind == "circular" and a.culprits == ()
+    assert "different orders" in a.summary
+    idle = {r: _ring(r, [("all_reduce", "world [0-3]", 9, 90, 91)]) for r in range(4)}
+    b = attribute_hang(idle, 4, NOW)
+    assert b.kind == "no_collective" and b.stuck == ()
+    assert "ranks 0-3 all_reduce #9 on world [0-3]" in b.summary
+
+
+# --- through a real store: the summary and the leader's record ------------------------------------
+
+
+def test_the_summary_goes_through_a_tcpstore_with_the_heartbeat_and_reads_back(tmp_path):
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    ring = CollectiveRing()
+    g = ring.named("tp [0, 1]", (0, 1))
+    ring.leave(ring.enter("all_reduce", g, 1024))
+    ring.enter("all_to_all_single", ring.named("ep [0, 2]", (0, 2)), 2048)
+    m = Monitor(
+        server,
+        "run/0",
+        0,
+        1,
+        DetectorConfig(interval_s=0.1),
+        events=EventLog(str(tmp_path / "e.jsonl")),
+        on_failure=lambda f: None,
+        kill_local=False,
+        ring=ring,
+    )
+    try:
+        client = dist.TCPStore("127.0.0.1", server.port, 1, False)
+        back = decode_summary(client.get("run/0/ring/0"), 0, lambda t: t)
+        assert [(c.op, c.group, c.seq, c.nbytes, c.inside) for c in back.calls] == [
+            ("all_reduce", "tp [0, 1]", 1, 1024, False),
+            ("all_to_all_single", "ep [0, 2]", 1, 2048, True),
+        ]
+        assert back.groups["ep [0, 2]"] == GroupState((0, 2), 1, 0)
+        ring.enter("barrier", g, None)  # the next beat carries it
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            back = decode_summary(client.get("run/0/ring/0"), 0, lambda t: t)
+            if back.count == 3:
+                break
+            time.sleep(0.05)
+        assert back.count == 3 and back.inside().op == "barrier"
+    finally:
+        m.close()
+
+
+def test_on_hung_the_leader_logs_which_collective_and_which_rank_never_entered(tmp_path):
+    """Four monitors on one TCPStore, each with its own ring: ranks 0, 2, 3 enter all_reduce #3
+    on the world and stop there; rank 1 stops progressing before it."""
+    server = dist.TCPStore("127.0.0.1", 0, 5, True, wait_for_workers=False)
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    config = DetectorConfig(
+        interval_s=0.2, dead_after_intervals=10, startup_dead_after_intervals=10, hang_timeout_s=2.0
+    )
+    failures: dict[int, list] = {r: [] for r in range(4)}
+    rings, monitors = {}, {}
+    for r in range(4):
+        rings[r] = ring = CollectiveRing()
+        world = ring.named("world [0-3]", range(4))
+        for _ in range(2):
+            ring.leave(ring.enter("all_reduce", world, 8))
+        client = dist.TCPStore("127.0.0.1", server.port, 5, False)
+        monitors[r] = Monitor(
+            client,
+            "run/0",
+            r,
+            4,
+            config,
+            events=events,
+            on_failure=failures[r].append,
+            kill_local=False,
+            ring=ring,
+        )
+    stop = threading.Event()
+
+    def drive(r):
+        for step in range(1, 10_000):
+            if stop.is_set() or (r == 1 and step > 3):
+                return
+            monitors[r].progress(step, "train")
+            if r != 1 and step == 3:
+                rings[r].enter("all_reduce", rings[r].named("world [0-3]", ()), 8)
+                return  # inside it for good
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=drive, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not failures[0]:
+            time.sleep(0.05)
+        assert failures[0] and failures[0][0].verdict.value == "HUNG"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            att = [e for e in events.read() if e["event"] == "hang_attribution"]
+            if att:
+                break
+            time.sleep(0.05)
+        (a,) = att
+        assert a["kind"] == "missing_rank" and a["culprits"] == [1]
+        assert a["summary"].startswith(
+            "ranks 0, 2, 3 are in all_reduce #3 on world [0-3]; rank 1 never entered it: it last "
+            "left all_reduce #2 on world [0-3]"
+        )
+        assert a["flight_recorder"].startswith("off")
+        # rank 1 published its main thread's stack (here: this test's), and it is in the record
+        assert a["ranks"]["1"]["stack"].startswith("tests/test_ring.py:")
+        assert a["verdict_rank"] is None  # every rank stalled: the detector alone names none
+        assert list(monitors[0].attribution["culprits"]) == [1]
+    finally:
+        stop.set()
+        for m in monitors.values():
+            m.close()
+
+
+def test_the_main_thread_stack_is_innermost_first():
+    stack = main_thread_stack()
+    assert stack.splitlines()[0].endswith("in test_the_main_thread_stack_is_innermost_first")
