@@ -133,9 +133,13 @@ def _record_collectives(rank, world):
     else:
         dist.recv(t[:3], src=peer)
         dist.send(torch.ones(3), dst=peer)
-    reqs = [dist.isend(torch.ones(2), peer), dist.irecv(torch.empty(2), peer)]
-    for r in reqs:
-        r.wait()
+    # P2POp tells isend from irecv by identity: the ring leaves them unwrapped (and unseen)
+    ops = [
+        dist.P2POp(dist.isend, torch.ones(2), peer),
+        dist.P2POp(dist.irecv, torch.empty(2), peer),
+    ]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
     dist.barrier()
     try:
         dist.broadcast(t, src=99)  # a failing call still counts as left
@@ -166,10 +170,8 @@ def test_the_wrappers_record_every_collective_with_its_group_sequence_and_size()
         assert names[5] == ("all_reduce", "world [0-3]", 3, 16)  # async: counted the same
         p2p = [n for n in names if n[0] in ("send", "recv", "isend", "irecv")]
         # a send and its matching receive get the same sequence number on the pair
-        assert [n[1:3] for n in p2p] == [(f"p2p {pair}", i) for i in range(1, 5)]
-        assert [n[0] for n in p2p] == (
-            ["send", "recv", "isend", "irecv"] if r % 2 == 0 else ["recv", "send", "isend", "irecv"]
-        )
+        assert [n[1:3] for n in p2p] == [(f"p2p {pair}", i) for i in range(1, 3)]
+        assert [n[0] for n in p2p] == (["send", "recv"] if r % 2 == 0 else ["recv", "send"])
         assert names[-2][:3] == ("barrier", "world [0-3]", 4)
         assert names[-1][0] == "broadcast"
         assert all(c.left_t is not None and c.left_t >= c.entered_t for c in ring.calls)
@@ -184,16 +186,17 @@ def test_the_wrappers_record_every_collective_with_its_group_sequence_and_size()
 def _pending_async(rank, world):
     from resilient.health.ring import install
 
+    side = dist.new_group([0, 1])  # its own gloo context: a signal apart from WORLD's calls
     ring = install(force=True)
     t = torch.ones(2)
     if rank == 0:
-        work = dist.irecv(t, src=1)  # rank 1 sends only after rank 0 has published
+        work = dist.broadcast(t, src=1, async_op=True)  # rank 1 joins after rank 0 published
         first = ring.summary()
-        dist.barrier()
+        dist.barrier(group=side)
         work.wait()
         return first, ring.summary()
-    dist.barrier()
-    dist.send(t, dst=0)
+    dist.barrier(group=side)
+    dist.broadcast(t, src=1)
     return None, None
 
 
@@ -201,7 +204,7 @@ def _pending_async(rank, world):
 def test_an_asynchronous_call_is_pending_until_its_work_completes():
     (first, after), _ = run_distributed(_pending_async, 2)
     before = decode_summary(first, 0, lambda t: t)
-    assert before.inside() is not None and before.inside().op == "irecv"
+    assert before.inside() is not None and before.inside().op == "broadcast"
     assert before.inside().pending and before.inside().left_t is not None
     assert decode_summary(after, 0, lambda t: t).inside() is None
 
@@ -484,3 +487,63 @@ def test_on_hung_the_leader_logs_which_collective_and_which_rank_never_entered(t
 def test_the_main_thread_stack_is_innermost_first():
     stack = main_thread_stack()
     assert stack.splitlines()[0].endswith("in test_the_main_thread_stack_is_innermost_first")
+
+
+def test_on_nccl_a_rank_behind_its_groups_newest_call_is_named_though_nobody_is_inside():
+    """NCCL returns from a collective once it is queued: the others have "left" all_reduce #71
+    and block later; rank 2 never entered it."""
+    rings = {
+        r: _ring(
+            r,
+            [
+                ("all_reduce", "world [0-3]", 70, 90, 91),
+                ("all_reduce", "world [0-3]", 71, 92, 92.1),
+            ],
+        )
+        for r in (0, 1, 3)
+    }
+    rings[2] = _ring(2, [("all_reduce", "world [0-3]", 70, 90, 91)])
+    a = attribute_hang(rings, 4, NOW, {2: "train.py:10 in data\nloop.py:3 in steps"})
+    assert a.kind == "behind" and a.culprits == (2,)
+    assert "ranks 0, 1, 3 entered all_reduce #71 on world [0-3] and rank 2 never did" in a.summary
+    assert "rank 2 last left all_reduce #70 on world [0-3], at train.py:10 in data" in a.summary
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[]",
+        b'{"calls": {}}',
+        b'{"calls": [["all_reduce", ["g"], 1, 4, 0, 1, false]]}',
+        b'{"calls": [[1, 2, 3]]}',
+        b'{"groups": {"g": [{"start": 0, "stop": 300000000, "step": 1}, 1, 1]}}',
+        b'{"groups": {"g": [[0, -1, 99], 1, 1]}}',
+        b'{"groups": {"g": [{"start": 0, "stop": 4, "step": 0}, 1, 1]}}',
+        b"[" * 5000 + b"]" * 5000,
+        b"x" * (2 << 20),
+    ],
+)
+def test_a_malformed_summary_is_a_valueerror_not_a_crash_or_a_huge_allocation(raw):
+    with pytest.raises(ValueError):
+        decode_summary(raw, 1, lambda t: t, 4)
+
+
+def _compiled_all_reduce(rank, world):
+    from resilient.health.ring import install
+
+    ring = install(force=True)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x):
+        dist.all_reduce(x)
+        return x * 2
+
+    out = f(torch.ones(3))
+    return out.tolist(), ring.count
+
+
+@pytest.mark.distributed
+def test_torch_compile_traces_through_the_wrappers_in_one_graph():
+    (out, count), _ = run_distributed(_compiled_all_reduce, 2)
+    assert out == [4.0, 4.0, 4.0]  # summed over 2 ranks, then doubled
+    assert count == 0  # compiled calls go to torch's own function (not recorded)

@@ -300,12 +300,12 @@ def slow_compute(factor: float) -> None:
 
 
 def delay_link(peer: int, bytes_per_s: float, latency_s: float = 0.0) -> None:
-    """From now on, every point-to-point send from this rank to rank ``peer`` (``dist.send``,
-    ``dist.isend``, and the ``P2POp``\\s made from them afterwards) takes at least
-    ``latency_s + bytes / bytes_per_s``: one slow link (a bad cable or port, a degraded NIC) in
-    one direction.  The send itself runs at full speed; the rest of the time is slept after it
-    (before the returned work, for ``isend``), so the link's bandwidth is capped at
-    ``bytes_per_s``.  Other peers, receives and collectives are untouched."""
+    """From now on, every blocking point-to-point send from this rank to rank ``peer``
+    (``dist.send``) takes at least ``latency_s + bytes / bytes_per_s``: one slow link (a bad
+    cable or port, a degraded NIC) in one direction.  The send itself runs at full speed; the
+    rest of the time is slept after it, so the link's bandwidth is capped at ``bytes_per_s``.
+    Other peers, receives, collectives and ``isend`` are untouched (torch tells ``isend`` apart
+    by identity in ``P2POp``: it is never wrapped)."""
     import torch.distributed as dist
 
     if bytes_per_s <= 0 or latency_s < 0:
@@ -334,7 +334,6 @@ def delay_link(peer: int, bytes_per_s: float, latency_s: float = 0.0) -> None:
         return delayed
 
     dist.send = wrap(dist.send)
-    dist.isend = wrap(dist.isend)
 
 
 _THROTTLE = """

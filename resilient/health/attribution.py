@@ -93,27 +93,59 @@ class RankRing:
         return None
 
 
-def decode_summary(raw: bytes | str, rank: int, to_local: Callable[[float], float]) -> RankRing:
+MAX_SUMMARY_BYTES = 1 << 20  # a summary is a few KB; anything larger is not one
+
+
+def decode_summary(
+    raw: bytes | str,
+    rank: int,
+    to_local: Callable[[float], float],
+    world_size: int | None = None,
+) -> RankRing:
     """A rank's published summary (``CollectiveRing.summary``), its times mapped by ``to_local``
-    onto the reader's clock."""
-    d = json.loads(raw)
-    calls = tuple(
-        Call(
-            op,
-            group,
-            int(seq),
-            nbytes,
-            to_local(entered),
-            None if left is None else to_local(left),
-            bool(pending),
+    onto the reader's clock.  Another process wrote it: anything that is not a summary (its size,
+    its shape, its types, ranks outside the world) is a ValueError."""
+    if len(raw) > MAX_SUMMARY_BYTES:
+        raise ValueError(f"rank {rank}'s ring summary is {len(raw)} bytes, not a summary")
+    try:
+        d = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"rank {rank}'s ring summary nests too deeply") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"rank {rank}'s ring summary is not an object")
+    raw_calls, raw_groups = d.get("calls", []), d.get("groups", {})
+    if not isinstance(raw_calls, list) or not isinstance(raw_groups, dict):
+        raise ValueError(f"rank {rank}'s ring summary has no calls list / groups object")
+    if len(raw_calls) > 4096 or len(raw_groups) > 4096:
+        raise ValueError(f"rank {rank}'s ring summary is too large")
+    calls = []
+    for item in raw_calls:
+        if not isinstance(item, list) or len(item) != 7:
+            raise ValueError(f"rank {rank}'s ring summary has a malformed call {item!r:.80}")
+        op, group, seq, nbytes, entered, left, pending = item
+        if not isinstance(op, str) or not isinstance(group, str):
+            raise ValueError(f"rank {rank}'s ring summary has a malformed call {item!r:.80}")
+        if nbytes is not None and not isinstance(nbytes, int):
+            raise ValueError(f"rank {rank}'s ring summary has a malformed size {nbytes!r:.40}")
+        calls.append(
+            Call(
+                op,
+                group,
+                int(seq),
+                nbytes,
+                to_local(float(entered)),
+                None if left is None else to_local(float(left)),
+                bool(pending),
+            )
         )
-        for op, group, seq, nbytes, entered, left, pending in d.get("calls", [])
-    )
-    groups = {
-        name: GroupState(unpack_ranks(ranks), int(entered), int(left))
-        for name, (ranks, entered, left) in d.get("groups", {}).items()
-    }
-    return RankRing(rank, calls, groups, int(d.get("n", len(calls))))
+    groups = {}
+    for name, value in raw_groups.items():
+        if not isinstance(value, list) or len(value) != 3:
+            raise ValueError(f"rank {rank}'s ring summary has a malformed group {name!r:.80}")
+        ranks, entered, left = value
+        members = unpack_ranks(ranks, world_size)
+        groups[name] = GroupState(members, int(entered), int(left))
+    return RankRing(rank, tuple(calls), groups, int(d.get("n", len(calls))))
 
 
 @dataclass(frozen=True)
@@ -279,6 +311,30 @@ def attribute_hang(
                 f"{format_rank_list(sorted({m for s in stuck for m in s.unknown}))} published "
                 f"no ring"
             )
+    elif behind := _behind(known, inside):
+        # nobody is inside a collective, yet some members of a group never entered its newest
+        # call: on NCCL a collective returns once it is queued, so the ranks waiting for a
+        # missing peer block later (a synchronize, an .item()), outside the collective
+        kind = "behind"
+        culprits = tuple(sorted({r for b in behind for r in b[3] if r not in inside}))
+        described = {r: _describe(r, known.get(r), now, stacks.get(r)) for r in culprits}
+        lines = [
+            f"no rank is inside a collective, but {format_rank_list(ahead)} entered "
+            f"{op} #{seq} on {group} and {format_rank_list(late)} never did"
+            + "".join(
+                f"; rank {r} last left "
+                + (
+                    f"{d['last_left']['op']} #{d['last_left']['seq']} on {d['last_left']['group']}"
+                    if "last_left" in d
+                    else "no collective"
+                )
+                + (f", at {_frames(stacks[r])}" if stacks.get(r) else "")
+                for r in late
+                if (d := described.get(r)) is not None
+            )
+            + " (on NCCL a collective returns before it completes: the others wait beyond it)"
+            for group, op, seq, late, ahead in behind[:3]
+        ]
     else:
         kind = "no_collective"
         last: dict[str, list[int]] = {}
@@ -300,6 +356,41 @@ def attribute_hang(
         "; ".join(lines),
         len(stuck),
     )
+
+
+def _behind(
+    known: dict[int, RankRing], inside: dict[int, Call]
+) -> list[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]]:
+    """Groups some of whose members never entered the group's newest call: (group, its op, its
+    sequence number, the members behind, the members that entered it)."""
+    out = []
+    names = {name for ring in known.values() for name in ring.groups}
+    for name in sorted(names):
+        members = _group_ranks(name, list(known.values()))
+        seqs = {
+            m: known[m].groups[name].entered if name in known[m].groups else 0
+            for m in members
+            if m in known
+        }
+        if not seqs:
+            continue
+        top = max(seqs.values())
+        late = tuple(sorted(m for m, q in seqs.items() if q < top))
+        if not late or top == 0:
+            continue
+        ahead = tuple(sorted(m for m, q in seqs.items() if q == top))
+        op = next(
+            (c.op for m in ahead for c in known[m].calls if c.group == name and c.seq == top),
+            "call",
+        )
+        out.append((name, op, top, late, ahead))
+    # the groups whose late members are inside nothing (the ones to name) first
+    out.sort(key=lambda b: (all(r in inside for r in b[3]), -len(b[4]), b[0]))
+    return out
+
+
+def _frames(stack: str, n: int = 3) -> str:
+    return " <- ".join(line.strip() for line in stack.splitlines()[:n])
 
 
 def _group_ranks(group: str, rings: list[RankRing]) -> tuple[int, ...]:

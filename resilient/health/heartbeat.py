@@ -429,6 +429,8 @@ class Monitor:
                 path=fr,
                 analyse=flight_recorder.ANALYSE_HINT,
             )
+        # the event first: once a rank's stack is in the store, the leader may kill that rank
+        self.events.write("stacks", rank=self.rank, pid=self.pid, host=self.host, stacks=_stacks())
         if finding.verdict is Verdict.HUNG:
             stack = main_thread_stack()
             try:
@@ -437,7 +439,6 @@ class Monitor:
                 pass
             if leader:
                 self._attribute(finding, stack, fr)
-        self.events.write("stacks", rank=self.rank, pid=self.pid, host=self.host, stacks=_stacks())
         if self.is_leader and self.kill_local and finding.rank is not None:
             pid = finding.pid if finding.host == self.host else 0
             if not pid and finding.cause == "never_joined":
@@ -517,8 +518,8 @@ class Monitor:
             clock = self._clocks.get(r)
             to_local = (lambda t: t) if r == self.rank or clock is None else clock.local
             try:
-                rings[r] = decode_summary(raw, r, to_local)
-            except (ValueError, KeyError, TypeError):
+                rings[r] = decode_summary(raw, r, to_local, self.world_size)
+            except Exception:  # whatever a rank published, the others' rings still count
                 rings[r] = None
         return rings
 

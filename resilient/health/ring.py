@@ -12,14 +12,20 @@ collectives in the same order), the bytes this rank contributes, and the monoton
 entered and left (``None`` while inside).  The hot path is two clock reads, two dict lookups and
 one small list; no lock (the GIL orders the writes; a reader copies a slot at a time).
 
-Asynchronous calls (``async_op=True``, ``isend``/``irecv``) count as left when the call returns
-its ``Work``; the slot keeps a weak reference to it, and the summary marks the call ``pending``
+Asynchronous calls (``async_op=True``) count as left when the call returns its ``Work``; the slot keeps a weak reference to it, and the summary marks the call ``pending``
 while that work reports not completed, so a rank blocked in ``wait()`` shows as inside it.
 
 Wrappers compose: a later wrapper (the chaos harness's ``slow`` fault wraps the same names) calls
 this one and the other way round; parameters are found by the signatures of
 ``torch.distributed.distributed_c10d``'s functions, never of whatever is installed.  Calls made
-through other paths (functional collectives, DTensor's redistributions, C++) are not seen.
+through other paths (functional collectives, DTensor's redistributions, C++ such as DDP's
+reducer, ``isend``/``irecv``, which torch tells apart by identity) are not seen, and under
+``torch.compile`` the wrappers step aside (dynamo remaps torch's own functions only).
+
+On NCCL a collective called with ``async_op=False`` returns as soon as it is queued on the
+stream: ranks waiting for a missing peer have "left" it and block later (a ``.item()``, a
+synchronize).  The comparison (attribution.py) therefore also compares each group's newest
+sequence number across its members: a member behind the others never entered the newest call.
 
 The monitor's heartbeat thread publishes ``summary()`` (the last few calls, any call still inside,
 and every group's newest sequence numbers) to the store with its liveness beat when it changed;
@@ -79,10 +85,11 @@ COLLECTIVES: dict[str, tuple[str | None, tuple[str, str] | None]] = {
     "monitored_barrier": (None, None),
     "send": ("tensor", ("dst", "group_dst")),
     "recv": ("tensor", ("src", "group_src")),
-    "isend": ("tensor", ("dst", "group_dst")),
-    "irecv": ("tensor", ("src", "group_src")),
 }
-_ALWAYS_ASYNC = ("isend", "irecv")
+# isend and irecv are not wrapped: torch tells them apart by identity (P2POp checks ``op in
+# [isend, irecv]``, batch_isend_irecv ``op.op is isend``), so a wrapper would break P2POp,
+# batch_isend_irecv and torch.distributed.pipelining.  The ring does not see them.
+_ALWAYS_ASYNC: tuple[str, ...] = ()
 
 # slot fields: [op, GroupInfo, seq, nbytes, entered, left, weakref to an async call's Work]
 _OP, _GROUP, _SEQ, _BYTES, _ENTERED, _LEFT, _WORK = range(7)
@@ -309,9 +316,12 @@ def _wrap(ring: CollectiveRing, op: str, fn: Any, reference: Any) -> Any:
 
     monotonic, tensor = time.monotonic, torch.Tensor
     size = ring.size
+    compiling = torch.compiler.is_compiling
 
     # CollectiveRing.group + enter + leave, inlined: about 1 us a call instead of 2
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if compiling():  # torch.compile traces torch's own function (it remaps collectives)
+            return fn(*args, **kwargs)
         n = len(args)
         group = args[group_i] if n > group_i else kwargs.get("group")
         if where is None:
@@ -411,10 +421,23 @@ def pack_ranks(ranks: tuple[int, ...] | list[int]) -> list[int] | dict[str, int]
     return r
 
 
-def unpack_ranks(packed: Any) -> tuple[int, ...]:
+def unpack_ranks(packed: Any, world_size: int | None = None) -> tuple[int, ...]:
+    """The ranks ``pack_ranks`` packed; ranks of another process's summary are checked (ints,
+    inside ``world_size`` when given, at most a million): anything else is a ValueError."""
+    limit = world_size if world_size is not None else 1 << 20
     if isinstance(packed, dict):
-        return tuple(range(packed["start"], packed["stop"], packed["step"]))
-    return tuple(int(x) for x in packed)
+        start, stop, step = packed.get("start"), packed.get("stop"), packed.get("step")
+        if not all(type(x) is int for x in (start, stop, step)) or step <= 0 or start < 0:
+            raise ValueError(f"not a packed rank range: {packed!r:.80}")
+        out = range(start, min(stop, limit), step)
+        if stop > limit:
+            raise ValueError(f"rank range {packed!r:.80} reaches past the world ({limit} ranks)")
+        return tuple(out)
+    if not isinstance(packed, list) or len(packed) > limit:
+        raise ValueError(f"not a list of ranks: {packed!r:.80}")
+    if not all(type(x) is int and 0 <= x < limit for x in packed):
+        raise ValueError(f"ranks outside the world ({limit} ranks): {packed!r:.80}")
+    return tuple(packed)
 
 
 def format_ranks(ranks: tuple[int, ...] | list[int]) -> str:

@@ -51,7 +51,9 @@ class PreflightConfig:
     @classmethod
     def quick_check(cls, **overrides: object) -> PreflightConfig:
         """The start-of-training subset (``Run(preflight=True)``)."""
-        return cls(**{"budget_s": QUICK_BUDGET_S, "quick": True, **overrides})
+        # a gate that stops training: named only at half the median (a noisy moment on a busy
+        # node moves one rank's figure by 2x), and Run measures again before it refuses
+        return cls(**{"budget_s": QUICK_BUDGET_S, "quick": True, "factor": 0.5, **overrides})
 
     def with_(self, **kw: object) -> PreflightConfig:
         return replace(self, **kw)

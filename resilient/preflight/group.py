@@ -49,8 +49,11 @@ class Group:
         if self.store is not None:
             # the n-th preflight of this job (Run(preflight=True) after an in-job recovery, say)
             # keeps its keys apart from the ones before
+            # keeps its keys apart from the ones before; agreed, so that a count an interrupted
+            # run left uneven cannot split the ranks between two prefixes
             call = (int(self.store.add(_CALLS_KEY, 1)) - 1) // self.world
-            self.prefix = f"resilient/preflight/{call}"
+            (call,) = self.agree_max([call])
+            self.prefix = f"resilient/preflight/{int(call)}"
 
     # --- collectives on agreed numbers ----------------------------------------------------------
     def sync(self) -> None:

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from resilient.errors import ResilientError
 from resilient.preflight import collectives as coll
 from resilient.preflight import device as dev
 from resilient.preflight import host, links, storage
@@ -262,7 +261,7 @@ def _storage(group: Group, config: PreflightConfig, share_s: float, where: str) 
         store = storage.open_storage(url, config.storage_options)
         # every rank: a node-local path is a directory per node (shared storage: one, idempotent)
         created_root = storage.make_scratch(store, scratch)
-    except (ResilientError, OSError) as e:
+    except Exception as e:  # every rank reaches the sync below, whatever went wrong here
         result["error"] = (
             f"{where}: checkpoint URL {url} cannot be opened or written: {e}; expected a "
             f"writable location: check the URL, its credentials and free space"
@@ -281,17 +280,21 @@ def _storage(group: Group, config: PreflightConfig, share_s: float, where: str) 
                     if size > 4 << 20
                     else probe  # fmt: skip
                 )
-            except (ResilientError, OSError) as e:
+            except Exception as e:  # (the other ranks wait in the sync below)
                 result["error"] = (
                     f"{where}: checkpoint URL {url} failed the storage check: {e}; expected to "
                     f"write and read back a scratch file there: check the URL, its credentials "
                     f"and free space"
                 )
         group.sync()
-    if group.rank == 0 and store is not None:
+    # every rank has finished with it (the sync above); one rank per node removes it, so that a
+    # node-local URL is cleaned on every node (on shared storage the others find it gone)
+    if group.local_rank == 0 and store is not None:
         try:
             storage.remove_scratch(store, scratch, created_root=created_root)
-        except (ResilientError, OSError) as e:
+        except FileNotFoundError:
+            pass
+        except Exception as e:
             result.setdefault(
                 "error", f"{where}: could not remove the scratch directory {scratch}: {e}"
             )
