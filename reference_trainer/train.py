@@ -198,12 +198,10 @@ def _has_committed_step(cfg: TrainConfig, device: Any) -> bool:
 def _init_from(cfg: TrainConfig, pc: ParallelContext, model: torch.nn.Module) -> None:
     """Load the model weights of ``cfg.init_from`` (its newest step, any layout), after checking
     that it records the same model.  A resumed run then overwrites them with its own step."""
+    from reshape.formats.hf import recorded_model_config  # only with --init-from (35 ms)
+
     with Checkpointer(cfg.init_from, layout=pc.layout, storage_options=cfg.storage_options) as src:
-        recorded = {
-            k[len("config.model.") :]: v
-            for k, v in src.manifest().extras.items()
-            if k.startswith("config.model.")
-        }
+        recorded = recorded_model_config(src.manifest().extras)
         mine = dataclasses.asdict(cfg.model)
         differ = {
             k: (v, mine[k])

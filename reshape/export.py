@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +28,7 @@ from resilient.layout import normalize_placement
 
 __all__ = [
     "ExportReport",
+    "byte_batches",
     "check_name_map",
     "clear_destination",
     "export_hf",
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+T = TypeVar("T")
 
 
 @dataclass
@@ -176,6 +179,21 @@ def read_many(source: Storage, manifest: Manifest, keys: list[str]) -> dict[str,
     return whole
 
 
+def byte_batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
+    """``items`` in order, cut greedily into batches of at most ``budget`` bytes (an item larger
+    than that is a batch of its own)."""
+    out: list[list[T]] = [[]]
+    total = 0
+    for item in items:
+        n = size(item)
+        if out[-1] and total + n > budget:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return out
+
+
 def write_shards(
     dest: Storage,
     items: list[tuple[str, str, tuple[int, ...]]],
@@ -187,15 +205,9 @@ def write_shards(
     files of at most ``max_shard_bytes`` each (a tensor larger than that gets a file of its own);
     ``produce(name)`` gives each tensor, one at a time.  Returns (file names, the weight map,
     total bytes)."""
-    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for item in items:
-        n = math.prod(item[2]) * dtype_info(item[1]).itemsize
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += n
+    shards = byte_batches(
+        items, lambda it: math.prod(it[2]) * dtype_info(it[1]).itemsize, max_shard_bytes
+    )
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
 
 from reshape.execute import ConvertReport, DestinationExistsError, resolve_step
-from reshape.export import read_many, read_whole
+from reshape.export import byte_batches, read_many, read_whole
 from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
 from resilient.checkpoint.format import (
     DTYPES,
@@ -795,16 +795,7 @@ def _verify_import(
             f"{sorted(set(manifest.tensors) ^ set(tensors))[:5]} differently from the DCP "
             f"checkpoint; the import failed: run it again"
         )
-    batches: list[list[str]] = [[]]
-    size = 0
-    for key in tensors:
-        n = manifest.tensors[key].nbytes
-        if batches[-1] and size + n > VERIFY_BATCH:
-            batches.append([])
-            size = 0
-        batches[-1].append(key)
-        size += n
-    for batch in batches:
+    for batch in byte_batches(list(tensors), lambda k: manifest.tensors[k].nbytes, VERIFY_BATCH):
         read = read_many(storage, manifest, batch)
         for key in batch:
             got, expected = read.pop(key), tensors[key]

@@ -41,6 +41,7 @@ from reshape.execute import resolve_step
 from reshape.export import (
     INDEX_NAME,
     ExportReport,
+    byte_batches,
     clear_destination,
     read_many,
     write_shards,
@@ -61,6 +62,7 @@ __all__ = [
     "import_hf",
     "is_reference_checkpoint",
     "model_config_of",
+    "recorded_model_config",
 ]
 
 CONFIG_NAME = "config.json"
@@ -153,6 +155,12 @@ class MoEConfig:
 # --- which checkpoint, which architecture ------------------------------------------------------
 
 
+def recorded_model_config(extras: Mapping[str, Any]) -> dict[str, Any]:
+    """The model configuration a checkpoint's values record (``config.model.<field>``), by
+    field; empty when it records none."""
+    return {k[len(_CONFIG_PREFIX) :]: v for k, v in extras.items() if k.startswith(_CONFIG_PREFIX)}
+
+
 def is_reference_checkpoint(manifest: Manifest) -> bool:
     """Written by the reference trainer: its tensor names, or a model configuration it would
     write (a user's own ``config.model`` values of another kind do not count)."""
@@ -178,11 +186,7 @@ def model_config_of(
     if override is not None:
         cfg = MoEConfig.from_mapping(override, "--model-config")
     else:
-        recorded = {
-            k[len(_CONFIG_PREFIX) :]: v
-            for k, v in manifest.extras.items()
-            if k.startswith(_CONFIG_PREFIX)
-        }
+        recorded = recorded_model_config(manifest.extras)
         if not recorded:
             preset = manifest.extras.get("config.preset")
             hint = (
@@ -371,8 +375,10 @@ def export_reference_hf(
     arch = architecture_for(cfg)
     rules = _rules(cfg, arch)
     clear_destination(dest, overwrite, also=(CONFIG_NAME,))
-    # the checkpoint tensors the rules read, in order; read ahead in batches of READ_AHEAD bytes
+    # the checkpoint tensors the rules read, in order, read in batches of READ_AHEAD bytes
     order = list(dict.fromkeys(k for k, _, _ in rules.values() if k is not None))
+    batches = byte_batches(order, lambda k: manifest.tensors[k].nbytes, READ_AHEAD)
+    batch_of = {k: i for i, batch in enumerate(batches) for k in batch}
     cache: dict[str, torch.Tensor] = {}
 
     def produce(name: str) -> torch.Tensor:
@@ -381,13 +387,7 @@ def export_reference_hf(
             return torch.zeros(shape, dtype=torch_dtype)
         if key not in cache:
             cache.clear()
-            batch, size = [], 0
-            for k in order[order.index(key) :]:
-                if batch and size + manifest.tensors[k].nbytes > READ_AHEAD:
-                    break
-                batch.append(k)
-                size += manifest.tensors[k].nbytes
-            cache.update(read_many(source, manifest, batch))
+            cache.update(read_many(source, manifest, batches[batch_of[key]]))
         t = cache[key]
         return (cut(t) if cut is not None else t).to(torch_dtype)
 
