@@ -18,7 +18,8 @@ from resilient.preflight import PreflightConfig, PreflightReport, run_preflight
 from resilient.preflight import device as dev
 from resilient.preflight import storage as pstorage
 from resilient.preflight.collectives import bus_factor, message_sizes, uneven_splits
-from resilient.preflight.links import pair_rounds, plan_links
+from resilient.preflight.group import Group
+from resilient.preflight.links import LinkPlan, matchings, pair_rounds, plan_links, run_links
 from resilient.preflight.outliers import FIGURES, link_outliers, rank_outliers
 from resilient.preflight.report import build_report, plot, print_report
 from tests.dist import run_distributed
@@ -72,15 +73,54 @@ def test_pair_rounds_go_concurrent_past_eight_ranks():
     assert len(pair_rounds(8)) == 56 and len(pair_rounds(16)) == 30
 
 
+@pytest.mark.parametrize("n", [9, 16, 17, 1024])
+def test_sampled_rounds_meet_evenly_spread_peers_both_ways(n):
+    every = matchings(n)
+    assert len(every) == n - 1 + n % 2
+    rounds = pair_rounds(n, True, partners=3)
+    assert len(rounds) == 6
+    met: dict[int, set[int]] = {}
+    for r in rounds:
+        ranks = [x for p in r for x in p]
+        assert len(ranks) == len(set(ranks))  # no rank twice in a round
+        for a, b in r:
+            met.setdefault(a, set()).add(b)
+    pairs = {p for r in rounds for p in r}
+    assert pairs == {(b, a) for a, b in pairs}  # both directions of every pair met
+    assert len(pairs) == len([p for r in rounds for p in r])  # no pair twice
+    assert all(len(peers) <= 3 for peers in met.values())
+    assert sum(len(peers) == 3 for peers in met.values()) >= n - 3  # odd n: one sits out a round
+    assert rounds[0] == every[0] and rounds[2] == every[len(every) // 3]  # spread, not the first
+
+
 def test_link_plan_shrinks_to_the_budget():
-    m, k, r, cuts = plan_links(world=4, budget_s=1.0, est_bytes_per_s=1e9, message_bytes=4 * MiB)
-    assert (m, r) == (4 * MiB, 5) and 1 <= k and cuts == []
-    m, k, r, cuts = plan_links(world=4, budget_s=0.01, est_bytes_per_s=1e8, message_bytes=4 * MiB)
-    assert (m, k, r) == (64 << 10, 1, 3)
-    assert cuts == [
+    plan = plan_links(world=4, budget_s=1.0, est_bytes_per_s=1e9, message_bytes=4 * MiB)
+    assert (plan.message_bytes, plan.repeats, plan.partners) == (4 * MiB, 5, None)
+    assert plan.sends >= 1 and plan.cuts == [] and len(plan.rounds) == 12
+    plan = plan_links(world=4, budget_s=0.01, est_bytes_per_s=1e8, message_bytes=4 * MiB)
+    assert (plan.message_bytes, plan.sends, plan.repeats) == (64 << 10, 1, 3)
+    assert plan.cuts == [
         "pairwise links: 64 KiB messages instead of 4 MiB (budget)",
         "pairwise links: 3 samples per pair instead of 5 (budget)",
     ]
+
+
+def test_a_thousand_ranks_meet_a_few_peers_each_within_the_budget():
+    """Every round pays a barrier: at 1,024 ranks and 2 ms a barrier, 2(n-1) rounds of 3
+    samples take 12 s alone, so the plan meets fewer peers, never below three."""
+    plan = plan_links(
+        world=1024, budget_s=9.0, est_bytes_per_s=10e9, message_bytes=4 * MiB, sync_s=2e-3
+    )
+    rounds, per = len(plan.rounds), 2e-3 + 2e-4 + plan.sends * plan.message_bytes / 10e9
+    assert 3 <= plan.partners < 1023 and rounds == 2 * plan.partners
+    assert rounds * plan.repeats * per <= 9.0
+    assert any("each rank met" in c and "of its 1023 peers (budget)" in c for c in plan.cuts)
+    tight = plan_links(world=1024, budget_s=1e-3, est_bytes_per_s=1e9, message_bytes=MiB)
+    assert tight.partners == 3  # the floor: over budget rather than blind
+    quick = plan_links(world=64, budget_s=60.0, est_bytes_per_s=1e9, message_bytes=MiB, quick=True)
+    assert quick.partners == 4 and "(the quick subset)" in quick.cuts[-1]
+    roomy = plan_links(world=16, budget_s=60.0, est_bytes_per_s=1e9, message_bytes=MiB)
+    assert roomy.partners is None and len(roomy.rounds) == 30  # all of them fit
 
 
 # --- outliers --------------------------------------------------------------------------------
@@ -349,7 +389,11 @@ def test_unwritable_storage_fails_the_check(tmp_path):
 
 
 def _quick(rank, world):
-    return run_preflight(PreflightConfig.quick_check(budget_s=2.0)).to_dict()
+    report = run_preflight(PreflightConfig.quick_check(budget_s=2.0)).to_dict()
+    # a sampled plan (as past eight ranks): one matching of three ranks, its pair both ways
+    rounds = pair_rounds(3, True, partners=1)
+    matrix, _ = run_links(Group(), LinkPlan(4096, 1, 1, rounds, partners=1))
+    return report, matrix, rounds
 
 
 def _full(rank, world):
@@ -359,13 +403,24 @@ def _full(rank, world):
 
 @pytest.mark.distributed
 def test_quick_preflight_on_three_ranks():
-    reports = run_distributed(_quick, 3)
-    assert reports[0] == reports[1] == reports[2]  # every rank gets the same report
+    out = run_distributed(_quick, 3)
+    reports = [r for r, _, _ in out]
     r = reports[0]
+    # rank 0 has the whole report; the others the verdict: the same but for the n^2 matrix and
+    # each rank's detail
+    verdict = {**r, "links": {k: v for k, v in r["links"].items() if "matrix" not in k}}
+    assert reports[1] == reports[2] == {**verdict, "ranks": []}
     assert r["world_size"] == 3 and r["quick"] and len(r["ranks"]) == 3
+    assert r["links"]["peers_per_rank"] == 2 and r["links"]["barrier_s"] > 0
     matrix = r["links"]["matrix_bytes_per_s"]
     assert [matrix[i][i] for i in range(3)] == [None] * 3
     assert all(matrix[i][j] > 0 for i in range(3) for j in range(3) if i != j)
+    (_, sampled, rounds) = out[0]
+    met = {tuple(p) for rd in rounds for p in rd}
+    assert len(met) == 2
+    for i in range(3):
+        for j in range(3):
+            assert (sampled[i][j] is not None) == ((i, j) in met), (i, j, sampled)
     (row,) = r["collectives"]
     assert row["op"] == "all_reduce" and row["size_bytes"] == 1 << 20
     assert row["busbw_bytes_per_s"] == pytest.approx(row["algbw_bytes_per_s"] * 4 / 3)

@@ -1,19 +1,28 @@
-"""Pairwise send/recv bandwidth between every ordered pair of ranks: the matrix that finds one
-slow link or one slow node.
+"""Pairwise send/recv bandwidth between ordered pairs of ranks: the matrix that finds one slow
+link or one slow node.
 
 A sample from rank i to rank j is ``k`` sends of one message, acknowledged by one tiny message
 back, timed at the sender: the acknowledgement makes the time cover the bytes' arrival, not just
 their hand-over to the transport.  Every pair gets ``repeats`` samples, interleaved (round after
 round over all pairs), and the figure is their median, so a burst of load on the machine touches
 every pair alike.  Up to ``SEQUENTIAL_UP_TO`` ranks the pairs go one at a time (clean figures);
-beyond, the pairs of a round are disjoint and run at once (the circle method: 2(n-1) rounds for n
-ranks), so the check grows with n, not with n squared.
+beyond, the pairs of a round are disjoint and run at once (the circle method: n-1 matchings, each
+two rounds, one per direction), so the check grows with n, not with n squared.
+
+Each round costs a barrier as well as its bytes, and at a thousand ranks even 2(n-1) rounds do
+not fit a budget of seconds: ``plan_links`` prices a round at the measured barrier time plus its
+bytes, and where every matching does not fit, it takes an evenly spread subset of them (each rank
+then meets ``partners`` peers, both directions, never fewer than ``MIN_PARTNERS``).  That still
+finds a slow *node* (every link it has is slow, so its score, the median of its links, is; a
+healthy rank meets it on at most one of its links), but a single slow link between two healthy
+ranks is seen only when the plan met it: the report says how many peers each rank met.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,50 +30,126 @@ import torch.distributed as dist
 from resilient.preflight.group import Group
 from resilient.preflight.outliers import human_bytes
 
-__all__ = ["SEQUENTIAL_UP_TO", "pair_rounds", "plan_links", "probe_links", "run_links"]
+__all__ = [
+    "SEQUENTIAL_UP_TO",
+    "MIN_PARTNERS",
+    "LinkPlan",
+    "matchings",
+    "pair_rounds",
+    "plan_links",
+    "probe_links",
+    "run_links",
+]
 
 SEQUENTIAL_UP_TO = 8
+MIN_PARTNERS = 3  # a rank's score is the median of its links: three outvote one slow peer
+QUICK_PARTNERS = 4  # the start-of-training subset meets at most this many peers (large worlds)
+_ROUND_S = 2e-4  # a round's fixed cost besides the barrier: the acknowledgement, the scheduling
 
 
-def pair_rounds(world: int, concurrent: bool | None = None) -> list[list[tuple[int, int]]]:
-    """Rounds of ordered (src, dst) pairs; no rank is in two pairs of one round, and every
-    ordered pair of distinct ranks is in exactly one round."""
+def _matching(world: int, t: int) -> list[tuple[int, int]]:
+    """Round ``t`` of the circle method: rank 0 fixed, the others (and a bye when ``world`` is
+    odd) rotated ``t`` places; disjoint unordered pairs (a < b)."""
+    m = world + world % 2
+
+    def at(p: int) -> int:
+        return 0 if p == 0 else 1 + (p - 1 - t) % (m - 1)
+
+    pairs = ((at(k), at(m - 1 - k)) for k in range(m // 2))
+    return [(min(a, b), max(a, b)) for a, b in pairs if a < world and b < world]
+
+
+def _count(world: int) -> int:
+    return world - 1 + world % 2 if world > 1 else 0
+
+
+def matchings(world: int) -> list[list[tuple[int, int]]]:
+    """The circle method: ``world - 1`` (``world`` when odd) rounds of disjoint unordered pairs
+    (a < b) that between them hold every pair once."""
+    return [_matching(world, t) for t in range(_count(world))]
+
+
+def pair_rounds(
+    world: int, concurrent: bool | None = None, partners: int | None = None
+) -> list[list[tuple[int, int]]]:
+    """Rounds of ordered (src, dst) pairs; no rank is in two pairs of one round.  Every ordered
+    pair of distinct ranks is in exactly one round, unless ``partners`` (concurrent only) asks
+    for that many matchings, spread evenly over the circle method's, each in both directions."""
     if concurrent is None:
         concurrent = world > SEQUENTIAL_UP_TO
     if not concurrent:
         return [[(i, j)] for i in range(world) for j in range(world) if i != j]
-    ranks = list(range(world)) + ([None] if world % 2 else [])
-    m = len(ranks)
+    count = _count(world)
+    chosen = range(count)
+    if partners is not None and partners < count:
+        step = count / max(partners, 1)
+        chosen = [int(i * step) for i in range(max(partners, 1))]
     rounds = []
-    for _ in range(m - 1):  # the circle method: rank 0 fixed, the rest rotate
-        pairs = [(ranks[k], ranks[m - 1 - k]) for k in range(m // 2)]
-        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-        rounds.append([(a, b) for a, b in pairs])
+    for t in chosen:
+        pairs = _matching(world, t)
+        rounds.append(pairs)
         rounds.append([(b, a) for a, b in pairs])
-        ranks = [ranks[0], ranks[-1], *ranks[1:-1]]
-    return [r for r in rounds if r]
+    return rounds
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """What ``run_links`` does: the message size, sends per sample, samples per pair, the
+    rounds (``partners``: how many peers each rank meets; None: every one) and what the budget
+    cut, as lines for the report."""
+
+    message_bytes: int
+    sends: int
+    repeats: int
+    rounds: list[list[tuple[int, int]]]
+    partners: int | None = None
+    cuts: list[str] = field(default_factory=list)
 
 
 def plan_links(
-    *, world: int, budget_s: float, est_bytes_per_s: float, message_bytes: int, repeats: int = 5
-) -> tuple[int, int, int, list[str]]:
-    """(message bytes, sends per sample, repeats, cuts) so that every round's samples fit
-    ``budget_s`` at the estimated bandwidth: fewer sends, then smaller messages (down to 64 KiB),
-    then fewer repeats (down to 3)."""
-    rounds = len(pair_rounds(world))
-    cuts: list[str] = []
+    *,
+    world: int,
+    budget_s: float,
+    est_bytes_per_s: float,
+    message_bytes: int,
+    sync_s: float = 0.0,
+    repeats: int = 5,
+    quick: bool = False,
+) -> LinkPlan:
+    """The plan whose rounds fit ``budget_s`` at the estimated bandwidth and barrier time
+    (``sync_s``): fewer sends, then smaller messages (down to 64 KiB), then fewer repeats (down
+    to 3), then, past ``SEQUENTIAL_UP_TO`` ranks, fewer peers per rank (down to
+    ``MIN_PARTNERS``).  ``quick`` (the start-of-training subset) meets at most
+    ``QUICK_PARTNERS`` peers in a world that large."""
+    concurrent = world > SEQUENTIAL_UP_TO
     est = max(est_bytes_per_s, 1.0)
+    cuts: list[str] = []
+    every = _count(world) if concurrent else None
+    partners = every
+    if concurrent and quick:
+        partners = min(every, QUICK_PARTNERS)
 
-    def cost(m: int, k: int, r: int) -> float:
-        return rounds * r * (k * m / est + 2e-4)
+    def rounds_of(p: int | None) -> int:
+        if not concurrent:
+            return world * (world - 1)
+        return 2 * min(p if p is not None else every, every)
 
-    sample_s = budget_s / max(rounds * repeats, 1)
+    def cost(m: int, k: int, r: int, p: int | None) -> float:
+        return rounds_of(p) * r * (k * m / est + sync_s + _ROUND_S)
+
+    sample_s = budget_s / max(rounds_of(partners) * repeats, 1)
     k = int(max(1, min(64, sample_s * est / message_bytes)))
     m, r = message_bytes, repeats
-    while cost(m, k, r) > budget_s and m > 64 << 10:
+    while cost(m, k, r, partners) > budget_s and m > 64 << 10:
         m //= 2
-    while cost(m, k, r) > budget_s and r > 3:
+    while cost(m, k, r, partners) > budget_s and r > 3:
         r -= 1
+    if partners is not None:
+        floor = min(partners, MIN_PARTNERS)
+        per_round = cost(m, k, r, 1) / 2  # a matching is two rounds
+        fits = int(budget_s / max(per_round * 2, 1e-12))
+        if cost(m, k, r, partners) > budget_s:
+            partners = max(floor, min(partners, fits))
     if m < message_bytes:
         cuts.append(
             f"pairwise links: {human_bytes(m)} messages instead of {human_bytes(message_bytes)} "
@@ -72,7 +157,14 @@ def plan_links(
         )
     if r < repeats:
         cuts.append(f"pairwise links: {r} samples per pair instead of {repeats} (budget)")
-    return m, k, r, cuts
+    if partners is not None and partners < every:
+        why = "the quick subset" if quick and partners == QUICK_PARTNERS else "budget"
+        cuts.append(
+            f"pairwise links: each rank met {partners} of its {world - 1} peers ({why}); a slow "
+            f"node is still named, a single slow link only if it was met"
+        )
+    rounds = pair_rounds(world, concurrent, partners)
+    return LinkPlan(m, k, r, rounds, partners if partners != every else None, cuts)
 
 
 def _exchange(src: int, dst: int, rank: int, buf: torch.Tensor, ack: torch.Tensor, k: int):
@@ -90,39 +182,47 @@ def _exchange(src: int, dst: int, rank: int, buf: torch.Tensor, ack: torch.Tenso
     return None
 
 
-def probe_links(group: Group, nbytes: int) -> float:
-    """One message over every pair (which also connects them): the median bytes per second over
-    all links, the same on every rank.  The median, so that one slow link or rank does not set
-    the sample length of all the others."""
+def probe_links(group: Group, nbytes: int) -> tuple[float, float]:
+    """(bytes per second, seconds per barrier), the same on every rank: one message over the
+    pairs of a few matchings (every pair up to ``SEQUENTIAL_UP_TO`` ranks), the median over
+    them, so that one slow link or rank does not set the sample length of all the others; and
+    the slowest rank's median time of a few barriers, what every round of the plan pays."""
     buf = torch.zeros(max(nbytes // 4, 1), device=group.device)
     ack = torch.zeros(1, device=group.device)
     mine = []
-    for pairs in pair_rounds(group.world):
+    for pairs in pair_rounds(group.world, partners=MIN_PARTNERS):
         group.sync()
         for src, dst in pairs:
             took = _exchange(src, dst, group.rank, buf, ack, 1)
             if took is not None:
                 mine.append(buf.numel() * 4 / max(took, 1e-9))
+    syncs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        group.sync()
+        syncs.append(time.perf_counter() - t0)
     rates = [r for r in group.collect(statistics.median(mine) if mine else 0.0) if r > 0]
-    return statistics.median(rates) if rates else 1e9
+    (sync_s,) = group.agree_max([statistics.median(syncs)])
+    return (statistics.median(rates) if rates else 1e9), sync_s
 
 
 def run_links(
-    group: Group, *, message_bytes: int, sends: int, repeats: int, budget_s: float | None = None
+    group: Group, plan: LinkPlan, *, budget_s: float | None = None
 ) -> tuple[list[list[float | None]], dict[str, int]]:
-    """The median bandwidth (bytes/s) from each rank to each other one: ``matrix[i][j]`` at rank 0
-    (this rank's row elsewhere, other rows None), and the sends per sample and repeats used.  When
-    the first round over all pairs shows the plan will not fit ``budget_s``, the rest of the samples
-    are shortened (fewer sends) and, if need be, fewer (not below 3)."""
+    """The median bandwidth (bytes/s) from each rank to each peer the plan meets:
+    ``matrix[i][j]`` at rank 0 (None where not met; this rank's row elsewhere, other rows None),
+    and the sends per sample and repeats used.  When the first round over the plan's pairs shows
+    it will not fit ``budget_s``, the rest of the samples are shortened (fewer sends) and, if need
+    be, fewer (not below 3)."""
     n, rank = group.world, group.rank
-    rounds = pair_rounds(n)
-    buf = torch.zeros(max(message_bytes // 4, 1), device=group.device)
+    rounds, sends, repeats = plan.rounds, plan.sends, plan.repeats
+    buf = torch.zeros(max(plan.message_bytes // 4, 1), device=group.device)
     ack = torch.zeros(1, device=group.device)
     tiny = buf[:1]
     for pairs in rounds:  # warm-up: every pair connected (NCCL builds a communicator per pair)
         for src, dst in pairs:
             _exchange(src, dst, rank, tiny, ack, 1)
-    samples: dict[int, list[float]] = {j: [] for j in range(n) if j != rank}
+    samples: dict[int, list[float]] = {}
     t_start = time.perf_counter()
     rep = 0
     while rep < repeats:
@@ -131,7 +231,8 @@ def run_links(
             for src, dst in pairs:
                 took = _exchange(src, dst, rank, buf, ack, sends)
                 if took is not None:
-                    samples[dst].append(buf.numel() * 4 * sends / max(took, 1e-9))
+                    rate = buf.numel() * 4 * sends / max(took, 1e-9)
+                    samples.setdefault(dst, []).append(rate)
         rep += 1
         if rep == 1 and budget_s is not None and repeats > 1:
             (first,) = group.agree_max([time.perf_counter() - t_start])  # the same everywhere
@@ -141,7 +242,16 @@ def run_links(
                 per_rep = first * new_sends / sends
                 sends = new_sends
                 repeats = max(3, min(repeats, 1 + int(room / max(per_rep, 1e-9))))
-    row = [statistics.median(samples[j]) if j != rank else None for j in range(n)]
+    # only what was met travels (a thousand ranks' rows are mostly empty)
+    row = {str(j): statistics.median(v) for j, v in samples.items()}
     rows = group.gather("links", row)
-    matrix = rows if rows is not None else [row if i == rank else [None] * n for i in range(n)]
+    mine = [row.get(str(j)) for j in range(n)]
+    if rows is None:
+        matrix = [mine if i == rank else [None] * n for i in range(n)]
+    else:
+        matrix = [[None] * n for _ in range(n)]
+        for i, got in enumerate(rows):
+            for j, v in got.items():
+                if 0 <= int(j) < n and int(j) != i:
+                    matrix[i][int(j)] = float(v)
     return matrix, {"sends_per_sample": sends, "repeats": repeats}

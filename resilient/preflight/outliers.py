@@ -158,11 +158,11 @@ def link_outliers(
     }
     if len(links) < 2:
         return []
-    score = {}
-    for r in range(n):
-        mine = [v for (i, j), v in links.items() if r in (i, j)]
-        if mine:
-            score[r] = statistics.median(mine)
+    per_rank: dict[int, list[float]] = {}
+    for (i, j), v in links.items():  # one pass: a thousand ranks' matrix is a million links
+        per_rank.setdefault(i, []).append(v)
+        per_rank.setdefault(j, []).append(v)
+    score = {r: statistics.median(mine) for r, mine in sorted(per_rank.items())}
     ranks = rank_outliers(score, FIGURES["link_bytes_per_s"], factor, hosts)
     named = {o.rank for o in ranks}
     rest = {k: v for k, v in links.items() if not named & set(k)}

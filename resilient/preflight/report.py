@@ -276,7 +276,8 @@ def print_report(report: PreflightReport, console: Any = None) -> None:
         console.print(lt)
     elif matrix:
         console.print(
-            f"pairwise links: {len(matrix)} ranks, median "
+            f"pairwise links: {len(matrix)} ranks, each meeting "
+            f"{report.links.get('peers_per_rank', len(matrix) - 1)} peers, median "
             f"{human(report.links['median_bytes_per_s'], 'B/s')} (the matrix is in --json)"
         )
 

@@ -11,7 +11,9 @@ Call sequence (every rank calls ``run_preflight`` together, as a collective):
 4. the checkpoint URL, in turns (when given);
 5. the collectives, in what is left of the budget;
 6. rank 0 gathers every rank's figures through the store, names the outliers, and shares the
-   report: every rank returns the same ``PreflightReport``.
+   verdict: every rank returns the same ``ok``, failures, outliers and figures per rank; the
+   pairwise matrix and each rank's detail (``links["matrix_bytes_per_s"]``, ``ranks``) are in
+   rank 0's report only (n^2 numbers sent to n ranks would not scale).
 
 Budget shares: per-node figures 20%, links 20%, storage 15% (when a URL is given), collectives
 the rest; the quick subset (``Run(preflight=True)``) runs one 1 MiB all-reduce instead of the sweep.
@@ -47,7 +49,8 @@ ENV_RESULT = "RESILIENT_PREFLIGHT_RESULT"
 
 def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     """Run the checks on every rank of the default process group (or a world of one without
-    one); every rank must call it, and every rank gets the same report back."""
+    one); every rank must call it, and every rank gets the same verdict back (rank 0 the whole
+    report: see step 6 above)."""
     config = config or PreflightConfig()
     t_start = time.perf_counter()
     group = Group()
@@ -96,20 +99,30 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     if group.world > 1:
         t0 = time.perf_counter()
         message = min((1 << 20) if config.quick else (4 << 20), config.max_bytes)
-        est = links.probe_links(group, message)
+        est, sync_s = links.probe_links(group, message)
         share = budget * (0.35 if config.quick else 0.2)
-        m, k, r, link_cuts = links.plan_links(
-            world=group.world, budget_s=share, est_bytes_per_s=est, message_bytes=message
+        plan = links.plan_links(
+            world=group.world,
+            budget_s=share,
+            est_bytes_per_s=est,
+            message_bytes=message,
+            sync_s=sync_s,
+            quick=config.quick,
         )
-        cut += link_cuts
-        matrix, ran = links.run_links(group, message_bytes=m, sends=k, repeats=r, budget_s=share)
-        if ran["repeats"] < r:
-            cut.append(f"pairwise links: {ran['repeats']} samples per pair instead of {r} (budget)")
+        cut += plan.cuts
+        matrix, ran = links.run_links(group, plan, budget_s=share)
+        if ran["repeats"] < plan.repeats:
+            cut.append(
+                f"pairwise links: {ran['repeats']} samples per pair instead of {plan.repeats} "
+                f"(budget)"
+            )
         concurrent = group.world > links.SEQUENTIAL_UP_TO
         link_plan = {
-            "message_bytes": m,
+            "message_bytes": plan.message_bytes,
             **ran,
             "schedule": "disjoint pairs at once" if concurrent else "one pair at a time",
+            "peers_per_rank": plan.partners or group.world - 1,
+            "barrier_s": sync_s,
         }
         timings["links"] = time.perf_counter() - t0
     else:
@@ -152,7 +165,7 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     # 6. gather, judge, share
     (used,) = group.agree_max([time.perf_counter() - t_start])
     gathered = group.gather("ranks", mine)
-    report = None
+    report = verdict = None
     if group.rank == 0:
         report = build_report(
             config=config,
@@ -167,9 +180,19 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
             skipped=skipped,
             cut=cut,
         ).to_dict()
-    report = group.share("report", report)
-    group.sync()  # every rank has read the report before its keys go
+        verdict = _verdict(report)
+    # the others get the verdict and the figures per rank, not the matrix (n^2 numbers, read by
+    # n ranks) nor every rank's detail: those stay with rank 0, which prints and writes them
+    verdict = group.share("report", verdict)
+    group.sync()  # every rank has read the verdict before its keys go
     group.cleanup(["ranks", "links", "report", "storage", "ping"])
+    return PreflightReport.from_dict(report if report is not None else verdict)
+
+
+def _verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """The report as the ranks other than 0 get it: no pairwise matrix, no per-rank detail."""
+    links = {k: v for k, v in report["links"].items() if k != "matrix_bytes_per_s"}
+    return {**report, "links": links, "ranks": []}
     return PreflightReport.from_dict(report)
 
 
