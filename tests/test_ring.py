@@ -26,6 +26,7 @@ from resilient.health.detector import DetectorConfig
 from resilient.health.events import EventLog
 from resilient.health.heartbeat import Monitor, main_thread_stack
 from resilient.health.ring import (
+    SUMMARY_GROUPS,
     CollectiveRing,
     format_ranks,
     pack_ranks,
@@ -45,7 +46,7 @@ def test_the_ring_keeps_the_newest_calls_and_counts_per_group():
             ring.leave(slot)
     calls = ring.calls()
     assert len(calls) == 4 and ring.count == 10  # wrapped around: the newest four, oldest first
-    assert [(c[1].name, c[2]) for c in calls] == [
+    assert [(c[1].label, c[2]) for c in calls] == [
         ("world [0-3]", 4),
         ("tp [0, 1]", 4),
         ("world [0-3]", 5),
@@ -58,7 +59,8 @@ def test_the_ring_keeps_the_newest_calls_and_counts_per_group():
         ["all_reduce", "world [0-3]", 5],
         ["all_reduce", "tp [0, 1]", 5],
     ]
-    assert d["groups"]["world [0-3]"] == [{"start": 0, "stop": 4, "step": 1}, 5, 5]
+    assert d["v"] == 2 and d["more"] == 0
+    assert d["groups"]["world [0-3]"] == [{"start": 0, "stop": 4, "step": 1}, 5, 5, "world [0-3]"]
     assert not ring.changed()  # nothing new to publish
     ring.leave(slot)  # the last call returns
     assert ring.changed()
@@ -154,7 +156,7 @@ def test_the_wrappers_record_every_collective_with_its_group_sequence_and_size()
     results = run_distributed(_record_collectives, 4)
     rings = [decode_summary(s, r, lambda t: t) for r, (s, _) in enumerate(results)]
     for r, ring in enumerate(rings):
-        names = [(c.op, c.group, c.seq, c.nbytes) for c in ring.calls]
+        names = [(c.op, c.label, c.seq, c.nbytes) for c in ring.calls]
         tp = "tp [0, 1]" if r < 2 else "tp [2, 3]"
         pair = "[0, 1]" if r < 2 else "[2, 3]"
         assert names[:3] == [
@@ -176,7 +178,13 @@ def test_the_wrappers_record_every_collective_with_its_group_sequence_and_size()
         assert names[-1][0] == "broadcast"
         assert all(c.left_t is not None and c.left_t >= c.entered_t for c in ring.calls)
         assert not any(c.pending for c in ring.calls)
-        assert ring.groups[tp] == GroupState((0, 1) if r < 2 else (2, 3), 2, 2)
+        (tp_key,) = {c.group for c in ring.calls if c.label == tp}
+        assert ring.groups[tp_key] == GroupState((0, 1) if r < 2 else (2, 3), 2, 2, tp)
+    # calls are matched by the group's key: the same on every member, different between groups
+    keys = [{c.label: c.group for c in ring.calls} for ring in rings]
+    assert len({k["world [0-3]"] for k in keys}) == 1
+    assert keys[0]["tp [0, 1]"] == keys[1]["tp [0, 1]"] != keys[2]["tp [2, 3]"]
+    assert keys[0]["p2p [0, 1]"] == keys[1]["p2p [0, 1]"]
     # both other wrappers ran on every all_reduce: theirs and the ring compose either way round
     for _, seen in results:
         assert seen.count(("after", "all_reduce")) == 4
@@ -374,6 +382,144 @@ def test_a_circular_wait_and_no_collective_at_all_are_told_apart():
     assert "ranks 0-3 all_reduce #9 on world [0-3]" in b.summary
 
 
+# --- groups by key: labels may repeat; the summary's cap on groups -------------------------------
+
+
+def _same_label_groups(rank, world):
+    """Two groups labelled ``dp [0, 1]`` (the same group_desc over the same ranks).  Each rank
+    leaves an asynchronous all_reduce pending on a different one of them, then publishes."""
+    from resilient.health.ring import install
+
+    side = dist.new_group([0, 1])  # the signal that both ranks published
+    ring = install(force=True)
+    first, second = dist.new_group([0, 1], group_desc="dp"), dist.new_group([0, 1], group_desc="dp")
+    t = torch.ones(2)
+    for _ in range(3):
+        dist.all_reduce(t, group=first)
+    dist.all_reduce(t, group=second)
+    # rank 0 enters second's #2, rank 1 first's #4: each waits for the other (a circular wait);
+    # counted by label, both would be "dp [0, 1]" #5 and look like one collective every rank is in
+    mine, theirs = (second, first) if rank == 0 else (first, second)
+    work = dist.all_reduce(t, group=mine, async_op=True)
+    summary = ring.summary()
+    dist.barrier(group=side)
+    dist.all_reduce(t, group=theirs)  # the other's pending call completes
+    work.wait()
+    return summary
+
+
+@pytest.mark.distributed
+def test_two_groups_with_the_same_label_are_told_apart_by_their_key():
+    summaries = run_distributed(_same_label_groups, 2)
+    rings = {r: decode_summary(s, r, lambda t: t, 2) for r, s in enumerate(summaries)}
+    inside = {r: ring.inside() for r, ring in rings.items()}
+    assert {c.label for c in inside.values()} == {"dp [0, 1]"}
+    assert inside[0].group != inside[1].group  # one label, two keys
+    assert set(rings[0].groups) == set(rings[1].groups)  # each key the same on both ranks
+    assert (inside[0].seq, inside[1].seq) == (2, 4)
+    a = attribute_hang(rings, 2, NOW)
+    assert a.kind == "circular" and a.culprits == ()
+    assert sorted((s.group, s.name(), s.waiting, s.missing) for s in a.stuck) == sorted(
+        [
+            (inside[0].group, "all_reduce #2 on dp [0, 1]", (0,), (1,)),
+            (inside[1].group, "all_reduce #4 on dp [0, 1]", (1,), (0,)),
+        ]
+    )
+    assert "rank 0 in all_reduce #2 on dp [0, 1] waiting for rank 1 (in all_reduce #4" in a.summary
+    record = a.to_json()
+    assert {(s["group"], s["label"]) for s in record["stuck"]} == {
+        (inside[0].group, "dp [0, 1]"),
+        (inside[1].group, "dp [0, 1]"),
+    }
+
+
+def test_a_rank_is_named_for_the_group_it_missed_not_another_with_the_same_label():
+    """Two meshes with a dp axis over ranks 0, 1 (keys "3" and "7"): rank 0 waits in the second's
+    call #5; rank 1 never entered it, but made one more call on the first (NCCL returned it).
+    Counted by label, rank 1's 14 calls on "dp [0, 1]" would cover rank 0's #14."""
+    ring0, ring1 = CollectiveRing(), CollectiveRing()
+    for ring, calls in ((ring0, {"7": 4, "3": 9}), (ring1, {"7": 4, "3": 10})):
+        for key, n in calls.items():
+            g = ring.named("dp [0, 1]", (0, 1), key=key)
+            for _ in range(n):
+                ring.leave(ring.enter("all_reduce", g, 8))
+    ring0.enter("all_gather", ring0.named("dp [0, 1]", (0, 1), key="7"), 8)
+    rings = {
+        r: decode_summary(ring.summary(), r, lambda t: 96.0, 2)
+        for r, ring in enumerate((ring0, ring1))
+    }
+    assert rings[0].groups["7"] == GroupState((0, 1), 5, 4, "dp [0, 1]")
+    a = attribute_hang(rings, 2, NOW)
+    assert a.kind == "missing_rank" and a.culprits == (1,)
+    (s,) = a.stuck
+    assert (s.group, s.label, s.seq, s.missing) == ("7", "dp [0, 1]", 5, (1,))
+    assert a.summary.startswith(
+        "rank 0 is in all_gather #5 on dp [0, 1]; rank 1 never entered it: it last left "
+        "all_reduce #10 on dp [0, 1] 4.0 s ago and is in no collective"
+    )
+    assert a.ranks[1]["last_left"]["group"] == "dp [0, 1]"  # for people; the key beside it
+    assert a.ranks[1]["last_left"]["group_key"] == "3"
+
+
+def _capped_rings(rank0_inside: bool) -> dict[int, RankRing]:
+    """Rank 1 made two calls on g1 (ranks 0, 1), then one on each of 69 groups of its own: its
+    summary leaves g1 out.  Rank 0 made two calls on g1, the second still inside or not."""
+    ring1 = CollectiveRing()
+    g1 = ring1.named("g1 [0, 1]", (0, 1), key="k1")
+    ring1.leave(ring1.enter("all_reduce", g1, 8))
+    ring1.leave(ring1.enter("all_reduce", g1, 8))
+    for i in [*range(2, 70), 0]:
+        ring1.leave(ring1.enter("all_reduce", ring1.named(f"g{i} [1]", (1,), key=f"k{i}"), 8))
+    ring0 = CollectiveRing()
+    g1 = ring0.named("g1 [0, 1]", (0, 1), key="k1")
+    ring0.leave(ring0.enter("all_reduce", g1, 8))
+    slot = ring0.enter("all_reduce", g1, 8)
+    if not rank0_inside:
+        ring0.leave(slot)
+    return {
+        r: decode_summary(ring.summary(), r, lambda t: 96.0, 2)
+        for r, ring in enumerate((ring0, ring1))
+    }
+
+
+def test_a_summary_carries_its_calls_groups_then_the_most_recent_and_counts_the_rest():
+    ring = CollectiveRing()
+    for i in [1, *range(1, 70), 0]:  # g1 twice, then g2 ... g69, then g0
+        ring.leave(ring.enter("all_reduce", ring.named(f"g{i}", (0,), key=f"k{i}"), 8))
+    d = json.loads(ring.summary())
+    assert [c[1] for c in d["calls"]] == [f"k{i}" for i in [*range(63, 70), 0]]
+    # the 8 groups of its calls, then the 56 most recently entered others: k1 ... k6 left out
+    assert len(d["groups"]) == SUMMARY_GROUPS == 64
+    assert set(d["groups"]) == {f"k{i}" for i in [0, *range(7, 70)]} and d["more"] == 6
+    assert d["groups"]["k0"] == [[0], 1, 1, "g0"]
+    # calling g3 again brings it back in; the least recent of the others (k7) drops out
+    ring.leave(ring.enter("all_reduce", ring.named("g3", (0,), key="k3"), 8))
+    d = json.loads(ring.summary())
+    assert "k3" in d["groups"] and "k7" not in d["groups"] and d["more"] == 6
+
+
+def test_a_member_whose_summary_left_the_group_out_is_unknown_not_missing():
+    rings = _capped_rings(rank0_inside=True)
+    assert "k1" not in rings[1].groups and rings[1].more == 6
+    a = attribute_hang(rings, 2, NOW)
+    (s,) = a.stuck
+    assert (s.waiting, s.missing, s.done, s.unknown) == ((0,), (), (), (1,))
+    assert a.kind == "inside_collective" and a.culprits == ()  # not a false accusation of rank 1
+    assert a.summary == (
+        "rank 0 entered all_reduce #2 on g1 [0, 1] 4.0 s ago and no member is known to have "
+        "missed it (rank 1 is unknown): the hang is inside the collective (the transport or a "
+        "device) or with it; whether rank 1 entered all_reduce #2 on g1 [0, 1] is unknown: its "
+        "ring summary left the group out (a summary carries the 64 groups used most recently)"
+    )
+    # nobody inside: rank 1 is not "behind" on a group its summary left out
+    idle = attribute_hang(_capped_rings(rank0_inside=False), 2, NOW)
+    assert idle.kind == "no_collective" and idle.culprits == ()
+    # the same summary with nothing left out: rank 1 never entered g1, and is named
+    rings[1] = RankRing(1, rings[1].calls, rings[1].groups, rings[1].count, more=0)
+    b = attribute_hang(rings, 2, NOW)
+    assert b.kind == "missing_rank" and b.culprits == (1,)
+
+
 # --- through a real store: the summary and the leader's record ------------------------------------
 
 
@@ -401,7 +547,7 @@ def test_the_summary_goes_through_a_tcpstore_with_the_heartbeat_and_reads_back(t
             ("all_reduce", "tp [0, 1]", 1, 1024, False),
             ("all_to_all_single", "ep [0, 2]", 1, 2048, True),
         ]
-        assert back.groups["ep [0, 2]"] == GroupState((0, 2), 1, 0)
+        assert back.groups["ep [0, 2]"] == GroupState((0, 2), 1, 0, "ep [0, 2]")
         ring.enter("barrier", g, None)  # the next beat carries it
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -513,12 +659,22 @@ def test_on_nccl_a_rank_behind_its_groups_newest_call_is_named_though_nobody_is_
     "raw",
     [
         b"[]",
-        b'{"calls": {}}',
-        b'{"calls": [["all_reduce", ["g"], 1, 4, 0, 1, false]]}',
-        b'{"calls": [[1, 2, 3]]}',
-        b'{"groups": {"g": [{"start": 0, "stop": 300000000, "step": 1}, 1, 1]}}',
-        b'{"groups": {"g": [[0, -1, 99], 1, 1]}}',
-        b'{"groups": {"g": [{"start": 0, "stop": 4, "step": 0}, 1, 1]}}',
+        b'{"v": 2, "calls": {}}',
+        b'{"v": 2, "calls": [["all_reduce", ["g"], 1, 4, 0, 1, false]]}',
+        b'{"v": 2, "calls": [[1, 2, 3]]}',
+        b'{"v": 2, "calls": [["all_reduce", "g", null, 4, 0, 1, false]], "groups": '
+        b'{"g": [[0, 1], 1, 1, "g"]}}',
+        b'{"v": 2, "calls": [["all_reduce", "g", 1, 4, "0", 1, false]], "groups": '
+        b'{"g": [[0, 1], 1, 1, "g"]}}',
+        b'{"v": 2, "groups": {"g": [{"start": 0, "stop": 300000000, "step": 1}, 1, 1, "g"]}}',
+        b'{"v": 2, "groups": {"g": [[0, -1, 99], 1, 1, "g"]}}',
+        b'{"v": 2, "groups": {"g": [{"start": 0, "stop": 4, "step": 0}, 1, 1, "g"]}}',
+        b'{"v": 2, "calls": [["all_reduce", "g", 1, 4, 1' + b"0" * 400 + b", 1, false]], "
+        b'"groups": {"g": [[0, 1], 1, 1, "g"]}}',
+        b'{"v": 2, "calls": [["all_reduce", "g", 1, 4, Infinity, 1, false]], "groups": '
+        b'{"g": [[0, 1], 1, 1, "g"]}}',
+        b'{"v": 2, "groups": {"g": [[0, 1], null, 1, "g"]}}',
+        b'{"v": 2, "n": "many"}',
         b"[" * 5000 + b"]" * 5000,
         b"x" * (2 << 20),
     ],
@@ -526,6 +682,31 @@ def test_on_nccl_a_rank_behind_its_groups_newest_call_is_named_though_nobody_is_
 def test_a_malformed_summary_is_a_valueerror_not_a_crash_or_a_huge_allocation(raw):
     with pytest.raises(ValueError):
         decode_summary(raw, 1, lambda t: t, 4)
+
+
+@pytest.mark.parametrize(
+    "summary, message",
+    [
+        ({"v": 1, "calls": [], "groups": {}}, "rank 1's ring summary is version 1, this reader "
+         "reads version 2: every rank must run the same resilient"),
+        ({"calls": [], "groups": {}}, "is version None, this reader reads version 2"),
+        ({"v": "2"}, "is version '2', this reader reads version 2"),
+        ({"v": 2, "groups": {"7": [[0, 1], 1, 1]}}, "malformed group '7': expected [ranks, "
+         "entered, left, label], got [[0, 1], 1, 1]"),
+        ({"v": 2, "groups": {"7": [[0, 1], 1, 1, 5]}}, "malformed label for group '7': expected "
+         "a string of at most 200 characters, got 5"),
+        ({"v": 2, "groups": {"7": [[0, 1], 1, 1, "dp" * 101]}}, "malformed label for group '7'"),
+        ({"v": 2, "groups": {"k" * 201: [[0, 1], 1, 1, "dp"]}}, "a group key of 201 characters "
+         "(at most 200)"),
+        ({"v": 2, "calls": [["barrier", "7", 1, None, 0.5, None, 0]], "groups": {}}, "a call on "
+         "group '7' that its groups do not describe"),
+        ({"v": 2, "n": 3, "more": -1}, "malformed count (n 3, more -1): expected integers >= 0"),
+    ],
+)  # fmt: skip
+def test_a_summary_of_another_version_or_with_a_bad_group_says_what_is_wrong(summary, message):
+    with pytest.raises(ValueError) as e:
+        decode_summary(json.dumps(summary), 1, lambda t: t, 4)
+    assert message in str(e.value)
 
 
 def _compiled_all_reduce(rank, world):

@@ -5,12 +5,20 @@ its own; times are already on the leader's monotonic clock.  The leader calls
 ``attribute_hang`` when it declares HUNG and writes the result to the event log
 (``hang_attribution``) next to the verdict.
 
+Calls are matched across ranks by their group's *key* (the process group's name: the same on
+every member, unique to the group) and sequence number; the group's *label* (``tp [0, 1]``, which
+two groups may share) is what the messages show.
+
 For every collective some rank is inside (a group and a sequence number), the members of the
 group are sorted into: *waiting* (inside it), *mismatched* (inside the same sequence number of the
 group with another operation: the ranks called different collectives), *done* (they already
-left it) and *missing* (they never entered it: their newest sequence number on the group is
-lower).  A missing rank that is inside no collective itself is a *culprit*: the job waits for it
-while it runs (or hangs) outside any collective, and its Python stack says where.  The outcomes:
+left it), *missing* (they never entered it: their newest sequence number on the group is lower,
+or their summary does not have the group and left none out) and *unknown* (they published no
+ring, or their summary does not have the group but left some out: a rank that used more groups
+than a summary carries, ``resilient.health.ring.SUMMARY_GROUPS``, sends the most recently entered
+ones, so an absent group says nothing about it).  A missing rank that is inside no collective
+itself is a *culprit*: the job waits for it while it runs (or hangs) outside any collective, and
+its Python stack says where.  The outcomes:
 
 * ``missing_rank``: culprits found ("ranks 0, 3 are in all_reduce #57 on tp [0, 1]; rank 1 never
   entered it: it last left all_reduce #40 on world [0-3] 4.1 s ago and is in no collective");
@@ -26,11 +34,18 @@ while it runs (or hangs) outside any collective, and its Python stack says where
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from resilient.health.ring import format_ranks, unpack_ranks
+from resilient.health.ring import (
+    MAX_NAME_CHARS,
+    SUMMARY_GROUPS,
+    SUMMARY_VERSION,
+    format_ranks,
+    unpack_ranks,
+)
 
 __all__ = [
     "Call",
@@ -50,19 +65,20 @@ STACK_FRAMES_IN_SUMMARY = 3
 @dataclass(frozen=True)
 class Call:
     op: str
-    group: str
+    group: str  # the group's key
     seq: int
     nbytes: int | None
     entered_t: float
     left_t: float | None  # None: still inside
     pending: bool = False  # asynchronous: issued, its work not completed
+    label: str = ""  # the group's label ("": the key is the label)
 
     @property
     def inside(self) -> bool:
         return self.left_t is None or self.pending
 
     def name(self) -> str:
-        return f"{self.op} #{self.seq} on {self.group}"
+        return f"{self.op} #{self.seq} on {self.label or self.group}"
 
 
 @dataclass(frozen=True)
@@ -70,14 +86,18 @@ class GroupState:
     ranks: tuple[int, ...]
     entered: int  # the newest sequence number the rank entered on this group
     left: int
+    label: str = ""  # ("": the key is the label)
 
 
 @dataclass(frozen=True)
 class RankRing:
     rank: int
     calls: tuple[Call, ...]  # the newest few, oldest first (and any still inside)
-    groups: dict[str, GroupState] = field(default_factory=dict)
+    groups: dict[str, GroupState] = field(default_factory=dict)  # by key
     count: int = 0  # calls entered since the ring started
+    # groups its summary left out (it carries SUMMARY_GROUPS): a group absent from ``groups``
+    # is one the rank never entered only when this is 0
+    more: int = 0
 
     def inside(self) -> Call | None:
         """The newest call the rank is inside, if any."""
@@ -102,9 +122,11 @@ def decode_summary(
     to_local: Callable[[float], float],
     world_size: int | None = None,
 ) -> RankRing:
-    """A rank's published summary (``CollectiveRing.summary``), its times mapped by ``to_local``
-    onto the reader's clock.  Another process wrote it: anything that is not a summary (its size,
-    its shape, its types, ranks outside the world) is a ValueError."""
+    """A rank's published summary (``CollectiveRing.summary``, version 2), its times mapped by
+    ``to_local`` onto the reader's clock.  Another process wrote it: anything that is not a
+    summary (another version, its size, its shape, its types, keys or labels longer than
+    ``MAX_NAME_CHARS``, ranks outside the world, a call on a group it does not describe) is a
+    ValueError."""
     if len(raw) > MAX_SUMMARY_BYTES:
         raise ValueError(f"rank {rank}'s ring summary is {len(raw)} bytes, not a summary")
     try:
@@ -113,39 +135,91 @@ def decode_summary(
         raise ValueError(f"rank {rank}'s ring summary nests too deeply") from None
     if not isinstance(d, dict):
         raise ValueError(f"rank {rank}'s ring summary is not an object")
+    version = d.get("v")
+    if type(version) is not int or version != SUMMARY_VERSION:
+        raise ValueError(
+            f"rank {rank}'s ring summary is version {version!r:.20}, this reader reads version "
+            f"{SUMMARY_VERSION}: every rank must run the same resilient"
+        )
     raw_calls, raw_groups = d.get("calls", []), d.get("groups", {})
     if not isinstance(raw_calls, list) or not isinstance(raw_groups, dict):
         raise ValueError(f"rank {rank}'s ring summary has no calls list / groups object")
     if len(raw_calls) > 4096 or len(raw_groups) > 4096:
         raise ValueError(f"rank {rank}'s ring summary is too large")
+    more, count = d.get("more", 0), d.get("n", len(raw_calls))
+    if not _is_count(more) or not _is_count(count):
+        raise ValueError(
+            f"rank {rank}'s ring summary has a malformed count (n {count!r:.40}, more "
+            f"{more!r:.40}): expected integers >= 0"
+        )
+    groups = {}
+    for key, value in raw_groups.items():
+        if len(key) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"rank {rank}'s ring summary has a group key of {len(key)} characters "
+                f"(at most {MAX_NAME_CHARS}): {key!r:.80}"
+            )
+        if not isinstance(value, list) or len(value) != 4:
+            raise ValueError(
+                f"rank {rank}'s ring summary has a malformed group {key!r:.80}: expected "
+                f"[ranks, entered, left, label], got {value!r:.80}"
+            )
+        ranks, entered, left, label = value
+        if not isinstance(label, str) or len(label) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"rank {rank}'s ring summary has a malformed label for group {key!r:.80}: "
+                f"expected a string of at most {MAX_NAME_CHARS} characters, got {label!r:.80}"
+            )
+        if not _is_count(entered) or not _is_count(left):
+            raise ValueError(
+                f"rank {rank}'s ring summary has malformed sequence numbers for group "
+                f"{key!r:.80}: {value!r:.80}"
+            )
+        groups[key] = GroupState(unpack_ranks(ranks, world_size), entered, left, label)
     calls = []
     for item in raw_calls:
         if not isinstance(item, list) or len(item) != 7:
             raise ValueError(f"rank {rank}'s ring summary has a malformed call {item!r:.80}")
         op, group, seq, nbytes, entered, left, pending = item
-        if not isinstance(op, str) or not isinstance(group, str):
+        if (
+            not isinstance(op, str)
+            or not isinstance(group, str)
+            or not _is_count(seq)
+            or not _is_time(entered)
+            or not (left is None or _is_time(left))
+        ):
             raise ValueError(f"rank {rank}'s ring summary has a malformed call {item!r:.80}")
-        if nbytes is not None and not isinstance(nbytes, int):
+        if nbytes is not None and not _is_count(nbytes):
             raise ValueError(f"rank {rank}'s ring summary has a malformed size {nbytes!r:.40}")
+        state = groups.get(group)
+        if state is None:
+            raise ValueError(
+                f"rank {rank}'s ring summary has a call on group {group!r:.80} that its groups "
+                f"do not describe (a summary carries the group of every call it carries)"
+            )
         calls.append(
             Call(
                 op,
                 group,
-                int(seq),
+                seq,
                 nbytes,
                 to_local(float(entered)),
                 None if left is None else to_local(float(left)),
                 bool(pending),
+                state.label,
             )
         )
-    groups = {}
-    for name, value in raw_groups.items():
-        if not isinstance(value, list) or len(value) != 3:
-            raise ValueError(f"rank {rank}'s ring summary has a malformed group {name!r:.80}")
-        ranks, entered, left = value
-        members = unpack_ranks(ranks, world_size)
-        groups[name] = GroupState(members, int(entered), int(left))
-    return RankRing(rank, tuple(calls), groups, int(d.get("n", len(calls))))
+    return RankRing(rank, tuple(calls), groups, count, more)
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _is_time(x: Any) -> bool:
+    if type(x) is int:
+        return abs(x) < 1 << 53  # (a float's range: math.isfinite(10**400) raises)
+    return type(x) is float and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -153,18 +227,19 @@ class Stuck:
     """A collective that ranks are waiting in."""
 
     op: str
-    group: str
+    group: str  # the group's key
+    label: str  # the group's label (what people read)
     seq: int
     ranks: tuple[int, ...]  # the group's members
     waiting: tuple[int, ...]
     missing: tuple[int, ...]  # never entered it
     mismatched: dict[int, str]  # rank -> the other operation it is in at this sequence number
     done: tuple[int, ...]  # left it already
-    unknown: tuple[int, ...]  # published no ring
+    unknown: tuple[int, ...]  # published no ring, or a summary that left this group out
     waited_s: float  # since the first waiting rank entered it
 
     def name(self) -> str:
-        return f"{self.op} #{self.seq} on {self.group}"
+        return f"{self.op} #{self.seq} on {self.label}"
 
 
 @dataclass(frozen=True)
@@ -228,12 +303,11 @@ def attribute_hang(
             if m in waiting or m in mismatched:
                 continue
             ring = known.get(m)
-            if ring is None:
+            state = None if ring is None else ring.groups.get(group)
+            if state is not None:
+                (done if state.entered >= seq else missing).append(m)
+            elif ring is None or ring.more:  # no ring, or its summary left the group out
                 unknown.append(m)
-                continue
-            state = ring.groups.get(group)
-            if state is not None and state.entered >= seq:
-                done.append(m)
             else:
                 missing.append(m)
         entered = min(c.entered_t for _, c in members)
@@ -241,6 +315,8 @@ def attribute_hang(
             Stuck(
                 op,
                 group,
+                next((c.label for _, c in members if c.label), "")
+                or _group_label(group, [known[r] for r, _ in members]),
                 seq,
                 ranks,
                 waiting,
@@ -262,6 +338,8 @@ def attribute_hang(
     for r in no_ring:
         if r in rings or any(r in s.unknown for s in stuck):
             described[r] = {"ring": None}
+    # ranks whose summary left out the group of a collective others wait in
+    capped = sorted({m for s in stuck for m in s.unknown if m in known})
 
     if culprits:
         kind = "missing_rank"
@@ -302,25 +380,29 @@ def attribute_hang(
         kind = "inside_collective"
         lines = [
             f"{format_rank_list(s.waiting)} {'all ' if len(s.waiting) > 1 else ''}entered "
-            f"{s.name()} {s.waited_s:.1f} s ago and every member is in it: the hang is inside "
-            f"the collective (the transport or a device), not a rank that never came"
+            f"{s.name()} {s.waited_s:.1f} s ago and "
+            + (
+                f"no member is known to have missed it ({format_rank_list(s.unknown)} "
+                f"{_are(s.unknown)} unknown): the hang is inside the collective (the transport "
+                f"or a device) or with {'it' if len(s.unknown) == 1 else 'them'}"
+                if s.unknown
+                else "every member is in it: the hang is inside the collective (the transport "
+                "or a device), not a rank that never came"
+            )
             for s in stuck[:3]
         ]
-        if any(s.unknown for s in stuck):
-            lines.append(
-                f"{format_rank_list(sorted({m for s in stuck for m in s.unknown}))} published "
-                f"no ring"
-            )
+        if no_ring_here := sorted({m for s in stuck for m in s.unknown if m not in known}):
+            lines.append(f"{format_rank_list(no_ring_here)} published no ring")
     elif behind := _behind(known, inside):
         # nobody is inside a collective, yet some members of a group never entered its newest
         # call: on NCCL a collective returns once it is queued, so the ranks waiting for a
         # missing peer block later (a synchronize, an .item()), outside the collective
         kind = "behind"
-        culprits = tuple(sorted({r for b in behind for r in b[3] if r not in inside}))
+        culprits = tuple(sorted({r for b in behind for r in b[4] if r not in inside}))
         described = {r: _describe(r, known.get(r), now, stacks.get(r)) for r in culprits}
         lines = [
             f"no rank is inside a collective, but {format_rank_list(ahead)} entered "
-            f"{op} #{seq} on {group} and {format_rank_list(late)} never did"
+            f"{op} #{seq} on {label} and {format_rank_list(late)} never did"
             + "".join(
                 f"; rank {r} last left "
                 + (
@@ -333,7 +415,7 @@ def attribute_hang(
                 if (d := described.get(r)) is not None
             )
             + " (on NCCL a collective returns before it completes: the others wait beyond it)"
-            for group, op, seq, late, ahead in behind[:3]
+            for _, label, op, seq, late, ahead in behind[:3]
         ]
     else:
         kind = "no_collective"
@@ -348,6 +430,15 @@ def attribute_hang(
         ]
     if no_ring and kind != "inside_collective":
         lines.append(f"{format_rank_list(no_ring)} published no ring")
+    if capped:
+        on = [s.name() for s in stuck if set(s.unknown) & set(capped)]
+        lines.append(
+            f"whether {format_rank_list(capped)} entered "
+            + ", ".join(on[:3])
+            + (f" and {len(on) - 3} more" if len(on) > 3 else "")
+            + f" is unknown: {'its' if len(capped) == 1 else 'their'} ring summary left the "
+            f"group out (a summary carries the {SUMMARY_GROUPS} groups used most recently)"
+        )
     return Attribution(
         kind,
         culprits,
@@ -360,18 +451,24 @@ def attribute_hang(
 
 def _behind(
     known: dict[int, RankRing], inside: dict[int, Call]
-) -> list[tuple[str, str, int, tuple[int, ...], tuple[int, ...]]]:
-    """Groups some of whose members never entered the group's newest call: (group, its op, its
-    sequence number, the members behind, the members that entered it)."""
+) -> list[tuple[str, str, str, int, tuple[int, ...], tuple[int, ...]]]:
+    """Groups some of whose members never entered the group's newest call: (group key, its
+    label, its op, its sequence number, the members behind, the members that entered it).  A
+    member whose summary left the group out is neither."""
     out = []
-    names = {name for ring in known.values() for name in ring.groups}
-    for name in sorted(names):
-        members = _group_ranks(name, list(known.values()))
-        seqs = {
-            m: known[m].groups[name].entered if name in known[m].groups else 0
-            for m in members
-            if m in known
-        }
+    keys = {key for ring in known.values() for key in ring.groups}
+    for key in sorted(keys):
+        members = _group_ranks(key, list(known.values()))
+        seqs = {}
+        for m in members:
+            ring = known.get(m)
+            if ring is None:
+                continue
+            state = ring.groups.get(key)
+            if state is not None:
+                seqs[m] = state.entered
+            elif not ring.more:  # else its summary left the group out: not known to be behind
+                seqs[m] = 0
         if not seqs:
             continue
         top = max(seqs.values())
@@ -380,12 +477,12 @@ def _behind(
             continue
         ahead = tuple(sorted(m for m, q in seqs.items() if q == top))
         op = next(
-            (c.op for m in ahead for c in known[m].calls if c.group == name and c.seq == top),
+            (c.op for m in ahead for c in known[m].calls if c.group == key and c.seq == top),
             "call",
         )
-        out.append((name, op, top, late, ahead))
+        out.append((key, _group_label(key, list(known.values())), op, top, late, ahead))
     # the groups whose late members are inside nothing (the ones to name) first
-    out.sort(key=lambda b: (all(r in inside for r in b[3]), -len(b[4]), b[0]))
+    out.sort(key=lambda b: (all(r in inside for r in b[4]), -len(b[5]), b[1], b[0]))
     return out
 
 
@@ -401,6 +498,15 @@ def _group_ranks(group: str, rings: list[RankRing]) -> tuple[int, ...]:
     return tuple(sorted(r.rank for r in rings))
 
 
+def _group_label(group: str, rings: list[RankRing]) -> str:
+    """The label the rings give group key ``group`` (the key when none does)."""
+    for ring in rings:
+        state = ring.groups.get(group)
+        if state is not None and state.label:
+            return state.label
+    return group
+
+
 def _describe(r: int, ring: RankRing | None, now: float, stack: str | None) -> dict[str, Any]:
     if ring is None:
         return {"ring": None}
@@ -409,7 +515,8 @@ def _describe(r: int, ring: RankRing | None, now: float, stack: str | None) -> d
     if last is not None:
         d["last_left"] = {
             "op": last.op,
-            "group": last.group,
+            "group": last.label or last.group,  # the label, for people
+            "group_key": last.group,
             "seq": last.seq,
             "bytes": last.nbytes,
             "left_s_ago": round(now - (last.left_t or now), 3),

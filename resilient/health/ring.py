@@ -4,16 +4,23 @@
 ``all_to_all_single``, ``broadcast``, ``barrier``, ``send``/``recv``, ...) once per process;
 ``resilient.launch.init_process_group`` calls it before joining the group, unless
 ``RESILIENT_COLLECTIVE_RING=0``.  Each call writes one slot of a fixed ring (``size`` slots, 128 by
-default): the operation, the process group (a readable name that every member spells the same way:
-``tp [0, 1]`` for a device mesh's axis, ``world [0-3]``, ``group 5 [0, 2]`` for a group made with
-``new_group``, ``p2p [0, 1]`` for a pair), the call's sequence number on that group (this rank's
+default): the operation, the process group, the call's sequence number on that group (this rank's
 count of wrapped calls on it, which matches across the members as long as they call the same
 collectives in the same order), the bytes this rank contributes, and the monotonic times it
 entered and left (``None`` while inside).  The hot path is two clock reads, two dict lookups and
 one small list; no lock (the GIL orders the writes; a reader copies a slot at a time).
 
-Asynchronous calls (``async_op=True``) count as left when the call returns its ``Work``; the slot keeps a weak reference to it, and the summary marks the call ``pending``
-while that work reports not completed, so a rank blocked in ``wait()`` shows as inside it.
+A group has two names.  Its *key* identifies it: the process group's ``group_name``, which every
+member of the group spells the same way and no other group shares (``"<group_name>:(a, b)"`` for
+the pair of a point-to-point call); calls are matched across ranks by key.  Its *label* is for
+people: ``tp [0, 1]`` for a device mesh's axis, ``world [0-3]``, the ``group_desc`` of a group made
+with ``new_group`` (``group 5 [0, 2]`` when it has none), ``p2p [0, 1]`` for a pair.  Labels can
+repeat (two meshes with a ``dp`` axis over the same ranks, a mesh rebuilt on the same ranks, two
+groups with the same ``group_desc``), so they are never used to match.
+
+Asynchronous calls (``async_op=True``) count as left when the call returns its ``Work``; the slot
+keeps a weak reference to it, and the summary marks the call ``pending`` while that work reports
+not completed, so a rank blocked in ``wait()`` shows as inside it.
 
 Wrappers compose: a later wrapper (the chaos harness's ``slow`` fault wraps the same names) calls
 this one and the other way round; parameters are found by the signatures of
@@ -27,13 +34,27 @@ stream: ranks waiting for a missing peer have "left" it and block later (a ``.it
 synchronize).  The comparison (attribution.py) therefore also compares each group's newest
 sequence number across its members: a member behind the others never entered the newest call.
 
-The monitor's heartbeat thread publishes ``summary()`` (the last few calls, any call still inside,
-and every group's newest sequence numbers) to the store with its liveness beat when it changed;
-the leader reads every rank's when it declares HUNG (``resilient.health.attribution``).
+The monitor's heartbeat thread publishes ``summary()`` to the store with its liveness beat when it
+changed; the leader reads every rank's when it declares HUNG (``resilient.health.attribution``).
+The summary (version 2) is JSON::
+
+    {"v": 2, "n": calls entered, "t": now,
+     "calls": [[op, group key, seq, bytes, entered, left, pending], ...],
+     "groups": {group key: [ranks, entered, left, label], ...},
+     "more": groups left out}
+
+``calls``: the last few calls and any call still inside; ``groups``: the newest sequence numbers
+this rank entered and left on each group (``ranks`` as ``pack_ranks`` packs them).  A summary
+carries the groups of its calls, then the most recently entered others, up to ``SUMMARY_GROUPS``
+in all (more only when its calls span more); ``more`` counts the groups it left out, so a reader
+knows that a group absent from it may still have been entered (attribution counts such a member
+*unknown* for a collective on that group, never *missing*).  Keys and labels are at most ``MAX_NAME_CHARS`` characters.
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import inspect
 import json
 import os
@@ -52,6 +73,9 @@ __all__ = [
     "ring_enabled",
     "COLLECTIVES",
     "ENV_RING",
+    "SUMMARY_GROUPS",
+    "SUMMARY_VERSION",
+    "MAX_NAME_CHARS",
     "pack_ranks",
     "unpack_ranks",
     "format_ranks",
@@ -60,7 +84,9 @@ __all__ = [
 ENV_RING = "RESILIENT_COLLECTIVE_RING"
 DEFAULT_SIZE = 128
 SUMMARY_CALLS = 8  # the newest calls a summary carries (plus any still inside)
-SUMMARY_GROUPS = 64
+SUMMARY_GROUPS = 64  # the groups a summary carries (besides those of its calls, if more)
+SUMMARY_VERSION = 2
+MAX_NAME_CHARS = 200  # a group's key or label in a summary
 
 # name -> (the parameter that holds what this rank sends, or None; the peer parameters of a
 # point-to-point call, global then group rank)
@@ -101,15 +127,18 @@ def ring_enabled() -> bool:
 
 
 class GroupInfo:
-    """One process group as the ring names it; ``entered``/``left``: the newest sequence numbers
-    this rank entered and left on it."""
+    """One process group as the ring knows it: ``key`` (the same on every member, unique to the
+    group: what calls are matched by), ``label`` (for people; may repeat); ``entered``/``left``:
+    the newest sequence numbers this rank entered and left on it; ``used``: the ring's call count
+    when this rank last entered it (which groups a capped summary keeps)."""
 
-    __slots__ = ("name", "ranks", "entered", "left")
+    __slots__ = ("key", "label", "ranks", "entered", "left", "used")
 
-    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
-        self.name, self.ranks = name, ranks
+    def __init__(self, key: str, label: str, ranks: tuple[int, ...]) -> None:
+        self.key, self.label, self.ranks = key, label, ranks
         self.entered = 0
         self.left = 0
+        self.used = -1
 
 
 class CollectiveRing:
@@ -127,16 +156,17 @@ class CollectiveRing:
         self._slots: list[list[Any] | None] = [None] * self.size
         self.count = 0  # calls entered since the reset
         self._by_id: dict[Any, tuple[GroupInfo, Any]] = {}  # id(pg) or (id(pg), peer) -> group, ref
-        self._by_key: dict[str, GroupInfo] = {}  # pg name (+ the pair) -> its group
+        self._by_key: dict[str, GroupInfo] = {}  # group key -> its group
         self._published: tuple[int, bool] | None = None
         self._pending_any = False
 
     # --- the hot path (the wrappers inline the same steps) ---------------------------------------
     def enter(self, op: str, group: GroupInfo, nbytes: int | None) -> list[Any]:
         group.entered += 1
+        group.used = i = self.count
         slot = [op, group, group.entered, nbytes, time.monotonic(), None, None]
-        self._slots[self.count % self.size] = slot
-        self.count += 1
+        self._slots[i % self.size] = slot
+        self.count = i + 1
         return slot
 
     def leave(self, slot: list[Any], work: Any = None) -> None:
@@ -169,11 +199,15 @@ class CollectiveRing:
             return hit[0]
         return self._new_group(pg, key, peer)
 
-    def named(self, name: str, ranks: tuple[int, ...] | list[int]) -> GroupInfo:
-        """A group by name (for tests and simulations: no process group behind it)."""
-        g = self._by_key.get(name)
+    def named(
+        self, name: str, ranks: tuple[int, ...] | list[int], *, key: str | None = None
+    ) -> GroupInfo:
+        """A group labelled ``name`` with key ``key`` (default: ``name``), for tests and
+        simulations: no process group behind it."""
+        key = name if key is None else key
+        g = self._by_key.get(key)
         if g is None:
-            g = self._by_key[name] = GroupInfo(name, tuple(ranks))
+            g = self._by_key[key] = GroupInfo(_bounded(key), name[:MAX_NAME_CHARS], tuple(ranks))
         return g
 
     def _new_group(self, pg: Any, key: Any, peer: int | None) -> GroupInfo:
@@ -186,7 +220,7 @@ class CollectiveRing:
             desc = getattr(real, "group_desc", "") or ""
             me = dist.get_rank()
         except Exception:  # no default group yet: the call itself will say so
-            return GroupInfo("group ?", ())
+            return GroupInfo("?", "group ?", ())
         if peer is not None:
             pair = (me,) if peer < 0 else (min(me, peer), max(me, peer))
             label = "p2p " + format_ranks(pair) + ("" if peer >= 0 else " from any")
@@ -207,7 +241,7 @@ class CollectiveRing:
         # once, and a freed group whose id is reused by another is not mistaken for it
         g = self._by_key.get(unique)
         if g is None or g.ranks != ranks:
-            g = self._by_key[unique] = GroupInfo(label, ranks)
+            g = self._by_key[unique] = GroupInfo(_bounded(unique), label[:MAX_NAME_CHARS], ranks)
         try:
             ref = None if pg is None else weakref.ref(pg)
         except TypeError:  # cannot be watched: look it up again next time
@@ -236,29 +270,56 @@ class CollectiveRing:
         return n, newest is not None and newest[_LEFT] is None
 
     def summary(self, last: int = SUMMARY_CALLS) -> str:
-        """JSON: ``{"v": 1, "n": calls entered, "t": now, "calls": [[op, group, seq, bytes,
-        entered, left, pending], ...], "groups": {name: [ranks, entered, left]}}``; times are
-        this process's monotonic clock."""
+        """The JSON the heartbeat publishes (version 2, described in the module docstring): the
+        newest ``last`` calls and any older one still inside; the groups of those calls, then the
+        most recently entered others up to ``SUMMARY_GROUPS`` in all, and how many were left out.
+        Times are this process's monotonic clock."""
         mark = self._mark()
         calls = self.calls()
         keep = calls[-last:]
         inside = [c for c in calls[:-last] if c[_LEFT] is None or _pending(c)]
-        out, pending_any, names = [], False, set()
+        out, pending_any = [], False
+        groups: dict[str, list[Any]] = {}
         for c in inside + keep:
             pending = c[_LEFT] is not None and _pending(c)
             pending_any |= pending
             g: GroupInfo = c[_GROUP]
-            names.add(g.name)
-            out.append([c[_OP], g.name, c[_SEQ], c[_BYTES], c[_ENTERED], c[_LEFT], int(pending)])
-        groups = {}
-        for g in list(self._by_key.values()):
-            if g.entered and (g.name in names or len(groups) < SUMMARY_GROUPS):
-                groups[g.name] = [pack_ranks(g.ranks), g.entered, g.left]
+            groups[g.key] = _group_entry(g)  # a newer call's wins (a key reused: see _new_group)
+            out.append([c[_OP], g.key, c[_SEQ], c[_BYTES], c[_ENTERED], c[_LEFT], int(pending)])
+        others = [g for g in list(self._by_key.values()) if g.entered and g.key not in groups]
+        room = max(0, SUMMARY_GROUPS - len(groups))
+        # past the cap, the most recently entered: the groups a hang can be in now
+        kept = others if len(others) <= room else heapq.nlargest(room, others, key=_recency)
+        for g in kept:
+            groups[g.key] = _group_entry(g)
         self._published, self._pending_any = mark, pending_any
         return json.dumps(
-            {"v": 1, "n": self.count, "t": time.monotonic(), "calls": out, "groups": groups},
+            {
+                "v": SUMMARY_VERSION,
+                "n": self.count,
+                "t": time.monotonic(),
+                "calls": out,
+                "groups": groups,
+                "more": len(others) - len(kept),
+            },
             separators=(",", ":"),
         )
+
+
+def _recency(g: GroupInfo) -> int:
+    return g.used
+
+
+def _group_entry(g: GroupInfo) -> list[Any]:
+    return [pack_ranks(g.ranks), g.entered, g.left, g.label]
+
+
+def _bounded(key: str) -> str:
+    """A key a summary can carry: one longer than ``MAX_NAME_CHARS`` (a user's ``group_name``)
+    becomes a digest of it, the same on every rank."""
+    if len(key) <= MAX_NAME_CHARS:
+        return key
+    return key[:80] + "~" + hashlib.sha1(key.encode()).hexdigest()
 
 
 def _pending(slot: list[Any]) -> bool:
@@ -334,8 +395,8 @@ def _wrap(ring: CollectiveRing, op: str, fn: Any, reference: Any) -> Any:
             g = where(args, kwargs, group)
         x = args[size_i] if n > size_i else kwargs.get(size_name)
         seq = g.entered = g.entered + 1
+        i = g.used = ring.count
         slot = [op, g, seq, x.nbytes if type(x) is tensor else _nbytes(x), monotonic(), None, None]
-        i = ring.count
         ring._slots[i % size] = slot
         ring.count = i + 1
         result = None
