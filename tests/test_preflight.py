@@ -73,12 +73,12 @@ def test_pair_rounds_go_concurrent_past_eight_ranks():
     assert len(pair_rounds(8)) == 56 and len(pair_rounds(16)) == 30
 
 
-@pytest.mark.parametrize("n", [9, 16, 17, 1024])
+@pytest.mark.parametrize("n", [9, 16, 17, 1023, 1024])
 def test_sampled_rounds_meet_evenly_spread_peers_both_ways(n):
     every = matchings(n)
     assert len(every) == n - 1 + n % 2
     rounds = pair_rounds(n, True, partners=3)
-    assert len(rounds) == 6
+    assert len(rounds) == 2 * (3 + n % 2)  # an odd world leaves one rank out of each matching
     met: dict[int, set[int]] = {}
     for r in rounds:
         ranks = [x for p in r for x in p]
@@ -88,9 +88,11 @@ def test_sampled_rounds_meet_evenly_spread_peers_both_ways(n):
     pairs = {p for r in rounds for p in r}
     assert pairs == {(b, a) for a, b in pairs}  # both directions of every pair met
     assert len(pairs) == len([p for r in rounds for p in r])  # no pair twice
-    assert all(len(peers) <= 3 for peers in met.values())
-    assert sum(len(peers) == 3 for peers in met.values()) >= n - 3  # odd n: one sits out a round
-    assert rounds[0] == every[0] and rounds[2] == every[len(every) // 3]  # spread, not the first
+    assert len(met) == n and min(len(peers) for peers in met.values()) >= 3  # every rank, 3+
+    step = len(every) / (3 + n % 2)
+    assert rounds[0] == every[0] and rounds[2] == every[int(step)]  # spread, not the first
+    with pytest.raises(ValueError, match="partners must be >= 1"):
+        pair_rounds(n, True, partners=0)
 
 
 def test_link_plan_shrinks_to_the_budget():
@@ -105,22 +107,55 @@ def test_link_plan_shrinks_to_the_budget():
     ]
 
 
-def test_a_thousand_ranks_meet_a_few_peers_each_within_the_budget():
+def _plan_cost(plan, world, est, sync_s, connect_s):
+    matchings_run = len(plan.rounds) // 2
+    per_round = plan.sends * plan.message_bytes / est + sync_s + 2e-4
+    return len(plan.rounds) * plan.repeats * per_round + matchings_run * connect_s
+
+
+@pytest.mark.parametrize("world", [1023, 1024])
+def test_a_thousand_ranks_meet_a_few_peers_each_within_the_budget(world):
     """Every round pays a barrier: at 1,024 ranks and 2 ms a barrier, 2(n-1) rounds of 3
-    samples take 12 s alone, so the plan meets fewer peers, never below three."""
-    plan = plan_links(
-        world=1024, budget_s=9.0, est_bytes_per_s=10e9, message_bytes=4 * MiB, sync_s=2e-3
+    samples take 12 s alone, so the plan meets fewer peers, never below three, and keeps
+    messages large enough to measure bandwidth."""
+    kw = dict(world=world, est_bytes_per_s=10e9, message_bytes=4 * MiB, sync_s=2e-3)
+    plan = plan_links(budget_s=9.0, connect_s=0.05, **kw)
+    assert 3 <= plan.partners < world - 1
+    assert len(plan.rounds) == 2 * (plan.partners + world % 2)
+    assert _plan_cost(plan, world, 10e9, 2e-3, 0.05) <= 9.0
+    assert plan.message_bytes >= 256 << 10 and plan.repeats == 5  # peers went before those
+    assert any(
+        f"met {plan.partners} or more of its {world - 1} peers (budget)" in c for c in plan.cuts
     )
-    rounds, per = len(plan.rounds), 2e-3 + 2e-4 + plan.sends * plan.message_bytes / 10e9
-    assert 3 <= plan.partners < 1023 and rounds == 2 * plan.partners
-    assert rounds * plan.repeats * per <= 9.0
-    assert any("each rank met" in c and "of its 1023 peers (budget)" in c for c in plan.cuts)
-    tight = plan_links(world=1024, budget_s=1e-3, est_bytes_per_s=1e9, message_bytes=MiB)
+    tight = plan_links(budget_s=1e-3, **kw)
     assert tight.partners == 3  # the floor: over budget rather than blind
+    assert (tight.message_bytes, tight.sends, tight.repeats) == (64 << 10, 1, 3)
     quick = plan_links(world=64, budget_s=60.0, est_bytes_per_s=1e9, message_bytes=MiB, quick=True)
     assert quick.partners == 4 and "(the quick subset)" in quick.cuts[-1]
     roomy = plan_links(world=16, budget_s=60.0, est_bytes_per_s=1e9, message_bytes=MiB)
     assert roomy.partners is None and len(roomy.rounds) == 30  # all of them fit
+    assert roomy.cuts == [] and roomy.message_bytes == MiB
+
+
+def test_the_barrier_is_paid_with_fewer_sends_not_smaller_messages():
+    slow_barrier = plan_links(
+        world=4, budget_s=9.0, est_bytes_per_s=1e9, message_bytes=4 * MiB, sync_s=5e-3
+    )
+    assert slow_barrier.message_bytes == 4 * MiB and slow_barrier.cuts == []
+    assert _plan_cost(slow_barrier, 4, 1e9, 5e-3, 0.0) <= 9.0
+
+
+def test_a_slow_node_is_named_alone_in_a_sampled_odd_world():
+    """Three peers each in a world of 1,023: rank 341 slow; nobody else, though rank 0 and the
+    others left out of a matching meet one peer more or less."""
+    n = 1023
+    rounds = pair_rounds(n, True, partners=3)
+    matrix = [[None] * n for _ in range(n)]
+    for r in rounds:
+        for a, b in r:
+            matrix[a][b] = 0.1 * GiB if 341 in (a, b) else 2 * GiB
+    found = link_outliers(matrix, 0.7)
+    assert [(o.kind, o.rank) for o in found] == [("rank", 341)]
 
 
 # --- outliers --------------------------------------------------------------------------------
@@ -289,7 +324,8 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     "args,message",
     [
         (["--factor", "1.5"], "--factor 1.5: must be between 0 and 1"),
-        (["--budget-s", "0"], "--budget-s 0.0: must be > 0 seconds"),
+        (["--budget-s", "0"], "--budget-s 0.0: must be a finite number > 0 of seconds"),
+        (["--budget-s", "inf"], "--budget-s inf: must be a finite number > 0 of seconds"),
         (["--storage-options", "[1]"], "--storage-options must be a JSON object"),
         (["--nproc", "0"], "--nproc 0: must be >= 1"),
     ],
@@ -390,7 +426,7 @@ def test_unwritable_storage_fails_the_check(tmp_path):
 
 def _quick(rank, world):
     report = run_preflight(PreflightConfig.quick_check(budget_s=2.0)).to_dict()
-    # a sampled plan (as past eight ranks): one matching of three ranks, its pair both ways
+    # a sampled plan (as past eight ranks): every rank meets one peer or more
     rounds = pair_rounds(3, True, partners=1)
     matrix, _ = run_links(Group(), LinkPlan(4096, 1, 1, rounds, partners=1))
     return report, matrix, rounds
@@ -417,7 +453,7 @@ def test_quick_preflight_on_three_ranks():
     assert all(matrix[i][j] > 0 for i in range(3) for j in range(3) if i != j)
     (_, sampled, rounds) = out[0]
     met = {tuple(p) for rd in rounds for p in rd}
-    assert len(met) == 2
+    assert len(met) == 4  # two matchings (three ranks: one sits out each), both ways
     for i in range(3):
         for j in range(3):
             assert (sampled[i][j] is not None) == ((i, j) in met), (i, j, sampled)

@@ -112,16 +112,23 @@ def reference_dir(out: Path, job: Job) -> Path:
 
 
 def run_reference(job: Job, directory: Path, *, say: Any = print) -> Launch:
-    """The fault-free run of ``job`` in ``directory`` (reused when one already completed there)."""
-    paths = RunPaths(directory)
-    if paths.run_json.exists():
-        done = Launch.from_json(json.loads(paths.run_json.read_text()))
-        if done.succeeded:
-            return done
-    if directory.exists():
-        shutil.rmtree(directory)
-    say(f"  reference: the same job without faults -> {directory}")
-    return launch_job(job, paths, [])
+    """The fault-free run of ``job`` in ``directory`` (reused when one already completed there).
+    Scenario runs that share a references directory (side by side, in other processes) run each
+    reference once: the first takes ``<directory>.lock`` and the others wait for its run."""
+    import fcntl
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        paths = RunPaths(directory)
+        if paths.run_json.exists():
+            done = Launch.from_json(json.loads(paths.run_json.read_text()))
+            if done.succeeded:
+                return done
+        if directory.exists():
+            shutil.rmtree(directory)
+        say(f"  reference: the same job without faults -> {directory}")
+        return launch_job(job, paths, [])
 
 
 def launch_job(

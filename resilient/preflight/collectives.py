@@ -66,14 +66,14 @@ def uneven_splits(count: int, n: int, rank: int) -> tuple[list[int], list[int]]:
     elements per rank: rank r sends peer p a share weighted ``1 + (r + p) mod n`` (a Latin square:
     each rank also receives every weight once); what it receives from p is p's split for r."""
 
-    def sends(r: int) -> list[int]:
-        weights = [1 + (r + p) % n for p in range(n)]
-        total = sum(weights)
-        splits = [count * w // total for w in weights]
-        splits[-1] += count - sum(splits)
-        return splits
-
-    return sends(rank), [sends(p)[rank] for p in range(n)]
+    total = n * (n + 1) // 2  # every rank's weights are 1..n in some order
+    rest = count - sum(count * w // total for w in range(1, n + 1))  # the same for every rank
+    sends = [count * (1 + (rank + p) % n) // total for p in range(n)]
+    sends[-1] += rest  # the last peer takes what rounding left
+    recv = [
+        count * (1 + (p + rank) % n) // total + (rest if rank == n - 1 else 0) for p in range(n)
+    ]
+    return sends, recv
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ class PreflightConfig:
     ops: tuple[str, ...] = OPS
 
     def __post_init__(self) -> None:
-        if not self.budget_s > 0:
-            raise ValueError(f"--budget-s {self.budget_s}: must be > 0 seconds")
+        if not 0 < self.budget_s < float("inf"):
+            raise ValueError(f"--budget-s {self.budget_s}: must be a finite number > 0 of seconds")
         if not 0 < self.factor < 1:
             raise ValueError(
                 f"--factor {self.factor}: must be between 0 and 1 (0.7: a figure below 0.7 x the "

@@ -9,13 +9,15 @@ every pair alike.  Up to ``SEQUENTIAL_UP_TO`` ranks the pairs go one at a time (
 beyond, the pairs of a round are disjoint and run at once (the circle method: n-1 matchings, each
 two rounds, one per direction), so the check grows with n, not with n squared.
 
-Each round costs a barrier as well as its bytes, and at a thousand ranks even 2(n-1) rounds do
-not fit a budget of seconds: ``plan_links`` prices a round at the measured barrier time plus its
-bytes, and where every matching does not fit, it takes an evenly spread subset of them (each rank
-then meets ``partners`` peers, both directions, never fewer than ``MIN_PARTNERS``).  That still
-finds a slow *node* (every link it has is slow, so its score, the median of its links, is; a
-healthy rank meets it on at most one of its links), but a single slow link between two healthy
-ranks is seen only when the plan met it: the report says how many peers each rank met.
+Each round costs a barrier as well as its bytes (and each new peer a first contact), and at a
+thousand ranks even the 2(n-1) rounds (2n when n is odd) do not fit a budget of seconds:
+``plan_links`` prices a round at the measured barrier time plus its bytes, and where every
+matching does not fit, it takes an evenly spread subset of them, so that each rank meets
+``partners`` peers or more (both directions), never fewer than ``MIN_PARTNERS``; it cuts sends
+and message sizes down to a size that still measures bandwidth first.  That still finds a slow
+*node* (every link it has is slow, so its score, the median of its links, is; a healthy rank meets
+it on at most one of its links), but a single slow link between two healthy ranks is seen only
+when the plan met it: the report says how many peers each rank met at least.
 """
 
 from __future__ import annotations
@@ -74,16 +76,21 @@ def pair_rounds(
 ) -> list[list[tuple[int, int]]]:
     """Rounds of ordered (src, dst) pairs; no rank is in two pairs of one round.  Every ordered
     pair of distinct ranks is in exactly one round, unless ``partners`` (concurrent only) asks
-    for that many matchings, spread evenly over the circle method's, each in both directions."""
+    that every rank meet at least that many peers: that many matchings (one more in an odd world,
+    where each matching leaves one rank out), spread evenly over the circle method's, each in
+    both directions."""
+    if partners is not None and partners < 1:
+        raise ValueError(f"partners must be >= 1, got {partners}")
     if concurrent is None:
         concurrent = world > SEQUENTIAL_UP_TO
     if not concurrent:
         return [[(i, j)] for i in range(world) for j in range(world) if i != j]
     count = _count(world)
-    chosen = range(count)
-    if partners is not None and partners < count:
-        step = count / max(partners, 1)
-        chosen = [int(i * step) for i in range(max(partners, 1))]
+    chosen: range | list[int] = range(count)
+    if partners is not None and partners + world % 2 < count:
+        want = partners + world % 2
+        step = count / want
+        chosen = [int(i * step) for i in range(want)]
     rounds = []
     for t in chosen:
         pairs = _matching(world, t)
@@ -95,7 +102,7 @@ def pair_rounds(
 @dataclass(frozen=True)
 class LinkPlan:
     """What ``run_links`` does: the message size, sends per sample, samples per pair, the
-    rounds (``partners``: how many peers each rank meets; None: every one) and what the budget
+    rounds (``partners``: the fewest peers any rank meets; None: every one) and what the budget
     cut, as lines for the report."""
 
     message_bytes: int
@@ -106,6 +113,10 @@ class LinkPlan:
     cuts: list[str] = field(default_factory=list)
 
 
+_BANDWIDTH_FLOOR = 256 << 10  # below this a sample is mostly latency: peers go first
+_MESSAGE_FLOOR = 64 << 10
+
+
 def plan_links(
     *,
     world: int,
@@ -113,43 +124,50 @@ def plan_links(
     est_bytes_per_s: float,
     message_bytes: int,
     sync_s: float = 0.0,
+    connect_s: float = 0.0,
     repeats: int = 5,
     quick: bool = False,
 ) -> LinkPlan:
-    """The plan whose rounds fit ``budget_s`` at the estimated bandwidth and barrier time
-    (``sync_s``): fewer sends, then smaller messages (down to 64 KiB), then fewer repeats (down
-    to 3), then, past ``SEQUENTIAL_UP_TO`` ranks, fewer peers per rank (down to
-    ``MIN_PARTNERS``).  ``quick`` (the start-of-training subset) meets at most
+    """The plan whose rounds fit ``budget_s`` at the estimated bandwidth, barrier time
+    (``sync_s``, every round) and first-contact time (``connect_s``, every new peer): fewer sends
+    per sample, then smaller messages down to 256 KiB, then, past ``SEQUENTIAL_UP_TO`` ranks,
+    fewer peers per rank (down to ``MIN_PARTNERS``), then messages down to 64 KiB, then fewer
+    repeats (down to 3).  ``quick`` (the start-of-training subset) meets at most
     ``QUICK_PARTNERS`` peers in a world that large."""
     concurrent = world > SEQUENTIAL_UP_TO
     est = max(est_bytes_per_s, 1.0)
-    cuts: list[str] = []
-    every = _count(world) if concurrent else None
+    overhead = sync_s + _ROUND_S
+    every = _count(world) if concurrent else 0
     partners = every
     if concurrent and quick:
         partners = min(every, QUICK_PARTNERS)
 
-    def rounds_of(p: int | None) -> int:
-        if not concurrent:
-            return world * (world - 1)
-        return 2 * min(p if p is not None else every, every)
+    def matchings_of(p: int) -> int:
+        return min(p + world % 2, every) if p < every else every
 
-    def cost(m: int, k: int, r: int, p: int | None) -> float:
-        return rounds_of(p) * r * (k * m / est + sync_s + _ROUND_S)
+    def rounds_of(p: int) -> int:
+        return 2 * matchings_of(p) if concurrent else world * (world - 1)
 
-    sample_s = budget_s / max(rounds_of(partners) * repeats, 1)
-    k = int(max(1, min(64, sample_s * est / message_bytes)))
+    def cost(m: int, k: int, r: int, p: int) -> float:
+        connect = matchings_of(p) * connect_s if concurrent else (world - 1) * connect_s
+        return rounds_of(p) * r * (k * m / est + overhead) + connect
+
     m, r = message_bytes, repeats
-    while cost(m, k, r, partners) > budget_s and m > 64 << 10:
+    sample_s = budget_s / max(rounds_of(partners) * repeats, 1) - overhead
+    k = int(max(1, min(64, sample_s * est / m)))
+    while cost(m, k, r, partners) > budget_s and k > 1:
+        k = max(1, k // 2)
+    while cost(m, k, r, partners) > budget_s and m > _BANDWIDTH_FLOOR:
+        m //= 2
+    if concurrent and cost(m, k, r, partners) > budget_s:
+        per = 2 * r * (k * m / est + overhead) + connect_s  # one matching
+        fits = int(budget_s / per) - world % 2  # (finite: the cost of a finite plan is over it)
+        partners = max(min(partners, MIN_PARTNERS), min(partners, fits))
+    while cost(m, k, r, partners) > budget_s and m > _MESSAGE_FLOOR:
         m //= 2
     while cost(m, k, r, partners) > budget_s and r > 3:
         r -= 1
-    if partners is not None:
-        floor = min(partners, MIN_PARTNERS)
-        per_round = cost(m, k, r, 1) / 2  # a matching is two rounds
-        fits = int(budget_s / max(per_round * 2, 1e-12))
-        if cost(m, k, r, partners) > budget_s:
-            partners = max(floor, min(partners, fits))
+    cuts: list[str] = []
     if m < message_bytes:
         cuts.append(
             f"pairwise links: {human_bytes(m)} messages instead of {human_bytes(message_bytes)} "
@@ -157,14 +175,15 @@ def plan_links(
         )
     if r < repeats:
         cuts.append(f"pairwise links: {r} samples per pair instead of {repeats} (budget)")
-    if partners is not None and partners < every:
+    sampled = concurrent and partners < every
+    if sampled:
         why = "the quick subset" if quick and partners == QUICK_PARTNERS else "budget"
         cuts.append(
-            f"pairwise links: each rank met {partners} of its {world - 1} peers ({why}); a slow "
-            f"node is still named, a single slow link only if it was met"
+            f"pairwise links: each rank met {partners} or more of its {world - 1} peers ({why}); "
+            f"a slow node is still named, a single slow link only if it was met"
         )
-    rounds = pair_rounds(world, concurrent, partners)
-    return LinkPlan(m, k, r, rounds, partners if partners != every else None, cuts)
+    rounds = pair_rounds(world, concurrent, partners if sampled else None)
+    return LinkPlan(m, k, r, rounds, partners if sampled else None, cuts)
 
 
 def _exchange(src: int, dst: int, rank: int, buf: torch.Tensor, ack: torch.Tensor, k: int):
@@ -182,17 +201,22 @@ def _exchange(src: int, dst: int, rank: int, buf: torch.Tensor, ack: torch.Tenso
     return None
 
 
-def probe_links(group: Group, nbytes: int) -> tuple[float, float]:
-    """(bytes per second, seconds per barrier), the same on every rank: one message over the
-    pairs of a few matchings (every pair up to ``SEQUENTIAL_UP_TO`` ranks), the median over
-    them, so that one slow link or rank does not set the sample length of all the others; and
-    the slowest rank's median time of a few barriers, what every round of the plan pays."""
+def probe_links(group: Group, nbytes: int) -> tuple[float, float, float]:
+    """(bytes per second, seconds per barrier, seconds per first contact), the same on every
+    rank.  One tiny message and then one of ``nbytes`` over the pairs of a few matchings (every
+    pair up to ``SEQUENTIAL_UP_TO`` ranks): the bandwidth is the median over them, so that one
+    slow link or rank does not set the sample length of all the others, and the first contact
+    (NCCL builds a communicator per pair) the slowest rank's median; and the slowest rank's median
+    time of a few barriers, what every round of the plan pays."""
     buf = torch.zeros(max(nbytes // 4, 1), device=group.device)
     ack = torch.zeros(1, device=group.device)
-    mine = []
+    mine, first = [], []
     for pairs in pair_rounds(group.world, partners=MIN_PARTNERS):
         group.sync()
         for src, dst in pairs:
+            took = _exchange(src, dst, group.rank, buf[:1], ack, 1)
+            if took is not None:
+                first.append(took)
             took = _exchange(src, dst, group.rank, buf, ack, 1)
             if took is not None:
                 mine.append(buf.numel() * 4 / max(took, 1e-9))
@@ -202,16 +226,17 @@ def probe_links(group: Group, nbytes: int) -> tuple[float, float]:
         group.sync()
         syncs.append(time.perf_counter() - t0)
     rates = [r for r in group.collect(statistics.median(mine) if mine else 0.0) if r > 0]
-    (sync_s,) = group.agree_max([statistics.median(syncs)])
-    return (statistics.median(rates) if rates else 1e9), sync_s
+    med = statistics.median
+    sync_s, connect_s = group.agree_max([med(syncs), med(first) if first else 0.0])
+    return (med(rates) if rates else 1e9), sync_s, connect_s
 
 
 def run_links(
     group: Group, plan: LinkPlan, *, budget_s: float | None = None
-) -> tuple[list[list[float | None]], dict[str, int]]:
+) -> tuple[list[list[float | None]] | None, dict[str, int]]:
     """The median bandwidth (bytes/s) from each rank to each peer the plan meets:
-    ``matrix[i][j]`` at rank 0 (None where not met; this rank's row elsewhere, other rows None),
-    and the sends per sample and repeats used.  When the first round over the plan's pairs shows
+    ``matrix[i][j]`` at rank 0 (None where not met; None elsewhere), and the sends per sample and
+    repeats used.  When the first round over the plan's pairs shows
     it will not fit ``budget_s``, the rest of the samples are shortened (fewer sends) and, if need
     be, fewer (not below 3)."""
     n, rank = group.world, group.rank
@@ -245,10 +270,8 @@ def run_links(
     # only what was met travels (a thousand ranks' rows are mostly empty)
     row = {str(j): statistics.median(v) for j, v in samples.items()}
     rows = group.gather("links", row)
-    mine = [row.get(str(j)) for j in range(n)]
-    if rows is None:
-        matrix = [mine if i == rank else [None] * n for i in range(n)]
-    else:
+    matrix = None
+    if rows is not None:
         matrix = [[None] * n for _ in range(n)]
         for i, got in enumerate(rows):
             for j, v in got.items():

@@ -165,7 +165,7 @@ def link_outliers(
     score = {r: statistics.median(mine) for r, mine in sorted(per_rank.items())}
     ranks = rank_outliers(score, FIGURES["link_bytes_per_s"], factor, hosts)
     named = {o.rank for o in ranks}
-    rest = {k: v for k, v in links.items() if not named & set(k)}
+    rest = {k: v for k, v in links.items() if k[0] not in named and k[1] not in named}
     if len(rest) < 2:
         return ranks
     median = statistics.median(rest.values())

@@ -99,7 +99,7 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     if group.world > 1:
         t0 = time.perf_counter()
         message = min((1 << 20) if config.quick else (4 << 20), config.max_bytes)
-        est, sync_s = links.probe_links(group, message)
+        est, sync_s, connect_s = links.probe_links(group, message)
         share = budget * (0.35 if config.quick else 0.2)
         plan = links.plan_links(
             world=group.world,
@@ -107,6 +107,7 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
             est_bytes_per_s=est,
             message_bytes=message,
             sync_s=sync_s,
+            connect_s=connect_s,
             quick=config.quick,
         )
         cut += plan.cuts
@@ -121,8 +122,9 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
             "message_bytes": plan.message_bytes,
             **ran,
             "schedule": "disjoint pairs at once" if concurrent else "one pair at a time",
-            "peers_per_rank": plan.partners or group.world - 1,
+            "peers_per_rank": plan.partners or group.world - 1,  # the fewest any rank met
             "barrier_s": sync_s,
+            "first_contact_s": connect_s,
         }
         timings["links"] = time.perf_counter() - t0
     else:
@@ -193,7 +195,6 @@ def _verdict(report: dict[str, Any]) -> dict[str, Any]:
     """The report as the ranks other than 0 get it: no pairwise matrix, no per-rank detail."""
     links = {k: v for k, v in report["links"].items() if k != "matrix_bytes_per_s"}
     return {**report, "links": links, "ranks": []}
-    return PreflightReport.from_dict(report)
 
 
 def _local_figures(group: Group, config: PreflightConfig, share_s: float) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """The chaos suite on real torchrun jobs: the quick suite, and every other built-in scenario whose job
 is a quick-suite job (so they share its fault-free reference run).  The scenarios with other jobs,
 a user's own loop and a failing scenario are in test_chaos_other_jobs.py: the two files run side by
-side under `make test` (pytest-xdist, one file per worker), each with its own references."""
+side under `make test` (pytest-xdist, one file per worker); every chaos file shares the session's
+reference runs (``chaos_out``)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,22 @@ from resilient.chaos.runner import QUICK, builtin_scenarios, run_scenario, run_s
 pytestmark = [pytest.mark.distributed]
 
 
+def chaos_out(tmp_path_factory, name: str) -> Path:
+    """A module's output directory whose ``references`` are the session's: scenarios with the
+    same job share one fault-free reference run across files and pytest-xdist workers (the
+    harness locks each reference while one process runs it)."""
+    out = tmp_path_factory.mktemp(name)
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "chaos-references"
+    shared.mkdir(exist_ok=True)
+    (out / "references").symlink_to(shared, target_is_directory=True)
+    return out
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     """One output directory for the module, so scenarios with the same job share a reference."""
-    return tmp_path_factory.mktemp("chaos")
+    return chaos_out(tmp_path_factory, "chaos")
 
 
 # The memory tier's scenarios run in test_chaos_memory.py (with checks of their own); the other

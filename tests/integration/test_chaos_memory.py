@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from resilient.chaos.runner import builtin_scenarios, run_scenario
-from tests.integration.test_chaos import MEMORY_TIER, _assert_passed
+from tests.integration.test_chaos import MEMORY_TIER, _assert_passed, chaos_out
 
 pytestmark = [pytest.mark.distributed]
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.distributed]
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     """One output directory: the scenarios share one fault-free reference run."""
-    return tmp_path_factory.mktemp("chaos-memory")
+    return chaos_out(tmp_path_factory, "chaos-memory")
 
 
 def _run(out: Path, name: str) -> dict:

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from resilient.chaos.runner import QUICK, builtin_scenarios, run_scenario
-from tests.integration.test_chaos import IN_JOB, MEMORY_TIER, WITH_QUICK_JOBS, _assert_passed
+from tests.integration.test_chaos import (
+    IN_JOB,
+    MEMORY_TIER,
+    WITH_QUICK_JOBS,
+    _assert_passed,
+    chaos_out,
+)
 from tests.integration.test_chaos_hang_attribution import SCENARIO as HANG_ATTRIBUTION
 
 pytestmark = [pytest.mark.distributed]
@@ -19,7 +25,7 @@ pytestmark = [pytest.mark.distributed]
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     """One output directory for the module, so scenarios with the same job share a reference."""
-    return tmp_path_factory.mktemp("chaos-other-jobs")
+    return chaos_out(tmp_path_factory, "chaos-other-jobs")
 
 
 OWN_JOBS = [
