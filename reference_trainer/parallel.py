@@ -130,26 +130,44 @@ class ParallelContext:
     @classmethod
     def create(cls, dp: int, ep: int, tp: int, device_type: str) -> ParallelContext:
         """Build the DeviceMesh (dp, ep, tp) and the groups; every rank must call this."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         layout = Layout(dp=dp, ep=ep, tp=tp)
         layout.check_world_size(dist.get_world_size())
-        mesh = init_device_mesh(device_type, (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
-        ctx = cls(
-            layout,
-            dist.get_rank(),
-            mesh.get_group("tp"),
-            mesh.get_group("ep"),
-            mesh.get_group("dp"),
-            mesh=mesh,
-        )
+        ctx = cls(layout, dist.get_rank())
+        ctx.regroup(device_type)
+        return ctx
+
+    def regroup(self, device_type: str) -> None:
+        """(Re)build this rank's mesh and groups in the current default process group, in place:
+        what holds this context (the model's layers, ZeRO's optimizer) uses the new groups.
+        In-job recovery calls it after forming the next generation of the group (the same rank,
+        the same layout); every rank must call it, in the same order as ``create``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layout = self.layout
+        layout.check_world_size(dist.get_world_size())
+        if dist.get_rank() != self.rank:
+            raise RuntimeError(
+                f"regroup: this context is rank {self.rank}'s, the group says {dist.get_rank()}"
+            )
+        mesh = init_device_mesh(
+            device_type, (layout.size("dp"), layout.size("ep"), layout.size("tp")),
+            mesh_dim_names=("dp", "ep", "tp"),
+        )  # fmt: skip
+        self.mesh = mesh
+        self.tp_group, self.ep_group = mesh.get_group("tp"), mesh.get_group("ep")
+        self.dp_group = mesh.get_group("dp")
         # dp x ep flattened: new_group must be called by every rank for every group, in order.
+        tp, dp, ep = layout.size("tp"), layout.size("dp"), layout.size("ep")
         for t in range(tp):
             ranks = [layout.rank({"dp": d, "ep": e, "tp": t}) for d in range(dp) for e in range(ep)]
             g = dist.new_group(ranks)
-            if ctx.coords["tp"] == t:
-                ctx.dense_dp_group = g
-        return ctx
+            if self.coords["tp"] == t:
+                self.dense_dp_group = g
+
+    def drop_groups(self) -> None:
+        """Let go of the mesh and the groups (broken ones: in-job recovery frees them before it
+        forms the next generation; ``regroup`` makes new ones)."""
+        self.mesh = self.tp_group = self.ep_group = self.dp_group = self.dense_dp_group = None
 
     def replica_group(self, name: str) -> tuple[object | None, int]:
         """The data-parallel replica group of a parameter, and its size."""
@@ -418,6 +436,25 @@ class ZeroAdamW:
                 full = torch.cat([part.narrow(d, 0, n) for part, (_, n) in zip(parts, e.slices)], d)
                 p.copy_(full.to(p.dtype))
         self.pc.timers.add("all_gather", t0)
+
+    def regroup(self) -> None:
+        """Take each slice's replica group again from the context (after its ``regroup``)."""
+        for e in self.entries:
+            e.group = self.pc.replica_group(e.name)[0]
+
+    def drop_groups(self) -> None:
+        for e in self.entries:
+            e.group = None
+
+    def reset(self) -> None:
+        """Forget the AdamW state and take the master slices from the weights again: what a new
+        ZeroAdamW of the same model would hold."""
+        self.inner.state.clear()
+        with torch.no_grad():
+            for e in self.entries:
+                off, n = e.mine
+                e.master.copy_(e.param.detach().narrow(e.dim, off, n).float())
+                e.master.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (what the loop accumulates into) and the slices'."""

@@ -31,7 +31,9 @@ from resilient import Checkpointer, InJobRecovery, Run
 from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.storage import Storage
 from resilient.health import DetectorConfig, default_event_log
+from resilient.health.events import EventLog
 from resilient.launch import init_process_group
+from resilient.launch.injob import generation
 
 __all__ = ["train", "evaluate", "lr_at", "resolve_device"]
 
@@ -87,11 +89,40 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     # under `resilient launch` with spares, a failed peer is replaced in this process: the
     # group forms again and training goes on from the node's memory (else: re-raised)
     recovery = InJobRecovery(backend, detector=detector, event_log=events, hooks=hooks)
+    kept = _Kept()  # the model and optimizer, across generations
     while True:
         try:
-            return _train(cfg, device, events, hooks, recovery, tokens)
+            return _train(cfg, device, events, hooks, recovery, tokens, kept)
         except BaseException as e:
+            kept.drop_groups()  # before recovery frees the broken groups
             recovery.recover(e)  # or re-raises e
+
+
+class _Kept:
+    """What a healthy rank keeps from one generation of the group to the next (in-job recovery):
+    its parallel context, model and optimizer, so that it neither builds nor allocates them
+    again.  They are taken again only for the same rank and layout (always so in-job: the spare
+    takes the failed rank) and without --init-from; the restore then overwrites every weight and
+    optimizer state in place, or, where there is nothing to restore, they are initialised again
+    exactly as a new build would be."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.pc: ParallelContext | None = None
+        self.model: Any = None
+        self.optim: Any = None
+
+    def take(self, key: tuple) -> bool:
+        return self.key == key and self.model is not None
+
+    def keep(self, key: tuple, pc: ParallelContext, model: Any, optim: Any) -> None:
+        self.key, self.pc, self.model, self.optim = key, pc, model, optim
+
+    def drop_groups(self) -> None:
+        if self.pc is not None:
+            self.pc.drop_groups()
+        if isinstance(self.optim, ZeroAdamW):
+            self.optim.drop_groups()
 
 
 def _train(
@@ -101,8 +132,10 @@ def _train(
     hooks: Any,
     recovery: InJobRecovery,
     tokens: np.ndarray,
+    kept: _Kept,
 ) -> dict[str, Any]:
-    """One generation of the process group: build the model, restore, train to the end."""
+    """One generation of the process group: build the model (or take the previous generation's
+    again), restore, train to the end."""
     cfg = cfg.with_(world_size=dist.get_world_size())
     if not gc.isenabled():  # the command line turned collection off for start-up
         # What start-up made (the imports: most of the heap; torch._dynamo too, which the
@@ -112,24 +145,47 @@ def _train(
         importlib.import_module("torch._dynamo")
         gc.freeze()
         gc.enable()
-    pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
+    key = (cfg.dp, cfg.ep, cfg.tp, cfg.zero, dist.get_world_size(), dist.get_rank())
+    again = not cfg.init_from and kept.take(key)
+    t_build = time.perf_counter()
+    if again:  # a healthy rank after an in-job recovery: the same objects, new groups
+        pc, model, optim = kept.pc, kept.model, kept.optim
+        pc.regroup(device.type)
+        if isinstance(optim, ZeroAdamW):
+            optim.regroup()
+        optim.zero_grad(set_to_none=True)  # the failed step's gradients
+    else:
+        pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     rank = pc.rank
     tokens_per_rank = cfg.global_batch // cfg.data_replicas * cfg.model.seq_len
-    if rank == 0:
+    if rank == 0 and not again:
         for w in sizing_warnings(
             cfg.model, cfg.tp, on_gpu=device.type == "cuda", tokens_per_rank=tokens_per_rank
         ):
             warnings.warn(f"sizing: {w}", stacklevel=2)
 
-    model = MoETransformer(cfg.model, pc).to(device)
-    init_parameters(model, pc, cfg.seed)
-    if cfg.init_from and not _has_committed_step(cfg, device):
-        # before the optimizer: ZeRO-1 copies the weights into its fp32 masters when it is built
-        _init_from(cfg, pc, model)
-    groups = _param_groups(model, cfg.weight_decay)
-    adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
-    optim: Any = (
-        ZeroAdamW(model, pc, groups, **adamw) if cfg.zero else torch.optim.AdamW(groups, **adamw)
+    if not again:
+        model = MoETransformer(cfg.model, pc).to(device)
+        init_parameters(model, pc, cfg.seed)
+        if cfg.init_from and not _has_committed_step(cfg, device):
+            # before the optimizer: ZeRO-1 copies the weights into its fp32 masters when it is
+            # built
+            _init_from(cfg, pc, model)
+        groups = _param_groups(model, cfg.weight_decay)
+        adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
+        optim = (
+            ZeroAdamW(model, pc, groups, **adamw)
+            if cfg.zero
+            else torch.optim.AdamW(groups, **adamw)
+        )
+        kept.keep(key, pc, model, optim)
+    (events if isinstance(events, EventLog) else EventLog(events)).write(
+        "model",
+        rank=rank,
+        kept=again,
+        pid=os.getpid(),
+        build_s=round(time.perf_counter() - t_build, 4),
+        generation=generation(),
     )
     loader = _loader(cfg, pc, tokens)
     counters = {"tokens": 0}
@@ -165,6 +221,12 @@ def _train(
     losses: list[float] = []
     with run:  # on an error, the detector first gets a moment to name a failed peer
         start = run.track(model=model, optim=optim, data=loader, train=counters, config=config)
+        if again and start == 0:  # nothing to restore: start as a new build would
+            init_parameters(model, pc, cfg.seed)
+            if isinstance(optim, ZeroAdamW):
+                optim.reset()
+            else:
+                optim.state.clear()
         try:
             for step in run.steps(cfg.steps):
                 record = _train_step(step, cfg, pc, model, optim, loader, autocast, device)

@@ -42,7 +42,17 @@ def test_the_in_job_scenarios_are_the_ones_this_file_runs():
         "injob-two-faults",
         "injob-fault-during-recovery",
         "injob-no-spare-left",
+        "injob-zero-early-kill",
     }
+
+
+def _models(events: list[dict]) -> dict[tuple[int, int], list[bool]]:
+    """(rank, generation) -> whether each of the trainer's "model" events kept the model."""
+    out: dict[tuple[int, int], list[bool]] = {}
+    for e in events:
+        if e["event"] == "model":
+            out.setdefault((int(e["rank"]), int(e["generation"])), []).append(bool(e["kept"]))
+    return out
 
 
 @pytest.mark.slow
@@ -63,9 +73,33 @@ def test_failed_ranks_are_replaced_in_job(out, name, failed):
     assert m["restore_sources"] == ["memory"] * len(failed)
     assert max(m["steps_lost"], default=0) <= 1
     # the broken groups were freed without a collection of the frozen heap (nothing held them:
-    # torch.distributed.nn imported before the first group, the trainer's model unfrozen)
+    # torch.distributed.nn imported before the first group, the trainer's kept model let go of
+    # its groups)
     freed = [e["freed"] for e in events if e["event"] == "injob_rejoin"]
     assert freed and set(freed) == {"collected"}, freed
+    # a process that trained in an earlier generation kept its model and optimizer; each spare
+    # built its own
+    seen, kept = set(), []
+    for e in (e for e in events if e["event"] == "model"):
+        me = (int(e["rank"]), int(e["pid"]))
+        assert bool(e["kept"]) == (me in seen), e
+        kept.append(bool(e["kept"]))
+        seen.add(me)
+    assert kept.count(True) == 3 * len(failed), kept  # each recovery: the three other ranks
+
+
+@pytest.mark.slow
+def test_zero_state_is_kept_and_started_again_when_nothing_was_snapshotted(out):
+    """Killed before the first snapshot: the healthy rank keeps its model and ZeRO-1 optimizer
+    (new groups), initialises both again as a new build would (nothing to restore), and the run
+    is bit-identical to the fault-free one."""
+    report, events = _run(out, "injob-zero-early-kill")
+    m = report["measurements"]
+    assert m["restarts"] == 0 and [r["path"] for r in m["recoveries"]] == ["in-job"]
+    models = _models(events)
+    assert models[(0, 0)] == [False] and models[(0, 1)] == [True], models
+    assert models[(1, 1)] == [False], models  # the spare
+    assert len(set(_pids(events, 0))) == 1 and len(set(_pids(events, 1))) == 2
 
 
 @pytest.mark.slow
