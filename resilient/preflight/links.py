@@ -13,8 +13,8 @@ Each round costs a barrier as well as its bytes (and each new peer a first conta
 thousand ranks even the 2(n-1) rounds (2n when n is odd) do not fit a budget of seconds:
 ``plan_links`` prices a round at the measured barrier time plus its bytes, and where every
 matching does not fit, it takes an evenly spread subset of them, so that each rank meets
-``partners`` peers or more (both directions), never fewer than ``MIN_PARTNERS``; it cuts sends
-and message sizes down to a size that still measures bandwidth first.  That still finds a slow
+``partners`` peers or more (both directions), never fewer than ``MIN_PARTNERS``; it cuts sends,
+and message sizes down to a millisecond's bytes (a size that still measures bandwidth), first.  That still finds a slow
 *node* (every link it has is slow, so its score, the median of its links, is; a healthy rank meets
 it on at most one of its links), but a single slow link between two healthy ranks is seen only
 when the plan met it: the report says how many peers each rank met at least.
@@ -113,7 +113,7 @@ class LinkPlan:
     cuts: list[str] = field(default_factory=list)
 
 
-_BANDWIDTH_FLOOR = 256 << 10  # below this a sample is mostly latency: peers go first
+_BANDWIDTH_FLOOR = 256 << 10  # messages shrink to this (or a millisecond's bytes) before peers go
 _MESSAGE_FLOOR = 64 << 10
 
 
@@ -130,7 +130,8 @@ def plan_links(
 ) -> LinkPlan:
     """The plan whose rounds fit ``budget_s`` at the estimated bandwidth, barrier time
     (``sync_s``, every round) and first-contact time (``connect_s``, every new peer): fewer sends
-    per sample, then smaller messages down to 256 KiB, then, past ``SEQUENTIAL_UP_TO`` ranks,
+    per sample, then smaller messages down to a millisecond's bytes at the estimated bandwidth
+    (256 KiB at least), then, past ``SEQUENTIAL_UP_TO`` ranks,
     fewer peers per rank (down to ``MIN_PARTNERS``), then messages down to 64 KiB, then fewer
     repeats (down to 3).  ``quick`` (the start-of-training subset) meets at most
     ``QUICK_PARTNERS`` peers in a world that large."""
@@ -157,7 +158,9 @@ def plan_links(
     k = int(max(1, min(64, sample_s * est / m)))
     while cost(m, k, r, partners) > budget_s and k > 1:
         k = max(1, k // 2)
-    while cost(m, k, r, partners) > budget_s and m > _BANDWIDTH_FLOOR:
+    # a sample's bytes should take a millisecond or more to move, or it measures latency
+    floor = min(message_bytes, max(_BANDWIDTH_FLOOR, int(est * 1e-3)))
+    while cost(m, k, r, partners) > budget_s and m > floor:
         m //= 2
     if concurrent and cost(m, k, r, partners) > budget_s:
         per = 2 * r * (k * m / est + overhead) + connect_s  # one matching
