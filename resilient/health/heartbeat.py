@@ -473,6 +473,10 @@ class Monitor:
             pid = finding.pid if finding.host == self.host else 0
             if not pid and finding.cause == "never_joined":
                 pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
+            if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
+                # a hung rank publishes its stack for the leader's attribution first (the leader
+                # waited for it already)
+                self._wait_for_stacks({finding.rank})
             if pid and pid != self.pid:
                 # a stopped rank never exits: its agent would never see it fail (torchrun holds
                 # the restart 30 s for it; in-job recovery would never give its rank to a spare)
