@@ -42,6 +42,7 @@ def test_the_in_job_scenarios_are_the_ones_this_file_runs():
         "injob-two-faults",
         "injob-fault-during-recovery",
         "injob-no-spare-left",
+        "injob-two-nodes",
     }
 
 
@@ -66,6 +67,30 @@ def test_failed_ranks_are_replaced_in_job(out, name, failed):
     # torch.distributed.nn imported before the first group, the trainer's model unfrozen)
     freed = [e["freed"] for e in events if e["event"] == "injob_rejoin"]
     assert freed and set(freed) == {"collected"}, freed
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_on_another_node_is_replaced_in_job(out):
+    """Two nodes (two `resilient launch` agents on this machine, the rendezvous store shared with
+    the workers) x 2 ranks: rank 2 freezes on the node that is not the leader's.  Rank 3, on the
+    same node, kills it (not the leader), that node's agent gives rank 2 to its spare, and the
+    group forms again across both nodes: no restart, nothing restored but from memory."""
+    report, events = _run(out, "injob-two-nodes")
+    m = report["measurements"]
+    assert m["restarts"] == 0
+    assert [r["path"] for r in m["recoveries"]] == ["in-job"]
+    assert set(m["breakdown"]) >= {"teardown", "regroup", "load"}
+    for rank in range(4):
+        pids = set(_pids(events, rank))
+        assert len(pids) == (2 if rank == 2 else 1), (rank, pids)
+    assert m["restore_sources"] == ["memory"]
+    assert max(m["steps_lost"], default=0) <= 1
+    killed = [e for e in events if e["event"] == "killed"]
+    assert len(killed) == 1, killed
+    # by rank 3, on rank 2's node: the agent with GROUP_RANK 1 runs ranks 2 and 3 (torchelastic
+    # gives each agent a contiguous block of ranks); the leader, rank 0, runs on the other
+    assert (killed[0]["rank"], killed[0]["by"], killed[0]["node"]) == (2, 3, "1")
+    assert killed[0]["pid"] == _pids(events, 2)[0]
 
 
 @pytest.mark.slow
