@@ -442,3 +442,74 @@ def test_the_event_log_and_the_monitor_take_reentrant_locks(tmp_path):
         assert [e["event"] for e in log.read()] == ["exit"]
     finally:
         sim.close()
+
+
+RANK_ON_NODE_1 = """
+import os, signal, sys, time
+import torch.distributed as dist
+from resilient.health import DetectorConfig, EventLog, Monitor
+
+port, events, rank, freeze = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+store = dist.TCPStore("127.0.0.1", port, 5, False)
+config = DetectorConfig(interval_s=0.2, dead_after_intervals=5, hang_floor_s=2.0)
+
+
+def failed(f):
+    print("verdict", f.rank, f.kill_by, flush=True)
+    os._exit(0)
+
+
+m = Monitor(store, "run/0", rank, 4, config, events=EventLog(events), on_failure=failed)
+for step in range(1, 100_000):
+    if freeze and step == 20:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its heartbeat stops, it never exits
+    m.progress(step, "train")
+    time.sleep(0.05)
+"""
+
+
+def test_a_frozen_rank_is_killed_by_a_rank_on_its_own_node(tmp_path, monkeypatch):
+    """Ranks 0 and 1 on node 0 (the leader's), 2 and 3 on node 1 (another torchrun agent, here
+    on the same machine): rank 2 freezes.  The leader names rank 3 in the verdict, and rank 3,
+    not the leader, SIGKILLs it, once: a stopped process never exits by itself, so its own
+    agent would never see it fail."""
+    monkeypatch.setenv("GROUP_RANK", "0")
+    sim = Sim(tmp_path, ranks=[0, 1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", GROUP_RANK="1")
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, "-c", RANK_ON_NODE_1, str(sim.port), sim.events.path, str(r), freeze],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r, freeze in ((2, "1"), (3, "0"))
+    }
+    try:
+        assert procs[2].wait(timeout=120) == -9  # killed, not left stopped
+        out, _ = procs[3].communicate(timeout=60)
+        assert "verdict 2 3" in out
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1)))
+        assert {(f.rank, f.kill_by) for r in (0, 1) for f in sim.failures[r]} == {(2, 3)}
+        killed = [e for e in sim.events.read() if e["event"] == "killed"]
+        assert len(killed) == 1, killed
+        assert (killed[0]["rank"], killed[0]["by"], killed[0]["node"]) == (2, 3, "1")
+        assert killed[0]["pid"] == procs[2].pid
+        # no live rank on its node: one on its host kills it; on no host of the job: nobody
+        leader = sim.monitors[0]
+        now = time.monotonic()
+        live = [RankStatus(r, now, 5, "train", now, "h", 100 + r) for r in range(4)]
+        leader._info = {r: ("h", 100 + r, "", "0" if r < 2 else "1") for r in range(4)}
+        f = Detector(leader.config).observe(
+            [*live[:2], RankStatus(2, now - 9, 5, "train", now, "h", 102), live[3]], now
+        )[0]
+        assert leader._killer(f, live, now) == 3
+        assert leader._killer(f, live[:3], now) == 0
+        leader._info[0] = leader._info[1] = ("elsewhere", 0, "", "0")
+        assert leader._killer(f, live[:3], now) is None
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        sim.close()

@@ -258,14 +258,16 @@ def _attempt(
         "RESILIENT_DETECT": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    if len(cmds) > 1:
-        # With the rendezvous store shared with the workers (torch's default since 2.4), rank 0's
-        # agent publishes the workers' store address in the first round only, and agents in a
-        # later round with two or more nodes wait for it until the join times out: a replacement
-        # node, and also two agents re-forming the group after one missed its keep-alives on a
-        # loaded machine (seen under make-test-under-load: both waited 60 s for round 1's
-        # MASTER_ADDR and the job failed before its first step).  The README says the same for
-        # users.
+    if len(cmds) > 1 and job.spares is None:
+        # With the rendezvous store shared with the workers (torch's default since 2.4), torchrun's
+        # rank-0 agent publishes the workers' store address in the first round only, and agents
+        # in a later round with two or more nodes wait for it until the join times out: a
+        # replacement node, and also two agents re-forming the group after one missed its
+        # keep-alives on a loaded machine (seen under make-test-under-load: both waited 60 s for
+        # round 1's MASTER_ADDR and the job failed before its first step).  The README says the
+        # same for users.  `resilient launch` (a job with spares) publishes it in every round
+        # (resilient.launch.agent.share_store_address), so its jobs keep the shared store, which
+        # the spares of in-job recovery need.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents: list[subprocess.Popen] = []
     logs = []

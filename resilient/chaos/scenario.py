@@ -331,13 +331,6 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         v.typed(t, "spares", int, at)
         if spares < 0:
             v.fail(at, "spares", f"{spares}: a number of spare processes per node, >= 0")
-        if nodes > 1:
-            v.fail(
-                at,
-                "spares",
-                "in-job recovery runs on one node for now (a job of two nodes runs with "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and the spares need the agent's store)",
-            )
     return Job(
         nproc=nproc,
         nodes=nodes,

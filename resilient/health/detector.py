@@ -100,6 +100,9 @@ class Finding:
     cause: str = ""
     timeout_s: float | None = None
     waited_s: float | None = None  # never joined: how long the leader had waited for it
+    # the rank that SIGKILLs the failed one (the leader picks it: a live rank on its node, else on
+    # its host; None: no live rank there, its launcher must stop it)
+    kill_by: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Finding:

@@ -26,15 +26,20 @@ ranks it names.
 
 On DEAD or HUNG every live rank writes its Python stacks (faulthandler), its flight recorder dump
 when PyTorch's is on (``resilient.health.flight_recorder``), and the failure record to
-the event log, the leader SIGKILLs a hung or frozen rank on its own host (torchrun waits 30 s for
-a stopped process otherwise; a rank that never registered is found by its launcher environment),
-and every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun (``--max-restarts``) restarts the
+the event log; one live rank on the failed rank's node SIGKILLs it (the lowest-numbered, which the
+leader names in the verdict, ``kill_by``; a rank on the same host when none is left on its node;
+the leader, by the launcher environment, for a rank that never registered): a stopped process
+never exits, so its agent would never see the failure (torchrun waits 30 s for it; in-job
+recovery would never hand its rank to a spare).  A node is the host and the launcher's agent
+(torchelastic's ``GROUP_RANK``), so that agents sharing one machine count as separate nodes.
+Then every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun (``--max-restarts``) restarts the
 group, which resumes from the newest committed checkpoint.  A rank blocked inside a collective
 cannot be interrupted from Python: exiting is the reliable way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -75,6 +80,7 @@ __all__ = [
     "decode_progress",
     "local_rank_pid",
     "main_thread_stack",
+    "node_label",
 ]
 
 # sysexits EX_TEMPFAIL: "try again" - a peer failed and the group must restart.
@@ -115,6 +121,7 @@ class Monitor:
         self.on_peer_failure: Callable[[Finding], None] | None = None
         self.kill_local = kill_local
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.node = node_label()
         # one store client, several threads; reentrant because the SIGTERM handler announces
         # "exiting" from the main thread, which the signal may have interrupted holding it
         # (handlers run between bytecodes, never inside a store call, so reentry is safe)
@@ -132,11 +139,11 @@ class Monitor:
         self._cache: dict[int, tuple[bytes, bytes, RankStatus]] = {}
         self._skew_reported: dict[int, float] = {}
         self._key_leader = f"{self.prefix}/leader"
-        self._info: dict[int, tuple[str, int, str]] = {}  # rank -> (host, pid, boot id)
+        self._info: dict[int, tuple[str, int, str, str]] = {}  # rank -> (host, pid, boot, node)
         self._ring_arg = ring
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
         self.attribution: dict[str, Any] | None = None  # the leader's, on a HUNG verdict
-        self._set("info", encode_info(self.host, self.pid, boot_id()))
+        self._set("info", encode_info(self.host, self.pid, boot_id(), self.node))
         self._beat()
         self.progress(None, "init")
         with self._lock:
@@ -316,9 +323,32 @@ class Monitor:
                     self._reported.add(tag)
                     self.events.write("straggler", **f.to_json())
                 continue
+            f = dataclasses.replace(f, kill_by=self._killer(f, statuses, now))
             with self._lock:
                 self.store.compare_set(f"{self.prefix}/verdict", "", json.dumps(f.to_json()))
             break
+
+    def _killer(self, f: Finding, statuses: list[RankStatus], now: float) -> int | None:
+        """Who SIGKILLs the rank ``f`` names: the lowest-numbered live rank on its node, else on
+        its host (a process can be killed only from its own machine); the leader for a rank that
+        never registered (found by its launcher environment on the leader's host); None when no
+        live rank shares its host, or for the whole group."""
+        if f.rank is None:
+            return None
+        if not f.pid:
+            return self.rank if f.cause == "never_joined" else None
+        host, _, _, node = self._info.get(f.rank, (f.host, f.pid, "", ""))
+        on_host, on_node = [], []
+        for s in statuses:
+            info = self._info.get(s.rank)
+            if s.rank == f.rank or info is None or info[0] != host or s.alive_t is None:
+                continue
+            if s.phase in GONE_PHASES or now - s.alive_t > self.config.dead_timeout_in(s.phase):
+                continue
+            on_host.append(s.rank)
+            if info[3] == node:
+                on_node.append(s.rank)
+        return min(on_node or on_host, default=None)
 
     def _status(self, r: int, alive: bytes, progress: bytes, now: float, wall: float) -> RankStatus:
         """Rank ``r``'s status on this leader's clock.  The leader does this for every rank every
@@ -331,7 +361,7 @@ class Monitor:
         a_mono = float(mono_b)
         clock = self._clocks.get(r)
         if clock is None:
-            clock = self._clock(r, self._info.get(r, ("", 0, ""))[2])
+            clock = self._clock(r, self._info.get(r, ("", 0, "", ""))[2])
         clock.observe(alive, a_mono, wall_b, now, wall)
         if cached is not None and cached[1] == progress:
             old = cached[2]
@@ -351,7 +381,7 @@ class Monitor:
             progress_t = clock.local(p_mono)
             busy = float(busy_b) if busy_b else None
             seq = int(seq_b)
-        host, pid, _ = self._info.get(r, ("", 0, ""))
+        host, pid = self._info.get(r, ("", 0, "", ""))[:2]
         status = RankStatus(r, clock.local(a_mono), step, phase, progress_t, host, pid, busy, seq)
         self._cache[r] = (alive, progress, status)
         return status
@@ -439,14 +469,27 @@ class Monitor:
                 pass
             if leader:
                 self._attribute(finding, stack, fr)
-        if self.is_leader and self.kill_local and finding.rank is not None:
+        if self.kill_local and finding.rank is not None and finding.kill_by == self.rank:
             pid = finding.pid if finding.host == self.host else 0
             if not pid and finding.cause == "never_joined":
                 pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
+            if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
+                # a hung rank publishes its stack for the leader's attribution first (the leader
+                # waited for it already)
+                self._wait_for_stacks({finding.rank})
             if pid and pid != self.pid:
-                try:  # a frozen rank would hold torchrun's restart for 30 s
+                # a stopped rank never exits: its agent would never see it fail (torchrun holds
+                # the restart 30 s for it; in-job recovery would never give its rank to a spare)
+                try:
                     os.kill(pid, signal.SIGKILL)
-                    self.events.write("killed", rank=finding.rank, pid=pid)
+                    self.events.write(
+                        "killed",
+                        rank=finding.rank,
+                        pid=pid,
+                        by=self.rank,
+                        host=self.host,
+                        node=self.node,
+                    )
                 except ProcessLookupError:
                     pass
         if (
@@ -570,14 +613,22 @@ class Monitor:
             return int(self.store.get(self._key_leader).decode())
 
 
-def encode_info(host: str, pid: int, boot: str) -> str:
-    """``host|pid|boot``: what does not change while a rank lives, written once when it joins."""
-    return f"{host}|{pid}|{boot}"
+def encode_info(host: str, pid: int, boot: str, node: str = "") -> str:
+    """``host|pid|boot|node``: what does not change while a rank lives, written once when it
+    joins (``node``: ``node_label()``)."""
+    return f"{host}|{pid}|{boot}|{node}"
 
 
-def decode_info(raw: bytes) -> tuple[str, int, str]:
-    host, pid, boot = raw.decode().rsplit("|", 2)
-    return host, int(pid), boot
+def decode_info(raw: bytes) -> tuple[str, int, str, str]:
+    host, pid, boot, node = raw.decode().rsplit("|", 3)
+    return host, int(pid), boot, node
+
+
+def node_label() -> str:
+    """Which of the host's launcher agents runs this rank: torchelastic's ``GROUP_RANK`` ("" outside
+    torchrun).  With one agent per machine it adds nothing to the host name; with several agents on
+    one machine (the multi-node tests) it keeps their workers apart as nodes."""
+    return os.environ.get("GROUP_RANK", "")
 
 
 def encode_alive(mono: float, wall: float) -> str:

@@ -16,6 +16,12 @@ and when one exits with a failure it
 When that cannot work (no spare is left, the store is not the agent's, a worker fails again before
 the previous recovery formed its group, the group cannot form), it falls back to torchrun's policy:
 stop the workers, rendezvous again and restart them (``--max-restarts``), or fail.
+
+Several nodes: the spares need the agent's store (torchrun's rendezvous TCPStore, shared with the
+workers).  torch's c10d rendezvous handler publishes that store's address in a round's store only
+the first time an agent is rank 0 (it caches it), so an agent that joins a later round (a
+replacement node, agents re-forming after a restart) would wait for the address until the join
+timeout.  ``share_store_address`` makes every round publish it (see there).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from resilient.launch.injob import ENV_GEN, ENV_INJOB, ENV_SPARE, base_key
 
 log = logging.getLogger("resilient.launch")
 
-__all__ = ["launch_main", "InJobAgent", "parse_args"]
+__all__ = ["launch_main", "InJobAgent", "parse_args", "share_store_address"]
 
 SPARES_DEFAULT = 1
 MAX_RECOVERIES_DEFAULT = 10
@@ -99,6 +105,46 @@ def _count(what: str) -> Any:
 _spares = _count("spare processes per node (0 turns in-job recovery off)")
 
 
+def share_store_address(handler: Any) -> None:
+    """Make ``handler`` (torch's c10d rendezvous handler, with the store shared) agree on the
+    workers' store in every round, not only the first.
+
+    torch's ``DynamicRendezvousHandler.next_rendezvous`` writes MASTER_ADDR / MASTER_PORT into a
+    round's store only while building its cached bootstrap info (an agent's first round, or its
+    first round as rank 0); an agent that joins a later round for the first time waits for those
+    keys in that round's store, and an agent with cached info keeps the address of whichever agent
+    was rank 0 when it cached it.  Wrapped here (on this instance): after the round, rank 0 writes
+    its address into the round's store, which releases an agent waiting for it inside its own
+    ``next_rendezvous``, and every other rank reads the address from there instead of its cache.
+    Rank 0 publishes before the agents exchange their worker counts (``_assign_worker_ranks``,
+    where rank 0 waits for everyone), so this must happen inside ``next_rendezvous``."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    if not isinstance(handler, DynamicRendezvousHandler) or getattr(handler, "_resilient", False):
+        return  # static rendezvous: the address comes from --master-addr / --master-port
+    inner = handler.next_rendezvous
+    addr_key, port_key = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
+
+    def next_rendezvous() -> Any:
+        info = inner()
+        if not handler.use_agent_store:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: one per round
+            return info
+        store, boot = info.store, info.bootstrap_store_info
+        if info.rank == 0:
+            store.set(addr_key, boot.master_addr.encode())
+            store.set(port_key, str(boot.master_port).encode())
+            return info
+        addr = store.get(addr_key).decode()
+        port = int(store.get(port_key).decode())
+        if (addr, port) != (boot.master_addr, boot.master_port):
+            log.warning("the workers' store moved to %s:%d (rank 0 of this round)", addr, port)
+        return RendezvousInfo(store, info.rank, info.world_size, RendezvousStoreInfo(addr, port))
+
+    handler.next_rendezvous = next_rendezvous
+    handler._resilient = True
+
+
 class InJobAgent:
     """Factory for the agent class (torch is imported only when a launch happens)."""
 
@@ -132,6 +178,7 @@ def _agent_class() -> Any:
             exit_barrier_timeout: float = 300,
         ) -> None:
             super().__init__(spec, exit_barrier_timeout)
+            share_store_address(spec.rdzv_handler)
             self.spares_wanted = spares
             self.max_recoveries = max_recoveries
             self._taken_over: dict[int, float] = {}  # local rank -> when a spare took it

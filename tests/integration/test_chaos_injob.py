@@ -43,6 +43,7 @@ def test_the_in_job_scenarios_are_the_ones_this_file_runs():
         "injob-fault-during-recovery",
         "injob-no-spare-left",
         "injob-zero-early-kill",
+        "injob-two-nodes",
     }
 
 
@@ -100,6 +101,33 @@ def test_zero_state_is_kept_and_started_again_when_nothing_was_snapshotted(out):
     assert models[(0, 0)] == [False] and models[(0, 1)] == [True], models
     assert models[(1, 1)] == [False], models  # the spare
     assert len(set(_pids(events, 0))) == 1 and len(set(_pids(events, 1))) == 2
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_on_another_node_is_replaced_in_job(out):
+    """Two nodes (two `resilient launch` agents on this machine, the rendezvous store shared with
+    the workers) x 2 ranks: rank 2 freezes on the node that is not the leader's.  Rank 3, on the
+    same node, kills it (not the leader), that node's agent gives rank 2 to its spare, and the
+    group forms again across both nodes: no restart, nothing restored but from memory."""
+    report, events = _run(out, "injob-two-nodes")
+    m = report["measurements"]
+    assert m["restarts"] == 0
+    assert [r["path"] for r in m["recoveries"]] == ["in-job"]
+    assert set(m["breakdown"]) >= {"teardown", "regroup", "load"}
+    for rank in range(4):
+        pids = set(_pids(events, rank))
+        assert len(pids) == (2 if rank == 2 else 1), (rank, pids)
+    assert m["restore_sources"] == ["memory"]
+    assert max(m["steps_lost"], default=0) <= 1
+    killed = [e for e in events if e["event"] == "killed"]
+    assert len(killed) == 1, killed
+    # by rank 3, on rank 2's node: the agent with GROUP_RANK 1 runs ranks 2 and 3 (torchelastic
+    # gives each agent a contiguous block of ranks); the leader, rank 0, runs on the other
+    assert (killed[0]["rank"], killed[0]["by"], killed[0]["node"]) == (2, 3, "1")
+    assert killed[0]["pid"] == _pids(events, 2)[0]
+    # the healthy ranks on both nodes kept their model and ZeRO-1 optimizer; the spare built its
+    models = _models(events)
+    assert [models[(r, 1)] for r in range(4)] == [[True], [True], [False], [True]], models
 
 
 @pytest.mark.slow
