@@ -37,7 +37,9 @@ def out(tmp_path_factory) -> Path:
 # built-in scenarios whose job is a quick-suite job run here, next to the quick suite, and share
 # its reference runs; the rest run in test_chaos_other_jobs.py.
 MEMORY_TIER = [s.name for s in builtin_scenarios() if s.name.startswith("memory-")]
-IN_JOB = [s.name for s in builtin_scenarios() if s.name.startswith("injob-")]  # test_chaos_injob
+IN_JOB = [
+    s.name for s in builtin_scenarios() if s.name.startswith("injob-")
+]  # test_chaos_injob(_paths)
 _QUICK_JOBS = {job_hash(s.job) for s in builtin_scenarios(quick=True)}
 WITH_QUICK_JOBS = [
     s.name

@@ -33,7 +33,7 @@ def _pids(events: list[dict], rank: int) -> list[int]:
     return [int(e["pid"]) for e in events if e["event"] == "start" and int(e["rank"]) == rank]
 
 
-def test_the_in_job_scenarios_are_the_ones_this_file_runs():
+def test_the_in_job_scenarios_are_the_ones_these_two_files_run():
     assert set(IN_JOB) == {
         "injob-kill-rank",
         "injob-stop-rank",
@@ -87,74 +87,3 @@ def test_failed_ranks_are_replaced_in_job(out, name, failed):
         kept.append(bool(e["kept"]))
         seen.add(me)
     assert kept.count(True) == 3 * len(failed), kept  # each recovery: the three other ranks
-
-
-@pytest.mark.slow
-def test_zero_state_is_kept_and_started_again_when_nothing_was_snapshotted(out):
-    """Killed before the first snapshot: the healthy rank keeps its model and ZeRO-1 optimizer
-    (new groups), initialises both again as a new build would (nothing to restore), and the run
-    is bit-identical to the fault-free one."""
-    report, events = _run(out, "injob-zero-early-kill")
-    m = report["measurements"]
-    assert m["restarts"] == 0 and [r["path"] for r in m["recoveries"]] == ["in-job"]
-    models = _models(events)
-    assert models[(0, 0)] == [False] and models[(0, 1)] == [True], models
-    assert models[(1, 1)] == [False], models  # the spare
-    assert len(set(_pids(events, 0))) == 1 and len(set(_pids(events, 1))) == 2
-
-
-@pytest.mark.slow
-def test_a_frozen_rank_on_another_node_is_replaced_in_job(out):
-    """Two nodes (two `resilient launch` agents on this machine, the rendezvous store shared with
-    the workers) x 2 ranks: rank 2 freezes on the node that is not the leader's.  Rank 3, on the
-    same node, kills it (not the leader), that node's agent gives rank 2 to its spare, and the
-    group forms again across both nodes: no restart, nothing restored but from memory."""
-    report, events = _run(out, "injob-two-nodes")
-    m = report["measurements"]
-    assert m["restarts"] == 0
-    assert [r["path"] for r in m["recoveries"]] == ["in-job"]
-    assert set(m["breakdown"]) >= {"teardown", "regroup", "load"}
-    for rank in range(4):
-        pids = set(_pids(events, rank))
-        assert len(pids) == (2 if rank == 2 else 1), (rank, pids)
-    assert m["restore_sources"] == ["memory"]
-    assert max(m["steps_lost"], default=0) <= 1
-    killed = [e for e in events if e["event"] == "killed"]
-    assert len(killed) == 1, killed
-    # by rank 3, on rank 2's node: the agent with GROUP_RANK 1 runs ranks 2 and 3 (torchelastic
-    # gives each agent a contiguous block of ranks); the leader, rank 0, runs on the other
-    assert (killed[0]["rank"], killed[0]["by"], killed[0]["node"]) == (2, 3, "1")
-    assert killed[0]["pid"] == _pids(events, 2)[0]
-    # the healthy ranks on both nodes kept their model and ZeRO-1 optimizer; the spare built its
-    models = _models(events)
-    assert [models[(r, 1)] for r in range(4)] == [[True], [True], [False], [True]], models
-
-
-@pytest.mark.slow
-def test_two_failures_with_one_spare_fall_back_to_a_restart(out):
-    report, events = _run(out, "injob-no-spare-left")
-    m = report["measurements"]
-    assert m["restarts"] == 1
-    assert [r["path"] for r in m["recoveries"]] == ["restart"]
-    assert len(set(_pids(events, 0))) == 2  # every worker started again
-
-
-@pytest.mark.slow
-def test_a_fault_during_in_job_recovery_falls_back_to_a_restart(out):
-    """Rank 2 dies as it joins the generation the spare was given rank 1 for: that generation
-    never forms, and every worker restarts (from the node's memory), nothing lost."""
-    report, events = _run(out, "injob-fault-during-recovery")
-    m = report["measurements"]
-    assert m["restarts"] == 1
-    assert [r["path"] for r in m["recoveries"]] == ["restart"]
-    assert m["restore_sources"] == ["memory"]
-    # the second fault hit rank 2's first process, in its regroup: before any restart began
-    second = next(
-        e for e in events if e["event"] == "fault" and e["id"] == "kill-rank-2-in-regroup"
-    )
-    first_pid = next(int(e["pid"]) for e in events if e["event"] == "start" and int(e["rank"]) == 2)
-    assert int(second["pid"]) == first_pid
-    assert any(e["event"] == "injob_leave" and int(e["rank"]) == 2 for e in events)
-    restarted = min(e["time"] for e in events if e["event"] == "start" and e.get("restart", 0))
-    assert second["time"] < restarted
-    assert len(set(_pids(events, 0))) == 2

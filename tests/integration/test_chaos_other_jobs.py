@@ -36,7 +36,7 @@ OWN_JOBS = [
 ]
 
 
-def test_every_builtin_scenario_is_run_by_one_of_the_five_files():
+def test_every_builtin_scenario_is_run_by_one_of_the_chaos_files():
     here, there, memory = set(OWN_JOBS), set(QUICK) | set(WITH_QUICK_JOBS), set(MEMORY_TIER)
     injob = set(IN_JOB)
     assert here and memory and injob and not here & there and not (here | there) & memory
