@@ -107,6 +107,9 @@ class _Kept:
     exactly as a new build would be."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self.key: tuple | None = None
         self.pc: ParallelContext | None = None
         self.model: Any = None
@@ -155,6 +158,7 @@ def _train(
             optim.regroup()
         optim.zero_grad(set_to_none=True)  # the failed step's gradients
     else:
+        kept.clear()  # let go of an old model before building a new one (not twice the memory)
         pc = ParallelContext.create(cfg.dp, cfg.ep, cfg.tp, device.type)
     rank = pc.rank
     tokens_per_rank = cfg.global_batch // cfg.data_replicas * cfg.model.seq_len

@@ -330,18 +330,23 @@ class Monitor:
 
     def _killer(self, f: Finding, statuses: list[RankStatus], now: float) -> int | None:
         """Who SIGKILLs the rank ``f`` names: the lowest-numbered live rank on its node, else on
-        its host (a process can be killed only from its own machine); the leader for a rank that
+        its host (a process can be killed only from its own machine: the same host name and boot
+        id, so that two machines with one name are not mistaken for one); the leader for a rank that
         never registered (found by its launcher environment on the leader's host); None when no
         live rank shares its host, or for the whole group."""
         if f.rank is None:
             return None
         if not f.pid:
             return self.rank if f.cause == "never_joined" else None
-        host, _, _, node = self._info.get(f.rank, (f.host, f.pid, "", ""))
+        host, _, boot, node = self._info.get(f.rank, (f.host, f.pid, "", ""))
+        if not host:
+            return None
         on_host, on_node = [], []
         for s in statuses:
             info = self._info.get(s.rank)
-            if s.rank == f.rank or info is None or info[0] != host or s.alive_t is None:
+            if s.rank == f.rank or info is None or s.alive_t is None:
+                continue
+            if info[0] != host or info[2] != boot:  # the same machine: its name and its boot
                 continue
             if s.phase in GONE_PHASES or now - s.alive_t > self.config.dead_timeout_in(s.phase):
                 continue
@@ -476,7 +481,10 @@ class Monitor:
             if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
                 # a hung rank publishes its stack for the leader's attribution first (the leader
                 # waited for it already)
-                self._wait_for_stacks({finding.rank})
+                try:
+                    self._wait_for_stacks({finding.rank})
+                except Exception:  # the kill matters more than the stack
+                    pass
             if pid and pid != self.pid:
                 # a stopped rank never exits: its agent would never see it fail (torchrun holds
                 # the restart 30 s for it; in-job recovery would never give its rank to a spare)
@@ -620,8 +628,16 @@ def encode_info(host: str, pid: int, boot: str, node: str = "") -> str:
 
 
 def decode_info(raw: bytes) -> tuple[str, int, str, str]:
-    host, pid, boot, node = raw.decode().rsplit("|", 3)
-    return host, int(pid), boot, node
+    """``encode_info``'s fields; a value that is not one (another version's three fields, a bad
+    pid) reads as unknown (no host, pid 0) rather than stopping the monitor that reads it."""
+    try:
+        parts = raw.decode().rsplit("|", 3)
+        if len(parts) == 3:  # host|pid|boot: no node
+            parts.append("")
+        host, pid, boot, node = parts
+        return host, int(pid), boot, node
+    except (ValueError, UnicodeDecodeError):
+        return "", 0, "", ""
 
 
 def node_label() -> str:

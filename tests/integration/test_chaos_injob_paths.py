@@ -21,9 +21,9 @@ def out(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_zero_state_is_kept_and_started_again_when_nothing_was_snapshotted(out):
-    """Killed before the first snapshot: the healthy rank keeps its model and ZeRO-1 optimizer
-    (new groups), initialises both again as a new build would (nothing to restore), and the run
-    is bit-identical to the fault-free one."""
+    """Killed after two updates and before the first snapshot: the healthy rank keeps its model
+    and ZeRO-1 optimizer (new groups), initialises both again as a new build would (nothing to
+    restore), and the run is bit-identical to the fault-free one."""
     report, events = _run(out, "injob-zero-early-kill")
     m = report["measurements"]
     assert m["restarts"] == 0 and [r["path"] for r in m["recoveries"]] == ["in-job"]
@@ -31,6 +31,18 @@ def test_zero_state_is_kept_and_started_again_when_nothing_was_snapshotted(out):
     assert models[(0, 0)] == [False] and models[(0, 1)] == [True], models
     assert models[(1, 1)] == [False], models  # the spare
     assert len(set(_pids(events, 0))) == 1 and len(set(_pids(events, 1))) == 2
+    # two updates were made and lost (no snapshot yet): the kept rank started again from the
+    # initial weights, not from step 2's
+    assert not [e for e in events if e["event"] == "restore"], "nothing was there to restore"
+    assert max(m["steps_lost"]) == 2
+    _freed(events)
+
+
+def _freed(events: list[dict]) -> None:
+    """The broken groups were freed by the recovery's collection (nothing kept them: the kept
+    model's context and ZeRO-1's slices let go of them)."""
+    freed = [e["freed"] for e in events if e["event"] == "injob_rejoin"]
+    assert freed and set(freed) == {"collected"}, freed
 
 
 @pytest.mark.slow
@@ -58,6 +70,7 @@ def test_a_frozen_rank_on_another_node_is_replaced_in_job(out):
     # the healthy ranks on both nodes kept their model and ZeRO-1 optimizer; the spare built its
     models = _models(events)
     assert [models[(r, 1)] for r in range(4)] == [[True], [True], [False], [True]], models
+    _freed(events)
 
 
 @pytest.mark.slow
