@@ -71,6 +71,17 @@ def matchings(world: int) -> list[list[tuple[int, int]]]:
     return [_matching(world, t) for t in range(_count(world))]
 
 
+def _chosen(world: int, partners: int | None) -> range | list[int]:
+    """Which of the circle method's matchings give every rank ``partners`` peers or more (None:
+    all of them): that many (one more in an odd world), evenly spread."""
+    count = _count(world)
+    if partners is None or partners + world % 2 >= count:
+        return range(count)
+    want = partners + world % 2
+    step = count / want
+    return [int(i * step) for i in range(want)]
+
+
 def pair_rounds(
     world: int, concurrent: bool | None = None, partners: int | None = None
 ) -> list[list[tuple[int, int]]]:
@@ -85,14 +96,8 @@ def pair_rounds(
         concurrent = world > SEQUENTIAL_UP_TO
     if not concurrent:
         return [[(i, j)] for i in range(world) for j in range(world) if i != j]
-    count = _count(world)
-    chosen: range | list[int] = range(count)
-    if partners is not None and partners + world % 2 < count:
-        want = partners + world % 2
-        step = count / want
-        chosen = [int(i * step) for i in range(want)]
     rounds = []
-    for t in chosen:
+    for t in _chosen(world, partners):
         pairs = _matching(world, t)
         rounds.append(pairs)
         rounds.append([(b, a) for a, b in pairs])
@@ -144,7 +149,7 @@ def plan_links(
         partners = min(every, QUICK_PARTNERS)
 
     def matchings_of(p: int) -> int:
-        return min(p + world % 2, every) if p < every else every
+        return len(_chosen(world, p))
 
     def rounds_of(p: int) -> int:
         return 2 * matchings_of(p) if concurrent else world * (world - 1)

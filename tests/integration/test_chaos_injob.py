@@ -47,15 +47,6 @@ def test_the_in_job_scenarios_are_the_ones_these_two_files_run():
     }
 
 
-def _models(events: list[dict]) -> dict[tuple[int, int], list[bool]]:
-    """(rank, generation) -> whether each of the trainer's "model" events kept the model."""
-    out: dict[tuple[int, int], list[bool]] = {}
-    for e in events:
-        if e["event"] == "model":
-            out.setdefault((int(e["rank"]), int(e["generation"])), []).append(bool(e["kept"]))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, failed",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_chaos import chaos_out
-from tests.integration.test_chaos_injob import _models, _pids, _run
+from tests.integration.test_chaos_injob import _pids, _run
 
 pytestmark = [pytest.mark.distributed]
 
@@ -17,6 +17,15 @@ pytestmark = [pytest.mark.distributed]
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     return chaos_out(tmp_path_factory, "chaos-injob-paths")
+
+
+def _models(events: list[dict]) -> dict[tuple[int, int], list[bool]]:
+    """(rank, generation) -> whether each of the trainer's "model" events kept the model."""
+    out: dict[tuple[int, int], list[bool]] = {}
+    for e in events:
+        if e["event"] == "model":
+            out.setdefault((int(e["rank"]), int(e["generation"])), []).append(bool(e["kept"]))
+    return out
 
 
 @pytest.mark.slow
