@@ -18,6 +18,11 @@ and message sizes down to a millisecond's bytes (a size that still measures band
 *node* (every link it has is slow, so its score, the median of its links, is; a healthy rank meets
 it on at most one of its links), but a single slow link between two healthy ranks is seen only
 when the plan met it: the report says how many peers each rank met at least.
+
+A single link is judged on its own figure, and on a loaded machine a burst of someone else's work
+can halve one link's samples; so before one is named, ``confirm_links`` measures each suspect
+again, alone (one pair at a time), and keeps the better of the two figures: a link is named only
+if it was slow both times.  A link slowed by the network stays slow; a burst rarely hits twice.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ __all__ = [
     "plan_links",
     "probe_links",
     "run_links",
+    "confirm_links",
 ]
 
 SEQUENTIAL_UP_TO = 8
 MIN_PARTNERS = 3  # a rank's score is the median of its links: three outvote one slow peer
 QUICK_PARTNERS = 4  # the start-of-training subset meets at most this many peers (large worlds)
+CONFIRM_AT_MOST = 32  # suspect links measured again, alone, before one is named
 _ROUND_S = 2e-4  # a round's fixed cost besides the barrier: the acknowledgement, the scheduling
 
 
@@ -286,3 +293,42 @@ def run_links(
                 if 0 <= int(j) < n and int(j) != i:
                     matrix[i][int(j)] = float(v)
     return matrix, {"sends_per_sample": sends, "repeats": repeats}
+
+
+def confirm_links(
+    group: Group,
+    matrix: list[list[float | None]] | None,
+    suspects: list[tuple[int, int]] | None,
+    *,
+    message_bytes: int,
+    sends: int,
+    repeats: int = 3,
+) -> tuple[list[list[float | None]] | None, dict[str, int]]:
+    """Measure rank 0's ``suspects`` (pairs ``(src, dst)``, the slowest first; None on the other
+    ranks) again, one pair at a time, and put the better of the two figures in rank 0's
+    ``matrix``.  At most ``CONFIRM_AT_MOST`` pairs.  Returns the matrix (None off rank 0) and
+    how many pairs were measured again."""
+    pairs = group.share("links-suspects", suspects if group.rank == 0 else None) or []
+    pairs = [(int(a), int(b)) for a, b in pairs][:CONFIRM_AT_MOST]
+    if not pairs:
+        return matrix, {"measured_again": 0}
+    buf = torch.zeros(max(message_bytes // 4, 1), device=group.device)
+    ack = torch.zeros(1, device=group.device)
+    samples: dict[int, list[float]] = {}
+    for _ in range(repeats):
+        for src, dst in pairs:
+            group.sync()
+            took = _exchange(src, dst, group.rank, buf, ack, sends)
+            if took is not None:
+                samples.setdefault(dst, []).append(buf.numel() * 4 * sends / max(took, 1e-9))
+    row = {str(j): statistics.median(v) for j, v in samples.items()}
+    rows = group.gather("links-again", row)
+    if rows is not None and matrix is not None:
+        n = len(matrix)
+        for i, got in enumerate(rows):
+            for j, v in got.items():
+                j = int(j)
+                if 0 <= j < n and j != i and (i, j) in pairs:
+                    before = matrix[i][j]
+                    matrix[i][j] = float(v) if before is None else max(float(before), float(v))
+    return matrix, {"measured_again": len(pairs)}

@@ -21,7 +21,16 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Figure", "FIGURES", "Outlier", "rank_outliers", "link_outliers", "human", "human_bytes"]
+__all__ = [
+    "Figure",
+    "FIGURES",
+    "Outlier",
+    "rank_outliers",
+    "link_outliers",
+    "suspect_links",
+    "human",
+    "human_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -192,3 +201,18 @@ def link_outliers(
             )
         )
     return out
+
+
+def suspect_links(matrix: Sequence[Sequence[float | None]], factor: float) -> list[tuple[int, int]]:
+    """The links ``link_outliers`` would name or count against a named rank, the slowest first:
+    the ones to measure again before naming anything."""
+    n = len(matrix)
+    pairs: set[tuple[int, int]] = set()
+    for o in link_outliers(matrix, factor):
+        if o.kind == "link":
+            pairs.add((o.src, o.dst))
+        else:
+            r = o.rank
+            pairs |= {(r, j) for j in range(n) if j != r and matrix[r][j] is not None}
+            pairs |= {(i, r) for i in range(n) if i != r and matrix[i][r] is not None}
+    return sorted(pairs, key=lambda p: (matrix[p[0]][p[1]], p))

@@ -281,6 +281,12 @@ def print_report(report: PreflightReport, console: Any = None) -> None:
             f"{human(report.links['median_bytes_per_s'], 'B/s')} (the matrix is in --json)"
         )
 
+    again = report.links.get("measured_again")
+    if again:
+        console.print(
+            f"[dim]pairwise links: {again} that looked slow measured again, alone; "
+            f"the better figure counts[/]"
+        )
     for s in report.skipped:
         console.print(f"[dim]skipped: {s}[/]")
     for c in report.cut:

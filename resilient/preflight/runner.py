@@ -7,7 +7,7 @@ Call sequence (every rank calls ``run_preflight`` together, as a collective):
 2. per-node figures in turns (one local rank of every node at a time), ``repeats`` rounds:
    memory bandwidth and its numpy anchor, matmul throughput, the store's round trip, host-device
    copies where there is a GPU;
-3. pairwise links (world > 1);
+3. pairwise links (world > 1), the slow-looking ones measured again, alone, before any is named;
 4. the checkpoint URL, in turns (when given);
 5. the collectives, in what is left of the budget;
 6. rank 0 gathers every rank's figures through the store, names the outliers, and shares the
@@ -37,7 +37,7 @@ from resilient.preflight import device as dev
 from resilient.preflight import host, links, storage
 from resilient.preflight.config import PreflightConfig
 from resilient.preflight.group import Group
-from resilient.preflight.outliers import human_bytes
+from resilient.preflight.outliers import human_bytes, suspect_links
 from resilient.preflight.report import PreflightReport, build_report
 
 __all__ = ["run_preflight", "preflight_main", "ENV_RESULT"]
@@ -112,6 +112,13 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
         )
         cut += plan.cuts
         matrix, ran = links.run_links(group, plan, budget_s=share)
+        # a link is named only if it is slow again when measured alone (a burst of load on a
+        # busy machine can halve one pair's samples; a slow link stays slow)
+        suspects = suspect_links(matrix, config.factor) if matrix is not None else None
+        matrix, again = links.confirm_links(
+            group, matrix, suspects, message_bytes=plan.message_bytes, sends=ran["sends_per_sample"]
+        )
+        ran = {**ran, **again}
         if ran["repeats"] < plan.repeats:
             cut.append(
                 f"pairwise links: {ran['repeats']} samples per pair instead of {plan.repeats} "
@@ -187,7 +194,7 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     # n ranks) nor every rank's detail: those stay with rank 0, which prints and writes them
     verdict = group.share("report", verdict)
     group.sync()  # every rank has read the verdict before its keys go
-    group.cleanup(["ranks", "links", "report", "storage", "ping"])
+    group.cleanup(["ranks", "links", "links-suspects", "links-again", "report", "storage", "ping"])
     return PreflightReport.from_dict(report if report is not None else verdict)
 
 
