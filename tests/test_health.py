@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient.health import Detector, DetectorConfig, EventLog, Monitor, RankStatus, Verdict
+from resilient.health.detector import Finding
 
 
 def statuses(now, steps, alive_age=None, progress_age=None):
@@ -239,6 +240,43 @@ def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
         sim.close()
 
 
+def test_a_verdict_reaches_every_rank_at_once_not_at_its_next_beat(tmp_path):
+    """Beats a minute apart: a verdict published by the leader arrives through each rank's wait
+    on its wake key (the rank that must kill a frozen peer on another node acts at once)."""
+    sim = Sim(tmp_path, world=3, ranks=[0, 1], interval_s=60.0)
+    try:
+        dead = Finding(Verdict.DEAD, 2, "h", 1, 7, "train", 1.0, 2.0, "quiet", kill_by=1)
+        sim.monitors[0]._publish(dead)
+        assert sim.wait_for(lambda: sim.failures[0] and sim.failures[1], timeout=30.0)
+        assert sim.failures[1] == [dead] and sim.failures[0] == [dead]
+    finally:
+        sim.close()
+    assert not any(m._waiter for m in sim.monitors.values())  # close() ended the waits
+
+
+UNCLOSED = """
+import sys
+import torch.distributed as dist
+from resilient.health import DetectorConfig, Monitor
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False)
+m = Monitor(store, "run/0", 1, 2, DetectorConfig(interval_s=0.2), kill_local=False)
+print("started", flush=True)
+"""
+
+
+def test_a_monitor_never_closed_lets_its_process_exit_cleanly(tmp_path):
+    """Its verdict waiter is inside a day-long store wait: the exit neither waits for it nor
+    fails (an exit handler ends the wait through the rank's wake key)."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    done = subprocess.run(
+        [sys.executable, "-c", UNCLOSED, str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
+
+
 def test_a_rank_that_stops_progressing_while_peers_wait_is_hung(tmp_path):
     sim = Sim(tmp_path, hang_timeout_s=3.0)
     stop = threading.Event()
@@ -310,16 +348,25 @@ def test_a_dead_leader_is_replaced_and_the_verdict_still_comes(tmp_path):
         sim.close()
 
 
-def test_a_rank_that_never_registers_is_declared_dead_by_the_group(tmp_path):
+@pytest.mark.parametrize("per_node, killer", [(None, 0), ("2", 2), ("1", 0)])
+def test_a_rank_that_never_registers_is_declared_dead_by_the_group(
+    tmp_path, monkeypatch, per_node, killer
+):
     """Rank 3 froze before its monitor started (in its imports): it has no keys at all.  The
-    leader declares it DEAD after the join timeout, and every live rank acts on the verdict."""
+    leader declares it DEAD after the join timeout, and every live rank acts on the verdict.
+    Its killer: with two ranks per node (torchelastic numbers them in blocks), rank 2, on its
+    node; alone on its node, or not under a launcher, the leader (which looks on its host)."""
+    if per_node is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", per_node)
     sim = Sim(tmp_path, ranks=[0, 1, 2], join_timeout_s=1.0)
     try:
         assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 2)))
         for r in (0, 1, 2):
             f = sim.failures[r][0]
             assert (f.verdict, f.rank, f.cause) == (Verdict.DEAD, 3, "never_joined")
-            assert f.waited_s >= 1.0
+            assert f.waited_s >= 1.0 and f.kill_by == killer
         verdict = next(e for e in sim.events.read() if e["event"] == "verdict")
         assert verdict["rank"] == 3 and "never joined" in verdict["detail"]
     finally:

@@ -14,8 +14,9 @@ import os
 import shutil
 import threading
 import time
+import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -449,8 +450,8 @@ class Checkpointer:
         committer = self._committer(step)
         self._pending = handle
         self._thread = threading.Thread(
-            target=self._persist,
-            args=(handle, step, layout, plan, data, dict(flat.values), committer),
+            target=_in_background,
+            args=(self._persist, handle, step, layout, plan, data, dict(flat.values), committer),
             name=f"resilient-ckpt-save-{step}",
             daemon=True,
         )
@@ -555,8 +556,8 @@ class Checkpointer:
         committer = self._committer(step)
         self._pending = handle
         self._thread = threading.Thread(
-            target=self._persist_elsewhere,
-            args=(handle, snap, pinned, committer),
+            target=_in_background,
+            args=(self._persist_elsewhere, handle, snap, pinned, committer),
             name=f"resilient-ckpt-save-{step}",
             daemon=True,
         )
@@ -1031,15 +1032,8 @@ class Checkpointer:
     @property
     def can_rebind(self) -> bool:
         """Whether ``rebind`` can carry this checkpointer into the next generation of the group
-        (not with peer replicas: their process group died with the old one)."""
-        return (
-            not self._closed
-            and self._replicas is None
-            and (
-                self._memory is None
-                or (self._memory._replicas is None and not self._memory._closed)
-            )
-        )
+        (peer replicas form their groups again there)."""
+        return not self._closed and (self._memory is None or not self._memory._closed)
 
     def rebind(self) -> None:
         """(in-job recovery, after ``abort``) The process group formed again, a spare in the
@@ -1083,6 +1077,9 @@ class Checkpointer:
                 )
         if self._memory is not None:
             self._memory.rebind()
+            if self._memory._replicas is not None:
+                # the collectives a new checkpointer's constructor runs next (the spare's)
+                self._memory._replicas.regroup()
 
     def abort(self) -> None:
         """The process group broke (a peer died; in-job recovery): a save or snapshot whose commit
@@ -1094,6 +1091,8 @@ class Checkpointer:
             committer.abandon(f"rank {self.rank} left the broken process group")
         if self._memory is not None:
             self._memory.abort()
+        if self._replicas is not None:
+            self._replicas.drop_groups()  # the broken group is freed before the next forms
 
     def _plan(self, flat: FlatState, layout: Layout) -> WritePlan:
         sig = (
@@ -1637,6 +1636,28 @@ def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> Resilie
     if not (isinstance(cls, type) and issubclass(cls, ResilientError)):
         cls = CheckpointCorruptError if code == 1 else ResilientError
     return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
+
+
+def _in_background(target: Callable[..., None], handle: SaveHandle, *args: Any) -> None:
+    """A save's thread: ``target`` stores its failure in ``handle``; the failure's frames then
+    let go of their locals (the checkpointer, its replicas' process group, the committer): a
+    failure kept until the next save, or in an abandoned save's handle, must not keep a broken
+    process group alive (gloo closes a group's connections only when it is freed).  The
+    traceback still says where it failed."""
+    try:
+        target(handle, *args)
+    finally:
+        seen: set[int] = set()
+        e = handle._error
+        todo = [e] if e is not None else []
+        while todo:
+            e = todo.pop()
+            if id(e) in seen:
+                continue
+            seen.add(id(e))
+            if e.__traceback__ is not None:
+                traceback.clear_frames(e.__traceback__)
+            todo += [c for c in (e.__cause__, e.__context__) if c is not None]
 
 
 def _await_outcome(committer: Committer, step: int, extra_s: float = 0.0) -> None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from resilient.checkpoint.format import rank_file_name
 from resilient.checkpoint.storage import Storage
-from resilient.errors import CheckpointNotFoundError
+from resilient.errors import CheckpointNotFoundError, ResilientError
 
 __all__ = ["NodeMap", "Replicas", "node_map"]
 
@@ -122,14 +122,37 @@ class Replicas:
         self._held: _Mapped | None = None
         self._spare: _Mapped | None = None
         self.reused = 0  # replicas received into the spare (for tests and benchmarks)
+        self._timeout_s = timeout_s
+        self.group: dist.ProcessGroup | None = None
+        self.lanes: list[dist.ProcessGroup] = []
+        self.regroup()
+
+    def regroup(self) -> None:
+        """Form this checkpointer's groups in the current default group (a collective: every
+        rank, in the same order as the other checkpointers' constructors or regroups).  In-job
+        recovery calls it in the new generation: the replica held and the spare stay."""
+        timeout = timedelta(seconds=self._timeout_s)
         # a group of its own: collectives of the training group are never issued from here
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         # Replicas travel on two more groups, by the parity of the sending node: a pair of ranks
         # then carries one direction per group (two nodes send to each other at once, and one
         # connection carrying both directions moved them one after the other: half the speed)
-        self.lanes = [
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) for _ in range(2)
-        ]
+        self.lanes = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(2)]
+
+    def drop_groups(self) -> None:
+        """(in-job recovery) Let go of the broken generation's groups, so that they can be freed
+        (gloo closes a group's connections only then); a replication or exchange still running
+        fails, and none starts until ``regroup``."""
+        self.group, self.lanes = None, []
+
+    def _groups(self) -> tuple[dist.ProcessGroup, list[dist.ProcessGroup]]:
+        group, lanes = self.group, self.lanes
+        if group is None or not lanes:
+            raise ResilientError(
+                f"rank {self.rank}: the peer replicas' process group is gone (in-job recovery "
+                f"left the broken one); nothing is sent until the new generation forms"
+            )
+        return group, lanes
 
     # --- replication (the snapshot's background thread, every rank, after every commit) -----------
     def replicate(self, storage: Storage, step_rel: str, own: str | None, generation: int) -> None:
@@ -141,6 +164,7 @@ class Replicas:
         peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
         if peer is None or source is None:
             return
+        group, lanes = self._groups()
         data: torch.Tensor | None = None
         try:
             if own is not None:
@@ -148,14 +172,14 @@ class Replicas:
         except OSError as e:
             log.warning("cannot read %s/%s to replicate it: %s", step_rel, own, e)
         agreed = torch.tensor([0 if data is None else 1], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if data is None or not int(agreed.item()):
             return
         size = torch.tensor([data.numel()], dtype=torch.int64)
         theirs = torch.zeros(1, dtype=torch.int64)
         reqs = [
-            dist.isend(size, peer, group=self.group),
-            dist.irecv(theirs, source, group=self.group),
+            dist.isend(size, peer, group=group),
+            dist.irecv(theirs, source, group=group),
         ]
         for r in reqs:
             r.wait()
@@ -166,8 +190,8 @@ class Replicas:
             spare.discard()
             spare = None
         with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
-            out_lane = self.lanes[self.nodes.node_of[self.rank] % 2]
-            in_lane = self.lanes[self.nodes.node_of[source] % 2]
+            out_lane = lanes[self.nodes.node_of[self.rank] % 2]
+            in_lane = lanes[self.nodes.node_of[source] % 2]
             reqs = [
                 dist.isend(data, peer, group=out_lane) if data.numel() else None,
                 dist.irecv(incoming.tensor, source, group=in_lane) if incoming.size else None,
@@ -221,8 +245,9 @@ class Replicas:
     # --- the restore exchange (load, every rank, main thread) ---------------------------------
     def share_manifest(self, data: bytes | None) -> bytes:
         """Rank 0's manifest bytes of the step being restored, on every rank."""
+        group, _ = self._groups()
         size = torch.tensor([len(data) if data is not None else -1], dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.group)
+        dist.broadcast(size, 0, group=group)
         n = int(size.item())
         if n < 0:
             raise CheckpointNotFoundError("rank 0 could not read the snapshot's manifest")
@@ -232,7 +257,7 @@ class Replicas:
             else torch.empty(n, dtype=torch.uint8)
         )
         if n:
-            dist.broadcast(buf, 0, group=self.group)
+            dist.broadcast(buf, 0, group=group)
         return bytes(buf.numpy()) if self.rank != 0 else (data or b"")
 
     def fetch(
@@ -244,6 +269,7 @@ class Replicas:
         moved between nodes (the same on every rank).
         Raises CheckpointNotFoundError on every rank when a needed file is on no node, or when a
         rank failed."""
+        group, _ = self._groups()
         names = sorted(files)
         have = torch.zeros(len(names) + 1, dtype=torch.uint8)
         want = torch.zeros(len(names) + 1, dtype=torch.uint8)
@@ -251,11 +277,11 @@ class Replicas:
             have[i] = int(_present(storage, f"{step_rel}/{name}", files[name]))
             want[i] = int(need is not None and name in need)
         want[-1] = int(need is None)
-        world = dist.get_world_size(self.group)
+        world = dist.get_world_size(group)
         haves = [torch.zeros_like(have) for _ in range(world)]
         wants = [torch.zeros_like(want) for _ in range(world)]
-        dist.all_gather(haves, have, group=self.group)
-        dist.all_gather(wants, want, group=self.group)
+        dist.all_gather(haves, have, group=group)
+        dist.all_gather(wants, want, group=group)
         failed = [r for r in range(world) if int(wants[r][-1])]
         if failed:
             raise CheckpointNotFoundError(
@@ -279,16 +305,14 @@ class Replicas:
                 transfers.append((i, holders[0], receiver))
         for i, sender, receiver in transfers:  # one global order: no two ranks wait on each other
             if self.rank == sender:
-                dist.send(
-                    _file_tensor(storage, f"{step_rel}/{names[i]}"), receiver, group=self.group
-                )
+                dist.send(_file_tensor(storage, f"{step_rel}/{names[i]}"), receiver, group=group)
             elif self.rank == receiver:
                 storage.makedirs(step_rel)
                 with _Incoming(storage, f"{step_rel}/{names[i]}", files[names[i]]) as incoming:
                     if incoming.size:
-                        dist.recv(incoming.tensor, sender, group=self.group)
+                        dist.recv(incoming.tensor, sender, group=group)
         if transfers:
-            dist.barrier(group=self.group)  # every received file is in place before anyone reads
+            dist.barrier(group=group)  # every received file is in place before anyone reads
             log.info(
                 "restore of %s from memory: %d file(s) fetched from other nodes",
                 step_rel,

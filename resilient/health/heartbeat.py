@@ -1,7 +1,10 @@
 """Heartbeats through the c10d store, the leader's scan, and what every rank does on a verdict.
 
 Every rank runs one daemon thread ("resilient-heartbeat") that, each interval, publishes its
-liveness, and reads two keys: the verdict and the leader's liveness (O(1) per rank).  The leader
+liveness, and reads two keys: the verdict and the leader's liveness (O(1) per rank).  A second
+thread ("resilient-verdict") blocks in a store wait on the rank's wake key, which the leader sets
+with the verdict, so that every rank acts on a verdict at once rather than at its next beat (the
+rank that must kill a frozen peer on another node, and the survivors leaving a broken group).  The leader
 (rank 0; if its heartbeat stops, or it never registers, the next live rank takes over with an
 atomic compare-and-set) also reads every registered rank's keys in one batch, runs the Detector and
 publishes a verdict (O(world)).  The loop publishes progress (step, phase, a sequence number) from
@@ -24,12 +27,14 @@ publishes its main thread's stack, and the leader compares the rings
 never entered it (``hang_attribution``), waiting a few intervals at most for the stacks of the
 ranks it names.
 
-On DEAD or HUNG every live rank writes its Python stacks (faulthandler), its flight recorder dump
-when PyTorch's is on (``resilient.health.flight_recorder``), and the failure record to
-the event log; one live rank on the failed rank's node SIGKILLs it (the lowest-numbered, which the
-leader names in the verdict, ``kill_by``; a rank on the same host when none is left on its node;
-the leader, by the launcher environment, for a rank that never registered): a stopped process
-never exits, so its agent would never see the failure (torchrun waits 30 s for it; in-job
+On DEAD or HUNG every live rank writes its Python stacks (faulthandler), its flight recorder
+dump when PyTorch's is on (``resilient.health.flight_recorder``), and the failure record to the
+event log; one live rank on the failed rank's node SIGKILLs it (first, on DEAD: the survivors'
+collectives wait on it; after its stack, on HUNG).  That is the lowest-numbered, which the leader
+names in the verdict, ``kill_by``; a rank on the same host when none is left on its node; for a
+rank that never registered, a rank of its node by torchelastic's contiguous numbering, which finds
+it by its launcher environment.  A stopped process never exits, so its agent would never see the
+failure (torchrun waits 30 s for it; in-job
 recovery would never hand its rank to a spare).  A node is the host and the launcher's agent
 (torchelastic's ``GROUP_RANK``), so that agents sharing one machine count as separate nodes.
 Then every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun (``--max-restarts``) restarts the
@@ -39,6 +44,7 @@ cannot be interrupted from Python: exiting is the reliable way.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import faulthandler
 import json
@@ -50,7 +56,9 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +95,20 @@ __all__ = [
 EXIT_RANK_FAILURE = 75
 # how far past a deadline the leader looks (verdicts need the timeout strictly exceeded)
 _PAST = 0.005
+_VERDICT_WAIT_S = (
+    86400.0  # a store wait's timeout (close() and exit end it sooner, through the key;
+)
+# c10d logs a warning at every timed-out wait)
+_LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors whose verdict waiter may block
+
+
+@atexit.register
+def _release_waiters() -> None:
+    """A monitor nobody closed: its waiter must not be inside a store call at exit."""
+    for monitor in list(_LIVE):
+        monitor._release_waiter()
+
+
 _PROCESS_RING = object()  # Monitor(ring=...) default: the ring this process installed, if any
 
 
@@ -127,6 +149,7 @@ class Monitor:
         # (handlers run between bytecodes, never inside a store call, so reentry is safe)
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by close() and by the verdict's waiter
         self._verdict: Finding | None = None
         self._reported: set[tuple[str, int | None]] = set()
         self.scans = 0
@@ -151,6 +174,19 @@ class Monitor:
             self.store.append(f"{self.prefix}/joined", f"{rank},")
         self._thread = threading.Thread(target=self._loop, name="resilient-heartbeat", daemon=True)
         self._thread.start()
+        # a verdict reaches every rank at once, not at its next beat: the rank that must kill a
+        # frozen peer on another node (and every survivor, to leave) waits on the key, on a
+        # connection of its own (a blocked client serializes every other request behind it)
+        self._waiter: threading.Thread | None = None
+        if hasattr(store, "clone"):
+            self._waiter = threading.Thread(
+                target=self._await_verdict,
+                args=(store.clone(),),
+                name="resilient-verdict",
+                daemon=True,
+            )
+            self._waiter.start()
+            _LIVE.add(self)
 
     # --- what the loop calls ------------------------------------------------------------------
     def progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
@@ -182,6 +218,8 @@ class Monitor:
             except Exception:  # the store may be gone at shutdown
                 pass
         self._stop.set()
+        self._wake.set()
+        self._release_waiter()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5 * self.config.interval_s)
 
@@ -206,10 +244,19 @@ class Monitor:
             deadline = self.detector.next_deadline
             if deadline is not None and deadline + _PAST < wake:
                 wake = max(deadline + _PAST, time.monotonic() + interval / 20)
-            if self._stop.wait(max(0.0, wake - time.monotonic())):
+            poked = self._wake.wait(max(0.0, wake - time.monotonic()))
+            if self._stop.is_set():
                 return
             now = time.monotonic()
             beat = now >= next_beat
+            if poked:  # the verdict is in the store (or close() said stop): act on it now
+                self._wake.clear()
+                if not beat:
+                    try:
+                        self._watch()
+                    except Exception as e:
+                        self.events.write("monitor_error", rank=self.rank, error=repr(e))
+                    continue
             if beat:
                 late = now - next_beat
                 next_beat += interval
@@ -232,6 +279,38 @@ class Monitor:
                 self.events.write("monitor_error", rank=self.rank, error=repr(e))
                 if self._stop.wait(interval):
                     return
+
+    def _await_verdict(self, store: Any) -> None:
+        """(the "resilient-verdict" thread) Block on this rank's wake key, which the leader sets
+        with a verdict (and ``close`` to end the wait); then wake the heartbeat thread.  A store
+        that keeps failing (rather than timing out) ends the wait: the heartbeat thread still
+        reads the verdict at every beat."""
+        key, failures = f"{self.prefix}/wake/{self.rank}", 0
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                store.wait([key], timedelta(seconds=_VERDICT_WAIT_S))
+            except Exception:  # the wait timed out, or the store is gone
+                if time.monotonic() - t0 < _VERDICT_WAIT_S / 2:
+                    failures += 1
+                    if failures >= 3 or self._stop.wait(self.config.interval_s):
+                        return
+                continue
+            self._wake.set()
+            return
+
+    def _release_waiter(self) -> None:
+        """End the verdict waiter's blocking wait and join it: a thread blocked inside a store
+        call when the interpreter exits aborts the process ("terminate called...")."""
+        waiter, self._waiter = self._waiter, None
+        _LIVE.discard(self)
+        if waiter is None or not waiter.is_alive():
+            return
+        try:
+            self._set("wake", "close")
+        except Exception:  # the store is gone: its wait fails by itself
+            pass
+        waiter.join(timeout=2.0)
 
     def _beat(self) -> None:
         alive = encode_alive(time.monotonic(), time.time())
@@ -323,36 +402,55 @@ class Monitor:
                     self._reported.add(tag)
                     self.events.write("straggler", **f.to_json())
                 continue
-            f = dataclasses.replace(f, kill_by=self._killer(f, statuses, now))
-            with self._lock:
-                self.store.compare_set(f"{self.prefix}/verdict", "", json.dumps(f.to_json()))
+            self._publish(dataclasses.replace(f, kill_by=self._killer(f, statuses, now)))
             break
+
+    def _publish(self, f: Finding) -> None:
+        """(the leader) The verdict, once; every rank's verdict waiter wakes at once (one more
+        request), not at its next beat."""
+        with self._lock:
+            self.store.compare_set(f"{self.prefix}/verdict", "", json.dumps(f.to_json()))
+            wake = [f"{self.prefix}/wake/{r}" for r in range(self.world_size)]
+            self.store.multi_set(wake, ["verdict"] * len(wake))
 
     def _killer(self, f: Finding, statuses: list[RankStatus], now: float) -> int | None:
         """Who SIGKILLs the rank ``f`` names: the lowest-numbered live rank on its node, else on
         its host (a process can be killed only from its own machine: the same host name and boot
-        id, so that two machines with one name are not mistaken for one); the leader for a rank that
-        never registered (found by its launcher environment on the leader's host); None when no
-        live rank shares its host, or for the whole group."""
+        id, so that two machines with one name are not mistaken for one); for a rank that never
+        registered, a live rank of its node by the launcher's numbering, else the leader (either
+        finds it by its launcher environment on its own machine); None when no live rank shares
+        its host, or for the whole group."""
         if f.rank is None:
             return None
+        live = [
+            s.rank
+            for s in statuses
+            if s.rank != f.rank
+            and s.rank in self._info
+            and s.alive_t is not None
+            and s.phase not in GONE_PHASES
+            and now - s.alive_t <= self.config.dead_timeout_in(s.phase)
+        ]
         if not f.pid:
-            return self.rank if f.cause == "never_joined" else None
+            if f.cause != "never_joined":
+                return None
+            # where it is, nobody published: torchelastic numbers a node's ranks contiguously
+            # (group rank x local world size + local rank), so a live rank of the same block is
+            # on its node and finds it by its launcher environment; else the leader looks
+            per_node = _local_world_size()
+            block = [r for r in live if per_node and r // per_node == f.rank // per_node]
+            return min(block, default=self.rank)
         host, _, boot, node = self._info.get(f.rank, (f.host, f.pid, "", ""))
         if not host:
             return None
         on_host, on_node = [], []
-        for s in statuses:
-            info = self._info.get(s.rank)
-            if s.rank == f.rank or info is None or s.alive_t is None:
-                continue
+        for r in live:
+            info = self._info[r]
             if info[0] != host or info[2] != boot:  # the same machine: its name and its boot
                 continue
-            if s.phase in GONE_PHASES or now - s.alive_t > self.config.dead_timeout_in(s.phase):
-                continue
-            on_host.append(s.rank)
+            on_host.append(r)
             if info[3] == node:
-                on_node.append(s.rank)
+                on_node.append(r)
         return min(on_node or on_host, default=None)
 
     def _status(self, r: int, alive: bytes, progress: bytes, now: float, wall: float) -> RankStatus:
@@ -451,6 +549,10 @@ class Monitor:
         leader = self.is_leader
         if leader:
             self.events.write("verdict", leader=self.rank, **finding.to_json())
+        if finding.verdict is not Verdict.HUNG:
+            # a dead or frozen rank first: every survivor's collective waits for it to go, and
+            # nothing of its is read (a hung one publishes its stack first, below)
+            self._kill(finding, leader)
         fr = None
         try:
             fr = flight_recorder.dump(self.rank)
@@ -474,32 +576,7 @@ class Monitor:
                 pass
             if leader:
                 self._attribute(finding, stack, fr)
-        if self.kill_local and finding.rank is not None and finding.kill_by == self.rank:
-            pid = finding.pid if finding.host == self.host else 0
-            if not pid and finding.cause == "never_joined":
-                pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
-            if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
-                # a hung rank publishes its stack for the leader's attribution first (the leader
-                # waited for it already)
-                try:
-                    self._wait_for_stacks({finding.rank})
-                except Exception:  # the kill matters more than the stack
-                    pass
-            if pid and pid != self.pid:
-                # a stopped rank never exits: its agent would never see it fail (torchrun holds
-                # the restart 30 s for it; in-job recovery would never give its rank to a spare)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    self.events.write(
-                        "killed",
-                        rank=finding.rank,
-                        pid=pid,
-                        by=self.rank,
-                        host=self.host,
-                        node=self.node,
-                    )
-                except ProcessLookupError:
-                    pass
+            self._kill(finding, leader)  # once the hung rank's stack is in
         if (
             self.on_peer_failure is not None
             and finding.rank is not None
@@ -511,6 +588,36 @@ class Monitor:
             self.on_peer_failure(finding)
             return
         self.on_failure(finding)
+
+    def _kill(self, finding: Finding, leader: bool) -> None:
+        """SIGKILL the failed rank when the verdict names this rank its killer."""
+        if not (self.kill_local and finding.rank is not None and finding.kill_by == self.rank):
+            return
+        pid = finding.pid if finding.host == self.host else 0
+        if not pid and finding.cause == "never_joined":
+            pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
+        if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
+            # a hung rank publishes its stack for the leader's attribution first (the leader
+            # waited for it already)
+            try:
+                self._wait_for_stacks({finding.rank})
+            except Exception:  # the kill matters more than the stack
+                pass
+        if pid and pid != self.pid:
+            # a stopped rank never exits: its agent would never see it fail (torchrun holds
+            # the restart 30 s for it; in-job recovery would never give its rank to a spare)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.events.write(
+                    "killed",
+                    rank=finding.rank,
+                    pid=pid,
+                    by=self.rank,
+                    host=self.host,
+                    node=self.node,
+                )
+            except ProcessLookupError:
+                pass
 
     def _attribute(self, finding: Finding, own_stack: str, own_fr: str | None) -> None:
         """(the leader, on HUNG) Compare every rank's ring, fetch the Python stacks of the ranks
@@ -695,6 +802,14 @@ _PHASES = {
         "exiting",
     )
 }
+
+
+def _local_world_size() -> int:
+    """The launcher's ranks per node (0: not under torchrun or ``resilient launch``)."""
+    try:
+        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    except ValueError:
+        return 0
 
 
 def local_rank_pid(rank: int) -> int | None:
