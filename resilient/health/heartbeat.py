@@ -99,14 +99,16 @@ _VERDICT_WAIT_S = (
     86400.0  # a store wait's timeout (close() and exit end it sooner, through the key;
 )
 # c10d logs a warning at every timed-out wait)
-_LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors whose verdict waiter may block
+_LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
 
 
 @atexit.register
-def _release_waiters() -> None:
-    """A monitor nobody closed: its waiter must not be inside a store call at exit."""
+def _stop_monitors() -> None:
+    """Monitors nobody closed stop quietly (as a killed rank does) before the interpreter goes:
+    a daemon thread still inside a store call then (the heartbeat's, or the verdict waiter's
+    day-long wait) aborts the process ("terminate called without an active exception")."""
     for monitor in list(_LIVE):
-        monitor._release_waiter()
+        monitor.close(announce=False)
 
 
 _PROCESS_RING = object()  # Monitor(ring=...) default: the ring this process installed, if any
@@ -186,7 +188,7 @@ class Monitor:
                 daemon=True,
             )
             self._waiter.start()
-            _LIVE.add(self)
+        _LIVE.add(self)
 
     # --- what the loop calls ------------------------------------------------------------------
     def progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
@@ -219,6 +221,7 @@ class Monitor:
                 pass
         self._stop.set()
         self._wake.set()
+        _LIVE.discard(self)
         self._release_waiter()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5 * self.config.interval_s)
@@ -303,7 +306,6 @@ class Monitor:
         """End the verdict waiter's blocking wait and join it: a thread blocked inside a store
         call when the interpreter exits aborts the process ("terminate called...")."""
         waiter, self._waiter = self._waiter, None
-        _LIVE.discard(self)
         if waiter is None or not waiter.is_alive():
             return
         try:
