@@ -43,7 +43,7 @@ from resilient.errors import (
     ResilientError,
 )
 from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
-from resilient.health.attach import detect_by_default, start_monitor, take_over
+from resilient.health.attach import attempt_key, detect_by_default, start_monitor, take_over
 from resilient.health.events import default_event_log
 from resilient.hooks import call as call_hooks
 from resilient.launch import init_process_group, injob_enabled, regroup
@@ -176,6 +176,7 @@ class Run:
             world_size=self.world_size,
             pid=os.getpid(),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            attempt=attempt_key(),  # the workers' attempt: a restart, or a new rendezvous round
             generation=generation(),  # in-job recovery's generation of the group
             process_start=process_start_time(),
         )

@@ -561,3 +561,25 @@ def test_an_in_job_recovery_breaks_down_into_its_phases():
         "load": 0.25,
         "first_step": 0.2,
     }
+
+
+def test_restarts_count_the_attempts_a_node_joining_included():
+    """Under ``resilient launch`` a node that joins restarts the workers in a new rendezvous round
+    without moving the restart count (and the new node's agent counts from 0): the attempts the
+    workers started in are counted, not the restart count alone; in-job generations are not."""
+    from resilient.chaos.verify import _restarts
+
+    def starts(attempt, restarts, gen=0):
+        return [
+            {"event": "start", "rank": r, "restart": n, "attempt": attempt, "generation": gen}
+            for r, n in enumerate(restarts)
+        ]
+
+    events = starts("round_0", [0, 0]) + starts("round_0", [0], gen=1)  # a spare took a rank
+    assert _restarts(events) == 0
+    events += starts("round_1", [0, 0])  # node 1 replaced: a new round, the same restart count
+    assert _restarts(events) == 1
+    events += starts("round_2", [1, 0])  # a failure: node 0's agent counts 1, the new node's 0
+    assert _restarts(events) == 2
+    # torchrun (no round: the attempt is the restart count), and logs from before attempts
+    assert _restarts([{"event": "start", "restart": n} for n in (0, 0, 1, 1, 2)]) == 2

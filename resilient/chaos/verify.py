@@ -94,6 +94,22 @@ def lineage(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[d
     return history, rollbacks
 
 
+def _attempt(start: dict[str, Any]) -> str:
+    """The workers' attempt a "start" event belongs to (``attempt_key``; the restart count in
+    older logs).  Not the restart count under ``resilient launch``: a node that joined counts its
+    own from 0 in the same round."""
+    return str(start.get("attempt", start.get("restart", 0)))
+
+
+def _restarts(events: list[dict[str, Any]]) -> int:
+    """How many times the group's workers started again: torchelastic's restart count, or the
+    attempts (``resilient launch``'s rendezvous rounds) the workers started in, one less, where
+    more (a node joining restarts the workers without moving the restart count)."""
+    starts = [e for e in events if e["event"] == "start"]
+    attempts = {_attempt(e) for e in starts}
+    return max(max((e.get("restart", 0) for e in starts), default=0), len(attempts) - 1)
+
+
 def verify_run(
     scenario: Scenario, run_dir: Path, launch: Launch, reference: Path | None
 ) -> Outcome:
@@ -105,7 +121,7 @@ def verify_run(
     checks: list[Check] = []
     m: dict[str, Any] = {
         "wall_s": round(launch.ended - launch.started, 2),
-        "restarts": max((e.get("restart", 0) for e in events if e["event"] == "start"), default=0),
+        "restarts": _restarts(events),
         "rollbacks": [r for r in rollbacks if "lost" in r],
     }
     layouts = []
@@ -291,13 +307,15 @@ def verify_run(
     # one recovery per restart of the group: from the newest fault before it to the first step
     # completed after it (a restart may resume exactly where the job stopped: no rollback)
     # (in-job recovery: a new generation of the group, the same restart)
-    attempts: dict[tuple[int, int], float] = {}
+    attempts: dict[tuple[str, int], float] = {}
     for e in events:
-        key = (int(e.get("restart", 0)), int(e.get("generation", 0)))
-        if e["event"] == "start" and key != (0, 0):
+        if e["event"] == "start":
+            key = (_attempt(e), int(e.get("generation", 0)))
             attempts[key] = min(attempts.get(key, e["time"]), e["time"])
+    first_attempt = min(attempts.items(), key=lambda kv: kv[1], default=(None, 0.0))[0]
+    attempts.pop(first_attempt, None)  # the job's start
     recoveries = []
-    for (_, gen), began in sorted(attempts.items()):
+    for (_, gen), began in sorted(attempts.items(), key=lambda kv: kv[1]):
         first = next((r for r in records if r.get("wall_time", 0) > began), None)
         c = cause(began)
         if first is not None and c is not None:
@@ -404,8 +422,8 @@ def recovery_breakdown(events: list[dict[str, Any]], fault_t: float) -> dict[str
     starts = [e for e in events if e["event"] == "start" and e["time"] > fault_t]
     if not starts:
         return {}
-    attempt = (starts[0].get("restart"), starts[0].get("generation", 0))
-    same = [e for e in starts if (e.get("restart"), e.get("generation", 0)) == attempt]
+    attempt = (_attempt(starts[0]), starts[0].get("generation", 0))
+    same = [e for e in starts if (_attempt(e), e.get("generation", 0)) == attempt]
     leave = next(
         (e["time"] for e in events if e["event"] == "injob_leave" and e["time"] >= fault_t), None
     )

@@ -34,8 +34,20 @@ __all__ = [
 _EARLY: Monitor | None = None
 
 
+ENV_ROUND = "RESILIENT_RDZV_ROUND"  # set by `resilient launch`: the rendezvous round
+
+
 def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_key() -> str:
+    """The keys of this attempt of the workers in the launcher's store: the rendezvous round
+    under ``resilient launch`` (the same on every node of a round and new in every round, a
+    restart or a node joining, whose agent's restart count starts again at 0), else torchrun's
+    restart count (which a membership change does not move: torchrun's own keys have that gap)."""
+    rnd = os.environ.get(ENV_ROUND, "")
+    return f"round_{rnd}" if rnd.isdigit() else str(restart_count())
 
 
 def detect_by_default() -> bool:
@@ -81,7 +93,7 @@ def start_monitor(
     if store is None and "TORCHELASTIC_RUN_ID" in os.environ:
         store = agent_store()
     if store is not None and "TORCHELASTIC_RUN_ID" in os.environ:
-        prefix = f"resilient/health/{os.environ['TORCHELASTIC_RUN_ID']}/{restart_count()}"
+        prefix = f"resilient/health/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt_key()}"
         gen = os.environ.get("RESILIENT_INJOB_GEN", "0")  # in-job recovery's generation
         if gen != "0":
             prefix += f".{gen}"

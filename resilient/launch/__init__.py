@@ -5,7 +5,8 @@ server (same port) in every restart attempt, while ``init_process_group("env://"
 store per attempt and adds no prefix.  A restarted group then reads the previous attempt's keys
 (gloo's peer addresses among them) and the first attempt after a failure dies in
 ``connectFullMesh ... Connection refused``.  ``init_process_group`` here prefixes the store with the
-restart count, so every attempt rendezvouses on its own keys.
+attempt (``attempt_key``: the rendezvous round under ``resilient launch``, else the restart count),
+so every attempt rendezvouses on its own keys.
 
 It also starts the rank's heartbeat (``resilient.health``) on the agent's store *before* the
 process group exists, when detection is on (under torchrun by default): a rank that freezes in the
@@ -42,6 +43,7 @@ import torch.distributed.nn  # noqa: F401
 from resilient.errors import RankFailureError
 from resilient.health.attach import (
     agent_store,
+    attempt_key,
     detect_by_default,
     hand_over,
     restart_count,
@@ -135,7 +137,7 @@ def init_process_group(
         gen = generation() if injob_enabled() else 0
         if gen:
             _gather(store, gen, world, min(timeout_s, 120.0))
-        prefixed = dist.PrefixStore(store_prefix(restart_count(), gen), store)
+        prefixed = dist.PrefixStore(store_prefix(attempt_key(), gen), store)
         dist.init_process_group(
             backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
         )

@@ -37,6 +37,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from resilient.health.attach import ENV_ROUND
 from resilient.launch.injob import ENV_GEN, ENV_INJOB, ENV_SPARE, base_key
 
 log = logging.getLogger("resilient.launch")
@@ -128,6 +129,10 @@ def share_store_address(handler: Any) -> None:
 
     def next_rendezvous() -> Any:
         info = inner()
+        # the round this agent joined, the same on every agent of it: the workers' keys go under
+        # it (their restart counts differ when a node joins: its agent's starts again at 0)
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        handler._resilient_round = getattr(state, "round", None)
         if not handler.use_agent_store:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: one per round
             return info
         store, boot = info.store, info.bootstrap_store_info
@@ -213,6 +218,9 @@ def _agent_class() -> Any:
                 ENV_INJOB: "1" if self._injob_possible() else "0",
                 ENV_GEN: "0",
             }
+            rnd = getattr(spec.rdzv_handler, "_resilient_round", None)
+            if isinstance(rnd, int):
+                env[ENV_ROUND] = str(rnd)
             env.pop(ENV_SPARE, None)
             if worker is not None:
                 env.update(
@@ -321,10 +329,15 @@ def _agent_class() -> Any:
             return f"{self._base()}/assign/{self._worker_group.group_rank}/{index}"
 
         def _base(self) -> str:
+            """The in-job keys of this round (what ``base_key`` is in its workers)."""
             spec = self._worker_group.spec
-            return base_key(
-                spec.rdzv_handler.get_run_id(), spec.max_restarts - self._remaining_restarts
+            rnd = getattr(spec.rdzv_handler, "_resilient_round", None)
+            attempt = (
+                f"round_{rnd}"
+                if isinstance(rnd, int)
+                else str(spec.max_restarts - self._remaining_restarts)
             )
+            return base_key(spec.rdzv_handler.get_run_id(), attempt)
 
         # --- monitoring -----------------------------------------------------------------------
         def _monitor_workers(self, worker_group: WorkerGroup) -> Any:

@@ -9,12 +9,14 @@ at once when a peer's process is gone), wait for that generation and form it wit
 
 Everything goes through the agent's store (torchrun's, which outlives the workers), under
 
-    resilient/injob/<run id>/<restart>/gen                     the generation counter
-    resilient/injob/<run id>/<restart>/assign/<node>/<spare>   a spare's rank, or "exit"
-    resilient/injob/<run id>/<restart>/formed/<gen>            ranks that formed that generation
+    resilient/injob/<run id>/<attempt>/gen                     the generation counter
+    resilient/injob/<run id>/<attempt>/assign/<node>/<spare>   a spare's rank, or "exit"
+    resilient/injob/<run id>/<attempt>/formed/<gen>            ranks that formed that generation
 
-and generation ``g`` forms its group under ``/resilient/attempt_<restart>/gen_<g>`` (generation 0:
-``/resilient/attempt_<restart>``, as without in-job recovery).  When a generation cannot form (a
+and generation ``g`` forms its group under ``/resilient/attempt_<attempt>/gen_<g>`` (generation 0:
+``/resilient/attempt_<attempt>``, as without in-job recovery).  The attempt is the rendezvous
+round (``attempt_key``: the same on every node of a round, new in every round, a restart or a node
+joining).  When a generation cannot form (a
 second fault during recovery, no spare), every rank exits with ``EXIT_RANK_FAILURE`` and the agent
 falls back to what torchrun does: restart the workers.
 """
@@ -27,6 +29,7 @@ import time
 from typing import Any
 
 from resilient.errors import RankFailureError
+from resilient.health.attach import attempt_key
 
 ENV_INJOB = "RESILIENT_INJOB"
 ENV_SPARE = "RESILIENT_SPARE"  # "<node>:<index>" in a spare's environment
@@ -56,16 +59,15 @@ def generation() -> int:
     return int(os.environ.get(ENV_GEN, "0"))
 
 
-def base_key(run_id: str | None = None, restart: int | None = None) -> str:
+def base_key(run_id: str | None = None, attempt: str | None = None) -> str:
     run_id = run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if restart is None:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return f"resilient/injob/{run_id}/{restart}"
+    return f"resilient/injob/{run_id}/{attempt_key() if attempt is None else attempt}"
 
 
-def store_prefix(restart: int, gen: int) -> str:
-    """Where generation ``gen`` of restart ``restart`` forms its process group."""
-    base = f"/resilient/attempt_{restart}"
+def store_prefix(attempt: str, gen: int) -> str:
+    """Where generation ``gen`` of the workers' attempt ``attempt`` (``attempt_key``) forms its
+    process group."""
+    base = f"/resilient/attempt_{attempt}"
     return base if gen == 0 else f"{base}/gen_{gen}"
 
 

@@ -44,6 +44,7 @@ def test_the_in_job_scenarios_are_the_ones_these_two_files_run():
         "injob-no-spare-left",
         "injob-zero-early-kill",
         "injob-two-nodes",
+        "injob-replace-node",
     }
 
 

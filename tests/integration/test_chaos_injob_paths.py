@@ -79,9 +79,12 @@ def test_a_frozen_rank_on_another_node_is_replaced_in_job(out):
     # the healthy ranks on both nodes kept their model and ZeRO-1 optimizer; the spare built its
     models = _models(events)
     assert [models[(r, 1)] for r in range(4)] == [[True], [True], [False], [True]], models
-    # freed, though on two nodes only by the full collection ("all": a cycle through start-up's
-    # frozen objects holds them; the same without the kept model, not yet found), never "held"
-    _freed(events, {"collected", "all"})
+    # freed by the recovery's collection: the failed snapshot's frames no longer hold the old
+    # checkpointer (and through it the replicas' group), which is carried now, its replica
+    # groups dropped at the abort and formed again
+    _freed(events)
+    rejoined = [e for e in events if e["event"] == "injob_rejoin"]
+    assert len(rejoined) == 3 and all(e["kept_checkpointer"] for e in rejoined), rejoined
 
 
 @pytest.mark.slow
@@ -112,3 +115,20 @@ def test_a_fault_during_in_job_recovery_falls_back_to_a_restart(out):
     restarted = min(e["time"] for e in events if e["event"] == "start" and e.get("restart", 0))
     assert second["time"] < restarted
     assert len(set(_pids(events, 0))) == 2
+
+
+@pytest.mark.slow
+def test_a_lost_node_falls_back_to_a_restart_and_restores_from_the_replicas(out):
+    """Node 1's agent, workers and spare are lost with its memory, and a new agent takes its
+    place: no spare can answer, so the surviving agent restarts its workers as torchrun would,
+    and the new node's ranks restore from the replicas node 0 holds."""
+    report, events = _run(out, "injob-replace-node")
+    m = report["measurements"]
+    assert m["restarts"] == 1
+    assert [r["path"] for r in m["recoveries"]] == ["restart"]
+    assert m["restore_sources"] == ["memory"]
+    restores = [e for e in events if e["event"] == "restore"]
+    assert restores and all(e.get("peer_files", 0) > 0 for e in restores), restores
+    assert not [e for e in events if e["event"] == "spare_takeover"]
+    for rank in range(4):
+        assert len(set(_pids(events, rank))) == 2  # every worker started again
