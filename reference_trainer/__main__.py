@@ -4,8 +4,11 @@
         --ckpt URL [--preset tiny|small|zaya1-mini] [--data PATH] [--seed S] [--metrics FILE.jsonl]
     torchrun --nproc-per-node N -m reference_trainer ...      (same flags, without --nproc)
 
-With ``--nproc`` it launches N local ranks through torch.distributed.run itself.  Bad flags fail
-here, before any process group exists, with a message naming the flag (exit code 2).
+With ``--nproc`` it launches N local ranks through ``resilient launch`` (torch.distributed.elastic's
+agent, torchrun's flags and rendezvous), with ``--spares K`` hot spares (default 0: a failed rank
+restarts the workers, as torchrun would; K >= 1: a spare takes its rank and the healthy ranks stay,
+in-job recovery).  Bad flags fail here, before any process group exists, with a message naming the
+flag (exit code 2).
 """
 
 from __future__ import annotations
@@ -41,15 +44,20 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--nproc", type=int, default=None, help="launch this many local ranks with torchrun"
+        "--nproc",
+        type=int,
+        default=None,
+        help="launch this many local ranks with `resilient launch` (torch.distributed.elastic)",
     )
-    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts")
+    p.add_argument(
+        "--max-restarts", type=int, default=0, help="with --nproc: restarts of the workers"
+    )
     p.add_argument(
         "--spares",
         type=int,
         default=0,
-        help="with --nproc: hot spare processes; K > 0 launches through `resilient launch`, where "
-        "a spare takes a failed rank over and the healthy ranks stay alive (in-job recovery)",
+        help="with --nproc: hot spare processes; K > 0: a spare takes a failed rank over and the "
+        "healthy ranks stay alive (in-job recovery); 0: a failure restarts the workers",
     )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
@@ -334,9 +342,7 @@ def _without_launcher_flags(argv: list[str]) -> list[str]:
 def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> int:
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from resilient.launch.agent import launch_main
 
     gc.enable()  # a long-lived launcher collects as usual
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -349,34 +355,21 @@ def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> 
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
+        "--spares",
+        str(spares),
     ]
-    if spares:
-        from resilient.launch.agent import launch_main
-
-        code = launch_main([*flags, "--spares", str(spares), "-m", "reference_trainer", *rest])
-        if code == 128 + signal.SIGTERM:
-            print(
-                "preempted (SIGTERM): the ranks saved the current step; rerun to resume",
-                file=sys.stderr,
-            )
-            return 0
-        return code
-    try:
-        torchrun([*flags, "-m", "reference_trainer", *rest])
-    except ChildFailedError as e:
-        print(f"error: training failed: {e}", file=sys.stderr)
-        return 1
-    except SignalException as e:
-        if e.sigval != signal.SIGTERM:
-            raise
-        # Preemption: torchrun forwarded SIGTERM and waited for the ranks, which saved the
+    code = launch_main([*flags, "-m", "reference_trainer", *rest])
+    if code == 128 + signal.SIGTERM:
+        # Preemption: the launcher forwarded SIGTERM and waited for the ranks, which saved the
         # current step and exited cleanly (resilient.Run); the job stops successfully.
         print(
             "preempted (SIGTERM): the ranks saved the current step; rerun to resume",
             file=sys.stderr,
         )
         return 0
-    return 0
+    if code:
+        print("error: training failed (the launcher's report is above)", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

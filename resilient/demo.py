@@ -1,12 +1,14 @@
 """``resilient demo``: the end-to-end story on CPU, in a couple of minutes on 2 cores.
 
-1. The bundled MoE trainer runs on 4 ranks (torchrun, gloo; tp 2 x ep 2, ZeRO-1) with asynchronous
-   checkpoints every 5 steps and a snapshot in the node's memory after every step (the memory
-   tier), next to a fault-free reference run of the same job.
-2. Rank 1 is killed at step 14: torchrun sees the process exit, restarts the group, and it
-   resumes from the newest snapshot in memory, losing at most one step.  Rank 2 freezes at step 29, which torchrun cannot
-   see: the detector declares it DEAD within seconds (stacks in the event log), kills it, and the
-   group restarts again.
+1. The bundled MoE trainer runs on 4 ranks (``resilient launch``, torch.distributed.elastic's
+   agent, gloo; tp 2 x ep 2, ZeRO-1) with asynchronous checkpoints every 5 steps and a snapshot in
+   the node's memory after every step (the memory tier), next to a fault-free reference run of
+   the same job.
+2. Rank 1 is killed at step 14: the launcher sees the process exit, restarts the group (no
+   spares here: the restart path), and it resumes from the newest snapshot in memory, losing at
+   most one step.  Rank 2 freezes at step 29, which the launcher cannot see: the detector
+   declares it DEAD within seconds (stacks in the event log), kills it, and the group restarts
+   again.
 3. The chaos harness verifies the run against the reference: bit-identical weights, every
    checkpoint intact, every sample consumed exactly once, at most one step lost per fault.
 4. The final checkpoint is resharded to another layout (dp 2 x ep 2 x tp 1) with ``reshape``, and
@@ -90,7 +92,7 @@ def run_demo(out: str | Path) -> bool:
     console.rule("[bold]resilient: a training job that loses a rank and loses nothing")
 
     console.print(
-        "[bold]1.[/] The bundled MoE transformer trains on 4 CPU ranks (torchrun, gloo) in "
+        "[bold]1.[/] The bundled MoE transformer trains on 4 CPU ranks (`resilient launch`, gloo) in "
         f"layout tp 2 x ep 2 with ZeRO-1,\n   saving sharded checkpoints asynchronously every "
         f"{SAVE_EVERY} steps and a snapshot into the node's memory\n   after every step. First, a "
         f"fault-free reference run of the same job:"
@@ -220,12 +222,12 @@ class _Narrator:
             if e["kind"] == "kill":
                 say(
                     f"   [bold red]FAULT[/] rank {e['rank']} killed (SIGKILL) before step "
-                    f"{e['step']}: torchrun sees the process exit"
+                    f"{e['step']}: the launcher sees the process exit"
                 )
             else:
                 say(
                     f"   [bold red]FAULT[/] rank {e['rank']} frozen (SIGSTOP) before step "
-                    f"{e['step']}: the process is still there, so torchrun sees nothing; the "
+                    f"{e['step']}: the process is still there, so the launcher sees nothing; the "
                     "others wait in a collective"
                 )
         elif kind == "verdict":
@@ -237,7 +239,7 @@ class _Narrator:
             say("   every live rank writes its Python stacks to the event log and exits (code 75)")
         elif kind == "start" and e.get("restart", 0) > 0 and e["restart"] not in self._restarts:
             self._restarts.add(e["restart"])
-            say(f"   [bold]torchrun[/] restarts the group (restart {e['restart']})")
+            say(f"   [bold]the launcher[/] restarts the group (restart {e['restart']})")
         elif kind == "restore":
             skipped = e.get("skipped_steps") or []
             where = (

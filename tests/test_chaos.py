@@ -583,3 +583,25 @@ def test_restarts_count_the_attempts_a_node_joining_included():
     assert _restarts(events) == 2
     # torchrun (no round: the attempt is the restart count), and logs from before attempts
     assert _restarts([{"event": "start", "restart": n} for n in (0, 0, 1, 1, 2)]) == 2
+
+
+def test_a_restart_is_timed_when_the_first_attempt_never_started():
+    """A rank frozen in its imports stops the first attempt before any rank starts: the only
+    starts seen are the restart's, and that restart is still a recovery to time."""
+    from resilient.chaos.verify import recovery_starts
+
+    restarted = [
+        {"event": "start", "time": 20.0 + r, "rank": r, "restart": 1, "attempt": "1"}
+        for r in range(2)
+    ]
+    assert recovery_starts(restarted) == {("1", 0): 20.0}
+    first = [{"event": "start", "time": 1.0, "rank": 0, "restart": 0, "attempt": "0"}]
+    assert recovery_starts(first + restarted) == {("1", 0): 20.0}
+    # resilient launch: a node joined (round 4, restart count 0), then a spare took a rank
+    rounds = [
+        {"event": "start", "time": 1.0, "rank": 0, "restart": 0, "attempt": "round_3"},
+        {"event": "start", "time": 9.0, "rank": 0, "restart": 0, "attempt": "round_4"},
+        {"event": "start", "time": 12.0, "rank": 1, "restart": 0, "attempt": "round_4",
+         "generation": 1},
+    ]  # fmt: skip
+    assert recovery_starts(rounds) == {("round_4", 0): 9.0, ("round_4", 1): 12.0}

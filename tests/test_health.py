@@ -251,7 +251,8 @@ def test_a_verdict_reaches_every_rank_at_once_not_at_its_next_beat(tmp_path):
         assert sim.failures[1] == [dead] and sim.failures[0] == [dead]
     finally:
         sim.close()
-    assert not any(m._waiter for m in sim.monitors.values())  # close() ended the waits
+    waiters = [m._waiter for m in sim.monitors.values()]
+    assert all(w is not None and not w.is_alive() for w in waiters)  # close() ended the waits
 
 
 UNCLOSED = """
@@ -351,18 +352,27 @@ def test_a_dead_leader_is_replaced_and_the_verdict_still_comes(tmp_path):
         sim.close()
 
 
-@pytest.mark.parametrize("per_node, killer", [(None, 0), ("2", 2), ("1", 0)])
+@pytest.mark.parametrize(
+    "blocks, killer",
+    [
+        (None, 0),  # no launcher: the leader looks on its own host
+        ([(0, 2), (0, 2), (2, 2)], 2),  # two nodes of 2: rank 2 shares rank 3's node
+        ([(0, 1), (1, 3), (1, 3)], 1),  # nodes of 1 and 3 ranks: rank 1 heads rank 3's node
+        ([(0, 3), (0, 3), (0, 3)], 0),  # rank 3 alone on its node: the leader looks
+    ],
+)
 def test_a_rank_that_never_registers_is_declared_dead_by_the_group(
-    tmp_path, monkeypatch, per_node, killer
+    tmp_path, monkeypatch, blocks, killer
 ):
     """Rank 3 froze before its monitor started (in its imports): it has no keys at all.  The
     leader declares it DEAD after the join timeout, and every live rank acts on the verdict.
-    Its killer: with two ranks per node (torchelastic numbers them in blocks), rank 2, on its
-    node; alone on its node, or not under a launcher, the leader (which looks on its host)."""
-    if per_node is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", per_node)
+    Its killer is a live rank whose node's block of ranks (each rank publishes its node's first
+    rank and count: torchelastic numbers a node's ranks contiguously, however many each node
+    runs) holds rank 3; else the leader, which looks on its host."""
+    import resilient.health.heartbeat as hb
+
+    given = iter(blocks or [])
+    monkeypatch.setattr(hb, "node_block", lambda: next(given, None))
     sim = Sim(tmp_path, ranks=[0, 1, 2], join_timeout_s=1.0)
     try:
         assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 2)))

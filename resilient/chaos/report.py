@@ -13,7 +13,7 @@ from typing import Any
 
 from resilient.chaos.harness import Launch, RunPaths
 from resilient.chaos.scenario import Scenario
-from resilient.chaos.verify import Outcome, lineage, read_jsonl
+from resilient.chaos.verify import Outcome, lineage, read_jsonl, recovery_starts
 
 __all__ = ["write_reports", "draw_timeline", "suite_markdown"]
 
@@ -152,12 +152,7 @@ def draw_timeline(run_dir: Path, title: str) -> str | None:
                 fontsize=7,
                 color=color,
             )
-    first_start: dict[int, float] = {}  # restart number -> when its first rank started
-    for e in events:
-        if e["event"] == "start" and e.get("restart", 0) > 0:
-            n = e["restart"]
-            first_start[n] = min(first_start.get(n, e["time"]), e["time"])
-    restarts = sorted(t - t0 for t in first_start.values())
+    restarts = sorted(t - t0 for (_, gen), t in recovery_starts(events).items() if gen == 0)
     for i, t in enumerate(restarts):
         ax.axvline(t, color="tab:purple", ls=":", lw=1.5, label="restart" if i == 0 else None)
     saves = [e for e in events if e["event"] == "save" and e.get("ok")]

@@ -101,6 +101,29 @@ def _attempt(start: dict[str, Any]) -> str:
     return str(start.get("attempt", start.get("restart", 0)))
 
 
+def recovery_starts(events: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """(attempt, in-job generation) -> when its first rank started, for every start of the
+    group but the job's own: restarts (generation 0) and in-job generations."""
+    attempts: dict[tuple[str, int], float] = {}
+    order: dict[str, tuple[int, int]] = {}  # attempt -> (restart count, round)
+    for e in events:
+        if e["event"] == "start":
+            key = (_attempt(e), int(e.get("generation", 0)))
+            attempts[key] = min(attempts.get(key, e["time"]), e["time"])
+            order.setdefault(key[0], (int(e.get("restart", 0)), _round(key[0])))
+    # the job's start: the first attempt, if it started at all (a rank frozen in its imports
+    # stops the first attempt before any rank starts: then every attempt seen is a restart)
+    first = min(order, key=lambda a: order[a], default=None)
+    if first is not None and order[first][0] == 0:
+        attempts.pop((first, 0), None)
+    return attempts
+
+
+def _round(attempt: str) -> int:
+    """The rendezvous round of an attempt ``round_<n>`` (0 for a restart count)."""
+    return int(attempt[6:]) if attempt.startswith("round_") and attempt[6:].isdigit() else 0
+
+
 def _restarts(events: list[dict[str, Any]]) -> int:
     """How many times the group's workers started again: torchelastic's restart count, or the
     attempts (``resilient launch``'s rendezvous rounds) the workers started in, one less, where
@@ -307,13 +330,7 @@ def verify_run(
     # one recovery per restart of the group: from the newest fault before it to the first step
     # completed after it (a restart may resume exactly where the job stopped: no rollback)
     # (in-job recovery: a new generation of the group, the same restart)
-    attempts: dict[tuple[str, int], float] = {}
-    for e in events:
-        if e["event"] == "start":
-            key = (_attempt(e), int(e.get("generation", 0)))
-            attempts[key] = min(attempts.get(key, e["time"]), e["time"])
-    first_attempt = min(attempts.items(), key=lambda kv: kv[1], default=(None, 0.0))[0]
-    attempts.pop(first_attempt, None)  # the job's start
+    attempts = recovery_starts(events)
     recoveries = []
     for (_, gen), began in sorted(attempts.items(), key=lambda kv: kv[1]):
         first = next((r for r in records if r.get("wall_time", 0) > began), None)

@@ -14,9 +14,8 @@ import os
 import shutil
 import threading
 import time
-import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -131,6 +130,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._error_reported = False
         self._lineage = lineage  # the checkpointer's when this save began (see _advance_anchor)
+        self._replica_epoch: int | None = None  # its peer replicas' groups when it began
         self.started_at = time.time()
         self.finished_at: float | None = None
 
@@ -446,12 +446,14 @@ class Checkpointer:
             self._join_pending()
             data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step, self._lineage)
+        if self._replicas is not None:  # its replication uses these groups, not later ones
+            handle._replica_epoch = self._replicas.epoch
         handle.stats.stage_s = time.monotonic() - t0
         committer = self._committer(step)
         self._pending = handle
         self._thread = threading.Thread(
-            target=_in_background,
-            args=(self._persist, handle, step, layout, plan, data, dict(flat.values), committer),
+            target=self._persist,
+            args=(handle, step, layout, plan, data, dict(flat.values), committer),
             name=f"resilient-ckpt-save-{step}",
             daemon=True,
         )
@@ -556,8 +558,8 @@ class Checkpointer:
         committer = self._committer(step)
         self._pending = handle
         self._thread = threading.Thread(
-            target=_in_background,
-            args=(self._persist_elsewhere, handle, snap, pinned, committer),
+            target=self._persist_elsewhere,
+            args=(handle, snap, pinned, committer),
             name=f"resilient-ckpt-save-{step}",
             daemon=True,
         )
@@ -902,7 +904,13 @@ class Checkpointer:
         if self._replicas is not None:  # every rank, whatever happened: the peers agree first
             try:
                 ok = error is None and handle.stats.committed
-                self._replicas.replicate(self.storage, step_rel, file if ok else None, generation)
+                self._replicas.replicate(
+                    self.storage,
+                    step_rel,
+                    file if ok else None,
+                    generation,
+                    epoch=handle._replica_epoch,
+                )
             except Exception as e:  # the snapshot is committed; its replica is a bonus
                 log.warning("replicating snapshot %d to the peer node failed: %s", step, e)
         with self._hook_lock:  # save() of the outer checkpointer checks done() under it
@@ -1064,6 +1072,10 @@ class Checkpointer:
         # every rank had snapshotted, which it may still commit; the others: already abandoned)
         # is joined by the next save, not by the restore: it reads nothing the restore reads.
         self._pending_is_old = self._pending is not None
+        if self._memory is not None:
+            # first (no collective): it joins the abandoned snapshot, which must not hold up
+            # the new group's collectives below while the spare waits in them
+            self._memory.rebind()
         if self._memory_asked and self._distributed and self.world_size > 1:
             # the collective a new checkpointer runs in its constructor (the spare's does): every
             # rank of the new group must run the same ones, in the same order
@@ -1075,11 +1087,9 @@ class Checkpointer:
                     f"Checkpointer({self.url!r}): the ranks' nodes changed in the new group "
                     f"({self.nodes} -> {nodes}); a new checkpointer is needed"
                 )
-        if self._memory is not None:
-            self._memory.rebind()
-            if self._memory._replicas is not None:
-                # the collectives a new checkpointer's constructor runs next (the spare's)
-                self._memory._replicas.regroup()
+        if self._memory is not None and self._memory._replicas is not None:
+            # the collectives a new checkpointer's constructor runs next (the spare's)
+            self._memory._replicas.regroup()
 
     def abort(self) -> None:
         """The process group broke (a peer died; in-job recovery): a save or snapshot whose commit
@@ -1636,28 +1646,6 @@ def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> Resilie
     if not (isinstance(cls, type) and issubclass(cls, ResilientError)):
         cls = CheckpointCorruptError if code == 1 else ResilientError
     return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
-
-
-def _in_background(target: Callable[..., None], handle: SaveHandle, *args: Any) -> None:
-    """A save's thread: ``target`` stores its failure in ``handle``; the failure's frames then
-    let go of their locals (the checkpointer, its replicas' process group, the committer): a
-    failure kept until the next save, or in an abandoned save's handle, must not keep a broken
-    process group alive (gloo closes a group's connections only when it is freed).  The
-    traceback still says where it failed."""
-    try:
-        target(handle, *args)
-    finally:
-        seen: set[int] = set()
-        e = handle._error
-        todo = [e] if e is not None else []
-        while todo:
-            e = todo.pop()
-            if id(e) in seen:
-                continue
-            seen.add(id(e))
-            if e.__traceback__ is not None:
-                traceback.clear_frames(e.__traceback__)
-            todo += [c for c in (e.__cause__, e.__context__) if c is not None]
 
 
 def _await_outcome(committer: Committer, step: int, extra_s: float = 0.0) -> None:

@@ -174,6 +174,9 @@ class PersisterClient:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # not its worker, though it inherits its RANK and may outlive it (the detector's
+        # local_rank_pid skips it: resilient/health/heartbeat.py PERSISTER_MARK)
+        env["RESILIENT_PERSISTER_PROCESS"] = "1"
         log_path = os.path.join(self.job_dir, LOG_NAME)
         try:
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)

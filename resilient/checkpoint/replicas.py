@@ -125,6 +125,7 @@ class Replicas:
         self._timeout_s = timeout_s
         self.group: dist.ProcessGroup | None = None
         self.lanes: list[dist.ProcessGroup] = []
+        self.epoch = 0  # one more at every regroup: a save begun before it uses none of them
         self.regroup()
 
     def regroup(self) -> None:
@@ -132,6 +133,7 @@ class Replicas:
         rank, in the same order as the other checkpointers' constructors or regroups).  In-job
         recovery calls it in the new generation: the replica held and the spare stay."""
         timeout = timedelta(seconds=self._timeout_s)
+        self.epoch += 1
         # a group of its own: collectives of the training group are never issued from here
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         # Replicas travel on two more groups, by the parity of the sending node: a pair of ranks
@@ -145,9 +147,13 @@ class Replicas:
         fails, and none starts until ``regroup``."""
         self.group, self.lanes = None, []
 
-    def _groups(self) -> tuple[dist.ProcessGroup, list[dist.ProcessGroup]]:
+    def _groups(
+        self, epoch: int | None = None
+    ) -> tuple[dist.ProcessGroup, list[dist.ProcessGroup]]:
+        """The live groups; ``epoch``: the one a background save began in (a save the abort
+        abandoned must not meet the next generation's saves on its groups)."""
         group, lanes = self.group, self.lanes
-        if group is None or not lanes:
+        if group is None or not lanes or (epoch is not None and epoch != self.epoch):
             raise ResilientError(
                 f"rank {self.rank}: the peer replicas' process group is gone (in-job recovery "
                 f"left the broken one); nothing is sent until the new generation forms"
@@ -155,7 +161,14 @@ class Replicas:
         return group, lanes
 
     # --- replication (the snapshot's background thread, every rank, after every commit) -----------
-    def replicate(self, storage: Storage, step_rel: str, own: str | None, generation: int) -> None:
+    def replicate(
+        self,
+        storage: Storage,
+        step_rel: str,
+        own: str | None,
+        generation: int,
+        epoch: int | None = None,
+    ) -> None:
         """Send this rank's file of the just-committed step to its peer; keep its source's file
         (and drop the replicas of older steps: one replica per rank is held).  Every rank calls
         this after every snapshot, ``own`` None where the snapshot failed: the ranks agree first,
@@ -164,7 +177,7 @@ class Replicas:
         peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
         if peer is None or source is None:
             return
-        group, lanes = self._groups()
+        group, lanes = self._groups(epoch)
         data: torch.Tensor | None = None
         try:
             if own is not None:

@@ -8,7 +8,8 @@ monitor instead of starting a second one.  Without torchrun (a process group cre
 ``Run`` starts one on the default process group's store.
 
 The agent's store outlives the workers and is shared by every restart attempt, so keys live under
-``resilient/health/<run id>/<restart count>``.
+``resilient/health/<run id>/<attempt>`` (``attempt_key``: the restart count, or the rendezvous round
+under ``resilient launch``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from resilient.health.detector import DetectorConfig
 from resilient.health.events import EventLog
-from resilient.health.heartbeat import Monitor
+from resilient.health.heartbeat import ENV_ROUND, Monitor
 
 __all__ = [
     "detect_by_default",
@@ -32,9 +33,6 @@ __all__ = [
 ]
 
 _EARLY: Monitor | None = None
-
-
-ENV_ROUND = "RESILIENT_RDZV_ROUND"  # set by `resilient launch`: the rendezvous round
 
 
 def restart_count() -> int:

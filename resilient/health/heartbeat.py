@@ -95,6 +95,10 @@ __all__ = [
 EXIT_RANK_FAILURE = 75
 # how far past a deadline the leader looks (verdicts need the timeout strictly exceeded)
 _PAST = 0.005
+ENV_ROUND = "RESILIENT_RDZV_ROUND"  # set by `resilient launch`: the rendezvous round
+# in a persister process's environment (resilient/checkpoint/persister.py sets it): it inherits
+# its worker's RANK and may outlive it, and must never be taken for that rank's worker
+PERSISTER_MARK = b"RESILIENT_PERSISTER_PROCESS=1"
 _VERDICT_WAIT_S = (
     86400.0  # a store wait's timeout (close() and exit end it sooner, through the key;
 )
@@ -108,7 +112,7 @@ def _stop_monitors() -> None:
     a daemon thread still inside a store call then (the heartbeat's, or the verdict waiter's
     day-long wait) aborts the process ("terminate called without an active exception")."""
     for monitor in list(_LIVE):
-        monitor.close(announce=False)
+        monitor.close(announce=False, at_exit=True)
 
 
 _PROCESS_RING = object()  # Monitor(ring=...) default: the ring this process installed, if any
@@ -165,10 +169,27 @@ class Monitor:
         self._skew_reported: dict[int, float] = {}
         self._key_leader = f"{self.prefix}/leader"
         self._info: dict[int, tuple[str, int, str, str]] = {}  # rank -> (host, pid, boot, node)
+        self._blocks: dict[int, tuple[int, int]] = {}  # rank -> its node's (first rank, count)
+        self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
         self.attribution: dict[str, Any] | None = None  # the leader's, on a HUNG verdict
-        self._set("info", encode_info(self.host, self.pid, boot_id(), self.node))
+        self._set("info", encode_info(self.host, self.pid, boot_id(), self.node, node_block()))
+        # a verdict reaches every rank at once, not at its next beat: the rank that must kill a
+        # frozen peer on another node (and every survivor, to leave) waits on its wake key, on a
+        # connection of its own (a blocked client serializes every other request behind it).  A
+        # wake key left by an earlier monitor of this rank and prefix goes first (a verdict
+        # already out is read at the first beat all the same).
+        self._waiter: threading.Thread | None = None
+        waiter_store = None
+        if hasattr(store, "clone"):
+            try:
+                waiter_store = store.clone()
+                with self._lock:
+                    self.store.delete_key(f"{self.prefix}/wake/{rank}")
+            except Exception as e:  # no second connection: verdicts arrive at the beats
+                self.events.write("monitor_error", rank=rank, error=f"verdict waiter: {e!r}")
+                waiter_store = None
         self._beat()
         self.progress(None, "init")
         with self._lock:
@@ -176,14 +197,10 @@ class Monitor:
             self.store.append(f"{self.prefix}/joined", f"{rank},")
         self._thread = threading.Thread(target=self._loop, name="resilient-heartbeat", daemon=True)
         self._thread.start()
-        # a verdict reaches every rank at once, not at its next beat: the rank that must kill a
-        # frozen peer on another node (and every survivor, to leave) waits on the key, on a
-        # connection of its own (a blocked client serializes every other request behind it)
-        self._waiter: threading.Thread | None = None
-        if hasattr(store, "clone"):
+        if waiter_store is not None:
             self._waiter = threading.Thread(
                 target=self._await_verdict,
-                args=(store.clone(),),
+                args=(waiter_store,),
                 name="resilient-verdict",
                 daemon=True,
             )
@@ -210,7 +227,7 @@ class Monitor:
     def verdict(self) -> Finding | None:
         return self._verdict
 
-    def close(self, *, announce: bool = True) -> None:
+    def close(self, *, announce: bool = True, at_exit: bool = False) -> None:
         """Stop heartbeating.  With ``announce`` (a normal end), say "done" first, so that peers
         still finishing do not take the silence for a death; without it the rank just goes quiet,
         as a killed one does."""
@@ -222,7 +239,7 @@ class Monitor:
         self._stop.set()
         self._wake.set()
         _LIVE.discard(self)
-        self._release_waiter()
+        self._release_waiter(at_exit=at_exit)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5 * self.config.interval_s)
 
@@ -254,6 +271,8 @@ class Monitor:
             beat = now >= next_beat
             if poked:  # the verdict is in the store (or close() said stop): act on it now
                 self._wake.clear()
+                if self._stop.is_set():  # close() set it between the check above and the clear
+                    return
                 if not beat:
                     try:
                         self._watch()
@@ -293,23 +312,39 @@ class Monitor:
             t0 = time.monotonic()
             try:
                 store.wait([key], timedelta(seconds=_VERDICT_WAIT_S))
-            except Exception:  # the wait timed out, or the store is gone
+            except Exception as e:  # the wait timed out, or the store is gone
                 if time.monotonic() - t0 < _VERDICT_WAIT_S / 2:
                     failures += 1
-                    if failures >= 3 or self._stop.wait(self.config.interval_s):
+                    if failures >= 3 and not self._stop.is_set():
+                        self.events.write(
+                            "monitor_error",
+                            rank=self.rank,
+                            error=f"verdict waiter gave up (verdicts come at the beats): {e!r}",
+                        )
+                        return
+                    if self._stop.wait(self.config.interval_s):
                         return
                 continue
             self._wake.set()
             return
 
-    def _release_waiter(self) -> None:
+    def _release_waiter(self, at_exit: bool = False) -> None:
         """End the verdict waiter's blocking wait and join it: a thread blocked inside a store
-        call when the interpreter exits aborts the process ("terminate called...")."""
-        waiter, self._waiter = self._waiter, None
+        call when the interpreter exits aborts the process ("terminate called...").  At exit the
+        key is set on a connection of its own with a short timeout, without the monitor's lock
+        (a heartbeat stuck in a call to a dead store holds it): the exit is not held for long."""
+        waiter = self._waiter
         if waiter is None or not waiter.is_alive():
             return
+        key = f"{self.prefix}/wake/{self.rank}"
         try:
-            self._set("wake", "close")
+            if at_exit:
+                quick = self.store.clone()
+                quick.set_timeout(timedelta(seconds=2))
+                quick.set(key, "close")
+            else:
+                with self._lock:
+                    self.store.set(key, "close")
         except Exception:  # the store is gone: its wait fails by itself
             pass
         waiter.join(timeout=2.0)
@@ -409,7 +444,11 @@ class Monitor:
 
     def _publish(self, f: Finding) -> None:
         """(the leader) The verdict, once; every rank's verdict waiter wakes at once (one more
-        request), not at its next beat."""
+        request), not at its next beat.  A leader that goes on scanning (in-job recovery) finds
+        the same failure again: it is not published again."""
+        if self._published:
+            return
+        self._published = True
         with self._lock:
             self.store.compare_set(f"{self.prefix}/verdict", "", json.dumps(f.to_json()))
             wake = [f"{self.prefix}/wake/{r}" for r in range(self.world_size)]
@@ -436,12 +475,16 @@ class Monitor:
         if not f.pid:
             if f.cause != "never_joined":
                 return None
-            # where it is, nobody published: torchelastic numbers a node's ranks contiguously
-            # (group rank x local world size + local rank), so a live rank of the same block is
-            # on its node and finds it by its launcher environment; else the leader looks
-            per_node = _local_world_size()
-            block = [r for r in live if per_node and r // per_node == f.rank // per_node]
-            return min(block, default=self.rank)
+            # where it is, nobody published: torchelastic gives each node a contiguous block of
+            # ranks, which every rank publishes, so a live rank whose block holds it is on its
+            # node and finds it by its launcher environment; else the leader looks on its own
+            same = [
+                r
+                for r in live
+                if r in self._blocks
+                and self._blocks[r][0] <= f.rank < self._blocks[r][0] + self._blocks[r][1]
+            ]
+            return min(same, default=self.rank)
         host, _, boot, node = self._info.get(f.rank, (f.host, f.pid, "", ""))
         if not host:
             return None
@@ -509,6 +552,9 @@ class Monitor:
             values = self.store.multi_get(keys)
         for r, raw in zip(ranks, values):
             self._info[r] = decode_info(raw)
+            block = decode_block(raw)
+            if block is not None:
+                self._blocks[r] = block
         return self._info[ranks[-1]][2]
 
     def _report_skew(self, ranks: list[int]) -> None:
@@ -730,23 +776,40 @@ class Monitor:
             return int(self.store.get(self._key_leader).decode())
 
 
-def encode_info(host: str, pid: int, boot: str, node: str = "") -> str:
-    """``host|pid|boot|node``: what does not change while a rank lives, written once when it
-    joins (``node``: ``node_label()``)."""
-    return f"{host}|{pid}|{boot}|{node}"
+def encode_info(
+    host: str, pid: int, boot: str, node: str = "", block: tuple[int, int] | None = None
+) -> str:
+    """``host|pid|boot|node|first:count``: what does not change while a rank lives, written once
+    when it joins (``node``: ``node_label()``; ``block``: ``node_block()``)."""
+    tail = f"|{block[0]}:{block[1]}" if block is not None else ""
+    return f"{host}|{pid}|{boot}|{node}{tail}"
 
 
 def decode_info(raw: bytes) -> tuple[str, int, str, str]:
-    """``encode_info``'s fields; a value that is not one (another version's three fields, a bad
-    pid) reads as unknown (no host, pid 0) rather than stopping the monitor that reads it."""
+    """``encode_info``'s first four fields; a value that is not one (another version's three
+    fields, a bad pid) reads as unknown (no host, pid 0) rather than stopping the monitor that
+    reads it."""
     try:
-        parts = raw.decode().rsplit("|", 3)
+        parts = raw.decode().split("|")
         if len(parts) == 3:  # host|pid|boot: no node
             parts.append("")
-        host, pid, boot, node = parts
+        host, pid, boot, node = parts[:4]
         return host, int(pid), boot, node
     except (ValueError, UnicodeDecodeError):
         return "", 0, "", ""
+
+
+def decode_block(raw: bytes) -> tuple[int, int] | None:
+    """``encode_info``'s block (the first rank of the rank's node, and how many it runs), or None
+    where there is none or it is not one."""
+    try:
+        parts = raw.decode().split("|")
+        if len(parts) < 5:
+            return None
+        first, count = (int(x) for x in parts[4].split(":"))
+        return (first, count) if first >= 0 and count > 0 else None
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def node_label() -> str:
@@ -806,18 +869,24 @@ _PHASES = {
 }
 
 
-def _local_world_size() -> int:
-    """The launcher's ranks per node (0: not under torchrun or ``resilient launch``)."""
+def node_block() -> tuple[int, int] | None:
+    """This rank's node as a block of ranks: (its first rank, how many it runs), from the
+    launcher's environment (torchelastic numbers a node's workers contiguously, whatever each
+    node's ``--nproc-per-node``); None outside torchrun or ``resilient launch``."""
     try:
-        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except ValueError:
-        return 0
+        rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        count = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank - local, count) if 0 <= local < count and rank >= local else None
 
 
 def local_rank_pid(rank: int) -> int | None:
     """The pid of this torchrun job's worker ``rank`` on this host, found by its launcher
-    environment (same run id and restart attempt), for a rank that never published its pid.  A
-    worker's own children inherit that environment: the topmost match is the worker."""
+    environment (same run id, restart count and, under ``resilient launch``, rendezvous round),
+    for a rank that never published its pid.  A worker's own children inherit that environment:
+    the topmost match is the worker (a persister, which may outlive it, never matches).  A spare
+    that took the rank has no RANK in its environment: it is not found."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
@@ -826,13 +895,16 @@ def local_rank_pid(rank: int) -> int | None:
         b"TORCHELASTIC_RUN_ID=" + run_id.encode(),
         b"TORCHELASTIC_RESTART_COUNT=" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").encode(),
     }
+    rnd = os.environ.get(ENV_ROUND)
+    if rnd is not None:  # resilient launch: a node joining keeps the restart count, not the round
+        want.add(f"{ENV_ROUND}={rnd}".encode())
     found: dict[int, int] = {}  # pid -> parent pid
     for p in Path("/proc").iterdir():
         if not p.name.isdigit() or int(p.name) == os.getpid():
             continue
         try:
             env = set((p / "environ").read_bytes().split(b"\0"))
-            if not want <= env:
+            if not want <= env or PERSISTER_MARK in env:  # a persister outlives its worker
                 continue
             found[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):

@@ -221,6 +221,8 @@ def _agent_class() -> Any:
             rnd = getattr(spec.rdzv_handler, "_resilient_round", None)
             if isinstance(rnd, int):
                 env[ENV_ROUND] = str(rnd)
+            else:  # not one inherited from an outer launcher: the keys must be what _base says
+                env.pop(ENV_ROUND, None)
             env.pop(ENV_SPARE, None)
             if worker is not None:
                 env.update(

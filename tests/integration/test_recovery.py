@@ -1,8 +1,9 @@
-"""Real torchrun: frozen, killed and preempted ranks.
+"""Real launches (``--nproc``: ``resilient launch``, torch.distributed.elastic's agent, no spares):
+frozen, killed and preempted ranks.
 
 A frozen (SIGSTOPped) rank is declared DEAD within seconds, its stacks and the failure record reach
 the event log, the leader kills it, and every live rank exits with the documented code so that
-torchrun restarts the group, which completes bit-identical to an uninterrupted run.  SIGTERM to the
+the launcher restarts the group, which completes bit-identical to an uninterrupted run.  SIGTERM to the
 whole job saves the current step and exits 0.
 """
 
@@ -33,7 +34,7 @@ def last_step(metrics: Path) -> int:
 
 
 def trainer(tmp_path: Path, name: str, steps: int, save_every: int, *extra: str) -> list[str]:
-    """The reference trainer on 2 torchrun ranks (dp 2), checkpoints and metrics under tmp_path."""
+    """The reference trainer on 2 launched ranks (dp 2), checkpoints and metrics under tmp_path."""
     return [
         sys.executable,
         "-m",
@@ -107,7 +108,7 @@ def test_frozen_rank_is_declared_dead_killed_and_the_group_exits_for_a_restart(t
         8,
         signal_rank(1, signal.SIGSTOP, tmp_path / "run.log"),
     )
-    assert rc == 1  # no --max-restarts: torchrun reports the failed group
+    assert rc == 1  # no --max-restarts: the launcher reports the failed group
     events = events_of(tmp_path / "ck" / "events.jsonl")
     verdict = next(e for e in events if e["event"] == "verdict")
     assert verdict["verdict"] == "DEAD" and verdict["rank"] == 1 and verdict["pid"] == pid
@@ -143,7 +144,7 @@ def reference(tmp_path_factory) -> Path:
     [("SIGSTOP", 1), ("SIGKILL", 1), ("SIGSTOP", 0)],
     ids=["frozen-rank", "killed-rank", "frozen-leader"],
 )
-def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, reference, sig, victim):
+def test_recovery_by_restarts_is_bit_exact(tmp_path, reference, sig, victim):
     from tests.integration.trainer_runs import gather_checkpoint
 
     steps = REFERENCE_STEPS
@@ -159,7 +160,7 @@ def test_recovery_under_torchrun_restarts_is_bit_exact(tmp_path, reference, sig,
     )
     assert rc == 0, (tmp_path / "run.log").read_text()[-4000:]
     events = events_of(tmp_path / "ck" / "events.jsonl")
-    if sig == "SIGSTOP":  # a dead process is also seen by torchrun itself, which may act first
+    if sig == "SIGSTOP":  # a dead process is also seen by the launcher itself, which may act first
         assert any(e["event"] == "verdict" and e["rank"] == victim for e in events)
     if victim == 0:  # the leader froze: the next rank took over and issued the verdict
         assert any(e["event"] == "leader" and e["rank"] == 1 for e in events)

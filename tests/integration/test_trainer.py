@@ -156,7 +156,7 @@ def test_bad_flags_fail_before_any_process_group(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_command_line_launches_ranks_through_torchrun(tmp_path):
+def test_command_line_launches_ranks_through_the_elastic_launcher(tmp_path):
     metrics = tmp_path / "m.jsonl"
     cmd = [
         sys.executable,
