@@ -90,3 +90,18 @@ def test_a_node_that_joins_a_later_round_gets_the_workers_store_address():
                 h._stop_heartbeats()
             except Exception:
                 pass
+
+
+def test_free_ports_are_bindable_and_below_the_ephemeral_range():
+    """A rendezvous port the kernel never hands out as an outgoing connection's source port."""
+    import socket
+
+    from resilient.launch import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        if low > 2048:
+            assert 1024 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -24,6 +24,7 @@ wraps the ring's wrappers; ``RESILIENT_COLLECTIVE_RING=0`` leaves torch's functi
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import time
@@ -201,7 +202,32 @@ def regroup(
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for a local rendezvous)."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a local rendezvous), below
+    the kernel's ephemeral range where it can: a port the kernel picked (bind to 0) is also one it
+    may give an outgoing connection as its source port before the rendezvous listens on it, and
+    torchrun's agent then takes that connection for another agent's store ("Connection reset by
+    peer", seen once on a busy machine)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        if port == 0:
+            break
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
