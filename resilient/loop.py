@@ -807,7 +807,7 @@ def _free_process_groups() -> str:
     """Destroy the broken groups and free them, which closes their connections.  A collection
     always runs (a cycle may hold a group's backend, a DDP reducer or a pending work, which no
     weakref to the group shows); it is cheap when start-up's objects are frozen (``gc.freeze()``).
-    If a group object is still alive after it, the checkpointer's save threads get a moment (one
+    If a group object is still alive after it, the memory tier's snapshot threads get a moment (one
     inside a failing collective holds its group until it returns); then everything is collected,
     frozen objects included (a frozen cycle holds it), and the survivors frozen again.  Returns
     "collected", "all", or
@@ -822,12 +822,12 @@ def _free_process_groups() -> str:
     gc.collect()
     if not any(r() is not None for r in refs):
         return "collected"
-    # an abandoned save's thread may still be inside a collective of a broken group (it fails
-    # once the dead peer's connection resets or a peer frees its group) and holds the group until
-    # it returns: a moment for it first
+    # an abandoned snapshot's thread may still be inside a collective of a broken group (its
+    # replication; it fails once the dead peer's connection resets or a peer frees its group) and
+    # holds the group until it returns: a moment for it first (a durable save's holds none)
     deadline = time.monotonic() + _SAVE_THREAD_GRACE_S
     for t in threading.enumerate():
-        if t.name.startswith("resilient-ckpt-save") and t is not threading.current_thread():
+        if t.name.startswith("resilient-ckpt-snapshot") and t is not threading.current_thread():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
     gc.collect()
     if not any(r() is not None for r in refs):
