@@ -454,7 +454,7 @@ class Checkpointer:
         self._thread = threading.Thread(
             target=self._persist,
             args=(handle, step, layout, plan, data, dict(flat.values), committer),
-            name=f"{_THREAD[self._namespace == 'mem']}-{step}",
+            name=self._thread_name(step),
             daemon=True,
         )
         self._thread.start()
@@ -560,7 +560,7 @@ class Checkpointer:
         self._thread = threading.Thread(
             target=self._persist_elsewhere,
             args=(handle, snap, pinned, committer),
-            name=f"{_THREAD[self._namespace == 'mem']}-{step}",
+            name=self._thread_name(step),
             daemon=True,
         )
         self._thread.start()
@@ -1090,6 +1090,12 @@ class Checkpointer:
         if self._memory is not None and self._memory._replicas is not None:
             # the collectives a new checkpointer's constructor runs next (the spare's)
             self._memory._replicas.regroup()
+
+    def _thread_name(self, step: int) -> str:
+        """A save's background thread: a memory snapshot's ("resilient-ckpt-snapshot", which
+        replicates to the peer node over the replicas' groups: in-job recovery waits for it to
+        let go of them) or a durable save's."""
+        return f"resilient-ckpt-{'snapshot' if self._namespace == 'mem' else 'save'}-{step}"
 
     def abort(self) -> None:
         """The process group broke (a peer died; in-job recovery): a save or snapshot whose commit
@@ -1646,11 +1652,6 @@ def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> Resilie
     if not (isinstance(cls, type) and issubclass(cls, ResilientError)):
         cls = CheckpointCorruptError if code == 1 else ResilientError
     return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
-
-
-# a save's background thread: a durable save's, or a memory snapshot's (which replicates to the
-# peer node over the replicas' process groups: in-job recovery waits for it to let go of them)
-_THREAD = {False: "resilient-ckpt-save", True: "resilient-ckpt-snapshot"}
 
 
 def _await_outcome(committer: Committer, step: int, extra_s: float = 0.0) -> None:

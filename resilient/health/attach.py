@@ -45,7 +45,13 @@ def attempt_key() -> str:
     restart or a node joining, whose agent's restart count starts again at 0), else torchrun's
     restart count (which a membership change does not move: torchrun's own keys have that gap)."""
     rnd = os.environ.get(ENV_ROUND, "")
-    return f"round_{rnd}" if rnd.isdigit() else str(restart_count())
+    return attempt_name(int(rnd) if rnd.isdigit() else None, restart_count())
+
+
+def attempt_name(rnd: int | None, restart: int) -> str:
+    """``attempt_key`` from its parts: the round where the launcher knows it (the agent calls this
+    for its own keys, the workers through their environment)."""
+    return f"round_{rnd}" if rnd is not None else str(restart)
 
 
 def detect_by_default() -> bool:

@@ -34,8 +34,7 @@ collectives wait on it; after its stack, on HUNG).  That is the lowest-numbered,
 names in the verdict, ``kill_by``; a rank on the same host when none is left on its node; for a
 rank that never registered, a rank of its node by torchelastic's contiguous numbering, which finds
 it by its launcher environment.  A stopped process never exits, so its agent would never see the
-failure (torchrun waits 30 s for it; in-job
-recovery would never hand its rank to a spare).  A node is the host and the launcher's agent
+failure (torchrun waits 30 s for it; in-job recovery would never hand its rank to a spare).  A node is the host and the launcher's agent
 (torchelastic's ``GROUP_RANK``), so that agents sharing one machine count as separate nodes.
 Then every rank exits with ``EXIT_RANK_FAILURE`` so that torchrun (``--max-restarts``) restarts the
 group, which resumes from the newest committed checkpoint.  A rank blocked inside a collective
@@ -99,10 +98,9 @@ ENV_ROUND = "RESILIENT_RDZV_ROUND"  # set by `resilient launch`: the rendezvous 
 # in a persister process's environment (resilient/checkpoint/persister.py sets it): it inherits
 # its worker's RANK and may outlive it, and must never be taken for that rank's worker
 PERSISTER_MARK = b"RESILIENT_PERSISTER_PROCESS=1"
-_VERDICT_WAIT_S = (
-    86400.0  # a store wait's timeout (close() and exit end it sooner, through the key;
-)
-# c10d logs a warning at every timed-out wait)
+# a store wait's timeout: close() and the exit end the wait sooner, through the rank's wake key
+# (c10d logs a warning at every wait that times out, hence a day)
+_VERDICT_WAIT_S = 86400.0
 _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
 
 

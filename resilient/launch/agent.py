@@ -37,7 +37,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from resilient.health.attach import ENV_ROUND
+from resilient.health.attach import ENV_ROUND, attempt_name
 from resilient.launch.injob import ENV_GEN, ENV_INJOB, ENV_SPARE, base_key
 
 log = logging.getLogger("resilient.launch")
@@ -334,11 +334,8 @@ def _agent_class() -> Any:
             """The in-job keys of this round (what ``base_key`` is in its workers)."""
             spec = self._worker_group.spec
             rnd = getattr(spec.rdzv_handler, "_resilient_round", None)
-            attempt = (
-                f"round_{rnd}"
-                if isinstance(rnd, int)
-                else str(spec.max_restarts - self._remaining_restarts)
-            )
+            restart = spec.max_restarts - self._remaining_restarts
+            attempt = attempt_name(rnd if isinstance(rnd, int) else None, restart)
             return base_key(spec.rdzv_handler.get_run_id(), attempt)
 
         # --- monitoring -----------------------------------------------------------------------
