@@ -441,14 +441,20 @@ class Monitor:
             break
 
     def _publish(self, f: Finding) -> None:
-        """(the leader) The verdict, once; every rank's verdict waiter wakes at once (one more
-        request), not at its next beat.  A leader that goes on scanning (in-job recovery) finds
+        """(the leader) The verdict, once; on DEAD every rank's verdict waiter wakes at once (one
+        more request), not at its next beat.  A leader that goes on scanning (in-job recovery) finds
         the same failure again: it is not published again."""
         if self._published:
             return
         self._published = True
         with self._lock:
             self.store.compare_set(f"{self.prefix}/verdict", "", json.dumps(f.to_json()))
+            if f.verdict is Verdict.HUNG:
+                # not at once: the leader first gathers the stacks and attributes the hang, and
+                # a rank acting at once (the hung one exits, its launcher tears the group down)
+                # would end the leader before it wrote the attribution; the ranks read it at
+                # their next beat, as the hung rank's stack is awaited anyway
+                return
             wake = [f"{self.prefix}/wake/{r}" for r in range(self.world_size)]
             self.store.multi_set(wake, ["verdict"] * len(wake))
 
@@ -593,6 +599,9 @@ class Monitor:
 
     def _respond(self, finding: Finding) -> None:
         leader = self.is_leader
+        # in-job recovery: the loop may take the failure over meanwhile (a collective fails once
+        # the rank is killed below) and unset the hook; it then answers it, not this thread
+        in_job = self.on_peer_failure is not None
         if leader:
             self.events.write("verdict", leader=self.rank, **finding.to_json())
         if finding.verdict is not Verdict.HUNG:
@@ -623,16 +632,15 @@ class Monitor:
             if leader:
                 self._attribute(finding, stack, fr)
             self._kill(finding, leader)  # once the hung rank's stack is in
-        if (
-            self.on_peer_failure is not None
-            and finding.rank is not None
-            and finding.rank != self.rank
-        ):
+        hook = self.on_peer_failure
+        if hook is not None and finding.rank is not None and finding.rank != self.rank:
             # in-job recovery (resilient launch; Run sets the hook): the failed rank's process is
             # gone or killed, this rank's collectives fail, and it forms the next generation with
             # a spare
-            self.on_peer_failure(finding)
+            hook(finding)
             return
+        if in_job and finding.rank is not None and finding.rank != self.rank:
+            return  # the loop's in-job recovery took it over (it unset the hook): no exit
         self.on_failure(finding)
 
     def _kill(self, finding: Finding, leader: bool) -> None:
