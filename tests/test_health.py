@@ -1,6 +1,7 @@
 """Failure detection: the pure detector, and monitors heartbeating into a real TCPStore."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -11,6 +12,14 @@ import torch.distributed as dist
 
 from resilient.health import Detector, DetectorConfig, EventLog, Monitor, RankStatus, Verdict
 from resilient.health.detector import Finding
+from resilient.health.heartbeat import (
+    decode_block,
+    decode_info,
+    decode_start,
+    encode_info,
+    process_start,
+    process_state,
+)
 
 
 def statuses(now, steps, alive_age=None, progress_age=None):
@@ -54,6 +63,49 @@ def test_start_up_phases_get_a_longer_liveness_timeout():
     assert [f.verdict for f in d.observe(rank1("train", 3.0), now)] == [Verdict.DEAD]
     with pytest.raises(ValueError, match="startup_dead_after_intervals"):
         DetectorConfig(dead_after_intervals=3, startup_dead_after_intervals=2)
+
+
+def test_a_silent_rank_whose_process_still_runs_gets_the_longer_running_timeout():
+    """A heartbeat thread starved on a loaded machine (or behind native code holding the GIL) is
+    not a dead rank, and a restart would not cure it: the leader, seeing the process running on
+    its own machine, waits running_dead_after_intervals; a gone or stopped one, the usual."""
+    asked = []
+
+    def running(s):
+        asked.append(s.rank)
+        return {1: True, 2: False}.get(s.rank)  # 3: on another machine
+
+    cfg = DetectorConfig(interval_s=1.0, dead_after_intervals=2, running_dead_after_intervals=6)
+    d = Detector(cfg, running=running)
+    now = 1000.0
+    out = d.observe(statuses(now, [5, 5, 5, 5], alive_age={1: 3.0, 2: 3.0, 3: 3.0}), now)
+    assert [(f.verdict, f.rank, f.timeout_s) for f in out] == [
+        (Verdict.DEAD, 2, 2.0),
+        (Verdict.DEAD, 3, 2.0),
+    ]
+    assert sorted(set(asked)) == [1, 2, 3]  # only the overdue ranks are looked at
+    assert d.observe(statuses(now, [5, 5, 5, 5], alive_age={1: 3.0}), now) == []
+    assert d.observe(statuses(now, [5, 5, 5, 5], alive_age={1: 5.9}), now) == []
+    out = d.observe(statuses(now, [5, 5, 5, 5], alive_age={1: 6.5}), now)
+    assert [(f.verdict, f.rank, f.timeout_s) for f in out] == [(Verdict.DEAD, 1, 6.0)]
+    assert "for 6.5s although its process is running" in out[0].detail
+    with pytest.raises(ValueError, match="running_dead_after_intervals"):
+        DetectorConfig(dead_after_intervals=3, running_dead_after_intervals=2)
+
+
+def test_no_rank_is_dead_until_it_could_beat_after_the_leader_itself_was_starved():
+    """The leader's own loop woke late: the machine stalled, every heartbeat thread with it, and
+    the leader looks before they ran again.  Each rank gets an interval from then to beat."""
+    d = Detector(DetectorConfig(interval_s=1.0, dead_after_intervals=2))
+    now = 1000.0
+    resumed = now - 0.5
+    quiet = statuses(now, [5, 5, 5], alive_age={1: 3.0, 2: 3.0})
+    assert d.observe(quiet, now, resumed_at=resumed) == []
+    assert d.next_deadline == pytest.approx(resumed + 1.0)
+    later = now + 0.6  # rank 2 beat when the stall ended; rank 1 did not
+    out = d.observe(statuses(later, [5, 5, 5], alive_age={1: 3.6}), later, resumed_at=resumed)
+    assert [(f.verdict, f.rank) for f in out] == [(Verdict.DEAD, 1)]
+    assert [f.rank for f in d.observe(quiet, now)] == [1, 2]  # no stall: judged at once
 
 
 def test_hung_when_behind_waiting_peers_and_group_stall():
@@ -231,7 +283,11 @@ def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
         for r in (0, 1, 3):
             f = sim.failures[r][0]
             assert f.verdict is Verdict.DEAD and f.rank == 2
+        # its process (this one) still runs: a starved heartbeat thread, given the longer timeout
+        assert f.timeout_s == pytest.approx(0.2 * sim.config.running_dead_after_intervals)
+        assert "although its process is running" in f.detail
         events = sim.events.read()
+        assert any(e["event"] == "heartbeat_silent" and e["rank"] == 2 for e in events)
         assert any(e["event"] == "verdict" and e["rank"] == 2 for e in events)
         stacks = [e for e in events if e["event"] == "stacks"]
         assert {e["rank"] for e in stacks} >= {0, 1, 3}
@@ -551,6 +607,8 @@ def test_a_frozen_rank_is_killed_by_a_rank_on_its_own_node(tmp_path, monkeypatch
         assert "verdict 2 3" in out
         assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1)))
         assert {(f.rank, f.kill_by) for r in (0, 1) for f in sim.failures[r]} == {(2, 3)}
+        # a stopped process is not a running one: the usual timeout (5 beats), not the longer
+        assert "(timeout 1.0s in phase train)" in sim.failures[0][0].detail
         killed = [e for e in sim.events.read() if e["event"] == "killed"]
         assert len(killed) == 1, killed
         assert (killed[0]["rank"], killed[0]["by"], killed[0]["node"]) == (2, 3, "1")
@@ -572,4 +630,52 @@ def test_a_frozen_rank_is_killed_by_a_rank_on_its_own_node(tmp_path, monkeypatch
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        sim.close()
+
+
+def test_process_state_tells_running_stopped_and_gone_apart_by_pid_and_start_time():
+    """What the leader reads of a silent rank's process on its own machine, and what guards a
+    kill against a pid that a new process took over."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        start = process_start(proc.pid)
+        assert start is not None
+        assert process_state(proc.pid, start) in ("R", "S")
+        assert process_state(proc.pid, start + 1) == "gone"  # the pid is another process's
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert Sim.wait_for(None, lambda: process_state(proc.pid, start) == "T")
+        os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_state(proc.pid, start) == "gone"
+    info = encode_info("h", 7, "b", "1", None, 1234).encode()
+    assert (decode_info(info), decode_start(info), decode_block(info)) == (
+        ("h", 7, "b", "1"),
+        1234,
+        None,
+    )
+    old = encode_info("h", 7, "b", "1", (2, 2)).encode()  # another version: no start time
+    assert (decode_start(old), decode_block(old)) == (None, (2, 2))
+
+
+def test_a_kill_checks_the_pid_is_still_the_failed_ranks_process(tmp_path):
+    """A rank's pid names its process only while that process lives: the killer compares the
+    start time the rank published before it sends SIGKILL."""
+    sim = Sim(tmp_path, world=2, ranks=[0])
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        m = sim.monitors[0]
+        m.kill_local = True
+        f = Finding(Verdict.DEAD, 1, m.host, proc.pid, 3, "train", 1.0, 9.0, "quiet", kill_by=0)
+        m._starts[1] = process_start(proc.pid) + 1  # a process the rank no longer is
+        m._kill(f, leader=True)
+        assert proc.poll() is None
+        m._starts[1] -= 1
+        m._kill(f, leader=True)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         sim.close()

@@ -8,9 +8,11 @@ clocks of its own: tested by feeding snapshots.
 * DEAD: no liveness heartbeat for ``dead_after_intervals`` intervals (a killed or frozen process:
   SIGSTOP freezes its heartbeat thread too; ``startup_dead_after_intervals`` in the start-up phases
   before the checkpoint is loaded, where imports and model building keep the CPU and the GIL busy
-  and a loaded machine can starve the heartbeat thread for seconds); or never registered at all within ``join_timeout_s``
-  of the leader's own start ("never joined": frozen or stuck in imports or the launcher before its
-  heartbeat started).
+  and a loaded machine can starve the heartbeat thread for seconds; ``running_dead_after_intervals``
+  when the leader sees the rank's process still running on its own machine, neither gone nor
+  stopped; none while the leader itself has just been starved, until every rank had an interval
+  to beat); or never registered at all within ``join_timeout_s`` of the leader's own start ("never
+  joined": frozen or stuck in imports or the launcher before its heartbeat started).
 * HUNG: alive, but no progress for its phase's budget while peers wait (they are further along:
   a higher progress sequence number, which orders ranks before the first step too), or every rank
   stalled at once.  The budget is ``hang_timeout_s`` when set, else the rolling 95th percentile of
@@ -135,6 +137,10 @@ class DetectorConfig:
     interval_s: float = 1.0
     dead_after_intervals: float = 2.0
     startup_dead_after_intervals: float = 5.0  # phases init, rendezvous, setup
+    # a silent rank whose process the leader sees running on its own machine (not gone, not
+    # stopped): its heartbeat thread is starved (a loaded machine, native code holding the GIL),
+    # which a restart of the whole job would not cure; it gets this many intervals
+    running_dead_after_intervals: float = 10.0
     join_timeout_s: float = 120.0
     hang_timeout_s: float | None = None
     hang_factor: float = 5.0
@@ -152,11 +158,12 @@ class DetectorConfig:
                 f"interval_s ({self.interval_s}) and dead_after_intervals "
                 f"({self.dead_after_intervals}) must be positive"
             )
-        if self.startup_dead_after_intervals < self.dead_after_intervals:
-            raise ValueError(
-                f"startup_dead_after_intervals ({self.startup_dead_after_intervals}) must be at "
-                f"least dead_after_intervals ({self.dead_after_intervals})"
-            )
+        for name in ("startup_dead_after_intervals", "running_dead_after_intervals"):
+            if getattr(self, name) < self.dead_after_intervals:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be at least dead_after_intervals "
+                    f"({self.dead_after_intervals})"
+                )
         if self.join_timeout_s <= 0:
             raise ValueError(f"join_timeout_s must be positive, got {self.join_timeout_s}")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
@@ -179,11 +186,21 @@ class DetectorConfig:
 
 class Detector:
     """``start``: when the leader started watching, on the clock ``observe`` gets as ``now``; a rank
-    with no heartbeat ``join_timeout_s`` after it is declared DEAD ("never joined")."""
+    with no heartbeat ``join_timeout_s`` after it is declared DEAD ("never joined").
+    ``running``: asked about a rank whose heartbeat is overdue, says whether its process is
+    running on the leader's machine (True), is gone or stopped (False), or cannot be seen (None,
+    another machine); a running one gets ``running_dead_after_intervals``."""
 
-    def __init__(self, config: DetectorConfig, *, start: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: DetectorConfig,
+        *,
+        start: float = 0.0,
+        running: Callable[[RankStatus], bool | None] | None = None,
+    ) -> None:
         self.config = config
         self.start = start
+        self._running = running
         self._last: dict[int, tuple[int | None, float | None]] = {}
         self._step_times: dict[int, deque[float]] = {}
         self._busy_times: dict[int, deque[float]] = {}
@@ -226,7 +243,12 @@ class Detector:
         if prev is None or prev[0] != s.step:
             self._last[s.rank] = (s.step, s.progress_t)
 
-    def observe(self, statuses: list[RankStatus], now: float) -> list[Finding]:
+    def observe(
+        self, statuses: list[RankStatus], now: float, *, resumed_at: float | None = None
+    ) -> list[Finding]:
+        """``resumed_at``: when the leader last ran again after being starved itself (its own
+        loop woke late): the machine stalled, the other ranks' heartbeat threads with it, and each
+        gets an interval from then to beat before a heartbeat's age counts against it."""
         c = self.config
         for s in statuses:
             self._record(s)
@@ -259,15 +281,29 @@ class Detector:
                 continue
             since_alive = now - s.alive_t
             timeout = c.dead_timeout_in(s.phase)
+            running = False
+            if since_alive > timeout:
+                if resumed_at is not None and now - resumed_at < c.interval_s:
+                    deadline = min(deadline, resumed_at + c.interval_s)
+                    continue
+                if self._running is not None and self._running(s):
+                    running = True
+                    timeout = max(timeout, c.interval_s * c.running_dead_after_intervals)
             deadline = min(deadline, s.alive_t + timeout)
             if since_alive > timeout:
+                why = (
+                    f"although its process is running on the leader's machine (timeout "
+                    f"{timeout:.1f}s in phase {s.phase} for a running process: its heartbeat "
+                    f"thread cannot run, native code holding the GIL or a starved machine)"
+                    if running
+                    else f"(timeout {timeout:.1f}s in phase {s.phase})"
+                )
                 findings.append(
                     self._finding(
                         Verdict.DEAD,
                         s,
                         now,
-                        f"no liveness heartbeat for {since_alive:.1f}s "
-                        f"(timeout {timeout:.1f}s in phase {s.phase})",
+                        f"no liveness heartbeat for {since_alive:.1f}s {why}",
                         cause="no_heartbeat",
                         timeout_s=timeout,
                     )

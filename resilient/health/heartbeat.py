@@ -102,6 +102,9 @@ PERSISTER_MARK = b"RESILIENT_PERSISTER_PROCESS=1"
 # (c10d logs a warning at every wait that times out, hence a day)
 _VERDICT_WAIT_S = 86400.0
 _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
+# process states (process_state) of a rank that is not running: gone, zombie, dead, stopped
+# (SIGSTOP) or traced (a debugger holds it)
+_NOT_RUNNING = frozenset({"gone", "Z", "X", "x", "T", "t"})
 
 
 @atexit.register
@@ -140,7 +143,10 @@ class Monitor:
         )
         self.config = config or DetectorConfig()
         self.started_mono = time.monotonic()
-        self.detector = Detector(self.config, start=self.started_mono)
+        self.detector = Detector(self.config, start=self.started_mono, running=self._running)
+        # (the leader) when its own loop last woke late, starved (see Detector.observe)
+        self._resumed_at: float | None = None
+        self._silent_noted: set[tuple[int, float]] = set()  # (rank, alive_t) logged as running
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
         # in-job recovery: called (from the monitor's thread) on a verdict about another rank
@@ -167,12 +173,18 @@ class Monitor:
         self._skew_reported: dict[int, float] = {}
         self._key_leader = f"{self.prefix}/leader"
         self._info: dict[int, tuple[str, int, str, str]] = {}  # rank -> (host, pid, boot, node)
+        self._starts: dict[int, int] = {}  # rank -> its process's start time (process_start)
         self._blocks: dict[int, tuple[int, int]] = {}  # rank -> its node's (first rank, count)
         self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
         self.attribution: dict[str, Any] | None = None  # the leader's, on a HUNG verdict
-        self._set("info", encode_info(self.host, self.pid, boot_id(), self.node, node_block()))
+        self._set(
+            "info",
+            encode_info(
+                self.host, self.pid, boot_id(), self.node, node_block(), process_start(self.pid)
+            ),
+        )
         # a verdict reaches every rank at once, not at its next beat: the rank that must kill a
         # frozen peer on another node (and every survivor, to leave) waits on its wake key, on a
         # connection of its own (a blocked client serializes every other request behind it).  A
@@ -266,6 +278,8 @@ class Monitor:
             if self._stop.is_set():
                 return
             now = time.monotonic()
+            if not poked and now - wake > interval / 2:
+                self._resumed_at = now  # this thread was starved: so, likely, were the others
             beat = now >= next_beat
             if poked:  # the verdict is in the store (or close() said stop): act on it now
                 self._wake.clear()
@@ -373,9 +387,9 @@ class Monitor:
         distance = (self.rank - leader - 1) % self.world_size + 1
         c = self.config
         key = f"{self.prefix}/alive/{leader}"
+        now = time.monotonic()  # before the read: a slow read must not age what it returns
         with self._lock:
             raw = self.store.get(key) if self.store.check([key]) else None
-        now = time.monotonic()
         if raw is None:
             # the leader never registered (frozen in its imports?): wait as long as the leader
             # would wait for any rank, then take its place and judge it
@@ -415,18 +429,22 @@ class Monitor:
                     f"{self.prefix}/progress/{r}" for r in ranks
                 ]
         ranks = sorted(self._joined)
+        # heartbeats are judged as of when they were asked for: a read that the store (or this
+        # process) was slow to answer must not age what it returns
+        asked = time.monotonic()
         with self._lock:
             values = self.store.multi_get(self._keys) if self._keys else []
-        now, wall = time.monotonic(), time.time()
+        seen, wall = time.monotonic(), time.time()
         k = len(ranks)
         statuses = []
         for i, r in enumerate(ranks):
-            statuses.append(self._status(r, values[i], values[k + i], now, wall))
+            statuses.append(self._status(r, values[i], values[k + i], seen, wall))
         if k < n:
             statuses += [
                 RankStatus(r, None, None, UNREGISTERED) for r in range(n) if r not in self._joined
             ]
-        findings = self.detector.observe(statuses, now)
+        now = asked
+        findings = self.detector.observe(statuses, now, resumed_at=self._resumed_at)
         self.scans += 1
         self.last_scan_s = time.perf_counter() - t0
         self._report_skew(ranks)
@@ -538,6 +556,32 @@ class Monitor:
         self._cache[r] = (alive, progress, status)
         return status
 
+    def _running(self, s: RankStatus) -> bool | None:
+        """(the detector, about a rank whose heartbeat is overdue) Whether its process is still
+        running here: None when it is on another machine (or its start time is unknown, so a pid
+        in another pid namespace could be mistaken for it)."""
+        host, pid, boot, _ = self._info.get(s.rank, ("", 0, "", ""))
+        start = self._starts.get(s.rank)
+        if not pid or start is None or host != self.host or not boot or boot != boot_id():
+            return None
+        state = process_state(pid, start)
+        if state is None:
+            return None
+        running = state not in _NOT_RUNNING
+        if running and s.alive_t is not None and (s.rank, s.alive_t) not in self._silent_noted:
+            self._silent_noted.add((s.rank, s.alive_t))
+            self.events.write(
+                "heartbeat_silent",
+                rank=s.rank,
+                pid=pid,
+                state=state,
+                leader=self.rank,
+                phase=s.phase,
+                detail=f"rank {s.rank}'s heartbeat is overdue but its process is running (state "
+                f"{state}): waiting up to {self.config.running_dead_after_intervals:g} intervals",
+            )
+        return running
+
     def _clock(self, rank: int, boot: str) -> PeerClock:
         clock = self._clocks.get(rank)
         if clock is None:
@@ -556,6 +600,9 @@ class Monitor:
             values = self.store.multi_get(keys)
         for r, raw in zip(ranks, values):
             self._info[r] = decode_info(raw)
+            start = decode_start(raw)
+            if start is not None:
+                self._starts[r] = start
             block = decode_block(raw)
             if block is not None:
                 self._blocks[r] = block
@@ -648,6 +695,8 @@ class Monitor:
         if not (self.kill_local and finding.rank is not None and finding.kill_by == self.rank):
             return
         pid = finding.pid if finding.host == self.host else 0
+        if pid and not self._same_process(finding.rank, pid):
+            return  # that process is gone: its pid may be another's by now
         if not pid and finding.cause == "never_joined":
             pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
         if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
@@ -672,6 +721,17 @@ class Monitor:
                 )
             except ProcessLookupError:
                 pass
+
+    def _same_process(self, rank: int, pid: int) -> bool:
+        """Whether ``pid`` is still rank ``rank``'s process (its start time as the rank published
+        it); True where that cannot be told (no start time published, no /proc)."""
+        if rank not in self._starts:
+            try:
+                self._fetch_info([rank])
+            except Exception:  # the store is going: kill on the pid alone
+                return True
+        start = self._starts.get(rank)
+        return start is None or process_state(pid, start) != "gone"
 
     def _attribute(self, finding: Finding, own_stack: str, own_fr: str | None) -> None:
         """(the leader, on HUNG) Compare every rank's ring, fetch the Python stacks of the ranks
@@ -783,12 +843,20 @@ class Monitor:
 
 
 def encode_info(
-    host: str, pid: int, boot: str, node: str = "", block: tuple[int, int] | None = None
+    host: str,
+    pid: int,
+    boot: str,
+    node: str = "",
+    block: tuple[int, int] | None = None,
+    start: int | None = None,
 ) -> str:
-    """``host|pid|boot|node|first:count``: what does not change while a rank lives, written once
-    when it joins (``node``: ``node_label()``; ``block``: ``node_block()``)."""
-    tail = f"|{block[0]}:{block[1]}" if block is not None else ""
-    return f"{host}|{pid}|{boot}|{node}{tail}"
+    """``host|pid|boot|node|first:count|start``: what does not change while a rank lives, written
+    once when it joins (``node``: ``node_label()``; ``block``: ``node_block()``, empty where none;
+    ``start``: ``process_start()``, which tells the process apart from a later one with its pid)."""
+    tail = "" if block is None else f"{block[0]}:{block[1]}"
+    if start is not None:
+        tail += f"|{start}"
+    return f"{host}|{pid}|{boot}|{node}|{tail}" if tail else f"{host}|{pid}|{boot}|{node}"
 
 
 def decode_info(raw: bytes) -> tuple[str, int, str, str]:
@@ -815,6 +883,45 @@ def decode_block(raw: bytes) -> tuple[int, int] | None:
         first, count = (int(x) for x in parts[4].split(":"))
         return (first, count) if first >= 0 and count > 0 else None
     except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def decode_start(raw: bytes) -> int | None:
+    """``encode_info``'s process start time, or None where there is none or it is not one."""
+    try:
+        parts = raw.decode().split("|")
+        return int(parts[5]) if len(parts) >= 6 and parts[5] else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None
+    where that cannot be read (no such process, no /proc)."""
+    stat = _proc_stat(pid)
+    return None if stat is None else int(stat[19])
+
+
+def process_state(pid: int, start: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``Z`` zombie...),
+    ``"gone"`` when no process with that pid and start time exists, None when /proc cannot say."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    stat = _proc_stat(pid)
+    if stat is None or int(stat[19]) != start:
+        return "gone"
+    return stat[0]
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields from the state on (the command name, which may hold spaces
+    and parentheses, cut off)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        fields = raw.rsplit(")", 1)[1].split()
+        int(fields[19])
+        return fields
+    except (OSError, IndexError, ValueError):
         return None
 
 
