@@ -17,6 +17,7 @@ from resilient.health.heartbeat import (
     decode_info,
     decode_start,
     encode_info,
+    process_running,
     process_start,
     process_state,
 )
@@ -95,17 +96,32 @@ def test_a_silent_rank_whose_process_still_runs_gets_the_longer_running_timeout(
 
 def test_no_rank_is_dead_until_it_could_beat_after_the_leader_itself_was_starved():
     """The leader's own loop woke late: the machine stalled, every heartbeat thread with it, and
-    the leader looks before they ran again.  Each rank gets an interval from then to beat."""
-    d = Detector(DetectorConfig(interval_s=1.0, dead_after_intervals=2))
+    the leader looks before they ran again.  A rank whose timeout ran out during the stall gets an
+    interval from its end to beat; nothing else is judged meanwhile (a silent rank must not pass
+    for a hung one); a rank already overdue before the stall, or after a later stall, gets none."""
+    d = Detector(DetectorConfig(interval_s=1.0, dead_after_intervals=2, hang_timeout_s=10.0))
     now = 1000.0
-    resumed = now - 0.5
-    quiet = statuses(now, [5, 5, 5], alive_age={1: 3.0, 2: 3.0})
-    assert d.observe(quiet, now, resumed_at=resumed) == []
-    assert d.next_deadline == pytest.approx(resumed + 1.0)
+    stall = (now - 1.5, now - 0.5)  # rank 1 beat at 997, due at 999: during the stall
+    quiet = statuses(now, [5, 5, 5], alive_age={1: 3.0, 2: 3.0}, progress_age={1: 30.0})
+    quiet[1] = RankStatus(1, now - 3.0, 4, "train", now - 30.0, "h", 101)  # behind, no progress
+    assert d.observe(quiet, now, stalled=stall) == []  # not DEAD yet, and not HUNG either
+    assert d.next_deadline == pytest.approx(now + 0.5)
     later = now + 0.6  # rank 2 beat when the stall ended; rank 1 did not
-    out = d.observe(statuses(later, [5, 5, 5], alive_age={1: 3.6}), later, resumed_at=resumed)
+    out = d.observe(statuses(later, [5, 5, 5], alive_age={1: 3.6}), later, stalled=stall)
     assert [(f.verdict, f.rank) for f in out] == [(Verdict.DEAD, 1)]
     assert [f.rank for f in d.observe(quiet, now)] == [1, 2]  # no stall: judged at once
+    overdue_before = (now - 0.9, now - 0.5)  # rank 1's timeout ran out at 999, before it
+    assert [f.rank for f in d.observe(quiet, now, stalled=overdue_before)] == [1, 2]
+    # a leader that stalls at every look still judges: the grace is for the stall the rank's
+    # timeout ran out in, and the next stall begins after that
+    d = Detector(DetectorConfig(interval_s=1.0, dead_after_intervals=2))
+    alive = now - 2.2  # due at now - 0.2, inside the stall below
+    assert d.observe(statuses(now, [5, 5], alive_age={1: 2.2}), now, stalled=(now - 0.6, now)) == []
+    wake = d.next_deadline
+    assert wake == pytest.approx(now + 1.0)
+    t = wake + 0.6  # late again
+    out = d.observe(statuses(t, [5, 5], alive_age={1: t - alive}), t, stalled=(wake, t))
+    assert [(f.verdict, f.rank) for f in out] == [(Verdict.DEAD, 1)]
 
 
 def test_hung_when_behind_waiting_peers_and_group_stall():
@@ -283,15 +299,32 @@ def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
         for r in (0, 1, 3):
             f = sim.failures[r][0]
             assert f.verdict is Verdict.DEAD and f.rank == 2
-        # its process (this one) still runs: a starved heartbeat thread, given the longer timeout
-        assert f.timeout_s == pytest.approx(0.2 * sim.config.running_dead_after_intervals)
-        assert "although its process is running" in f.detail
+        # its monitor closed itself (its wake key says so): not taken for a starved one
+        assert f.timeout_s == pytest.approx(1.0) and "although" not in f.detail
         events = sim.events.read()
-        assert any(e["event"] == "heartbeat_silent" and e["rank"] == 2 for e in events)
+        assert not any(e["event"] == "heartbeat_silent" for e in events)
         assert any(e["event"] == "verdict" and e["rank"] == 2 for e in events)
         stacks = [e for e in events if e["event"] == "stacks"]
         assert {e["rank"] for e in stacks} >= {0, 1, 3}
         assert all("most recent call first" in e["stacks"] for e in stacks)  # faulthandler's dump
+    finally:
+        sim.close()
+
+
+def test_a_starved_heartbeat_of_a_running_process_gets_the_longer_timeout(tmp_path):
+    """Rank 2's heartbeat thread stops beating while its process (this one) runs on the leader's
+    machine: a starved thread, not a dead rank.  It is declared DEAD only after
+    running_dead_after_intervals, with a word in the log meanwhile."""
+    sim = Sim(tmp_path, running_dead_after_intervals=8)
+    try:
+        sim.monitors[2]._beat = lambda: None  # starved: its thread runs, no beat gets out
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 3)))
+        f = sim.failures[0][0]
+        assert (f.verdict, f.rank, f.timeout_s) == (Verdict.DEAD, 2, pytest.approx(0.2 * 8))
+        assert f.seconds_since_alive > 0.2 * 8
+        assert "although its process is running" in f.detail
+        silent = [e for e in sim.events.read() if e["event"] == "heartbeat_silent"]
+        assert [e["rank"] for e in silent] == [2]
     finally:
         sim.close()
 
@@ -642,13 +675,29 @@ def test_process_state_tells_running_stopped_and_gone_apart_by_pid_and_start_tim
         assert start is not None
         assert process_state(proc.pid, start) in ("R", "S")
         assert process_state(proc.pid, start + 1) == "gone"  # the pid is another process's
+        # asleep, using no CPU: not running (stuck, not starved)
+        assert Sim.wait_for(None, lambda: process_running(proc.pid, start)[0] is False)
         os.kill(proc.pid, signal.SIGSTOP)
         assert Sim.wait_for(None, lambda: process_state(proc.pid, start) == "T")
+        assert process_running(proc.pid, start)[0] is False
         os.kill(proc.pid, signal.SIGCONT)
     finally:
         proc.kill()
         proc.wait()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        start = process_start(busy.pid)
+        # on a CPU or waiting for one, or using CPU since the last look: running
+        looks = [process_running(busy.pid, start)]
+        assert Sim.wait_for(
+            None,
+            lambda: looks.append(process_running(busy.pid, start, looks[-1][1])) or looks[-1][0],
+        )
+    finally:
+        busy.kill()
+        busy.wait()
     assert process_state(proc.pid, start) == "gone"
+    assert process_running(proc.pid, start) == (False, None)
     info = encode_info("h", 7, "b", "1", None, 1234).encode()
     assert (decode_info(info), decode_start(info), decode_block(info)) == (
         ("h", 7, "b", "1"),
@@ -670,10 +719,13 @@ def test_a_kill_checks_the_pid_is_still_the_failed_ranks_process(tmp_path):
         f = Finding(Verdict.DEAD, 1, m.host, proc.pid, 3, "train", 1.0, 9.0, "quiet", kill_by=0)
         m._starts[1] = process_start(proc.pid) + 1  # a process the rank no longer is
         m._kill(f, leader=True)
-        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)  # not killed (a kill would be reaped at once)
+        assert not any(e["event"] == "killed" for e in sim.events.read())
         m._starts[1] -= 1
         m._kill(f, leader=True)
         assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert [e["pid"] for e in sim.events.read() if e["event"] == "killed"] == [proc.pid]
     finally:
         if proc.poll() is None:
             proc.kill()

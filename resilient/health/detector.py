@@ -10,8 +10,8 @@ clocks of its own: tested by feeding snapshots.
   before the checkpoint is loaded, where imports and model building keep the CPU and the GIL busy
   and a loaded machine can starve the heartbeat thread for seconds; ``running_dead_after_intervals``
   when the leader sees the rank's process still running on its own machine, neither gone nor
-  stopped; none while the leader itself has just been starved, until every rank had an interval
-  to beat); or never registered at all within ``join_timeout_s`` of the leader's own start ("never
+  stopped nor stuck; and a rank whose timeout ran out while the leader itself was starved gets an
+  interval after that to beat); or never registered at all within ``join_timeout_s`` of the leader's own start ("never
   joined": frozen or stuck in imports or the launcher before its heartbeat started).
 * HUNG: alive, but no progress for its phase's budget while peers wait (they are further along:
   a higher progress sequence number, which orders ranks before the first step too), or every rank
@@ -244,11 +244,17 @@ class Detector:
             self._last[s.rank] = (s.step, s.progress_t)
 
     def observe(
-        self, statuses: list[RankStatus], now: float, *, resumed_at: float | None = None
+        self,
+        statuses: list[RankStatus],
+        now: float,
+        *,
+        stalled: tuple[float, float] | None = None,
     ) -> list[Finding]:
-        """``resumed_at``: when the leader last ran again after being starved itself (its own
-        loop woke late): the machine stalled, the other ranks' heartbeat threads with it, and each
-        gets an interval from then to beat before a heartbeat's age counts against it."""
+        """``stalled``: (from, to), the leader's own last stall (its loop missed its wake time at
+        ``from`` and ran again at ``to``): the machine stalled, the other ranks' heartbeat threads
+        with it.  A rank whose timeout ran out after the stall began gets an interval from its
+        end to beat; one already overdue before it does not, and a later stall gives none again.
+        Nothing else is judged meanwhile (a silent rank must not pass for a hung one)."""
         c = self.config
         for s in statuses:
             self._record(s)
@@ -260,6 +266,7 @@ class Detector:
         statuses = [s for s in statuses if s.phase not in GONE_PHASES]
         waited = now - self.start
         deadline = float("inf")
+        graced = False
         for s in statuses:
             if s.alive_t is None:
                 deadline = min(deadline, self.start + c.join_timeout_s)
@@ -283,8 +290,13 @@ class Detector:
             timeout = c.dead_timeout_in(s.phase)
             running = False
             if since_alive > timeout:
-                if resumed_at is not None and now - resumed_at < c.interval_s:
-                    deadline = min(deadline, resumed_at + c.interval_s)
+                if (
+                    stalled is not None
+                    and now - stalled[1] < c.interval_s
+                    and s.alive_t + timeout > stalled[0]
+                ):
+                    deadline = min(deadline, stalled[1] + c.interval_s)
+                    graced = True
                     continue
                 if self._running is not None and self._running(s):
                     running = True
@@ -311,6 +323,9 @@ class Detector:
         if findings:
             self.next_deadline = None
             return findings
+        if graced:
+            self.next_deadline = deadline
+            return []
         known = [s for s in statuses if s.progress_t is not None and s.alive_t is not None]
         if known:
             stalled = [s for s in known if now - s.progress_t > self._budget(s)]

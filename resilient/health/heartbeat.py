@@ -105,6 +105,7 @@ _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
 # process states (process_state) of a rank that is not running: gone, zombie, dead, stopped
 # (SIGSTOP) or traced (a debugger holds it)
 _NOT_RUNNING = frozenset({"gone", "Z", "X", "x", "T", "t"})
+_PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (a SIGKILLed one tearing down)
 
 
 @atexit.register
@@ -144,9 +145,11 @@ class Monitor:
         self.config = config or DetectorConfig()
         self.started_mono = time.monotonic()
         self.detector = Detector(self.config, start=self.started_mono, running=self._running)
-        # (the leader) when its own loop last woke late, starved (see Detector.observe)
-        self._resumed_at: float | None = None
-        self._silent_noted: set[tuple[int, float]] = set()  # (rank, alive_t) logged as running
+        # (the leader) when its own loop last missed its wake time, and when it ran again
+        # (Detector.observe's ``stalled``)
+        self._stalled: tuple[float, float] | None = None
+        # (the leader) per silent rank: (its last heartbeat, its CPU time when last looked at)
+        self._silent: dict[int, tuple[float, int | None]] = {}
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
         # in-job recovery: called (from the monitor's thread) on a verdict about another rank
@@ -240,16 +243,19 @@ class Monitor:
     def close(self, *, announce: bool = True, at_exit: bool = False) -> None:
         """Stop heartbeating.  With ``announce`` (a normal end), say "done" first, so that peers
         still finishing do not take the silence for a death; without it the rank just goes quiet,
-        as a killed one does."""
+        as a killed one does (its wake key says "close": the leader does not take its process,
+        still tearing down, for a running one with a starved heartbeat)."""
+        done = False
         if announce and not self._stop.is_set() and self._verdict is None:
             try:
                 self.progress(None, "done")
+                done = True
             except Exception:  # the store may be gone at shutdown
                 pass
         self._stop.set()
         self._wake.set()
         _LIVE.discard(self)
-        self._release_waiter(at_exit=at_exit)
+        self._release_waiter(at_exit=at_exit, mark=not done and not at_exit)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5 * self.config.interval_s)
 
@@ -279,7 +285,7 @@ class Monitor:
                 return
             now = time.monotonic()
             if not poked and now - wake > interval / 2:
-                self._resumed_at = now  # this thread was starved: so, likely, were the others
+                self._stalled = (wake, now)  # starved: so, likely, were the others on this host
             beat = now >= next_beat
             if poked:  # the verdict is in the store (or close() said stop): act on it now
                 self._wake.clear()
@@ -340,13 +346,14 @@ class Monitor:
             self._wake.set()
             return
 
-    def _release_waiter(self, at_exit: bool = False) -> None:
+    def _release_waiter(self, at_exit: bool = False, mark: bool = False) -> None:
         """End the verdict waiter's blocking wait and join it: a thread blocked inside a store
         call when the interpreter exits aborts the process ("terminate called...").  At exit the
         key is set on a connection of its own with a short timeout, without the monitor's lock
         (a heartbeat stuck in a call to a dead store holds it): the exit is not held for long."""
         waiter = self._waiter
-        if waiter is None or not waiter.is_alive():
+        waiting = waiter is not None and waiter.is_alive()
+        if not waiting and not mark:  # ``mark``: say "close" all the same
             return
         key = f"{self.prefix}/wake/{self.rank}"
         try:
@@ -359,7 +366,8 @@ class Monitor:
                     self.store.set(key, "close")
         except Exception:  # the store is gone: its wait fails by itself
             pass
-        waiter.join(timeout=2.0)
+        if waiter is not None and waiting:
+            waiter.join(timeout=2.0)
 
     def _beat(self) -> None:
         alive = encode_alive(time.monotonic(), time.time())
@@ -444,7 +452,7 @@ class Monitor:
                 RankStatus(r, None, None, UNREGISTERED) for r in range(n) if r not in self._joined
             ]
         now = asked
-        findings = self.detector.observe(statuses, now, resumed_at=self._resumed_at)
+        findings = self.detector.observe(statuses, now, stalled=self._stalled)
         self.scans += 1
         self.last_scan_s = time.perf_counter() - t0
         self._report_skew(ranks)
@@ -558,28 +566,38 @@ class Monitor:
 
     def _running(self, s: RankStatus) -> bool | None:
         """(the detector, about a rank whose heartbeat is overdue) Whether its process is still
-        running here: None when it is on another machine (or its start time is unknown, so a pid
-        in another pid namespace could be mistaken for it)."""
+        running here (``process_running``; a monitor that closed itself is not): None when it is
+        on another machine, or its start time is unknown (a pid in another pid namespace could be
+        mistaken for it)."""
         host, pid, boot, _ = self._info.get(s.rank, ("", 0, "", ""))
         start = self._starts.get(s.rank)
         if not pid or start is None or host != self.host or not boot or boot != boot_id():
             return None
-        state = process_state(pid, start)
-        if state is None:
+        key = f"{self.prefix}/wake/{s.rank}"
+        with self._lock:
+            if self.store.check([key]) and self.store.get(key) == b"close":
+                return False  # it closed its monitor without a word: it is going away
+        seen = self._silent.get(s.rank)
+        same = seen is not None and seen[0] == s.alive_t  # this silence, looked at before
+        looked = process_running(pid, start, seen[1] if same and seen is not None else None)
+        if looked is None:
             return None
-        running = state not in _NOT_RUNNING
-        if running and s.alive_t is not None and (s.rank, s.alive_t) not in self._silent_noted:
-            self._silent_noted.add((s.rank, s.alive_t))
-            self.events.write(
-                "heartbeat_silent",
-                rank=s.rank,
-                pid=pid,
-                state=state,
-                leader=self.rank,
-                phase=s.phase,
-                detail=f"rank {s.rank}'s heartbeat is overdue but its process is running (state "
-                f"{state}): waiting up to {self.config.running_dead_after_intervals:g} intervals",
-            )
+        running, cpu = looked
+        if s.alive_t is not None:
+            self._silent[s.rank] = (s.alive_t, cpu)
+        if running and not same:
+            try:
+                self.events.write(
+                    "heartbeat_silent",
+                    rank=s.rank,
+                    pid=pid,
+                    leader=self.rank,
+                    phase=s.phase,
+                    detail=f"rank {s.rank}'s heartbeat is overdue but its process is running: "
+                    f"waiting up to {self.config.running_dead_after_intervals:g} intervals",
+                )
+            except OSError:  # the log is not worth a verdict
+                pass
         return running
 
     def _clock(self, rank: int, boot: str) -> PeerClock:
@@ -898,7 +916,7 @@ def decode_start(raw: bytes) -> int | None:
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None
     where that cannot be read (no such process, no /proc)."""
-    stat = _proc_stat(pid)
+    stat = _proc_stat(f"/proc/{pid}/stat")
     return None if stat is None else int(stat[19])
 
 
@@ -907,18 +925,47 @@ def process_state(pid: int, start: int) -> str | None:
     ``"gone"`` when no process with that pid and start time exists, None when /proc cannot say."""
     if not Path("/proc/self/stat").exists():
         return None
-    stat = _proc_stat(pid)
+    stat = _proc_stat(f"/proc/{pid}/stat")
     if stat is None or int(stat[19]) != start:
         return "gone"
     return stat[0]
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat``'s fields from the state on (the command name, which may hold spaces
-    and parentheses, cut off)."""
+def process_running(
+    pid: int, start: int, cpu_before: int | None = None
+) -> tuple[bool, int | None] | None:
+    """Whether process ``pid`` (the one with that start time) is running, and the CPU time it
+    used so far (clock ticks; None when it is gone); None when /proc cannot say.  Running: not
+    gone, exiting, a zombie, stopped or traced, and either one of its threads is on a CPU or
+    waiting for one (state R), or it used CPU since ``cpu_before``.  A process whose threads all
+    sleep and use no CPU is stuck (a deadlock, the cgroup freezer), not starved."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    stat = _proc_stat(f"/proc/{pid}/stat")
+    if stat is None or int(stat[19]) != start:
+        return False, None
+    cpu = int(stat[11]) + int(stat[12])  # utime + stime
+    if stat[0] in _NOT_RUNNING or int(stat[6]) & _PF_EXITING:
+        return False, cpu
+    if cpu_before is not None and cpu > cpu_before:
+        return True, cpu
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        fields = raw.rsplit(")", 1)[1].split()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False, cpu
+    for task in tasks:
+        t = _proc_stat(str(task / "stat"))
+        if t is not None and t[0] == "R":
+            return True, cpu
+    return False, cpu
+
+
+def _proc_stat(path: str) -> list[str] | None:
+    """A ``/proc/.../stat`` file's fields from the state on (the command name, which may hold
+    spaces, parentheses or bytes that are not UTF-8, cut off)."""
+    try:
+        raw = Path(path).read_bytes()
+        fields = raw.rsplit(b")", 1)[1].decode("ascii").split()
         int(fields[19])
         return fields
     except (OSError, IndexError, ValueError):
