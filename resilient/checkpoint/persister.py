@@ -68,6 +68,7 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.lease import WriterLease, _process_start
 from resilient.checkpoint.retention import Sweep, delete_dirs
+from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
@@ -500,7 +501,9 @@ class Promoter:
         return size
 
     def flush(self) -> dict[str, Any] | None:
-        """Persist the newest restorable snapshot newer than the newest durable commit, if any."""
+        """Persist the newest restorable snapshot newer than the newest durable commit, if any
+        (first committing, in memory, a snapshot every rank staged whose commit was cut short)."""
+        seal_staged(self.job_dir)
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         durable = scan(self.storage)

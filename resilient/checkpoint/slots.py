@@ -23,11 +23,19 @@ So at any time a rank holds its two newest committed snapshots, or the newest on
 being staged; a crash while staging leaves the older step with a missing file (its checksums
 refuse it: the newer one is restored) and the staging file, which the next run of the same rank
 reuses.
+
+Once a snapshot's copy is complete, the rank writes its *staged record* next to the staging files
+(``rank_<R>.step_<S>.json``: what its commit report will say, less the checksums; seal.py), and
+removes it when the save is over.  Should the commit be cut short (the job killed in between), the
+persister's flush or the next load finishes it from the records, so that a fault loses at most one
+step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import mmap
 import os
 import stat
@@ -36,22 +44,37 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from resilient.checkpoint.codec import block_checksums, safetensors_header
-from resilient.checkpoint.format import ChunkEntry, dtype_info
+from resilient.checkpoint.format import ChunkEntry, TensorEntry, dtype_info
+from resilient.checkpoint.lease import _process_start
+from resilient.checkpoint.seal import RECORD_FORMAT, record_name
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.writer import PersistResult, WritePlan, rank_file_metadata
 from resilient.errors import MemoryTierError
+from resilient.layout import Layout
 
-__all__ = ["Slots", "STAGING_DIR"]
+log = logging.getLogger(__name__)
+__all__ = ["STAGING_DIR", "Slots", "StagedInfo"]
 
 STAGING_DIR = "staging"
 _PAGE = 4096
 _MAX_STEP = str(2**63 - 1)  # the widest step number a header must have room for
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class StagedInfo:
+    """What a staged record says besides the plan (seal.py)."""
+
+    layout: Layout
+    values: Mapping[str, object]
+    job_id: str
+    block_bytes: int
 
 
 class _Slot:
@@ -61,6 +84,7 @@ class _Slot:
         self.path, self.fd, self.mm, self.key, self.prefix = path, fd, mm, key, prefix
         self.size = len(mm)
         self.ino = os.fstat(fd).st_ino
+        self.record: str | None = None  # its staged record, while its save is not over
 
     def data(self) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.prefix)
@@ -85,13 +109,17 @@ class Slots:
 
     def __init__(self, job_dir: str, steps_dir: str, rank: int) -> None:
         self.steps_dir = steps_dir
-        # three names: a snapshot committing, the next one being staged, and the spare
+        self.rank = rank
+        self.staging = os.path.join(job_dir, STAGING_DIR)
+        # three names: a snapshot committing, the next one being staged, and the spare.  What a
+        # crashed run of this rank left there is kept until this run needs the name (seal.py may
+        # finish its snapshot first) and then replaced; never another rank's.
         self.names = tuple(
-            os.path.join(job_dir, STAGING_DIR, f"rank_{rank:05d}.{k}.safetensors") for k in range(3)
+            os.path.join(self.staging, f"rank_{rank:05d}.{k}.safetensors") for k in range(3)
         )
-        for name in self.names:  # what a crashed run of this rank left (never another rank's)
-            with contextlib.suppress(OSError):
-                os.unlink(name)
+        self._me = (os.getpid(), _process_start(os.getpid()))
+        self._record_static: tuple[WritePlan, int, str] | None = None
+        self._record_failed = False
         self._committed: deque[_Slot] = deque()  # this rank's newest committed files, oldest first
         self._staged: list[_Slot] = []  # staged and not settled yet, oldest first
         self._spare: _Slot | None = None  # a retired snapshot's file, kept for the next one
@@ -99,9 +127,19 @@ class Slots:
         self._prefix: tuple[WritePlan, int] | None = None  # the header's room, per plan
         self.reused = 0  # snapshots staged into a reused file (for tests and benchmarks)
 
-    def stage(self, plan: WritePlan, leaves: Mapping[str, TensorLeaf], step: int) -> _Slot:
+    def stage(
+        self,
+        plan: WritePlan,
+        leaves: Mapping[str, TensorLeaf],
+        step: int,
+        record: StagedInfo | None = None,
+    ) -> _Slot:
         """Copy this rank's chunks into a laid-out rank file at a staging name (the caller's
-        thread: this is the snapshot's stall).  At most one earlier snapshot may be unsettled."""
+        thread: this is the snapshot's stall), then write its staged record when ``record`` says
+        what goes in it.  At most one earlier snapshot may be unsettled."""
+        if record is not None:  # a record of this step from before a rollback is void from here
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.staging, record_name(self.rank, step)))
         header = self._header(plan, step)
         if self._prefix is None or self._prefix[0] is not plan:
             self._prefix = (plan, _round_up(len(self._header(plan, _MAX_STEP)), _PAGE))
@@ -141,7 +179,69 @@ class Slots:
         except BaseException:
             self.settled(slot, False)  # half-written: the spare, never a snapshot
             raise
+        if record is not None:
+            self._write_record(slot, plan, prefix, step, record)
         return slot
+
+    def _write_record(
+        self, slot: _Slot, plan: WritePlan, prefix: int, step: int, info: StagedInfo
+    ) -> None:
+        """The staged record of a complete copy (seal.py); a failure costs only the seal."""
+        try:
+            if self._record_static is None or self._record_static[:2] != (plan, prefix):
+                self._record_static = (plan, prefix, self._static(plan, prefix, info))
+            text = (
+                f'{{"step": {step}, "ino": {slot.ino}, '
+                f'"path": {json.dumps(os.path.basename(slot.path))}, '
+                f'"values": {json.dumps(info.values, allow_nan=False)}, '
+                f"{self._record_static[2]}}}"
+            )
+            final = os.path.join(self.staging, record_name(self.rank, step))
+            tmp = os.path.join(self.staging, f"rank_{self.rank:05d}.record.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, final)
+            slot.record = final
+        except (OSError, ValueError, TypeError) as e:
+            if not self._record_failed:
+                log.warning("could not write the staged record of snapshot %d: %s", step, e)
+                self._record_failed = True
+
+    def _static(self, plan: WritePlan, prefix: int, info: StagedInfo) -> str:
+        """What every staged record of this plan says: the JSON members without braces."""
+        chunks = {
+            it.key: ChunkEntry(
+                offsets=it.offsets,
+                sizes=it.sizes,
+                file="",
+                name=it.key,
+                byte_range=(prefix + it.begin, prefix + it.end),
+                checksums=(),
+                codec="none",
+                raw_bytes=it.end - it.begin,
+            ).to_json()
+            for it in plan.items
+        }
+        tensors = {
+            k: TensorEntry(dtype=d, shape=s, placement=p, chunks=()).to_json()
+            for k, (d, s, p) in plan.tensors.items()
+        }
+        static = {
+            "format": RECORD_FORMAT,
+            "rank": self.rank,
+            "world": info.layout.world_size,
+            "pid": self._me[0],
+            "start": self._me[1],
+            "size": prefix + plan.data_bytes,
+            "block_bytes": info.block_bytes,
+            "job_id": info.job_id,
+            "digest": plan.digest,
+            "layout": info.layout.to_json(),
+            "tensors": tensors,
+            "chunks": chunks,
+        }
+        return json.dumps(static, allow_nan=False)[1:-1]
 
     def persist(
         self, slot: _Slot, step_rel: str, file: str, plan: WritePlan, block_bytes: int
@@ -185,6 +285,10 @@ class Slots:
         if slot not in self._staged:
             return
         self._staged.remove(slot)
+        if slot.record is not None:  # its save is over: nothing is left to seal
+            with contextlib.suppress(OSError):
+                os.unlink(slot.record)
+            slot.record = None
         if committed and slot.path not in self.names:
             self._committed.append(slot)
             while len(self._committed) > 2:  # retention retires the step: its file goes

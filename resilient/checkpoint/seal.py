@@ -1,0 +1,327 @@
+"""Finishing a memory snapshot whose commit was cut short: every rank's copy is complete, the commit
+is not (the memory tier; docs/FORMAT.md section 9).
+
+A snapshot's stall is the copy into the rank file; its checksums and its commit run in the
+background while the next training step computes, and the next snapshot waits for them.  A fault
+in between (the whole job SIGKILLed, a rank killed, an OOM) would leave the newest committed
+snapshot two steps behind the newest step the job finished: the step whose commit was cut short,
+and the step after it.  So that a fault loses at most one step, each rank records, once its copy
+is complete, what its commit report will say (the *staged record*: the step, the file, its chunks
+without checksums, the state's non-tensor values, the tensor table and the layout), and the
+record is removed when the snapshot's save is over, committed or not.
+
+:func:`seal_staged` runs where nothing is writing the tier: in the persister when the trainer is
+gone (before it flushes), and on rank 0 at a load.  It takes the newest step for which every rank
+of the job left a record, each written by a process that is gone, newer than the newest committed
+snapshot, checksums each rank's file (found by its inode: at its staging name, or already moved
+into the step's directory), and commits the step in the node's memory exactly as the trainer's
+commit would have (the same manifest, validated the way readers validate it).  Anything that does
+not add up (a rank's record missing, a file replaced or of another size, records that disagree, a
+record that does not parse) leaves the step uncommitted: the load and the flush then use the
+newest committed snapshot, as before.  Records are this job's own files in its own directory
+(mode 0700; snapshots.py); they are read with a size cap and parsed defensively all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import mmap
+import os
+import re
+import stat
+import struct
+from types import SimpleNamespace
+from typing import Any
+
+from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.codec import block_checksums
+from resilient.checkpoint.format import (
+    MAX_MANIFEST_BYTES,
+    TensorEntry,
+    rank_file_name,
+    step_dir_name,
+)
+from resilient.checkpoint.lease import _process_start
+from resilient.checkpoint.retention import delete_dirs
+from resilient.checkpoint.storage import Storage
+from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
+from resilient.layout import Layout
+
+__all__ = ["RECORD_FORMAT", "NodeLocal", "record_name", "seal_staged"]
+
+log = logging.getLogger(__name__)
+
+RECORD_FORMAT = "resilient-staged-v1"
+_RECORD_RE = re.compile(r"^rank_(\d{5,9})\.step_(\d{1,19})\.json$")
+_LOCK = "seal.lock"
+_MAX_HEADER = 100 << 20
+
+
+def record_name(rank: int, step: int) -> str:
+    return f"rank_{rank:05d}.step_{step}.json"
+
+
+class _Unsealable(Exception):
+    """Why a step's records cannot be sealed (logged; the step stays uncommitted)."""
+
+
+class NodeLocal:
+    """The lease of a node's own memory directory: nobody else writes there (it is this job's,
+    claimed; see snapshots.py), so there is nothing to check."""
+
+    def check(self) -> None:
+        return None
+
+
+def seal_staged(job_dir: str) -> int | None:
+    """Commit, in the node's memory at ``job_dir``, the newest snapshot every rank staged whose
+    commit was cut short; returns its step, or None when there is none to seal.  Never raises:
+    a step that cannot be sealed is logged and left as it is."""
+    staging = os.path.join(job_dir, "staging")
+    steps_dir = os.path.join(job_dir, "steps")
+    if not os.path.isdir(staging):
+        return None
+    try:
+        lock = os.open(os.path.join(job_dir, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        log.warning("cannot lock %s to seal staged snapshots: %s", job_dir, e)
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a persister flushing and a restarted rank 0 loading
+        records, dead = _records(staging)
+        try:
+            return _seal_newest(records, staging, steps_dir)
+        finally:
+            for path in dead:  # examined, their writers gone: they served their purpose
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    except Exception as e:  # a seal is a bonus: the committed snapshots still serve
+        log.warning("sealing staged snapshots in %s failed: %s: %s", job_dir, type(e).__name__, e)
+        return None
+    finally:
+        os.close(lock)
+
+
+def _records(staging: str) -> tuple[dict[int, dict[int, dict[str, Any]]], list[str]]:
+    """step -> rank -> record, of writers that are gone; and the paths of those records."""
+    found: dict[int, dict[int, dict[str, Any]]] = {}
+    dead: list[str] = []
+    for name in sorted(os.listdir(staging)):
+        m = _RECORD_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(staging, name)
+        try:
+            rec = _read_record(path)
+        except (OSError, ValueError, RecursionError) as e:
+            log.warning("staged record %s does not parse (%s); ignored", path, e)
+            dead.append(path)
+            continue
+        if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT:
+            log.warning("staged record %s is not a %s record; ignored", path, RECORD_FORMAT)
+            dead.append(path)
+            continue
+        pid, start = rec.get("pid"), rec.get("start")
+        if type(pid) is not int or not isinstance(start, str):
+            dead.append(path)
+            continue
+        if start and _process_start(pid) == start:
+            continue  # its writer lives: its own commit decides
+        dead.append(path)
+        if rec.get("rank") != int(m.group(1)) or rec.get("step") != int(m.group(2)):
+            log.warning("staged record %s names another rank or step; ignored", path)
+            continue
+        found.setdefault(int(m.group(2)), {})[int(m.group(1))] = rec
+    return found, dead
+
+
+def _read_record(path: str) -> Any:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"larger than {MAX_MANIFEST_BYTES} bytes")
+    return json.loads(data)
+
+
+def _seal_newest(
+    records: dict[int, dict[int, dict[str, Any]]], staging: str, steps_dir: str
+) -> int | None:
+    from resilient import __version__ as version
+
+    if not records:
+        return None
+    mem = Storage(steps_dir)
+    catalog = scan(mem)
+    newest = catalog.newest()
+    for step in sorted(records, reverse=True):
+        if newest is not None and step <= newest.step:
+            return None  # the commit got through (or a newer one did): nothing to finish
+        try:
+            _seal(step, records[step], staging, mem, catalog.next_commit_seq(), version)
+        except Exception as e:  # whatever a record or a file says, the step stays uncommitted
+            log.warning("memory snapshot of step %d is not sealed: %s", step, e)
+            continue
+        log.info("sealed memory snapshot of step %d (its commit was cut short)", step)
+        return step
+    return None
+
+
+def _seal(
+    step: int,
+    by_rank: dict[int, dict[str, Any]],
+    staging: str,
+    mem: Storage,
+    commit_seq: int,
+    version: str,
+) -> None:
+    first = by_rank[min(by_rank)]
+    world = first.get("world")
+    if type(world) is not int or world < 1 or sorted(by_rank) != list(range(world)):
+        raise _Unsealable(
+            f"records of ranks {sorted(by_rank)} were found, the job has {world!r} ranks"
+        )
+    for key in ("digest", "job_id", "block_bytes", "layout"):
+        if any(r.get(key) != first.get(key) for r in by_rank.values()):
+            raise _Unsealable(f"the ranks' records disagree on {key}")
+    layout = Layout.from_json(first["layout"])
+    tensors = first["tensors"]
+    if not isinstance(tensors, dict):
+        raise _Unsealable("the tensor table is not a mapping")
+    table = {}
+    for k, d in tensors.items():
+        t = TensorEntry.from_json(d, layout, f"staged record tensors[{k!r}]")
+        table[k] = (t.dtype, t.shape, t.placement)
+    plan = SimpleNamespace(tensors=table, digest=first["digest"])
+    block_bytes = first["block_bytes"]
+    if type(block_bytes) is not int or not 4096 <= block_bytes <= 1 << 30:
+        raise _Unsealable(f"block_bytes {block_bytes!r} is out of range")
+    step_rel = step_dir_name(step)
+    step_dir = os.path.join(mem.path(), step_rel)
+    opened: list[tuple[int, str, int]] = []  # (fd, path now, inode)
+    try:
+        reports = []
+        for rank in range(world):
+            rec = by_rank[rank]
+            fd, path = _open_staged(rec, rank, step, staging, step_dir)
+            opened.append((fd, path, rec["ino"]))
+            reports.append(_report(rec, rank, fd))
+        mem.makedirs(step_rel)
+        generation = next_generation(mem, step_rel)
+        for r in reports:
+            name = rank_file_name(r["rank"], generation)
+            r["file"] = name
+            for c in r["chunks"].values():
+                c["file"] = name
+        manifest = build_manifest(
+            step,
+            layout,
+            plan,  # type: ignore[arg-type]
+            reports,
+            block_bytes=block_bytes,
+            generation=generation,
+            version=version,
+            commit_seq=commit_seq,
+            job_id=first["job_id"] if isinstance(first["job_id"], str) else "",
+        )
+        for r, (_fd, path, ino) in zip(reports, opened, strict=True):
+            dest = os.path.join(step_dir, r["file"])
+            os.replace(path, dest)
+            if os.lstat(dest).st_ino != ino:  # replaced under us between the open and the move
+                raise _Unsealable(f"{path} was replaced while it was being sealed")
+        garbage = publish_commit(mem, NodeLocal(), manifest, keep_last=2, keep_every=None)
+    finally:
+        for fd, _path, _ino in opened:
+            os.close(fd)
+    with contextlib.suppress(Exception):
+        delete_dirs(mem, garbage)
+
+
+def _open_staged(
+    rec: dict[str, Any], rank: int, step: int, staging: str, step_dir: str
+) -> tuple[int, str]:
+    """The rank's staged file (by inode, at its staging name or moved into the step's directory),
+    open, checked to be that record's file: its size, and the step in its header."""
+    ino, size = rec.get("ino"), rec.get("size")
+    if type(ino) is not int or type(size) is not int or size < 8:
+        raise _Unsealable(f"rank {rank}'s record has no file inode or size")
+    places = []
+    staged = rec.get("path")
+    if (
+        isinstance(staged, str)
+        and os.path.dirname(staged) == ""
+        and staged.endswith(".safetensors")
+    ):
+        places.append(os.path.join(staging, staged))
+    with contextlib.suppress(OSError):
+        prefix = f"rank_{rank:05d}."
+        places += [
+            os.path.join(step_dir, n)
+            for n in sorted(os.listdir(step_dir))
+            if n.startswith(prefix) and n.endswith(".safetensors")
+        ]
+    for path in places:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_ino == ino:
+            if st.st_size != size:
+                os.close(fd)
+                raise _Unsealable(f"{path} has {st.st_size} bytes, its record says {size}")
+            try:
+                _check_header_step(fd, size, step, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd, path
+        os.close(fd)
+    raise _Unsealable(f"rank {rank}'s staged file (inode {ino}) is gone")
+
+
+def _check_header_step(fd: int, size: int, step: int, path: str) -> None:
+    head = os.pread(fd, 8, 0)
+    (n,) = struct.unpack("<Q", head)
+    if not 2 <= n <= min(_MAX_HEADER, size - 8):
+        raise _Unsealable(f"{path} has no safetensors header")
+    header = json.loads(os.pread(fd, n, 8))
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("step") != str(step):
+        raise _Unsealable(f"{path} holds another step than {step}")
+
+
+def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
+    """The rank's commit report, with the checksums of its chunks computed from the file."""
+    chunks = rec.get("chunks")
+    block_bytes, size = rec["block_bytes"], rec["size"]
+    if not isinstance(chunks, dict) or not isinstance(rec.get("values"), dict):
+        raise _Unsealable(f"rank {rank}'s record has no chunks or values")
+    out: dict[str, Any] = {}
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    view = memoryview(mm)
+    try:
+        for key, c in chunks.items():
+            if not isinstance(c, dict) or not isinstance(c.get("byte_range"), list):
+                raise _Unsealable(f"rank {rank}'s chunk {key!r} is malformed")
+            b, e = c["byte_range"]
+            if not (type(b) is int and type(e) is int and 0 <= b <= e <= size):
+                raise _Unsealable(f"rank {rank}'s chunk {key!r} lies outside its file")
+            out[key] = {**c, "checksums": block_checksums(view[b:e], block_bytes, parallel=False)}
+    finally:
+        view.release()
+        mm.close()
+    return {
+        "rank": rank,
+        "file": "",
+        "size_bytes": size,
+        "chunks": out,
+        "digest": rec["digest"],
+        "num_tensors": len(rec.get("tensors") or ()),
+        "values": rec["values"],
+    }
