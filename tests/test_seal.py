@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -28,37 +29,48 @@ _CUT_SHORT = textwrap.dedent(
     """
     import os, signal, sys, time, torch
     from resilient import Checkpointer
-    url, ref, persister = sys.argv[1], sys.argv[2], sys.argv[3] == "persister"
+    url, ref, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.manual_seed(0)
     m = torch.nn.Linear(64, 32)
-    ck = Checkpointer(url, memory_every=1, persister=persister)
+    ck = Checkpointer(url, memory_every=1, persister=mode == "persister")
     for step in (1, 2, 3):
         with torch.no_grad():
             for p in m.parameters():
                 p.add_(1.0)
-        if step == 3:
+        if step == 3 and mode == "moved":  # cut after the file moved into the step directory
+            ck._memory._coordinate = lambda *a, **k: time.sleep(3600)
+        elif step == 3:  # cut before the checksums
             ck._memory._persist = lambda *a, **k: time.sleep(3600)
         ck.snapshot(step, {"model": m, "meta": {"step": step}})
         if step < 3:
             ck.wait_snapshot()
     torch.save(m.state_dict(), ref)  # (the test's reference: not a checkpoint)
-    print(ck.persister_pid, flush=True)
+    if mode == "moved":
+        while not any(n.startswith("step_00000003") for n in os.listdir(ck.memory.steps)) or not \
+                os.listdir(os.path.join(ck.memory.steps, "step_00000003")):
+            time.sleep(0.01)
+    if mode == "persister":
+        log = os.path.join(ck.memory.dir, "persister.log")
+        while not os.path.exists(log) or "started" not in open(log).read():
+            time.sleep(0.01)  # the persister is up: it sees this process die, not reaped yet
+    print(os.getpid(), ck.persister_pid, flush=True)
+    if mode == "persister":
+        time.sleep(3600)  # the test kills it, and leaves it unreaped a while (a zombie)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
 
-def _cut_short(tmp_path: Path, persister: bool = False) -> tuple[str, dict, int | None]:
+def _cut_short(tmp_path: Path, mode: str = "staged") -> tuple[str, dict]:
     url, ref = tmp_path / "ckpt", tmp_path / "reference.pt"
     proc = subprocess.run(
-        [sys.executable, "-c", _CUT_SHORT, str(url), str(ref), "persister" if persister else ""],
+        [sys.executable, "-c", _CUT_SHORT, str(url), str(ref), mode],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pid = proc.stdout.split()[-1]
-    return str(url), torch.load(ref, weights_only=True), None if pid == "None" else int(pid)
+    return str(url), torch.load(ref, weights_only=True)
 
 
 def _staging(memory_root: Path) -> Path:
@@ -77,10 +89,15 @@ def _load(url: str) -> tuple[int, Checkpointer, torch.nn.Module, dict]:
     return step, ck, m, meta
 
 
-def test_a_snapshot_whose_commit_was_cut_short_is_sealed_at_the_next_load(tmp_path, memory_root):
-    url, want, _ = _cut_short(tmp_path)
+@pytest.mark.parametrize("mode", ["staged", "moved"])
+def test_a_snapshot_whose_commit_was_cut_short_is_sealed_at_the_next_load(
+    tmp_path, memory_root, mode
+):
+    url, want = _cut_short(tmp_path, mode)
     records = _records(memory_root)
     assert [p.name for p in records] == ["rank_00000.step_3.json"]
+    moved = list((next(memory_root.glob("job-*/steps")) / "step_00000003").glob("rank_*"))
+    assert len(moved) == (1 if mode == "moved" else 0)
     step, ck, m, meta = _load(url)
     with ck:
         assert step == 3 and ck.last_load.source == "memory"
@@ -94,11 +111,33 @@ def test_a_snapshot_whose_commit_was_cut_short_is_sealed_at_the_next_load(tmp_pa
         assert sorted(ck.memory_steps()) == [3, 4]
 
 
+def _state_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_the_persister_flushes_a_snapshot_whose_commit_was_cut_short(tmp_path, memory_root):
-    url, want, pid = _cut_short(tmp_path, persister=True)
-    assert pid is not None
-    _wait_for("the persister's exit", lambda: not _alive(pid))
-    durable = Checkpointer(url)
+    url, ref = tmp_path / "ckpt", tmp_path / "reference.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CUT_SHORT, str(url), str(ref), "persister"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        trainer, pid = map(int, proc.stdout.readline().split())
+        os.kill(trainer, signal.SIGKILL)
+        # the trainer stays a zombie (not reaped) while its persister flushes: gone all the same
+        _wait_for("the trainer's death", lambda: _state_of(trainer) == "Z")
+        _wait_for("the persister's exit", lambda: not _alive(pid))
+        assert _state_of(trainer) == "Z"
+    finally:
+        proc.kill()
+        proc.wait()
+    want = torch.load(ref, weights_only=True)
+    durable = Checkpointer(str(url))
     assert durable.steps() == [3]
     assert durable.verify(3).ok
     m, meta = torch.nn.Linear(64, 32), {"step": -1}
@@ -118,7 +157,21 @@ def _damage(kind: str, record: Path, memory_root: Path) -> None:
         shutil.copyfile(path, f"{path}.copy")
         os.replace(f"{path}.copy", path)
         return
-    if kind == "live writer":
+    if kind == "another step in the header":  # (staged again for step 4 after a rollback)
+        path = _staging(memory_root) / rec["path"]
+        data = path.read_bytes()
+        at = data.index(b'"step":"3"')
+        path.write_bytes(data[:at] + b'"step":"4"' + data[at + 10 :])
+        return
+    if kind == "older than the newest commit":
+        rec["step"] = 2
+        record.unlink()
+        record = record.with_name("rank_00000.step_2.json")
+    elif kind == "a FIFO for a file":
+        fifo = _staging(memory_root) / "fifo.safetensors"
+        os.mkfifo(fifo)
+        rec["path"], rec["ino"] = fifo.name, os.stat(fifo).st_ino
+    elif kind == "live writer":
         from resilient.checkpoint.lease import _process_start
 
         rec["pid"], rec["start"] = os.getpid(), _process_start(os.getpid())
@@ -147,10 +200,13 @@ def _damage(kind: str, record: Path, memory_root: Path) -> None:
         "another job's layout",
         "values not a mapping",
         "file gone",
+        "another step in the header",
+        "older than the newest commit",
+        "a FIFO for a file",
     ],
 )
 def test_a_staged_record_that_does_not_add_up_is_not_sealed(tmp_path, memory_root, kind):
-    url, _, _ = _cut_short(tmp_path)
+    url, _ = _cut_short(tmp_path)
     (record,) = _records(memory_root)
     _damage(kind, record, memory_root)
     step, ck, _m, meta = _load(url)
@@ -158,7 +214,8 @@ def test_a_staged_record_that_does_not_add_up_is_not_sealed(tmp_path, memory_roo
         assert step == 2 and ck.last_load.source == "memory" and meta == {"step": 2}
         assert sorted(ck.memory_steps()) == [1, 2]
         # a live writer's record is its own commit's business; any other one served its purpose
-        assert _records(memory_root) == ([record] if kind == "live writer" else [])
+        left = [p.name for p in _records(memory_root)]
+        assert left == (["rank_00000.step_3.json"] if kind == "live writer" else [])
 
 
 def _two_ranks_cut_short(rank: int, world: int, url: str) -> dict:
@@ -185,13 +242,16 @@ def _two_ranks_load(rank: int, world: int, url: str) -> tuple:
         return step, ck.last_load.source, {k: v.clone() for k, v in m.state_dict().items()}, meta
 
 
-@pytest.mark.parametrize("records", ["every rank's", "rank 1's missing"])
+@pytest.mark.parametrize("records", ["every rank's", "rank 1's missing", "rank 1's of another run"])
 def test_two_ranks_seal_only_a_step_every_rank_staged(tmp_path, memory_root, records):
     url = str(tmp_path / "ckpt")
     want = run_distributed(_two_ranks_cut_short, 2, url)
     assert len(_records(memory_root)) == 2
+    one = _staging(memory_root) / "rank_00001.step_3.json"
     if records == "rank 1's missing":
-        (_staging(memory_root) / "rank_00001.step_3.json").unlink()
+        one.unlink()
+    elif records == "rank 1's of another run":  # (a rank of an earlier run that died later)
+        one.write_text(json.dumps({**json.loads(one.read_text()), "run": "another:0::"}))
     got = run_distributed(_two_ranks_load, 2, url)
     for rank, (step, source, weights, meta) in enumerate(got):
         assert source == "memory"
@@ -201,3 +261,46 @@ def test_two_ranks_seal_only_a_step_every_rank_staged(tmp_path, memory_root, rec
         else:
             assert step == 2 and meta == {"step": 2, "rank": rank}
     assert _records(memory_root) == []
+
+
+def test_a_dead_ranks_record_waits_while_another_rank_of_its_step_lives(tmp_path, memory_root):
+    """Rank 0 died first (the persister's flush runs now), rank 1 still runs: nothing is sealed,
+    and rank 0's record stays for the seal once rank 1 is gone too."""
+    from resilient.checkpoint.lease import _process_start
+    from resilient.checkpoint.seal import seal_staged
+
+    url = str(tmp_path / "ckpt")
+    run_distributed(_two_ranks_cut_short, 2, url)
+    one = _staging(memory_root) / "rank_00001.step_3.json"
+    dead = one.read_text()
+    one.write_text(
+        json.dumps({**json.loads(dead), "pid": os.getpid(), "start": _process_start(os.getpid())})
+    )
+    job = _staging(memory_root).parent
+    t0 = time.monotonic()
+    assert seal_staged(str(job), wait_s=0.3) is None
+    assert time.monotonic() - t0 >= 0.3  # it waited for rank 1, in vain
+    assert [p.name for p in _records(memory_root)] == [
+        "rank_00000.step_3.json",
+        "rank_00001.step_3.json",
+    ]
+    one.write_text(dead)  # rank 1 is gone now
+    got = run_distributed(_two_ranks_load, 2, url)
+    assert [g[0] for g in got] == [3, 3]
+
+
+def test_a_fifo_among_the_records_does_not_hang_the_seal(tmp_path, memory_root):
+    from resilient.checkpoint.seal import seal_staged
+
+    url, _ = _cut_short(tmp_path)
+    os.mkfifo(_staging(memory_root) / "rank_00001.step_3.json")
+    result: list = []
+    t = threading.Thread(
+        target=lambda: result.append(seal_staged(str(_staging(memory_root).parent)))
+    )
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "seal_staged blocked on a FIFO"
+    # rank 1's "record" is not one (world 1 anyway): the step seals from rank 0's
+    assert result == [3]
+    assert not (_staging(memory_root) / "rank_00001.step_3.json").exists()

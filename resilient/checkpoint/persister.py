@@ -79,6 +79,8 @@ __all__ = ["OUTBOX", "PersisterClient", "link_to_outbox", "main"]
 log = logging.getLogger(__name__)
 
 OUTBOX = "outbox"
+# how long a flush waits for the trainer's other ranks to be gone before it seals their snapshot
+_SEAL_WAIT_S = 15.0
 LOCK_NAME = "PERSISTER.lock"
 LOG_NAME = "persister.log"
 _MAX_MESSAGE = 1 << 20
@@ -503,7 +505,7 @@ class Promoter:
     def flush(self) -> dict[str, Any] | None:
         """Persist the newest restorable snapshot newer than the newest durable commit, if any
         (first committing, in memory, a snapshot every rank staged whose commit was cut short)."""
-        seal_staged(self.job_dir)
+        seal_staged(self.job_dir, wait_s=_SEAL_WAIT_S)
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         durable = scan(self.storage)

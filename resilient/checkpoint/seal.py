@@ -28,23 +28,22 @@ import contextlib
 import fcntl
 import json
 import logging
-import mmap
 import os
 import re
 import stat
 import struct
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from resilient.checkpoint.catalog import scan
-from resilient.checkpoint.codec import block_checksums
+from resilient.checkpoint.codec import crc32
 from resilient.checkpoint.format import (
-    MAX_MANIFEST_BYTES,
     TensorEntry,
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import _process_start
+from resilient.checkpoint.lease import _machine
 from resilient.checkpoint.retention import delete_dirs
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
@@ -58,6 +57,8 @@ RECORD_FORMAT = "resilient-staged-v1"
 _RECORD_RE = re.compile(r"^rank_(\d{5,9})\.step_(\d{1,19})\.json$")
 _LOCK = "seal.lock"
 _MAX_HEADER = 100 << 20
+_MAX_RECORD = 64 << 20
+_MAX_WORLD = 1 << 16
 
 
 def record_name(rank: int, step: int) -> str:
@@ -76,28 +77,41 @@ class NodeLocal:
         return None
 
 
-def seal_staged(job_dir: str) -> int | None:
-    """Commit, in the node's memory at ``job_dir``, the newest snapshot every rank staged whose
-    commit was cut short; returns its step, or None when there is none to seal.  Never raises:
-    a step that cannot be sealed is logged and left as it is."""
+def seal_staged(job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0) -> int | None:
+    """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
+    was cut short (newest first; the first that seals ends it); returns its step, or None when
+    there is none to seal.  ``wait_s``: how long to wait for the writers of records newer than
+    the newest commit to be gone (the persister: the trainer's other ranks are being torn down).
+    Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
     if not os.path.isdir(staging):
         return None
     try:
-        lock = os.open(os.path.join(job_dir, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError as e:
-        log.warning("cannot lock %s to seal staged snapshots: %s", job_dir, e)
+        deadline = time.monotonic() + wait_s
+        while _live_writers(staging) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lock = _lock(os.path.join(job_dir, _LOCK), lock_s)
+    except Exception as e:
+        log.warning("cannot seal staged snapshots in %s: %s: %s", job_dir, type(e).__name__, e)
+        return None
+    if lock is None:
+        log.warning("sealing staged snapshots in %s: its lock stayed taken; skipped", job_dir)
         return None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a persister flushing and a restarted rank 0 loading
-        records, dead = _records(staging)
+        records, dead, live = _records(staging)
+        sealed: int | None = None
         try:
-            return _seal_newest(records, staging, steps_dir)
+            sealed = _seal_newest(records, staging, steps_dir)
         finally:
-            for path in dead:  # examined, their writers gone: they served their purpose
+            newest = scan(Storage(steps_dir)).newest()
+            for step, path in dead:
+                # a dead rank's record may still be needed while another rank of its step lives
+                if live and (newest is None or step > newest.step):
+                    continue
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+        return sealed
     except Exception as e:  # a seal is a bonus: the committed snapshots still serve
         log.warning("sealing staged snapshots in %s failed: %s: %s", job_dir, type(e).__name__, e)
         return None
@@ -105,47 +119,88 @@ def seal_staged(job_dir: str) -> int | None:
         os.close(lock)
 
 
-def _records(staging: str) -> tuple[dict[int, dict[int, dict[str, Any]]], list[str]]:
-    """step -> rank -> record, of writers that are gone; and the paths of those records."""
+def _lock(path: str, timeout_s: float) -> int | None:
+    """The seal lock (a persister flushing and a restarted rank 0 loading), or None when it is
+    still taken after ``timeout_s``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def writer_alive(pid: Any, start: Any, machine: Any) -> bool:
+    """Whether the process that wrote a record may still be running: another machine or pid
+    namespace, or no start time to check it by, counts as running (never touched); a zombie, a
+    process gone, or another process under that pid counts as gone."""
+    if type(pid) is not int or not isinstance(start, str) or not start or machine != _machine():
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    if len(fields) < 20 or fields[19].decode() != start:
+        return False
+    return fields[0] not in (b"Z", b"X")
+
+
+def _live_writers(staging: str) -> bool:
+    return bool(_records(staging)[2])
+
+
+def _records(
+    staging: str,
+) -> tuple[dict[int, dict[int, dict[str, Any]]], list[tuple[int, str]], list[str]]:
+    """step -> rank -> record, of writers that are gone; (step, path) of those records (step -1:
+    not a record at all); and the paths of the records whose writers may be running."""
     found: dict[int, dict[int, dict[str, Any]]] = {}
-    dead: list[str] = []
+    dead: list[tuple[int, str]] = []
+    live: list[str] = []
     for name in sorted(os.listdir(staging)):
         m = _RECORD_RE.match(name)
         if not m:
             continue
         path = os.path.join(staging, name)
+        rank, step = int(m.group(1)), int(m.group(2))
         try:
             rec = _read_record(path)
         except (OSError, ValueError, RecursionError) as e:
             log.warning("staged record %s does not parse (%s); ignored", path, e)
-            dead.append(path)
+            dead.append((-1, path))
             continue
         if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT:
             log.warning("staged record %s is not a %s record; ignored", path, RECORD_FORMAT)
-            dead.append(path)
+            dead.append((-1, path))
             continue
-        pid, start = rec.get("pid"), rec.get("start")
-        if type(pid) is not int or not isinstance(start, str):
-            dead.append(path)
+        if writer_alive(rec.get("pid"), rec.get("start"), rec.get("machine")):
+            live.append(path)  # its own commit decides
             continue
-        if start and _process_start(pid) == start:
-            continue  # its writer lives: its own commit decides
-        dead.append(path)
-        if rec.get("rank") != int(m.group(1)) or rec.get("step") != int(m.group(2)):
+        dead.append((step, path))
+        if rec.get("rank") != rank or rec.get("step") != step:
             log.warning("staged record %s names another rank or step; ignored", path)
             continue
-        found.setdefault(int(m.group(2)), {})[int(m.group(1))] = rec
-    return found, dead
+        found.setdefault(step, {})[rank] = rec
+    return found, dead, live
 
 
 def _read_record(path: str) -> Any:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO must not block)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise ValueError("not a regular file")
-        data = f.read(MAX_MANIFEST_BYTES + 1)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ValueError(f"larger than {MAX_MANIFEST_BYTES} bytes")
+        data = f.read(_MAX_RECORD + 1)
+    if len(data) > _MAX_RECORD:
+        raise ValueError(f"larger than {_MAX_RECORD} bytes")
     return json.loads(data)
 
 
@@ -182,11 +237,17 @@ def _seal(
 ) -> None:
     first = by_rank[min(by_rank)]
     world = first.get("world")
-    if type(world) is not int or world < 1 or sorted(by_rank) != list(range(world)):
+    if (
+        type(world) is not int
+        or not 1 <= world <= _MAX_WORLD
+        or len(by_rank) != world
+        or set(by_rank) != set(range(world))
+    ):
         raise _Unsealable(
-            f"records of ranks {sorted(by_rank)} were found, the job has {world!r} ranks"
+            f"records of ranks {sorted(by_rank)[:8]} were found, the job has {world!r} ranks"
         )
-    for key in ("digest", "job_id", "block_bytes", "layout"):
+    # one run's ranks (a rank of an earlier run that died later must not fill a gap)
+    for key in ("digest", "job_id", "block_bytes", "layout", "run"):
         if any(r.get(key) != first.get(key) for r in by_rank.values()):
             raise _Unsealable(f"the ranks' records disagree on {key}")
     layout = Layout.from_json(first["layout"])
@@ -229,17 +290,36 @@ def _seal(
             commit_seq=commit_seq,
             job_id=first["job_id"] if isinstance(first["job_id"], str) else "",
         )
-        for r, (_fd, path, ino) in zip(reports, opened, strict=True):
-            dest = os.path.join(step_dir, r["file"])
-            os.replace(path, dest)
-            if os.lstat(dest).st_ino != ino:  # replaced under us between the open and the move
-                raise _Unsealable(f"{path} was replaced while it was being sealed")
-        garbage = publish_commit(mem, NodeLocal(), manifest, keep_last=2, keep_every=None)
+        for r, (fd, path, ino) in zip(reports, opened, strict=True):
+            _move(fd, path, ino, os.path.join(step_dir, r["file"]))
+        garbage = publish_commit(
+            mem,
+            NodeLocal(),
+            manifest,
+            keep_last=2,
+            keep_every=None,
+            collect=lambda _info: False,  # a step being written by a live trainer stays
+        )
     finally:
         for fd, _path, _ino in opened:
             os.close(fd)
     with contextlib.suppress(Exception):
         delete_dirs(mem, garbage)
+
+
+def _move(fd: int, path: str, ino: int, dest: str) -> None:
+    """Give the open file ``fd`` (inode ``ino``, at ``path``) the name ``dest``: linked by its
+    descriptor, so that whatever was put at ``path`` meanwhile is never the one moved."""
+    try:
+        os.link(f"/proc/self/fd/{fd}", dest, follow_symlinks=True)
+    except OSError:  # no /proc: by name, checked after
+        os.replace(path, dest)
+        if os.lstat(dest).st_ino != ino:
+            raise _Unsealable(f"{path} was replaced while it was being sealed") from None
+        return
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == ino:
+            os.unlink(path)
 
 
 def _open_staged(
@@ -267,7 +347,7 @@ def _open_staged(
         ]
     for path in places:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         st = os.fstat(fd)
@@ -297,25 +377,27 @@ def _check_header_step(fd: int, size: int, step: int, path: str) -> None:
 
 
 def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
-    """The rank's commit report, with the checksums of its chunks computed from the file."""
+    """The rank's commit report, with the checksums of its chunks computed from the file (read,
+    not mapped: a file cut short meanwhile is an error here, not a SIGBUS)."""
     chunks = rec.get("chunks")
     block_bytes, size = rec["block_bytes"], rec["size"]
     if not isinstance(chunks, dict) or not isinstance(rec.get("values"), dict):
         raise _Unsealable(f"rank {rank}'s record has no chunks or values")
     out: dict[str, Any] = {}
-    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    view = memoryview(mm)
-    try:
-        for key, c in chunks.items():
-            if not isinstance(c, dict) or not isinstance(c.get("byte_range"), list):
-                raise _Unsealable(f"rank {rank}'s chunk {key!r} is malformed")
-            b, e = c["byte_range"]
-            if not (type(b) is int and type(e) is int and 0 <= b <= e <= size):
-                raise _Unsealable(f"rank {rank}'s chunk {key!r} lies outside its file")
-            out[key] = {**c, "checksums": block_checksums(view[b:e], block_bytes, parallel=False)}
-    finally:
-        view.release()
-        mm.close()
+    for key, c in chunks.items():
+        if not isinstance(c, dict) or not isinstance(c.get("byte_range"), list):
+            raise _Unsealable(f"rank {rank}'s chunk {key!r} is malformed")
+        b, e = c["byte_range"]
+        if not (type(b) is int and type(e) is int and 0 <= b <= e <= size):
+            raise _Unsealable(f"rank {rank}'s chunk {key!r} lies outside its file")
+        sums = []
+        for at in range(b, e, block_bytes):
+            n = min(block_bytes, e - at)
+            data = os.pread(fd, n, at)
+            if len(data) != n:
+                raise _Unsealable(f"rank {rank}'s file was cut short while it was being sealed")
+            sums.append(crc32(data))
+        out[key] = {**c, "checksums": sums}
     return {
         "rank": rank,
         "file": "",

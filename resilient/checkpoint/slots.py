@@ -50,7 +50,7 @@ import torch
 
 from resilient.checkpoint.codec import block_checksums, safetensors_header
 from resilient.checkpoint.format import ChunkEntry, TensorEntry, dtype_info
-from resilient.checkpoint.lease import _process_start
+from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.seal import RECORD_FORMAT, record_name
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.writer import PersistResult, WritePlan, rank_file_metadata
@@ -84,7 +84,8 @@ class _Slot:
         self.path, self.fd, self.mm, self.key, self.prefix = path, fd, mm, key, prefix
         self.size = len(mm)
         self.ino = os.fstat(fd).st_ino
-        self.record: str | None = None  # its staged record, while its save is not over
+        self.record: tuple[str, int] | None = None  # its staged record (path, inode), while
+        # its save is not over
 
     def data(self) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.prefix)
@@ -117,7 +118,8 @@ class Slots:
         self.names = tuple(
             os.path.join(self.staging, f"rank_{rank:05d}.{k}.safetensors") for k in range(3)
         )
-        self._me = (os.getpid(), _process_start(os.getpid()))
+        self._me = (os.getpid(), _process_start(os.getpid()), _machine())
+        self._fresh_run = True  # a crashed run's staging files go at the first snapshot
         self._record_static: tuple[WritePlan, int, str] | None = None
         self._record_failed = False
         self._committed: deque[_Slot] = deque()  # this rank's newest committed files, oldest first
@@ -140,6 +142,11 @@ class Slots:
         if record is not None:  # a record of this step from before a rollback is void from here
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.staging, record_name(self.rank, step)))
+        if self._fresh_run:  # what a crashed run of this rank left, sealed or not by now
+            self._fresh_run = False
+            for name in self.names:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
         header = self._header(plan, step)
         if self._prefix is None or self._prefix[0] is not plan:
             self._prefix = (plan, _round_up(len(self._header(plan, _MAX_STEP)), _PAGE))
@@ -202,7 +209,7 @@ class Slots:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, final)
-            slot.record = final
+            slot.record = (final, os.lstat(final).st_ino)
         except (OSError, ValueError, TypeError) as e:
             if not self._record_failed:
                 log.warning("could not write the staged record of snapshot %d: %s", step, e)
@@ -233,6 +240,8 @@ class Slots:
             "world": info.layout.world_size,
             "pid": self._me[0],
             "start": self._me[1],
+            "machine": self._me[2],
+            "run": _run_id(),
             "size": prefix + plan.data_bytes,
             "block_bytes": info.block_bytes,
             "job_id": info.job_id,
@@ -286,8 +295,10 @@ class Slots:
             return
         self._staged.remove(slot)
         if slot.record is not None:  # its save is over: nothing is left to seal
+            path, ino = slot.record
             with contextlib.suppress(OSError):
-                os.unlink(slot.record)
+                if os.lstat(path).st_ino == ino:  # (not a later snapshot's of the same step)
+                    os.unlink(path)
             slot.record = None
         if committed and slot.path not in self.names:
             self._committed.append(slot)
@@ -376,6 +387,16 @@ class Slots:
                 f"more shared memory, or snapshot less state"
             ) from e
         return _Slot(staging, fd, mm, key, prefix)
+
+
+def _run_id() -> str:
+    """Which run of the job this process belongs to, as far as its launcher says (torchrun's run
+    id and restart count, the rendezvous address): a seal never mixes two runs' ranks."""
+    env = os.environ
+    return ":".join(
+        env.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+    )
 
 
 def _round_up(n: int, to: int) -> int:
