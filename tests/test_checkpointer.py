@@ -452,6 +452,30 @@ def test_values_that_are_not_json_are_refused_by_name(tmp_path):
             ck.save(1, {"x": float("nan")})
 
 
+def test_lists_are_values_unless_they_hold_tensors(tmp_path):
+    """A plain list is one JSON value (an RNG state, a sampler's indices); a list that holds a
+    tensor is walked item by item; anything else in a list is refused by name, as elsewhere."""
+    state = {
+        "rng": list(range(625)),
+        "mixed": [torch.arange(4.0), {"n": 3}, [1, "a"]],
+        "t": (1.5, None, True),
+    }
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state).wait()
+        m = ck.manifest(1)
+        assert m.extras["rng"] == list(range(625)) and m.extras["t"] == [1.5, None, True]
+        assert "mixed.0" in m.tensors and m.extras["mixed.1.n"] == 3
+        assert m.extras["mixed.2"] == [1, "a"]
+        got = {"rng": [0] * 625, "mixed": [torch.zeros(4), {"n": 0}, []], "t": ()}
+        ck.load(got)
+        assert got["rng"] == list(range(625)) and torch.equal(got["mixed"][0], torch.arange(4.0))
+        assert got["mixed"][1] == {"n": 3} and got["mixed"][2] == [1, "a"]
+        with pytest.raises(TypeError, match=r"state key 'l': value of type list is neither"):
+            ck.save(2, {"l": [1, {2, 3}]})
+        with pytest.raises(TypeError, match=r"state key 'l.1'"):
+            ck.save(2, {"l": [torch.zeros(1), float("nan")]})
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
         Checkpointer("memory://x", keep_last=0)

@@ -494,3 +494,31 @@ def test_a_memory_root_others_could_swap_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(link))
     with pytest.raises(MemoryTierError, match="root .* is a symbolic link"):
         Checkpointer(str(tmp_path / "ckpt2"), memory_every=1)
+
+
+def test_after_the_first_snapshot_of_a_shape_only_what_changes_is_checked(tmp_path, monkeypatch):
+    """A memory snapshot's manifest is checked in full the way readers check it once per shape
+    (layout, tensors, files, chunks); later ones of that shape get the check of the parts that
+    change, which still refuses what a reader would refuse there."""
+    import resilient.checkpoint.writer as writer
+
+    short = []
+    real = writer.check_variable_parts
+    monkeypatch.setattr(writer, "check_variable_parts", lambda *a: (short.append(1), real(*a)))
+    deep: list = []
+    for _ in range(80):  # deeper than the format allows (64)
+        deep = [deep]
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        for step in (1, 2, 3):
+            ck.snapshot(step, {"w": torch.full((4,), float(step)), "meta": [step]}).wait()
+        assert len(short) == 2  # steps 2 and 3
+        h = ck.snapshot(4, {"w": torch.ones(4), "meta": deep})
+        with pytest.raises(ResilientError, match=r"readers would refuse it.*nests deeper than 64"):
+            h.wait()
+        assert len(short) == 3
+        # another shape: the full check again
+        ck.snapshot(5, {"w": torch.ones(8), "meta": [5]}).wait()
+        assert len(short) == 3
+        assert sorted(ck.memory_steps()) == [3, 5]
+        m = {"w": torch.zeros(8), "meta": []}
+        assert ck.load(m) == 5 and m["meta"] == [5]

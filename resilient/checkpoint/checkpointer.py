@@ -30,6 +30,7 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_INT,
     MAX_MANIFEST_BYTES,
+    ChunkEntry,
     Manifest,
     manifest_of_step,
     manifest_to_bytes,
@@ -245,6 +246,7 @@ class Checkpointer:
         self._stager = Stager()
         self._slots: Slots | None = None  # (the memory tier's own) the lean snapshot path
         self._plan_cache: tuple[Any, WritePlan] | None = None
+        self._checked_shape: tuple | None = None  # (memory tier) see _coordinate
         self._pending: SaveHandle | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -861,7 +863,12 @@ class Checkpointer:
                     "rank": self.rank,
                     "file": res.file,
                     "size_bytes": res.size_bytes,
-                    "chunks": {k: c.to_json() for k, c in res.chunks.items()},
+                    # the coordinator's own report is not sent: its entries as they are
+                    "chunks": (
+                        dict(res.chunks)
+                        if coordinator
+                        else {k: c.to_json() for k, c in res.chunks.items()}
+                    ),
                     "digest": plan.digest,
                     "num_tensors": len(plan.tensors),
                     "values": values,
@@ -976,6 +983,11 @@ class Checkpointer:
             if self._shared_manifest is not None:  # every leader has read the previous one
                 committer.store.delete_key(self._shared_manifest)
             self._shared_manifest = f"{committer.prefix}/manifest"
+        # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
+        # and values only: once one of a shape passed the readers' full check, the next ones of
+        # that shape get the check of those parts (format.check_variable_parts).
+        shape = _manifest_shape(layout, plan, reports, block_bytes=self.block_bytes)
+        checked = self._slots is not None and shape == self._checked_shape
         garbage = publish_commit(
             self.storage,
             self._lease,
@@ -983,7 +995,10 @@ class Checkpointer:
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             collect=self._sweep,
+            shape_checked=checked,
         )
+        if self._slots is not None:
+            self._checked_shape = shape
         self._advance_anchor(handle, step, seq)  # snapshots from now on descend from it
         self._sweep.committed()
         committer.publish("ok")
@@ -1630,6 +1645,48 @@ class _PendingLoad:
         for undo in self.flat.undo:
             undo()
         self.scratch = {}
+
+
+def _manifest_shape(
+    layout: Layout, plan: WritePlan, reports: list[dict[str, Any]], *, block_bytes: int
+) -> tuple:
+    """All of a commit's manifest but its numbers (step, commit_seq, time), checksum values and
+    values: the layout, the tensor table (its digest), the files and every chunk's place."""
+    return (
+        layout,
+        plan.digest,
+        block_bytes,
+        tuple(
+            (
+                r.get("rank"),
+                r.get("file"),
+                r.get("size_bytes"),
+                r.get("digest"),
+                tuple(
+                    (
+                        k,
+                        *(
+                            (c.offsets, c.sizes, c.file, c.name, c.byte_range, c.codec)
+                            + (c.raw_bytes, len(c.checksums))
+                            if isinstance(c, ChunkEntry)
+                            else (
+                                tuple(c.get("offsets") or ()),
+                                tuple(c.get("sizes") or ()),
+                                c.get("file"),
+                                c.get("name"),
+                                tuple(c.get("byte_range") or ()),
+                                c.get("codec"),
+                                c.get("raw_bytes"),
+                                len(c.get("checksums") or ()),
+                            )
+                        ),
+                    )
+                    for k, c in (r.get("chunks") or {}).items()
+                ),
+            )
+            for r in reports
+        ),
+    )
 
 
 def _nodes(world_size: int) -> int:

@@ -52,6 +52,7 @@ __all__ = [
     "ManifestSummary",
     "upgrade_v1",
     "check_json_depth",
+    "check_variable_parts",
     "parse_json",
 ]
 
@@ -626,6 +627,38 @@ def manifest_of_step(data: bytes, where: str, step: int) -> Manifest:
             f"or delete it"
         )
     return m
+
+
+def check_variable_parts(data: bytes, m: Manifest, where: str) -> None:
+    """What readers check of the parts of a manifest that change from one commit of a layout to
+    the next (the numbers, the checksum values, the values), for a manifest whose layout, tensor
+    table, files and chunks are those of one that ``manifest_of_step`` accepted: the writer's
+    check of a memory snapshot's manifest at every snapshot, in a fraction of a full parse."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(
+            f"{where} is {len(data)} bytes; the limit is {MAX_MANIFEST_BYTES}"
+        )
+    for name in ("step", "commit_seq", "generation"):
+        _int(getattr(m, name), f"manifest.{name}")
+    if not math.isfinite(m.created_unix_s):
+        raise CheckpointCorruptError("manifest.created_unix_s must be a finite number")
+    for key, t in m.tensors.items():
+        for c in t.chunks:
+            cs = c.checksums
+            if cs and ({*map(type, cs)} != _INT_TYPE or min(cs) < 0 or max(cs) >= 1 << 32):
+                raise CheckpointCorruptError(
+                    f"tensor {key!r}: a chunk's checksums must be crc32 values (integers below "
+                    f"2**32)"
+                )
+    if not isinstance(m.extras, dict):
+        raise CheckpointCorruptError("manifest.extras must be an object")
+    for r, v in m.rank_extras.items():
+        if type(r) is not int or not 0 <= r < m.layout.world_size or not isinstance(v, dict):
+            raise CheckpointCorruptError(
+                f"manifest.rank_extras[{r!r}] must map a rank of {m.layout.describe()} to an object"
+            )
+    check_json_depth(m.extras, "manifest.extras")
+    check_json_depth({str(r): v for r, v in m.rank_extras.items()}, "manifest.rank_extras")
 
 
 def parse_json(data: bytes, where: str, max_bytes: int) -> Any:

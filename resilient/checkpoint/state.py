@@ -9,6 +9,7 @@ values.  Keys are joined with ``.``: ``model.layers.0.attn.qkv.weight``,
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
@@ -226,6 +227,8 @@ class _Walker:
                 self.flat.finalizers.append(lambda obj=obj, sd=sd: obj.load_state_dict(sd))
         elif isinstance(obj, Mapping):
             self.mapping(obj, prefix)
+        elif isinstance(obj, (list, tuple)) and self._json_list(obj, prefix, setter):
+            pass
         elif isinstance(obj, (list, tuple)) and _contains_tensor(obj):
             for i, v in enumerate(obj):
                 item_setter = None
@@ -237,6 +240,24 @@ class _Walker:
             self.flat.values[key] = obj if self.for_load else json_snapshot(key, obj)
             if setter is not None:
                 self.flat.setters[key] = setter
+
+    def _json_list(
+        self, obj: list | tuple, prefix: str, setter: Callable[[Any], None] | None
+    ) -> bool:
+        """(saves) Take a list that is plain JSON as one value, in one pass of the C encoder
+        (an RNG state of 625 ints, a sampler's indices: one Python call per element otherwise);
+        False for one that is not (it holds a tensor, or something else: see the caller)."""
+        if self.for_load:
+            return False
+        try:
+            value = json.loads(json.dumps(obj, allow_nan=False))
+        except (TypeError, ValueError):
+            return False
+        key = prefix.rstrip(".")
+        self.flat.values[key] = value
+        if setter is not None:
+            self.flat.setters[key] = setter
+        return True
 
     def mapping(self, m: Mapping[str, Any], prefix: str) -> None:
         for k, v in m.items():
@@ -337,8 +358,7 @@ def _checked(
     rank: int,
 ) -> TensorLeaf:
     try:
-        fused_parts(shape, placement)
-        expected = local_shape(shape, placement, layout, rank)
+        expected = _expected_shape(shape, placement, layout, rank)
     except LayoutError as e:
         raise LayoutError(f"tensor {key!r}: {e}") from None
     if tuple(local.shape) != expected:
@@ -348,6 +368,16 @@ def _checked(
             f"for this rank; pass global_shape= to sharded() for uneven splits"
         )
     return TensorLeaf(key, local, shape, placement)
+
+
+@functools.lru_cache(maxsize=8192)
+def _expected_shape(
+    shape: tuple[int, ...], placement: Placement, layout: Layout, rank: int
+) -> tuple[int, ...]:
+    """The local shape ``rank`` must hold (checked dims and fused sizes): the same tensors are
+    described at every save, so the layout arithmetic is done once per distinct tensor."""
+    fused_parts(shape, placement)
+    return local_shape(shape, placement, layout, rank)
 
 
 def _fmt(placement: Placement) -> str:

@@ -43,6 +43,7 @@ from resilient.checkpoint.format import (
     FileEntry,
     Manifest,
     TensorEntry,
+    check_variable_parts,
     dtype_info,
     dtype_name,
     manifest_of_step,
@@ -481,7 +482,9 @@ def build_manifest(
     for r in reports:
         files[r["file"]] = FileEntry(rank=r["rank"], size_bytes=r["size_bytes"])
         for key, c in r["chunks"].items():
-            chunks[key].append(ChunkEntry.from_json(c, f"rank {r['rank']} chunk {key!r}"))
+            if not isinstance(c, ChunkEntry):  # (the coordinator's own are entries already)
+                c = ChunkEntry.from_json(c, f"rank {r['rank']} chunk {key!r}")
+            chunks[key].append(c)
     tensors = {
         k: TensorEntry(
             dtype=d, shape=s, placement=p, chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets))
@@ -528,6 +531,7 @@ def publish_commit(
     keep_every: int | None,
     collect: Callable[[Any], bool] | None = None,
     sweep_step: bool = True,
+    shape_checked: bool = False,
 ) -> list[str]:
     """Commit a step whose files are written: check that readers would accept the manifest,
     make the directory durable, check the writer lease, publish the manifest, then (under the
@@ -536,8 +540,12 @@ def publish_commit(
     step = manifest.step
     step_rel = step_dir_name(step)
     data = manifest_to_bytes(manifest)
+    where = storage.display(f"{step_rel}/{MANIFEST_NAME}")
     try:  # never publish what a reader would refuse (the caps, JSON depth, ...)
-        manifest_of_step(data, storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
+        if shape_checked:  # (the caller compared all but the variable parts with a checked one)
+            check_variable_parts(data, manifest, where)
+        else:
+            manifest_of_step(data, where, step)
     except CheckpointCorruptError as e:
         raise CommitError(f"refusing to commit step {step}: readers would refuse it: {e}") from None
     storage.sync_dir(step_rel)
