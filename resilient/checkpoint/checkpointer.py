@@ -986,8 +986,12 @@ class Checkpointer:
         # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
         # and values only: once one of a shape passed the readers' full check, the next ones of
         # that shape get the check of those parts (format.check_variable_parts).
-        shape = _manifest_shape(layout, plan, reports, block_bytes=self.block_bytes)
-        checked = self._slots is not None and shape == self._checked_shape
+        shape = (
+            _manifest_shape(layout, plan, reports, block_bytes=self.block_bytes)
+            if self._slots is not None
+            else None
+        )
+        checked = shape is not None and shape == self._checked_shape
         garbage = publish_commit(
             self.storage,
             self._lease,
@@ -997,8 +1001,7 @@ class Checkpointer:
             collect=self._sweep,
             shape_checked=checked,
         )
-        if self._slots is not None:
-            self._checked_shape = shape
+        self._checked_shape = shape
         self._advance_anchor(handle, step, seq)  # snapshots from now on descend from it
         self._sweep.committed()
         committer.publish("ok")
