@@ -237,3 +237,40 @@ def test_when_rank_0_cannot_begin_every_rank_fails_and_no_node_keeps_the_step_pi
     for outcome, _pid, outbox in results:
         assert outcome.startswith("LeaseError") and "another-job" in outcome
         assert outbox == []  # node 1's leader let go of its pinned files too
+
+
+def _a_replica_that_does_not_arrive(rank: int, world: int, url: str, base: str) -> list[str]:
+    import torch.distributed as dist
+
+    from resilient.checkpoint import replicas
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    for step in (1, 2):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    if rank == 0:  # rank 0 cannot keep rank 2's file of step 3 (as when its peer dies)
+        done = replicas._Incoming.__exit__
+
+        def fail(self, *exc):
+            done(self, *exc)
+            (Path(ck.memory.steps) / "step_00000003" / "rank_00002.safetensors").unlink()
+            raise OSError("the replica could not be kept (the test)")
+
+        replicas._Incoming.__exit__ = fail
+    ck.snapshot(3, _state(rank, world, 3.0)).wait()  # committed; its replication fails on rank 0
+    dist.barrier()
+    held = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
+    ck.close()
+    return held
+
+
+def test_older_replicas_stay_until_every_rank_holds_the_new_ones(tmp_path):
+    """Node 0's rank 1 got rank 3's file of step 3, rank 0 did not keep rank 2's: step 2 keeps
+    both replicas (dropping rank 3's would leave no step of node 1's files whole on node 0), and
+    after node 1 is lost the survivors restore step 2 from memory."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    held = run_distributed(_a_replica_that_does_not_arrive, 4, url, base)
+    assert {"rank_00002.safetensors", "rank_00003.safetensors"} <= set(held[0])
+    shutil.rmtree(_root(base, 1))
+    (s0, src0, w0, _, _), (s1, src1, w1, _, _) = run_distributed(_restore, 2, url, base, 0)
+    assert (s0, src0, s1, src1) == (2, "memory", 2, "memory")
+    assert w0 + w1 == [2.0] * 4 + [3.0] * 4 + [4.0] * 4 + [5.0] * 4

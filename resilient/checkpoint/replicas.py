@@ -202,19 +202,33 @@ class Replicas:
         if spare is not None and spare.size != size:
             spare.discard()
             spare = None
-        with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
-            out_lane = lanes[self.nodes.node_of[self.rank] % 2]
-            in_lane = lanes[self.nodes.node_of[source] % 2]
-            reqs = [
-                dist.isend(data, peer, group=out_lane) if data.numel() else None,
-                dist.irecv(incoming.tensor, source, group=in_lane) if incoming.size else None,
-            ]
-            for r in reqs:
-                if r is not None:
-                    r.wait()
+        received = 0
+        try:
+            with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
+                out_lane = lanes[self.nodes.node_of[self.rank] % 2]
+                in_lane = lanes[self.nodes.node_of[source] % 2]
+                reqs = [
+                    dist.isend(data, peer, group=out_lane) if data.numel() else None,
+                    dist.irecv(incoming.tensor, source, group=in_lane) if incoming.size else None,
+                ]
+                for r in reqs:
+                    if r is not None:
+                        r.wait()
+            received = 1
+        finally:
+            # The older replicas go only once every rank holds its source's file of this step:
+            # a node lost in the middle of the exchange (some of this node's ranks got theirs,
+            # some not) must leave the previous step whole, or no step of the lost node's files
+            # would be complete anywhere.  A rank whose transfer failed still takes part, so
+            # that no rank waits here for it; with a peer gone the reduction fails everywhere.
+            everyone = torch.tensor([received], dtype=torch.int64)
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
         self.reused += incoming.from_spare
         older, self._held = self._held, incoming.kept
-        self._drop_older(storage, step_rel, source, older)
+        if int(everyone.item()):
+            self._drop_older(storage, step_rel, source, older)
+        elif older is not None:  # the previous step's replica stays where it is, unmapped
+            older.close()
 
     def _drop_older(
         self, storage: Storage, keep_rel: str, source: int, older: _Mapped | None
