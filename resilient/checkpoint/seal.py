@@ -36,7 +36,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.codec import crc32
 from resilient.checkpoint.format import (
     TensorEntry,
@@ -90,7 +90,7 @@ def seal_staged(job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0) -> 
     try:
         deadline = time.monotonic() + wait_s
         while _live_writers(staging) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.2)  # (each look parses the records)
         lock = _lock(os.path.join(job_dir, _LOCK), lock_s)
     except Exception as e:
         log.warning("cannot seal staged snapshots in %s: %s: %s", job_dir, type(e).__name__, e)
@@ -100,14 +100,18 @@ def seal_staged(job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0) -> 
         return None
     try:
         records, dead, live = _records(staging)
-        sealed: int | None = None
+        mem = Storage(steps_dir)
+        catalog = scan(mem)
+        committed = catalog.newest()
+        newest = -1 if committed is None else committed.step
         try:
-            sealed = _seal_newest(records, staging, steps_dir)
+            sealed = _seal_newest(records, staging, mem, catalog)
+            if sealed is not None:
+                newest = max(newest, sealed)
         finally:
-            newest = scan(Storage(steps_dir)).newest()
             for step, path in dead:
                 # a dead rank's record may still be needed while another rank of its step lives
-                if live and (newest is None or step > newest.step):
+                if live and step > newest:
                     continue
                 with contextlib.suppress(OSError):
                     os.unlink(path)
@@ -205,14 +209,12 @@ def _read_record(path: str) -> Any:
 
 
 def _seal_newest(
-    records: dict[int, dict[int, dict[str, Any]]], staging: str, steps_dir: str
+    records: dict[int, dict[int, dict[str, Any]]], staging: str, mem: Storage, catalog: Catalog
 ) -> int | None:
     from resilient import __version__ as version
 
     if not records:
         return None
-    mem = Storage(steps_dir)
-    catalog = scan(mem)
     newest = catalog.newest()
     for step in sorted(records, reverse=True):
         if newest is not None and step <= newest.step:
