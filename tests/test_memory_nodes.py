@@ -274,3 +274,83 @@ def test_older_replicas_stay_until_every_rank_holds_the_new_ones(tmp_path):
     (s0, src0, w0, _, _), (s1, src1, w1, _, _) = run_distributed(_restore, 2, url, base, 0)
     assert (s0, src0, s1, src1) == (2, "memory", 2, "memory")
     assert w0 + w1 == [2.0] * 4 + [3.0] * 4 + [4.0] * 4 + [5.0] * 4
+
+
+def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str) -> dict:
+    import errno
+
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    for step in (1, 2):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    if rank == 0:  # rank 0's node has no room left for rank 2's file of step 3 (not even in
+        # the spare, the previous replica's pages, which cannot be moved into place)
+        real_open, real_replace = os.open, os.replace
+
+        def refused(path):
+            if "rank_00002" in str(path) and ".tmp-" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device (the test)", str(path))
+
+        def full_open(path, flags, mode=0o777, *, dir_fd=None):
+            refused(path)
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        def full_replace(src, dst, **kw):
+            refused(dst)
+            return real_replace(src, dst, **kw)
+
+        os.open, os.replace = full_open, full_replace
+    ck.snapshot(3, _state(rank, world, 3.0)).wait()
+    dist.barrier()
+    steps = Path(ck.memory.steps)
+    out = {
+        "step_2": sorted(p.name for p in (steps / "step_00000002").iterdir()),
+        "step_3": sorted(p.name for p in (steps / "step_00000003").iterdir()),
+    }
+    ck.close()
+    return out
+
+
+def test_a_rank_that_cannot_receive_its_replica_still_sends_its_own(tmp_path):
+    """Rank 0 cannot set up the receive of rank 2's file (no room in its node's memory): it
+    drains what rank 2 sends and still sends its own file to rank 2 (leaving instead would leave
+    rank 2 waiting for it until the group's timeout), and step 2's replicas stay on node 0."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    held = run_distributed(_a_receive_that_cannot_be_set_up, 4, url, base, timeout_s=120)
+    assert "rank_00002.safetensors" not in held[0]["step_3"]
+    assert {"rank_00002.safetensors", "rank_00003.safetensors"} <= set(held[0]["step_2"])
+    assert "rank_00000.safetensors" in held[2]["step_3"]  # rank 0's own file reached node 1
+    assert "rank_00001.safetensors" in held[3]["step_3"]
+
+
+def _restore_with_an_unreadable_replica(rank: int, world: int, url: str, base: str) -> tuple:
+    import errno
+
+    if rank < 2:  # node 0 holds node 1's files of step 3 but cannot read them when sending
+        real_open = os.open
+
+        def unreadable(path, flags, mode=0o777, *, dir_fd=None):
+            name = str(path)
+            if flags == os.O_RDONLY | os.O_NOFOLLOW and "step_00000003/rank_0000" in name:
+                if name.endswith(("rank_00002.safetensors", "rank_00003.safetensors")):
+                    raise OSError(errno.EIO, "Input/output error (the test)", name)
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        os.open = unreadable
+    return _restore(rank, world, url, base, None)
+
+
+def test_a_sender_that_cannot_read_a_file_another_node_waits_for_still_sends(tmp_path):
+    """The replaced node 1 needs its files of step 3 from node 0, which cannot read them at the
+    moment it sends: it sends zeros of the promised size instead of leaving node 1's ranks waiting
+    until the group's timeout; the checksums reject them, and every rank falls back together."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)
+    shutil.rmtree(_root(base, 1))
+    results = run_distributed(_restore_with_an_unreadable_replica, 4, url, base, timeout_s=120)
+    assert len({r[:2] for r in results}) == 1  # one step, from one source, on every rank
+    step, source = results[0][:2]
+    assert (step, source) != (3, "memory")
+    for rank, (_, _, w, _, _) in enumerate(results):
+        assert w == [float(step) + rank] * 4

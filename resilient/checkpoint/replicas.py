@@ -214,7 +214,7 @@ class Replicas:
                 for r in reqs:
                     if r is not None:
                         r.wait()
-            received = 1
+            received = int(incoming.failed is None)  # drained (no room): not kept
         finally:
             # The older replicas go only once every rank holds its source's file of this step:
             # a node lost in the middle of the exchange (some of this node's ranks got theirs,
@@ -332,7 +332,8 @@ class Replicas:
                 transfers.append((i, holders[0], receiver))
         for i, sender, receiver in transfers:  # one global order: no two ranks wait on each other
             if self.rank == sender:
-                dist.send(_file_tensor(storage, f"{step_rel}/{names[i]}"), receiver, group=group)
+                data = _sendable(storage, f"{step_rel}/{names[i]}", files[names[i]])
+                dist.send(data, receiver, group=group)
             elif self.rank == receiver:
                 storage.makedirs(step_rel)
                 with _Incoming(storage, f"{step_rel}/{names[i]}", files[names[i]]) as incoming:
@@ -408,6 +409,10 @@ class _Incoming:
         self.from_spare = False
 
     def __enter__(self) -> _Incoming:
+        """Never raises: a receive that cannot be set up in this node's memory (no room, no
+        inode or descriptor left, the directory gone) still receives, into a buffer that is
+        dropped, because its sender is already sending and a rank that left here would leave its
+        own transfer unsent and its peer waiting for it until the group's timeout."""
         if self.spare is not None and self.size and self.spare.move_to(self.tmp):
             self.mapped, self.spare, self.from_spare = self.spare, None, True
             self.tensor = torch.frombuffer(self.mapped.mm, dtype=torch.uint8)
@@ -415,23 +420,28 @@ class _Incoming:
         if self.spare is not None:
             self.spare.discard()
             self.spare = None
+        try:
+            self._map()
+        except OSError as e:
+            self.failed = e
+            log.warning("no room for %s in this node's memory: %s", self.path, e)
+            if self.mapped is not None:
+                self.mapped.close()
+                self.mapped = None
+            self.tensor = torch.empty(self.size, dtype=torch.uint8)  # drained, dropped
+        return self
+
+    def _map(self) -> None:
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             if self.size:
-                try:
-                    # the pages now: a full tmpfs says so here, not as a fault inside the receive
-                    os.posix_fallocate(fd, 0, self.size)
-                except OSError as e:
-                    self.failed = e
-                    log.warning("no room for %s in this node's memory: %s", self.path, e)
-                    self.tensor = torch.empty(self.size, dtype=torch.uint8)  # drained, dropped
-                    return self
+                # the pages now: a full tmpfs says so here, not as a fault inside the receive
+                os.posix_fallocate(fd, 0, self.size)
                 mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
                 self.mapped = _Mapped(self.tmp, mm, os.fstat(fd).st_ino)
                 self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         finally:
             os.close(fd)
-        return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)  # the tensor's view of the mapping goes
@@ -455,6 +465,20 @@ def _present(storage: Storage, rel: str, size: int) -> bool:
         return storage.size(rel) == size
     except Exception:
         return False
+
+
+def _sendable(storage: Storage, rel: str, size: int) -> torch.Tensor:
+    """The file to send to a rank that is already waiting for ``size`` bytes of it: when it
+    cannot be read (or is no longer that size), zeros of that size, so that the receiver is not
+    left waiting; its checksums then reject what arrived, as they reject any damaged file."""
+    try:
+        data = _file_tensor(storage, rel)
+        if data.numel() == size:
+            return data
+        log.warning("%s is %d bytes, not %d: sending zeros", rel, data.numel(), size)
+    except OSError as e:
+        log.warning("cannot read %s to send it: %s; sending zeros", rel, e)
+    return torch.zeros(size, dtype=torch.uint8)
 
 
 def _file_tensor(storage: Storage, rel: str) -> torch.Tensor:
