@@ -38,7 +38,10 @@ when = "step"             # ... before it ("step") or while its save is written 
 
 [expect]
 completed = true
-final_state = "exact"     # "exact" | "close" (rtol, atol) | "any"
+final_state = "exact"     # "exact" | "close" (rtol, atol, moment_rtol) | "any"
+# rtol = 1e-3             # "close": each tensor's difference, in norm, within rtol of its norm
+# atol = 1e-5             #   (plus atol per element, in norm), the optimizer's moments within
+# moment_rtol = 1e-2      #   moment_rtol: they carry a tenth of the last step's gradient
 max_steps_lost = 5        # default: the save interval
 verdict = "DEAD"          # DEAD | HUNG | STRAGGLER | "none" (no DEAD/HUNG; stragglers listed); default: any
 detect_within_s = 6.0     # fault to verdict (in start-up: beyond the join or start-up timeout)
@@ -181,6 +184,7 @@ class Expect:
     final_state: str = "exact"
     rtol: float = 1e-3
     atol: float = 1e-5
+    moment_rtol: float = 1e-2  # "close", the optimizer's state (its tensors of more than one value)
     loss_rtol: float | None = None  # default: 0 when exact, rtol otherwise
     max_steps_lost: int | None = None
     verdict: str | None = None
@@ -486,7 +490,7 @@ def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
     if verdict is not None and verdict not in VERDICTS:
         v.fail(at, "verdict", f"{verdict!r}: one of {', '.join(VERDICTS)}")
     floats = {}
-    for k in ("rtol", "atol", "loss_rtol", "detect_within_s", "recover_within_s"):
+    for k in ("rtol", "atol", "moment_rtol", "loss_rtol", "detect_within_s", "recover_within_s"):
         x = v.typed(t, k, (int, float), at, default=None)
         if x is not None and (x < 0 or math.isnan(x)):
             v.fail(at, k, f"{x}: must be >= 0")

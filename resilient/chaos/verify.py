@@ -634,29 +634,46 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
         return Check(name, False, f"cannot read a final checkpoint: {e}")
     if a.keys() != b.keys():
         return Check(name, False, f"tensor names differ: {sorted(a.keys() ^ b.keys())[:5]}")
-    differ, worst = [], 0.0
+    differ, worst = [], {"weights": 0.0, "moments": 0.0}
     for k in a:
         if exp.final_state == "exact":
             if not torch.equal(a[k], b[k]):
                 differ.append(k)
-        else:
+        elif a[k].shape != b[k].shape:
+            differ.append(k)
+        elif a[k].numel():
+            # In norm, not element by element: a job that changed its layout sums its gradients
+            # in another order, and a near-tie in the MoE's top-k routing can then go the other
+            # way for a token, which changes that step's gradient a little everywhere and single
+            # elements near zero by more than any elementwise tolerance.  Measured on the `tiny`
+            # job shrunk from dp 2 to dp 1: such a flip at the last step moved the moments by up
+            # to 2.5e-3 of their norm and the weights by 1e-5; three steps apart, every moment
+            # differs by more than 1e-1 and half the weights by more than 1e-1.
             x, y = a[k].double(), b[k].double()
-            err = ((x - y).abs() - exp.atol - exp.rtol * y.abs()).max().item() if x.numel() else -1
-            rel = ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item() if x.numel() else 0
-            worst = max(worst, rel)
-            if err > 0:
+            moment = k.startswith("optim.") and x.numel() > 1
+            rtol = exp.moment_rtol if moment else exp.rtol
+            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+            worst["moments" if moment else "weights"] = max(
+                worst["moments" if moment else "weights"], rel
+            )
+            if (x - y).norm().item() > rtol * y.norm().item() + exp.atol * x.numel() ** 0.5:
                 differ.append(k)
     step = steps if steps is not None else Checkpointer(str(run.ckpt)).latest_step()
     what = (
         "bit-identical"
         if exp.final_state == "exact"
-        else f"within rtol {exp.rtol}, atol {exp.atol}"
+        else f"within rtol {exp.rtol} (moments {exp.moment_rtol}), atol {exp.atol}, in norm"
     )
     if differ:
         return Check(
             name, False, f"step {step}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
         )
-    extra = f" (max relative difference {worst:.1e})" if exp.final_state == "close" else ""
+    extra = (
+        f" (largest relative difference in norm: weights {worst['weights']:.1e}, "
+        f"moments {worst['moments']:.1e})"
+        if exp.final_state == "close"
+        else ""
+    )
     return Check(name, True, f"step {step}: all {len(a)} tensors {what}{extra}")
 
 
