@@ -341,10 +341,11 @@ def _restore_with_an_unreadable_replica(rank: int, world: int, url: str, base: s
     return _restore(rank, world, url, base, None)
 
 
-def test_a_sender_that_cannot_read_a_file_another_node_waits_for_still_sends(tmp_path):
+def test_a_sender_that_cannot_read_a_file_another_node_waits_for_says_so(tmp_path):
     """The replaced node 1 needs its files of step 3 from node 0, which cannot read them at the
-    moment it sends: it sends zeros of the promised size instead of leaving node 1's ranks waiting
-    until the group's timeout; the checksums reject them, and every rank falls back together."""
+    moment it sends: it says so instead of leaving node 1's ranks waiting until the group's
+    timeout, every rank falls back together, and nothing is put in place on node 1, so that a
+    restore with the files readable again restores step 3 from memory."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     run_distributed(_durable_then_snapshots, 4, url, base)
     shutil.rmtree(_root(base, 1))
@@ -354,3 +355,37 @@ def test_a_sender_that_cannot_read_a_file_another_node_waits_for_still_sends(tmp
     assert (step, source) != (3, "memory")
     for rank, (_, _, w, _, _) in enumerate(results):
         assert w == [float(step) + rank] * 4
+    assert not list(Path(_root(base, 1)).glob("job-*/steps/step_00000003/rank_0000[23]*"))
+    results = run_distributed(_restore, 4, url, base, None)
+    assert [r[:2] for r in results] == [(3, "memory")] * 4
+    assert [r[2] for r in results] == [[3.0 + rank] * 4 for rank in range(4)]
+
+
+def _restore_where_a_step_directory_cannot_be_made(rank, world, url, base) -> tuple:
+    import errno
+
+    from resilient.checkpoint.storage import Storage
+
+    if rank == 2:  # the replaced node has no inode left for the step's directory
+        real = Storage.makedirs
+
+        def full(self, rel):
+            if rel.startswith("step_00000003"):
+                raise OSError(errno.ENOSPC, "No space left on device (the test)", rel)
+            return real(self, rel)
+
+        Storage.makedirs = full
+    return _restore(rank, world, url, base, None)
+
+
+def test_a_receiver_that_cannot_make_the_steps_directory_leaves_nobody_waiting(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)
+    shutil.rmtree(_root(base, 1))
+    results = run_distributed(
+        _restore_where_a_step_directory_cannot_be_made, 4, url, base, timeout_s=120
+    )
+    assert len({r[:2] for r in results}) == 1
+    step = results[0][0]
+    assert results[0][:2] != (3, "memory")
+    assert [r[2] for r in results] == [[float(step) + rank] * 4 for rank in range(4)]

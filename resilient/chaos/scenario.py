@@ -39,9 +39,10 @@ when = "step"             # ... before it ("step") or while its save is written 
 [expect]
 completed = true
 final_state = "exact"     # "exact" | "close" (rtol, atol, moment_rtol) | "any"
-# rtol = 1e-3             # "close": each tensor's difference, in norm, within rtol of its norm
-# atol = 1e-5             #   (plus atol per element, in norm), the optimizer's moments within
-# moment_rtol = 1e-2      #   moment_rtol: they carry a tenth of the last step's gradient
+# rtol = 1e-3             # "close": each weight's difference, in norm, within rtol of its norm
+# atol = 1e-5             #   plus atol per element; the optimizer's moments within moment_rtol
+# moment_rtol = 1e-2      #   of theirs (they carry a tenth of the last step's gradient); integers,
+                          #   step counters and NaN or inf exactly
 max_steps_lost = 5        # default: the save interval
 verdict = "DEAD"          # DEAD | HUNG | STRAGGLER | "none" (no DEAD/HUNG; stragglers listed); default: any
 detect_within_s = 6.0     # fault to verdict (in start-up: beyond the join or start-up timeout)

@@ -205,16 +205,31 @@ class Replicas:
         received = 0
         try:
             with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
+                # Each rank tells its source whether it can take the file (no room, no inode or
+                # descriptor left): a sender sends only to a rank that will receive, so that no
+                # rank waits for a transfer the other side will not make.
+                ready = torch.tensor([int(incoming.failed is None)], dtype=torch.int64)
+                peer_ready = torch.zeros(1, dtype=torch.int64)
+                reqs = [
+                    dist.isend(ready, source, group=group),
+                    dist.irecv(peer_ready, peer, group=group),
+                ]
+                for r in reqs:
+                    r.wait()
                 out_lane = lanes[self.nodes.node_of[self.rank] % 2]
                 in_lane = lanes[self.nodes.node_of[source] % 2]
                 reqs = [
-                    dist.isend(data, peer, group=out_lane) if data.numel() else None,
-                    dist.irecv(incoming.tensor, source, group=in_lane) if incoming.size else None,
+                    dist.isend(data, peer, group=out_lane)
+                    if data.numel() and int(peer_ready.item())
+                    else None,
+                    dist.irecv(incoming.tensor, source, group=in_lane)
+                    if incoming.size and incoming.failed is None
+                    else None,
                 ]
                 for r in reqs:
                     if r is not None:
                         r.wait()
-            received = int(incoming.failed is None)  # drained (no room): not kept
+            received = int(incoming.failed is None)  # (not kept: the older replicas stay)
         finally:
             # The older replicas go only once every rank holds its source's file of this step:
             # a node lost in the middle of the exchange (some of this node's ranks got theirs,
@@ -331,13 +346,31 @@ class Replicas:
             for receiver in receivers.values():
                 transfers.append((i, holders[0], receiver))
         for i, sender, receiver in transfers:  # one global order: no two ranks wait on each other
+            rel, size = f"{step_rel}/{names[i]}", files[names[i]]
+            # The receiver says whether it can take the file, the sender whether it can read it
+            # (each side's failure is its own: no rank is left waiting for bytes that will not
+            # come, and nothing but the real file is ever put in place)
             if self.rank == sender:
-                data = _sendable(storage, f"{step_rel}/{names[i]}", files[names[i]])
-                dist.send(data, receiver, group=group)
+                ready = torch.zeros(1, dtype=torch.int64)
+                dist.recv(ready, receiver, group=group)
+                data = _readable(storage, rel, size)
+                dist.send(torch.tensor([int(data is not None)]), receiver, group=group)
+                if data is not None and int(ready.item()) and size:
+                    dist.send(data, receiver, group=group)
             elif self.rank == receiver:
-                storage.makedirs(step_rel)
-                with _Incoming(storage, f"{step_rel}/{names[i]}", files[names[i]]) as incoming:
-                    if incoming.size:
+                made: Exception | None = None
+                try:
+                    storage.makedirs(step_rel)
+                except Exception as e:
+                    made = e
+                with _Incoming(storage, rel, size, failed=made) as incoming:
+                    ok = incoming.failed is None
+                    dist.send(torch.tensor([int(ok)]), sender, group=group)
+                    has = torch.zeros(1, dtype=torch.int64)
+                    dist.recv(has, sender, group=group)
+                    if not int(has.item()):
+                        incoming.failed = OSError(f"rank {sender} could not read {rel}")
+                    elif ok and size:
                         dist.recv(incoming.tensor, sender, group=group)
         if transfers:
             dist.barrier(group=group)  # every received file is in place before anyone reads
@@ -397,38 +430,43 @@ class _Incoming:
         *,
         spare: _Mapped | None = None,
         keep: bool = False,
+        failed: Exception | None = None,
     ) -> None:
         self.path = storage.path(rel)
         self.tmp = f"{self.path}.tmp-{secrets.token_hex(4)}"
         self.size = size
         self.spare, self.keep = spare, keep
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        self.failed: OSError | None = None
+        self.failed: Exception | None = failed
         self.mapped: _Mapped | None = None
         self.kept: _Mapped | None = None
         self.from_spare = False
 
     def __enter__(self) -> _Incoming:
         """Never raises: a receive that cannot be set up in this node's memory (no room, no
-        inode or descriptor left, the directory gone) still receives, into a buffer that is
-        dropped, because its sender is already sending and a rank that left here would leave its
-        own transfer unsent and its peer waiting for it until the group's timeout."""
-        if self.spare is not None and self.size and self.spare.move_to(self.tmp):
+        inode or descriptor left, the directory gone) sets ``failed``, which the caller tells
+        its sender before any byte moves (a rank that left here would leave its own transfers
+        unmade and its peers waiting for them until the group's timeout)."""
+        if self.failed is not None:
+            log.warning("cannot receive %s: %s", self.path, self.failed)
+        elif self.spare is not None and self.size and self.spare.move_to(self.tmp):
             self.mapped, self.spare, self.from_spare = self.spare, None, True
             self.tensor = torch.frombuffer(self.mapped.mm, dtype=torch.uint8)
             return self
         if self.spare is not None:
             self.spare.discard()
             self.spare = None
+        if self.failed is not None:
+            return self
         try:
             self._map()
-        except OSError as e:
+        except Exception as e:
             self.failed = e
             log.warning("no room for %s in this node's memory: %s", self.path, e)
+            self.tensor = torch.empty(0, dtype=torch.uint8)
             if self.mapped is not None:
                 self.mapped.close()
                 self.mapped = None
-            self.tensor = torch.empty(self.size, dtype=torch.uint8)  # drained, dropped
         return self
 
     def _map(self) -> None:
@@ -467,18 +505,17 @@ def _present(storage: Storage, rel: str, size: int) -> bool:
         return False
 
 
-def _sendable(storage: Storage, rel: str, size: int) -> torch.Tensor:
-    """The file to send to a rank that is already waiting for ``size`` bytes of it: when it
-    cannot be read (or is no longer that size), zeros of that size, so that the receiver is not
-    left waiting; its checksums then reject what arrived, as they reject any damaged file."""
+def _readable(storage: Storage, rel: str, size: int) -> torch.Tensor | None:
+    """The file to send, mapped, or None when it cannot be read or is no longer ``size`` bytes."""
     try:
         data = _file_tensor(storage, rel)
-        if data.numel() == size:
-            return data
-        log.warning("%s is %d bytes, not %d: sending zeros", rel, data.numel(), size)
-    except OSError as e:
-        log.warning("cannot read %s to send it: %s; sending zeros", rel, e)
-    return torch.zeros(size, dtype=torch.uint8)
+    except Exception as e:  # (OSError; ValueError: truncated between the stat and the map)
+        log.warning("cannot read %s to send it: %s", rel, e)
+        return None
+    if data.numel() != size:
+        log.warning("%s is %d bytes, not %d: not sent", rel, data.numel(), size)
+        return None
+    return data
 
 
 def _file_tensor(storage: Storage, rel: str) -> torch.Tensor:
