@@ -318,6 +318,10 @@ class Run:
                 resharded=bool(last and last.resharded),
                 source=source,
                 peer_files=last.peer_files if last else 0,
+                # what was committed when the restore began: a chaos run's proof that the restore
+                # took the newest step there was (nothing committed was lost)
+                newest_durable=durable,
+                newest_memory=max(self.checkpointer.memory_steps(), default=None),
             )
 
     # --- the loop ----------------------------------------------------------------------------------

@@ -313,9 +313,9 @@ def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str)
 
 
 def test_a_rank_that_cannot_receive_its_replica_still_sends_its_own(tmp_path):
-    """Rank 0 cannot set up the receive of rank 2's file (no room in its node's memory): it
-    drains what rank 2 sends and still sends its own file to rank 2 (leaving instead would leave
-    rank 2 waiting for it until the group's timeout), and step 2's replicas stay on node 0."""
+    """Rank 0 cannot set up the receive of rank 2's file (no room in its node's memory): it tells
+    rank 2, which does not send it, and still sends its own file to rank 2 (leaving instead would
+    leave rank 2 waiting for it until the group's timeout); step 2's replicas stay on node 0."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     held = run_distributed(_a_receive_that_cannot_be_set_up, 4, url, base, timeout_s=120)
     assert "rank_00002.safetensors" not in held[0]["step_3"]
@@ -389,3 +389,49 @@ def test_a_receiver_that_cannot_make_the_steps_directory_leaves_nobody_waiting(t
     step = results[0][0]
     assert results[0][:2] != (3, "memory")
     assert [r[2] for r in results] == [[float(step) + rank] * 4 for rank in range(4)]
+
+
+def _three_nodes_one_cannot_receive(rank: int, world: int, url: str, base: str) -> dict:
+    import errno
+
+    import torch.distributed as dist
+
+    def _state(rank: int, world: int, value: float) -> dict:  # 4 values per rank
+        w = torch.full((4,), value + rank, dtype=torch.float32)
+        return {"w": sharded(w, {"dp": Shard(0)}, global_shape=(4 * world,))}
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=False)
+    assert ck.nodes.nodes == 3 and ck.nodes.peer(rank) == (rank + 1) % 3
+    ck.snapshot(1, _state(rank, world, 1.0)).wait()
+    if rank == 0:  # rank 0 cannot take its source's (rank 2's) file of step 2
+        real_open, real_replace = os.open, os.replace
+
+        def refused(path):
+            if "rank_00002" in str(path) and ".tmp-" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device (the test)", str(path))
+
+        def full_open(path, flags, mode=0o777, *, dir_fd=None):
+            refused(path)
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        def full_replace(src, dst, **kw):
+            refused(dst)
+            return real_replace(src, dst, **kw)
+
+        os.open, os.replace = full_open, full_replace
+    ck.snapshot(2, _state(rank, world, 2.0)).wait()
+    dist.barrier()
+    out = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
+    ck.close()
+    return {"step_2": out}
+
+
+def test_on_three_nodes_a_rank_that_cannot_receive_leaves_nobody_waiting(tmp_path):
+    """Peer and source differ on three nodes (rank 0 sends to rank 1 and receives from rank 2):
+    rank 0's "cannot take it" reaches rank 2, the one that would send to it, and every other
+    transfer is made."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    held = run_distributed(_three_nodes_one_cannot_receive, 3, url, base, timeout_s=120)
+    assert "rank_00002.safetensors" not in held[0]["step_2"]
+    assert "rank_00000.safetensors" in held[1]["step_2"]  # rank 0's own file reached rank 1
+    assert "rank_00001.safetensors" in held[2]["step_2"]

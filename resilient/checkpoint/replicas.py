@@ -182,7 +182,7 @@ class Replicas:
         try:
             if own is not None:
                 data = _file_tensor(storage, f"{step_rel}/{own}")
-        except OSError as e:
+        except Exception as e:  # (ValueError: truncated between the stat and the map)
             log.warning("cannot read %s/%s to replicate it: %s", step_rel, own, e)
         agreed = torch.tensor([0 if data is None else 1], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
@@ -482,14 +482,21 @@ class _Incoming:
             os.close(fd)
 
     def __exit__(self, exc_type: object, *_: object) -> None:
+        """Never raises either: a file that cannot be put in place is removed and ``failed``
+        says why (the restore then finds it missing, and every rank falls back together)."""
         self.tensor = torch.empty(0, dtype=torch.uint8)  # the tensor's view of the mapping goes
         if exc_type is None and self.failed is None:
-            os.rename(self.tmp, self.path)
-            if self.mapped is not None:
-                self.mapped.path = self.path
-                if self.keep:
-                    self.kept, self.mapped = self.mapped, None
-        else:
+            try:
+                os.rename(self.tmp, self.path)
+            except OSError as e:
+                self.failed = e
+                log.warning("cannot put %s in place: %s", self.path, e)
+            else:
+                if self.mapped is not None:
+                    self.mapped.path = self.path
+                    if self.keep:
+                        self.kept, self.mapped = self.mapped, None
+        if exc_type is not None or self.failed is not None:
             try:
                 os.unlink(self.tmp)
             except OSError:
