@@ -307,6 +307,11 @@ class Run:
         if self.rank == 0:
             last = self.checkpointer.last_load
             source = last.source if last else "durable"
+            try:
+                in_memory = max(self.checkpointer.memory_steps(), default=None)
+            except (ResilientError, OSError) as e:  # (only for the event: the restore is done)
+                log.warning("could not list the memory tier's steps: %s", e)
+                in_memory = None
             log.info("restored step %d from %s (%s)", self.step, self.url, source)
             self.events.write(
                 "restore",
@@ -321,7 +326,7 @@ class Run:
                 # what was committed when the restore began: a chaos run's proof that the restore
                 # took the newest step there was (nothing committed was lost)
                 newest_durable=durable,
-                newest_memory=max(self.checkpointer.memory_steps(), default=None),
+                newest_memory=in_memory,
             )
 
     # --- the loop ----------------------------------------------------------------------------------
