@@ -276,8 +276,29 @@ def test_older_replicas_stay_until_every_rank_holds_the_new_ones(tmp_path):
     assert w0 + w1 == [2.0] * 4 + [3.0] * 4 + [4.0] * 4 + [5.0] * 4
 
 
-def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str) -> dict:
+def _no_room_for_replicas_of(source: int) -> None:
+    """(in a rank's process) This node has no room for a replica of ``source``'s file: creating
+    its temporary fails, and so does moving the spare's pages to it (ENOSPC)."""
     import errno
+
+    real_open, real_replace = os.open, os.replace
+
+    def refused(path):
+        if f"rank_{source:05d}" in str(path) and ".tmp-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device (the test)", str(path))
+
+    def full_open(path, flags, mode=0o777, *, dir_fd=None):
+        refused(path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def full_replace(src, dst, **kw):
+        refused(dst)
+        return real_replace(src, dst, **kw)
+
+    os.open, os.replace = full_open, full_replace
+
+
+def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str) -> dict:
 
     import torch.distributed as dist
 
@@ -286,21 +307,7 @@ def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str)
         ck.snapshot(step, _state(rank, world, float(step))).wait()
     if rank == 0:  # rank 0's node has no room left for rank 2's file of step 3 (not even in
         # the spare, the previous replica's pages, which cannot be moved into place)
-        real_open, real_replace = os.open, os.replace
-
-        def refused(path):
-            if "rank_00002" in str(path) and ".tmp-" in str(path):
-                raise OSError(errno.ENOSPC, "No space left on device (the test)", str(path))
-
-        def full_open(path, flags, mode=0o777, *, dir_fd=None):
-            refused(path)
-            return real_open(path, flags, mode, dir_fd=dir_fd)
-
-        def full_replace(src, dst, **kw):
-            refused(dst)
-            return real_replace(src, dst, **kw)
-
-        os.open, os.replace = full_open, full_replace
+        _no_room_for_replicas_of(2)
     ck.snapshot(3, _state(rank, world, 3.0)).wait()
     dist.barrier()
     steps = Path(ck.memory.steps)
@@ -392,7 +399,6 @@ def test_a_receiver_that_cannot_make_the_steps_directory_leaves_nobody_waiting(t
 
 
 def _three_nodes_one_cannot_receive(rank: int, world: int, url: str, base: str) -> dict:
-    import errno
 
     import torch.distributed as dist
 
@@ -404,21 +410,7 @@ def _three_nodes_one_cannot_receive(rank: int, world: int, url: str, base: str) 
     assert ck.nodes.nodes == 3 and ck.nodes.peer(rank) == (rank + 1) % 3
     ck.snapshot(1, _state(rank, world, 1.0)).wait()
     if rank == 0:  # rank 0 cannot take its source's (rank 2's) file of step 2
-        real_open, real_replace = os.open, os.replace
-
-        def refused(path):
-            if "rank_00002" in str(path) and ".tmp-" in str(path):
-                raise OSError(errno.ENOSPC, "No space left on device (the test)", str(path))
-
-        def full_open(path, flags, mode=0o777, *, dir_fd=None):
-            refused(path)
-            return real_open(path, flags, mode, dir_fd=dir_fd)
-
-        def full_replace(src, dst, **kw):
-            refused(dst)
-            return real_replace(src, dst, **kw)
-
-        os.open, os.replace = full_open, full_replace
+        _no_room_for_replicas_of(2)
     ck.snapshot(2, _state(rank, world, 2.0)).wait()
     dist.barrier()
     out = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
