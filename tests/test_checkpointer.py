@@ -177,6 +177,93 @@ def test_save_returns_after_staging_and_training_may_mutate(tmp_path):
         )
 
 
+def test_each_save_describes_the_tensors_as_they_are_now(tmp_path):
+    """A save reuses the previous save's description of a tensor only when it is the same object
+    with the same storage, shape and strides: a parameter given new data, a tensor resized or
+    pointed at other storage, or a new object under the same name, is saved as it is now."""
+    model = torch.nn.Linear(4, 3)
+    first = model.weight.detach().clone()
+    t = torch.arange(6.0)
+    state = {"model": model, "t": t}
+    with Checkpointer(str(tmp_path), keep_last=4) as ck:
+        ck.save(1, state)
+        model.weight.data = torch.full((5, 4), 2.0)  # the same Parameter, new storage and shape
+        t.resize_(2, 3)  # the same tensor and storage, another shape
+        ck.save(2, state)
+        model.weight = torch.nn.Parameter(torch.full((5, 4), 3.0))  # another object
+        t.set_((torch.arange(6.0) * 10).view(3, 2))  # the same object, other storage
+        ck.save(3, state)
+        t.t_()  # the same storage and shape count, other strides
+        ck.save(4, state)
+        ck.wait()
+
+    def read(step, wshape, tshape):
+        out = {"model": {"weight": torch.zeros(wshape), "bias": torch.zeros(3)}}
+        out["t"] = torch.zeros(tshape)
+        with Checkpointer(str(tmp_path)) as r:
+            r.load(out, step=step)
+        return out["model"]["weight"], out["t"]
+
+    w, got = read(1, (3, 4), (6,))
+    assert torch.equal(w, first) and torch.equal(got, torch.arange(6.0))
+    w, got = read(2, (5, 4), (2, 3))
+    assert torch.equal(w, torch.full((5, 4), 2.0))
+    assert torch.equal(got, torch.arange(6.0).view(2, 3))
+    w, got = read(3, (5, 4), (3, 2))
+    assert torch.equal(w, torch.full((5, 4), 3.0))
+    assert torch.equal(got, (torch.arange(6.0) * 10).view(3, 2))
+    w, got = read(4, (5, 4), (2, 3))
+    assert torch.equal(got, (torch.arange(6.0) * 10).view(3, 2).t())
+
+
+def test_a_tensor_annotated_again_is_described_again(tmp_path):
+    t = torch.arange(8.0)
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"t": t}).wait()
+        sharded(t, {"dp": Shard(0)}, layout=Layout(dp=2))
+        with pytest.raises(LayoutError, match="'t'"):
+            ck.save(2, {"t": t})
+
+
+def test_optimizer_state_follows_its_parameter_annotated_again(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"opt": opt}).wait()
+        sharded(model.weight, {"dp": Shard(0)}, rank=3)
+        with pytest.raises(LayoutError, match="exp_avg"):
+            ck.save(2, {"opt": opt})
+
+
+def test_a_value_json_cannot_write_is_refused_by_name_at_the_save(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(TypeError, match="state key 'big'"):
+            ck.save(1, {"big": 10**5000})
+
+
+def test_a_save_of_unchanged_tensors_does_not_describe_them_again(tmp_path, monkeypatch):
+    from resilient.checkpoint import state as state_module
+
+    calls = []
+    describe = state_module.describe_tensor
+
+    def counted(key, *a, **k):
+        calls.append(key)
+        return describe(key, *a, **k)
+
+    monkeypatch.setattr(state_module, "describe_tensor", counted)
+    state = make_state()
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state)
+        first = len(calls)
+        state["emb"] = state["emb"].clone()  # one new object
+        ck.save(2, state)
+        ck.wait()
+    assert first == len(ck.manifest(1).tensors) and calls[first:] == ["emb"]
+
+
 def test_staging_buffer_is_reused_across_saves(tmp_path):
     state = {"w": torch.randn(100, 100)}
     with Checkpointer(str(tmp_path)) as ck:
@@ -450,6 +537,8 @@ def test_values_that_are_not_json_are_refused_by_name(tmp_path):
             ck.save(1, {"cfg": {"when": {1, 2}}})
         with pytest.raises(TypeError, match="state key 'x'"):
             ck.save(1, {"x": float("nan")})
+        with pytest.raises(TypeError, match="state key 'y'"):
+            ck.save(1, {"y": -float("inf")})
 
 
 def test_lists_are_values_unless_they_hold_tensors(tmp_path):
@@ -506,3 +595,16 @@ def test_local_loads_share_the_cores_among_the_ranks_of_a_node(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6})  # pinned: its own 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert ckpt_mod._local_read_threads() == 3
+
+
+def test_a_checkpointer_does_not_keep_the_tensors_it_saved_alive(tmp_path):
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"model": model}).wait()
+        ref = weakref.ref(model.weight)
+        del model
+        gc.collect()
+        assert ref() is None

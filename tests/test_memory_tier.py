@@ -522,3 +522,53 @@ def test_after_the_first_snapshot_of_a_shape_only_what_changes_is_checked(tmp_pa
         assert sorted(ck.memory_steps()) == [3, 5]
         m = {"w": torch.zeros(8), "meta": []}
         assert ck.load(m) == 5 and m["meta"] == [5]
+
+
+def test_the_manifest_template_writes_the_same_bytes_as_the_manifest_itself(tmp_path):
+    """The memory tier writes each snapshot's manifest by filling one shape's template in; the
+    bytes are those of manifest_to_bytes whatever changes (checksums, numbers, values), and
+    what the template cannot take goes the usual way."""
+    import dataclasses
+
+    from resilient.checkpoint.format import ManifestEncoder, manifest_to_bytes
+
+    with Checkpointer(str(tmp_path / "ckpt"), block_bytes=4096) as ck:
+        state = {"a": torch.randn(3000), "b.c": torch.arange(7), "e": torch.zeros(0)}
+        ck.save(1, {**state, "meta": {"lr": 0.5, "names": ["x", "é"]}}).wait()
+        m = ck.manifest(1)
+    a = m.tensors["a"]
+    assert len(a.chunks[0].checksums) == 3
+    split = (  # two chunks for one tensor, and a chunk with no checksums
+        dataclasses.replace(a.chunks[0], sizes=(1500,), checksums=(1, 2)),
+        dataclasses.replace(a.chunks[0], offsets=(1500,), sizes=(1500,), checksums=()),
+    )
+    m = dataclasses.replace(m, tensors={**m.tensors, "a": dataclasses.replace(a, chunks=split)})
+    enc = ManifestEncoder()
+    shape = ("one shape",)
+
+    def same(man, shape=shape):
+        assert enc.encode(man, shape) == manifest_to_bytes(man)
+
+    same(m)
+    for i in range(3):  # the template of this shape, filled in
+        chunks = tuple(dataclasses.replace(c, checksums=(i, 2**32 - 1)) for c in split)
+        same(
+            dataclasses.replace(
+                m,
+                step=10 + i,
+                commit_seq=i,
+                created_unix_s=1.5 * i,
+                extras={**m.extras, "meta.lr": i / 3},
+                rank_extras={1: {"x": [i]}, 0: {"y": None}},
+                tensors={**m.tensors, "a": dataclasses.replace(a, chunks=chunks)},
+            )
+        )
+    assert enc._shape == shape
+    # a checksum that is not a plain int: the usual way (readers would refuse it, and do)
+    bad = dataclasses.replace(split[0], checksums=(True, 3))
+    same(dataclasses.replace(m, tensors={**m.tensors, "a": dataclasses.replace(a, chunks=(bad,))}))
+    # a tensor whose name reads like the mark: no template, the usual way
+    marked = {**m.tensors, ManifestEncoder._MARK: m.tensors["b.c"]}
+    same(dataclasses.replace(m, tensors=marked), ("another shape",))
+    assert enc._shape is None
+    same(m, None)

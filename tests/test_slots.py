@@ -155,15 +155,16 @@ def test_a_copy_that_fails_midway_never_touches_the_snapshot_still_committing(
             ck.snapshot(step, {"model": m})  # back to back: 4 is still committing below
             seen[step] = _weights(m)
         calls = {"n": 0}
-        real = slots_mod._Slot.data
+        real = slots_mod._copy
 
-        def broken(self):
+        def broken(dests, srcs):
             calls["n"] += 1
             if calls["n"] == 1:
+                real(dests[:1], srcs[:1])  # some bytes are in, then
                 raise RuntimeError("interrupted mid-copy")
-            return real(self)
+            return real(dests, srcs)
 
-        monkeypatch.setattr(slots_mod._Slot, "data", broken)
+        monkeypatch.setattr(slots_mod, "_copy", broken)
         _bump(m, 1.0)
         failed = ck.snapshot(5, {"model": m})  # a failed save, reported through its handle
         with pytest.raises(ResilientError, match="mid-copy"):
@@ -254,3 +255,45 @@ def test_no_room_for_a_snapshot_file_is_a_named_error_not_a_crash(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "named: cannot make room for a" in out.stdout
+
+
+def test_a_tensor_subclass_is_copied_with_the_copy_it_implements(tmp_path):
+    """A snapshot copies plain tensors in one batched call; a tensor subclass that implements
+    copy_ (and not the batched copy) is copied one by one, as before."""
+    from torch.utils._pytree import tree_map
+
+    aten = torch.ops.aten
+    handled = {
+        aten.detach.default,
+        aten.alias.default,
+        aten.copy_.default,
+        aten._to_copy.default,
+        aten.clone.default,
+    }
+
+    class Wrap(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(
+                cls, inner.shape, dtype=inner.dtype, strides=inner.stride()
+            )
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if func not in handled:
+                raise NotImplementedError(func)
+
+            def un(x):
+                return x.inner if isinstance(x, Wrap) else x
+
+            out = func(*tree_map(un, args), **tree_map(un, kwargs or {}))
+            return Wrap(out) if func in (aten.detach.default, aten.alias.default) else out
+
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        ck.snapshot(1, {"w": Wrap(torch.arange(6.0)), "p": torch.ones(3)}).wait()
+        out = {"w": torch.zeros(6), "p": torch.zeros(3)}
+        assert ck.load(out) == 1 and ck.last_load.source == "memory"
+    assert torch.equal(out["w"], torch.arange(6.0)) and torch.equal(out["p"], torch.ones(3))

@@ -32,8 +32,8 @@ from resilient.checkpoint.format import (
     MAX_MANIFEST_BYTES,
     ChunkEntry,
     Manifest,
+    ManifestEncoder,
     manifest_of_step,
-    manifest_to_bytes,
     rank_file_name,
     step_dir_name,
 )
@@ -63,7 +63,7 @@ from resilient.checkpoint.snapshots import (
     default_root,
     memory_place,
 )
-from resilient.checkpoint.state import FlatState, flatten_state, is_dtensor
+from resilient.checkpoint.state import DescribeCache, FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
 from resilient.checkpoint.writer import (
     CommitError,
@@ -247,6 +247,8 @@ class Checkpointer:
         self._slots: Slots | None = None  # (the memory tier's own) the lean snapshot path
         self._plan_cache: tuple[Any, WritePlan] | None = None
         self._checked_shape: tuple | None = None  # (memory tier) see _coordinate
+        self._described = DescribeCache()  # each save describes the tensors of the one before
+        self._encoder = ManifestEncoder()  # (memory tier) a manifest's text, per shape
         self._pending: SaveHandle | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -425,7 +427,7 @@ class Checkpointer:
             return self._save_through_persister(step, state)
         t0 = time.monotonic()
         layout = self._layout_for(state)
-        flat = flatten_state(state, layout, self.rank)
+        flat = flatten_state(state, layout, self.rank, cache=self._described)
         plan = self._plan(flat, layout)
         data: torch.Tensor | _Slot | Exception
         if lean and not any(t.local.is_cuda for t in flat.tensors.values()):
@@ -978,20 +980,22 @@ class Checkpointer:
             job_id=self.job_id,
             validate=False,  # publish_commit checks the bytes it publishes, as readers will
         )
-        if self._replicas is not None:  # every node's leader publishes it in its own memory
-            committer.store.set(f"{committer.prefix}/manifest", manifest_to_bytes(manifest))
-            if self._shared_manifest is not None:  # every leader has read the previous one
-                committer.store.delete_key(self._shared_manifest)
-            self._shared_manifest = f"{committer.prefix}/manifest"
         # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
         # and values only: once one of a shape passed the readers' full check, the next ones of
-        # that shape get the check of those parts (format.check_variable_parts).
+        # that shape get the check of those parts (format.check_variable_parts), and its text is
+        # that shape's template filled in (format.ManifestEncoder).
         shape = (
             _manifest_shape(layout, plan, reports, block_bytes=self.block_bytes)
             if self._slots is not None
             else None
         )
         checked = shape is not None and shape == self._checked_shape
+        data = self._encoder.encode(manifest, shape)
+        if self._replicas is not None:  # every node's leader publishes it in its own memory
+            committer.store.set(f"{committer.prefix}/manifest", data)
+            if self._shared_manifest is not None:  # every leader has read the previous one
+                committer.store.delete_key(self._shared_manifest)
+            self._shared_manifest = f"{committer.prefix}/manifest"
         garbage = publish_commit(
             self.storage,
             self._lease,
@@ -1000,6 +1004,7 @@ class Checkpointer:
             keep_every=self.keep_every,
             collect=self._sweep,
             shape_checked=checked,
+            data=data,
         )
         self._checked_shape = shape
         self._advance_anchor(handle, step, seq)  # snapshots from now on descend from it

@@ -45,6 +45,7 @@ __all__ = [
     "rank_file_name",
     "dtype_info",
     "dtype_name",
+    "ManifestEncoder",
     "manifest_to_bytes",
     "manifest_from_bytes",
     "manifest_summary",
@@ -303,8 +304,10 @@ class Manifest:
     commit_seq: int = 0
     job_id: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, *, tensors: bool = True) -> dict[str, Any]:
+        """The manifest as JSON; ``tensors=False``: the members before the tensor table only
+        (``ManifestEncoder`` writes the rest)."""
+        head = {
             "format_version": self.format_version,
             "step": self.step,
             "commit_seq": self.commit_seq,
@@ -316,6 +319,11 @@ class Manifest:
             "checksum": self.checksum,
             "generation": self.generation,
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+        }
+        if not tensors:
+            return head
+        return {
+            **head,
             "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
             "extras": dict(self.extras),
             "rank_extras": {str(r): dict(v) for r, v in sorted(self.rank_extras.items())},
@@ -604,6 +612,55 @@ def manifest_to_bytes(m: Manifest) -> bytes:
     # one line: json's C encoder serves only unindented output (indent=1 took 5x as long, 4 ms
     # for a 92-tensor manifest: a fixed cost of every save and every memory snapshot)
     return json.dumps(m.to_json(), allow_nan=False, sort_keys=False).encode()
+
+
+class ManifestEncoder:
+    """``manifest_to_bytes`` for a writer that publishes manifests of one shape again and again
+    (the memory tier commits one per snapshot): the text of the tensor table is made once per
+    shape, with a place for each chunk's checksums, and each commit fills those in.  The bytes are
+    those of ``manifest_to_bytes``, always: anything the template cannot take (a checksum that is
+    not a plain integer, a key that reads like the template's mark) goes the usual way."""
+
+    _MARK = "\x00checksums\x00"  # a string no chunk has as its checksums
+
+    def __init__(self) -> None:
+        self._shape: Any = None
+        self._parts: list[str] = []
+
+    def encode(self, m: Manifest, shape: Any = None) -> bytes:
+        """``m``'s bytes; ``shape``: what identifies every part of ``m`` but its numbers,
+        checksum values and values (None: no template)."""
+        tensors = sorted(m.tensors.items())
+        chunks = [c for _, t in tensors for c in t.chunks]
+        if shape is None or not all(_INT_TYPE.issuperset(map(type, c.checksums)) for c in chunks):
+            return manifest_to_bytes(m)
+        if shape != self._shape:
+            self._shape, self._parts = None, []
+            skeleton = {
+                k: {
+                    **t.to_json(),
+                    "chunks": [{**c.to_json(), "checksums": self._MARK} for c in t.chunks],
+                }
+                for k, t in tensors
+            }
+            parts = json.dumps(skeleton, allow_nan=False).split(json.dumps(self._MARK))
+            if len(parts) != len(chunks) + 1:  # a key or a name held the mark
+                return manifest_to_bytes(m)
+            self._shape, self._parts = shape, parts
+        head = m.to_json(tensors=False)
+        text = [json.dumps(head, allow_nan=False)[:-1], ', "tensors": ', self._parts[0]]
+        for c, part in zip(chunks, self._parts[1:]):
+            text += ("[", ", ".join(map(str, c.checksums)), "]", part)
+        text += (
+            ', "extras": ',
+            json.dumps(dict(m.extras), allow_nan=False),
+            ', "rank_extras": ',
+            json.dumps(
+                {str(r): dict(v) for r, v in sorted(m.rank_extras.items())}, allow_nan=False
+            ),
+            "}",
+        )
+        return "".join(text).encode()
 
 
 def manifest_from_bytes(data: bytes, where: str) -> Manifest:

@@ -86,9 +86,23 @@ class _Slot:
         self.ino = os.fstat(fd).st_ino
         self.record: tuple[str, int] | None = None  # its staged record (path, inode), while
         # its save is not over
+        self._views: tuple[WritePlan, list[torch.Tensor]] | None = None
 
     def data(self) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.prefix)
+
+    def views(self, plan: WritePlan) -> list[torch.Tensor]:
+        """Each of ``plan``'s chunks as a tensor over its bytes in the file (made once per plan:
+        three view calls per chunk cost more than copying a small one)."""
+        if self._views is None or self._views[0] is not plan:
+            self._views = None
+            data = self.data()
+            views = [
+                data[it.begin : it.end].view(dtype_info(it.dtype).torch_dtype).view(it.local_shape)
+                for it in plan.items
+            ]
+            self._views = (plan, views)
+        return self._views[1]
 
     def reusable(self) -> bool:
         """Still at its path, and linked nowhere else (not pinned for a persister)."""
@@ -99,6 +113,7 @@ class _Slot:
         return stat.S_ISREG(st.st_mode) and st.st_ino == self.ino and st.st_nlink == 1
 
     def close(self) -> None:
+        self._views = None
         with contextlib.suppress(BufferError, ValueError):
             self.mm.close()  # a tensor still viewing it keeps the mapping until it is freed
         with contextlib.suppress(OSError):
@@ -177,12 +192,8 @@ class Slots:
             mm[8 : len(header)] = header[8:]
             mm[len(header) : prefix] = b" " * (prefix - len(header))
             if plan.data_bytes:
-                data = slot.data()
                 with torch.no_grad():
-                    for it in plan.items:
-                        src = leaves[it.key].local
-                        data[it.begin : it.end].view(src.dtype).view(src.shape).copy_(src)
-                del data
+                    _copy(slot.views(plan), [leaves[it.key].local for it in plan.items])
         except BaseException:
             self.settled(slot, False)  # half-written: the spare, never a snapshot
             raise
@@ -387,6 +398,23 @@ class Slots:
                 f"more shared memory, or snapshot less state"
             ) from e
         return _Slot(staging, fd, mm, key, prefix)
+
+
+def _copy(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each source into its destination, in one call where torch has one."""
+    for d, src in zip(dests, srcs):
+        if d.dtype != src.dtype or d.shape != src.shape:  # the plan is of this state: never
+            raise MemoryTierError(
+                f"a snapshot's {src.dtype} tensor of shape {list(src.shape)} does not fit its "
+                f"place in the rank file ({d.dtype}, {list(d.shape)}); this is a bug"
+            )
+    if hasattr(torch, "_foreach_copy_") and all(
+        type(src) is torch.Tensor or type(src) is torch.nn.Parameter for src in srcs
+    ):
+        torch._foreach_copy_(dests, srcs)
+    else:  # a tensor subclass gets the copy_ it implements (and an older torch has no batch)
+        for d, src in zip(dests, srcs):
+            d.copy_(src)
 
 
 def _run_id() -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "shard_of",
     "init_optimizer_state",
     "TensorLeaf",
+    "DescribeCache",
     "FlatState",
     "flatten_state",
     "json_snapshot",
@@ -142,6 +145,11 @@ def _contains_tensor(v: Any) -> bool:
 
 def json_snapshot(key: str, value: Any) -> Any:
     """A deep, JSON-only copy of ``value`` (tuples become lists), or a TypeError naming the key."""
+    kind = type(value)  # a plain scalar is its own copy (an optimizer's dozen hyperparameters)
+    if kind is str or kind is bool or value is None or (kind is int and value.bit_length() <= 64):
+        return value
+    if kind is float and math.isfinite(value):
+        return value
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
@@ -152,6 +160,53 @@ def json_snapshot(key: str, value: Any) -> Any:
         ) from None
 
 
+class DescribeCache:
+    """(saves) The tensor descriptions of the previous flatten of a state, for the next one.
+
+    A trainer saves the same tensors at every snapshot, and describing one (its annotation, its
+    global shape, the layout arithmetic) costs more than the checks that show it unchanged: the
+    same tensor object, with the same storage offset, shape, strides, dtype and device, the same
+    annotation (its own, or for optimizer state its parameter's), under the same layout and rank.
+    A tensor that fails any of them is described again.  Only the keys of the newest flatten are
+    kept, and no tensor is held: a model the caller drops is freed as before."""
+
+    def __init__(self) -> None:
+        self._where: tuple[Layout, int] | None = None
+        self._old: dict[str, tuple[weakref.ref, tuple, tuple[int, ...], Placement]] = {}
+        self._new: dict[str, tuple[weakref.ref, tuple, tuple[int, ...], Placement]] = {}
+
+    def begin(self, layout: Layout, rank: int) -> None:
+        if self._where != (layout, rank):
+            self._where, self._old = (layout, rank), {}
+        self._new = {}
+
+    def end(self) -> None:
+        self._old, self._new = self._new, {}
+
+    def describe(
+        self, key: str, t: torch.Tensor, layout: Layout, rank: int, inherit: torch.Tensor | None
+    ) -> TensorLeaf:
+        if is_dtensor(t):  # its local shard is another object at every call
+            return describe_tensor(key, t, layout, rank, inherit)
+        sig = (
+            t.data_ptr(),
+            t.shape,
+            t.stride(),
+            t.dtype,
+            t.device,
+            getattr(t, _ATTR, None),
+            None if inherit is None else getattr(inherit, _ATTR, None),
+        )
+        hit = self._old.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == sig:
+            leaf = TensorLeaf(key, t.detach(), hit[2], hit[3])
+            self._new[key] = hit
+        else:
+            leaf = describe_tensor(key, t, layout, rank, inherit)
+            self._new[key] = (weakref.ref(t), sig, leaf.shape, leaf.placement)
+        return leaf
+
+
 def flatten_state(
     state: Mapping[str, Any],
     layout: Layout,
@@ -159,14 +214,21 @@ def flatten_state(
     *,
     for_load: bool = False,
     flat: FlatState | None = None,
+    cache: DescribeCache | None = None,
 ) -> FlatState:
     """Flatten ``state`` into tensor leaves and JSON values (and, for loads, setters, finalizers
-    and undo actions).  Pass ``flat`` to keep its ``undo`` list even if flattening fails."""
+    and undo actions).  Pass ``flat`` to keep its ``undo`` list even if flattening fails, and
+    (saves) ``cache`` to describe the tensors the previous save described by checks alone."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to values, got {type(state).__name__}")
     flat = flat if flat is not None else FlatState()
     param_names = _param_names(state)
-    _Walker(flat, layout, rank, for_load, param_names).walk(state, "")
+    if cache is not None and not for_load:
+        cache.begin(layout, rank)
+        _Walker(flat, layout, rank, for_load, param_names, cache).walk(state, "")
+        cache.end()
+    else:
+        _Walker(flat, layout, rank, for_load, param_names).walk(state, "")
     return flat
 
 
@@ -194,9 +256,10 @@ class _Walker:
         rank: int,
         for_load: bool,
         param_names: dict[int, str],
+        cache: DescribeCache | None = None,
     ) -> None:
         self.flat, self.layout, self.rank, self.for_load = flat, layout, rank, for_load
-        self.param_names = param_names
+        self.param_names, self.cache = param_names, cache
 
     def walk(
         self,
@@ -273,7 +336,10 @@ class _Walker:
     def tensor(self, key: str, t: torch.Tensor, inherit: torch.Tensor | None) -> None:
         if key in self.flat.tensors:
             raise ValueError(f"state key {key!r} appears twice; give each tensor a unique name")
-        self.flat.tensors[key] = describe_tensor(key, t, self.layout, self.rank, inherit)
+        if self.cache is not None:
+            self.flat.tensors[key] = self.cache.describe(key, t, self.layout, self.rank, inherit)
+        else:
+            self.flat.tensors[key] = describe_tensor(key, t, self.layout, self.rank, inherit)
 
     def optimizer(self, opt: torch.optim.Optimizer, prefix: str) -> None:
         if self.for_load and init_optimizer_state(opt):

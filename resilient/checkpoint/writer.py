@@ -532,14 +532,17 @@ def publish_commit(
     collect: Callable[[Any], bool] | None = None,
     sweep_step: bool = True,
     shape_checked: bool = False,
+    data: bytes | None = None,
 ) -> list[str]:
     """Commit a step whose files are written: check that readers would accept the manifest,
     make the directory durable, check the writer lease, publish the manifest, then (under the
     lease still) run retention.  Returns what to delete afterwards: older generations and temp
-    files of this step, and the directories retention dropped (uncommitted already)."""
+    files of this step, and the directories retention dropped (uncommitted already).  ``data``:
+    the manifest's bytes where the caller has them (``manifest_to_bytes`` otherwise)."""
     step = manifest.step
     step_rel = step_dir_name(step)
-    data = manifest_to_bytes(manifest)
+    if data is None:
+        data = manifest_to_bytes(manifest)
     where = storage.display(f"{step_rel}/{MANIFEST_NAME}")
     try:  # never publish what a reader would refuse (the caps, JSON depth, ...)
         if shape_checked:  # (the caller compared all but the variable parts with a checked one)
