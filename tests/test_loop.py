@@ -1,5 +1,6 @@
 """``@fault_tolerant`` and ``Run``: resume is exact, SIGTERM saves and exits cleanly, ranks agree."""
 
+import json
 import os
 import random
 import signal
@@ -76,6 +77,28 @@ def test_rng_state_round_trips_through_json():
     RNGState().load_state_dict(sd)
     b = (random.random(), torch.rand(3))
     assert a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+def test_rng_states_saved_as_lists_of_integers_still_load():
+    """Before the compact form, the Mersenne Twister states were saved as lists of integers."""
+    import numpy as np
+
+    random.seed(2)
+    np.random.seed(3)
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    sd = RNGState().state_dict()
+    assert isinstance(sd["python"][1], str) and isinstance(sd["numpy"][1], str)
+    old = {
+        **sd,
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+    a = (random.random(), np.random.rand())
+    RNGState().load_state_dict(json.loads(json.dumps(old)))
+    assert (random.random(), np.random.rand()) == a
+    RNGState().load_state_dict(json.loads(json.dumps(sd)))
+    assert (random.random(), np.random.rand()) == a
 
 
 def _dist_train(rank, world, url, total, preempt_rank_at):
