@@ -22,11 +22,14 @@
   own thread without the memory tier; with the tier (a snapshot at each save), written by the
   trainer's thread (``RESILIENT_PERSISTER=0``) or by the persister process; and no saves.
 - Training with the tier (``--trainer-runs N``): the reference trainer, ``--preset`` on 2 ranks
-  (dp 2), with a snapshot every step against none, N runs of each, interleaved; the median time
-  between consecutive steps (wall clock, so it includes the snapshot's stall) after the first 5.
+  (dp 2), with a snapshot every step, with none, and with the floor of one (each rank's state
+  copied into a buffer and checksummed at every step, nothing else: benchmarks/snapshot_floor.py),
+  N rounds of the three, interleaved; the median time between consecutive steps (wall clock, so
+  it includes the snapshot's stall) after the first ``--trainer-skip`` (40: the persister's start
+  takes over a second of CPU), and per round the ratio to the round's run without snapshots.
 
     python benchmarks/memory_tier.py [--gib 0.5] [--dir /path/on/disk] [--repeats 5]
-                                     [--trainer-runs 3] [--preset tiny] [--steps 40]
+                                     [--trainer-runs 8] [--preset tiny] [--steps 150]
                                      [--interference-runs 2] [--save-every 2] [--skip-bench]
 """
 
@@ -231,30 +234,48 @@ def small_state(args) -> dict[str, float]:
     return {"wall_s": wall, "cpu_s": cpu, "tensors": n}
 
 
+TRAINER_KINDS = ("no snapshots", "a snapshot every step", "the floor: copy + crc32 every step")
+
+
 def trainer_runs(args) -> dict[str, list[float]]:
-    """Median seconds between steps of the reference trainer, per run, with and without a
-    snapshot every step."""
-    out: dict[str, list[float]] = {"no snapshots": [], "a snapshot every step": []}
+    """Median seconds between steps of the reference trainer, per run, interleaved: no
+    snapshots, a snapshot every step, and the floor of one (benchmarks/snapshot_floor.py: the
+    same rank's state copied into a buffer and checksummed at every step, nothing else).  The
+    first ``--trainer-skip`` steps are dropped: they hold the start of the persister process (its
+    imports, over a second of CPU) and the first allocations."""
+    out: dict[str, list[float]] = {k: [] for k in TRAINER_KINDS}
     root = tempfile.mkdtemp(prefix="mem-bench-trainer-", dir=args.dir)
     memory = tempfile.mkdtemp(prefix="mem-bench-trainer-", dir=args.shm)  # host memory, not disk
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": memory}
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
         for r in range(args.trainer_runs):
-            for name, extra in (
-                ("no snapshots", []),
-                ("a snapshot every step", ["--memory-every", "1"]),
-            ):
-                d = os.path.join(root, f"{r}-{len(extra)}")
-                cmd = [
-                    sys.executable, "-m", "reference_trainer", "--nproc", "2", "--dp", "2",
-                    "--preset", args.preset, "--steps", str(args.steps), "--ckpt", d + "/ckpt",
-                    "--metrics", d + "/metrics.jsonl", *extra,
+            for i, name in enumerate(TRAINER_KINDS):
+                d = os.path.join(root, f"{r}-{i}")
+                flags = [
+                    "--dp", "2", "--preset", args.preset, "--steps", str(args.steps),
+                    "--ckpt", d + "/ckpt", "--metrics", d + "/metrics.jsonl",
                 ]  # fmt: skip
+                if i == 0:
+                    cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "2", *flags]
+                elif i == 1:
+                    cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "2", *flags]
+                    cmd += ["--memory-every", "1"]
+                else:
+                    cmd = [
+                        sys.executable, "-m", "resilient.cli", "launch", "--standalone",
+                        "--nproc-per-node", "2", os.path.join(here, "snapshot_floor.py"), *flags,
+                    ]  # fmt: skip
                 subprocess.run(cmd, check=True, env=env, capture_output=True)
                 with open(d + "/metrics.jsonl") as f:
                     times = [json.loads(line)["wall_time"] for line in f if line.strip()]
-                gaps = [b - a for a, b in zip(times, times[1:])][5:]
+                gaps = [b - a for a, b in zip(times, times[1:])][args.trainer_skip :]
                 out[name].append(median(gaps))
+                shutil.rmtree(d, ignore_errors=True)
+            print(
+                f"  round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in out.items()),
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
@@ -329,7 +350,8 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--trainer-skip", type=int, default=40, help="steps dropped at the start")
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     p.add_argument("--small-tensors", type=int, default=92)
     p.add_argument("--small-snapshots", type=int, default=400)
@@ -385,11 +407,23 @@ def main() -> None:
         )
     if args.trainer_runs:
         t = res["trainer_step_s"]
-        off, on = median(t["no snapshots"]), median(t["a snapshot every step"])
+        off = t["no snapshots"]
+        rows = []
+        for name, v in t.items():
+            ratios = [on / o for on, o in zip(v, off)]
+            rows.append(
+                [name, f"{median(v) * 1000:.1f}", f"{(median(ratios) - 1) * 100:+.1f}%",
+                 f"{(min(ratios) - 1) * 100:+.1f}% .. {(max(ratios) - 1) * 100:+.1f}%"]
+            )  # fmt: skip
         print(
-            f"\ntrainer, preset {args.preset}, 2 ranks (dp 2), {args.steps} steps, median of "
-            f"{args.trainer_runs} runs' median step: no snapshots {off * 1000:.1f} ms, a "
-            f"snapshot every step {on * 1000:.1f} ms ({(on / off - 1) * 100:+.1f}%)"
+            f"\ntrainer, preset {args.preset}, 2 ranks (dp 2), {args.steps} steps (the first "
+            f"{args.trainer_skip} dropped), {args.trainer_runs} interleaved rounds"
+        )
+        print(
+            markdown_table(
+                ["every step", "median gap ms", "vs none (median of rounds)", "rounds' range"],
+                rows,
+            )
         )
     write_results(args.json, res)
 
