@@ -243,6 +243,35 @@ def test_a_value_json_cannot_write_is_refused_by_name_at_the_save(tmp_path):
             ck.save(1, {"big": 10**5000})
 
 
+def test_a_tensor_whose_memory_was_freed_is_refused_by_name_not_a_crash(tmp_path):
+    """A tensor whose storage was freed or shrunk (FSDP frees the unsharded parameters it is not
+    using) is refused by name, at a save (the first, or one after a save that took it) and at a
+    load into it: copying it would read or write memory that is not the tensor's."""
+    freed = torch.randn(1 << 16)
+    freed.untyped_storage().resize_(0)
+    kept = torch.randn(1 << 16)
+    view = kept[100:]
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(ValueError, match=r"tensor 'a\.w' .* storage, which holds 0"):
+            ck.save(1, {"a": {"w": freed}})
+        ck.save(2, {"v": view}).wait()
+        kept.untyped_storage().resize_(4 * 1000)  # shrunk under the view the last save took
+        with pytest.raises(ValueError, match="tensor 'v' .*freed or shrunk"):
+            ck.save(3, {"v": view})
+        with pytest.raises(ValueError, match="tensor 'v' .*freed or shrunk"):
+            ck.load({"v": view}, step=2)
+
+
+def test_sparse_and_meta_tensors_are_refused_by_name(tmp_path):
+    sparse = torch.eye(4).to_sparse()
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"s": torch.eye(4)}).wait()  # (its description is then cached, under "s")
+        with pytest.raises(TypeError, match="tensor 's' is a torch.sparse_coo tensor"):
+            ck.save(2, {"s": sparse})
+        with pytest.raises(ValueError, match="tensor 'm' is on the meta device"):
+            ck.save(2, {"m": torch.empty(3, device="meta")})
+
+
 def test_a_save_of_unchanged_tensors_does_not_describe_them_again(tmp_path, monkeypatch):
     from resilient.checkpoint import state as state_module
 

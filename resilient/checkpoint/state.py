@@ -164,11 +164,12 @@ class DescribeCache:
     """(saves) The tensor descriptions of the previous flatten of a state, for the next one.
 
     A trainer saves the same tensors at every snapshot, and describing one (its annotation, its
-    global shape, the layout arithmetic) costs more than the checks that show it unchanged: the
-    same tensor object, with the same storage offset, shape, strides, dtype and device, the same
-    annotation (its own, or for optimizer state its parameter's), under the same layout and rank.
-    A tensor that fails any of them is described again.  Only the keys of the newest flatten are
-    kept, and no tensor is held: a model the caller drops is freed as before."""
+    global shape, the layout arithmetic, the check that its storage holds it) costs more than the
+    checks that show it unchanged: the same tensor object, with the same storage size and offset,
+    shape, strides, dtype and device, the same annotation (its own, or for optimizer state its
+    parameter's), under the same layout and rank.  A tensor that fails any of them is described
+    again.  Only the keys of the newest flatten are kept, and no tensor is held: a model the
+    caller drops is freed as before."""
 
     def __init__(self) -> None:
         self._where: tuple[Layout, int] | None = None
@@ -186,9 +187,10 @@ class DescribeCache:
     def describe(
         self, key: str, t: torch.Tensor, layout: Layout, rank: int, inherit: torch.Tensor | None
     ) -> TensorLeaf:
-        if is_dtensor(t):  # its local shard is another object at every call
+        if is_dtensor(t) or t.layout is not torch.strided:  # (a DTensor's shard is new each time)
             return describe_tensor(key, t, layout, rank, inherit)
         sig = (
+            t.untyped_storage().nbytes(),  # (a storage freed or shrunk since: checked again)
             t.data_ptr(),
             t.shape,
             t.stride(),
@@ -382,7 +384,9 @@ def describe_tensor(
         except LayoutError as e:
             raise LayoutError(f"tensor {key!r}: {e}") from None
         local = t.to_local()
+        _check_dense(key, local)
         return _checked(key, local.detach(), tuple(t.shape), placement, layout, rank)
+    _check_dense(key, t)
     spec: _Sharding | None = getattr(t, _ATTR, None)
     if spec is None and inherit is not None:
         spec = getattr(inherit, _ATTR, None)
@@ -413,6 +417,34 @@ def describe_tensor(
                 shape_l[p.dim] *= layout.size(axis)
         shape = tuple(shape_l)
     return _checked(key, t.detach(), shape, placement, layout, rank)
+
+
+def _check_dense(key: str, t: torch.Tensor) -> None:
+    """A tensor whose bytes can be read and written: dense, with data, and with a storage that
+    holds every element its shape and strides reach (copying one whose storage was freed or shrunk,
+    as FSDP does to the unsharded parameters it is not using, reads or writes memory that is not
+    the tensor's: a crash, or another tensor's bytes)."""
+    if t.layout is not torch.strided:
+        raise TypeError(
+            f"tensor {key!r} is a {t.layout} tensor; only dense (strided) tensors can be "
+            f"checkpointed — convert it (for example with .to_dense()) in a state_dict() of your "
+            f"own, and back in load_state_dict()"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"tensor {key!r} is on the meta device and has no data to checkpoint; materialize "
+            f"it first (for example with to_empty() and an initialization)"
+        )
+    if t.numel():
+        reach = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        need, have = reach * t.element_size(), t.untyped_storage().nbytes()
+        if have < need:
+            raise ValueError(
+                f"tensor {key!r} of shape {list(t.shape)} reaches {need} bytes into its "
+                f"storage, which holds {have}: its memory was freed or shrunk (as FSDP does with "
+                f"the unsharded parameters it is not using); checkpoint the state that owns the "
+                f"memory (with FSDP, its sharded state dict)"
+            )
 
 
 def _checked(
