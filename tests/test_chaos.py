@@ -689,3 +689,26 @@ def test_close_final_states_are_compared_in_norm_the_moments_more_loosely(tmp_pa
     ]:
         ok, detail = check(name, change)
         assert not ok and tensor in detail, (name, detail)
+
+
+def test_a_skewed_node_that_holds_the_leader_is_seen_from_the_other_side():
+    """Which agent's workers get ranks 0..nproc-1 is the rendezvous's choice: when the skewed
+    node holds the leader, the leader sees the other node's ranks ahead by the skew."""
+    from types import SimpleNamespace
+
+    from resilient.chaos.verify import _expected_skew
+
+    fault = SimpleNamespace(id="skew", seconds=-30.0, rank=None, node=1)
+    fired_on = lambda r: [{"event": "fault", "id": "skew", "rank": r}]  # noqa: E731
+    # node 1 got ranks 2, 3: the leader (rank 0) sees them 30 s behind
+    events = fired_on(3)
+    assert _expected_skew(fault, {"rank": 2, "leader": 0}, events, 2) == -30.0
+    assert _expected_skew(fault, {"rank": 1, "leader": 0}, events, 2) == 0.0
+    # node 1 got ranks 0, 1: the leader is skewed; ranks 2, 3 are 30 s ahead of it
+    events = fired_on(1)
+    assert _expected_skew(fault, {"rank": 2, "leader": 0}, events, 2) == 30.0
+    assert _expected_skew(fault, {"rank": 1, "leader": 0}, events, 2) == 0.0
+    # a fault on one rank skews that rank alone
+    one = SimpleNamespace(id="skew", seconds=5.0, rank=3, node=None)
+    assert _expected_skew(one, {"rank": 3, "leader": 0}, [], 2) == 5.0
+    assert _expected_skew(one, {"rank": 2, "leader": 0}, [], 2) == 0.0

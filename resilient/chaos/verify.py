@@ -165,6 +165,25 @@ def _restarts(events: list[dict[str, Any]]) -> int:
     return max(max((e.get("restart", 0) for e in starts), default=0), len(attempts) - 1)
 
 
+def _expected_skew(
+    fault: Any, event: dict[str, Any], events: list[dict[str, Any]], nproc: int
+) -> float:
+    """The skew the leader should see for ``event``'s rank: the skewed ranks' offset, less the
+    leader's own when the leader is one of them (which agent holds ranks 0..nproc-1 is the
+    rendezvous's choice).  A node's ranks are contiguous; the rank that recorded the fault names
+    the node (a fault with ``rank`` set skews that rank alone)."""
+    s = float(fault.seconds or 0)
+    if fault.rank is not None:
+        skewed = {fault.rank}
+    else:
+        fired = [e["rank"] for e in events if e["event"] == "fault" and e.get("id") == fault.id]
+        if not fired or not isinstance(fired[0], int):
+            return s  # no record of where it fired: the skewed ranks' view from an unskewed leader
+        node = fired[0] // max(nproc, 1)
+        skewed = set(range(node * nproc, (node + 1) * nproc))
+    return s * (event.get("rank") in skewed) - s * (event.get("leader") in skewed)
+
+
 def verify_run(
     scenario: Scenario, run_dir: Path, launch: Launch, reference: Path | None
 ) -> Outcome:
@@ -417,7 +436,9 @@ def verify_run(
         seen = [
             e
             for e in events
-            if e["event"] == "clock_skew" and abs(e["skew_s"] - (f.seconds or 0)) < 1.0
+            if e["event"] == "clock_skew"
+            and (want := _expected_skew(f, e, events, job.nproc)) != 0.0
+            and abs(e["skew_s"] - want) < 1.0
         ]
         who = f"rank {f.rank}" if f.rank is not None else f"node {f.node}'s ranks"
         checks.append(
