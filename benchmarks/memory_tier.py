@@ -27,9 +27,12 @@
   N rounds of the three, interleaved; the median time between consecutive steps (wall clock, so
   it includes the snapshot's stall) after the first ``--trainer-skip`` (40: the persister's start
   takes over a second of CPU), and per round the ratio to the round's run without snapshots.
+  With ``--trainer-parts`` two more kinds: a snapshot every step cut short after the caller's
+  part, and after the background checksums (benchmarks/snapshot_parts.py: no commit protocol).
 
     python benchmarks/memory_tier.py [--gib 0.5] [--dir /path/on/disk] [--repeats 5]
-                                     [--trainer-runs 8] [--preset tiny] [--steps 150]
+                                     [--trainer-runs 8] [--trainer-parts] [--preset tiny]
+                                     [--steps 150]
                                      [--interference-runs 2] [--save-every 2] [--skip-bench]
 """
 
@@ -235,6 +238,11 @@ def small_state(args) -> dict[str, float]:
 
 
 TRAINER_KINDS = ("no snapshots", "a snapshot every step", "the floor: copy + crc32 every step")
+# --trainer-parts: a snapshot every step cut short (benchmarks/snapshot_parts.py)
+PART_KINDS = {
+    "staged only (the caller's part)": "staged",
+    "staged + checksums, no commit": "checksummed",
+}
 
 
 def trainer_runs(args) -> dict[str, list[float]]:
@@ -243,14 +251,15 @@ def trainer_runs(args) -> dict[str, list[float]]:
     same rank's state copied into a buffer and checksummed at every step, nothing else).  The
     first ``--trainer-skip`` steps are dropped: they hold the start of the persister process (its
     imports, over a second of CPU) and the first allocations."""
-    out: dict[str, list[float]] = {k: [] for k in TRAINER_KINDS}
+    kinds = [*TRAINER_KINDS, *(PART_KINDS if args.trainer_parts else ())]
+    out: dict[str, list[float]] = {k: [] for k in kinds}
     root = tempfile.mkdtemp(prefix="mem-bench-trainer-", dir=args.dir)
     memory = tempfile.mkdtemp(prefix="mem-bench-trainer-", dir=args.shm)  # host memory, not disk
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": memory}
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         for r in range(args.trainer_runs):
-            for i, name in enumerate(TRAINER_KINDS):
+            for i, name in enumerate(kinds):
                 d = os.path.join(root, f"{r}-{i}")
                 flags = [
                     "--dp", "2", "--preset", args.preset, "--steps", str(args.steps),
@@ -261,10 +270,16 @@ def trainer_runs(args) -> dict[str, list[float]]:
                 elif i == 1:
                     cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "2", *flags]
                     cmd += ["--memory-every", "1"]
-                else:
+                elif i == 2:
                     cmd = [
                         sys.executable, "-m", "resilient.cli", "launch", "--standalone",
                         "--nproc-per-node", "2", os.path.join(here, "snapshot_floor.py"), *flags,
+                    ]  # fmt: skip
+                else:
+                    cmd = [
+                        sys.executable, "-m", "resilient.cli", "launch", "--standalone",
+                        "--nproc-per-node", "2", os.path.join(here, "snapshot_parts.py"),
+                        "--part", PART_KINDS[name], *flags, "--memory-every", "1",
                     ]  # fmt: skip
                 subprocess.run(cmd, check=True, env=env, capture_output=True)
                 with open(d + "/metrics.jsonl") as f:
@@ -352,6 +367,12 @@ def main() -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--trainer-skip", type=int, default=40, help="steps dropped at the start")
+    p.add_argument(
+        "--trainer-parts",
+        action="store_true",
+        help="the trainer runs also cut a snapshot short: staged only, and staged + checksums "
+        "(benchmarks/snapshot_parts.py)",
+    )
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     p.add_argument("--small-tensors", type=int, default=92)
     p.add_argument("--small-snapshots", type=int, default=400)
