@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -50,7 +51,10 @@ def _child(
                 queue.put((rank, "port-taken", traceback.format_exc()))
                 return
             raise
-        result = fn(rank, world_size, *args)
+        # By value: a tensor put on the queue as it is travels as a descriptor of this process's
+        # shared memory, which the parent fetches from this process's fd server, gone once this
+        # process has exited (seen: FileNotFoundError for its socket in the parent's get)
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -110,7 +114,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                     )
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             elif status == "port-taken":
                 port_taken = True
                 errors.append(f"--- rank {rank} ---\n{payload}")
