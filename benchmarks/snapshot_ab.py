@@ -8,7 +8,10 @@ moods fall on both alike:
   the commit; CPU and wall time per snapshot.
 - ``trainer``: the reference trainer, ``--preset`` on 2 ranks (dp 2), ``--steps`` steps, with no
   snapshots (this tree) and with a snapshot every step (each tree); the median time between two
-  steps after the first 5, and the median of the step's own compute time.
+  steps after the first ``--skip`` (the persister's start-up is over by then), and the median of
+  the step's own compute time; per tree, the median of the rounds' ratios to the run without
+  snapshots of the same round (the machine's mood changes from run to run more than the
+  difference to resolve).
 
 Usage: ``python benchmarks/snapshot_ab.py --other /path/to/a/checkout [--rounds 4]`` (make a
 checkout of another commit with ``git worktree add /tmp/base <commit>``).
@@ -79,7 +82,7 @@ def trainer(tree: str, args, tmp: str, snapshots: bool) -> tuple[float, float]:
     try:
         subprocess.run(cmd, env=env, capture_output=True, check=True, cwd=tree)
         with open(d + "/metrics.jsonl") as f:
-            rows = [json.loads(line) for line in f if line.strip()][5:]
+            rows = [json.loads(line) for line in f if line.strip()][args.skip :]
     finally:
         shutil.rmtree(memory, ignore_errors=True)
     times = [r["wall_time"] for r in rows]
@@ -95,7 +98,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--small-snapshots", type=int, default=400)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--skip", type=int, default=40, help="steps dropped at the start of a run")
     p.add_argument("--shm", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--skip-trainer", action="store_true")
     args = p.parse_args()
@@ -124,6 +128,14 @@ def main() -> None:
         first, second = ("CPU", "wall") if name.startswith("small") else ("gap", "compute")
         print(f"{name}: {first} ms [{a}] (median {statistics.median(x for x, _ in rows) * 1e3:.1f}); "
               f"{second} ms [{b}]")  # fmt: skip
+    base = res.get("trainer, no snapshots")
+    for name in trees:
+        rows = res.get(f"trainer, a snapshot every step, {name}")
+        if base and rows:
+            ratios = [g / b[0] for (g, _), b in zip(rows, base)]
+            print(f"trainer, {name}: gap vs no snapshots, per round "
+                  f"[{', '.join(f'{r:.3f}' for r in ratios)}], median "
+                  f"{(statistics.median(ratios) - 1) * 100:+.1f}%")  # fmt: skip
 
 
 if __name__ == "__main__":

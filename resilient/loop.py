@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
+from resilient.checkpoint.worker import join_running
 from resilient.errors import (
     CheckpointNotFoundError,
     LeaseError,
@@ -851,10 +852,7 @@ def _free_process_groups() -> str:
     # an abandoned snapshot's thread may still be inside a collective of a broken group (its
     # replication; it fails once the dead peer's connection resets or a peer frees its group) and
     # holds the group until it returns: a moment for it first (a durable save's holds none)
-    deadline = time.monotonic() + _SAVE_THREAD_GRACE_S
-    for t in threading.enumerate():
-        if t.name.startswith("resilient-ckpt-snapshot") and t is not threading.current_thread():
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    join_running("resilient-ckpt-snapshot", _SAVE_THREAD_GRACE_S)
     gc.collect()
     if not any(r() is not None for r in refs):
         return "collected"

@@ -65,6 +65,7 @@ from resilient.checkpoint.snapshots import (
 )
 from resilient.checkpoint.state import DescribeCache, FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
+from resilient.checkpoint.worker import Job, Worker
 from resilient.checkpoint.writer import (
     CommitError,
     Committer,
@@ -250,7 +251,10 @@ class Checkpointer:
         self._described = DescribeCache()  # each save describes the tensors of the one before
         self._encoder = ManifestEncoder()  # (memory tier) a manifest's text, per shape
         self._pending: SaveHandle | None = None
-        self._thread: threading.Thread | None = None
+        # a save's commit runs as a job of the worker's thread (a thread per save made the caller
+        # wait for it to be scheduled); ``join()`` and ``is_alive()`` as a thread's
+        self._worker = Worker()
+        self._thread: Job | threading.Thread | None = None
         self._closed = False
         self.last_load: LoadStats | None = None
         # (the memory tier's own checkpointer) what to run on its coordinator right after a
@@ -457,13 +461,11 @@ class Checkpointer:
         handle.stats.stage_s = time.monotonic() - t0
         committer = self._committer(step)
         self._pending = handle
-        self._thread = threading.Thread(
-            target=self._persist,
-            args=(handle, step, layout, plan, data, dict(flat.values), committer),
-            name=self._thread_name(step),
-            daemon=True,
+        self._thread = self._worker.submit(
+            self._thread_name(step),
+            self._persist,
+            *(handle, step, layout, plan, data, dict(flat.values), committer),
         )
-        self._thread.start()
         return handle
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
@@ -563,13 +565,9 @@ class Checkpointer:
                     self._memory._after_commit[step] = pin
         committer = self._committer(step)
         self._pending = handle
-        self._thread = threading.Thread(
-            target=self._persist_elsewhere,
-            args=(handle, snap, pinned, committer),
-            name=self._thread_name(step),
-            daemon=True,
+        self._thread = self._worker.submit(
+            self._thread_name(step), self._persist_elsewhere, handle, snap, pinned, committer
         )
-        self._thread.start()
         return handle
 
     def _persist_elsewhere(
@@ -789,6 +787,7 @@ class Checkpointer:
                 self._close_tier()
         finally:
             self._closed = True
+            self._worker.stop()
             self._stager = Stager()
             if self._slots is not None:
                 self._slots.close()

@@ -1,0 +1,119 @@
+"""One long-lived background thread per checkpointer for its saves' commits.
+
+A thread per save made the caller of ``save()``/``snapshot()`` wait for the new thread to be
+scheduled (``Thread.start`` waits until it runs): on a machine whose cores are busy with training,
+that wait is a scheduler's time slice, at every snapshot.  The worker's thread is started once and
+takes the next job from a queue; it ends after ``idle_s`` without work (a durable save every few
+minutes starts it again, which costs what a thread per save did) and when its checkpointer closes.
+
+A job looks like a thread to the code that waits for it (``join(timeout)``, ``is_alive()``,
+``name``), and while it runs the worker's thread carries the job's name, so that a stack dump names
+the save it is in.  A finished job holds nothing of what it ran (its function and arguments are
+dropped), so that the objects a save used (a process group) can be collected once it is over.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+IDLE_NAME = "resilient-ckpt-idle"
+
+_running: set[Job] = set()  # jobs being run now, by every worker of this process
+_running_lock = threading.Lock()
+
+
+class Job:
+    """A save's background work, submitted to a ``Worker``."""
+
+    def __init__(self, name: str, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.name = name
+        self._call: tuple[Callable[..., None], tuple[Any, ...]] | None = (fn, args)
+        self._done = threading.Event()
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def _run(self) -> None:
+        call, self._call = self._call, None
+        assert call is not None
+        fn, args = call
+        del call
+        try:
+            fn(*args)
+        except BaseException:  # the job reports its own failures; this is a bug's last word
+            log.exception("background job %s failed", self.name)
+        finally:
+            del fn, args
+            self._done.set()
+
+
+class Worker:
+    """Runs submitted jobs one after another on one daemon thread (started when needed)."""
+
+    def __init__(self, idle_s: float = 5.0) -> None:
+        self.idle_s = idle_s
+        self._cv = threading.Condition()
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def submit(self, name: str, fn: Callable[..., None], *args: Any) -> Job:
+        job = Job(name, fn, args)
+        with self._cv:
+            self._jobs.append(job)
+            self._stop = False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+                self._thread.start()
+            else:
+                self._cv.notify()
+        return job
+
+    def stop(self) -> None:
+        """Let the thread end once the queued jobs are done (it is not waited for)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cv:
+                deadline = time.monotonic() + self.idle_s
+                while not self._jobs:
+                    left = deadline - time.monotonic()
+                    if self._stop or left <= 0:
+                        self._thread = None  # (under the lock: a submit starts a new one)
+                        return
+                    self._cv.wait(left)
+                job = self._jobs.popleft()
+            me.name = job.name
+            with _running_lock:
+                _running.add(job)
+            try:
+                job._run()
+            finally:
+                with _running_lock:
+                    _running.discard(job)
+                me.name = IDLE_NAME
+                del job
+
+
+def join_running(prefix: str, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds in all for the jobs of this process whose name starts with
+    ``prefix`` that are running now."""
+    deadline = time.monotonic() + timeout
+    with _running_lock:
+        jobs = [j for j in _running if j.name.startswith(prefix)]
+    for job in jobs:
+        job.join(max(0.0, deadline - time.monotonic()))

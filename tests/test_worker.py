@@ -1,0 +1,123 @@
+"""The checkpointer's background worker: one thread for a run of saves, jobs in order, nothing of
+a finished job kept alive."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import torch
+
+from resilient import Checkpointer
+from resilient.checkpoint.worker import IDLE_NAME, Worker, join_running
+
+
+def test_jobs_run_in_order_on_one_thread_named_after_the_job():
+    w = Worker(idle_s=30)
+    seen: list[tuple[int, str, int]] = []
+
+    def job(i: int) -> None:
+        t = threading.current_thread()
+        seen.append((i, t.name, t.ident))
+
+    jobs = [w.submit(f"job-{i}", job, i) for i in range(5)]
+    for j in jobs:
+        j.join(10)
+    assert [s[0] for s in seen] == list(range(5))
+    assert [s[1] for s in seen] == [f"job-{i}" for i in range(5)]
+    assert len({s[2] for s in seen}) == 1  # one thread for all five
+    assert not any(j.is_alive() for j in jobs)
+    deadline = time.monotonic() + 10
+    while w._thread is not None and w._thread.name != IDLE_NAME and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w._thread is not None and w._thread.name == IDLE_NAME
+    w.stop()
+
+
+def test_an_idle_worker_ends_its_thread_and_starts_another_for_the_next_job():
+    w = Worker(idle_s=0.05)
+    w.submit("a", lambda: None).join(10)
+    deadline = time.monotonic() + 10
+    while w._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w._thread is None
+    ran = threading.Event()
+    w.submit("b", ran.set).join(10)
+    assert ran.is_set()
+    w.stop()
+
+
+def test_a_finished_job_holds_nothing_of_what_it_ran():
+    class Payload:
+        pass
+
+    w = Worker(idle_s=30)
+    p = Payload()
+    ref = weakref.ref(p)
+    job = w.submit("holds", lambda x: None, p)
+    job.join(10)
+    del p
+    gc.collect()
+    assert ref() is None and not job.is_alive()
+    w.stop()
+
+
+def test_a_failing_job_is_done_and_the_worker_goes_on():
+    w = Worker(idle_s=30)
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    failed = w.submit("boom", boom)
+    ok = threading.Event()
+    after = w.submit("after", ok.set)
+    failed.join(10)
+    after.join(10)
+    assert not failed.is_alive() and ok.is_set()
+    w.stop()
+
+
+def test_join_running_waits_for_the_running_jobs_of_a_kind_only():
+    w, other = Worker(idle_s=30), Worker(idle_s=30)
+    release, hold = threading.Event(), threading.Event()
+    started = threading.Event()
+
+    def slow(ev: threading.Event) -> None:
+        started.set()
+        ev.wait(30)
+
+    snap = w.submit("resilient-ckpt-snapshot-7", slow, release)
+    assert started.wait(10)
+    started.clear()
+    save = other.submit("resilient-ckpt-save-7", slow, hold)
+    assert started.wait(10)
+    join_running("resilient-ckpt-snapshot", 0.2)  # gives up on the snapshot: still running
+    assert snap.is_alive()
+    release.set()
+    join_running("resilient-ckpt-snapshot", 10)
+    assert not snap.is_alive() and save.is_alive()  # the save was not waited for
+    hold.set()
+    save.join(10)
+    w.stop()
+    other.stop()
+
+
+def test_snapshots_commit_on_one_thread(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(tmp_path / "shm"))
+    state = {"w": torch.arange(8.0)}
+    ck = Checkpointer(str(tmp_path / "ck"), memory_every=1, persister=False)
+    threads = set()
+    for step in range(1, 6):
+        state["w"] += 1
+        ck.snapshot(step, state).wait()
+        threads.add(ck._memory._worker._thread)
+    assert len(threads) == 1 and None not in threads
+    assert ck.memory_steps()[0] == 5
+    ck.release_memory()
+    ck.close()
+    # closing lets the thread end
+    t = threads.pop()
+    t.join(10)
+    assert not t.is_alive()
