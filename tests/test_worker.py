@@ -121,3 +121,26 @@ def test_snapshots_commit_on_one_thread(tmp_path, monkeypatch):
     t = threads.pop()
     t.join(10)
     assert not t.is_alive()
+
+
+def test_a_forked_child_runs_its_jobs_on_a_thread_of_its_own():
+    import multiprocessing as mp
+
+    w = Worker(idle_s=30)
+    w.submit("parent", lambda: None).join(10)
+    assert w._thread is not None  # the parent's thread, idle: the child has no such thread
+
+    def child(q) -> None:
+        ran = threading.Event()
+        w.submit("child", ran.set).join(10)
+        q.put(ran.is_set())
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    try:
+        assert q.get(timeout=30) is True
+    finally:
+        p.join(10)
+    w.stop()

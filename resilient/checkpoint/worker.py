@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +66,7 @@ class Worker:
         self._cv = threading.Condition()
         self._jobs: collections.deque[Job] = collections.deque()
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()  # a forked child has none of its parent's threads
         self._stop = False
 
     def submit(self, name: str, fn: Callable[..., None], *args: Any) -> Job:
@@ -72,6 +74,8 @@ class Worker:
         with self._cv:
             self._jobs.append(job)
             self._stop = False
+            if self._pid != os.getpid():
+                self._thread, self._pid = None, os.getpid()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
                 self._thread.start()
