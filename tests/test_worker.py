@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 
+import pytest
 import torch
 
 from resilient import Checkpointer
@@ -79,35 +80,90 @@ def test_a_failing_job_is_done_and_the_worker_goes_on():
     w.stop()
 
 
-def test_join_running_waits_for_the_running_jobs_of_a_kind_only():
+def test_join_running_waits_for_the_jobs_of_a_kind_only():
     w, other = Worker(idle_s=30), Worker(idle_s=30)
     release, hold = threading.Event(), threading.Event()
     started = threading.Event()
 
     def slow(ev: threading.Event) -> None:
         started.set()
-        ev.wait(30)
+        ev.wait(60)
 
-    snap = w.submit("resilient-ckpt-snapshot-7", slow, release)
-    assert started.wait(10)
-    started.clear()
     save = other.submit("resilient-ckpt-save-7", slow, hold)
     assert started.wait(10)
+    snap = w.submit("resilient-ckpt-snapshot-7", slow, release)
     join_running("resilient-ckpt-snapshot", 0.2)  # gives up on the snapshot: still running
     assert snap.is_alive()
+    returned = threading.Event()
+
+    def joiner() -> None:
+        join_running("resilient-ckpt-snapshot", 60)
+        returned.set()
+
+    threading.Thread(target=joiner, daemon=True).start()
     release.set()
-    join_running("resilient-ckpt-snapshot", 10)
-    assert not snap.is_alive() and save.is_alive()  # the save was not waited for
+    # it returns once the snapshot is done, while the save (another kind) still runs
+    assert returned.wait(30) and not snap.is_alive() and save.is_alive()
     hold.set()
     save.join(10)
     w.stop()
     other.stop()
 
 
+def test_join_running_waits_for_a_job_not_picked_up_yet():
+    w = Worker(idle_s=30)
+    gate, gate2 = threading.Event(), threading.Event()
+    first = w.submit("resilient-ckpt-snapshot-1", gate.wait, 60)
+    second = w.submit("resilient-ckpt-snapshot-2", gate2.wait, 60)  # queued behind the first
+    returned = threading.Event()
+
+    def joiner() -> None:
+        join_running("resilient-ckpt-snapshot", 60)
+        returned.set()
+
+    threading.Thread(target=joiner, daemon=True).start()
+    gate.set()
+    first.join(10)
+    assert not first.is_alive() and second.is_alive()
+    assert not returned.wait(2)  # the queued job is waited for too
+    gate2.set()
+    assert returned.wait(30) and not second.is_alive()
+    w.stop()
+
+
+def test_a_thread_that_cannot_start_queues_nothing_and_the_next_save_runs(tmp_path, monkeypatch):
+    ck = Checkpointer(str(tmp_path / "ck"))
+    state = {"w": torch.arange(4.0)}
+    real = threading.Thread.start
+    calls = {"n": 0}
+
+    def flaky(self) -> None:
+        if self.name.startswith("resilient-ckpt") and calls["n"] == 0:
+            calls["n"] += 1
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", flaky)
+    with pytest.raises(RuntimeError, match="can't start"):
+        ck.save(1, state)
+    assert not ck._worker._jobs and ck._worker._thread is None and ck._pending is None
+    done = threading.Event()
+
+    def later() -> None:
+        ck.save(2, state).wait(60)
+        done.set()
+
+    threading.Thread(target=later, daemon=True).start()
+    assert done.wait(60)  # before the fix: the failed save stayed pending and this hung
+    assert ck.steps() == [2]
+    ck.close()
+
+
 def test_snapshots_commit_on_one_thread(tmp_path, monkeypatch):
     monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(tmp_path / "shm"))
     state = {"w": torch.arange(8.0)}
     ck = Checkpointer(str(tmp_path / "ck"), memory_every=1, persister=False)
+    ck._memory._worker.idle_s = 600  # so that only close() ends the thread below
     threads = set()
     for step in range(1, 6):
         state["w"] += 1
@@ -143,4 +199,6 @@ def test_a_forked_child_runs_its_jobs_on_a_thread_of_its_own():
         assert q.get(timeout=30) is True
     finally:
         p.join(10)
+        if p.is_alive():
+            p.kill()
     w.stop()

@@ -460,12 +460,17 @@ class Checkpointer:
             handle._replica_epoch = self._replicas.epoch
         handle.stats.stage_s = time.monotonic() - t0
         committer = self._committer(step)
-        self._pending = handle
-        self._thread = self._worker.submit(
-            self._thread_name(step),
-            self._persist,
-            *(handle, step, layout, plan, data, dict(flat.values), committer),
-        )
+        try:
+            job = self._worker.submit(
+                self._thread_name(step),
+                self._persist,
+                *(handle, step, layout, plan, data, dict(flat.values), committer),
+            )
+        except BaseException:  # no thread could start: nothing is pending, the slot is free
+            if isinstance(data, _Slot) and self._slots is not None:
+                self._slots.settled(data, False)
+            raise
+        self._pending, self._thread = handle, job
         return handle
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
@@ -564,10 +569,10 @@ class Checkpointer:
                 else:
                     self._memory._after_commit[step] = pin
         committer = self._committer(step)
-        self._pending = handle
-        self._thread = self._worker.submit(
+        job = self._worker.submit(
             self._thread_name(step), self._persist_elsewhere, handle, snap, pinned, committer
         )
+        self._pending, self._thread = handle, job
         return handle
 
     def _persist_elsewhere(

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +27,9 @@ log = logging.getLogger(__name__)
 
 IDLE_NAME = "resilient-ckpt-idle"
 
-_running: set[Job] = set()  # jobs being run now, by every worker of this process
-_running_lock = threading.Lock()
+_live: set[Job] = set()  # jobs submitted and not done yet, by every worker of this process
+_live_lock = threading.Lock()
+os.register_at_fork(after_in_child=_live.clear)  # a forked child runs none of them
 
 
 class Job:
@@ -52,9 +54,12 @@ class Job:
         try:
             fn(*args)
         except BaseException:  # the job reports its own failures; this is a bug's last word
-            log.exception("background job %s failed", self.name)
+            # (as text: a handler that keeps records must not keep the job's frames alive)
+            log.error("background job %s failed:\n%s", self.name, traceback.format_exc())
         finally:
             del fn, args
+            with _live_lock:
+                _live.discard(self)
             self._done.set()
 
 
@@ -70,17 +75,27 @@ class Worker:
         self._stop = False
 
     def submit(self, name: str, fn: Callable[..., None], *args: Any) -> Job:
+        """Queue ``fn(*args)``; raises (and queues nothing) when no thread can be started."""
         job = Job(name, fn, args)
         with self._cv:
-            self._jobs.append(job)
+            if self._pid != os.getpid():  # a forked child: the parent's thread and jobs are not
+                self._thread, self._pid = None, os.getpid()  # here
+                self._jobs.clear()
             self._stop = False
-            if self._pid != os.getpid():
-                self._thread, self._pid = None, os.getpid()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._loop, name=name, daemon=True)
+                self._jobs.append(job)
+                try:
+                    thread.start()  # (it waits for the lock held here before it looks)
+                except BaseException:
+                    self._jobs.remove(job)
+                    raise
+                self._thread = thread
             else:
+                self._jobs.append(job)
                 self._cv.notify()
+            with _live_lock:
+                _live.add(job)
         return job
 
     def stop(self) -> None:
@@ -102,22 +117,18 @@ class Worker:
                     self._cv.wait(left)
                 job = self._jobs.popleft()
             me.name = job.name
-            with _running_lock:
-                _running.add(job)
             try:
                 job._run()
             finally:
-                with _running_lock:
-                    _running.discard(job)
                 me.name = IDLE_NAME
                 del job
 
 
 def join_running(prefix: str, timeout: float) -> None:
     """Wait up to ``timeout`` seconds in all for the jobs of this process whose name starts with
-    ``prefix`` that are running now."""
+    ``prefix`` that are submitted and not done yet."""
     deadline = time.monotonic() + timeout
-    with _running_lock:
-        jobs = [j for j in _running if j.name.startswith(prefix)]
+    with _live_lock:
+        jobs = [j for j in _live if j.name.startswith(prefix)]
     for job in jobs:
         job.join(max(0.0, deadline - time.monotonic()))
