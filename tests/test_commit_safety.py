@@ -467,3 +467,58 @@ def test_reading_into_the_state_counts_as_an_in_place_write_for_autograd(tmp_pat
     assert w._version > before
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+class _Counting:
+    """A real TCPStore client that counts the requests made through it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            self.calls += 1
+            return attr(*a, **k)
+
+        return call
+
+
+def _store():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+
+
+def test_the_coordinator_gathers_a_thousand_reports_in_two_requests():
+    """Rank 0 waits for every report at once and reads them in one request, not two per rank:
+    a thousand ranks would otherwise be two thousand round trips per commit."""
+    from resilient.checkpoint.writer import Committer
+
+    world = 1000
+    server = _store()
+    for r in range(1, world):
+        server.set(f"p/report/{r}", json.dumps({"rank": r, "file": f"rank_{r:05d}"}))
+    counting = _Counting(server)
+    c = Committer(counting, "p", 0, world, timeout_s=30)
+    reports = c.gather({"rank": 0})
+    assert [r["rank"] for r in reports] == list(range(world))
+    assert counting.calls <= 2
+
+
+def test_a_commit_that_times_out_names_the_ranks_that_did_not_report():
+    from resilient.checkpoint.writer import CommitError, Committer
+
+    world = 12
+    server = _store()
+    for r in range(1, world):
+        if r not in (5, 9):
+            server.set(f"p/report/{r}", "{}")
+    c = Committer(server, "p", 0, world, timeout_s=0.5)
+    with pytest.raises(CommitError, match=r"ranks 5, 9 did not report its file"):
+        c.gather({"rank": 0})

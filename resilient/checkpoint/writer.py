@@ -339,36 +339,75 @@ class Committer:
     def _wait(self, key: str, peer: int, waiting_for: str, timeout_s: float) -> None:
         """Wait for ``key`` in slices, logging who is waited for and for how long; raise a
         CommitError naming the peer at the timeout."""
+        self._wait_all({peer: key}, waiting_for, timeout_s)
+
+    def _wait_all(self, keys: dict[int, str], waiting_for: str, timeout_s: float) -> None:
+        """Wait until every one of ``keys`` (peer rank -> key) is set, in one store request per
+        slice (not one per peer: rank 0 of a thousand ranks would make a thousand round trips per
+        commit); the progress log and the timeout name the peers still missing."""
         start = time.monotonic()
         deadline = start + timeout_s
         next_log = start + self.progress_every_s
         while True:
             if self.abort is not None and self.abort.is_set():
                 raise CommitError(
-                    f"rank {self.rank}: the {self._what()} was abandoned while waiting for rank "
-                    f"{peer} to {waiting_for}: the process group broke (in-job recovery)"
+                    f"rank {self.rank}: the {self._what()} was abandoned while waiting for "
+                    f"{self._name(keys)} to {waiting_for}: the process group broke (in-job "
+                    f"recovery)"
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommitError(
-                    f"rank {self.rank}: rank {peer} did not {waiting_for} of the {self._what()} "
-                    f"within {timeout_s:.0f}s (commit_timeout_s); it may have died or be hung"
+                    f"rank {self.rank}: {self._name(self._missing(keys))} did not {waiting_for} "
+                    f"of the {self._what()} within {timeout_s:.0f}s (commit_timeout_s); it may "
+                    f"have died or be hung"
                 )
             try:
-                self.store.wait([key], timedelta(seconds=min(remaining, self.progress_every_s)))
+                self.store.wait(
+                    list(keys.values()),
+                    timedelta(seconds=min(remaining, self.progress_every_s)),
+                )
                 return
             except Exception:  # the store raises its own timeout types; try the next slice
                 waited = time.monotonic() - start
                 if waited + 0.05 < timeout_s and time.monotonic() >= next_log:
                     next_log = time.monotonic() + self.progress_every_s
                     log.warning(
-                        "rank %d: waiting for rank %d to %s of the %s for %.0fs",
+                        "rank %d: waiting for %s to %s of the %s for %.0fs",
                         self.rank,
-                        peer,
+                        self._name(self._missing(keys)),
                         waiting_for,
                         self._what(),
                         waited,
                     )
+
+    def _missing(self, keys: dict[int, str]) -> dict[int, str]:
+        """The peers whose key is not set yet (one request each: only when a wait runs long)."""
+        out = {}
+        for peer, key in keys.items():
+            try:
+                if not self.store.check([key]):
+                    out[peer] = key
+            except Exception:  # the store is unreachable: say every peer
+                return keys
+        return out or keys
+
+    @staticmethod
+    def _name(keys: dict[int, str]) -> str:
+        peers = sorted(keys)
+        if len(peers) == 1:
+            return f"rank {peers[0]}"
+        more = f" (and {len(peers) - 8} more)" if len(peers) > 8 else ""
+        return f"ranks {', '.join(map(str, peers[:8]))}{more}"
+
+    def _get_all(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, in one request where the store has ``multi_get``."""
+        if len(keys) > 1 and hasattr(self.store, "multi_get"):
+            try:
+                return list(self.store.multi_get(keys))
+            except Exception:  # a store that lists it but does not implement it: one by one
+                pass
+        return [self.store.get(k) for k in keys]
 
     # 1. begin
     def publish_begin(self, payload: dict[str, Any]) -> None:
@@ -394,13 +433,11 @@ class Committer:
             self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(payload))
 
     def gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
-        reports = [own]
-        deadline = time.monotonic() + self.timeout_s
-        for r in range(1, self.world_size):
-            key = f"{self.prefix}/report/{r}"
-            self._wait(key, r, "report its file", max(deadline - time.monotonic(), 0.001))
-            reports.append(json.loads(self.store.get(key)))
-        return reports
+        keys = {r: f"{self.prefix}/report/{r}" for r in range(1, self.world_size)}
+        if not keys:
+            return [own]
+        self._wait_all(keys, "report its file", self.timeout_s)
+        return [own] + [json.loads(v) for v in self._get_all(list(keys.values()))]
 
     # 3. outcome
     def publish(self, outcome: str) -> None:
@@ -442,7 +479,8 @@ class Committer:
     def cleanup(self) -> None:
         if self.store is None:
             return
-        for key in [f"report/{r}" for r in range(self.world_size)] + ["begin"]:
+        # (the coordinator's own report is never published: rank 0 has no key to delete)
+        for key in [f"report/{r}" for r in range(1, self.world_size)] + ["begin"]:
             try:
                 self.store.delete_key(f"{self.prefix}/{key}")
             except Exception:  # best effort; not every store deletes keys
