@@ -19,6 +19,7 @@ from resilient.errors import (
     StepRetiredError,
     StorageError,
 )
+from tests.dist import run_distributed
 
 
 def state(v: float, n: int = 3000) -> dict:
@@ -139,8 +140,6 @@ def _two_rank_resave(rank, world, url):
 
 @pytest.mark.distributed
 def test_every_rank_writes_the_generation_the_coordinator_picked(tmp_path):
-    from tests.dist import run_distributed
-
     files = run_distributed(_two_rank_resave, 2, str(tmp_path))[0]
     assert files == {"rank_00000.g1.safetensors": 0, "rank_00001.g1.safetensors": 1}
 
@@ -522,3 +521,29 @@ def test_a_commit_that_times_out_names_the_ranks_that_did_not_report():
     c = Committer(server, "p", 0, world, timeout_s=0.5)
     with pytest.raises(CommitError, match=r"ranks 5, 9 did not report its file"):
         c.gather({"rank": 0})
+
+
+def _store_keys_over_commits(rank: int, world: int, url: str, memory: bool) -> list[int]:
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    state = {"w": torch.arange(8.0) + rank}
+    counts = []
+    kw = {"memory_every": 1, "persister": False} if memory else {}
+    with Checkpointer(url, **kw) as ck:
+        for step in range(1, 13):
+            state["w"] += 1
+            (ck.snapshot(step, state) if memory else ck.save(step, state)).wait()
+            dist.barrier()  # every rank's commit is over, its clean-up included
+            counts.append(store.num_keys())
+            dist.barrier()
+    return counts
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["durable", "memory tier"])
+def test_the_store_holds_a_bounded_number_of_commit_keys(tmp_path, monkeypatch, memory):
+    """Each commit's keys go (begin, every report, and the outcome at the next commit): a run
+    that saves every step does not grow the c10d store (it grew by one key per commit)."""
+    monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(tmp_path / "shm"))
+    counts = run_distributed(_store_keys_over_commits, 2, str(tmp_path / "ck"), memory)[0]
+    assert counts[3:] == [counts[3]] * len(counts[3:]), counts

@@ -261,6 +261,7 @@ class Checkpointer:
         # step commits, before the step can be retired: the outer one pins it for the persister
         self._after_commit: dict[int, Any] = {}
         self._shared_manifest: str | None = None  # the store key of the newest shared manifest
+        self._last_outcome_key: str | None = None  # the previous commit's outcome (store key)
         self._last_outcome: str | None = None  # the failure of the last joined save, if any
         # (in-job recovery) the pending save is the previous group's: a load need not wait for it
         self._pending_is_old = False
@@ -677,6 +678,7 @@ class Checkpointer:
             return
         try:
             failed = [r for r in committer.gather(report) if r.get("error")]
+            self._forget_previous_outcome(committer)
             if failed:
                 raise CommitError(
                     "; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed)
@@ -963,6 +965,7 @@ class Checkpointer:
         handle: SaveHandle,
     ) -> list[str]:
         reports = committer.gather(own) if committer.store is not None else [own]
+        self._forget_previous_outcome(committer)
         catalog = scan(self.storage)
         seq = catalog.next_commit_seq()
         if seq > MAX_INT:
@@ -1016,6 +1019,16 @@ class Checkpointer:
         committer.publish("ok")
         committer.cleanup()
         return garbage
+
+    def _forget_previous_outcome(self, committer: Committer) -> None:
+        """(the coordinator, every rank's report of this commit in hand) Each rank read the
+        previous commit's outcome before it began this one: its key goes, and this commit's
+        outcome is the next one to go."""
+        if committer.store is None:
+            return
+        if self._last_outcome_key is not None:
+            committer.forget([self._last_outcome_key])
+        self._last_outcome_key = committer.done_key
 
     def _publish_on_this_node(self, committer: Committer, step: int) -> list[str]:
         """(a node's leader, memory tier across nodes) Publish the manifest rank 0 committed in

@@ -444,10 +444,28 @@ class Committer:
         if self.store is not None:
             self.store.set(f"{self.prefix}/done", outcome)
 
+    @property
+    def done_key(self) -> str:
+        return f"{self.prefix}/done"
+
     def wait_outcome(self, extra_s: float = 0.0) -> str:
-        key = f"{self.prefix}/done"
+        key = self.done_key
         self._wait(key, 0, "publish the commit outcome", self.timeout_s + extra_s)
-        return self.store.get(key).decode()
+        outcome = self.store.get(key).decode()
+        # the coordinator read this rank's report before it published the outcome: each rank
+        # deletes its own (rank 0 deleting them all would be a request per rank per commit)
+        self.forget([f"{self.prefix}/report/{self.rank}"])
+        return outcome
+
+    def forget(self, keys: list[str]) -> None:
+        """Delete ``keys`` from the store; best effort (not every store deletes keys)."""
+        if self.store is None:
+            return
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except Exception:
+                pass
 
     def abandon(self, why: str) -> None:
         """Wake every rank that waits in this handshake (the group broke): each key a rank may
@@ -477,14 +495,12 @@ class Committer:
                 pass
 
     def cleanup(self) -> None:
-        if self.store is None:
-            return
-        # (the coordinator's own report is never published: rank 0 has no key to delete)
-        for key in [f"report/{r}" for r in range(1, self.world_size)] + ["begin"]:
-            try:
-                self.store.delete_key(f"{self.prefix}/{key}")
-            except Exception:  # best effort; not every store deletes keys
-                pass
+        """(the coordinator, after publishing the outcome) Delete ``begin``: every rank read it
+        before it reported.  Each other rank deletes its report once it has the outcome
+        (``wait_outcome``), and the outcome is deleted by the next commit's coordinator once
+        every rank has reported again (``Checkpointer``): so the store holds a bounded number
+        of this handshake's keys however many commits a run makes."""
+        self.forget([f"{self.prefix}/begin"])
 
 
 def build_manifest(
