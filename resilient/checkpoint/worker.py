@@ -1,10 +1,11 @@
-"""One long-lived background thread per checkpointer for its saves' commits.
+"""Long-lived background threads for a checkpointer's saves' commits.
 
 A thread per save made the caller of ``save()``/``snapshot()`` wait for the new thread to be
 scheduled (``Thread.start`` waits until it runs): on a machine whose cores are busy with training,
-that wait is a scheduler's time slice, at every snapshot.  The worker's thread is started once and
-takes the next job from a queue; it ends after ``idle_s`` without work (a durable save every few
-minutes starts it again, which costs what a thread per save did) and when its checkpointer closes.
+that wait is a scheduler's time slice, at every snapshot.  A worker's thread, once started, waits
+for the next job; it ends after ``idle_s`` without work (a durable save every few minutes starts
+one again, which costs what a thread per save did) and when its checkpointer closes.  A job never
+waits behind another: when no thread is idle, the job gets a new one (see ``Worker``).
 
 A job looks like a thread to the code that waits for it (``join(timeout)``, ``is_alive()``,
 ``name``), and while it runs the worker's thread carries the job's name, so that a stack dump names
@@ -64,58 +65,72 @@ class Job:
 
 
 class Worker:
-    """Runs submitted jobs one after another on one daemon thread (started when needed)."""
+    """Runs each submitted job on an idle thread of its own, started when none is idle; a thread
+    waits ``idle_s`` for the next job, then ends.  A checkpointer submits its next save once the
+    previous one is over, so one thread serves a run of saves; a job that outlives its turn (the
+    old group's save after an in-job recovery, still waiting on a broken peer or the persister)
+    keeps its thread, and the next job gets another instead of queueing behind it."""
 
     def __init__(self, idle_s: float = 5.0) -> None:
         self.idle_s = idle_s
         self._cv = threading.Condition()
         self._jobs: collections.deque[Job] = collections.deque()
-        self._thread: threading.Thread | None = None
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0  # threads waiting for a job
         self._pid = os.getpid()  # a forked child has none of its parent's threads
         self._stop = False
 
+    @property
+    def threads(self) -> set[threading.Thread]:
+        with self._cv:
+            return set(self._threads)
+
     def submit(self, name: str, fn: Callable[..., None], *args: Any) -> Job:
-        """Queue ``fn(*args)``; raises (and queues nothing) when no thread can be started."""
+        """Run ``fn(*args)`` on an idle thread, or a new one; raises (and runs nothing) when no
+        thread can be started."""
         job = Job(name, fn, args)
         with self._cv:
-            if self._pid != os.getpid():  # a forked child: the parent's thread and jobs are not
-                self._thread, self._pid = None, os.getpid()  # here
+            if self._pid != os.getpid():  # a forked child: the parent's threads and jobs are not
+                self._threads, self._idle, self._pid = set(), 0, os.getpid()  # here
                 self._jobs.clear()
             self._stop = False
-            if self._thread is None:
+            self._jobs.append(job)
+            if self._idle >= len(self._jobs):
+                self._cv.notify()
+            else:
                 thread = threading.Thread(target=self._loop, name=name, daemon=True)
-                self._jobs.append(job)
                 try:
                     thread.start()  # (it waits for the lock held here before it looks)
                 except BaseException:
                     self._jobs.remove(job)
                     raise
-                self._thread = thread
-            else:
-                self._jobs.append(job)
-                self._cv.notify()
+                self._threads.add(thread)
             with _live_lock:
                 _live.add(job)
         return job
 
     def stop(self) -> None:
-        """Let the thread end once the queued jobs are done (it is not waited for)."""
+        """Let the threads end once the jobs are done (they are not waited for)."""
         with self._cv:
             self._stop = True
-            self._cv.notify()
+            self._cv.notify_all()
 
     def _loop(self) -> None:
         me = threading.current_thread()
         while True:
             with self._cv:
-                deadline = time.monotonic() + self.idle_s
-                while not self._jobs:
-                    left = deadline - time.monotonic()
-                    if self._stop or left <= 0:
-                        self._thread = None  # (under the lock: a submit starts a new one)
-                        return
-                    self._cv.wait(left)
-                job = self._jobs.popleft()
+                self._idle += 1
+                try:
+                    deadline = time.monotonic() + self.idle_s
+                    while not self._jobs:
+                        left = deadline - time.monotonic()
+                        if self._stop or left <= 0:
+                            self._threads.discard(me)  # (under the lock: a submit starts another)
+                            return
+                        self._cv.wait(left)
+                    job = self._jobs.popleft()
+                finally:
+                    self._idle -= 1
             me.name = job.name
             try:
                 job._run()
