@@ -547,3 +547,21 @@ def test_the_store_holds_a_bounded_number_of_commit_keys(tmp_path, monkeypatch, 
     monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(tmp_path / "shm"))
     counts = run_distributed(_store_keys_over_commits, 2, str(tmp_path / "ck"), memory)[0]
     assert counts[3:] == [counts[3]] * len(counts[3:]), counts
+
+
+def test_a_peers_abandon_does_not_make_a_rank_take_back_its_report():
+    """In-job recovery: rank 1 abandons the commit (its failure becomes the outcome rank 2 reads)
+    after rank 0's abandon() left rank 2's report, already there, alone.  Rank 2 must not delete
+    its report on that outcome: rank 0's gather would wait for it until commit_timeout_s (seen:
+    the rejoined group hung in the restore, which joins that commit)."""
+    from resilient.checkpoint.writer import Committer
+
+    server = _store()
+    ranks = [Committer(server.clone(), "p", r, 3, timeout_s=10) for r in range(3)]
+    ranks[2].report({"rank": 2, "file": "rank_00002.safetensors"})
+    ranks[0].abandon("rank 0 left the broken process group")  # report/2 is set: kept
+    ranks[1].abandon("rank 1 left the broken process group")  # the outcome: a failure
+    assert ranks[2].wait_outcome().startswith("CommitError")
+    reports = ranks[0].gather({"rank": 0})  # at once: every key is there
+    assert [r["rank"] for r in reports] == [0, 1, 2]
+    assert "error" in reports[1] and reports[2]["file"] == "rank_00002.safetensors"

@@ -452,9 +452,13 @@ class Committer:
         key = self.done_key
         self._wait(key, 0, "publish the commit outcome", self.timeout_s + extra_s)
         outcome = self.store.get(key).decode()
-        # the coordinator read this rank's report before it published the outcome: each rank
-        # deletes its own (rank 0 deleting them all would be a request per rank per commit)
-        self.forget([f"{self.prefix}/report/{self.rank}"])
+        if outcome == "ok":
+            # the coordinator read every report before it published this: each rank deletes
+            # its own (rank 0 deleting them all would be a request per rank per commit).  Any
+            # other outcome may be a peer's abandon() while the coordinator still gathers: the
+            # key stays, or the coordinator, whose abandon() left a set key alone, would wait
+            # for it until commit_timeout_s
+            self.forget([f"{self.prefix}/report/{self.rank}"])
         return outcome
 
     def forget(self, keys: list[str]) -> None:
