@@ -565,3 +565,25 @@ def test_a_peers_abandon_does_not_make_a_rank_take_back_its_report():
     reports = ranks[0].gather({"rank": 0})  # at once: every key is there
     assert [r["rank"] for r in reports] == [0, 1, 2]
     assert "error" in reports[1] and reports[2]["file"] == "rank_00002.safetensors"
+
+
+def test_the_previous_outcome_stays_when_a_report_is_a_failure(tmp_path):
+    """A failure among the reports may be one the coordinator's abort() filled in for a rank
+    still reading the previous commit's outcome: that outcome is deleted only when every report
+    is a rank's own; and rebind() (a new group's store, its counters started again) forgets the
+    old group's key names."""
+    from resilient.checkpoint.writer import Committer
+
+    server = _store()
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck._last_outcome_key = "p/1/done"
+    server.set("p/1/done", "ok")
+    now = Committer(server, "p/2", 0, 3, timeout_s=10)
+    ck._forget_previous_outcome(now, [{"rank": 0}, {"rank": 1, "error": "abandoned"}, {"rank": 2}])
+    assert server.check(["p/1/done"])  # a rank may still be reading it
+    ck._forget_previous_outcome(now, [{"rank": 0}, {"rank": 1}, {"rank": 2}])
+    assert not server.check(["p/1/done"]) and ck._last_outcome_key == "p/2/done"
+    ck._shared_manifest = "p/2/manifest"
+    ck.rebind()
+    assert ck._last_outcome_key is None and ck._shared_manifest is None
+    ck.close()

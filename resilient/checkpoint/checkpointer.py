@@ -677,8 +677,9 @@ class Checkpointer:
             _await_outcome(committer, step, extra_s=2 * self.commit_timeout_s)
             return
         try:
-            failed = [r for r in committer.gather(report) if r.get("error")]
-            self._forget_previous_outcome(committer)
+            reports = committer.gather(report)
+            self._forget_previous_outcome(committer, reports)
+            failed = [r for r in reports if r.get("error")]
             if failed:
                 raise CommitError(
                     "; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed)
@@ -965,7 +966,7 @@ class Checkpointer:
         handle: SaveHandle,
     ) -> list[str]:
         reports = committer.gather(own) if committer.store is not None else [own]
-        self._forget_previous_outcome(committer)
+        self._forget_previous_outcome(committer, reports)
         catalog = scan(self.storage)
         seq = catalog.next_commit_seq()
         if seq > MAX_INT:
@@ -1020,11 +1021,12 @@ class Checkpointer:
         committer.cleanup()
         return garbage
 
-    def _forget_previous_outcome(self, committer: Committer) -> None:
+    def _forget_previous_outcome(self, committer: Committer, reports: list[dict[str, Any]]) -> None:
         """(the coordinator, every rank's report of this commit in hand) Each rank read the
         previous commit's outcome before it began this one: its key goes, and this commit's
-        outcome is the next one to go."""
-        if committer.store is None:
+        outcome is the next one to go.  Not when a report is a failure: it may be one this
+        rank's abort() filled in for a rank that is still reading the previous outcome."""
+        if committer.store is None or any(r.get("error") for r in reports):
             return
         if self._last_outcome_key is not None:
             committer.forget([self._last_outcome_key])
@@ -1096,6 +1098,9 @@ class Checkpointer:
         if not self._store_given:
             self._store = None
         self._uid, self._seq, self._loads = None, 0, 0
+        # the new group's store starts its counters again: a key named from the old group's
+        # commits may be one of the new group's (deleting it would take a live key away)
+        self._shared_manifest, self._last_outcome_key = None, None
         self._snap = None  # a snapshot of the old generation is never a durable save's source
         self._abort, self._live_committer = threading.Event(), None
         self._distributed = dist.is_available() and dist.is_initialized()

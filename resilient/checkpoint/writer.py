@@ -357,8 +357,11 @@ class Committer:
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                missing = self._missing(keys)
+                if not missing:
+                    return  # every key came in just now
                 raise CommitError(
-                    f"rank {self.rank}: {self._name(self._missing(keys))} did not {waiting_for} "
+                    f"rank {self.rank}: {self._name(missing)} did not {waiting_for} "
                     f"of the {self._what()} within {timeout_s:.0f}s (commit_timeout_s); it may "
                     f"have died or be hung"
                 )
@@ -375,22 +378,22 @@ class Committer:
                     log.warning(
                         "rank %d: waiting for %s to %s of the %s for %.0fs",
                         self.rank,
-                        self._name(self._missing(keys)),
+                        self._name(self._missing(keys) or keys),
                         waiting_for,
                         self._what(),
                         waited,
                     )
 
     def _missing(self, keys: dict[int, str]) -> dict[int, str]:
-        """The peers whose key is not set yet (one request each: only when a wait runs long)."""
-        out = {}
-        for peer, key in keys.items():
-            try:
-                if not self.store.check([key]):
-                    out[peer] = key
-            except Exception:  # the store is unreachable: say every peer
-                return keys
-        return out or keys
+        """The peers whose key is not set yet (one request each, only when a wait ran long),
+        through a connection of its own with a short timeout: a store that stopped answering
+        must not hold this up for the store's own timeout.  Every peer when it cannot tell."""
+        try:
+            probe = self.store.clone()
+            probe.set_timeout(timedelta(seconds=5))
+            return {peer: key for peer, key in keys.items() if not probe.check([key])}
+        except Exception:  # the store is unreachable, or cannot clone: say every peer
+            return keys
 
     @staticmethod
     def _name(keys: dict[int, str]) -> str:
