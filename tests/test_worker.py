@@ -1,5 +1,5 @@
-"""The checkpointer's background worker: one thread for a run of saves, jobs in order, nothing of
-a finished job kept alive."""
+"""The checkpointer's background worker: one thread for a run of saves, another only when none is
+idle, nothing of a finished job kept alive."""
 
 from __future__ import annotations
 
@@ -95,6 +95,18 @@ def test_a_failing_job_is_done_and_the_worker_goes_on():
     w.stop()
 
 
+def _join_in_background(prefix: str) -> threading.Event:
+    """``join_running(prefix, 60)`` on a thread of its own; the event is set when it returns."""
+    returned = threading.Event()
+
+    def joiner() -> None:
+        join_running(prefix, 60)
+        returned.set()
+
+    threading.Thread(target=joiner, daemon=True).start()
+    return returned
+
+
 def test_join_running_waits_for_the_jobs_of_a_kind_only():
     w, other = Worker(idle_s=30), Worker(idle_s=30)
     release, hold = threading.Event(), threading.Event()
@@ -109,13 +121,7 @@ def test_join_running_waits_for_the_jobs_of_a_kind_only():
     snap = w.submit("resilient-ckpt-snapshot-7", slow, release)
     join_running("resilient-ckpt-snapshot", 0.2)  # gives up on the snapshot: still running
     assert snap.is_alive()
-    returned = threading.Event()
-
-    def joiner() -> None:
-        join_running("resilient-ckpt-snapshot", 60)
-        returned.set()
-
-    threading.Thread(target=joiner, daemon=True).start()
+    returned = _join_in_background("resilient-ckpt-snapshot")
     release.set()
     # it returns once the snapshot is done, while the save (another kind) still runs
     assert returned.wait(30) and not snap.is_alive() and save.is_alive()
@@ -125,22 +131,16 @@ def test_join_running_waits_for_the_jobs_of_a_kind_only():
     other.stop()
 
 
-def test_join_running_waits_for_a_job_not_picked_up_yet():
+def test_join_running_waits_for_every_live_job_of_the_kind():
     w = Worker(idle_s=30)
     gate, gate2 = threading.Event(), threading.Event()
     first = w.submit("resilient-ckpt-snapshot-1", gate.wait, 60)
-    second = w.submit("resilient-ckpt-snapshot-2", gate2.wait, 60)  # queued behind the first
-    returned = threading.Event()
-
-    def joiner() -> None:
-        join_running("resilient-ckpt-snapshot", 60)
-        returned.set()
-
-    threading.Thread(target=joiner, daemon=True).start()
+    second = w.submit("resilient-ckpt-snapshot-2", gate2.wait, 60)  # on a thread of its own
+    returned = _join_in_background("resilient-ckpt-snapshot")
     gate.set()
     first.join(10)
     assert not first.is_alive() and second.is_alive()
-    assert not returned.wait(2)  # the queued job is waited for too
+    assert not returned.wait(2)  # the second job is waited for too
     gate2.set()
     assert returned.wait(30) and not second.is_alive()
     w.stop()

@@ -251,8 +251,8 @@ class Checkpointer:
         self._described = DescribeCache()  # each save describes the tensors of the one before
         self._encoder = ManifestEncoder()  # (memory tier) a manifest's text, per shape
         self._pending: SaveHandle | None = None
-        # a save's commit runs as a job of the worker's thread (a thread per save made the caller
-        # wait for it to be scheduled); ``join()`` and ``is_alive()`` as a thread's
+        # a save's commit runs as a job on a waiting thread of the worker (a thread per save made
+        # the caller wait for it to be scheduled); ``join()`` and ``is_alive()`` as a thread's
         self._worker = Worker()
         self._thread: Job | threading.Thread | None = None
         self._closed = False
