@@ -55,6 +55,8 @@ __all__ = [
     "worker_pid",
     "kill_tree",
     "skew_clock",
+    "slow_compute",
+    "slowed",
     "delay_link",
     "LINK_KINDS",
 ]
@@ -255,7 +257,17 @@ _COLLECTIVES = (
 
 def slow_compute(factor: float) -> None:
     """From now on, every torch operation this thread runs takes ``factor`` times as long, while
-    communication runs at full speed: a slower device (a throttled GPU, a degraded node).  Each
+    communication runs at full speed: a slower device (a throttled GPU, a degraded node).  See
+    ``slowed``; this one stays on the thread's mode stack for the rest of the process."""
+    slowed(factor).__enter__()
+
+
+_comm_s = [0.0]  # seconds spent inside torch.distributed collectives (wrapped once, on first use)
+
+
+def slowed(factor: float) -> Any:
+    """A torch function mode (``with slowed(5): ...``) under which every torch operation this
+    thread runs takes ``factor`` times as long, while communication runs at full speed.  Each
     top-level torch call (the backward pass counts as one) is timed, the time spent inside
     collectives is taken out, and the rest is stretched by sleeping; sleeps are batched to a
     millisecond so that tiny ops are not swamped by timer overhead."""
@@ -264,7 +276,7 @@ def slow_compute(factor: float) -> None:
 
     if factor <= 1:
         raise ValueError(f"slow factor must be > 1, got {factor}")
-    comm = [0.0]
+    comm = _comm_s
 
     def timed(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -274,11 +286,13 @@ def slow_compute(factor: float) -> None:
             finally:
                 comm[0] += time.perf_counter() - t0
 
+        wrapper.__resilient_timed__ = True  # type: ignore[attr-defined]
         return wrapper
 
     for name in _COLLECTIVES:
-        if hasattr(dist, name):
-            setattr(dist, name, timed(getattr(dist, name)))
+        fn = getattr(dist, name, None)
+        if fn is not None and not getattr(fn, "__resilient_timed__", False):
+            setattr(dist, name, timed(fn))
 
     class Slow(TorchFunctionMode):
         def __init__(self) -> None:
@@ -296,7 +310,7 @@ def slow_compute(factor: float) -> None:
                     time.sleep(self.debt)
                     self.debt = 0.0
 
-    Slow().__enter__()  # stays on this thread's mode stack for the rest of the process
+    return Slow()
 
 
 def delay_link(peer: int, bytes_per_s: float, latency_s: float = 0.0) -> None:

@@ -86,6 +86,16 @@ class Group:
         dist.all_reduce(t)
         return [float(v) for v in t.cpu().tolist()]
 
+    def collect_many(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same length on every rank), in rank order, on every rank:
+        one all-reduce of a world x len(values) table."""
+        if self.world == 1 or not self.distributed:
+            return [[float(v) for v in values]]
+        t = torch.zeros(self.world, len(values), dtype=torch.float64, device=self.device)
+        t[self.rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(t)
+        return [[float(v) for v in row] for row in t.cpu().tolist()]
+
     # --- JSON through the store -----------------------------------------------------------------
     def gather(self, name: str, value: Any) -> list[Any] | None:
         """Every rank's ``value`` (JSON-able) at rank 0, in rank order; None elsewhere."""

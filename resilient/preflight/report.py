@@ -66,6 +66,8 @@ class PreflightReport:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)
     checkpoint_url: str | None = None
+    # per-rank figures that named some rank at first and were measured again on every rank
+    measured_again: list[str] = field(default_factory=list)
     version: int = REPORT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +168,7 @@ def build_report(
         ranks=ranks,
         timings_s={k: round(v, 3) for k, v in timings_s.items()},
         checkpoint_url=config.checkpoint_url,
+        measured_again=list(ranks[0].get("measured_again", [])) if ranks else [],
     )
 
 
@@ -281,6 +284,12 @@ def print_report(report: PreflightReport, console: Any = None) -> None:
             f"{human(report.links['median_bytes_per_s'], 'B/s')} (the matrix is in --json)"
         )
 
+    if report.measured_again:
+        labels = ", ".join(FIGURES[k].label for k in report.measured_again if k in FIGURES)
+        console.print(
+            f"[dim]per-rank figures: {labels} named a rank at first and was measured again on "
+            f"every rank; each rank's better pass counts[/]"
+        )
     again = report.links.get("measured_again")
     if again:
         console.print(

@@ -13,8 +13,10 @@ busy 2-core machine moves one rank's figures 2-4x against the others (medians of
 samples), and a 5x slowdown came out above the gate once on a CI run (the trainer's gate refuses
 only when a second measurement names the rank too, so a missed detection has two chances).  With
 two ranks the median is the mean of both, so a rank x times as fast as its peer sits at 2x/(1+x)
-of it: the trainer's gate (half the median) needs x < 1/3.  Each fault's ``fault`` event proves it
-fired.
+of it: the trainer's gate (half the median) needs x < 1/3.  A healthy rank's figure
+came out at 0.29x of the median once on a CI run (matmul: other jobs took its turns), which is why
+a figure that names a rank is measured again on every rank before anything is named (the better
+pass counts: a slowed rank is slow in both).  Each fault's ``fault`` event proves it fired.
 """
 
 from __future__ import annotations
