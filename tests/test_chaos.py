@@ -496,6 +496,36 @@ def test_slow_compute_stretches_torch_ops_but_not_the_rest():
     assert other < 2.0  # time outside torch (a sleep, as a collective's wait) is not stretched 4x
 
 
+def _slowed_rank_waits_for_a_late_peer(rank, world):
+    import torch.distributed as dist
+
+    from resilient.chaos.faults import slowed
+
+    waits = []
+    for _ in range(3):
+        dist.barrier()  # outside the fault: each try starts with both ranks here
+        if rank == 0:
+            time.sleep(0.2)  # the peer is late: the slowed rank's all_reduce waits for it
+            dist.all_reduce(torch.zeros(1))
+        else:
+            with slowed(20):
+                t = time.perf_counter()
+                dist.all_reduce(torch.zeros(1))
+                waits.append(time.perf_counter() - t)
+    return waits
+
+
+@pytest.mark.distributed
+def test_slow_fault_leaves_a_collectives_wait_unstretched():
+    """c10d's collectives go through torch function modes; the slow fault stretched the wait for
+    a late peer by its factor (0.2 s became 4 s), which the fault's contract (communication at
+    full speed) rules out.  The fastest of three waits, against the 0.2 s the peer is late."""
+    from tests.dist import run_distributed
+
+    waits = run_distributed(_slowed_rank_waits_for_a_late_peer, 2, timeout_s=120)[1]
+    assert min(waits) < 0.2 * 5  # stretched 20x it would be 4 s
+
+
 def test_faulty_fs_probability_record_and_count_across_processes(tmp_path):
     import fsspec
 

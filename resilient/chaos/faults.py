@@ -300,6 +300,10 @@ def slowed(factor: float) -> Any:
             self.debt = 0.0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__module__", "").startswith("torch.distributed"):
+                # c10d's collectives reach torch function modes too: their wait for the peers is
+                # communication, not this rank's compute (and the wrapper outside counts it)
+                return func(*args, **(kwargs or {}))
             t0, c0 = time.perf_counter(), comm[0]
             try:
                 return func(*args, **(kwargs or {}))

@@ -66,8 +66,8 @@ def test_preflight_names_a_slowed_rank(tmp_path):
     assert code == 1, text
     named = [o for o in report["outliers"] if o["kind"] == "rank"]
     assert ("memory_bytes_per_s", 2) in {(o["figure"], o["rank"]) for o in named}
-    # the harness's slow fault stretches the rank's communication too (torch routes c10d calls
-    # through torch functions), so its links may be named as well: but only rank 2's
+    # the slowed rank prepares its messages with torch ops (stretched by the fault: its sends and
+    # waits are not), so its links may be named as well: but only rank 2's
     for o in report["outliers"]:
         assert 2 in (o["rank"], o["src"], o["dst"]), report["failures"]
     assert f"rank 2 ({report['hosts'][2]}): host memory bandwidth" in "\n".join(report["failures"])
