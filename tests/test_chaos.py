@@ -501,17 +501,27 @@ def _slowed_rank_waits_for_a_late_peer(rank, world):
 
     from resilient.chaos.faults import slowed
 
-    waits = []
-    for _ in range(3):
-        dist.barrier()  # outside the fault: each try starts with both ranks here
-        if rank == 0:
-            time.sleep(0.2)  # the peer is late: the slowed rank's all_reduce waits for it
-            dist.all_reduce(torch.zeros(1))
-        else:
-            with slowed(20):
-                t = time.perf_counter()
-                dist.all_reduce(torch.zeros(1))
-                waits.append(time.perf_counter() - t)
+    functional = torch.ops._c10d_functional  # what DTensor and FSDP2 call
+    group = dist.group.WORLD.group_name
+
+    def c10d():
+        dist.all_reduce(torch.zeros(1))
+
+    def funcol():
+        functional.wait_tensor(functional.all_reduce(torch.zeros(1), "sum", group))
+
+    waits = {"c10d": [], "functional": []}
+    for name, collective in (("c10d", c10d), ("functional", funcol)):
+        for _ in range(3):
+            dist.barrier()  # outside the fault: each try starts with both ranks here
+            if rank == 0:
+                time.sleep(0.2)  # the peer is late: the slowed rank's collective waits for it
+                collective()
+            else:
+                with slowed(20):
+                    t = time.perf_counter()
+                    collective()
+                    waits[name].append(time.perf_counter() - t)
     return waits
 
 
@@ -523,7 +533,8 @@ def test_slow_fault_leaves_a_collectives_wait_unstretched():
     from tests.dist import run_distributed
 
     waits = run_distributed(_slowed_rank_waits_for_a_late_peer, 2, timeout_s=120)[1]
-    assert min(waits) < 0.2 * 5  # stretched 20x it would be 4 s
+    assert min(waits["c10d"]) < 0.2 * 5, waits  # stretched 20x it would be 4 s
+    assert min(waits["functional"]) < 0.2 * 5, waits
 
 
 def test_faulty_fs_probability_record_and_count_across_processes(tmp_path):

@@ -512,23 +512,26 @@ def test_full_preflight_times_every_collective_over_sizes():
 
 
 def _slowed_in_the_first_pass(rank, world):
-    """Rank 1's first pass of per-node figures runs under the harness's slow fault (every torch
-    operation 20x as long: a burst of load that took its turns), the second pass does not."""
-    from resilient.chaos.faults import slowed
+    """Rank 1's torch figures in the first pass of per-node figures come out a thousandth of what
+    it measured (a burst of load that took its turns, made certain: on a busy machine a healthy
+    rank's own figures move 10x), the second pass's as measured."""
     from resilient.preflight import runner
 
     passes = []
-    first_pass = runner._Bench.rounds
+    first_pass, sample = runner._Bench.rounds, runner._Bench._sample
 
     def rounds(self, keys, repeats, share_s):
         passes.append(sorted(keys))
-        if rank == 1 and len(passes) == 1:
-            with slowed(20):
-                return first_pass(self, keys, repeats, share_s)
         return first_pass(self, keys, repeats, share_s)
 
-    runner._Bench.rounds = rounds
-    report = run_preflight(PreflightConfig.quick_check(budget_s=2.0, factor=0.4)).to_dict()
+    def burst(self, keys, out):
+        sample(self, keys, out)
+        if rank == 1 and len(passes) == 1:
+            for key in ("memory_bytes_per_s", "matmul_flops_per_s"):
+                out[key][-1] /= 1000
+
+    runner._Bench.rounds, runner._Bench._sample = rounds, burst
+    report = run_preflight(PreflightConfig.quick_check(budget_s=2.0, factor=0.05)).to_dict()
     return report, passes
 
 
@@ -539,15 +542,13 @@ def test_a_rank_slow_for_one_pass_is_measured_again_and_not_named():
     out = run_distributed(_slowed_in_the_first_pass, 3, timeout_s=300)
     report, passes = out[0]
     assert report["ok"], report["failures"]
-    again = {"memory_bytes_per_s", "matmul_flops_per_s"}  # the torch figures the fault stretched
-    assert again <= set(report["measured_again"])
-    assert "store_round_trip_s" not in report["measured_again"]  # not torch: never suspect
+    assert {"memory_bytes_per_s", "matmul_flops_per_s"} <= set(report["measured_again"])
     # every rank ran the same passes: all figures, then the suspects
     assert all(p == passes for _, p in out) and passes[1] == report["measured_again"]
     assert len(passes) == 2 and set(passes[0]) > set(passes[1])
     slowed_pass = report["ranks"][1]["memory"]["torch_samples"]
     again_pass = report["ranks"][1]["samples_again"]["memory_bytes_per_s"]
-    assert statistics.median(again_pass) > 4 * statistics.median(slowed_pass)
+    assert statistics.median(again_pass) > 50 * statistics.median(slowed_pass)
 
 
 def _run_with_preflight(rank, world):

@@ -39,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,26 @@ def slow_compute(factor: float) -> None:
     slowed(factor).__enter__()
 
 
-_comm_s = [0.0]  # seconds spent inside torch.distributed collectives (wrapped once, on first use)
+# per thread: the seconds its torch.distributed collectives took (they are wrapped once, on first use)
+_comm = threading.local()
+# where the functions that communicate live: c10d's own, and the functional collectives (DTensor,
+# FSDP2); both reach torch function modes like any torch op, and their wait is not compute
+_COMM_MODULES = ("torch.distributed", "torch._ops._c10d_functional")
+
+
+def _comm_s() -> float:
+    return getattr(_comm, "s", 0.0)
+
+
+def _timed_already(fn: Any) -> bool:
+    """Whether ``fn`` or a function it wraps (``__wrapped__``: the collective ring's wrappers
+    keep it) is one of ``slowed``'s timing wrappers."""
+    seen = 0
+    while fn is not None and seen < 16:
+        if getattr(fn, "__resilient_timed__", False):
+            return True
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return False
 
 
 def slowed(factor: float) -> Any:
@@ -270,13 +290,18 @@ def slowed(factor: float) -> Any:
     thread runs takes ``factor`` times as long, while communication runs at full speed.  Each
     top-level torch call (the backward pass counts as one) is timed, the time spent inside
     collectives is taken out, and the rest is stretched by sleeping; sleeps are batched to a
-    millisecond so that tiny ops are not swamped by timer overhead."""
+    millisecond so that tiny ops are not swamped by timer overhead.
+
+    Communication is not stretched where torch lets it be told apart: c10d's collectives and the
+    functional collectives pass through, and the time spent in a collective that runs inside
+    another top-level call (a hook in the backward pass) is taken out of that call's.  A wait
+    that torch hides inside an ordinary op (an async functional collective's result first used
+    by ``t + 1``; DDP's C++ reducer) is stretched with that op."""
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
     if factor <= 1:
         raise ValueError(f"slow factor must be > 1, got {factor}")
-    comm = _comm_s
 
     def timed(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -284,14 +309,15 @@ def slowed(factor: float) -> Any:
             try:
                 return fn(*args, **kwargs)
             finally:
-                comm[0] += time.perf_counter() - t0
+                _comm.s = _comm_s() + time.perf_counter() - t0
 
         wrapper.__resilient_timed__ = True  # type: ignore[attr-defined]
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapper
 
     for name in _COLLECTIVES:
         fn = getattr(dist, name, None)
-        if fn is not None and not getattr(fn, "__resilient_timed__", False):
+        if fn is not None and not _timed_already(fn):
             setattr(dist, name, timed(fn))
 
     class Slow(TorchFunctionMode):
@@ -300,15 +326,15 @@ def slowed(factor: float) -> Any:
             self.debt = 0.0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__module__", "").startswith("torch.distributed"):
-                # c10d's collectives reach torch function modes too: their wait for the peers is
-                # communication, not this rank's compute (and the wrapper outside counts it)
+            if (getattr(func, "__module__", None) or "").startswith(_COMM_MODULES):
+                # communication: its wait for the peers is not this rank's compute (a c10d
+                # collective's time is counted by the wrapper outside)
                 return func(*args, **(kwargs or {}))
-            t0, c0 = time.perf_counter(), comm[0]
+            t0, c0 = time.perf_counter(), _comm_s()
             try:
                 return func(*args, **(kwargs or {}))
             finally:
-                own = time.perf_counter() - t0 - (comm[0] - c0)
+                own = time.perf_counter() - t0 - (_comm_s() - c0)
                 self.debt += max(own, 0.0) * (factor - 1)
                 if self.debt >= 1e-3:
                     time.sleep(self.debt)

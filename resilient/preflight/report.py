@@ -285,10 +285,11 @@ def print_report(report: PreflightReport, console: Any = None) -> None:
         )
 
     if report.measured_again:
-        labels = ", ".join(FIGURES[k].label for k in report.measured_again if k in FIGURES)
+        labels = [FIGURES[k].label for k in report.measured_again if k in FIGURES]
         console.print(
-            f"[dim]per-rank figures: {labels} named a rank at first and was measured again on "
-            f"every rank; each rank's better pass counts[/]"
+            f"[dim]per-rank figures: {', '.join(labels)} named a rank at first and "
+            f"{'were' if len(labels) > 1 else 'was'} measured again on every rank; each rank's "
+            f"better pass counts[/]"
         )
     again = report.links.get("measured_again")
     if again:

@@ -89,6 +89,11 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     t0 = time.perf_counter()
     mine.update(_local_figures(group, config, budget * (0.4 if config.quick else 0.2)))
     timings["local"] = time.perf_counter() - t0
+    if 0 < mine["rounds_again"] < 3:
+        cut.append(
+            f"per-node figures: the ones that named a rank measured again in "
+            f"{mine['rounds_again']} round(s) instead of 3 (budget)"
+        )
     if group.device.type != "cuda":
         skipped.append("host-device copies: no GPU on this job (CPU ranks)")
     if group.store is None:
@@ -236,13 +241,20 @@ def _local_figures(group: Group, config: PreflightConfig, share_s: float) -> dic
     sample_s = share_s / (repeats * max(group.turns, 1) * per_sample)
     sample_s = min(max(sample_s, 0.01), 0.2)
     bench = _Bench(group, nbytes, sample_s)
+    t0 = time.perf_counter()
     first, repeats = bench.rounds(set(_JUDGED), repeats, share_s)
+    (spent,) = group.agree_max([time.perf_counter() - t0])
     figures = {key: _median(first[key]) for key in _JUDGED}
     figures["numpy_copy_bytes_per_s"] = _median(first["numpy"])
     suspects = _suspects(group, figures, config.factor)
     again: dict[str, list[float]] = {}
+    rounds_again = 0
     if suspects:
-        again, _ = bench.rounds(suspects, 3, 0.0)  # three rounds, the fewest
+        # three rounds where what is left of the share holds them (a round of every figure took
+        # spent / repeats: a round of the suspects takes at most that), never fewer than one
+        left = max(share_s - spent, 0.0)
+        rounds_again = max(1, min(3, int(left / max(spent / repeats, 1e-9))))
+        again, rounds_again = bench.rounds(suspects, rounds_again, left)
         for key in suspects:
             better = max if FIGURES[key].higher_is_better else min
             values = [v for v in (figures[key], _median(again[key])) if v is not None]
@@ -260,6 +272,7 @@ def _local_figures(group: Group, config: PreflightConfig, share_s: float) -> dic
             "numpy_samples": first["numpy"],
         },
         "measured_again": sorted(suspects),
+        "rounds_again": rounds_again,
         "samples_again": {k: v for k, v in again.items() if v},
         "memory_bytes_per_s": figures["memory_bytes_per_s"],
         "numpy_copy_bytes_per_s": figures["numpy_copy_bytes_per_s"],
@@ -291,9 +304,9 @@ class _Bench:
     def rounds(
         self, keys: set[str], repeats: int, share_s: float
     ) -> tuple[dict[str, list[float]], int]:
-        """``repeats`` rounds of the figures ``keys`` (fewer, not below 3, when the first round
-        shows that they would not fit ``share_s``): the samples per figure (and the numpy
-        anchor's under ``"numpy"``), and the rounds run."""
+        """``repeats`` rounds of the figures ``keys`` (fewer, not below 3 or ``repeats``, when the
+        first round shows that they would not fit ``share_s``): the samples per figure (and the
+        numpy anchor's under ``"numpy"``), and the rounds run."""
         group = self.group
         out: dict[str, list[float]] = {key: [] for key in (*_JUDGED, "numpy")}
         t_start, rep = time.perf_counter(), 0
@@ -306,7 +319,7 @@ class _Bench:
             if rep == 1:  # a copy longer than the planned sample: fewer rounds (not below 3)
                 (first,) = group.agree_max([time.perf_counter() - t_start])
                 fits = 1 + int(max(share_s - first, 0.0) / max(first, 1e-9))
-                repeats = max(3, min(repeats, fits))
+                repeats = min(repeats, max(3, fits))
         return out, repeats
 
     def _sample(self, keys: set[str], out: dict[str, list[float]]) -> None:
@@ -333,6 +346,7 @@ def _suspects(group: Group, figures: dict[str, float | None], factor: float) -> 
     (all-reduced: the same set on every rank)."""
     present = [figures[key] for key in _JUDGED]
     table = group.collect_many([-1.0 if v is None else float(v) for v in present])
+    (factor,) = group.agree_min([factor])  # one decision, even from ranks given other factors
     out = set()
     for i, key in enumerate(_JUDGED):
         per_rank = {r: row[i] for r, row in enumerate(table) if row[i] >= 0}
