@@ -5,6 +5,7 @@ tests/integration/test_preflight_chaos.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -295,6 +296,12 @@ def test_the_report_names_outliers_fails_and_round_trips_through_json(tmp_path):
     assert data["links"]["matrix_bytes_per_s"][0][0] is None
     again = PreflightReport.from_dict(data)
     assert again == report
+    # a report written before a field was added reads with its default; one with a field added
+    # later reads without it
+    older = {k: v for k, v in data.items() if k != "measured_again"}
+    read = PreflightReport.from_dict({**older, "added_later": 1})
+    assert read.measured_again == [] and report.measured_again == ["memory_bytes_per_s"]
+    assert dataclasses.replace(read, measured_again=report.measured_again) == report
     with pytest.raises(ValueError, match="version 9"):
         PreflightReport.from_dict({**data, "version": 9})
 

@@ -9,6 +9,7 @@ size per collective and the pairwise matrix as a heatmap (matplotlib, the ``plot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -82,7 +83,11 @@ class PreflightReport:
                 f"preflight report version {d.get('version')!r}; this toolkit reads version "
                 f"{REPORT_VERSION}"
             )
-        fields = dict(d)
+        # fields a later version of this report added (additive within a version) are left out:
+        # a report is read by the toolkit that wrote it or a later one, and a field it lacks
+        # (``measured_again`` before it existed) takes its default
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k in known}
         fields["outliers"] = [
             Outlier(**{k: v for k, v in o.items() if k != "ratio"}) for o in d["outliers"]
         ]
