@@ -225,10 +225,11 @@ def _local_figures(group: Group, config: PreflightConfig, share_s: float) -> dic
     turns; medians over ``repeats`` rounds, and the samples.
 
     A figure that looks like an outlier on some rank is measured again, on every rank (three more
-    rounds of that figure alone), and each rank's better median of the two passes is judged: a
-    burst of load on a busy machine can take one rank's turns in one pass (it did on a 2-core CI
-    run: a healthy rank's matmul at 0.29x of the median), while a slow rank is slow in both.
-    Every rank decides the same (the figures are all-reduced), so the passes stay collective."""
+    rounds of the suspect figures alone, fewer where the share has no room left, never none), and
+    each rank's better median of the two passes is judged: a burst of load on a busy machine can
+    take one rank's turns in one pass (it did on a 2-core CI run: a healthy rank's matmul at 0.29x
+    of the median), while a slow rank is slow in both.  Every rank decides the same (the figures
+    are all-reduced), so the passes stay collective."""
     on_gpu = group.device.type == "cuda"
     llc = host.last_level_cache_bytes()
     avail = host.available_memory_bytes() or (8 << 30)
