@@ -445,7 +445,7 @@ class Committer:
     # 3. outcome
     def publish(self, outcome: str) -> None:
         if self.store is not None:
-            self.store.set(f"{self.prefix}/done", outcome)
+            self.store.set(self.done_key, outcome)
 
     @property
     def done_key(self) -> str:

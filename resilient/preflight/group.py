@@ -79,12 +79,7 @@ class Group:
 
     def collect(self, value: float) -> list[float]:
         """Every rank's ``value``, in rank order, on every rank (a sum of one-hot vectors)."""
-        if self.world == 1 or not self.distributed:
-            return [float(value)]
-        t = torch.zeros(self.world, dtype=torch.float64, device=self.device)
-        t[self.rank] = float(value)
-        dist.all_reduce(t)
-        return [float(v) for v in t.cpu().tolist()]
+        return [row[0] for row in self.collect_many([value])]
 
     def collect_many(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (the same length on every rank), in rank order, on every rank:

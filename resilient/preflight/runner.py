@@ -263,7 +263,6 @@ def _local_figures(group: Group, config: PreflightConfig, share_s: float) -> dic
         if "memory_bytes_per_s" in suspects:
             anchors = [v for v in (figures["numpy_copy_bytes_per_s"], _median(again["numpy"])) if v]
             figures["numpy_copy_bytes_per_s"] = max(anchors) if anchors else None
-    bench.close()
     return {
         "memory": {
             "bytes": nbytes,
@@ -337,9 +336,6 @@ class _Bench:
             up, down = host.host_device_sample(self.pinned, self.device_buf, sample_s)
             out["h2d_bytes_per_s"].append(up)
             out["d2h_bytes_per_s"].append(down)
-
-    def close(self) -> None:
-        self.src = self.dst = self.pinned = self.device_buf = None
 
 
 def _suspects(group: Group, figures: dict[str, float | None], factor: float) -> set[str]:
