@@ -3,7 +3,9 @@ checkpoints written with one verify with the other."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import zlib
 
 import pytest
@@ -42,3 +44,32 @@ def test_isal_is_in_use_where_it_has_a_wheel():
 
     if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         assert codec.CRC32_IMPL == "isal"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is a POSIX call")
+def test_checksums_in_parallel_work_in_a_forked_child():
+    """A child made by fork after the parent used its checksum threads gets threads of its own;
+    work handed to the parent's pool would never run there (the child would hang)."""
+    data = memoryview(random.Random(2).randbytes(64 * 4096))
+    want = codec.block_checksums(data, 4096)
+    for _ in range(100):  # the parent's pool has all its threads (the case that hung)
+        if len(codec.crc_pool()._threads) == codec.CRC_THREADS:
+            break
+        codec.block_checksums(data, 4096)
+    assert len(codec.crc_pool()._threads) == codec.CRC_THREADS
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report within 30 s, or be killed by the alarm
+        try:
+            signal.alarm(30)
+            ok = codec.block_checksums(data, 4096) == want
+            os.write(w, b"ok" if ok else b"wrong")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got = os.read(r, 16)
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    assert got == b"ok", f"the child said {got!r}, exit status {status}"

@@ -297,3 +297,93 @@ def test_a_tensor_subclass_is_copied_with_the_copy_it_implements(tmp_path):
         out = {"w": torch.zeros(6), "p": torch.zeros(3)}
         assert ck.load(out) == 1 and ck.last_load.source == "memory"
     assert torch.equal(out["w"], torch.arange(6.0)) and torch.equal(out["p"], torch.ones(3))
+
+
+def _large_state(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors past the fused copy's threshold, of sizes that end mid-piece and mid-block, one
+    transposed (not contiguous: copied by torch, checksummed in the background), one small."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(700_001, generator=g),  # 2.8 MB: several blocks, a short last one
+        "bf16": torch.randn(300_007, generator=g).bfloat16(),
+        "param": torch.nn.Parameter(torch.randn(513, 257, generator=g)),
+        "t": torch.randn(400, 300, generator=g).t(),
+        "small": torch.randn(10, generator=g),
+    }
+
+
+@pytest.mark.parametrize(
+    ("threads", "block"), [(1, 64 << 10), (2, 64 << 10), (2, (1 << 20) + 4096)]
+)
+def test_large_tensors_are_checksummed_as_they_are_copied(tmp_path, threads, block):
+    """The large plain tensors of a snapshot are checksummed by the copy itself, on torch's
+    number of threads; the checksums are those of the file's blocks (verify recomputes them), and
+    the snapshot restores bit-exact, back to back or not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Checkpointer(
+            str(tmp_path / "ckpt"), memory_every=1, persister=False, block_bytes=block
+        ) as ck:  # blocks smaller than a piece, and larger (a piece ends mid-block)
+            slots = ck._memory._slots
+            fused = []
+            real = slots_mod._copy_summed
+
+            def spy(slot, plan, srcs, items, block_bytes):
+                sums = real(slot, plan, srcs, items, block_bytes)
+                fused.append(sorted(sums))
+                return sums
+
+            slots_mod._copy_summed = spy
+            try:
+                for step in range(1, 6):
+                    ck.snapshot(step, _large_state(step))  # back to back
+                ck.wait_snapshot()
+            finally:
+                slots_mod._copy_summed = real
+            assert fused == [["bf16", "big", "param"]] * 5  # not "t", not "small"
+            assert slots.reused >= 2
+            for step in (5, 4):
+                assert ck.snapshots.verify(step).ok
+                state = {k: torch.zeros_like(v) for k, v in _large_state(0).items()}
+                assert ck.load(state, step=step) == step and ck.last_load.source == "memory"
+                want = _large_state(step)
+                assert all(torch.equal(state[k], want[k]) for k in want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_fused_copy_that_fails_in_a_thread_fails_the_snapshot_and_the_next_one_commits(
+    tmp_path, monkeypatch
+):
+    """An error in one of the copy's threads is the snapshot's error, raised once every thread
+    has stopped writing; the file goes back as the spare and the next snapshot commits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with Checkpointer(
+            str(tmp_path / "ckpt"), memory_every=1, persister=False, block_bytes=64 << 10
+        ) as ck:
+            ck.snapshot(1, _large_state(1)).wait()
+            calls = {"n": 0}
+            real = slots_mod.crc32
+
+            def flaky(data, value=0):
+                calls["n"] += 1
+                if calls["n"] == 7:
+                    raise OSError("crc unit on fire (test)")
+                return real(data, value)
+
+            monkeypatch.setattr(slots_mod, "crc32", flaky)
+            with pytest.raises(ResilientError, match="on fire"):
+                ck.snapshot(2, _large_state(2)).wait()
+            monkeypatch.setattr(slots_mod, "crc32", real)
+            ck.snapshot(3, _large_state(3)).wait()
+            ck.wait_snapshot()
+            assert ck.memory_steps() == [3, 1]
+            assert ck.snapshots.verify(3).ok and ck.snapshots.verify(1).ok
+            state = {k: torch.zeros_like(v) for k, v in _large_state(0).items()}
+            assert ck.load(state, step=3) == 3
+            assert all(torch.equal(state[k], v) for k, v in _large_state(3).items())
+    finally:
+        torch.set_num_threads(before)

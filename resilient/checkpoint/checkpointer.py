@@ -444,7 +444,7 @@ class Checkpointer:
             # failed write, so that every rank counts this save and hears the same outcome.
             try:
                 info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
-                data = self._slots.stage(plan, flat.tensors, step, info)
+                data = self._slots.stage(plan, flat.tensors, step, info, self.block_bytes)
             except Exception as e:
                 data = e
             try:

@@ -8,6 +8,7 @@ compressible), and the safetensors header that makes every rank file a valid saf
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ import numpy as np
 
 __all__ = [
     "CRC32_IMPL",
+    "CRC_THREADS",
+    "crc_pool",
     "block_checksums",
     "crc32",
     "compress",
@@ -44,7 +47,28 @@ def crc32(data: memoryview | bytes, value: int = 0) -> int:
 
 
 # crc32 releases the GIL for large buffers, so blocks checksum in parallel threads.
-_CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resilient-crc")
+CRC_THREADS = 4
+
+
+def _new_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="resilient-crc")
+
+
+_CRC_POOL = _new_pool()
+
+
+def crc_pool() -> ThreadPoolExecutor:
+    """The checksum threads of this process.  A child made by ``fork`` gets a pool of its own: the
+    parent's threads are not in it, and work handed to the parent's pool would never run."""
+    return _CRC_POOL
+
+
+def _after_fork_in_child() -> None:
+    global _CRC_POOL
+    _CRC_POOL = _new_pool()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def block_checksums(data: memoryview, block_bytes: int, *, parallel: bool = True) -> list[int]:
@@ -53,7 +77,7 @@ def block_checksums(data: memoryview, block_bytes: int, *, parallel: bool = True
     spans = [(i, min(i + block_bytes, n)) for i in range(0, n, block_bytes)]
     if not parallel or len(spans) < 4:
         return [crc32(data[a:b]) for a, b in spans]
-    return list(_CRC_POOL.map(lambda s: crc32(data[s[0] : s[1]]), spans))
+    return list(crc_pool().map(lambda s: crc32(data[s[0] : s[1]]), spans))
 
 
 def _zstd():

@@ -16,8 +16,16 @@ snapshot is copied once, into a rank file that is already laid out and mapped:
   the rank's staging name, and copies the state into the pages it already has.  Otherwise a fresh
   file is made, with every page allocated up front (``posix_fallocate``), so that a full tmpfs is
   an error here and never a SIGBUS in the middle of a copy.
-* In the background the checksums are computed from the mapped data and the file is renamed into
-  the step's directory under the name the commit expects; the commit itself is the usual one.
+* A large plain tensor is copied in pieces of half a megabyte, each checksummed right after its
+  copy, while it is still in the core's cache (``_copy_summed``), on as many threads as torch
+  copies with.  Copying is bound by memory bandwidth; the checksums then read no memory of their
+  own, so the stall stays about one bare copy, and the background has no pass over the bytes
+  left: the next snapshot, staged while this one commits, does not share the memory bus with it.
+  Small tensors (and tensor subclasses) are copied in one batched call and checksummed in the
+  background.
+* In the background the checksums still missing are computed from the mapped data and the file
+  is renamed into the step's directory under the name the commit expects; the commit itself is
+  the usual one.
 
 So at any time a rank holds its two newest committed snapshots, or the newest one and the one
 being staged; a crash while staging leaves the older step with a missing file (its checksums
@@ -44,11 +52,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from resilient.checkpoint.codec import block_checksums, safetensors_header
+from resilient.checkpoint.codec import (
+    CRC_THREADS,
+    block_checksums,
+    crc32,
+    crc_pool,
+    safetensors_header,
+)
 from resilient.checkpoint.format import ChunkEntry, TensorEntry, dtype_info
 from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.seal import RECORD_FORMAT, record_name
@@ -65,6 +81,10 @@ _PAGE = 4096
 _MAX_STEP = str(2**63 - 1)  # the widest step number a header must have room for
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# copied and then checksummed while still in the core's cache (L2 holds it); measured on 2 cores:
+# 2 threads 36 ms for 0.5 GiB against 38 ms for torch's bare copy, 4 MiB pieces 43 ms
+_PIECE = 512 << 10
+_FUSE_MIN = 256 << 10  # smaller tensors: one batched copy, checksummed in the background
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ class _Slot:
         self.ino = os.fstat(fd).st_ino
         self.record: tuple[str, int] | None = None  # its staged record (path, inode), while
         # its save is not over
+        self.sums: dict[str, tuple[int, ...]] = {}  # the checksums taken while copying, by key
         self._views: tuple[WritePlan, list[torch.Tensor]] | None = None
 
     def data(self) -> torch.Tensor:
@@ -150,10 +171,12 @@ class Slots:
         leaves: Mapping[str, TensorLeaf],
         step: int,
         record: StagedInfo | None = None,
+        block_bytes: int | None = None,
     ) -> _Slot:
         """Copy this rank's chunks into a laid-out rank file at a staging name (the caller's
         thread: this is the snapshot's stall), then write its staged record when ``record`` says
-        what goes in it.  At most one earlier snapshot may be unsettled."""
+        what goes in it.  At most one earlier snapshot may be unsettled.  With ``block_bytes``
+        the large tensors' checksums (blocks of that size) are taken as they are copied."""
         if record is not None:  # a record of this step from before a rollback is void from here
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.staging, record_name(self.rank, step)))
@@ -191,9 +214,18 @@ class Slots:
             mm[:8] = struct.pack("<Q", prefix - 8)
             mm[8 : len(header)] = header[8:]
             mm[len(header) : prefix] = b" " * (prefix - len(header))
+            slot.sums = {}
             if plan.data_bytes:
                 with torch.no_grad():
-                    _copy(slot.views(plan), [leaves[it.key].local for it in plan.items])
+                    views, srcs = slot.views(plan), [leaves[it.key].local for it in plan.items]
+                    _check_fit(views, srcs)
+                    fused = _fusable(plan, srcs, block_bytes) if block_bytes is not None else set()
+                    if fused:
+                        assert block_bytes is not None
+                        slot.sums = _copy_summed(slot, plan, srcs, fused, block_bytes)
+                    rest = [i for i in range(len(srcs)) if i not in fused]
+                    if rest:
+                        _copy([views[i] for i in rest], [srcs[i] for i in rest])
         except BaseException:
             self.settled(slot, False)  # half-written: the spare, never a snapshot
             raise
@@ -278,9 +310,8 @@ class Slots:
                     file=file,
                     name=it.key,
                     byte_range=(slot.prefix + it.begin, slot.prefix + it.end),
-                    checksums=tuple(
-                        block_checksums(view[it.begin : it.end], block_bytes, parallel=False)
-                    ),
+                    checksums=slot.sums.get(it.key)
+                    or tuple(block_checksums(view[it.begin : it.end], block_bytes, parallel=False)),
                     codec="none",
                     raw_bytes=it.end - it.begin,
                 )
@@ -400,14 +431,17 @@ class Slots:
         return _Slot(staging, fd, mm, key, prefix)
 
 
-def _copy(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy each source into its destination, in one call where torch has one."""
+def _check_fit(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     for d, src in zip(dests, srcs):
         if d.dtype != src.dtype or d.shape != src.shape:  # the plan is of this state: never
             raise MemoryTierError(
                 f"a snapshot's {src.dtype} tensor of shape {list(src.shape)} does not fit its "
                 f"place in the rank file ({d.dtype}, {list(d.shape)}); this is a bug"
             )
+
+
+def _copy(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each source into its destination, in one call where torch has one."""
     if hasattr(torch, "_foreach_copy_") and all(
         type(src) is torch.Tensor or type(src) is torch.nn.Parameter for src in srcs
     ):
@@ -415,6 +449,83 @@ def _copy(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     else:  # a tensor subclass gets the copy_ it implements (and an older torch has no batch)
         for d, src in zip(dests, srcs):
             d.copy_(src)
+
+
+def _fusable(plan: WritePlan, srcs: list[torch.Tensor], block_bytes: int) -> set[int]:
+    """Which items are copied and checksummed in pieces: large, plain, dense CPU tensors whose
+    bytes numpy can read as they are."""
+    if block_bytes <= 0:
+        return set()
+    return {
+        i
+        for i, (it, src) in enumerate(zip(plan.items, srcs))
+        if it.end - it.begin >= _FUSE_MIN
+        and (type(src) is torch.Tensor or type(src) is torch.nn.Parameter)
+        and src.device.type == "cpu"
+        and src.layout == torch.strided
+        and src.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+    }
+
+
+def _copy_summed(
+    slot: _Slot, plan: WritePlan, srcs: list[torch.Tensor], items: set[int], block_bytes: int
+) -> dict[str, tuple[int, ...]]:
+    """Copy the ``items`` of ``plan`` into ``slot`` piece by piece, each piece checksummed right
+    after its copy (the crc reads it from the cache, not from memory); returns every item's
+    block checksums, as ``block_checksums`` of the file's bytes would give them.  Runs on as many
+    threads as torch copies with (the caller takes a share), and returns only once every thread
+    is done: no copy may go on into a file that the caller gives up."""
+    dest = slot.mm
+    jobs: list[tuple[str, int, np.ndarray, int, int]] = []  # key, block index, src, begin, end
+    nblocks: dict[str, int] = {}
+    for i in sorted(items):
+        it = plan.items[i]
+        raw = srcs[i].detach().reshape(-1).view(torch.uint8).numpy()
+        n = it.end - it.begin
+        nblocks[it.key] = -(-n // block_bytes)
+        for b, a in enumerate(range(0, n, block_bytes)):
+            jobs.append((it.key, b, raw, slot.prefix + it.begin + a, min(n, a + block_bytes) - a))
+    threads = max(1, min(torch.get_num_threads(), CRC_THREADS, len(jobs)))
+    parts = [jobs[k::threads] for k in range(threads)]
+    sums: dict[tuple[str, int], int] = {}
+
+    def run(part: list[tuple[str, int, np.ndarray, int, int]]) -> None:
+        out = np.frombuffer(dest, dtype=np.uint8)
+        for key, b, raw, at, size in part:
+            src0 = b * block_bytes
+            value = 0
+            for off in range(0, size, _PIECE):
+                m = min(size, off + _PIECE)
+                piece = out[at + off : at + m]
+                np.copyto(piece, raw[src0 + off : src0 + m])
+                value = crc32(memoryview(piece), value)
+            sums[(key, b)] = value
+
+    pool = crc_pool()
+    futures = [pool.submit(run, part) for part in parts[1:]]
+    ran = False
+    try:
+        run(parts[0])
+        ran = True
+    finally:
+        interrupted: BaseException | None = None
+        if not ran:
+            for f in futures:
+                f.cancel()  # those not started yet never start
+        while True:  # the other threads write into the file: wait for them whatever happens
+            try:
+                wait(futures)
+                break
+            except BaseException as e:  # an interrupt while waiting: raised once they are done
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+    for f in futures:
+        if not f.cancelled():
+            f.result()  # a thread's error is the snapshot's
+    return {key: tuple(sums[(key, b)] for b in range(n)) for key, n in nblocks.items()}
 
 
 def _run_id() -> str:

@@ -35,7 +35,7 @@ import torch
 
 from resilient.checkpoint.buffers import huge_pages
 from resilient.checkpoint.catalog import remember_commit
-from resilient.checkpoint.codec import _CRC_POOL, block_checksums, compress, safetensors_header
+from resilient.checkpoint.codec import block_checksums, compress, crc_pool, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -241,7 +241,7 @@ def persist_rank_file(
 
     def start_checksums() -> None:
         crc_futures.extend(
-            _CRC_POOL.submit(block_checksums, payload[b:e], block_bytes, parallel=False)
+            crc_pool().submit(block_checksums, payload[b:e], block_bytes, parallel=False)
             for b, e in spans
         )
 
