@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -329,19 +330,27 @@ def test_large_tensors_are_checksummed_as_they_are_copied(tmp_path, threads, blo
             fused = []
             real = slots_mod._copy_summed
 
-            def spy(slot, plan, srcs, items, block_bytes):
-                sums = real(slot, plan, srcs, items, block_bytes)
+            def spy(slot, plan, raws, block_bytes):
+                sums = real(slot, plan, raws, block_bytes)
                 fused.append(sorted(sums))
                 return sums
 
-            slots_mod._copy_summed = spy
+            checked = []  # what the background checksums: only what the copy did not
+            real_sums = slots_mod.block_checksums
+
+            def background(view, *a, **k):
+                checked.append(len(view))
+                return real_sums(view, *a, **k)
+
+            slots_mod._copy_summed, slots_mod.block_checksums = spy, background
             try:
                 for step in range(1, 6):
                     ck.snapshot(step, _large_state(step))  # back to back
                 ck.wait_snapshot()
             finally:
-                slots_mod._copy_summed = real
+                slots_mod._copy_summed, slots_mod.block_checksums = real, real_sums
             assert fused == [["bf16", "big", "param"]] * 5  # not "t", not "small"
+            assert sorted(set(checked)) == [40, 400 * 300 * 4]
             assert slots.reused >= 2
             for step in (5, 4):
                 assert ck.snapshots.verify(step).ok
@@ -385,5 +394,74 @@ def test_a_fused_copy_that_fails_in_a_thread_fails_the_snapshot_and_the_next_one
             state = {k: torch.zeros_like(v) for k, v in _large_state(0).items()}
             assert ck.load(state, step=3) == 3
             assert all(torch.equal(state[k], v) for k, v in _large_state(3).items())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_reused_file_never_keeps_the_checksums_of_the_snapshot_before(tmp_path):
+    """A file is reused by the next snapshot of the same layout; a tensor that was copied with its
+    checksums there and is now not contiguous (the same shape: the same layout) is checksummed
+    from its new bytes, not given the old checksums."""
+
+    def state(step: int, contiguous: bool) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        w = torch.randn(300, 1000, generator=g)
+        return {"w": w.t().contiguous() if contiguous else w.t()}
+
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        for step in range(1, 7):
+            ck.snapshot(step, state(step, contiguous=step <= 3)).wait()
+        ck.wait_snapshot()
+        assert ck._memory._slots.reused >= 3
+        for step in (6, 5):
+            assert ck.snapshots.verify(step).ok
+            got = {"w": torch.zeros(1000, 300)}
+            assert ck.load(got, step=step) == step
+            assert torch.equal(got["w"], state(step, contiguous=False)["w"])
+
+
+def test_no_thread_copies_into_a_snapshot_file_after_its_copy_failed(tmp_path, monkeypatch):
+    """When the caller's share of a fused copy fails, the snapshot fails only once the other
+    threads have stopped writing into the file (it becomes the spare, which the next snapshot
+    overwrites), and they take no block after the failure."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    inside = {"n": 0, "after": 0}
+    failed = threading.Event()
+    lock = threading.Lock()
+    real = slots_mod.crc32
+
+    def crc(data, value=0):
+        with lock:
+            inside["n"] += 1
+            if failed.is_set():
+                inside["after"] += 1
+        try:
+            if threading.current_thread() is threading.main_thread():
+                failed.set()
+                raise OSError("the caller's copy failed (test)")
+            time.sleep(0.05)  # the other thread is mid-block when the caller fails
+            return real(data, value)
+        finally:
+            with lock:
+                inside["n"] -= 1
+
+    try:
+        with Checkpointer(
+            str(tmp_path / "ckpt"), memory_every=1, persister=False, block_bytes=64 << 10
+        ) as ck:
+            ck.snapshot(1, _large_state(1)).wait()
+            monkeypatch.setattr(slots_mod, "crc32", crc)
+            handle = ck.snapshot(2, _large_state(2))
+            assert inside["n"] == 0  # nothing writes into the file any more
+            assert inside["after"] <= 1  # at most the block a thread was in, finished
+            with pytest.raises(ResilientError, match="caller's copy failed"):
+                handle.wait()
+            monkeypatch.setattr(slots_mod, "crc32", real)
+            ck.snapshot(3, _large_state(3)).wait()
+            ck.wait_snapshot()
+            assert ck.snapshots.verify(3).ok and ck.snapshots.verify(1).ok
     finally:
         torch.set_num_threads(before)

@@ -52,7 +52,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,10 +218,10 @@ class Slots:
                 with torch.no_grad():
                     views, srcs = slot.views(plan), [leaves[it.key].local for it in plan.items]
                     _check_fit(views, srcs)
-                    fused = _fusable(plan, srcs, block_bytes) if block_bytes is not None else set()
+                    fused = _fusable(plan, srcs, block_bytes) if block_bytes is not None else {}
                     if fused:
                         assert block_bytes is not None
-                        slot.sums = _copy_summed(slot, plan, srcs, fused, block_bytes)
+                        slot.sums = _copy_summed(slot, plan, fused, block_bytes)
                     rest = [i for i in range(len(srcs)) if i not in fused]
                     if rest:
                         _copy([views[i] for i in rest], [srcs[i] for i in rest])
@@ -451,80 +450,141 @@ def _copy(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             d.copy_(src)
 
 
-def _fusable(plan: WritePlan, srcs: list[torch.Tensor], block_bytes: int) -> set[int]:
-    """Which items are copied and checksummed in pieces: large, plain, dense CPU tensors whose
-    bytes numpy can read as they are."""
+def _fusable(plan: WritePlan, srcs: list[torch.Tensor], block_bytes: int) -> dict[int, np.ndarray]:
+    """The items that are copied and checksummed in pieces (large, plain, dense CPU tensors whose
+    bytes numpy reads as they are), each with its bytes as a flat numpy array."""
+    fused: dict[int, np.ndarray] = {}
     if block_bytes <= 0:
-        return set()
-    return {
-        i
-        for i, (it, src) in enumerate(zip(plan.items, srcs))
-        if it.end - it.begin >= _FUSE_MIN
-        and (type(src) is torch.Tensor or type(src) is torch.nn.Parameter)
-        and src.device.type == "cpu"
-        and src.layout == torch.strided
-        and src.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
-    }
+        return fused
+    for i, (it, src) in enumerate(zip(plan.items, srcs)):
+        if not (
+            it.end - it.begin >= _FUSE_MIN
+            and (type(src) is torch.Tensor or type(src) is torch.nn.Parameter)
+            and src.device.type == "cpu"
+            and src.layout == torch.strided
+            and src.is_contiguous()
+            and not src.is_conj()
+            and not src.is_neg()
+        ):
+            continue
+        try:
+            raw = src.detach().reshape(-1).view(torch.uint8).numpy()
+        except (RuntimeError, TypeError, ValueError):  # a kind numpy cannot read: torch copies it
+            continue
+        if raw.nbytes == it.end - it.begin:
+            fused[i] = raw
+    return fused
+
+
+class _Jobs:
+    """The blocks of one fused copy, each taken by whichever thread is free: the caller does
+    every block no other thread has started, so the copy never waits behind other work queued on
+    the checksum threads, and never deadlocks when called from one of them."""
+
+    def __init__(self, jobs: list[tuple[str, int, np.ndarray, int, int]]) -> None:
+        self.jobs = jobs
+        self.errors: list[BaseException] = []
+        self._next = 0
+        self._halted = False
+        self._active = 0  # helper threads inside the copy
+        self._cv = threading.Condition()
+
+    def take(self) -> tuple[str, int, np.ndarray, int, int] | None:
+        with self._cv:
+            if self._halted or self._next >= len(self.jobs):
+                return None
+            self._next += 1
+            return self.jobs[self._next - 1]
+
+    def enter(self) -> bool:
+        with self._cv:
+            if self._halted:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self, error: BaseException | None) -> None:
+        with self._cv:
+            self._active -= 1
+            if error is not None:
+                self.errors.append(error)
+                self._halted = True
+            self._cv.notify_all()
+
+    def halt_and_wait(self) -> None:
+        """No block is taken from now on; returns once no helper is copying (an interrupt while
+        waiting is raised after that: a helper writes into the file the caller gives up)."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                with self._cv:
+                    self._halted = True
+                    while self._active:
+                        self._cv.wait()
+                break
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 def _copy_summed(
-    slot: _Slot, plan: WritePlan, srcs: list[torch.Tensor], items: set[int], block_bytes: int
+    slot: _Slot, plan: WritePlan, raws: Mapping[int, np.ndarray], block_bytes: int
 ) -> dict[str, tuple[int, ...]]:
-    """Copy the ``items`` of ``plan`` into ``slot`` piece by piece, each piece checksummed right
-    after its copy (the crc reads it from the cache, not from memory); returns every item's
-    block checksums, as ``block_checksums`` of the file's bytes would give them.  Runs on as many
-    threads as torch copies with (the caller takes a share), and returns only once every thread
-    is done: no copy may go on into a file that the caller gives up."""
+    """Copy the items ``raws`` holds (index into ``plan.items`` -> the source's bytes) into
+    ``slot`` piece by piece, each piece checksummed right after its copy (the crc reads it from
+    the cache, not from memory); returns every item's block checksums, as ``block_checksums`` of
+    the file's bytes would give them.  Runs on as many threads as torch copies with, and returns
+    (or raises) only once no thread copies any more."""
     dest = slot.mm
-    jobs: list[tuple[str, int, np.ndarray, int, int]] = []  # key, block index, src, begin, end
+    jobs: list[tuple[str, int, np.ndarray, int, int]] = []  # key, block, source, at, size
     nblocks: dict[str, int] = {}
-    for i in sorted(items):
-        it = plan.items[i]
-        raw = srcs[i].detach().reshape(-1).view(torch.uint8).numpy()
+    for i in sorted(raws):
+        it, raw = plan.items[i], raws[i]
         n = it.end - it.begin
         nblocks[it.key] = -(-n // block_bytes)
         for b, a in enumerate(range(0, n, block_bytes)):
             jobs.append((it.key, b, raw, slot.prefix + it.begin + a, min(n, a + block_bytes) - a))
-    threads = max(1, min(torch.get_num_threads(), CRC_THREADS, len(jobs)))
-    parts = [jobs[k::threads] for k in range(threads)]
+    share = _Jobs(jobs)
     sums: dict[tuple[str, int], int] = {}
 
-    def run(part: list[tuple[str, int, np.ndarray, int, int]]) -> None:
-        out = np.frombuffer(dest, dtype=np.uint8)
-        for key, b, raw, at, size in part:
-            src0 = b * block_bytes
-            value = 0
-            for off in range(0, size, _PIECE):
-                m = min(size, off + _PIECE)
-                piece = out[at + off : at + m]
-                np.copyto(piece, raw[src0 + off : src0 + m])
-                value = crc32(memoryview(piece), value)
-            sums[(key, b)] = value
+    def copy() -> None:
+        out = piece = np.frombuffer(dest, dtype=np.uint8)
+        try:
+            while (job := share.take()) is not None:
+                key, b, raw, at, size = job
+                src0 = b * block_bytes
+                value = 0
+                for off in range(0, size, _PIECE):
+                    m = min(size, off + _PIECE)
+                    piece = out[at + off : at + m]
+                    np.copyto(piece, raw[src0 + off : src0 + m])
+                    value = crc32(piece, value)
+                sums[(key, b)] = value
+        finally:
+            del out, piece  # no view of the mapping outlives the copy (a traceback keeps frames)
 
+    def helper() -> None:
+        if not share.enter():
+            return
+        error: BaseException | None = None
+        try:
+            copy()
+        except BaseException as e:
+            error = e
+        finally:
+            share.leave(error)
+
+    threads = max(1, min(torch.get_num_threads(), CRC_THREADS, len(jobs)))
     pool = crc_pool()
-    futures = [pool.submit(run, part) for part in parts[1:]]
-    ran = False
     try:
-        run(parts[0])
-        ran = True
+        for _ in range(threads - 1):
+            pool.submit(helper)
+        copy()
     finally:
-        interrupted: BaseException | None = None
-        if not ran:
-            for f in futures:
-                f.cancel()  # those not started yet never start
-        while True:  # the other threads write into the file: wait for them whatever happens
-            try:
-                wait(futures)
-                break
-            except BaseException as e:  # an interrupt while waiting: raised once they are done
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
-    for f in futures:
-        if not f.cancelled():
-            f.result()  # a thread's error is the snapshot's
+        share.halt_and_wait()
+    if share.errors:
+        raise share.errors[0]  # a helper's error is the snapshot's
     return {key: tuple(sums[(key, b)] for b in range(n)) for key, n in nblocks.items()}
 
 
