@@ -13,6 +13,7 @@ import torch.distributed as dist
 from resilient.health import Detector, DetectorConfig, EventLog, Monitor, RankStatus, Verdict
 from resilient.health.detector import Finding
 from resilient.health.heartbeat import (
+    boot_id,
     decode_block,
     decode_info,
     decode_start,
@@ -92,6 +93,19 @@ def test_a_silent_rank_whose_process_still_runs_gets_the_longer_running_timeout(
     assert "for 6.5s although its process is running" in out[0].detail
     with pytest.raises(ValueError, match="running_dead_after_intervals"):
         DetectorConfig(dead_after_intervals=3, running_dead_after_intervals=2)
+
+
+def test_a_rank_half_its_timeout_overdue_is_probed_before_it_is_judged():
+    """Between half its timeout and its timeout a silent rank's process gets a first look (its
+    CPU time noted), so that at the timeout "used CPU since" can tell a starved process from a
+    stuck one; ranks on time, or already overdue, are not probed."""
+    probed = []
+    cfg = DetectorConfig(interval_s=1.0, dead_after_intervals=4)
+    d = Detector(cfg, running=lambda s: None, probe=lambda s: probed.append(s.rank))
+    now = 1000.0
+    ages = {1: 2.5, 2: 3.9, 3: 4.5}  # 0: on time; 1, 2: half overdue; 3: past its timeout
+    d.observe(statuses(now, [5, 5, 5, 5], alive_age=ages), now)
+    assert probed == [1, 2]
 
 
 def test_no_rank_is_dead_until_it_could_beat_after_the_leader_itself_was_starved():
@@ -730,4 +744,46 @@ def test_a_kill_checks_the_pid_is_still_the_failed_ranks_process(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        sim.close()
+
+
+BURN_ON_REQUEST = """
+import sys, time
+for line in sys.stdin:
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    print("burnt", flush=True)
+"""
+
+
+def test_a_silent_process_that_used_cpu_since_its_first_look_is_running(tmp_path):
+    """A starved rank's process may have no thread on a CPU at the moment the leader looks; the CPU
+    it used since the look at half the timeout says it runs.  A process that used none since, and
+    sleeps, is stuck: not running."""
+    sim = Sim(tmp_path, world=2, ranks=[0])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BURN_ON_REQUEST], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        m = sim.monitors[0]
+        m._info[1] = (m.host, proc.pid, boot_id(), "")
+        m._starts[1] = process_start(proc.pid)
+        asleep = lambda: process_state(proc.pid, m._starts[1]) == "S"  # noqa: E731
+        assert Sim.wait_for(None, asleep)
+        silent = RankStatus(1, 100.0, 5, "train", 100.0, m.host, proc.pid)
+        m._note_cpu(silent)  # half overdue: CPU time noted
+        proc.stdin.write(b"burn\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"burnt\n"
+        assert Sim.wait_for(None, asleep)
+        assert m._running(silent) is True  # used CPU since: starved, not stuck
+        assert m._running(silent) is False  # none since the last look, asleep: stuck
+        other = RankStatus(1, 200.0, 5, "train", 200.0, m.host, proc.pid)  # a new silence
+        assert m._running(other) is False  # no first look: only what it does now counts
+        said = [e for e in sim.events.read() if e["event"] == "heartbeat_silent"]
+        assert [e["rank"] for e in said] == [1]
+    finally:
+        proc.kill()
+        proc.wait()
         sim.close()

@@ -189,7 +189,10 @@ class Detector:
     with no heartbeat ``join_timeout_s`` after it is declared DEAD ("never joined").
     ``running``: asked about a rank whose heartbeat is overdue, says whether its process is
     running on the leader's machine (True), is gone or stopped (False), or cannot be seen (None,
-    another machine); a running one gets ``running_dead_after_intervals``."""
+    another machine); a running one gets ``running_dead_after_intervals``.  ``probe``: told of a
+    rank whose heartbeat is half its timeout overdue, so that ``running`` can later say whether
+    the process used CPU since (a starved process does, in a second, even when none of its
+    threads is on a CPU at the moment it is looked at; a stuck one does not)."""
 
     def __init__(
         self,
@@ -197,10 +200,12 @@ class Detector:
         *,
         start: float = 0.0,
         running: Callable[[RankStatus], bool | None] | None = None,
+        probe: Callable[[RankStatus], None] | None = None,
     ) -> None:
         self.config = config
         self.start = start
         self._running = running
+        self._probe = probe
         self._last: dict[int, tuple[int | None, float | None]] = {}
         self._step_times: dict[int, deque[float]] = {}
         self._busy_times: dict[int, deque[float]] = {}
@@ -289,6 +294,8 @@ class Detector:
             since_alive = now - s.alive_t
             timeout = c.dead_timeout_in(s.phase)
             running = False
+            if timeout / 2 < since_alive <= timeout and self._probe is not None:
+                self._probe(s)
             if since_alive > timeout:
                 if (
                     stalled is not None

@@ -144,12 +144,16 @@ class Monitor:
         )
         self.config = config or DetectorConfig()
         self.started_mono = time.monotonic()
-        self.detector = Detector(self.config, start=self.started_mono, running=self._running)
+        self.detector = Detector(
+            self.config, start=self.started_mono, running=self._running, probe=self._note_cpu
+        )
         # (the leader) when its own loop last missed its wake time, and when it ran again
         # (Detector.observe's ``stalled``)
         self._stalled: tuple[float, float] | None = None
         # (the leader) per silent rank: (its last heartbeat, its CPU time when last looked at)
-        self._silent: dict[int, tuple[float, int | None]] = {}
+        # rank -> (the heartbeat its silence follows, its process's CPU time then, whether the
+        # log has said it runs): one entry per silence, from its first look
+        self._silent: dict[int, tuple[float, int | None, bool]] = {}
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
         # in-job recovery: called (from the monitor's thread) on a verdict about another rank
@@ -564,14 +568,34 @@ class Monitor:
         self._cache[r] = (alive, progress, status)
         return status
 
-    def _running(self, s: RankStatus) -> bool | None:
-        """(the detector, about a rank whose heartbeat is overdue) Whether its process is still
-        running here (``process_running``; a monitor that closed itself is not): None when it is
-        on another machine, or its start time is unknown (a pid in another pid namespace could be
+    def _local(self, s: RankStatus) -> tuple[int, int] | None:
+        """The pid and start time of ``s``'s process when it is on this machine (None when it is
+        on another one, or its start time is unknown: a pid in another pid namespace could be
         mistaken for it)."""
         host, pid, boot, _ = self._info.get(s.rank, ("", 0, "", ""))
         start = self._starts.get(s.rank)
         if not pid or start is None or host != self.host or not boot or boot != boot_id():
+            return None
+        return pid, start
+
+    def _note_cpu(self, s: RankStatus) -> None:
+        """(the detector, about a rank whose heartbeat is half its timeout overdue) Note the CPU
+        time its process has used, once per silence: at the timeout ``_running`` counts any CPU
+        used since as running, though none of its threads be on a CPU at that moment."""
+        local = self._local(s)
+        seen = self._silent.get(s.rank)
+        if local is None or s.alive_t is None or (seen is not None and seen[0] == s.alive_t):
+            return
+        looked = process_running(*local)
+        if looked is not None and looked[1] is not None:
+            self._silent[s.rank] = (s.alive_t, looked[1], False)
+
+    def _running(self, s: RankStatus) -> bool | None:
+        """(the detector, about a rank whose heartbeat is overdue) Whether its process is still
+        running here (``process_running``; a monitor that closed itself is not): None when it is
+        on another machine (``_local``)."""
+        local = self._local(s)
+        if local is None:
             return None
         key = f"{self.prefix}/wake/{s.rank}"
         with self._lock:
@@ -579,18 +603,19 @@ class Monitor:
                 return False  # it closed its monitor without a word: it is going away
         seen = self._silent.get(s.rank)
         same = seen is not None and seen[0] == s.alive_t  # this silence, looked at before
-        looked = process_running(pid, start, seen[1] if same and seen is not None else None)
+        looked = process_running(*local, seen[1] if same and seen is not None else None)
         if looked is None:
             return None
         running, cpu = looked
+        said = same and seen is not None and seen[2]
         if s.alive_t is not None:
-            self._silent[s.rank] = (s.alive_t, cpu)
-        if running and not same:
+            self._silent[s.rank] = (s.alive_t, cpu, said or running)
+        if running and not said:
             try:
                 self.events.write(
                     "heartbeat_silent",
                     rank=s.rank,
-                    pid=pid,
+                    pid=local[0],
                     leader=self.rank,
                     phase=s.phase,
                     detail=f"rank {s.rank}'s heartbeat is overdue but its process is running: "
