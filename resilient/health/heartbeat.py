@@ -151,9 +151,9 @@ class Monitor:
         # (Detector.observe's ``stalled``)
         self._stalled: tuple[float, float] | None = None
         # (the leader) per silent rank: (its last heartbeat, its CPU time when last looked at)
-        # rank -> (the heartbeat its silence follows, its process's CPU time then, whether the
-        # log has said it runs): one entry per silence, from its first look
-        self._silent: dict[int, tuple[float, int | None, bool]] = {}
+        # rank -> (the heartbeat its silence follows, its process's CPU time at a look, whether
+        # the log has said it runs, when that look was): one entry per silence
+        self._silent: dict[int, tuple[float, int, bool, float]] = {}
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
         # in-job recovery: called (from the monitor's thread) on a verdict about another rank
@@ -586,14 +586,17 @@ class Monitor:
         seen = self._silent.get(s.rank)
         if local is None or s.alive_t is None or (seen is not None and seen[0] == s.alive_t):
             return
-        looked = process_running(*local)
-        if looked is not None and looked[1] is not None:
-            self._silent[s.rank] = (s.alive_t, looked[1], False)
+        cpu = process_cpu(*local)
+        if cpu is not None:
+            self._silent[s.rank] = (s.alive_t, cpu, False, time.monotonic())
 
     def _running(self, s: RankStatus) -> bool | None:
         """(the detector, about a rank whose heartbeat is overdue) Whether its process is still
-        running here (``process_running``; a monitor that closed itself is not): None when it is
-        on another machine (``_local``)."""
+        running here (``process_activity``; a monitor that closed itself is not): None when it is
+        on another machine (``_local``).  A process that is there and not stopped, none of whose
+        threads is on a CPU, counts as running until a look at least half an interval old says
+        it used no CPU since (then it is stuck): on a loaded machine a starved process is often
+        between two slices of CPU when it is looked at."""
         local = self._local(s)
         if local is None:
             return None
@@ -603,13 +606,21 @@ class Monitor:
                 return False  # it closed its monitor without a word: it is going away
         seen = self._silent.get(s.rank)
         same = seen is not None and seen[0] == s.alive_t  # this silence, looked at before
-        looked = process_running(*local, seen[1] if same and seen is not None else None)
+        now = time.monotonic()
+        aged = same and seen is not None and now - seen[3] >= self.config.interval_s / 2
+        looked = process_activity(*local, seen[1] if aged and seen is not None else None)
         if looked is None:
             return None
-        running, cpu = looked
+        activity, cpu = looked
         said = same and seen is not None and seen[2]
-        if s.alive_t is not None:
-            self._silent[s.rank] = (s.alive_t, cpu, said or running)
+        if s.alive_t is not None and cpu is not None:
+            if same and not aged and seen is not None:  # keep the older look: it says more
+                self._silent[s.rank] = (s.alive_t, seen[1], said or activity == "running", seen[3])
+            else:
+                self._silent[s.rank] = (s.alive_t, cpu, said or activity == "running", now)
+        if activity == "idle" and not aged:
+            return True  # no look old enough to tell stuck from starved: look again
+        running = activity == "running"
         if running and not said:
             try:
                 self.events.write(
@@ -956,33 +967,52 @@ def process_state(pid: int, start: int) -> str | None:
     return stat[0]
 
 
-def process_running(
+def process_activity(
     pid: int, start: int, cpu_before: int | None = None
-) -> tuple[bool, int | None] | None:
-    """Whether process ``pid`` (the one with that start time) is running, and the CPU time it
-    used so far (clock ticks; None when it is gone); None when /proc cannot say.  Running: not
-    gone, exiting, a zombie, stopped or traced, and either one of its threads is on a CPU or
-    waiting for one (state R), or it used CPU since ``cpu_before``.  A process whose threads all
-    sleep and use no CPU is stuck (a deadlock, the cgroup freezer), not starved."""
+) -> tuple[str, int | None] | None:
+    """What process ``pid`` (the one with that start time) is doing, and the CPU time it used so
+    far (clock ticks; None when it is gone); None when /proc cannot say.  ``"gone"``;
+    ``"stopped"``: exiting, a zombie, stopped or traced; ``"running"``: one of its threads is on a
+    CPU or waiting for one (state R), or it used CPU since ``cpu_before``; ``"idle"``: every
+    thread asleep (and no CPU used since ``cpu_before``, when given: stuck, a deadlock or the
+    cgroup freezer, not starved)."""
     if not Path("/proc/self/stat").exists():
         return None
     stat = _proc_stat(f"/proc/{pid}/stat")
     if stat is None or int(stat[19]) != start:
-        return False, None
+        return "gone", None
     cpu = int(stat[11]) + int(stat[12])  # utime + stime
     if stat[0] in _NOT_RUNNING or int(stat[6]) & _PF_EXITING:
-        return False, cpu
+        return "stopped", cpu
     if cpu_before is not None and cpu > cpu_before:
-        return True, cpu
+        return "running", cpu
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return False, cpu
+        return "stopped", cpu  # its threads are going: it is exiting
     for task in tasks:
         t = _proc_stat(str(task / "stat"))
         if t is not None and t[0] == "R":
-            return True, cpu
-    return False, cpu
+            return "running", cpu
+    return "idle", cpu
+
+
+def process_running(
+    pid: int, start: int, cpu_before: int | None = None
+) -> tuple[bool, int | None] | None:
+    """Whether process ``pid`` is running (``process_activity``), and the CPU time it used so
+    far; None when /proc cannot say."""
+    looked = process_activity(pid, start, cpu_before)
+    return None if looked is None else (looked[0] == "running", looked[1])
+
+
+def process_cpu(pid: int, start: int) -> int | None:
+    """The CPU time process ``pid`` (the one with that start time) used so far, in clock ticks;
+    None when it is gone or /proc cannot say (one read: not its threads)."""
+    stat = _proc_stat(f"/proc/{pid}/stat")
+    if stat is None or int(stat[19]) != start:
+        return None
+    return int(stat[11]) + int(stat[12])
 
 
 def _proc_stat(path: str) -> list[str] | None:
