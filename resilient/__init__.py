@@ -1,14 +1,37 @@
-"""resilient: fault tolerance and checkpoint management for large-scale PyTorch training."""
+"""resilient: fault tolerance and checkpoint management for large-scale PyTorch training.
+
+The errors and the layout are imported with the package; the other public names when first used
+(PEP 562), so that a process that only reads and commits checkpoint files (the memory tier's
+persister) never imports torch."""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from resilient import errors as _errors  # noqa: E402
-from resilient.checkpoint import Checkpointer, RetryPolicy, sharded  # noqa: E402
-from resilient.data import ResumableSampler  # noqa: E402
 from resilient.errors import *  # noqa: E402, F403  (every error class, importable from here)
-from resilient.hooks import Hook  # noqa: E402
 from resilient.layout import Layout, Replicate, Shard  # noqa: E402
-from resilient.loop import InJobRecovery, Run, SaveFailedWarning, fault_tolerant  # noqa: E402
+
+if TYPE_CHECKING:
+    from resilient.checkpoint import Checkpointer, RetryPolicy, sharded
+    from resilient.data import ResumableSampler
+    from resilient.hooks import Hook
+    from resilient.loop import InJobRecovery, Run, SaveFailedWarning, fault_tolerant
+
+_WHERE = {
+    "Checkpointer": "resilient.checkpoint",
+    "RetryPolicy": "resilient.checkpoint",
+    "sharded": "resilient.checkpoint",
+    "ResumableSampler": "resilient.data",
+    "Hook": "resilient.hooks",
+    "Run": "resilient.loop",
+    "fault_tolerant": "resilient.loop",
+    "InJobRecovery": "resilient.loop",
+    "SaveFailedWarning": "resilient.loop",
+}
 
 __all__ = [
     "Layout",
@@ -26,3 +49,21 @@ __all__ = [
     *_errors.__all__,
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:  # a submodule, as the eager package had them imported: resilient.X.Y
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -285,3 +285,25 @@ def test_the_pickle_checker_catches_each_way_in(tmp_path):
     assert "reshape/bad.py:9 calls torch.load: torch.load unpickles" in got
     assert "reshape/bad.py:11 calls numpy.load with allow_pickle: it unpickles" in got
     assert "reshape/bad.py:15 calls yaml.load without a safe Loader" in got
+
+
+def test_the_persister_and_the_package_import_without_torch():
+    """The memory tier's persister process reads, checks and commits files: it imports neither
+    torch nor what needs it (the package's names are imported when first used)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import resilient\n"
+        "from resilient.checkpoint.persister import main\n"
+        "from resilient.checkpoint import seal, storage, catalog, retention, lease\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        "from resilient import Checkpointer, Run\n"  # and the names still come when asked
+        "print(Checkpointer.__name__, Run.__name__, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "Checkpointer Run True"]

@@ -1,11 +1,36 @@
-"""Sharded, asynchronous, checksummed checkpoints (format v1; see docs/FORMAT.md)."""
+"""Sharded, asynchronous, checksummed checkpoints (format v1; see docs/FORMAT.md).
 
-from resilient.checkpoint.checkpointer import Checkpointer, LoadStats, SaveHandle, SaveStats
-from resilient.checkpoint.format import FORMAT_VERSION, Manifest
-from resilient.checkpoint.reader import VerifyReport, read_manifest, verify_step
-from resilient.checkpoint.retention import committed_steps
-from resilient.checkpoint.state import sharded
-from resilient.checkpoint.storage import RetryPolicy, Storage
+Its names are imported when first used (PEP 562): the persister process imports the modules that
+read and commit files, and never torch, which the checkpointer needs."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from resilient.checkpoint.checkpointer import Checkpointer, LoadStats, SaveHandle, SaveStats
+    from resilient.checkpoint.format import FORMAT_VERSION, Manifest
+    from resilient.checkpoint.reader import VerifyReport, read_manifest, verify_step
+    from resilient.checkpoint.retention import committed_steps
+    from resilient.checkpoint.state import sharded
+    from resilient.checkpoint.storage import RetryPolicy, Storage
+
+_WHERE = {
+    "Checkpointer": "checkpointer",
+    "SaveHandle": "checkpointer",
+    "SaveStats": "checkpointer",
+    "LoadStats": "checkpointer",
+    "FORMAT_VERSION": "format",
+    "Manifest": "format",
+    "VerifyReport": "reader",
+    "read_manifest": "reader",
+    "verify_step": "reader",
+    "committed_steps": "retention",
+    "sharded": "state",
+    "RetryPolicy": "storage",
+    "Storage": "storage",
+}
 
 __all__ = [
     "Checkpointer",
@@ -22,3 +47,21 @@ __all__ = [
     "RetryPolicy",
     "Storage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:  # a submodule, as the eager package had them imported: resilient.X.Y
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

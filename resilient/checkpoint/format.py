@@ -16,9 +16,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from resilient.errors import CheckpointCorruptError, LayoutError
 from resilient.layout import (
@@ -30,6 +28,9 @@ from resilient.layout import (
     placement_from_json,
     placement_to_json,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORMAT_VERSION",
@@ -82,29 +83,34 @@ _RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # ASCII digits only (str.is
 @dataclass(frozen=True)
 class DtypeInfo:
     name: str  # the manifest's name, torch's spelling: "bfloat16"
-    torch_dtype: torch.dtype
     safetensors: str  # the safetensors header code: "BF16"
     itemsize: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch  # here, not at the top: what reads and commits files needs no torch
+
+        return getattr(torch, self.name)
 
 
 DTYPES: dict[str, DtypeInfo] = {
     d.name: d
     for d in [
-        DtypeInfo("float64", torch.float64, "F64", 8),
-        DtypeInfo("float32", torch.float32, "F32", 4),
-        DtypeInfo("float16", torch.float16, "F16", 2),
-        DtypeInfo("bfloat16", torch.bfloat16, "BF16", 2),
-        DtypeInfo("int64", torch.int64, "I64", 8),
-        DtypeInfo("int32", torch.int32, "I32", 4),
-        DtypeInfo("int16", torch.int16, "I16", 2),
-        DtypeInfo("int8", torch.int8, "I8", 1),
-        DtypeInfo("uint8", torch.uint8, "U8", 1),
-        DtypeInfo("bool", torch.bool, "BOOL", 1),
-        DtypeInfo("float8_e4m3fn", torch.float8_e4m3fn, "F8_E4M3", 1),
-        DtypeInfo("float8_e5m2", torch.float8_e5m2, "F8_E5M2", 1),
+        DtypeInfo("float64", "F64", 8),
+        DtypeInfo("float32", "F32", 4),
+        DtypeInfo("float16", "F16", 2),
+        DtypeInfo("bfloat16", "BF16", 2),
+        DtypeInfo("int64", "I64", 8),
+        DtypeInfo("int32", "I32", 4),
+        DtypeInfo("int16", "I16", 2),
+        DtypeInfo("int8", "I8", 1),
+        DtypeInfo("uint8", "U8", 1),
+        DtypeInfo("bool", "BOOL", 1),
+        DtypeInfo("float8_e4m3fn", "F8_E4M3", 1),
+        DtypeInfo("float8_e5m2", "F8_E5M2", 1),
     ]
 }
-_BY_TORCH = {d.torch_dtype: d for d in DTYPES.values()}
+_BY_TORCH: dict[torch.dtype, DtypeInfo] = {}  # filled at the first dtype_name
 
 
 def dtype_info(name: str) -> DtypeInfo:
@@ -117,6 +123,8 @@ def dtype_info(name: str) -> DtypeInfo:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    if not _BY_TORCH:
+        _BY_TORCH.update({d.torch_dtype: d for d in DTYPES.values()})
     try:
         return _BY_TORCH[dtype].name
     except KeyError:

@@ -29,11 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from resilient.checkpoint.buffers import huge_pages
 from resilient.checkpoint.catalog import remember_commit
 from resilient.checkpoint.codec import block_checksums, compress, crc_pool, safetensors_header
 from resilient.checkpoint.format import (
@@ -53,10 +50,14 @@ from resilient.checkpoint.format import (
     step_dir_name,
 )
 from resilient.checkpoint.retention import retire_steps
-from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, LeaseError, ResilientError
 from resilient.layout import Layout, Placement, Shard, placement_to_json, unique_chunks
+
+if TYPE_CHECKING:  # torch is imported where tensors are: the persister process never needs it
+    import torch
+
+    from resilient.checkpoint.state import TensorLeaf
 
 __all__ = [
     "WriteItem",
@@ -165,6 +166,10 @@ class Stager:
         self._buffer: torch.Tensor | None = None
 
     def stage(self, plan: WritePlan, leaves: Mapping[str, TensorLeaf]) -> torch.Tensor:
+        import torch
+
+        from resilient.checkpoint.buffers import huge_pages
+
         need = plan.data_bytes
         on_gpu = any(leaves[i.key].local.is_cuda for i in plan.items)
         if (
