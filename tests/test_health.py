@@ -95,16 +95,17 @@ def test_a_silent_rank_whose_process_still_runs_gets_the_longer_running_timeout(
         DetectorConfig(dead_after_intervals=3, running_dead_after_intervals=2)
 
 
-def test_a_rank_half_its_timeout_overdue_is_probed_before_it_is_judged():
-    """Between half its timeout and its timeout a silent rank's process gets a first look (its
-    CPU time noted), so that at the timeout "used CPU since" can tell a starved process from a
-    stuck one; ranks on time, or already overdue, are not probed."""
+def test_a_late_rank_is_probed_half_an_interval_before_it_is_judged():
+    """From its timeout less one and a half intervals to its timeout less half an interval (a
+    window an interval long: one of the leader's scans falls into it), a silent rank's process
+    gets a first look (its CPU time noted), so that at the timeout "used CPU since" can tell a
+    starved process from a stuck one; ranks on time, or nearly or already overdue, are not."""
     probed = []
     cfg = DetectorConfig(interval_s=1.0, dead_after_intervals=4)
     d = Detector(cfg, running=lambda s: None, probe=lambda s: probed.append(s.rank))
     now = 1000.0
-    ages = {1: 2.5, 2: 3.9, 3: 4.5}  # 0: on time; 1, 2: half overdue; 3: past its timeout
-    d.observe(statuses(now, [5, 5, 5, 5], alive_age=ages), now)
+    ages = {0: 2.4, 1: 2.6, 2: 3.5, 3: 3.6, 4: 4.5}  # timeout 4 s: probed from 2.5 s to 3.5 s
+    d.observe(statuses(now, [5] * 5, alive_age=ages), now)
     assert probed == [1, 2]
 
 
@@ -783,11 +784,15 @@ def test_a_silent_process_that_used_cpu_since_its_first_look_is_running(tmp_path
         assert m._running(silent) is False  # none since the last look, asleep: stuck
         # a new silence with no first look: asleep now says nothing yet (a starved process is
         # often between two slices of CPU); a look half an interval later does
-        other = RankStatus(1, 200.0, 5, "train", 200.0, m.host, proc.pid)
+        now = time.monotonic()
+        other = RankStatus(1, now - 1.0, 5, "train", now - 1.0, m.host, proc.pid)
         assert m._running(other) is True
-        assert m._running(other) is True  # too soon after: still the benefit of the doubt
         time.sleep(half)
         assert m._running(other) is False
+        # no benefit of the doubt past the running timeout: it would only say "running" in the
+        # verdict of a stuck rank
+        late = RankStatus(1, now - 60.0, 5, "train", now - 60.0, m.host, proc.pid)
+        assert m._running(late) is False
         said = [e for e in sim.events.read() if e["event"] == "heartbeat_silent"]
         assert [e["rank"] for e in said] == [1]  # once, for the silence it really ran in
         # stopped, or gone: not running at the first look, baseline or not

@@ -190,8 +190,9 @@ class Detector:
     ``running``: asked about a rank whose heartbeat is overdue, says whether its process is
     running on the leader's machine (True), is gone or stopped (False), or cannot be seen (None,
     another machine); a running one gets ``running_dead_after_intervals``.  ``probe``: told of a
-    rank whose heartbeat is half its timeout overdue, so that ``running`` can later say whether
-    the process used CPU since (a starved process does, in a second, even when none of its
+    rank whose heartbeat is late, between its timeout less one and a half intervals and its
+    timeout less half an interval, so that ``running`` can say at the timeout whether the process
+    used CPU since (a starved process does, in a second, even when none of its
     threads is on a CPU at the moment it is looked at; a stuck one does not)."""
 
     def __init__(
@@ -294,7 +295,12 @@ class Detector:
             since_alive = now - s.alive_t
             timeout = c.dead_timeout_in(s.phase)
             running = False
-            if timeout / 2 < since_alive <= timeout and self._probe is not None:
+            # a look at least half an interval before the timeout, from a window an interval
+            # long, so that one of the leader's scans (one per interval) falls into it
+            if (
+                self._probe is not None
+                and timeout - 1.5 * c.interval_s < since_alive <= timeout - c.interval_s / 2
+            ):
                 self._probe(s)
             if since_alive > timeout:
                 if (

@@ -150,8 +150,7 @@ class Monitor:
         # (the leader) when its own loop last missed its wake time, and when it ran again
         # (Detector.observe's ``stalled``)
         self._stalled: tuple[float, float] | None = None
-        # (the leader) per silent rank: (its last heartbeat, its CPU time when last looked at)
-        # rank -> (the heartbeat its silence follows, its process's CPU time at a look, whether
+        # (the leader) rank -> (the heartbeat its silence follows, its process's CPU time at a look, whether
         # the log has said it runs, when that look was): one entry per silence
         self._silent: dict[int, tuple[float, int, bool, float]] = {}
         self.events = events or EventLog(None)
@@ -579,9 +578,10 @@ class Monitor:
         return pid, start
 
     def _note_cpu(self, s: RankStatus) -> None:
-        """(the detector, about a rank whose heartbeat is half its timeout overdue) Note the CPU
-        time its process has used, once per silence: at the timeout ``_running`` counts any CPU
-        used since as running, though none of its threads be on a CPU at that moment."""
+        """(the detector, about a rank whose heartbeat is late: between its timeout less one and a
+        half intervals and its timeout less half an interval) Note the CPU time its process has
+        used, once per silence: at the timeout ``_running`` counts any CPU used since as running,
+        though none of its threads be on a CPU at that moment."""
         local = self._local(s)
         seen = self._silent.get(s.rank)
         if local is None or s.alive_t is None or (seen is not None and seen[0] == s.alive_t):
@@ -619,7 +619,10 @@ class Monitor:
             else:
                 self._silent[s.rank] = (s.alive_t, cpu, said or activity == "running", now)
         if activity == "idle" and not aged:
-            return True  # no look old enough to tell stuck from starved: look again
+            # no look old enough to tell stuck from starved: look again, while the running
+            # timeout has not run out (past it, the benefit would only say "running" in a verdict)
+            running_s = self.config.interval_s * self.config.running_dead_after_intervals
+            return now - s.alive_t < running_s if s.alive_t is not None else False
         running = activity == "running"
         if running and not said:
             try:
