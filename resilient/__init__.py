@@ -8,9 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-import importlib  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
+from resilient import _lazy  # noqa: E402
 from resilient import errors as _errors  # noqa: E402
 from resilient.errors import *  # noqa: E402, F403  (every error class, importable from here)
 from resilient.layout import Layout, Replicate, Shard  # noqa: E402
@@ -33,6 +33,11 @@ _WHERE = {
     "SaveFailedWarning": "resilient.loop",
 }
 
+# what ``import resilient`` used to import, reachable as attributes as before
+_SUBPACKAGES = frozenset(
+    {"checkpoint", "data", "errors", "health", "hooks", "launch", "layout", "loop", "preflight"}
+)
+
 __all__ = [
     "Layout",
     "Shard",
@@ -53,14 +58,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
-    if module is None:  # a submodule, as the eager package had them imported: resilient.X.Y
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if module is None:
+        found = _lazy.submodule(__name__, name) if name in _SUBPACKAGES else None
+        if found is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return found  # resilient.loop.Run, as when the package imported them all
+    value = _lazy.name_of(module, name)
     globals()[name] = value  # once: later lookups do not come here
     return value
 

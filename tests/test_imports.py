@@ -22,6 +22,7 @@ PACKAGES = set(ALLOWED)
 LAYERS = {
     "resilient.errors": 0,
     "resilient.layout": 0,
+    "resilient._lazy": 0,
     "resilient.__version__": 0,
     "resilient.checkpoint": 1,
     "resilient.memory": 2,
@@ -30,7 +31,7 @@ LAYERS = {
     "resilient.loop": 3,
     "resilient.hooks": 3,
     "resilient.data": 3,
-    "resilient": 3,  # the package's public names (its __init__ imports the loop)
+    "resilient": 3,  # the package's public names (its __init__ imports them when first used)
     "resilient.chaos": 4,
     "resilient.preflight": 3,  # Run(preflight=True) runs its quick subset
     "resilient.demo": 4,
@@ -307,3 +308,35 @@ def test_the_persister_and_the_package_import_without_torch():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[]", "Checkpointer Run True"]
+
+
+def test_threads_first_touching_lazy_names_at_once_do_not_crash():
+    """Four threads each take a different lazy name at the same moment; torch is imported once,
+    under the package's import lock (importing parts of torch from several threads at once can
+    abort the process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, resilient\n"
+        "names = ['Checkpointer', 'ResumableSampler', 'Hook', 'Run']\n"
+        "go = threading.Barrier(len(names))\n"
+        "got = {}\n"
+        "def take(n):\n"
+        "    go.wait()\n"
+        "    got[n] = getattr(resilient, n).__name__\n"
+        "ts = [threading.Thread(target=take, args=(n,)) for n in names]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+        "print(sorted(got.values()))\n"
+        "print(hasattr(resilient, 'x.'), hasattr(resilient, 'cli'), hasattr(resilient, 'nope'))\n"
+    )
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines() == [
+            "['Checkpointer', 'Hook', 'ResumableSampler', 'Run']",
+            "False False False",
+        ]

@@ -5,8 +5,9 @@ read and commit files, and never torch, which the checkpointer needs."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from resilient import _lazy
 
 if TYPE_CHECKING:
     from resilient.checkpoint.checkpointer import Checkpointer, LoadStats, SaveHandle, SaveStats
@@ -51,14 +52,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
-    if module is None:  # a submodule, as the eager package had them imported: resilient.X.Y
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    if module is None:
+        found = _lazy.submodule(__name__, name)
+        if found is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return found  # a module of this package, as when it imported them all
+    value = _lazy.name_of(f"{__name__}.{module}", name)
     globals()[name] = value  # once: later lookups do not come here
     return value
 
