@@ -150,8 +150,8 @@ class Monitor:
         # (the leader) when its own loop last missed its wake time, and when it ran again
         # (Detector.observe's ``stalled``)
         self._stalled: tuple[float, float] | None = None
-        # (the leader) rank -> (the heartbeat its silence follows, its process's CPU time at a look, whether
-        # the log has said it runs, when that look was): one entry per silence
+        # (the leader) rank -> (the heartbeat its silence follows, its process's CPU time at a
+        # look, whether the log has said it runs, when that look was): one entry per silence
         self._silent: dict[int, tuple[float, int, bool, float]] = {}
         self.events = events or EventLog(None)
         self.on_failure = on_failure or self._exit
