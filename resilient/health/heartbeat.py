@@ -604,20 +604,20 @@ class Monitor:
         with self._lock:
             if self.store.check([key]) and self.store.get(key) == b"close":
                 return False  # it closed its monitor without a word: it is going away
-        seen = self._silent.get(s.rank)
-        same = seen is not None and seen[0] == s.alive_t  # this silence, looked at before
+        prev = self._silent.get(s.rank)
+        if prev is not None and prev[0] != s.alive_t:
+            prev = None  # a look at an earlier silence
         now = time.monotonic()
-        aged = same and seen is not None and now - seen[3] >= self.config.interval_s / 2
-        looked = process_activity(*local, seen[1] if aged and seen is not None else None)
+        aged = prev is not None and now - prev[3] >= self.config.interval_s / 2
+        looked = process_activity(*local, prev[1] if aged and prev is not None else None)
         if looked is None:
             return None
         activity, cpu = looked
-        said = same and seen is not None and seen[2]
+        said = prev is not None and prev[2]
         if s.alive_t is not None and cpu is not None:
-            if same and not aged and seen is not None:  # keep the older look: it says more
-                self._silent[s.rank] = (s.alive_t, seen[1], said or activity == "running", seen[3])
-            else:
-                self._silent[s.rank] = (s.alive_t, cpu, said or activity == "running", now)
+            # a look too young to judge by keeps the older one: it says more
+            cpu_at, at = (prev[1], prev[3]) if prev is not None and not aged else (cpu, now)
+            self._silent[s.rank] = (s.alive_t, cpu_at, said or activity == "running", at)
         if activity == "idle" and not aged:
             # no look old enough to tell stuck from starved: look again, while the running
             # timeout has not run out (past it, the benefit would only say "running" in a verdict)
