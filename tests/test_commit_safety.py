@@ -587,3 +587,55 @@ def test_the_previous_outcome_stays_when_a_report_is_a_failure(tmp_path):
     ck.rebind()
     assert ck._last_outcome_key is None and ck._shared_manifest is None
     ck.close()
+
+
+def test_a_report_of_static_text_and_checksums_gives_the_chunks_of_a_full_report(tmp_path):
+    """writer.report_chunks: a rank's chunks from ``static`` text and ``sums`` are the entries of
+    the full report; the text is parsed once (the cache); anything that does not add up is a
+    CommitError naming the rank; and the commit's shape tells the texts apart."""
+    import dataclasses
+
+    from resilient.checkpoint.checkpointer import _manifest_shape
+    from resilient.checkpoint.writer import CommitError, chunks_static, report_chunks
+
+    with Checkpointer(str(tmp_path / "ckpt"), block_bytes=4096) as ck:
+        ck.save(1, {"a": torch.randn(3000), "b.c": torch.arange(7)}).wait()
+        m = ck.manifest(1)
+        plan, layout = ck._plan_cache[1], ck.layout
+    chunks = {k: t.chunks[0] for k, t in m.tensors.items()}
+    base = {"rank": 1, "file": "f", "size_bytes": 1, "digest": plan.digest, "values": {}}
+    full = {**base, "chunks": {k: c.to_json() for k, c in chunks.items()}}
+    static = chunks_static(chunks)
+    compact = {**base, "static": static, "sums": [list(c.checksums) for c in chunks.values()]}
+    cache: dict = {}
+    assert report_chunks(compact, cache) == report_chunks(full) == list(chunks.items())
+    assert list(cache) == [static]
+    other = [[7] * len(c.checksums) for c in chunks.values()]
+    again = report_chunks({**compact, "sums": other}, cache)  # parsed from the cache
+    assert [c for _, c in again] == [
+        dataclasses.replace(c, checksums=tuple(s)) for c, s in zip(chunks.values(), other)
+    ]
+    one = [list(c.checksums) for c in chunks.values()]
+    for bad in (
+        {**compact, "sums": other[:-1]},
+        {**compact, "sums": [*other[:-1], 5]},
+        *({**compact, "sums": [*one[:-1], [x]]} for x in (-1, 2**32, True, 1.0, "x", None)),
+        {**compact, "static": static[:-1]},
+        {**compact, "static": '[["a", 5]]'},
+        {**compact, "static": "[[7, {}]]"},
+        {**compact, "static": "[" * 50000},
+        {**compact, "static": ["not", "text"]},
+        {k: v for k, v in compact.items() if k != "sums"},
+        {**full, "static": static},  # both: the shape would be the text's, the chunks others
+        {**full, "chunks": ["a"]},
+    ):
+        with pytest.raises((CommitError, CheckpointCorruptError), match="rank 1"):
+            report_chunks(bad, {})
+
+    def shape(report):
+        return _manifest_shape(layout, plan, [report], block_bytes=4096)
+
+    assert shape(compact) == shape({**compact, "sums": other})
+    assert shape(compact) != shape({**compact, "sums": [[*s, 1] for s in other]})
+    moved = chunks_static({k: dataclasses.replace(c, file="g") for k, c in chunks.items()})
+    assert shape(compact) != shape({**compact, "static": moved})

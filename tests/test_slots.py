@@ -465,3 +465,77 @@ def test_no_thread_copies_into_a_snapshot_file_after_its_copy_failed(tmp_path, m
             assert ck.snapshots.verify(3).ok and ck.snapshots.verify(1).ok
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_header_template_writes_the_same_bytes_as_the_header_itself(tmp_path):
+    """Each snapshot's header is its plan's template with the step filled in: the bytes of the
+    header encoded in full, for any step; a plan whose tensor names hold the template's mark is
+    encoded in full at every snapshot."""
+    for state in (_state(), {**_state(), f"x{slots_mod._HeaderTemplate._MARK}y": torch.ones(3)}):
+        with Checkpointer(str(tmp_path / f"ckpt{len(state)}"), memory_every=1) as ck:
+            ck.snapshot(1, state).wait()
+            plan = ck._memory._plan_cache[1]
+            template = slots_mod._HeaderTemplate(plan)
+            assert (template._parts is None) == (len(state) == 4)
+
+            class Step(int):  # an int that prints otherwise: the header says what str() says
+                def __str__(self) -> str:
+                    return '"quoted"\\'
+
+            for step in (0, 1, 9, 10, 4711, 10**12, 2**63 - 1, Step(5)):
+                full = slots_mod.Slots._header(plan, step)
+                assert template.text(plan, step) == full[8:].rstrip(b" ")
+            ck.snapshot(2, state).wait()
+            assert ck.snapshots.verify(2).ok
+            ck.release_memory()
+
+
+def _reports_of(rank: int, world: int, url: str) -> tuple:
+    from resilient.checkpoint import writer
+
+    sent = []
+    real = writer.Committer.report
+
+    def report(self, value):
+        sent.append(sorted(value))
+        return real(self, value)
+
+    writer.Committer.report = report
+    m = torch.nn.Linear(16, 8)
+    extra = torch.arange(6.0)
+    ok = []
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        for step in (1, 2, 3):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+            ok.append(ck.snapshots.verify(step).ok)
+        # back to step 2, and step 3 again: its files are of the next generation (other names)
+        assert ck.load({"model": m}, step=2) == 2
+        _bump(m, 0.5)
+        ck.snapshot(3, {"model": m}).wait()
+        generations = {ck.snapshots.manifest(3).generation}
+        ok.append(ck.snapshots.verify(3).ok)
+        for step in (4, 5):  # another layout: a tensor more
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m, "extra": extra + step}).wait()
+            ok.append(ck.snapshots.verify(step).ok)
+        got = {"model": m, "extra": torch.zeros(6)}
+        assert ck.load(got, step=5) == 5
+        assert torch.equal(got["extra"], extra + 5)
+        ck.release_memory()
+    return sent, ok, _weights(m), generations
+
+
+def test_a_rank_reports_its_chunks_as_the_text_of_its_layout_and_the_checksums(tmp_path):
+    """(two ranks) The rank that is not the coordinator sends the same text for its chunks at
+    every snapshot of a layout, and the checksums apart; the manifests the coordinator builds
+    from them pass the readers' full check, through a rollback (a step saved again: its files are
+    of another generation) and a new layout, and the snapshots restore."""
+    results = run_distributed(_reports_of, 2, str(tmp_path / "ckpt"))
+    sent, ok, weights, generations = results[1]
+    assert len(sent) == 6
+    assert all("static" in keys and "sums" in keys and "chunks" not in keys for keys in sent)
+    assert results[0][0] == []  # the coordinator reports to itself
+    assert all(r[1] == [True] * 6 for r in results)
+    assert all(r[3] == {1} for r in results)
+    assert all(torch.equal(results[0][2][k], v) for k, v in weights.items())

@@ -249,6 +249,7 @@ class Checkpointer:
         self._plan_cache: tuple[Any, WritePlan] | None = None
         self._checked_shape: tuple | None = None  # (memory tier) see _coordinate
         self._described = DescribeCache()  # each save describes the tensors of the one before
+        self._static_reports: dict[str, Any] = {}  # (the coordinator) writer.report_chunks
         self._encoder = ManifestEncoder()  # (memory tier) a manifest's text, per shape
         self._pending: SaveHandle | None = None
         # a save's commit runs as a job on a waiting thread of the worker (a thread per save made
@@ -872,16 +873,20 @@ class Checkpointer:
                     "rank": self.rank,
                     "file": res.file,
                     "size_bytes": res.size_bytes,
-                    # the coordinator's own report is not sent: its entries as they are
-                    "chunks": (
-                        dict(res.chunks)
-                        if coordinator
-                        else {k: c.to_json() for k, c in res.chunks.items()}
-                    ),
                     "digest": plan.digest,
                     "num_tensors": len(plan.tensors),
                     "values": values,
                 }
+                if coordinator:  # its own report is not sent: its entries as they are
+                    report["chunks"] = dict(res.chunks)
+                    if res.static is not None:  # (what _manifest_shape compares)
+                        report["static"] = res.static
+                elif res.static is not None:  # the text the coordinator parsed last time, if
+                    # the layout is the same, and the checksums (writer.report_chunks)
+                    report["static"] = res.static
+                    report["sums"] = [list(c.checksums) for c in res.chunks.values()]
+                else:
+                    report["chunks"] = {k: c.to_json() for k, c in res.chunks.items()}
             except BaseException as e:
                 report = {"rank": self.rank, "error": _describe(e)}
                 raise
@@ -987,6 +992,7 @@ class Checkpointer:
             commit_seq=seq,
             job_id=self.job_id,
             validate=False,  # publish_commit checks the bytes it publishes, as readers will
+            static_cache=self._static_reports,
         )
         # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
         # and values only: once one of a shape passed the readers' full check, the next ones of
@@ -1013,6 +1019,7 @@ class Checkpointer:
             collect=self._sweep,
             shape_checked=checked,
             data=data,
+            catalog=catalog,
         )
         self._checked_shape = shape
         self._advance_anchor(handle, step, seq)  # snapshots from now on descend from it
@@ -1158,11 +1165,13 @@ class Checkpointer:
             self._replicas.drop_groups()  # the broken group is freed before the next forms
 
     def _plan(self, flat: FlatState, layout: Layout) -> WritePlan:
+        # (in the walk's order: the same state walks alike, and another order only costs a new
+        # plan, which comes out the same)
         sig = (
             layout,
             tuple(
-                (k, v.local.dtype, v.shape, v.placement, tuple(v.local.shape))
-                for k, v in sorted(flat.tensors.items())
+                (k, v.local.dtype, v.shape, v.placement, v.local.shape)
+                for k, v in flat.tensors.items()
             ),
         )
         if self._plan_cache is None or self._plan_cache[0] != sig:
@@ -1692,7 +1701,22 @@ def _manifest_shape(
                 r.get("file"),
                 r.get("size_bytes"),
                 r.get("digest"),
-                tuple(
+                # a report of the static text of its chunks (writer.chunks_static) and their
+                # checksums, or the coordinator's own entries with their text: the text says all
+                # but the checksums (build_manifest refused a report that has both before this)
+                (
+                    "static",
+                    r["static"],
+                    tuple(len(cs) for cs in r["sums"])
+                    if "chunks" not in r
+                    else tuple(len(c.checksums) for c in r["chunks"].values()),
+                )
+                if "static" in r
+                and (
+                    "chunks" not in r
+                    or all(isinstance(c, ChunkEntry) for c in r["chunks"].values())
+                )
+                else tuple(
                     (
                         k,
                         *(

@@ -68,7 +68,12 @@ from resilient.checkpoint.format import ChunkEntry, TensorEntry, dtype_info
 from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.seal import RECORD_FORMAT, record_name
 from resilient.checkpoint.state import TensorLeaf
-from resilient.checkpoint.writer import PersistResult, WritePlan, rank_file_metadata
+from resilient.checkpoint.writer import (
+    PersistResult,
+    WritePlan,
+    chunks_static,
+    rank_file_metadata,
+)
 from resilient.errors import MemoryTierError
 from resilient.layout import Layout
 
@@ -162,6 +167,10 @@ class Slots:
         self._spare: _Slot | None = None  # a retired snapshot's file, kept for the next one
         self._lock = threading.Lock()  # the caller stages while a background thread settles
         self._prefix: tuple[WritePlan, int] | None = None  # the header's room, per plan
+        self._template: _HeaderTemplate | None = None  # the header's text, per plan
+        # what its commit reports say of its chunks but the checksums (writer.chunks_static), per
+        # plan, header size and file name: (plan, prefix, file, text)
+        self._report_static: tuple[WritePlan, int, str, str] | None = None
         self.reused = 0  # snapshots staged into a reused file (for tests and benchmarks)
 
     def stage(
@@ -184,10 +193,11 @@ class Slots:
             for name in self.names:
                 with contextlib.suppress(OSError):
                     os.unlink(name)
-        header = self._header(plan, step)
         if self._prefix is None or self._prefix[0] is not plan:
             self._prefix = (plan, _round_up(len(self._header(plan, _MAX_STEP)), _PAGE))
+            self._template = _HeaderTemplate(plan)
         prefix = self._prefix[1]
+        header = self._template.text(plan, step)
         key = (plan.digest, plan.rank, plan.data_bytes, prefix)
         with self._lock:
             slot, self._spare = self._spare, None
@@ -211,14 +221,19 @@ class Slots:
         try:
             mm = slot.mm
             mm[:8] = struct.pack("<Q", prefix - 8)
-            mm[8 : len(header)] = header[8:]
-            mm[len(header) : prefix] = b" " * (prefix - len(header))
+            end = 8 + len(header)
+            mm[8:end] = header
+            mm[end:prefix] = b" " * (prefix - end)
             slot.sums = {}
             if plan.data_bytes:
                 with torch.no_grad():
                     views, srcs = slot.views(plan), [leaves[it.key].local for it in plan.items]
                     _check_fit(views, srcs)
-                    fused = _fusable(plan, srcs, block_bytes) if block_bytes is not None else {}
+                    fused = (
+                        _fusable(plan, srcs, block_bytes, self._template.large)
+                        if block_bytes is not None
+                        else {}
+                    )
                     if fused:
                         assert block_bytes is not None
                         slot.sums = _copy_summed(slot, plan, fused, block_bytes)
@@ -247,11 +262,19 @@ class Slots:
             )
             final = os.path.join(self.staging, record_name(self.rank, step))
             tmp = os.path.join(self.staging, f"rank_{self.rank:05d}.record.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+            data = text.encode()
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC, 0o600
+            )
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                ino = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
             os.replace(tmp, final)
-            slot.record = (final, os.lstat(final).st_ino)
+            slot.record = (final, ino)
         except (OSError, ValueError, TypeError) as e:
             if not self._record_failed:
                 log.warning("could not write the staged record of snapshot %d: %s", step, e)
@@ -318,13 +341,16 @@ class Slots:
             }
         finally:
             view.release()
+        cached = self._report_static
+        if cached is None or cached[0] is not plan or cached[1:3] != (slot.prefix, file):
+            self._report_static = cached = (plan, slot.prefix, file, chunks_static(chunks))
         dest = os.path.join(self.steps_dir, step_rel, file)
         os.replace(slot.path, dest)
         slot.path = dest
         with self._lock:
             if self._spare is None and len(self._committed) >= 2:
                 self._spare = self._take(self._committed.popleft())
-        return PersistResult(file, slot.size, chunks, time.monotonic() - t0)
+        return PersistResult(file, slot.size, chunks, time.monotonic() - t0, static=cached[3])
 
     def settled(self, slot: _Slot, committed: bool) -> None:
         """A staged snapshot's save is over: keep its file for reuse when it was committed."""
@@ -430,6 +456,29 @@ class Slots:
         return _Slot(staging, fd, mm, key, prefix)
 
 
+class _HeaderTemplate:
+    """What a plan's snapshots share: its safetensors header JSON (without its length and padding)
+    around the step number, the one part that changes from one snapshot of the plan to the next
+    (encoded once per plan: a JSON encode of every tensor's entry per snapshot otherwise), and the
+    items large enough to copy in checksummed pieces."""
+
+    _MARK = "\x00step\x00"
+
+    def __init__(self, plan: WritePlan) -> None:
+        text = Slots._header(plan, self._MARK)[8:].rstrip(b" ")
+        mark = json.dumps(self._MARK).encode()[1:-1]  # as the encoder writes it
+        parts = text.split(mark)
+        # a tensor key holding the mark would split elsewhere: such a plan is encoded each time
+        self._parts = (parts[0], parts[1]) if len(parts) == 2 else None
+        self.large = tuple(i for i, it in enumerate(plan.items) if it.end - it.begin >= _FUSE_MIN)
+
+    def text(self, plan: WritePlan, step: int) -> bytes:
+        if self._parts is None:
+            return Slots._header(plan, step)[8:].rstrip(b" ")
+        # (str(step), as the full encode writes it: an int subclass may print otherwise)
+        return b"%s%s%s" % (self._parts[0], json.dumps(str(step))[1:-1].encode(), self._parts[1])
+
+
 def _check_fit(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     for d, src in zip(dests, srcs):
         if d.dtype != src.dtype or d.shape != src.shape:  # the plan is of this state: never
@@ -450,16 +499,19 @@ def _copy(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             d.copy_(src)
 
 
-def _fusable(plan: WritePlan, srcs: list[torch.Tensor], block_bytes: int) -> dict[int, np.ndarray]:
+def _fusable(
+    plan: WritePlan, srcs: list[torch.Tensor], block_bytes: int, large: tuple[int, ...]
+) -> dict[int, np.ndarray]:
     """The items that are copied and checksummed in pieces (large, plain, dense CPU tensors whose
-    bytes numpy reads as they are), each with its bytes as a flat numpy array."""
+    bytes numpy reads as they are), each with its bytes as a flat numpy array; ``large``: the
+    indexes of the items of ``_FUSE_MIN`` bytes or more."""
     fused: dict[int, np.ndarray] = {}
     if block_bytes <= 0:
         return fused
-    for i, (it, src) in enumerate(zip(plan.items, srcs)):
+    for i in large:
+        it, src = plan.items[i], srcs[i]
         if not (
-            it.end - it.begin >= _FUSE_MIN
-            and (type(src) is torch.Tensor or type(src) is torch.nn.Parameter)
+            (type(src) is torch.Tensor or type(src) is torch.nn.Parameter)
             and src.device.type == "cpu"
             and src.layout == torch.strided
             and src.is_contiguous()

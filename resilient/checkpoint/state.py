@@ -105,7 +105,7 @@ def shard_of(
     return sharded(local, placement, global_shape=shape)
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorLeaf:
     key: str
     local: torch.Tensor  # the rank-local tensor (a DTensor's local shard); a load destination
@@ -187,24 +187,34 @@ class DescribeCache:
     def describe(
         self, key: str, t: torch.Tensor, layout: Layout, rank: int, inherit: torch.Tensor | None
     ) -> TensorLeaf:
-        if is_dtensor(t) or t.layout is not torch.strided:  # (a DTensor's shard is new each time)
-            return describe_tensor(key, t, layout, rank, inherit)
-        sig = (
-            t.untyped_storage().nbytes(),  # (a storage freed or shrunk since: checked again)
-            t.data_ptr(),
-            t.shape,
-            t.stride(),
-            t.dtype,
-            t.device,
-            getattr(t, _ATTR, None),
-            None if inherit is None else getattr(inherit, _ATTR, None),
-        )
         hit = self._old.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == sig:
-            leaf = TensorLeaf(key, t.detach(), hit[2], hit[3])
-            self._new[key] = hit
-        else:
-            leaf = describe_tensor(key, t, layout, rank, inherit)
+        if hit is not None and hit[0]() is t:
+            # (a DTensor or a sparse tensor is never entered below: its shard is new each time)
+            sig = (
+                t.data_ptr(),
+                t.untyped_storage().nbytes(),  # (a storage freed or shrunk since: checked again)
+                t.shape,
+                t.stride(),
+                t.dtype,
+                t.device,
+                getattr(t, _ATTR, None),
+                None if inherit is None else getattr(inherit, _ATTR, None),
+            )
+            if hit[1] == sig:
+                self._new[key] = hit
+                return TensorLeaf(key, t.detach(), hit[2], hit[3])
+        leaf = describe_tensor(key, t, layout, rank, inherit)
+        if not is_dtensor(t) and t.layout is torch.strided:
+            sig = (
+                t.data_ptr(),
+                t.untyped_storage().nbytes(),
+                t.shape,
+                t.stride(),
+                t.dtype,
+                t.device,
+                getattr(t, _ATTR, None),
+                None if inherit is None else getattr(inherit, _ATTR, None),
+            )
             self._new[key] = (weakref.ref(t), sig, leaf.shape, leaf.placement)
         return leaf
 
@@ -331,7 +341,7 @@ class _Walker:
                     f"state key {prefix}{k!r} must be a str or int, got {type(k).__name__}"
                 )
             setter = None
-            if isinstance(m, MutableMapping):
+            if self.for_load and isinstance(m, MutableMapping):
                 setter = lambda val, m=m, k=k: m.__setitem__(k, val)  # noqa: E731
             self.walk(v, f"{prefix}{k}.", setter)
 
@@ -344,27 +354,31 @@ class _Walker:
             self.flat.tensors[key] = describe_tensor(key, t, self.layout, self.rank, inherit)
 
     def optimizer(self, opt: torch.optim.Optimizer, prefix: str) -> None:
-        if self.for_load and init_optimizer_state(opt):
+        load = self.for_load
+        if load and init_optimizer_state(opt):
             self.flat.undo.append(opt.state.clear)
+        names, state, tensor = self.param_names, opt.state, self.tensor
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
-                name = self.param_names.get(id(p), f"{gi}.{pi}")
-                st = opt.state.get(p, {})
+                st = state.get(p)
+                if not st:
+                    continue
+                name = names.get(id(p)) or f"{gi}.{pi}"
                 for k, v in st.items():
                     key = f"{prefix}state.{name}.{k}"
                     if isinstance(v, torch.Tensor):
                         same = v.shape == p.shape and v.dim() > 0
-                        self.tensor(key, v, p if same else None)
+                        tensor(key, v, p if same else None)
                     else:
-                        self.walk(v, key + ".", lambda val, st=st, k=k: st.__setitem__(k, val))
+                        setter = (lambda val, st=st, k=k: st.__setitem__(k, val)) if load else None
+                        self.walk(v, key + ".", setter)
             for hp, v in group.items():
                 if hp == "params":
                     continue
-                self.walk(
-                    v,
-                    f"{prefix}param_groups.{gi}.{hp}.",
-                    lambda val, group=group, hp=hp: group.__setitem__(hp, val),
+                setter = (
+                    (lambda val, group=group, hp=hp: group.__setitem__(hp, val)) if load else None
                 )
+                self.walk(v, f"{prefix}param_groups.{gi}.{hp}.", setter)
 
 
 def is_dtensor(obj: Any) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from resilient.checkpoint.catalog import remember_commit
+from resilient.checkpoint.catalog import Catalog, StepInfo, remember_commit
 from resilient.checkpoint.codec import block_checksums, compress, crc_pool, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -202,6 +202,84 @@ class PersistResult:
     size_bytes: int
     chunks: dict[str, ChunkEntry]
     write_s: float
+    # ``chunks_static(chunks)``, where the writer keeps it from one save to the next (the memory
+    # tier's rank files are laid out alike at every snapshot): the report then sends it and the
+    # checksums apart (``report_chunks``)
+    static: str | None = None
+
+
+def chunks_static(chunks: Mapping[str, ChunkEntry]) -> str:
+    """The JSON of ``chunks`` in their order, without their checksums: all that a rank's report
+    says of its chunks but the checksums, the same from one save of a layout to the next."""
+    return json.dumps(
+        [[k, {**c.to_json(), "checksums": []}] for k, c in chunks.items()], allow_nan=False
+    )
+
+
+def report_chunks(
+    report: Mapping[str, Any], static_cache: dict[str, list[tuple[str, ChunkEntry]]] | None = None
+) -> list[tuple[str, ChunkEntry]]:
+    """A rank's chunks from its commit report: ``chunks`` (entries, or their JSON), or ``static``
+    (``chunks_static``) with ``sums``, each chunk's checksums in the same order (a report has one
+    or the other; the coordinator's own, never sent, has its entries and their ``static`` text).
+    ``static_cache`` keeps parsed static parts from one commit to the next: a rank sends the same
+    text at every snapshot of a layout, and the coordinator then parses only the checksums.  What
+    does not add up is a CommitError naming the rank."""
+    rank = report.get("rank")
+    if "chunks" in report:
+        chunks = report["chunks"]
+        if not isinstance(chunks, dict):
+            raise CommitError(f"rank {rank} reported chunks that are not an object")
+        own = all(isinstance(c, ChunkEntry) for c in chunks.values())
+        if not own and ("static" in report or "sums" in report):
+            raise CommitError(f"rank {rank} reported its chunks twice (chunks and static)")
+        return [
+            (key, c if own else ChunkEntry.from_json(c, f"rank {rank} chunk {key!r}"))
+            for key, c in chunks.items()
+        ]
+    static, sums = report.get("static"), report.get("sums")
+    if not isinstance(static, str) or not isinstance(sums, list):
+        raise CommitError(f"rank {rank} reported no chunks (static text and checksums)")
+    entries = static_cache.get(static) if static_cache is not None else None
+    if entries is None:
+        entries = []
+        try:
+            for key, c in json.loads(static):
+                if type(key) is not str:
+                    raise TypeError(f"a chunk under {key!r}, not a tensor name")
+                entries.append((key, ChunkEntry.from_json(c, f"rank {rank} chunk {key!r}")))
+        except (TypeError, ValueError, RecursionError) as e:
+            raise CommitError(f"rank {rank} reported chunks that do not parse: {e}") from None
+        if static_cache is not None:
+            if len(static_cache) >= 16:  # (a layout per rank at a time; never more than a few)
+                static_cache.clear()
+            static_cache[static] = entries
+    if len(sums) != len(entries):
+        raise CommitError(
+            f"rank {rank} reported checksums for {len(sums)} chunks and {len(entries)} chunks"
+        )
+    out = []
+    for (key, e), cs in zip(entries, sums):
+        if not isinstance(cs, list) or not all(type(x) is int and 0 <= x < 1 << 32 for x in cs):
+            raise CommitError(
+                f"rank {rank} reported checksums of chunk {key!r} that are not crc32 values"
+            )
+        out.append(
+            (
+                key,
+                ChunkEntry(
+                    offsets=e.offsets,
+                    sizes=e.sizes,
+                    file=e.file,
+                    name=e.name,
+                    byte_range=e.byte_range,
+                    checksums=tuple(cs),
+                    codec=e.codec,
+                    raw_bytes=e.raw_bytes,
+                ),
+            )
+        )
+    return out
 
 
 def persist_rank_file(
@@ -527,10 +605,12 @@ def build_manifest(
     commit_seq: int = 0,
     job_id: str = "",
     validate: bool = True,
+    static_cache: dict[str, list[tuple[str, ChunkEntry]]] | None = None,
 ) -> Manifest:
     """The coordinator's view: every rank's chunks, checked to tile every tensor exactly once
     (``validate=False`` where the caller commits through ``publish_commit``, which checks the
-    bytes it publishes the way readers do, this check included)."""
+    bytes it publishes the way readers do, this check included).  ``static_cache``: see
+    ``report_chunks``."""
     failed = [r for r in reports if r.get("error")]
     if failed:
         raise CommitError(
@@ -547,9 +627,7 @@ def build_manifest(
     files = {}
     for r in reports:
         files[r["file"]] = FileEntry(rank=r["rank"], size_bytes=r["size_bytes"])
-        for key, c in r["chunks"].items():
-            if not isinstance(c, ChunkEntry):  # (the coordinator's own are entries already)
-                c = ChunkEntry.from_json(c, f"rank {r['rank']} chunk {key!r}")
+        for key, c in report_chunks(r, static_cache):
             chunks[key].append(c)
     tensors = {
         k: TensorEntry(
@@ -599,12 +677,15 @@ def publish_commit(
     sweep_step: bool = True,
     shape_checked: bool = False,
     data: bytes | None = None,
+    catalog: Catalog | None = None,
 ) -> list[str]:
     """Commit a step whose files are written: check that readers would accept the manifest,
     make the directory durable, check the writer lease, publish the manifest, then (under the
     lease still) run retention.  Returns what to delete afterwards: older generations and temp
     files of this step, and the directories retention dropped (uncommitted already).  ``data``:
-    the manifest's bytes where the caller has them (``manifest_to_bytes`` otherwise)."""
+    the manifest's bytes where the caller has them (``manifest_to_bytes`` otherwise);
+    ``catalog``: the caller's scan of ``storage`` under the lease, before this commit (retention
+    then lists the steps once per commit instead of twice)."""
     step = manifest.step
     step_rel = step_dir_name(step)
     if data is None:
@@ -632,7 +713,24 @@ def publish_commit(
         for name in storage.listdir(step_rel) if sweep_step else ():
             if name != MANIFEST_NAME and name not in manifest.files:
                 garbage.append(f"{step_rel}/{name}")
-        garbage += retire_steps(storage, keep_last, keep_every, in_progress=step, collect=collect)
+        if catalog is not None:  # (the lease kept other writers out since: only this commit)
+            catalog = Catalog(
+                [
+                    *(i for i in catalog.infos.values() if i.step != step),
+                    StepInfo(
+                        step,
+                        step_rel,
+                        "committed",
+                        commit_seq=manifest.commit_seq,
+                        generation=manifest.generation,
+                        job_id=manifest.job_id,
+                        files=frozenset(manifest.files),
+                    ),
+                ]
+            )
+        garbage += retire_steps(
+            storage, keep_last, keep_every, in_progress=step, catalog=catalog, collect=collect
+        )
     except Exception as e:
         log.warning("retention after committing step %d failed: %s", step, e)
     return garbage
