@@ -29,10 +29,16 @@
   takes over a second of CPU), and per round the ratio to the round's run without snapshots.
   With ``--trainer-parts`` two more kinds: a snapshot every step cut short after the caller's
   part, and after the background checksums (benchmarks/snapshot_parts.py: no commit protocol).
+- Training with the tier, on and off in one run (``--trainer-blocks N``): the reference trainer,
+  ``--preset`` on 2 ranks, ``--block-steps`` steps, a snapshot every step in every other block of
+  ``--block`` steps (benchmarks/snapshot_blocks.py); per run, the median time between steps with
+  snapshots and without.  Runs differ from each other more than the effect (rounds of
+  ``--trainer-runs`` range widely); within one run both kinds share the processes and the minutes.
 
     python benchmarks/memory_tier.py [--gib 0.5] [--dir /path/on/disk] [--repeats 5]
                                      [--trainer-runs 8] [--trainer-parts] [--preset tiny]
-                                     [--steps 150]
+                                     [--steps 150] [--trainer-blocks 3] [--block 20]
+                                     [--block-steps 400]
                                      [--interference-runs 2] [--save-every 2] [--skip-bench]
 """
 
@@ -297,6 +303,55 @@ def trainer_runs(args) -> dict[str, list[float]]:
     return out
 
 
+def trainer_blocks(args) -> list[dict[str, float]]:
+    """Per run of benchmarks/snapshot_blocks.py (a snapshot every step in alternate blocks of
+    ``--block`` steps): the median time between steps with snapshots and without, after the
+    first ``--trainer-skip`` steps."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from snapshot_blocks import kept, snapshots_on
+
+    root = tempfile.mkdtemp(prefix="mem-bench-blocks-", dir=args.dir)
+    memory = tempfile.mkdtemp(prefix="mem-bench-blocks-", dir=args.shm)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": memory}
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = []
+    try:
+        for r in range(args.trainer_blocks):
+            d = os.path.join(root, str(r))
+            cmd = [
+                sys.executable, "-m", "resilient.cli", "launch", "--standalone",
+                "--nproc-per-node", "2", os.path.join(here, "snapshot_blocks.py"),
+                "--block", str(args.block), "--dp", "2", "--preset", args.preset,
+                "--steps", str(args.block_steps), "--memory-every", "1",
+                "--ckpt", d + "/ckpt", "--metrics", d + "/metrics.jsonl",
+            ]  # fmt: skip
+            if args.block_part:
+                cmd += ["--part", args.block_part]
+            subprocess.run(cmd, check=True, env=env, capture_output=True)
+            with open(d + "/metrics.jsonl") as f:
+                wall = {
+                    row["step"]: row["wall_time"]
+                    for row in map(json.loads, f)
+                    if "wall_time" in row
+                }
+            gaps: dict[bool, list[float]] = {True: [], False: []}
+            for s in sorted(wall):
+                if s - 1 in wall and s > args.trainer_skip and kept(s, args.block):
+                    gaps[snapshots_on(s, args.block)].append(wall[s] - wall[s - 1])
+            out.append({"on": median(gaps[True]), "off": median(gaps[False])})
+            shutil.rmtree(d, ignore_errors=True)
+            print(
+                f"  run {r}: without {out[-1]['off'] * 1e3:.1f} ms, with a snapshot every step "
+                f"{out[-1]['on'] * 1e3:.1f} ms ({out[-1]['on'] / out[-1]['off'] - 1:+.1%}; "
+                f"{len(gaps[True])} and {len(gaps[False])} steps)",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    return out
+
+
 INTERFERENCE = {
     "no saves": ["--save-every", "0"],
     "saves from the trainer's thread": ["--save-every", "{k}"],
@@ -373,6 +428,21 @@ def main() -> None:
         help="the trainer runs also cut a snapshot short: staged only, and staged + checksums "
         "(benchmarks/snapshot_parts.py)",
     )
+    p.add_argument(
+        "--trainer-blocks",
+        type=int,
+        default=0,
+        help="runs of the trainer with snapshots on and off in alternate blocks of steps "
+        "(benchmarks/snapshot_blocks.py)",
+    )
+    p.add_argument("--block", type=int, default=20, help="steps per block (--trainer-blocks)")
+    p.add_argument("--block-steps", type=int, default=400, help="steps per run (--trainer-blocks)")
+    p.add_argument(
+        "--block-part",
+        choices=("staged", "checksummed"),
+        default=None,
+        help="(--trainer-blocks) cut every snapshot short (benchmarks/snapshot_parts.py)",
+    )
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     p.add_argument("--small-tensors", type=int, default=92)
     p.add_argument("--small-snapshots", type=int, default=400)
@@ -444,6 +514,26 @@ def main() -> None:
             markdown_table(
                 ["every step", "median gap ms", "vs none (median of rounds)", "rounds' range"],
                 rows,
+            )
+        )
+    if args.trainer_blocks:
+        res["trainer_blocks_s"] = b = trainer_blocks(args)
+        ratios = [x["on"] / x["off"] for x in b]
+        print(
+            f"\ntrainer, preset {args.preset}, 2 ranks (dp 2), {args.block_steps} steps in blocks "
+            f"of {args.block} (the first {args.trainer_skip} steps and two per block dropped), "
+            f"snapshots every step in every other block"
+            + (f" (cut short: {args.block_part})" if args.block_part else "")
+            + f"; {args.trainer_blocks} runs"
+        )
+        print(
+            markdown_table(
+                ["without ms", "with ms", "with vs without"],
+                [
+                    [f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}", f"{r - 1:+.1%}"]
+                    for x, r in zip(b, ratios)
+                ]
+                + [["median", "", f"{median(ratios) - 1:+.1%}"]],
             )
         )
     write_results(args.json, res)
