@@ -44,7 +44,15 @@ from resilient.checkpoint.format import (
 from resilient.checkpoint.storage import Storage
 from resilient.errors import ResilientError
 
-__all__ = ["StepInfo", "Catalog", "scan", "line_of", "remember_commit"]
+__all__ = [
+    "StepInfo",
+    "Catalog",
+    "scan",
+    "line_of",
+    "remember_commit",
+    "committed_step",
+    "summary_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +163,7 @@ def scan(storage: Storage) -> Catalog:
                 m = manifest_of_step(
                     storage.read_small(rel, MAX_MANIFEST_BYTES), storage.display(rel), step
                 )
-                found = ManifestSummary(
-                    m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files)
-                )
+                found = summary_of(m)
             except ResilientError as e:
                 found = str(e)
             with _LOCK:
@@ -167,18 +173,26 @@ def scan(storage: Storage) -> Catalog:
         if isinstance(found, str):
             infos.append(_damaged(storage, step, name, found, cache_key))
         else:
-            infos.append(
-                StepInfo(
-                    step,
-                    name,
-                    "committed",
-                    commit_seq=found.commit_seq,
-                    generation=found.generation,
-                    job_id=found.job_id,
-                    files=found.files,
-                )
-            )
+            infos.append(committed_step(name, found))
     return Catalog(infos)
+
+
+def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
+    """The entry of a committed step (its directory ``name``) whose manifest says ``summary``."""
+    return StepInfo(
+        summary.step,
+        name,
+        "committed",
+        commit_seq=summary.commit_seq,
+        generation=summary.generation,
+        job_id=summary.job_id,
+        files=summary.files,
+    )
+
+
+def summary_of(m: Manifest) -> ManifestSummary:
+    """What the catalog keeps of a manifest."""
+    return ManifestSummary(m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files))
 
 
 def remember_commit(storage: Storage, m: Manifest) -> None:
@@ -192,7 +206,7 @@ def remember_commit(storage: Storage, m: Manifest) -> None:
         return
     if key is None:
         return
-    summary = ManifestSummary(m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files))
+    summary = summary_of(m)
     with _LOCK:
         _CACHE[(storage.location(), rel, key)] = summary
         while len(_CACHE) > _CACHE_SIZE:

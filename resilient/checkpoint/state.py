@@ -188,35 +188,29 @@ class DescribeCache:
         self, key: str, t: torch.Tensor, layout: Layout, rank: int, inherit: torch.Tensor | None
     ) -> TensorLeaf:
         hit = self._old.get(key)
-        if hit is not None and hit[0]() is t:
-            # (a DTensor or a sparse tensor is never entered below: its shard is new each time)
-            sig = (
-                t.data_ptr(),
-                t.untyped_storage().nbytes(),  # (a storage freed or shrunk since: checked again)
-                t.shape,
-                t.stride(),
-                t.dtype,
-                t.device,
-                getattr(t, _ATTR, None),
-                None if inherit is None else getattr(inherit, _ATTR, None),
-            )
-            if hit[1] == sig:
-                self._new[key] = hit
-                return TensorLeaf(key, t.detach(), hit[2], hit[3])
+        # (a DTensor or a sparse tensor is never entered below: its shard is new each time)
+        if hit is not None and hit[0]() is t and hit[1] == _signature(t, inherit):
+            self._new[key] = hit
+            return TensorLeaf(key, t.detach(), hit[2], hit[3])
         leaf = describe_tensor(key, t, layout, rank, inherit)
         if not is_dtensor(t) and t.layout is torch.strided:
-            sig = (
-                t.data_ptr(),
-                t.untyped_storage().nbytes(),
-                t.shape,
-                t.stride(),
-                t.dtype,
-                t.device,
-                getattr(t, _ATTR, None),
-                None if inherit is None else getattr(inherit, _ATTR, None),
-            )
+            sig = _signature(t, inherit)
             self._new[key] = (weakref.ref(t), sig, leaf.shape, leaf.placement)
         return leaf
+
+
+def _signature(t: torch.Tensor, inherit: torch.Tensor | None) -> tuple:
+    """What a cached description of ``t`` holds for: its storage, place, shape and annotation."""
+    return (
+        t.data_ptr(),
+        t.untyped_storage().nbytes(),  # (a storage freed or shrunk since: described again)
+        t.shape,
+        t.stride(),
+        t.dtype,
+        t.device,
+        getattr(t, _ATTR, None),
+        None if inherit is None else getattr(inherit, _ATTR, None),
+    )
 
 
 def flatten_state(

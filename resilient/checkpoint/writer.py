@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from resilient.checkpoint.catalog import Catalog, StepInfo, remember_commit
+from resilient.checkpoint.catalog import Catalog, committed_step, remember_commit, summary_of
 from resilient.checkpoint.codec import block_checksums, compress, crc_pool, safetensors_header
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -717,15 +717,7 @@ def publish_commit(
             catalog = Catalog(
                 [
                     *(i for i in catalog.infos.values() if i.step != step),
-                    StepInfo(
-                        step,
-                        step_rel,
-                        "committed",
-                        commit_seq=manifest.commit_seq,
-                        generation=manifest.generation,
-                        job_id=manifest.job_id,
-                        files=frozenset(manifest.files),
-                    ),
+                    committed_step(step_rel, summary_of(manifest)),
                 ]
             )
         garbage += retire_steps(
