@@ -308,42 +308,27 @@ def trainer_blocks(args) -> list[dict[str, float]]:
     ``--block`` steps): the median time between steps with snapshots and without, after the
     first ``--trainer-skip`` steps."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from snapshot_blocks import kept, snapshots_on
+    from snapshot_blocks import run_blocks
 
     root = tempfile.mkdtemp(prefix="mem-bench-blocks-", dir=args.dir)
     memory = tempfile.mkdtemp(prefix="mem-bench-blocks-", dir=args.shm)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESILIENT_MEMORY_ROOT": memory}
-    here = os.path.dirname(os.path.abspath(__file__))
     out = []
     try:
         for r in range(args.trainer_blocks):
-            d = os.path.join(root, str(r))
-            cmd = [
-                sys.executable, "-m", "resilient.cli", "launch", "--standalone",
-                "--nproc-per-node", "2", os.path.join(here, "snapshot_blocks.py"),
-                "--block", str(args.block), "--dp", "2", "--preset", args.preset,
-                "--steps", str(args.block_steps), "--memory-every", "1",
-                "--ckpt", d + "/ckpt", "--metrics", d + "/metrics.jsonl",
-            ]  # fmt: skip
-            if args.block_part:
-                cmd += ["--part", args.block_part]
-            subprocess.run(cmd, check=True, env=env, capture_output=True)
-            with open(d + "/metrics.jsonl") as f:
-                wall = {
-                    row["step"]: row["wall_time"]
-                    for row in map(json.loads, f)
-                    if "wall_time" in row
-                }
-            gaps: dict[bool, list[float]] = {True: [], False: []}
-            for s in sorted(wall):
-                if s - 1 in wall and s > args.trainer_skip and kept(s, args.block):
-                    gaps[snapshots_on(s, args.block)].append(wall[s] - wall[s - 1])
-            out.append({"on": median(gaps[True]), "off": median(gaps[False])})
-            shutil.rmtree(d, ignore_errors=True)
+            res = run_blocks(
+                os.path.join(root, str(r)),
+                preset=args.preset,
+                steps=args.block_steps,
+                block=args.block,
+                skip=args.trainer_skip,
+                part=args.block_part,
+                env={"RESILIENT_MEMORY_ROOT": memory},
+            )
+            out.append(res)
             print(
-                f"  run {r}: without {out[-1]['off'] * 1e3:.1f} ms, with a snapshot every step "
-                f"{out[-1]['on'] * 1e3:.1f} ms ({out[-1]['on'] / out[-1]['off'] - 1:+.1%}; "
-                f"{len(gaps[True])} and {len(gaps[False])} steps)",
+                f"  run {r}: without {res['off'] * 1e3:.1f} ms, with a snapshot every step "
+                f"{res['on'] * 1e3:.1f} ms ({res['on'] / res['off'] - 1:+.1%}; "
+                f"{res['steps']} steps each way)",
                 flush=True,
             )
     finally:

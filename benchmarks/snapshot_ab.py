@@ -13,8 +13,13 @@ moods fall on both alike:
   snapshots of the same round (the machine's mood changes from run to run more than the
   difference to resolve).
 
-Usage: ``python benchmarks/snapshot_ab.py --other /path/to/a/checkout [--rounds 4]`` (make a
-checkout of another commit with ``git worktree add /tmp/base <commit>``).
+- ``--blocks`` (instead of ``trainer``): per tree and round, one run of the reference trainer with
+  a snapshot every step in every other block of ``--block`` steps (benchmarks/snapshot_blocks.py,
+  this checkout's, over each tree's library and trainer); per tree, the median of the runs'
+  ratios of the steps with snapshots to those without.  Steadier than separate runs.
+
+Usage: ``python benchmarks/snapshot_ab.py --other /path/to/a/checkout [--rounds 4] [--blocks]``
+(make a checkout of another commit with ``git worktree add /tmp/base <commit>``).
 """
 
 from __future__ import annotations
@@ -90,6 +95,28 @@ def trainer(tree: str, args, tmp: str, snapshots: bool) -> tuple[float, float]:
     return gap, statistics.median(r["compute_s"] for r in rows)
 
 
+def blocks(tree: str, args, tmp: str) -> tuple[float, float]:
+    """One run of benchmarks/snapshot_blocks.py (this checkout's) over ``tree``'s library and
+    trainer: the median step with a snapshot every step, and without, in the same run."""
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    from snapshot_blocks import run_blocks
+
+    memory = tempfile.mkdtemp(dir=args.shm)
+    try:
+        res = run_blocks(
+            tempfile.mkdtemp(dir=tmp),
+            preset=args.preset,
+            steps=args.block_steps,
+            block=args.block,
+            skip=args.skip,
+            tree=tree,
+            env={"RESILIENT_MEMORY_ROOT": memory},
+        )
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    return res["on"], res["off"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,6 +129,15 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=40, help="steps dropped at the start of a run")
     p.add_argument("--shm", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--skip-trainer", action="store_true")
+    p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="measure the trainer with snapshots on and off in alternate blocks of steps within "
+        "each run (benchmarks/snapshot_blocks.py: --block-steps steps, blocks of --block), one "
+        "run per tree and round, instead of separate runs with and without snapshots",
+    )
+    p.add_argument("--block", type=int, default=20)
+    p.add_argument("--block-steps", type=int, default=400)
     args = p.parse_args()
     trees = {"this tree": HERE, "other tree": os.path.abspath(args.other)}
     res: dict[str, list] = {}
@@ -112,6 +148,11 @@ def main() -> None:
                 cpu, wall = small(tree, args, tmp)
                 res.setdefault(f"small, {name}", []).append((cpu, wall))
             if args.skip_trainer:
+                continue
+            if args.blocks:
+                for name, tree in trees.items():
+                    res.setdefault(f"blocks, {name}", []).append(blocks(tree, args, tmp))
+                print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
                 continue
             res.setdefault("trainer, no snapshots", []).append(trainer(HERE, args, tmp, False))
             for name, tree in trees.items():
@@ -125,9 +166,22 @@ def main() -> None:
     for name, rows in res.items():
         a = ", ".join(f"{x * 1e3:.1f}" for x, _ in rows)
         b = ", ".join(f"{y * 1e3:.1f}" for _, y in rows)
-        first, second = ("CPU", "wall") if name.startswith("small") else ("gap", "compute")
+        first, second = (
+            ("CPU", "wall")
+            if name.startswith("small")
+            else ("with snapshots", "without")
+            if name.startswith("blocks")
+            else ("gap", "compute")
+        )
         print(f"{name}: {first} ms [{a}] (median {statistics.median(x for x, _ in rows) * 1e3:.1f}); "
               f"{second} ms [{b}]")  # fmt: skip
+    for name in trees:
+        rows = res.get(f"blocks, {name}")
+        if rows:
+            ratios = [on / off for on, off in rows]
+            print(f"blocks, {name}: with vs without snapshots in the same run, per round "
+                  f"[{', '.join(f'{r:.3f}' for r in ratios)}], median "
+                  f"{(statistics.median(ratios) - 1) * 100:+.1f}%")  # fmt: skip
     base = res.get("trainer, no snapshots")
     for name in trees:
         rows = res.get(f"trainer, a snapshot every step, {name}")

@@ -25,13 +25,14 @@ reference trainer's own flags (``--memory-every 1`` included: it sets the tier u
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reference_trainer.__main__ import config_from, parser  # noqa: E402  (disables gc, as a rank)
-
+HERE = os.path.dirname(os.path.abspath(__file__))
 DROP = 2  # steps dropped at the start of each block
 
 
@@ -43,6 +44,50 @@ def snapshots_on(step: int, block: int) -> bool:
 def kept(step: int, block: int) -> bool:
     """Whether the time of ``step`` (from the end of the step before) counts."""
     return (step - 1) % block >= DROP
+
+
+def run_blocks(
+    out_dir: str,
+    *,
+    preset: str = "tiny",
+    steps: int = 400,
+    block: int = 20,
+    skip: int = 40,
+    part: str | None = None,
+    tree: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, float]:
+    """(the driver) One run: the median seconds between steps with snapshots ("on") and without
+    ("off"), after the first ``skip`` steps.  ``tree``: a checkout whose library and trainer to
+    measure (default: this one); ``env`` should give the run a RESILIENT_MEMORY_ROOT of its own."""
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
+    if tree is not None:
+        env["RESILIENT_BENCH_TREE"] = tree
+        env["PYTHONPATH"] = tree  # (the launcher too)
+    cmd = [
+        sys.executable, "-m", "resilient.cli", "launch", "--standalone", "--nproc-per-node", "2",
+        os.path.join(HERE, "snapshot_blocks.py"), "--block", str(block), "--dp", "2",
+        "--preset", preset, "--steps", str(steps), "--memory-every", "1",
+        "--ckpt", out_dir + "/ckpt", "--metrics", out_dir + "/metrics.jsonl",
+        *(["--part", part] if part else []),
+    ]  # fmt: skip
+    try:
+        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tree or os.getcwd())
+        with open(out_dir + "/metrics.jsonl") as f:
+            wall = {
+                row["step"]: row["wall_time"] for row in map(json.loads, f) if "wall_time" in row
+            }
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    for s in sorted(wall):
+        if s - 1 in wall and s > skip and kept(s, block):
+            gaps[snapshots_on(s, block)].append(wall[s] - wall[s - 1])
+    return {
+        "on": statistics.median(gaps[True]),
+        "off": statistics.median(gaps[False]),
+        "steps": len(gaps[True]),
+    }
 
 
 class Blocks:
@@ -67,16 +112,27 @@ def main() -> int:
         i = argv.index("--part")
         part = argv[i + 1]
         del argv[i : i + 2]
+    # the library and trainer measured: this checkout's, or the one RESILIENT_BENCH_TREE names (a
+    # checkout of another commit: benchmarks/snapshot_ab.py --blocks)
+    sys.path.insert(0, os.environ.get("RESILIENT_BENCH_TREE") or os.path.dirname(HERE))
+    from reference_trainer.__main__ import config_from, parser  # (disables gc, as a rank)
+
     args = parser().parse_args(argv)
     if not args.memory_every:
         raise SystemExit("snapshot_blocks.py needs --memory-every 1 (it sets the tier up)")
     cfg = config_from(args, int(os.environ["WORLD_SIZE"]))
     from reference_trainer.train import train
 
-    if part is not None:
-        from benchmarks.snapshot_parts import cut_short
+    if part is not None:  # this checkout's snapshot_parts.py, over the tree measured
+        import importlib.util
 
-        cut_short(part, cfg.steps)
+        spec = importlib.util.spec_from_file_location(
+            "snapshot_parts", os.path.join(HERE, "snapshot_parts.py")
+        )
+        assert spec is not None and spec.loader is not None
+        parts = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(parts)
+        parts.cut_short(part, cfg.steps)
 
     train(cfg, hooks=[Blocks(block)])
     import torch.distributed as dist

@@ -27,7 +27,12 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# this checkout, or the one RESILIENT_BENCH_TREE names (benchmarks/snapshot_blocks.py)
+sys.path.insert(
+    0,
+    os.environ.get("RESILIENT_BENCH_TREE")
+    or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+)
 
 from reference_trainer.__main__ import config_from, parser  # noqa: E402  (disables gc, as a rank)
 
