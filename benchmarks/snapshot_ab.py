@@ -54,6 +54,8 @@ for step in range(31, 31 + n):
 print((time.process_time() - c0) / n, (time.perf_counter() - t0) / n)
 ck.release_memory()
 ck.close()
+import shutil
+shutil.rmtree(shm, ignore_errors=True)
 """
 
 
