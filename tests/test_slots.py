@@ -484,7 +484,7 @@ def test_the_header_template_writes_the_same_bytes_as_the_header_itself(tmp_path
 
             for step in (0, 1, 9, 10, 4711, 10**12, 2**63 - 1, Step(5)):
                 full = slots_mod.Slots._header(plan, step)
-                assert template.text(plan, step) == full[8:].rstrip(b" ")
+                assert template.text(step) == full[8:].rstrip(b" ")
             ck.snapshot(2, state).wait()
             assert ck.snapshots.verify(2).ok
             ck.release_memory()

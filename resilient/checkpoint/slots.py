@@ -166,8 +166,7 @@ class Slots:
         self._staged: list[_Slot] = []  # staged and not settled yet, oldest first
         self._spare: _Slot | None = None  # a retired snapshot's file, kept for the next one
         self._lock = threading.Lock()  # the caller stages while a background thread settles
-        self._prefix: tuple[WritePlan, int] | None = None  # the header's room, per plan
-        self._template: _HeaderTemplate | None = None  # the header's text, per plan
+        self._template: _HeaderTemplate | None = None  # the header's room and text, per plan
         # what its commit reports say of its chunks but the checksums (writer.chunks_static), per
         # plan, header size and file name: (plan, prefix, file, text)
         self._report_static: tuple[WritePlan, int, str, str] | None = None
@@ -193,11 +192,11 @@ class Slots:
             for name in self.names:
                 with contextlib.suppress(OSError):
                     os.unlink(name)
-        if self._prefix is None or self._prefix[0] is not plan:
-            self._prefix = (plan, _round_up(len(self._header(plan, _MAX_STEP)), _PAGE))
-            self._template = _HeaderTemplate(plan)
-        prefix = self._prefix[1]
-        header = self._template.text(plan, step)
+        template = self._template
+        if template is None or template.plan is not plan:
+            self._template = template = _HeaderTemplate(plan)
+        prefix = template.prefix
+        header = template.text(step)
         key = (plan.digest, plan.rank, plan.data_bytes, prefix)
         with self._lock:
             slot, self._spare = self._spare, None
@@ -230,7 +229,7 @@ class Slots:
                     views, srcs = slot.views(plan), [leaves[it.key].local for it in plan.items]
                     _check_fit(views, srcs)
                     fused = (
-                        _fusable(plan, srcs, block_bytes, self._template.large)
+                        _fusable(plan, srcs, block_bytes, template.large)
                         if block_bytes is not None
                         else {}
                     )
@@ -457,14 +456,17 @@ class Slots:
 
 
 class _HeaderTemplate:
-    """What a plan's snapshots share: its safetensors header JSON (without its length and padding)
-    around the step number, the one part that changes from one snapshot of the plan to the next
-    (encoded once per plan: a JSON encode of every tensor's entry per snapshot otherwise), and the
-    items large enough to copy in checksummed pieces."""
+    """What a plan's snapshots share: the room of its header (sized for the largest step number,
+    page-aligned), its safetensors header JSON (without its length and padding) around the step
+    number, the one part that changes from one snapshot of the plan to the next (encoded once per
+    plan: a JSON encode of every tensor's entry per snapshot otherwise), and the items large
+    enough to copy in checksummed pieces."""
 
     _MARK = "\x00step\x00"
 
     def __init__(self, plan: WritePlan) -> None:
+        self.plan = plan
+        self.prefix = _round_up(len(Slots._header(plan, _MAX_STEP)), _PAGE)
         text = Slots._header(plan, self._MARK)[8:].rstrip(b" ")
         mark = json.dumps(self._MARK).encode()[1:-1]  # as the encoder writes it
         parts = text.split(mark)
@@ -472,9 +474,9 @@ class _HeaderTemplate:
         self._parts = (parts[0], parts[1]) if len(parts) == 2 else None
         self.large = tuple(i for i, it in enumerate(plan.items) if it.end - it.begin >= _FUSE_MIN)
 
-    def text(self, plan: WritePlan, step: int) -> bytes:
+    def text(self, step: int) -> bytes:
         if self._parts is None:
-            return Slots._header(plan, step)[8:].rstrip(b" ")
+            return Slots._header(self.plan, step)[8:].rstrip(b" ")
         # (str(step), as the full encode writes it: an int subclass may print otherwise)
         return b"%s%s%s" % (self._parts[0], json.dumps(str(step))[1:-1].encode(), self._parts[1])
 
