@@ -231,6 +231,9 @@ def _two_ranks_cut_short(rank: int, world: int, url: str) -> dict:
         ck.snapshot(step, {"model": m, "meta": {"step": step, "rank": rank}})
         if step < 3:
             ck.wait_snapshot()
+    # Rank 0's process holds the store: were it to exit while rank 1's thread still waits for the
+    # outcome of step 2 (a loaded machine), that wait would fail on a closed connection
+    torch.distributed.barrier()
     # plain lists: a tensor would come back through a file descriptor this process (exiting
     # unclosed at once) may no longer be there to hand over
     return {k: v.tolist() for k, v in m.state_dict().items()}
