@@ -523,30 +523,80 @@ def test_a_commit_that_times_out_names_the_ranks_that_did_not_report():
         c.gather({"rank": 0})
 
 
-def _store_keys_over_commits(rank: int, world: int, url: str, memory: bool) -> list[int]:
+# steps whose file fails to be written on a rank: its own failure reported (rank 1), or the
+# coordinator's, after every other rank reported (rank 0); twice in a row, then once more
+FAILING = {5: 1, 6: 0, 9: 0}
+
+
+def _store_keys_over_commits(
+    rank: int, world: int, url: str, memory: str, fail: bool
+) -> list[int | None]:
     import torch.distributed as dist
+
+    import resilient.checkpoint.checkpointer as ckm
+    from resilient.checkpoint.writer import CommitError
 
     store = dist.distributed_c10d._get_default_store()
     state = {"w": torch.arange(8.0) + rank}
-    counts = []
-    kw = {"memory_every": 1, "persister": False} if memory else {}
+    counts: list[int | None] = []
+    kw = {"memory_every": 1, "persister": memory == "persister"} if memory != "durable" else {}
     with Checkpointer(url, **kw) as ck:
-        for step in range(1, 13):
-            state["w"] += 1
-            (ck.snapshot(step, state) if memory else ck.save(step, state)).wait()
-            dist.barrier()  # every rank's commit is over, its clean-up included
-            counts.append(store.num_keys())
-            dist.barrier()
+
+        def failing(write):
+            def write_or_fail(*a, **k):
+                if fail and FAILING.get(step) == rank:
+                    raise OSError(f"no space left for step {step} (injected)")
+                return write(*a, **k)
+
+            return write_or_fail
+
+        ck_write = ckm.persist_rank_file  # (with the persister: a durable save after a failed
+        if memory != "memory tier":  # snapshot is written by this process, as without one)
+            ckm.persist_rank_file = failing(ck_write)
+        if memory != "durable":
+            ck._memory._slots.persist = failing(ck._memory._slots.persist)
+        try:
+            for step in range(1, 16):
+                state["w"] += 1
+                # as Run does: a snapshot every step, and with the persister a durable save
+                # of it, which the persister commits to the URL
+                handle = ck.snapshot(step, state) if memory != "durable" else None
+                if memory != "memory tier":
+                    handle = ck.save(step, state)
+                try:
+                    handle.wait()
+                    ok = True
+                except CommitError:
+                    ok = False
+                if memory == "persister":  # the snapshot's own outcome, as Run joins it
+                    with contextlib.suppress(CommitError):
+                        ck.wait_snapshot()
+                assert ok == (not fail or step not in FAILING), step
+                dist.barrier()  # every rank's commit is over, its clean-up included
+                counts.append(store.num_keys() if ok else None)
+                dist.barrier()
+        finally:
+            ckm.persist_rank_file = ck_write
     return counts
 
 
-@pytest.mark.parametrize("memory", [False, True], ids=["durable", "memory tier"])
-def test_the_store_holds_a_bounded_number_of_commit_keys(tmp_path, monkeypatch, memory):
+@pytest.mark.parametrize("fail", [False, True], ids=["", "failures"])
+@pytest.mark.parametrize("memory", ["durable", "memory tier", "persister"])
+def test_the_store_holds_a_bounded_number_of_commit_keys(tmp_path, monkeypatch, memory, fail):
     """Each commit's keys go (begin, every report, and the outcome at the next commit): a run
-    that saves every step does not grow the c10d store (it grew by one key per commit)."""
+    that saves every step does not grow the c10d store (it grew by one key per commit).  Nor
+    does one whose commits fail now and then (a failed commit's keys stayed: its begin, the
+    reports, its outcome), nor the durable saves a persister commits (their outcome stayed)."""
     monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(tmp_path / "shm"))
-    counts = run_distributed(_store_keys_over_commits, 2, str(tmp_path / "ck"), memory)[0]
-    assert counts[3:] == [counts[3]] * len(counts[3:]), counts
+    args = (str(tmp_path / "ck"), memory, fail)
+    counts = run_distributed(_store_keys_over_commits, 2, *args)[0]
+    steady, settled = counts[3], [c for c in counts[3:] if c is not None]
+    assert len(settled) == len(counts[3:]) - (len(FAILING) if fail else 0)
+    assert settled[-5:] == [steady] * 5, counts  # where it was before the failures
+    # With the persister, a durable save after a failed snapshot is written by this process,
+    # through a commit with reports, whose outcome stays until the next save (as any such one's)
+    extra = 1 if fail and memory == "persister" else 0
+    assert all(steady <= c <= steady + extra for c in settled), counts
 
 
 def test_a_peers_abandon_does_not_make_a_rank_take_back_its_report():

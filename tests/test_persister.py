@@ -99,12 +99,27 @@ _TRAINER = textwrap.dedent(
     torch.manual_seed(0)
     m = torch.nn.Linear(8, 4)
     ck = Checkpointer(sys.argv[1], memory_every=1)
+    own = sys.argv[3] == "own"  # the durable save written by this process, not the persister
     for step in range(1, 9):
         with torch.no_grad():
             for p in m.parameters():
                 p.add_(1.0)
+        if own and step == 2:  # the tmpfs is full for a moment: this snapshot fails
+            ck.wait_snapshot()
+            persist = ck._memory._slots.persist
+            def full(*a, **k):
+                raise OSError(28, "No space left on device (injected)")
+            ck._memory._slots.persist = full
+            ck.snapshot(step, {"model": m})
+            try:
+                ck.wait_snapshot()
+            except Exception:
+                pass
+            ck._memory._slots.persist = persist
+            continue
         ck.snapshot(step, {"model": m})
-        if step == 4:
+        # own: the persister writes step 1, this process step 3 (after the failed snapshot)
+        if step in ((1, 3) if own else (4,)):
             ck.save(step, {"model": m}).wait()
     ck.wait_snapshot()
     torch.save(m.state_dict(), sys.argv[2])  # (the test's reference: not a checkpoint)
@@ -125,11 +140,15 @@ _TRAINER = textwrap.dedent(
 )
 
 
-def test_a_killed_trainers_newest_snapshot_is_flushed_to_durable_storage(tmp_path):
+@pytest.mark.parametrize("saved_by", ["persister", "own"])
+def test_a_killed_trainers_newest_snapshot_is_flushed_to_durable_storage(tmp_path, saved_by):
+    """``own``: the durable save was written by the trainer itself (its memory tier's last
+    snapshot had failed), which took the writer lease over from the persister: the persister
+    takes it anew to flush (it was lost to it for good: the flush failed with a LeaseError)."""
     url = tmp_path / "ckpt"
     ref = tmp_path / "reference.pt"
     proc = subprocess.run(
-        [sys.executable, "-c", _TRAINER, str(url), str(ref)],
+        [sys.executable, "-c", _TRAINER, str(url), str(ref), saved_by],
         capture_output=True,
         text=True,
         timeout=300,
@@ -140,7 +159,7 @@ def test_a_killed_trainers_newest_snapshot_is_flushed_to_durable_storage(tmp_pat
     # step 8 out and exited
     _wait_for("the persister's exit", lambda: not _alive(pid))
     ck = Checkpointer(str(url))
-    assert ck.steps() == [4, 8]
+    assert ck.steps() == ([1, 3, 8] if saved_by == "own" else [4, 8])
     assert ck.verify(8).ok
     m = _model(1)
     ck.load({"model": m})
@@ -313,3 +332,48 @@ def test_durable_saves_go_on_when_the_memory_tier_fails(tmp_path):
         ck.close_memory()  # the tier is closed: durable saves are this process's again
         ck.save(1, {"model": m}).wait()
         assert ck.steps() == [1]
+
+
+def test_durable_saves_go_back_to_the_persister_once_snapshots_work_again(tmp_path):
+    """A snapshot fails (a full tmpfs, for a moment): the next durable save is written by this
+    process, which takes the writer lease over from the persister, as the same job may.  Once
+    snapshots work again, the persister commits the saves again: this process releases the
+    lease first, and the persister takes it anew (it had lost it for good: every later save
+    failed with a LeaseError)."""
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1) as ck:
+        state = {"model": m}
+
+        def lease_holder() -> int:
+            return json.loads((url / "LEASE.json").read_text())["pid"]
+
+        _bump(m, 1.0)
+        ck.save(1, state).wait()
+        persister = ck.persister_pid
+        assert persister is not None and lease_holder() == persister
+        persist = ck._memory._slots.persist
+
+        def full(*a, **k):
+            raise OSError(28, "No space left on device (injected)")
+
+        ck._memory._slots.persist = full
+        _bump(m, 1.0)
+        with pytest.raises(ResilientError, match="No space left"):
+            ck.snapshot(2, state).wait()
+        ck._memory._slots.persist = persist
+        _bump(m, 1.0)
+        ck.save(3, state).wait()  # written by this process
+        assert lease_holder() == os.getpid() and ck.steps()[-1] == 3
+        for step in (4, 5, 6):
+            _bump(m, 1.0)
+            ck.snapshot(step, state).wait()
+            ck.save(step, state).wait()
+        assert ck.persister_pid == persister and lease_holder() == persister
+        want = _weights(m)
+        assert ck.steps()[-3:] == [4, 5, 6]
+    log = next(Path(os.environ["RESILIENT_MEMORY_ROOT"]).glob("job-*/persister.log")).read_text()
+    assert "taking it anew" in log
+    m2 = _model(1)
+    fresh = Checkpointer(str(url))
+    assert fresh.load({"model": m2}) == 6 and _same(m2, want) and fresh.verify(6).ok

@@ -243,6 +243,7 @@ class Checkpointer:
         self._seq = 0
         self._loads = 0
         self._lease: WriterLease | None = None
+        self._lease_returned = False  # (rank 0) released since its own saves: tell the persister
         self._sweep = Sweep()  # the uncommitted step directories this job may delete
         self._stager = Stager()
         self._slots: Slots | None = None  # (the memory tier's own) the lean snapshot path
@@ -263,6 +264,9 @@ class Checkpointer:
         self._after_commit: dict[int, Any] = {}
         self._shared_manifest: str | None = None  # the store key of the newest shared manifest
         self._last_outcome_key: str | None = None  # the previous commit's outcome (store key)
+        # (the coordinator) the keys of the commits that failed since the last one every rank
+        # reported to: the next such commit deletes them (no rank reads them any more)
+        self._stale_keys: list[str] = []
         self._last_outcome: str | None = None  # the failure of the last joined save, if any
         # (in-job recovery) the pending save is the previous group's: a load need not wait for it
         self._pending_is_old = False
@@ -547,6 +551,10 @@ class Checkpointer:
         handle = SaveHandle(step, self._lineage)
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
+        if self._lease is not None:  # (rank 0) it wrote saves itself, as after a failed snapshot:
+            # the persister takes the lease back (persister.Promoter), never both at once
+            self._lease.release()
+            self._lease, self._lease_returned = None, True
         if self.nodes.is_leader(self.rank):  # (rank 0 on one node)
             outbox = self._persister_client().outbox  # (started in the background thread)
             steps_dir = self.memory.steps
@@ -593,6 +601,11 @@ class Checkpointer:
             if self.nodes.nodes > 1:
                 self._persist_across_nodes(handle, pinned, committer)
             elif committer.is_coordinator:
+                # the keys of earlier commits (saves this process wrote, failed ones): every
+                # rank is past them once it read this outcome; the last to read it deletes them
+                old = self._stale_keys + [k for k in (self._last_outcome_key,) if k]
+                committer.hand_over(old)
+                self._stale_keys, self._last_outcome_key = [], None
                 try:
                     reply = self._ask_persister("persist", step, pinned)
                     self._advance_anchor(handle, step, int(reply["commit_seq"]))
@@ -603,7 +616,11 @@ class Checkpointer:
                 committer.publish("ok")
             else:
                 # rank 0's persister may take up to commit_timeout_s to answer: then rank 0 says
-                _await_outcome(committer, step, extra_s=self.commit_timeout_s)
+                try:
+                    _await_outcome(committer, step, extra_s=self.commit_timeout_s)
+                finally:  # (a wait that timed out read nothing: the outcome may yet come)
+                    if committer.store is not None and committer.store.check([committer.done_key]):
+                        committer.read_outcome()
             handle.stats.commit_s = time.monotonic() - t0 - handle.stats.write_s
             handle.stats.committed = True
         except BaseException as e:
@@ -623,6 +640,8 @@ class Checkpointer:
                 f"outbox failed: {_describe(pinned['error'])}"
             ) from pinned["error"]
         assert self._persister is not None
+        if self._lease_returned and op in ("persist", "begin"):  # (the ones that take it)
+            fields["lease_returned"], self._lease_returned = True, False
         reply = self._persister.request(op, step, self.commit_timeout_s, **fields)
         if not reply.get("ok"):
             cls = LeaseError if reply.get("type") == "LeaseError" else CommitError
@@ -689,7 +708,7 @@ class Checkpointer:
             self._advance_anchor(handle, step, int(reply["commit_seq"]))
         except BaseException as e:
             self._drop_outbox(step)
-            _publish_failure(committer, e)
+            self._failed_commit(committer, e)
             raise
         committer.publish("ok")
         committer.cleanup()
@@ -920,7 +939,7 @@ class Checkpointer:
             if error is not e:
                 error.__cause__ = e
             if coordinator:
-                _publish_failure(committer, e)
+                self._failed_commit(committer, e)
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
         if isinstance(data, _Slot) and self._slots is not None:  # a committed file is reused
             self._slots.settled(data, error is None and handle.stats.committed)
@@ -1036,8 +1055,17 @@ class Checkpointer:
         if committer.store is None or any(r.get("error") for r in reports):
             return
         if self._last_outcome_key is not None:
-            committer.forget([self._last_outcome_key])
-        self._last_outcome_key = committer.done_key
+            self._stale_keys.append(self._last_outcome_key)
+        committer.forget(self._stale_keys)
+        self._stale_keys, self._last_outcome_key = [], committer.done_key
+
+    def _failed_commit(self, committer: Committer, e: BaseException) -> None:
+        """(the coordinator) Publish the failure of this commit, and keep its keys for the next
+        commit every rank reports to: a failed commit's ``begin`` and reports stay otherwise
+        (a rank that failed, or read a failure, leaves its report alone; see ``wait_outcome``)."""
+        _publish_failure(committer, e)
+        if committer.store is not None:
+            self._stale_keys.extend(committer.keys())
 
     def _publish_on_this_node(self, committer: Committer, step: int) -> list[str]:
         """(a node's leader, memory tier across nodes) Publish the manifest rank 0 committed in
@@ -1107,7 +1135,7 @@ class Checkpointer:
         self._uid, self._seq, self._loads = None, 0, 0
         # the new group's store starts its counters again: a key named from the old group's
         # commits may be one of the new group's (deleting it would take a live key away)
-        self._shared_manifest, self._last_outcome_key = None, None
+        self._shared_manifest, self._last_outcome_key, self._stale_keys = None, None, []
         self._snap = None  # a snapshot of the old generation is never a durable save's source
         self._abort, self._live_committer = threading.Event(), None
         self._distributed = dist.is_available() and dist.is_initialized()

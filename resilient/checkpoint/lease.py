@@ -203,6 +203,7 @@ class WriterLease:
         self.record: LeaseRecord | None = None  # ours, while held
         self.taken_over: LeaseRecord | None = None  # whose lease we took, if anyone's
         self._lost: str | None = None
+        self.lost_to: LeaseRecord | None = None  # who took it from us, where a record says
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -304,7 +305,7 @@ class WriterLease:
             _, after = self._read()
             if after is None or after.token != self.token:
                 raise self._held_by(after, b"")
-            self.record, self._lost = mine, None
+            self.record, self._lost, self.lost_to = mine, None, None
             self._start_renewing()
             return
 
@@ -330,7 +331,7 @@ class WriterLease:
         if self._lost is None:
             _, current = self._read()
             if current is None or current.token != self.token:
-                self._lost = current.describe() if current else "nobody (the lease file is gone)"
+                self._lose(current)
         if self._lost is not None:
             raise LeaseError(
                 f"the writer lease of {self.storage.url} was taken over by {self._lost} while "
@@ -338,6 +339,10 @@ class WriterLease:
                 f"more — it looked stale (no heartbeat for {self.timeout_s:.0f}s?); use another "
                 f"URL or a longer lease_timeout_s"
             )
+
+    def _lose(self, current: LeaseRecord | None) -> None:
+        self._lost = current.describe() if current else "nobody (the lease file is gone)"
+        self.lost_to = current
 
     def _start_renewing(self) -> None:
         self._stop.clear()
@@ -360,7 +365,7 @@ class WriterLease:
                 return
             _, current = self._read()
             if current is None or current.token != self.token:
-                self._lost = current.describe() if current else "nobody (the lease file is gone)"
+                self._lose(current)
                 log.error("lost the writer lease of %s to %s", self.storage.url, self._lost)
                 return
             self.record = self._new_record(current.beat + 1)

@@ -66,13 +66,18 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import WriterLease, _process_start
+from resilient.checkpoint.lease import WriterLease, _machine, _process_start
 from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
-from resilient.errors import CheckpointCorruptError, MemoryTierError, ResilientError
+from resilient.errors import (
+    CheckpointCorruptError,
+    LeaseError,
+    MemoryTierError,
+    ResilientError,
+)
 
 __all__ = ["OUTBOX", "PersisterClient", "link_to_outbox", "main"]
 
@@ -330,8 +335,57 @@ class Promoter:
         self.job_id: str = config["job_id"]
         self.keep_last: int = config["keep_last"]
         self.keep_every: int | None = config.get("keep_every")
-        self.lease = WriterLease(self.storage, self.job_id, timeout_s=config["lease_timeout_s"])
+        self.lease = self._new_lease()
         self._sweep = Sweep()  # as the Checkpointer's
+
+    def _new_lease(self) -> WriterLease:
+        return WriterLease(self.storage, self.job_id, timeout_s=self.config["lease_timeout_s"])
+
+    def lease_returned(self) -> None:
+        """(the trainer says so) It wrote durable saves itself, as it does while its memory
+        tier's last snapshot failed (a full tmpfs), taking the lease over from this persister as
+        the same job may, and it has released the lease since: such a loss is not a takeover by
+        a successor, so this persister takes the lease anew at its next save."""
+        if self.lease.record is None:
+            return
+        try:
+            self.lease.check()
+            return  # still ours: the trainer never took it
+        except LeaseError:
+            pass
+        self._take_lease_anew("released it")
+
+    def _lease_back_from_the_trainer(self) -> None:
+        """The trainer died holding the lease (it wrote saves itself, see ``lease_returned``):
+        this persister, flushing its newest snapshot, takes the lease anew.  A lease lost to
+        anyone else stays lost (see WriterLease.acquire)."""
+        if self.lease.record is None:
+            return
+        try:
+            self.lease.check()
+            return
+        except LeaseError:
+            pass
+        taker = self.lease.lost_to
+        if (
+            taker is not None
+            and taker.job_id == self.job_id
+            and taker.machine == _machine()
+            and taker.pid == self.config.get("parent_pid")
+            and taker.pid_start == self.config.get("parent_start")
+        ):
+            self._take_lease_anew("held it last")
+
+    def _take_lease_anew(self, what: str) -> None:
+        log.info(
+            "the trainer (pid %s), which took the writer lease of %s over for saves of its own, "
+            "%s; taking it anew",
+            self.config.get("parent_pid"),
+            self.storage.url,
+            what,
+        )
+        self.lease.release()  # (not ours any more: only its renewing stops)
+        self.lease = self._new_lease()
 
     def persist(self, step: int, src: str | None = None) -> dict[str, Any]:
         """Commit the snapshot in ``src`` (default: the outbox entry of ``step``) as durable step
@@ -366,6 +420,7 @@ class Promoter:
         if self.storage.commit_method is None:
             raise self.storage.refusal_to_commit()
         step_rel = step_dir_name(step)
+        self._lease_back_from_the_trainer()
         self.lease.acquire()
         self.storage.makedirs(step_rel)
         self._sweep.began.add(step_rel)
@@ -639,6 +694,8 @@ def _reply(out: Any, message: dict[str, Any]) -> None:
 def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[str, Any]:
     """One request: ``persist`` (one node: all of it); across nodes ``begin`` (rank 0's node),
     ``copy`` (every node: its own ranks' files) and ``commit`` (rank 0's node)."""
+    if msg.get("lease_returned") is True:
+        promoter.lease_returned()
     if op == "persist":
         return promoter.persist(step)
     if op == "begin":

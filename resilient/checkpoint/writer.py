@@ -547,6 +547,37 @@ class Committer:
             self.forget([f"{self.prefix}/report/{self.rank}"])
         return outcome
 
+    def keys(self) -> list[str]:
+        """Every key this handshake may have set (its clean-up after a failed commit: see
+        ``Checkpointer._forget_previous_outcome``)."""
+        reports = [f"{self.prefix}/report/{r}" for r in range(1, self.world_size)]
+        return [f"{self.prefix}/begin", *reports, self.done_key]
+
+    def hand_over(self, keys: list[str]) -> None:
+        """(the coordinator of a commit without reports, before its outcome) ``keys`` of earlier
+        commits, which every rank has left behind once it read this commit's outcome: the last
+        rank to read it deletes them (``read_outcome``)."""
+        if self.store is not None and keys:
+            self.store.set(f"{self.prefix}/stale", json.dumps(keys))
+
+    def read_outcome(self) -> None:
+        """(not the coordinator, having read the outcome of a commit without reports) Count this
+        rank as one that read it: the last of the ranks to do so deletes the outcome, which no
+        later commit's gather tells the coordinator it may delete, and what ``hand_over`` left."""
+        if self.store is None:
+            return
+        read, stale = f"{self.prefix}/read", f"{self.prefix}/stale"
+        try:
+            if int(self.store.add(read, 1)) < self.world_size - 1:
+                return
+            keys = [self.done_key, read]
+            if self.store.check([stale]):
+                keys += [k for k in json.loads(self.store.get(stale)) if isinstance(k, str)]
+                keys.append(stale)
+            self.forget(keys)
+        except Exception:  # best effort: the store may be gone
+            pass
+
     def forget(self, keys: list[str]) -> None:
         """Delete ``keys`` from the store; best effort (not every store deletes keys)."""
         if self.store is None:
