@@ -223,19 +223,45 @@ def test_a_stale_snapshot_is_never_flushed(tmp_path):
         assert ck.latest_step() == 35 and ck.commits() == [30, 40, 35]
 
 
-def test_a_newer_snapshot_is_flushed_when_the_trainer_closes(tmp_path):
+def _fail_a_snapshot(ck: Checkpointer, step: int, state: dict) -> None:
+    """The tmpfs is full for a moment: the snapshot of ``step`` fails (the next durable save is
+    written by the trainer itself, which takes the writer lease over from the persister)."""
+    ck.wait_snapshot()
+    persist = ck._memory._slots.persist
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (injected)")
+
+    ck._memory._slots.persist = full
+    try:
+        with pytest.raises(ResilientError, match="No space left"):
+            ck.snapshot(step, state).wait()
+    finally:
+        ck._memory._slots.persist = persist
+
+
+@pytest.mark.parametrize("last_saved_by", ["persister", "trainer"])
+def test_a_newer_snapshot_is_flushed_when_the_trainer_closes(tmp_path, last_saved_by):
+    """``trainer``: the last durable save was written by the trainer itself, holding the lease
+    the persister had before: the goodbye says it released it, and the flush takes it anew."""
     url = tmp_path / "ckpt"
     m = _model()
     with Checkpointer(str(url), memory_every=1) as ck:
         ck.save(2, {"model": m}).wait()
+        if last_saved_by == "trainer":
+            _fail_a_snapshot(ck, 3, {"model": m})
+            ck.save(4, {"model": m}).wait()
         _bump(m, 1.0)
-        ck.snapshot(3, {"model": m}).wait()
+        ck.snapshot(5, {"model": m}).wait()
         want = _weights(m)
-    # nothing newer in memory is lost when the job ends: the goodbye flushes step 3
+    # nothing newer in memory is lost when the job ends: the goodbye flushes step 5
     ck = Checkpointer(str(url))
-    assert ck.steps() == [2, 3]
+    assert ck.steps() == ([2, 4, 5] if last_saved_by == "trainer" else [2, 5])
+    if last_saved_by == "trainer":  # (released before the goodbye: no renewal races the flush)
+        log = next(Path(os.environ["RESILIENT_MEMORY_ROOT"]).glob("job-*/persister.log"))
+        assert "released it; taking it anew" in log.read_text()
     m2 = _model(1)
-    assert ck.load({"model": m2}) == 3 and _same(m2, want)
+    assert ck.load({"model": m2}) == 5 and _same(m2, want)
 
 
 def test_a_dead_persister_fails_its_save_and_is_replaced(tmp_path):
@@ -352,16 +378,8 @@ def test_durable_saves_go_back_to_the_persister_once_snapshots_work_again(tmp_pa
         ck.save(1, state).wait()
         persister = ck.persister_pid
         assert persister is not None and lease_holder() == persister
-        persist = ck._memory._slots.persist
-
-        def full(*a, **k):
-            raise OSError(28, "No space left on device (injected)")
-
-        ck._memory._slots.persist = full
         _bump(m, 1.0)
-        with pytest.raises(ResilientError, match="No space left"):
-            ck.snapshot(2, state).wait()
-        ck._memory._slots.persist = persist
+        _fail_a_snapshot(ck, 2, state)
         _bump(m, 1.0)
         ck.save(3, state).wait()  # written by this process
         assert lease_holder() == os.getpid() and ck.steps()[-1] == 3

@@ -739,7 +739,16 @@ class Checkpointer:
             if self._persister_config is not None:
                 self._join_pending()  # durable saves need the tier
         finally:
+            self._release_lease_for_the_persister()
             self._close_tier()
+
+    def _release_lease_for_the_persister(self) -> None:
+        """(before the persister's goodbye, which may flush a newer snapshot) Release the lease
+        this process took for saves of its own, as before handing a save back, and say so in
+        the goodbye: the persister takes it anew (persister.Promoter.lease_returned)."""
+        if self._lease is not None and self._persister is not None:
+            self._lease.release()
+            self._lease, self._lease_returned = None, True
 
     def _close_tier(self) -> None:
         """Stop using the memory tier: its pending snapshot first, then the persister."""
@@ -752,7 +761,8 @@ class Checkpointer:
     def _close_persister(self) -> None:
         if self._persister is not None:
             persister, self._persister = self._persister, None
-            persister.close(timeout_s=self.commit_timeout_s)
+            returned, self._lease_returned = self._lease_returned, False
+            persister.close(timeout_s=self.commit_timeout_s, lease_returned=returned)
 
     def release_memory(self) -> None:
         """Give this job's host memory back (after its final durable commit): every snapshot of
@@ -812,6 +822,7 @@ class Checkpointer:
             try:
                 self._join_pending()
             finally:
+                self._release_lease_for_the_persister()
                 self._close_tier()
         finally:
             self._closed = True

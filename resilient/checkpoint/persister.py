@@ -289,16 +289,19 @@ class PersisterClient:
                 self._cond.wait(min(left, 1.0))
             return self._replies.pop(rid)
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = 60.0, *, lease_returned: bool = False) -> None:
         """Say goodbye and wait for the process to exit (after it has persisted the newest
-        snapshot that durable storage lacks, if any), so the job's memory can be given back."""
+        snapshot that durable storage lacks, if any), so the job's memory can be given back.
+        ``lease_returned``: the trainer released a lease it took for saves of its own (the
+        flush takes it anew; see ``Promoter.lease_returned``)."""
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is None:
             return
         try:
             assert proc.stdin is not None
-            proc.stdin.write(b'{"op": "close"}\n')
+            goodbye = {"op": "close", **({"lease_returned": True} if lease_returned else {})}
+            proc.stdin.write(json.dumps(goodbye).encode() + b"\n")
             proc.stdin.close()
         except (BrokenPipeError, OSError):
             pass
@@ -721,6 +724,8 @@ def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
         if msg is None:
             return False
         if msg.get("op") == "close":
+            if msg.get("lease_returned") is True:
+                promoter.lease_returned()
             return True
         op, rid, step = msg.get("op"), msg.get("id"), msg.get("step")
         if op not in ("persist", "begin", "copy", "commit"):
