@@ -12,7 +12,9 @@ PYTEST_ARGS ?=
 # Four on two cores: the real jobs of the chaos files wait (for timeouts, verdicts, restarts) as
 # much as they compute, and more files fill those waits (on two cores under load, measured:
 # 976 s with three workers against 1311 s with two; unloaded, 848 s with four against 901 s with
-# three).
+# three).  More than four gains nothing: with four the cores are busy throughout (measured with
+# 815 tests: 1059 s with four, 1035 s with six, vmstat idle 0%), two thirds of that CPU in the
+# reference trainer's worker processes, and most of theirs in importing torch and torch._dynamo.
 TEST_WORKERS ?= 4
 
 .PHONY: demo test lint bench venv clean
