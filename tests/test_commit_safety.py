@@ -632,6 +632,8 @@ def test_the_previous_outcome_stays_when_a_report_is_a_failure(tmp_path):
     ck._forget_previous_outcome(now, [{"rank": 0}, {"rank": 1, "error": "abandoned"}, {"rank": 2}])
     assert server.check(["p/1/done"])  # a rank may still be reading it
     ck._forget_previous_outcome(now, [{"rank": 0}, {"rank": 1}, {"rank": 2}])
+    assert server.check(["p/1/done"])  # deleted once this commit's outcome is out:
+    ck._forget_doomed(now)
     assert not server.check(["p/1/done"]) and ck._last_outcome_key == "p/2/done"
     ck._shared_manifest = "p/2/manifest"
     ck.rebind()

@@ -334,6 +334,9 @@ def test_the_flush_skips_a_damaged_newest_snapshot_for_an_older_one(tmp_path):
         data[-3] ^= 0xFF
         step3.write_bytes(bytes(data))
         promoter = _promoter(ck)
+        # (the trainer's goodbye: it releases the lease it took for its own save of step 1;
+        # a flush takes no lease from a live holder, not even the same job's)
+        ck._lease.release()
         assert promoter.flush()["step"] == 2
         promoter.close()
     fresh = Checkpointer(str(url))
@@ -395,3 +398,78 @@ def test_durable_saves_go_back_to_the_persister_once_snapshots_work_again(tmp_pa
     m2 = _model(1)
     fresh = Checkpointer(str(url))
     assert fresh.load({"model": m2}) == 6 and _same(m2, want) and fresh.verify(6).ok
+
+
+_SUCCESSOR = textwrap.dedent(
+    """
+    import sys, time
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+    WriterLease(Storage(sys.argv[1]), sys.argv[2], timeout_s=60.0).acquire()
+    print("held", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_lease_lost_to_a_live_holder_is_not_taken_back(tmp_path):
+    """The persister takes the lease anew only from its trainer (after it says it released it,
+    or from its record once it is dead), never from another live holder, not even one of the
+    same job (a restart's successor): neither for a save the trainer vouches for with another
+    token, nor for the flush."""
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        for step in (1, 2):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+        promoter = _promoter(ck)
+        link_to_outbox(ck.memory.steps, 1, promoter.outbox)
+        promoter.persist(1)  # it holds the lease
+        successor = subprocess.Popen(
+            [sys.executable, "-c", _SUCCESSOR, str(url), ck.job_id],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert successor.stdout.readline().strip() == "held"
+            promoter.lease_returned("0123456789abcdef")  # not the holder's token
+            link_to_outbox(ck.memory.steps, 2, promoter.outbox)
+            with pytest.raises(LeaseError):
+                promoter.persist(2)
+            assert promoter.flush() is None  # (it tries each snapshot, and gives up)
+            assert json.loads((url / "LEASE.json").read_text())["pid"] == successor.pid
+        finally:
+            successor.kill()
+            successor.wait()
+        promoter.close()
+    assert Checkpointer(str(url)).steps() == [1]
+
+
+def test_a_persister_takes_the_lease_back_only_once_the_trainer_released_it(tmp_path):
+    """The trainer took the lease over for a save of its own: a persist request that comes
+    before the trainer handed the lease back (one that timed out, answered late) must not take
+    it from the live trainer; once the trainer released it and said so, the persister takes it."""
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        for step in (1, 2):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+        promoter = _promoter(ck)
+        promoter.config.update(parent_pid=os.getpid())
+        link_to_outbox(ck.memory.steps, 1, promoter.outbox)
+        promoter.persist(1)
+        ck.save(3, {"model": m}).wait()  # written by the trainer: it takes the lease over
+        link_to_outbox(ck.memory.steps, 2, promoter.outbox)
+        with pytest.raises(LeaseError):
+            promoter.persist(2)
+        ck._lease.check()  # still the trainer's
+        token = ck._lease.token
+        ck._lease.release()
+        ck._lease = None
+        promoter.lease_returned(token)
+        link_to_outbox(ck.memory.steps, 2, promoter.outbox)
+        promoter.persist(2)
+        promoter.close()
+    assert Checkpointer(str(url)).steps() == [1, 2, 3]

@@ -243,7 +243,9 @@ class Checkpointer:
         self._seq = 0
         self._loads = 0
         self._lease: WriterLease | None = None
-        self._lease_returned = False  # (rank 0) released since its own saves: tell the persister
+        # (rank 0) the token of the lease it took for saves of its own and released, still
+        # its own until then: the persister may take it anew (persister.Promoter.lease_returned)
+        self._lease_returned: str | None = None
         self._sweep = Sweep()  # the uncommitted step directories this job may delete
         self._stager = Stager()
         self._slots: Slots | None = None  # (the memory tier's own) the lean snapshot path
@@ -267,6 +269,7 @@ class Checkpointer:
         # (the coordinator) the keys of the commits that failed since the last one every rank
         # reported to: the next such commit deletes them (no rank reads them any more)
         self._stale_keys: list[str] = []
+        self._doomed: list[str] = []  # those of them to delete after this commit's outcome
         self._last_outcome: str | None = None  # the failure of the last joined save, if any
         # (in-job recovery) the pending save is the previous group's: a load need not wait for it
         self._pending_is_old = False
@@ -553,8 +556,7 @@ class Checkpointer:
         pinned: dict[str, Any] = {}
         if self._lease is not None:  # (rank 0) it wrote saves itself, as after a failed snapshot:
             # the persister takes the lease back (persister.Promoter), never both at once
-            self._lease.release()
-            self._lease, self._lease_returned = None, True
+            self._lease_returned, self._lease = _give_back(self._lease), None
         if self.nodes.is_leader(self.rank):  # (rank 0 on one node)
             outbox = self._persister_client().outbox  # (started in the background thread)
             steps_dir = self.memory.steps
@@ -604,8 +606,8 @@ class Checkpointer:
                 # the keys of earlier commits (saves this process wrote, failed ones): every
                 # rank is past them once it read this outcome; the last to read it deletes them
                 old = self._stale_keys + [k for k in (self._last_outcome_key,) if k]
-                committer.hand_over(old)
-                self._stale_keys, self._last_outcome_key = [], None
+                handed = committer.hand_over(old)
+                self._stale_keys, self._last_outcome_key = old[handed:], None
                 try:
                     reply = self._ask_persister("persist", step, pinned)
                     self._advance_anchor(handle, step, int(reply["commit_seq"]))
@@ -616,11 +618,7 @@ class Checkpointer:
                 committer.publish("ok")
             else:
                 # rank 0's persister may take up to commit_timeout_s to answer: then rank 0 says
-                try:
-                    _await_outcome(committer, step, extra_s=self.commit_timeout_s)
-                finally:  # (a wait that timed out read nothing: the outcome may yet come)
-                    if committer.store is not None and committer.store.check([committer.done_key]):
-                        committer.read_outcome()
+                _await_outcome(committer, step, extra_s=self.commit_timeout_s, count_read=True)
             handle.stats.commit_s = time.monotonic() - t0 - handle.stats.write_s
             handle.stats.committed = True
         except BaseException as e:
@@ -641,7 +639,7 @@ class Checkpointer:
             ) from pinned["error"]
         assert self._persister is not None
         if self._lease_returned and op in ("persist", "begin"):  # (the ones that take it)
-            fields["lease_returned"], self._lease_returned = True, False
+            fields["lease_returned"], self._lease_returned = self._lease_returned, None
         reply = self._persister.request(op, step, self.commit_timeout_s, **fields)
         if not reply.get("ok"):
             cls = LeaseError if reply.get("type") == "LeaseError" else CommitError
@@ -666,6 +664,7 @@ class Checkpointer:
             except BaseException as e:
                 committer.publish_begin({"error": _describe(e), "type": type(e).__name__})
                 self._drop_outbox(step)
+                self._failed_commit(committer, e)
                 raise
             committer.publish_begin({"generation": generation})
         else:
@@ -709,9 +708,11 @@ class Checkpointer:
         except BaseException as e:
             self._drop_outbox(step)
             self._failed_commit(committer, e)
+            self._forget_doomed(committer)
             raise
         committer.publish("ok")
         committer.cleanup()
+        self._forget_doomed(committer)
 
     def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
         """A durable commit is what the next snapshots descend from, unless a restore came
@@ -747,8 +748,7 @@ class Checkpointer:
         this process took for saves of its own, as before handing a save back, and say so in
         the goodbye: the persister takes it anew (persister.Promoter.lease_returned)."""
         if self._lease is not None and self._persister is not None:
-            self._lease.release()
-            self._lease, self._lease_returned = None, True
+            self._lease_returned, self._lease = _give_back(self._lease), None
 
     def _close_tier(self) -> None:
         """Stop using the memory tier: its pending snapshot first, then the persister."""
@@ -761,7 +761,7 @@ class Checkpointer:
     def _close_persister(self) -> None:
         if self._persister is not None:
             persister, self._persister = self._persister, None
-            returned, self._lease_returned = self._lease_returned, False
+            returned, self._lease_returned = self._lease_returned, None
             persister.close(timeout_s=self.commit_timeout_s, lease_returned=returned)
 
     def release_memory(self) -> None:
@@ -966,6 +966,8 @@ class Checkpointer:
                 )
             except Exception as e:  # the snapshot is committed; its replica is a bonus
                 log.warning("replicating snapshot %d to the peer node failed: %s", step, e)
+        if coordinator:  # (after the outcome, before the handle says this save is over)
+            self._forget_doomed(committer)
         with self._hook_lock:  # save() of the outer checkpointer checks done() under it
             hook = self._after_commit.pop(step, None)
             if hook is not None and error is None:
@@ -1067,15 +1069,24 @@ class Checkpointer:
             return
         if self._last_outcome_key is not None:
             self._stale_keys.append(self._last_outcome_key)
-        committer.forget(self._stale_keys)
-        self._stale_keys, self._last_outcome_key = [], committer.done_key
+        self._last_outcome_key = committer.done_key
+        # deleted once this commit's outcome is out (_forget_doomed), a bounded number per
+        # commit: a long run of failed commits does not put thousands of requests into one
+        self._doomed += self._stale_keys[:STALE_KEYS_PER_COMMIT]
+        del self._stale_keys[:STALE_KEYS_PER_COMMIT]
+
+    def _forget_doomed(self, committer: Committer) -> None:
+        doomed, self._doomed = self._doomed, []
+        committer.forget(doomed)
 
     def _failed_commit(self, committer: Committer, e: BaseException) -> None:
         """(the coordinator) Publish the failure of this commit, and keep its keys for the next
         commit every rank reports to: a failed commit's ``begin`` and reports stay otherwise
         (a rank that failed, or read a failure, leaves its report alone; see ``wait_outcome``)."""
         _publish_failure(committer, e)
-        if committer.store is not None:
+        # (not a commit of a group left behind: rebind() forgot that group's key names, which
+        # may be the new group's)
+        if committer.store is not None and committer is self._live_committer:
             self._stale_keys.extend(committer.keys())
 
     def _publish_on_this_node(self, committer: Committer, step: int) -> list[str]:
@@ -1147,6 +1158,7 @@ class Checkpointer:
         # the new group's store starts its counters again: a key named from the old group's
         # commits may be one of the new group's (deleting it would take a live key away)
         self._shared_manifest, self._last_outcome_key, self._stale_keys = None, None, []
+        self._doomed = []
         self._snap = None  # a snapshot of the old generation is never a durable save's source
         self._abort, self._live_committer = threading.Event(), None
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -1596,6 +1608,8 @@ ENV_PERSISTER = "RESILIENT_PERSISTER"
 
 # A load falls back at most this many steps along the line.
 _MAX_FALLBACKS = 64
+# keys of failed commits (and outcomes) deleted after a commit every rank reported to, at most
+STALE_KEYS_PER_COMMIT = 64
 # The tiers a load candidate comes from.
 _DURABLE, _MEMORY = 0, 1
 
@@ -1803,13 +1817,30 @@ def _peer_error(rank: int, step: int, code: int, msg: dict[str, str]) -> Resilie
     return cls(f"step {step} failed to load on rank {rank}: {msg.get('message', '')}")
 
 
-def _await_outcome(committer: Committer, step: int, extra_s: float = 0.0) -> None:
+def _await_outcome(
+    committer: Committer, step: int, extra_s: float = 0.0, *, count_read: bool = False
+) -> None:
     """(not the coordinator) Wait for the coordinator's word on ``step``; its failure raised (a
-    LeaseError stays a LeaseError)."""
+    LeaseError stays a LeaseError).  ``count_read``: a commit without reports, whose last
+    reader deletes its keys (``Committer.read_outcome``)."""
     outcome = committer.wait_outcome(extra_s=extra_s)
+    if count_read:
+        committer.read_outcome()
     if outcome != "ok":
         cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
         raise cls(f"step {step} was not committed: {outcome}")
+
+
+def _give_back(lease: WriterLease) -> str | None:
+    """Release ``lease``; its token when it was still this process's up to then (what the
+    persister may take over, see persister.Promoter.lease_returned), else None."""
+    try:
+        lease.check()
+        token: str | None = lease.token
+    except Exception:  # lost, or unreadable: vouch for nothing
+        token = None
+    lease.release()
+    return token
 
 
 def _publish_failure(committer: Committer, e: BaseException) -> None:

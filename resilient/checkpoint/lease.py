@@ -248,10 +248,15 @@ class WriterLease:
         return True
 
     # --- acquire, check, renew, release ------------------------------------------------------
-    def acquire(self) -> None:
+    def acquire(self, *, cautious: bool = False, only_from: str | None = None) -> None:
         """Take the lease, or raise LeaseError naming the owner who holds it.  A lease once lost
         is never taken again by this instance (a job that was taken over as stale must not come
-        back and commit an older state over its successor's)."""
+        back and commit an older state over its successor's).
+
+        ``cautious`` (a persister taking the lease back for its trainer's saves, or to flush
+        after it): take over no lease whose holder may be alive, not even the same job's (it may
+        be a successor's), except the one with token ``only_from`` (the trainer's own, which it
+        says it released); a free lease, or a dead holder's on this host, is taken as usual."""
         if self.record is not None:
             self.check()
             return
@@ -265,6 +270,10 @@ class WriterLease:
                     continue  # someone created one just now: look at it
             elif current is not None and current.token == self.token:
                 mine = current  # already ours (a second acquire after a transient failure)
+            elif cautious and not (
+                current is not None and (current.token == only_from or _gone(current))
+            ):
+                raise self._held_by(current, data)
             elif current is not None and current.job_id == self.job_id:
                 log.info("taking over the lease of %s: the same job, restarted", self.storage.url)
                 mine = self._take_over(current)

@@ -66,7 +66,7 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import WriterLease, _machine, _process_start
+from resilient.checkpoint.lease import WriterLease, _process_start
 from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
@@ -289,18 +289,21 @@ class PersisterClient:
                 self._cond.wait(min(left, 1.0))
             return self._replies.pop(rid)
 
-    def close(self, timeout_s: float = 60.0, *, lease_returned: bool = False) -> None:
+    def close(self, timeout_s: float = 60.0, *, lease_returned: str | None = None) -> None:
         """Say goodbye and wait for the process to exit (after it has persisted the newest
         snapshot that durable storage lacks, if any), so the job's memory can be given back.
-        ``lease_returned``: the trainer released a lease it took for saves of its own (the
-        flush takes it anew; see ``Promoter.lease_returned``)."""
+        ``lease_returned``: the token of a lease the trainer took for saves of its own and
+        released (the flush may take it anew; see ``Promoter.lease_returned``)."""
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is None:
             return
         try:
             assert proc.stdin is not None
-            goodbye = {"op": "close", **({"lease_returned": True} if lease_returned else {})}
+            goodbye = {
+                "op": "close",
+                **({"lease_returned": lease_returned} if lease_returned else {}),
+            }
             proc.stdin.write(json.dumps(goodbye).encode() + b"\n")
             proc.stdin.close()
         except (BrokenPipeError, OSError):
@@ -339,54 +342,41 @@ class Promoter:
         self.keep_last: int = config["keep_last"]
         self.keep_every: int | None = config.get("keep_every")
         self.lease = self._new_lease()
+        self._take_from: str | None = None  # the trainer's released lease (lease_returned)
+        self._flushing = False
         self._sweep = Sweep()  # as the Checkpointer's
 
     def _new_lease(self) -> WriterLease:
         return WriterLease(self.storage, self.job_id, timeout_s=self.config["lease_timeout_s"])
 
-    def lease_returned(self) -> None:
+    def lease_returned(self, token: str) -> None:
         """(the trainer says so) It wrote durable saves itself, as it does while its memory
         tier's last snapshot failed (a full tmpfs), taking the lease over from this persister as
-        the same job may, and it has released the lease since: such a loss is not a takeover by
-        a successor, so this persister takes the lease anew at its next save."""
-        if self.lease.record is None:
+        the same job may, and it has released that lease (``token``) since.  Such a loss is not
+        a takeover by a successor: the next save takes the lease anew, cautiously (only a free
+        lease, a dead holder's, or the one with ``token``; see WriterLease.acquire)."""
+        if self._still_ours():
             return
-        try:
-            self.lease.check()
-            return  # still ours: the trainer never took it
-        except LeaseError:
-            pass
-        self._take_lease_anew("released it")
-
-    def _lease_back_from_the_trainer(self) -> None:
-        """The trainer died holding the lease (it wrote saves itself, see ``lease_returned``):
-        this persister, flushing its newest snapshot, takes the lease anew.  A lease lost to
-        anyone else stays lost (see WriterLease.acquire)."""
-        if self.lease.record is None:
-            return
-        try:
-            self.lease.check()
-            return
-        except LeaseError:
-            pass
-        taker = self.lease.lost_to
-        if (
-            taker is not None
-            and taker.job_id == self.job_id
-            and taker.machine == _machine()
-            and taker.pid == self.config.get("parent_pid")
-            and taker.pid_start == self.config.get("parent_start")
-        ):
-            self._take_lease_anew("held it last")
-
-    def _take_lease_anew(self, what: str) -> None:
         log.info(
-            "the trainer (pid %s), which took the writer lease of %s over for saves of its own, "
-            "%s; taking it anew",
+            "the trainer (pid %s) took the writer lease of %s over for saves of its own and has "
+            "released it; taking it anew",
             self.config.get("parent_pid"),
             self.storage.url,
-            what,
         )
+        self._renew_lease()
+        self._take_from = token
+
+    def _still_ours(self) -> bool:
+        """Whether this persister holds the lease (None held yet: it is taken as usual)."""
+        if self.lease.record is None:
+            return True
+        try:
+            self.lease.check()
+            return True
+        except LeaseError:
+            return False
+
+    def _renew_lease(self) -> None:
         self.lease.release()  # (not ours any more: only its renewing stops)
         self.lease = self._new_lease()
 
@@ -423,8 +413,11 @@ class Promoter:
         if self.storage.commit_method is None:
             raise self.storage.refusal_to_commit()
         step_rel = step_dir_name(step)
-        self._lease_back_from_the_trainer()
-        self.lease.acquire()
+        if self.lease.record is None and (self._flushing or self._take_from is not None):
+            self.lease.acquire(cautious=True, only_from=self._take_from)
+        else:
+            self.lease.acquire()
+        self._take_from = None
         self.storage.makedirs(step_rel)
         self._sweep.began.add(step_rel)
         return {"generation": next_generation(self.storage, step_rel)}
@@ -562,7 +555,15 @@ class Promoter:
 
     def flush(self) -> dict[str, Any] | None:
         """Persist the newest restorable snapshot newer than the newest durable commit, if any
-        (first committing, in memory, a snapshot every rank staged whose commit was cut short)."""
+        (first committing, in memory, a snapshot every rank staged whose commit was cut short).
+
+        The trainer is gone or closing, and its successor (a restart of the same job) may
+        already be writing: the lease is taken cautiously (see WriterLease.acquire).  A lease
+        this persister lost is taken anew only from its trainer: after it said it released it
+        (``lease_returned``), or from its record once it is dead."""
+        self._flushing = True
+        if not self._still_ours():
+            self._renew_lease()
         seal_staged(self.job_dir, wait_s=_SEAL_WAIT_S)
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
@@ -697,8 +698,8 @@ def _reply(out: Any, message: dict[str, Any]) -> None:
 def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[str, Any]:
     """One request: ``persist`` (one node: all of it); across nodes ``begin`` (rank 0's node),
     ``copy`` (every node: its own ranks' files) and ``commit`` (rank 0's node)."""
-    if msg.get("lease_returned") is True:
-        promoter.lease_returned()
+    if isinstance(msg.get("lease_returned"), str):
+        promoter.lease_returned(msg["lease_returned"])
     if op == "persist":
         return promoter.persist(step)
     if op == "begin":
@@ -724,8 +725,8 @@ def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
         if msg is None:
             return False
         if msg.get("op") == "close":
-            if msg.get("lease_returned") is True:
-                promoter.lease_returned()
+            if isinstance(msg.get("lease_returned"), str):
+                promoter.lease_returned(msg["lease_returned"])
             return True
         op, rid, step = msg.get("op"), msg.get("id"), msg.get("step")
         if op not in ("persist", "begin", "copy", "commit"):

@@ -553,12 +553,18 @@ class Committer:
         reports = [f"{self.prefix}/report/{r}" for r in range(1, self.world_size)]
         return [f"{self.prefix}/begin", *reports, self.done_key]
 
-    def hand_over(self, keys: list[str]) -> None:
-        """(the coordinator of a commit without reports, before its outcome) ``keys`` of earlier
-        commits, which every rank has left behind once it read this commit's outcome: the last
-        rank to read it deletes them (``read_outcome``)."""
-        if self.store is not None and keys:
-            self.store.set(f"{self.prefix}/stale", json.dumps(keys))
+    def hand_over(self, keys: list[str], limit: int = 256) -> int:
+        """(the coordinator of a commit without reports, before its outcome) Up to ``limit`` of
+        ``keys`` of earlier commits, which every rank has left behind once it read this commit's
+        outcome: the last rank to read it deletes them (``read_outcome``).  Returns how many it
+        handed over; best effort (none, when the store fails)."""
+        if self.store is None or not keys:
+            return 0
+        try:
+            self.store.set(f"{self.prefix}/stale", json.dumps(keys[:limit]))
+        except Exception:
+            return 0
+        return min(limit, len(keys))
 
     def read_outcome(self) -> None:
         """(not the coordinator, having read the outcome of a commit without reports) Count this
