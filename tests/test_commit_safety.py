@@ -628,7 +628,7 @@ def test_the_previous_outcome_stays_when_a_report_is_a_failure(tmp_path):
     ck = Checkpointer(str(tmp_path / "ck"))
     ck._last_outcome_key = "p/1/done"
     server.set("p/1/done", "ok")
-    now = Committer(server, "p/2", 0, 3, timeout_s=10)
+    now = ck._live_committer = Committer(server, "p/2", 0, 3, timeout_s=10)
     ck._forget_previous_outcome(now, [{"rank": 0}, {"rank": 1, "error": "abandoned"}, {"rank": 2}])
     assert server.check(["p/1/done"])  # a rank may still be reading it
     ck._forget_previous_outcome(now, [{"rank": 0}, {"rank": 1}, {"rank": 2}])

@@ -446,10 +446,18 @@ def test_a_lease_lost_to_a_live_holder_is_not_taken_back(tmp_path):
     assert Checkpointer(str(url)).steps() == [1]
 
 
-def test_a_persister_takes_the_lease_back_only_once_the_trainer_released_it(tmp_path):
+@pytest.mark.parametrize("held_before", [True, False], ids=["held before", "never held"])
+@pytest.mark.parametrize("released", ["removed", "left behind"])
+def test_a_persister_takes_the_lease_back_only_once_the_trainer_released_it(
+    tmp_path, held_before, released
+):
     """The trainer took the lease over for a save of its own: a persist request that comes
     before the trainer handed the lease back (one that timed out, answered late) must not take
-    it from the live trainer; once the trainer released it and said so, the persister takes it."""
+    it from the live trainer, whether the persister held it before or never did; once the
+    trainer released it and said so, the persister takes it, also where the trainer's record
+    was left behind (a release that could not remove the file): by its token."""
+    from resilient.checkpoint.lease import _process_start
+
     url = tmp_path / "ckpt"
     m = _model()
     with Checkpointer(str(url), memory_every=1, persister=False) as ck:
@@ -457,19 +465,69 @@ def test_a_persister_takes_the_lease_back_only_once_the_trainer_released_it(tmp_
             _bump(m, 1.0)
             ck.snapshot(step, {"model": m}).wait()
         promoter = _promoter(ck)
-        promoter.config.update(parent_pid=os.getpid())
-        link_to_outbox(ck.memory.steps, 1, promoter.outbox)
-        promoter.persist(1)
+        promoter.config.update(parent_pid=os.getpid(), parent_start=_process_start(os.getpid()))
+        if held_before:
+            link_to_outbox(ck.memory.steps, 1, promoter.outbox)
+            promoter.persist(1)
         ck.save(3, {"model": m}).wait()  # written by the trainer: it takes the lease over
         link_to_outbox(ck.memory.steps, 2, promoter.outbox)
         with pytest.raises(LeaseError):
             promoter.persist(2)
         ck._lease.check()  # still the trainer's
         token = ck._lease.token
-        ck._lease.release()
+        if released == "removed":
+            ck._lease.release()
+        else:  # its renewals stop; its record (this live process's) stays
+            ck._lease._stop.set()
+            ck._lease._thread.join()
         ck._lease = None
         promoter.lease_returned(token)
         link_to_outbox(ck.memory.steps, 2, promoter.outbox)
         promoter.persist(2)
         promoter.close()
-    assert Checkpointer(str(url)).steps() == [1, 2, 3]
+    assert Checkpointer(str(url)).steps() == ([1, 2, 3] if held_before else [2, 3])
+
+
+_ZOMBIE = textwrap.dedent(
+    """
+    import os, sys
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+    WriterLease(Storage(sys.argv[1]), sys.argv[2], timeout_s=60.0).acquire()
+    print("held", flush=True)
+    os._exit(0)  # dead, holding the lease; its parent (the test) does not reap it yet
+    """
+)
+
+
+def test_the_flush_takes_the_lease_of_a_dead_trainer_not_yet_reaped(tmp_path):
+    """The trainer dies holding the lease (it wrote a save itself); its launcher reaps it only a
+    moment later, but the persister, whose pipe closed at once, flushes now: a zombie is gone
+    (its lease taken), not alive (the newest snapshot was lost)."""
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        for step in (1, 2):
+            _bump(m, 1.0)
+            ck.snapshot(step, {"model": m}).wait()
+        promoter = _promoter(ck)
+        link_to_outbox(ck.memory.steps, 1, promoter.outbox)
+        promoter.persist(1)
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", _ZOMBIE, str(url), ck.job_id], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert trainer.stdout.readline().strip() == "held"
+
+            def state() -> str:
+                with open(f"/proc/{trainer.pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0]
+
+            _wait_for("the trainer's exit", lambda: state() == "Z")
+            done = promoter.flush()
+            assert state() == "Z"  # (it was a zombie throughout)
+        finally:
+            trainer.wait()
+        promoter.close()
+    assert done is not None and done["step"] == 2
+    assert Checkpointer(str(url)).steps() == [1, 2]

@@ -1067,6 +1067,8 @@ class Checkpointer:
         rank's abort() filled in for a rank that is still reading the previous outcome."""
         if committer.store is None or any(r.get("error") for r in reports):
             return
+        if committer is not self._live_committer:  # (a group rebind() left behind)
+            return
         if self._last_outcome_key is not None:
             self._stale_keys.append(self._last_outcome_key)
         self._last_outcome_key = committer.done_key

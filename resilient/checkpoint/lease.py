@@ -172,7 +172,24 @@ def _gone(record: LeaseRecord) -> bool:
     except PermissionError:  # someone else's process: running
         return False
     start = _process_start(record.pid)
-    return bool(start and record.pid_start and start != record.pid_start)
+    if start and record.pid_start and start != record.pid_start:
+        return True  # the pid is another process's now
+    return _dead(record.pid)  # (a zombie: exited, its parent has not reaped it yet)
+
+
+def _dead(pid: int) -> bool:
+    """Whether ``pid`` has exited and awaits its parent's wait() (state Z or X)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def is_process(record: LeaseRecord, pid: object, start: object) -> bool:
+    """Whether ``record`` was written by the process ``pid`` (started at ``start``) on this
+    machine."""
+    return record.machine == _machine() and record.pid == pid and record.pid_start == start
 
 
 class WriterLease:

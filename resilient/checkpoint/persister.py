@@ -66,7 +66,7 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import WriterLease, _process_start
+from resilient.checkpoint.lease import WriterLease, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
@@ -355,16 +355,39 @@ class Promoter:
         the same job may, and it has released that lease (``token``) since.  Such a loss is not
         a takeover by a successor: the next save takes the lease anew, cautiously (only a free
         lease, a dead holder's, or the one with ``token``; see WriterLease.acquire)."""
-        if self._still_ours():
-            return
-        log.info(
-            "the trainer (pid %s) took the writer lease of %s over for saves of its own and has "
-            "released it; taking it anew",
-            self.config.get("parent_pid"),
-            self.storage.url,
-        )
-        self._renew_lease()
+        if self.lease.record is not None:  # (never held: its first acquire comes)
+            if self._still_ours():
+                return  # the trainer never took it
+            log.info(
+                "the trainer (pid %s) took the writer lease of %s over for saves of its own and "
+                "has released it; taking it anew",
+                self.config.get("parent_pid"),
+                self.storage.url,
+            )
+            self._renew_lease()
         self._take_from = token
+
+    def _refuse_the_trainers_lease(self) -> None:
+        """A request that meets the lease in the hands of the live trainer, which writes a save
+        of its own (the request timed out and is answered late, by a persister that never held
+        the lease or took it anew): refused, unless the trainer released that lease and said so
+        (its token).  The same job's lease is otherwise taken at once (WriterLease.acquire)."""
+        try:
+            _, current = self.lease._read()
+        except Exception:  # acquire() reads it again and decides
+            return
+        trainer = self.config.get("parent_pid"), self.config.get("parent_start")
+        if (
+            current is not None
+            and current.job_id == self.job_id
+            and current.token != self._take_from
+            and is_process(current, *trainer)
+            and not _gone(current)
+        ):
+            raise LeaseError(
+                f"the trainer (pid {current.pid}) holds the writer lease of {self.storage.url} "
+                f"for a save of its own; this request came too late and is not committed"
+            )
 
     def _still_ours(self) -> bool:
         """Whether this persister holds the lease (None held yet: it is taken as usual)."""
@@ -375,6 +398,8 @@ class Promoter:
             return True
         except LeaseError:
             return False
+        except Exception:  # (a storage hiccup: what comes next reads it again and decides)
+            return True
 
     def _renew_lease(self) -> None:
         self.lease.release()  # (not ours any more: only its renewing stops)
@@ -413,6 +438,8 @@ class Promoter:
         if self.storage.commit_method is None:
             raise self.storage.refusal_to_commit()
         step_rel = step_dir_name(step)
+        if self.lease.record is None and not self._flushing:
+            self._refuse_the_trainers_lease()
         if self.lease.record is None and (self._flushing or self._take_from is not None):
             self.lease.acquire(cautious=True, only_from=self._take_from)
         else:
@@ -558,9 +585,11 @@ class Promoter:
         (first committing, in memory, a snapshot every rank staged whose commit was cut short).
 
         The trainer is gone or closing, and its successor (a restart of the same job) may
-        already be writing: the lease is taken cautiously (see WriterLease.acquire).  A lease
-        this persister lost is taken anew only from its trainer: after it said it released it
-        (``lease_returned``), or from its record once it is dead."""
+        already be writing: a lease this persister does not hold is taken cautiously (see
+        WriterLease.acquire): a free one, a dead holder's (the trainer's, when it died holding
+        it), or the one the trainer said it released (``lease_returned``); never a live
+        holder's.  What it flushes must still descend from the newest durable commit (the
+        snapshot's anchor), so a successor's commits are never overwritten."""
         self._flushing = True
         if not self._still_ours():
             self._renew_lease()
@@ -726,7 +755,10 @@ def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
             return False
         if msg.get("op") == "close":
             if isinstance(msg.get("lease_returned"), str):
-                promoter.lease_returned(msg["lease_returned"])
+                try:
+                    promoter.lease_returned(msg["lease_returned"])
+                except Exception as e:  # the flush comes all the same
+                    log.warning("taking the trainer's lease back failed: %s", e)
             return True
         op, rid, step = msg.get("op"), msg.get("id"), msg.get("step")
         if op not in ("persist", "begin", "copy", "commit"):
