@@ -400,16 +400,40 @@ def test_durable_saves_go_back_to_the_persister_once_snapshots_work_again(tmp_pa
     assert fresh.load({"model": m2}) == 6 and _same(m2, want) and fresh.verify(6).ok
 
 
-_SUCCESSOR = textwrap.dedent(
+_HOLDER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from resilient.checkpoint.lease import WriterLease
     from resilient.checkpoint.storage import Storage
     WriterLease(Storage(sys.argv[1]), sys.argv[2], timeout_s=60.0).acquire()
     print("held", flush=True)
+    if sys.argv[3] == "dies":
+        os._exit(0)  # dead, holding the lease; its parent (the test) does not reap it yet
     time.sleep(600)
     """
 )
+
+
+def _holder(url: Path, job_id: str, fate: str) -> subprocess.Popen:
+    """Another process of the same job that takes the lease over: it ``stays`` alive (a
+    restart's successor) or ``dies`` at once (a trainer that died holding it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(url), job_id, fate], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _holding_promoter(ck: Checkpointer, m: torch.nn.Module) -> Promoter:
+    """Snapshots 1 and 2 in memory, and a persister's worker in this process that committed
+    step 1 (it holds the lease)."""
+    for step in (1, 2):
+        _bump(m, 1.0)
+        ck.snapshot(step, {"model": m}).wait()
+    promoter = _promoter(ck)
+    link_to_outbox(ck.memory.steps, 1, promoter.outbox)
+    promoter.persist(1)
+    return promoter
 
 
 def test_a_lease_lost_to_a_live_holder_is_not_taken_back(tmp_path):
@@ -420,19 +444,9 @@ def test_a_lease_lost_to_a_live_holder_is_not_taken_back(tmp_path):
     url = tmp_path / "ckpt"
     m = _model()
     with Checkpointer(str(url), memory_every=1, persister=False) as ck:
-        for step in (1, 2):
-            _bump(m, 1.0)
-            ck.snapshot(step, {"model": m}).wait()
-        promoter = _promoter(ck)
-        link_to_outbox(ck.memory.steps, 1, promoter.outbox)
-        promoter.persist(1)  # it holds the lease
-        successor = subprocess.Popen(
-            [sys.executable, "-c", _SUCCESSOR, str(url), ck.job_id],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        promoter = _holding_promoter(ck, m)
+        successor = _holder(url, ck.job_id, "stays")
         try:
-            assert successor.stdout.readline().strip() == "held"
             promoter.lease_returned("0123456789abcdef")  # not the holder's token
             link_to_outbox(ck.memory.steps, 2, promoter.outbox)
             with pytest.raises(LeaseError):
@@ -488,18 +502,6 @@ def test_a_persister_takes_the_lease_back_only_once_the_trainer_released_it(
     assert Checkpointer(str(url)).steps() == ([1, 2, 3] if held_before else [2, 3])
 
 
-_ZOMBIE = textwrap.dedent(
-    """
-    import os, sys
-    from resilient.checkpoint.lease import WriterLease
-    from resilient.checkpoint.storage import Storage
-    WriterLease(Storage(sys.argv[1]), sys.argv[2], timeout_s=60.0).acquire()
-    print("held", flush=True)
-    os._exit(0)  # dead, holding the lease; its parent (the test) does not reap it yet
-    """
-)
-
-
 def test_the_flush_takes_the_lease_of_a_dead_trainer_not_yet_reaped(tmp_path):
     """The trainer dies holding the lease (it wrote a save itself); its launcher reaps it only a
     moment later, but the persister, whose pipe closed at once, flushes now: a zombie is gone
@@ -507,17 +509,9 @@ def test_the_flush_takes_the_lease_of_a_dead_trainer_not_yet_reaped(tmp_path):
     url = tmp_path / "ckpt"
     m = _model()
     with Checkpointer(str(url), memory_every=1, persister=False) as ck:
-        for step in (1, 2):
-            _bump(m, 1.0)
-            ck.snapshot(step, {"model": m}).wait()
-        promoter = _promoter(ck)
-        link_to_outbox(ck.memory.steps, 1, promoter.outbox)
-        promoter.persist(1)
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", _ZOMBIE, str(url), ck.job_id], stdout=subprocess.PIPE, text=True
-        )
+        promoter = _holding_promoter(ck, m)
+        trainer = _holder(url, ck.job_id, "dies")
         try:
-            assert trainer.stdout.readline().strip() == "held"
 
             def state() -> str:
                 with open(f"/proc/{trainer.pid}/stat") as f:
