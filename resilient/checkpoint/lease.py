@@ -220,7 +220,6 @@ class WriterLease:
         self.record: LeaseRecord | None = None  # ours, while held
         self.taken_over: LeaseRecord | None = None  # whose lease we took, if anyone's
         self._lost: str | None = None
-        self.lost_to: LeaseRecord | None = None  # who took it from us, where a record says
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -331,7 +330,7 @@ class WriterLease:
             _, after = self._read()
             if after is None or after.token != self.token:
                 raise self._held_by(after, b"")
-            self.record, self._lost, self.lost_to = mine, None, None
+            self.record, self._lost = mine, None
             self._start_renewing()
             return
 
@@ -368,7 +367,6 @@ class WriterLease:
 
     def _lose(self, current: LeaseRecord | None) -> None:
         self._lost = current.describe() if current else "nobody (the lease file is gone)"
-        self.lost_to = current
 
     def _start_renewing(self) -> None:
         self._stop.clear()
