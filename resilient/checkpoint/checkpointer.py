@@ -554,9 +554,7 @@ class Checkpointer:
         handle = SaveHandle(step, self._lineage)
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
-        if self._lease is not None:  # (rank 0) it wrote saves itself, as after a failed snapshot:
-            # the persister takes the lease back (persister.Promoter), never both at once
-            self._lease_returned, self._lease = _give_back(self._lease), None
+        self._hand_lease_back()  # (rank 0, if it wrote saves itself: never both at once)
         if self.nodes.is_leader(self.rank):  # (rank 0 on one node)
             outbox = self._persister_client().outbox  # (started in the background thread)
             steps_dir = self.memory.steps
@@ -740,15 +738,24 @@ class Checkpointer:
             if self._persister_config is not None:
                 self._join_pending()  # durable saves need the tier
         finally:
-            self._release_lease_for_the_persister()
+            if self._persister is not None:  # (its goodbye may flush: no renewal races it)
+                self._hand_lease_back()
             self._close_tier()
 
-    def _release_lease_for_the_persister(self) -> None:
-        """(before the persister's goodbye, which may flush a newer snapshot) Release the lease
-        this process took for saves of its own, as before handing a save back, and say so in
-        the goodbye: the persister takes it anew (persister.Promoter.lease_returned)."""
-        if self._lease is not None and self._persister is not None:
-            self._lease_returned, self._lease = _give_back(self._lease), None
+    def _hand_lease_back(self) -> None:
+        """Release the lease this process took for durable saves of its own (as after a failed
+        snapshot) before the persister commits again, in a save or its goodbye's flush, and keep
+        its token to send along when it was still this process's up to then: the persister
+        takes it anew on that word (persister.Promoter.lease_returned), else vouches nothing."""
+        if self._lease is None:
+            return
+        lease, self._lease = self._lease, None
+        try:
+            lease.check()
+            self._lease_returned = lease.token
+        except Exception:  # lost, or unreadable: vouch for nothing
+            self._lease_returned = None
+        lease.release()
 
     def _close_tier(self) -> None:
         """Stop using the memory tier: its pending snapshot first, then the persister."""
@@ -822,7 +829,8 @@ class Checkpointer:
             try:
                 self._join_pending()
             finally:
-                self._release_lease_for_the_persister()
+                if self._persister is not None:
+                    self._hand_lease_back()
                 self._close_tier()
         finally:
             self._closed = True
@@ -1831,18 +1839,6 @@ def _await_outcome(
     if outcome != "ok":
         cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
         raise cls(f"step {step} was not committed: {outcome}")
-
-
-def _give_back(lease: WriterLease) -> str | None:
-    """Release ``lease``; its token when it was still this process's up to then (what the
-    persister may take over, see persister.Promoter.lease_returned), else None."""
-    try:
-        lease.check()
-        token: str | None = lease.token
-    except Exception:  # lost, or unreadable: vouch for nothing
-        token = None
-    lease.release()
-    return token
 
 
 def _publish_failure(committer: Committer, e: BaseException) -> None:
