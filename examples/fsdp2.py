@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -156,6 +157,16 @@ def main() -> None:
     a = p.parse_args()
     device = pick_device()
     (load_only if a.load_only else train)(a, device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Leave without the interpreter's teardown.  A gloo worker thread may still hold the last
+        # DTensor collective's work (its tensors) after the call returned; one that drops it once
+        # teardown has begun needs the GIL it can no longer take, and the process aborts
+        # ("terminate called without an active exception", SIGABRT), now and then on a loaded
+        # machine.  destroy_process_group() does not stop those threads here: DTensor's
+        # redistribute cache keeps the device mesh, and with it the group, alive.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,23 @@ def _events(report: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# what the nodes' logs say of a restore that did not take the step or tier a test expects
+_RESTORE_WORDS = ("falling back", "is not restored", "cannot be read", "fetched from other nodes")
+
+
+def _restore(report: dict) -> tuple[dict, str]:
+    """The run's first restore event, and (for an assertion's message) that event with the
+    nodes' log lines that say why a step or tier was skipped."""
+    restore = next(e for e in _events(report) if e["event"] == "restore")
+    lines = [
+        f"{log.name}: {line.strip()[:400]}"
+        for log in sorted(Path(report["run_dir"]).glob("node*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if any(w in line for w in _RESTORE_WORDS)
+    ]
+    return restore, "\n".join([json.dumps(restore), *lines[:40]])
+
+
 def test_the_memory_scenarios_are_the_ones_this_file_runs():
     assert set(MEMORY_TIER) == {
         "memory-kill-rank",
@@ -50,10 +67,10 @@ def test_killed_rank_restores_from_memory(out):
     m = report["measurements"]
     assert m["restore_sources"] == ["memory"]
     assert max(m["steps_lost"], default=0) <= 1  # 0 when the snapshot before the kill committed
-    restore = next(e for e in _events(report) if e["event"] == "restore")
+    restore, why = _restore(report)
     # durable storage held step 10; the snapshot of step 12 was committed before the one of step
     # 13 was taken (a snapshot waits for the one before it), and the kill came before step 14
-    assert restore["step"] in (12, 13)
+    assert restore["step"] in (12, 13), why
     assert any(c["name"] == "memory tier released" and c["ok"] for c in report["checks"])
 
 
@@ -63,9 +80,9 @@ def test_corrupt_snapshot_falls_back_without_a_restart_loop(out):
     events = _events(report)
     damaged = next(e for e in events if e["event"] == "fault_detail")
     assert damaged["tier"] == "memory" and damaged["step"] == 12
-    restore = next(e for e in events if e["event"] == "restore")
-    assert restore["source"] == "memory" and restore["step"] == 11
-    assert restore["skipped_steps"] == [12]
+    restore, why = _restore(report)
+    assert restore["source"] == "memory" and restore["step"] == 11, why
+    assert restore["skipped_steps"] == [12], why
     assert report["measurements"]["restarts"] == 1  # one fault, one restart: no loop
 
 
@@ -74,9 +91,9 @@ def test_killed_job_resumes_from_memory_when_run_again(out):
     report = _run(out, "memory-kill-job")
     events = _events(report)
     assert any(e["event"] == "job_rerun" for e in events)
-    restore = next(e for e in events if e["event"] == "restore")
+    restore, why = _restore(report)
     # durable storage held step 10; the rerun found a newer snapshot in the node's memory
-    assert restore["source"] == "memory" and restore["step"] > 10
+    assert restore["source"] == "memory" and restore["step"] > 10, why
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 
@@ -86,10 +103,10 @@ def test_crashed_job_resumes_from_what_its_persister_flushed(out):
     events = _events(report)
     crash = next(e for e in events if e["event"] == "fault" and e["kind"] == "crash_job")
     assert next(e for e in events if e["event"] == "memory_dropped")
-    restore = next(e for e in events if e["event"] == "restore")
+    restore, why = _restore(report)
     # the nodes' memory was empty at the rerun: what it resumed from, newer than durable step
     # 10, is what the persister wrote out after the job's processes were killed
-    assert restore["source"] == "durable" and restore["step"] > 10
+    assert restore["source"] == "durable" and restore["step"] > 10, why
     assert restore["step"] >= crash["step"] - 1
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
@@ -99,10 +116,10 @@ def test_lost_node_restores_from_its_peers_replica(out):
     report = _run(out, "memory-kill-node-shrink")
     events = _events(report)
     lost = next(e for e in events if e["event"] == "fault" and e["kind"] == "kill_node")
-    restore = next(e for e in events if e["event"] == "restore")
+    restore, why = _restore(report)
     # durable storage held step 10; node 0 restored a newer step from memory, which needed the
     # replicas of node 1's files (node 1's ranks wrote their own shards), resharded to dp 1
-    assert restore["source"] == "memory" and restore["resharded"]
+    assert restore["source"] == "memory" and restore["resharded"], why
     assert lost["step"] - 1 <= restore["step"] <= lost["step"]
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
@@ -113,11 +130,11 @@ def test_a_replaced_node_restores_its_ranks_from_the_peers_replicas(out):
     events = _events(report)
     lost = next(e for e in events if e["event"] == "fault" and e["kind"] == "replace_node")
     assert next(e for e in events if e["event"] == "node_replaced")["node"] == 1
-    restore = next(e for e in events if e["event"] == "restore")
+    restore, why = _restore(report)
     # node 1 came back with empty memory: its ranks' files came from node 0's replicas, and the
     # layout is the same (no reshard), so the run is bit-identical to the fault-free one
-    assert restore["source"] == "memory" and not restore["resharded"]
-    assert restore["peer_files"] >= 2  # at least ranks 2 and 3's files, from node 0's replicas
+    assert restore["source"] == "memory" and not restore["resharded"], why
+    assert restore["peer_files"] >= 2, why  # at least ranks 2 and 3's files, from node 0's replicas
     assert report["measurements"]["restore_sources"] == ["peer"]
     assert lost["step"] - 1 <= restore["step"] <= lost["step"]
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
