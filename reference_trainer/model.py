@@ -7,8 +7,10 @@ El = experts / ep; B batch, T sequence, D model dim, N = B * T tokens, V vocabul
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -166,8 +168,11 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, pc) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
-        angles = torch.outer(torch.arange(cfg.seq_len).float(), inv)  # (T, hd/2)
+        # (on the CPU even where the model is built on the meta device for its shapes: meta
+        # arithmetic runs through torch's Python decompositions, see _shapes_only)
+        steps = torch.arange(0, cfg.head_dim, 2, device="cpu").float()
+        inv = 1.0 / cfg.rope_theta ** (steps / cfg.head_dim)
+        angles = torch.outer(torch.arange(cfg.seq_len, device="cpu").float(), inv)  # (T, hd/2)
         self.register_buffer(
             "cos", angles.cos()[None, :, None, :], persistent=False
         )  # (1, T, 1, hd/2)
@@ -186,9 +191,25 @@ class MoETransformer(nn.Module):
 
 def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of the unsplit model (never depend on the layout)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _shapes_only():
         m = MoETransformer(cfg, ParallelContext.single())
     return {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+@contextlib.contextmanager
+def _shapes_only() -> Iterator[None]:
+    """torch's modules skip their initialisers while a model is built only for its shapes: a
+    random fill of a meta tensor runs through torch's Python decompositions, whose first call
+    imports torch._dynamo (about a second of CPU, in every process).  (The trainer builds modules
+    on its main thread only.)"""
+    saved = [(cls, cls.__dict__["reset_parameters"]) for cls in (nn.Linear, nn.Embedding)]
+    for cls, _ in saved:
+        cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, fn in saved:
+            cls.reset_parameters = fn  # type: ignore[method-assign]
 
 
 def init_parameters(model: MoETransformer, pc: ParallelContext, seed: int) -> None:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from reference_trainer.optim import AdamW
 from resilient import Layout, Shard, sharded
-from resilient.checkpoint.state import init_optimizer_state
 from resilient.layout import chunk_offsets_sizes, normalize_placement
 
 __all__ = [
@@ -353,8 +353,9 @@ class ZeroAdamW:
     """AdamW whose state is split over each parameter's data-parallel replicas (ZeRO stage 1).
 
     Each rank keeps fp32 master slices of its part of every parameter (torch.chunk semantics along
-    ``zero_dim``, so uneven dp sizes work), steps a torch AdamW on them with the matching slices
-    of the averaged gradients, writes the slices back and all-gathers them.  ``state_dict()`` uses
+    ``zero_dim``, so uneven dp sizes work), steps an AdamW (``reference_trainer.optim``, torch's
+    arithmetic) on them with the matching slices of the averaged gradients, writes the slices back
+    and all-gathers them.  ``state_dict()`` uses
     the same keys as a plain AdamW keyed by parameter name, with each state tensor annotated as its
     parameter's placement plus the replica axes on ``zero_dim``; a checkpoint therefore moves
     between ZeRO and plain AdamW, and between dp sizes, like any other sharded tensor.
@@ -411,7 +412,7 @@ class ZeroAdamW:
                 self.entries.append(_ZeroEntry(name, p, master, d, slices, index, group))
                 masters.append(master)
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
-        self.inner = torch.optim.AdamW(groups, **adamw)
+        self.inner = AdamW(groups, **adamw)
         self.param_groups = self.inner.param_groups
 
     def step(self) -> None:
@@ -492,6 +493,4 @@ class ZeroAdamW:
             g.update({k: v for k, v in sd["param_groups"][str(i)].items() if k != "params"})
 
     def _ensure_state(self) -> None:
-        if self.inner.state:
-            return
-        init_optimizer_state(self.inner)
+        self.inner.init_state()

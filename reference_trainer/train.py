@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from reference_trainer.config import ConfigError, TrainConfig, sizing_warnings
 from reference_trainer.data import Loader, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
+from reference_trainer.optim import AdamW
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
 from resilient import Checkpointer, InJobRecovery, Run
 from resilient.checkpoint.catalog import scan
@@ -141,11 +141,9 @@ def _train(
     again), restore, train to the end."""
     cfg = cfg.with_(world_size=dist.get_world_size())
     if not gc.isenabled():  # the command line turned collection off for start-up
-        # What start-up made (the imports: most of the heap; torch._dynamo too, which the
-        # optimizer's first step would import) lives as long as the process: never scan it
-        # again.  The model, its groups and the rest of a generation stay collectable, and the
-        # collection in-job recovery runs to free the broken groups stays short.
-        importlib.import_module("torch._dynamo")
+        # What start-up made (the imports: most of the heap) lives as long as the process: never
+        # scan it again.  The model, its groups and the rest of a generation stay collectable,
+        # and the collection in-job recovery runs to free the broken groups stays short.
         gc.freeze()
         gc.enable()
     key = (cfg.dp, cfg.ep, cfg.tp, cfg.zero, dist.get_world_size(), dist.get_rank())
@@ -177,10 +175,11 @@ def _train(
             _init_from(cfg, pc, model)
         groups = _param_groups(model, cfg.weight_decay)
         adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
+        names = {p: f"model.{n}" for n, p in model.named_parameters()}  # (run.track's "model")
         optim = (
             ZeroAdamW(model, pc, groups, **adamw)
             if cfg.zero
-            else torch.optim.AdamW(groups, **adamw)
+            else AdamW(groups, names=names, **adamw)
         )
         kept.keep(key, pc, model, optim)
     (events if isinstance(events, EventLog) else EventLog(events)).write(
