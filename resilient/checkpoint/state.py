@@ -228,13 +228,12 @@ def flatten_state(
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to values, got {type(state).__name__}")
     flat = flat if flat is not None else FlatState()
-    param_names = _param_names(state)
     if cache is not None and not for_load:
         cache.begin(layout, rank)
-        _Walker(flat, layout, rank, for_load, param_names, cache).walk(state, "")
+        _Walker(flat, layout, rank, for_load, state, cache).walk(state, "")
         cache.end()
     else:
-        _Walker(flat, layout, rank, for_load, param_names).walk(state, "")
+        _Walker(flat, layout, rank, for_load, state).walk(state, "")
     return flat
 
 
@@ -261,11 +260,21 @@ class _Walker:
         layout: Layout,
         rank: int,
         for_load: bool,
-        param_names: dict[int, str],
+        root: Mapping[str, Any],
         cache: DescribeCache | None = None,
     ) -> None:
         self.flat, self.layout, self.rank, self.for_load = flat, layout, rank, for_load
-        self.param_names, self.cache = param_names, cache
+        self.root, self.cache = root, cache
+        self._param_names: dict[int, str] | None = None
+
+    @property
+    def param_names(self) -> dict[int, str]:
+        """The parameters' keys (a walk of every module in the state), made when a
+        ``torch.optim.Optimizer`` first needs them: a state without one (the reference trainer's
+        snapshot at every step) does not pay for the walk."""
+        if self._param_names is None:
+            self._param_names = _param_names(self.root)
+        return self._param_names
 
     def walk(
         self,
