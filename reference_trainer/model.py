@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import zlib
 from collections.abc import Iterator
 
@@ -196,20 +197,29 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in m.named_parameters()}
 
 
+_SHAPES_ONLY_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _shapes_only() -> Iterator[None]:
     """torch's modules skip their initialisers while a model is built only for its shapes: a
     random fill of a meta tensor runs through torch's Python decompositions, whose first call
-    imports torch._dynamo (about a second of CPU, in every process).  (The trainer builds modules
-    on its main thread only.)"""
-    saved = [(cls, cls.__dict__["reset_parameters"]) for cls in (nn.Linear, nn.Embedding)]
-    for cls, _ in saved:
-        cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for cls, fn in saved:
-            cls.reset_parameters = fn  # type: ignore[method-assign]
+    imports torch._dynamo (about a second of CPU, in every process).  One build at a time (the
+    lock), and no other thread may build modules meanwhile: the trainer builds them on its main
+    thread only."""
+    with _SHAPES_ONLY_LOCK:
+        saved = [(cls, cls.__dict__["reset_parameters"]) for cls in (nn.Linear, nn.Embedding)]
+        for cls, _ in saved:
+            cls.reset_parameters = _no_init  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for cls, fn in saved:
+                cls.reset_parameters = fn  # type: ignore[method-assign]
+
+
+def _no_init(self: nn.Module) -> None:
+    pass
 
 
 def init_parameters(model: MoETransformer, pc: ParallelContext, seed: int) -> None:

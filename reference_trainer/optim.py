@@ -4,9 +4,10 @@
 to be skipped by the compiler) and at every ``step`` (graph breaks), for the sake of
 ``torch.compile``, which this trainer does not use.  That import costs about a second of CPU in
 every process (more than the rest of a tiny preset's start-up, and a restarted rank pays it again
-before its first step).  This class keeps the same state and steps it with the same call:
-``torch.optim.adam.adam``, the function ``AdamW.step`` hands its lists to, with the arguments
-``AdamW.step`` passes, so a run is bit for bit the same as with ``torch.optim.AdamW``.
+before its first step).  This class keeps the same state and steps it through torch's own
+functional ``torch.optim.adamw.adamw`` (on torch >= 2.7, ``adam(..., decoupled_weight_decay=True)``,
+the call ``AdamW.step`` makes) with the arguments ``AdamW.step`` passes, so a run is bit for bit
+the same as with ``torch.optim.AdamW``.
 
 ``state_dict()`` has the keys the checkpointer gives a ``torch.optim.AdamW`` (``state.<parameter
 name>.<step|exp_avg|exp_avg_sq>``, ``param_groups.<i>.<hyperparameter>``, the same
@@ -16,13 +17,16 @@ move between this class, ``torch.optim.AdamW`` and ZeRO-1 (``ZeroAdamW``), in an
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.adam import adam
+from torch.optim.adamw import adamw
 
 from resilient.checkpoint.state import sharded
+from resilient.errors import StateMismatchError
 
 __all__ = ["AdamW", "ADAMW_DEFAULTS"]
 
@@ -39,8 +43,11 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "capturable": False,
     "differentiable": False,
     "fused": None,
-    "decoupled_weight_decay": True,
 }
+# torch >= 2.7 (AdamW became Adam with decoupled weight decay) keeps this in every group too
+if "decoupled_weight_decay" in inspect.signature(adam).parameters:
+    ADAMW_DEFAULTS["decoupled_weight_decay"] = True
+_UNSUPPORTED = ("capturable", "fused", "differentiable")
 
 
 class AdamW:
@@ -66,7 +73,7 @@ class AdamW:
         self.param_groups: list[dict[str, Any]] = []
         for g in param_groups:
             group = {**defaults, **{k: v for k, v in g.items() if k != "params"}}
-            for flag in ("capturable", "fused", "differentiable"):
+            for flag in _UNSUPPORTED:
                 if group[flag]:
                     raise ValueError(f"AdamW: {flag}=True is not supported; use torch.optim.AdamW")
             group["params"] = list(g["params"])
@@ -98,10 +105,12 @@ class AdamW:
         return st
 
     def init_state(self) -> None:
-        """Create every parameter's state (a first step's), so that a load can fill it in place."""
+        """Create the state (a first step's) of every parameter that trains, so that a load can
+        fill it in place (a frozen one has none, as with torch's AdamW)."""
         for group in self.param_groups:
             for p in group["params"]:
-                self._state_of(p, group)
+                if p.requires_grad:
+                    self._state_of(p, group)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -111,7 +120,7 @@ class AdamW:
                 continue
             states = [self._state_of(p, group) for p in params]
             beta1, beta2 = group["betas"]
-            adam(
+            adamw(  # (torch >= 2.7: adam(..., decoupled_weight_decay=True), as AdamW.step calls)
                 params,
                 [p.grad for p in params],
                 [s["exp_avg"] for s in states],
@@ -125,7 +134,6 @@ class AdamW:
                 grad_scale=None,
                 found_inf=None,
                 has_complex=any(torch.is_complex(p) for p in params),
-                decoupled_weight_decay=group["decoupled_weight_decay"],
                 amsgrad=group["amsgrad"],
                 beta1=beta1,
                 beta2=beta2,
@@ -142,8 +150,12 @@ class AdamW:
                     continue
                 if set_to_none:
                     p.grad = None
-                else:
-                    p.grad.detach_().requires_grad_(False).zero_()
+                else:  # (as torch's: a gradient that is a view cannot be detached in place)
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {name: {...}}, "param_groups": {"0": {...}, ...}}``: what the checkpointer
@@ -169,5 +181,16 @@ class AdamW:
             for k, v in sd["state"][self.names[p]].items():
                 if st.get(k) is not v:
                     st[k] = v
-        for i, g in enumerate(self.param_groups):
-            g.update({k: v for k, v in sd["param_groups"][str(i)].items() if k != "params"})
+        groups = [
+            {k: v for k, v in sd["param_groups"][str(i)].items() if k != "params"}
+            for i in range(len(self.param_groups))
+        ]
+        for i, g in enumerate(groups):
+            wrong = [flag for flag in _UNSUPPORTED if g.get(flag)]
+            if wrong:
+                raise StateMismatchError(
+                    f"optimizer param group {i} was saved with {wrong[0]}=True, which the "
+                    f"trainer's AdamW does not do; load it into torch.optim.AdamW instead"
+                )
+        for g, saved in zip(self.param_groups, groups):
+            g.update(saved)

@@ -14,6 +14,7 @@ import torch
 
 from reference_trainer.optim import AdamW
 from resilient import Checkpointer
+from resilient.errors import StateMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +107,39 @@ def test_checkpoints_move_between_torchs_adamw_and_this_one(tmp_path):
             _step(m, o, step, 1e-2)
     _assert_same(m_torch, o_torch, m_a, o_a)
     _assert_same(m_torch, o_torch, m_b, o_b)
+
+
+def test_frozen_parameters_and_view_gradients_as_torch_has_them(tmp_path):
+    # a frozen parameter has no state (torch's has none): a torch checkpoint loads
+    m_torch, m_ours = _model(), _model(seed=3)
+    for m in (m_torch, m_ours):
+        m[1].bias.requires_grad_(False)
+    o_torch = torch.optim.AdamW(_groups(m_torch), lr=1e-2)
+    o_ours = AdamW(_groups(m_ours), names=_names(m_ours), lr=1e-2)
+    _step(m_torch, o_torch, 0, 1e-2)
+    with Checkpointer(str(tmp_path / "frozen")) as ck:
+        ck.save(1, {"model": m_torch, "optim": o_torch}).wait()
+        assert ck.load({"model": m_ours, "optim": o_ours}) == 1
+    assert m_ours[1].bias not in o_ours.state
+    _assert_same(m_torch, o_torch, m_ours, o_ours)
+    # zero_grad(set_to_none=False) with a gradient that is a view of another (ZeroAdamW's slices)
+    p = torch.nn.Parameter(torch.zeros(4))
+    full = torch.arange(8.0)
+    p.grad = full.narrow(0, 2, 4)
+    AdamW([{"params": [p]}]).zero_grad(set_to_none=False)
+    assert torch.equal(p.grad, torch.zeros(4)) and torch.equal(full[2:6], torch.zeros(4))
+
+
+def test_a_checkpoint_it_cannot_step_is_a_named_error(tmp_path):
+    m = _model()
+    fused = torch.optim.AdamW(_groups(m), lr=1e-2, foreach=False)
+    _step(m, fused, 0, 1e-2)
+    fused.param_groups[0]["fused"] = True  # what a fused (GPU) run of torch's AdamW saves
+    with Checkpointer(str(tmp_path / "fused")) as ck:
+        ck.save(1, {"model": m, "optim": fused}).wait()
+        ours = _model(seed=4)
+        with pytest.raises(StateMismatchError, match="group 0 was saved with fused=True"):
+            ck.load({"model": ours, "optim": AdamW(_groups(ours), names=_names(ours))})
 
 
 def test_what_it_does_not_do_is_an_error():
