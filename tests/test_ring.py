@@ -4,10 +4,15 @@ summary through a real TCPStore, and the leader's record on a HUNG verdict."""
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,6 +242,49 @@ def test_the_flight_recorder_is_dumped_where_torch_would_put_it(tmp_path, monkey
     assert paths == [f"{prefix}0", f"{prefix}1"]
     trace = pickle.loads(open(paths[1], "rb").read())
     assert any(e["profiling_name"].endswith("all_reduce") for e in trace["entries"])
+
+
+_DUMP_IN_A_FRESH_PROCESS = """
+import importlib, os, pickle, socket, sys
+import torch, torch.distributed as dist
+from resilient.health import flight_recorder
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.all_reduce(torch.ones(4))
+out = {"before": "torch._inductor" in sys.modules}
+path = flight_recorder.dump(0)
+out["after"] = "torch._inductor" in sys.modules
+out["plain"] = pickle.loads(open(path, "rb").read())["entries"][-1].get("frames")
+importlib.import_module("torch._inductor")  # as in a job that compiles
+out["compiled"] = pickle.loads(open(flight_recorder.dump(0), "rb").read())["entries"][-1]["frames"]
+dist.destroy_process_group()
+print(repr([out["before"], out["after"], bool(out["plain"]), [f["name"] for f in out["compiled"]]]))
+"""
+
+
+@pytest.mark.distributed
+def test_the_dump_on_a_verdict_imports_nothing_heavy(tmp_path):
+    """The collectives' call stacks need torch._inductor (with torch._dynamo: over a second of
+    CPU when a verdict needs a fast answer): they are in the dump only where it is loaded."""
+    env = {
+        **os.environ,
+        "TORCH_FR_BUFFER_SIZE": "64",
+        "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "trace_rank_"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _DUMP_IN_A_FRESH_PROCESS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after, plain_frames, compiled = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert (before, after, plain_frames) == (False, False, False)
+    assert "all_reduce" in compiled
 
 
 # --- attribution: pure logic ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ Nothing happens when the recorder is off.
 from __future__ import annotations
 
 import os
+import sys
 
 __all__ = ["buffer_size", "dump_path", "dump", "ANALYSE_HINT"]
 
@@ -40,14 +41,20 @@ def dump_path(rank: int | str) -> str:
 
 def dump(rank: int) -> str | None:
     """Write this process's flight recorder to ``dump_path(rank)``; returns the path, or None when
-    the recorder is off or torch cannot dump it.  Raises OSError when the file cannot be written."""
+    the recorder is off or torch cannot dump it.  Raises OSError when the file cannot be written.
+
+    Each collective's call stack is in the dump only where ``torch._inductor`` is loaded already
+    (a ``torch.compile`` job): torch symbolizes the stacks with it, and importing it (with
+    ``torch._dynamo``) takes over a second of CPU, at the moment a verdict needs every rank to
+    answer before the launcher tears the job down.  The ``stacks`` event that follows has every
+    thread's Python stack."""
     if buffer_size() <= 0:
         return None
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
     except ImportError:
         return None
-    data = _dump_fr_trace(True, True, False)
+    data = _dump_fr_trace(True, "torch._inductor" in sys.modules, False)
     path = dump_path(rank)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

@@ -734,7 +734,13 @@ class Monitor:
             except Exception:
                 pass
             if leader:
-                self._attribute(finding, stack, fr)
+                try:
+                    self._attribute(finding, stack, fr)
+                finally:  # (the others exit once it is written: see _await_attribution)
+                    try:
+                        self._set("attributed", _verdict_id(finding))
+                    except Exception:
+                        pass
             self._kill(finding, leader)  # once the hung rank's stack is in
         hook = self.on_peer_failure
         if hook is not None and finding.rank is not None and finding.rank != self.rank:
@@ -745,7 +751,28 @@ class Monitor:
             return
         if in_job and finding.rank is not None and finding.rank != self.rank:
             return  # the loop's in-job recovery took it over (it unset the hook): no exit
+        if finding.verdict is Verdict.HUNG and not leader:
+            self._await_attribution(finding)
         self.on_failure(finding)
+
+    def _await_attribution(self, finding: Finding) -> None:
+        """(a rank that is not the leader, on HUNG, before it exits) Wait until the leader has
+        written the hang's attribution, at most as long as the leader waits for stacks and two
+        beats more: the first rank to exit makes the launcher tear the job down, the leader
+        with it, and the record would be lost to a rank that answered fast."""
+        interval = self.config.interval_s
+        deadline = time.monotonic() + max(2.0, 3 * interval) + 2 * interval
+        while time.monotonic() < deadline:
+            try:
+                key = f"{self.prefix}/attributed/{self._leader()}"
+                with self._lock:  # (this verdict's: a restart may reuse the prefix)
+                    if self.store.check([key]) and self.store.get(key).decode() == _verdict_id(
+                        finding
+                    ):
+                        return
+            except Exception:  # the store is gone (the leader's agent): nothing to wait for
+                return
+            time.sleep(0.05)
 
     def _kill(self, finding: Finding, leader: bool) -> None:
         """SIGKILL the failed rank when the verdict names this rank its killer."""
@@ -897,6 +924,11 @@ class Monitor:
     def _leader(self) -> int:
         with self._lock:
             return int(self.store.get(self._key_leader).decode())
+
+
+def _verdict_id(finding: Finding) -> str:
+    """Which verdict an attribution was written for: the rank and its process."""
+    return f"{finding.rank}:{finding.pid}"
 
 
 def encode_info(
