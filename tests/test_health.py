@@ -1,5 +1,6 @@
 """Failure detection: the pure detector, and monitors heartbeating into a real TCPStore."""
 
+import json
 import os
 import signal
 import subprocess
@@ -745,6 +746,80 @@ def test_a_kill_checks_the_pid_is_still_the_failed_ranks_process(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        sim.close()
+
+
+def _slow_attribution(monitor, seconds):
+    """The leader's attribution takes ``seconds`` longer (as on a loaded machine or at scale)."""
+    attribute = monitor._attribute
+
+    def slow(*args):
+        time.sleep(seconds)
+        attribute(*args)
+
+    monitor._attribute = slow
+
+
+def test_on_hung_a_killer_that_is_not_the_leader_kills_only_once_the_attribution_is_written(
+    tmp_path,
+):
+    """The kill makes the launcher tear the job down, the leader with it: the rank that kills the
+    hung one (here rank 1, not the leader) waits for the leader's attribution first; a rank that
+    only exits waits for it too."""
+    sim = Sim(tmp_path, world=4, ranks=[0, 1, 3], interval_s=0.5)  # the wait's bound: 3 s
+    hung = subprocess.Popen(["sleep", "60"])
+    try:
+        leader, killer = sim.monitors[0], sim.monitors[1]
+        killer.kill_local = True
+        _slow_attribution(leader, 1.0)
+        with leader._lock:  # the hung rank published its stack (its beat still runs)
+            leader.store.set(
+                "run/0/stack/2", json.dumps({"stack": "train.py:9", "flight_recorder": None})
+            )
+        f = Finding(
+            Verdict.HUNG, 2, killer.host, hung.pid, 5, "train", 1.0, 9.0, "stuck", kill_by=1
+        )
+        leader._publish(f)
+        assert hung.wait(timeout=60) == -signal.SIGKILL
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 3)))
+        order = [
+            e["event"] for e in sim.events.read() if e["event"] in ("hang_attribution", "killed")
+        ]
+        assert order == ["hang_attribution", "killed"]
+        # every rank that is not the leader exited after it was written, not before
+        written = leader.store.get(f"run/0/attributed/2:{hung.pid}").decode()
+        assert written == "0"
+    finally:
+        if hung.poll() is None:
+            hung.kill()
+            hung.wait()
+        sim.close()
+
+
+def test_a_close_while_the_monitor_answers_a_hang_lets_it_finish(tmp_path):
+    """The main thread may see the verdict first (between steps) and close the monitor: the
+    monitor's thread is then waiting for the leader's attribution, and it ends the process with
+    the verdict's exit code; close() waits for that, not five beats only."""
+    sim = Sim(tmp_path, world=3, ranks=[0, 1])
+    try:
+        leader, other = sim.monitors[0], sim.monitors[1]
+        _slow_attribution(leader, 1.6)  # longer than the five beats (1 s) close() waited before
+        with leader._lock:
+            leader.store.set(
+                "run/0/stack/2", json.dumps({"stack": "x.py:1", "flight_recorder": None})
+            )
+        f = Finding(Verdict.HUNG, 2, "elsewhere", 99, 5, "train", 1.0, 9.0, "stuck", kill_by=None)
+        leader._publish(f)
+        assert sim.wait_for(lambda: other.verdict() is not None)
+        other.close(announce=False)
+        assert sim.failures[1] == [f]  # answered before close() returned
+        assert any(e["event"] == "hang_attribution" for e in sim.events.read())
+        # the wait ends at its bound when no attribution comes
+        lone = Finding(Verdict.HUNG, 2, "elsewhere", 98, 5, "train", 1.0, 9.0, "stuck")
+        t0 = time.monotonic()
+        assert other._await_attribution(lone) is False
+        assert time.monotonic() - t0 >= other.attribution_wait_s() - 0.01
+    finally:
         sim.close()
 
 

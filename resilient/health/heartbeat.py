@@ -260,7 +260,12 @@ class Monitor:
         _LIVE.discard(self)
         self._release_waiter(at_exit=at_exit, mark=not done and not at_exit)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5 * self.config.interval_s)
+            timeout = 5 * self.config.interval_s
+            verdict = self._verdict
+            if verdict is not None and verdict.verdict is Verdict.HUNG:
+                # the thread answers it (it ends the process): the attribution's waits first
+                timeout += self.attribution_wait_s()
+            self._thread.join(timeout=timeout)
 
     @property
     def closed(self) -> bool:
@@ -727,6 +732,7 @@ class Monitor:
             )
         # the event first: once a rank's stack is in the store, the leader may kill that rank
         self.events.write("stacks", rank=self.rank, pid=self.pid, host=self.host, stacks=_stacks())
+        awaited = False
         if finding.verdict is Verdict.HUNG:
             stack = main_thread_stack()
             try:
@@ -738,10 +744,16 @@ class Monitor:
                     self._attribute(finding, stack, fr)
                 finally:  # (the others exit once it is written: see _await_attribution)
                     try:
-                        self._set("attributed", _verdict_id(finding))
+                        with self._lock:
+                            self.store.set(self._key_attributed(finding), str(self.rank))
                     except Exception:
                         pass
-            self._kill(finding, leader)  # once the hung rank's stack is in
+            elif self._is_killer(finding):
+                # the kill makes the launcher tear the job down, the leader with it: not before
+                # the leader has written the attribution (which waited for the stacks)
+                self._await_attribution(finding)
+                awaited = True
+            self._kill(finding, leader, stacks_awaited=awaited)  # once the hung rank's stack is in
         hook = self.on_peer_failure
         if hook is not None and finding.rank is not None and finding.rank != self.rank:
             # in-job recovery (resilient launch; Run sets the hook): the failed rank's process is
@@ -751,39 +763,60 @@ class Monitor:
             return
         if in_job and finding.rank is not None and finding.rank != self.rank:
             return  # the loop's in-job recovery took it over (it unset the hook): no exit
-        if finding.verdict is Verdict.HUNG and not leader:
+        if finding.verdict is Verdict.HUNG and not leader and not awaited:
             self._await_attribution(finding)
         self.on_failure(finding)
 
-    def _await_attribution(self, finding: Finding) -> None:
-        """(a rank that is not the leader, on HUNG, before it exits) Wait until the leader has
-        written the hang's attribution, at most as long as the leader waits for stacks and two
-        beats more: the first rank to exit makes the launcher tear the job down, the leader
-        with it, and the record would be lost to a rank that answered fast."""
+    def _await_attribution(self, finding: Finding) -> bool:
+        """(a rank that is not the leader, on HUNG, before it exits or kills) Wait until the
+        leader has written the hang's attribution, at most as long as the leader waits for
+        stacks and two beats more: the first rank to exit makes the launcher tear the job down,
+        the leader with it, and the record would be lost to a rank that answered fast.  One
+        round trip a poll (the key names the verdict: a restart may reuse the prefix, not the
+        pid), ten polls a beat.  True once it is written."""
         interval = self.config.interval_s
-        deadline = time.monotonic() + max(2.0, 3 * interval) + 2 * interval
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + self.attribution_wait_s()
+        key, poll = self._key_attributed(finding), max(0.05, interval / 10)
+        while True:
             try:
-                key = f"{self.prefix}/attributed/{self._leader()}"
-                with self._lock:  # (this verdict's: a restart may reuse the prefix)
-                    if self.store.check([key]) and self.store.get(key).decode() == _verdict_id(
-                        finding
-                    ):
-                        return
+                with self._lock:
+                    if self.store.check([key]):
+                        return True
             except Exception:  # the store is gone (the leader's agent): nothing to wait for
-                return
-            time.sleep(0.05)
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(poll, left))
 
-    def _kill(self, finding: Finding, leader: bool) -> None:
+    def attribution_wait_s(self) -> float:
+        """The longest a rank waits for the leader's attribution of a hang (the leader's own
+        wait for stacks, and two beats)."""
+        interval = self.config.interval_s
+        return max(2.0, 3 * interval) + 2 * interval
+
+    def _key_attributed(self, finding: Finding) -> str:
+        return f"{self.prefix}/attributed/{_verdict_id(finding)}"
+
+    def _is_killer(self, finding: Finding) -> bool:
+        return self.kill_local and finding.rank is not None and finding.kill_by == self.rank
+
+    def _kill(self, finding: Finding, leader: bool, *, stacks_awaited: bool = False) -> None:
         """SIGKILL the failed rank when the verdict names this rank its killer."""
-        if not (self.kill_local and finding.rank is not None and finding.kill_by == self.rank):
+        if not self._is_killer(finding):
             return
         pid = finding.pid if finding.host == self.host else 0
         if pid and not self._same_process(finding.rank, pid):
             return  # that process is gone: its pid may be another's by now
         if not pid and finding.cause == "never_joined":
             pid = local_rank_pid(finding.rank) or 0  # no pid in the store: find it here
-        if pid and pid != self.pid and finding.verdict is Verdict.HUNG and not leader:
+        if (
+            pid
+            and pid != self.pid
+            and finding.verdict is Verdict.HUNG
+            and not leader
+            and not stacks_awaited
+        ):
             # a hung rank publishes its stack for the leader's attribution first (the leader
             # waited for it already)
             try:
