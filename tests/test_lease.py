@@ -110,6 +110,36 @@ def test_the_same_job_restarted_takes_its_lease_at_once(tmp_path):
     a.close()
 
 
+def test_a_lease_file_unreadable_for_a_moment_fails_that_commit_only(tmp_path):
+    """A lease file that cannot be read back (torn, replaced by something that is not a record)
+    says nothing about who holds the lease: that commit fails with a LeaseError that says so,
+    and once the file reads again the job commits again (it was not given up for good)."""
+    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=60.0) as ck:
+        ck.save(1, state(1)).wait()
+        good = (tmp_path / LEASE).read_bytes()
+        (tmp_path / LEASE).write_bytes(b'{"format": "resilient-lease-v1", "tok')
+        ck.save(2, state(2))
+        with pytest.raises(LeaseError, match="could not be read back"):
+            ck.wait()
+        ck._lease.renew()  # a renewal meanwhile neither gives it up nor writes over it
+        assert (tmp_path / LEASE).read_bytes().endswith(b'"tok')
+        (tmp_path / LEASE).write_bytes(good)
+        ck.save(3, state(3)).wait()
+        assert ck.steps() == [1, 3]
+        # another owner's record is a loss for good, as before
+        other = json.loads(good)
+        other["token"] = "0" * 16
+        (tmp_path / LEASE).write_text(json.dumps(other))
+        ck.save(4, state(4))
+        with pytest.raises(LeaseError, match="was taken over"):
+            ck.wait()
+        (tmp_path / LEASE).write_bytes(good)
+        ck.save(5, state(5))
+        with pytest.raises(LeaseError, match="must not commit there any more"):
+            ck.wait()
+        assert ck.steps() == [1, 3]
+
+
 def _job(url: str, job_id: str, steps: list[int], started, stop, out) -> None:
     torch.set_num_threads(1)
     try:

@@ -350,11 +350,21 @@ class WriterLease:
         )
 
     def check(self) -> None:
-        """Before a commit: raise LeaseError unless the lease is still ours."""
+        """Before a commit: raise LeaseError unless the lease is still ours.  A lease file that
+        is there but cannot be read or parsed just now (a read that failed where a listing
+        worked, a record being replaced on a store without atomic writes) fails this commit
+        only: the lease is lost for good only to another owner's record, or to no file at all."""
         if self.record is None:
             raise LeaseError(f"no writer lease held on {self.storage.url}; acquire it first")
         if self._lost is None:
-            _, current = self._read()
+            data, current = self._read()
+            if data is not None and current is None:
+                raise LeaseError(
+                    f"{self.storage.display(LEASE_NAME)}: the writer lease of {self.storage.url} "
+                    f"could not be read back ({data[:160]!r}), so this commit cannot tell that "
+                    f"this job still holds it and does not commit; the next one looks again — "
+                    f"if this persists, check the storage (or who replaced {LEASE_NAME})"
+                )
             if current is None or current.token != self.token:
                 self._lose(current)
         if self._lost is not None:
@@ -387,7 +397,14 @@ class WriterLease:
         with self._lock:
             if self.record is None or self._lost is not None:
                 return
-            _, current = self._read()
+            data, current = self._read()
+            if data is not None and current is None:  # not now: the next renewal looks again
+                log.warning(
+                    "renewing the writer lease of %s: the lease file could not be read (%r)",
+                    self.storage.url,
+                    data[:160],
+                )
+                return
             if current is None or current.token != self.token:
                 self._lose(current)
                 log.error("lost the writer lease of %s to %s", self.storage.url, self._lost)
