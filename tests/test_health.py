@@ -796,6 +796,41 @@ def test_on_hung_a_killer_that_is_not_the_leader_kills_only_once_the_attribution
         sim.close()
 
 
+def test_under_in_job_recovery_the_killer_of_a_hung_rank_does_not_wait_for_the_attribution(
+    tmp_path,
+):
+    """In-job recovery keeps the leader alive through the kill, and the spare waits for it: the
+    killer kills once the hung rank's stack is in, not after the leader's attribution."""
+    sim = Sim(tmp_path, world=4, ranks=[0, 1, 3], interval_s=0.5)
+    hung = subprocess.Popen(["sleep", "60"])
+    try:
+        leader, killer = sim.monitors[0], sim.monitors[1]
+        killer.kill_local = True
+        killer.on_peer_failure = lambda f: None  # (what Run sets under resilient launch)
+        _slow_attribution(leader, 2.0)
+        with leader._lock:
+            leader.store.set(
+                "run/0/stack/2", json.dumps({"stack": "t.py:9", "flight_recorder": None})
+            )
+        f = Finding(
+            Verdict.HUNG, 2, killer.host, hung.pid, 5, "train", 1.0, 9.0, "stuck", kill_by=1
+        )
+        leader._publish(f)
+        assert hung.wait(timeout=60) == -signal.SIGKILL
+        assert sim.wait_for(
+            lambda: any(e["event"] == "hang_attribution" for e in sim.events.read())
+        )
+        order = [
+            e["event"] for e in sim.events.read() if e["event"] in ("hang_attribution", "killed")
+        ]
+        assert order == ["killed", "hang_attribution"]
+    finally:
+        if hung.poll() is None:
+            hung.kill()
+            hung.wait()
+        sim.close()
+
+
 def test_a_close_while_the_monitor_answers_a_hang_lets_it_finish(tmp_path):
     """The main thread may see the verdict first (between steps) and close the monitor: the
     monitor's thread is then waiting for the leader's attribution, and it ends the process with

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from resilient import Checkpointer
-from resilient.errors import LeaseError
+from resilient.errors import LeaseError, StorageError
 
 LEASE = "LEASE.json"
 
@@ -112,14 +112,14 @@ def test_the_same_job_restarted_takes_its_lease_at_once(tmp_path):
 
 def test_a_lease_file_unreadable_for_a_moment_fails_that_commit_only(tmp_path):
     """A lease file that cannot be read back (torn, replaced by something that is not a record)
-    says nothing about who holds the lease: that commit fails with a LeaseError that says so,
+    says nothing about who holds the lease: that commit fails with a StorageError that says so,
     and once the file reads again the job commits again (it was not given up for good)."""
     with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=60.0) as ck:
         ck.save(1, state(1)).wait()
         good = (tmp_path / LEASE).read_bytes()
         (tmp_path / LEASE).write_bytes(b'{"format": "resilient-lease-v1", "tok')
         ck.save(2, state(2))
-        with pytest.raises(LeaseError, match="could not be read back"):
+        with pytest.raises(StorageError, match="could not be read back"):  # a failed save, no more
             ck.wait()
         ck._lease.renew()  # a renewal meanwhile neither gives it up nor writes over it
         assert (tmp_path / LEASE).read_bytes().endswith(b'"tok')

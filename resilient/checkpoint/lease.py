@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from resilient.checkpoint.storage import Storage
-from resilient.errors import LeaseError, ResilientError
+from resilient.errors import LeaseError, ResilientError, StorageError
 
 __all__ = ["LEASE_NAME", "LeaseRecord", "WriterLease", "default_job_id"]
 
@@ -352,18 +352,24 @@ class WriterLease:
     def check(self) -> None:
         """Before a commit: raise LeaseError unless the lease is still ours.  A lease file that
         is there but cannot be read or parsed just now (a read that failed where a listing
-        worked, a record being replaced on a store without atomic writes) fails this commit
-        only: the lease is lost for good only to another owner's record, or to no file at all."""
+        worked, a record being replaced on a store without atomic writes) is a StorageError for
+        this check only: the lease is lost for good only to another owner's record, or to no
+        file at all."""
         if self.record is None:
             raise LeaseError(f"no writer lease held on {self.storage.url}; acquire it first")
         if self._lost is None:
             data, current = self._read()
             if data is not None and current is None:
-                raise LeaseError(
+                # a storage failure, not a loss: Run counts it among failed saves (max_failed_saves)
+                # and a persister takes it for a hiccup, as any failed read
+                raise StorageError(
                     f"{self.storage.display(LEASE_NAME)}: the writer lease of {self.storage.url} "
-                    f"could not be read back ({data[:160]!r}), so this commit cannot tell that "
-                    f"this job still holds it and does not commit; the next one looks again — "
-                    f"if this persists, check the storage (or who replaced {LEASE_NAME})"
+                    f"could not be read back ({data[:160]!r}), so this job cannot confirm it "
+                    f"still holds it; nothing is committed or deleted under it until it can — "
+                    f"the next save looks again; if this persists, check the storage (or who "
+                    f"replaced {LEASE_NAME})",
+                    url=self.storage.url,
+                    operation="lease check",
                 )
             if current is None or current.token != self.token:
                 self._lose(current)

@@ -51,7 +51,7 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.retention import retire_steps
 from resilient.checkpoint.storage import Storage
-from resilient.errors import CheckpointCorruptError, LeaseError, ResilientError
+from resilient.errors import CheckpointCorruptError, LeaseError, ResilientError, StorageError
 from resilient.layout import Layout, Placement, Shard, placement_to_json, unique_chunks
 
 if TYPE_CHECKING:  # torch is imported where tensors are: the persister process never needs it
@@ -743,7 +743,16 @@ def publish_commit(
     # retention drops are uncommitted before the outcome is published, so every rank's wait()
     # sees the same steps; their bytes are deleted after.  Nothing is deleted unless the lease is
     # still this job's after the commit.
-    lease.check()
+    try:
+        lease.check()
+    except StorageError as e:  # (another owner's record is still a LeaseError: raised)
+        log.warning(
+            "committed step %d, but the writer lease could not be confirmed afterwards (%s); "
+            "nothing is deleted this time",
+            step,
+            e,
+        )
+        return []
     garbage: list[str] = []
     try:
         # Files of an older generation of this step, and temp files, are garbage now.

@@ -30,7 +30,8 @@ ranks it names.
 On DEAD or HUNG every live rank writes its Python stacks (faulthandler), its flight recorder
 dump when PyTorch's is on (``resilient.health.flight_recorder``), and the failure record to the
 event log; one live rank on the failed rank's node SIGKILLs it (first, on DEAD: the survivors'
-collectives wait on it; after its stack, on HUNG).  That is the lowest-numbered, which the leader
+collectives wait on it; on HUNG after its stack, and from a killer that is not the leader after
+the leader's attribution).  That is the lowest-numbered, which the leader
 names in the verdict, ``kill_by``; a rank on the same host when none is left on its node; for a
 rank that never registered, a rank of its node by torchelastic's contiguous numbering, which finds
 it by its launcher environment.  A stopped process never exits, so its agent would never see the
@@ -748,9 +749,10 @@ class Monitor:
                             self.store.set(self._key_attributed(finding), str(self.rank))
                     except Exception:
                         pass
-            elif self._is_killer(finding):
+            elif self._is_killer(finding) and not in_job:
                 # the kill makes the launcher tear the job down, the leader with it: not before
-                # the leader has written the attribution (which waited for the stacks)
+                # the leader has written the attribution (which waited for the stacks); in-job
+                # recovery keeps the leader alive, and the spare must not wait
                 self._await_attribution(finding)
                 awaited = True
             self._kill(finding, leader, stacks_awaited=awaited)  # once the hung rank's stack is in
