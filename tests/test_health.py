@@ -760,18 +760,19 @@ def _slow_attribution(monitor, seconds):
     monitor._attribute = slow
 
 
-def test_on_hung_a_killer_that_is_not_the_leader_kills_only_once_the_attribution_is_written(
-    tmp_path,
-):
-    """The kill makes the launcher tear the job down, the leader with it: the rank that kills the
-    hung one (here rank 1, not the leader) waits for the leader's attribution first; a rank that
-    only exits waits for it too."""
+def _hung_rank_killed_by_rank_1(tmp_path, *, slow_s: float, in_job: bool):
+    """Ranks 0 (the leader), 1 and 3 of 4 monitor; rank 2 is a real process, hung, that rank 1
+    must kill (its stack is in the store); the leader's attribution takes ``slow_s`` longer.
+    Returns the order of the attribution and the kill in the log, once both happened, and the
+    key the leader wrote."""
     sim = Sim(tmp_path, world=4, ranks=[0, 1, 3], interval_s=0.5)  # the wait's bound: 3 s
     hung = subprocess.Popen(["sleep", "60"])
     try:
         leader, killer = sim.monitors[0], sim.monitors[1]
         killer.kill_local = True
-        _slow_attribution(leader, 1.0)
+        if in_job:
+            killer.on_peer_failure = lambda f: None  # (what Run sets under resilient launch)
+        _slow_attribution(leader, slow_s)
         with leader._lock:  # the hung rank published its stack (its beat still runs)
             leader.store.set(
                 "run/0/stack/2", json.dumps({"stack": "train.py:9", "flight_recorder": None})
@@ -781,19 +782,35 @@ def test_on_hung_a_killer_that_is_not_the_leader_kills_only_once_the_attribution
         )
         leader._publish(f)
         assert hung.wait(timeout=60) == -signal.SIGKILL
-        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 3)))
+        answered = (0, 3) if in_job else (0, 1, 3)  # (in-job, the killer calls its hook)
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in answered))
+        assert sim.wait_for(
+            lambda: any(e["event"] == "hang_attribution" for e in sim.events.read())
+        )
         order = [
             e["event"] for e in sim.events.read() if e["event"] in ("hang_attribution", "killed")
         ]
-        assert order == ["hang_attribution", "killed"]
-        # every rank that is not the leader exited after it was written, not before
-        written = leader.store.get(f"run/0/attributed/2:{hung.pid}").decode()
-        assert written == "0"
+        with leader._lock:
+            key = f"run/0/attributed/2:{hung.pid}"
+            written = leader.store.get(key).decode() if leader.store.check([key]) else None
+        return order, written, sim.failures
     finally:
         if hung.poll() is None:
             hung.kill()
             hung.wait()
         sim.close()
+
+
+def test_on_hung_a_killer_that_is_not_the_leader_kills_only_once_the_attribution_is_written(
+    tmp_path,
+):
+    """The kill makes the launcher tear the job down, the leader with it: the rank that kills the
+    hung one (here rank 1, not the leader) waits for the leader's attribution first; a rank that
+    only exits waits for it too (test_a_close_while_the_monitor_answers_a_hang_lets_it_finish)."""
+    order, written, failures = _hung_rank_killed_by_rank_1(tmp_path, slow_s=1.0, in_job=False)
+    assert order == ["hang_attribution", "killed"]
+    assert written == "0"  # the leader's, under the verdict's name
+    assert failures[1]  # and the killer answered the verdict
 
 
 def test_under_in_job_recovery_the_killer_of_a_hung_rank_does_not_wait_for_the_attribution(
@@ -801,34 +818,8 @@ def test_under_in_job_recovery_the_killer_of_a_hung_rank_does_not_wait_for_the_a
 ):
     """In-job recovery keeps the leader alive through the kill, and the spare waits for it: the
     killer kills once the hung rank's stack is in, not after the leader's attribution."""
-    sim = Sim(tmp_path, world=4, ranks=[0, 1, 3], interval_s=0.5)
-    hung = subprocess.Popen(["sleep", "60"])
-    try:
-        leader, killer = sim.monitors[0], sim.monitors[1]
-        killer.kill_local = True
-        killer.on_peer_failure = lambda f: None  # (what Run sets under resilient launch)
-        _slow_attribution(leader, 2.0)
-        with leader._lock:
-            leader.store.set(
-                "run/0/stack/2", json.dumps({"stack": "t.py:9", "flight_recorder": None})
-            )
-        f = Finding(
-            Verdict.HUNG, 2, killer.host, hung.pid, 5, "train", 1.0, 9.0, "stuck", kill_by=1
-        )
-        leader._publish(f)
-        assert hung.wait(timeout=60) == -signal.SIGKILL
-        assert sim.wait_for(
-            lambda: any(e["event"] == "hang_attribution" for e in sim.events.read())
-        )
-        order = [
-            e["event"] for e in sim.events.read() if e["event"] in ("hang_attribution", "killed")
-        ]
-        assert order == ["killed", "hang_attribution"]
-    finally:
-        if hung.poll() is None:
-            hung.kill()
-            hung.wait()
-        sim.close()
+    order, _, _ = _hung_rank_killed_by_rank_1(tmp_path, slow_s=2.0, in_job=True)
+    assert order == ["killed", "hang_attribution"]
 
 
 def test_a_close_while_the_monitor_answers_a_hang_lets_it_finish(tmp_path):
