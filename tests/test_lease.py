@@ -140,6 +140,31 @@ def test_a_lease_file_unreadable_for_a_moment_fails_that_commit_only(tmp_path):
         assert ck.steps() == [1, 3]
 
 
+def test_a_record_this_process_left_behind_is_taken_even_cautiously(tmp_path):
+    """A lease released while its file could not be read leaves its record behind: the next lease
+    of the same process (a persister's, which takes no live holder's lease) takes it, rather than
+    refusing itself for as long as it lives; another live lease of this process is still refused."""
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    storage = Storage(str(tmp_path))
+    first = WriterLease(storage, "job-A", timeout_s=60.0)
+    first.acquire()
+    left = (tmp_path / LEASE).read_bytes()
+    (tmp_path / LEASE).write_bytes(b"torn")  # unreadable at the release: the file stays
+    first.release()
+    (tmp_path / LEASE).write_bytes(left)  # readable again: this process's record, not held
+    second = WriterLease(storage, "job-A", timeout_s=60.0)
+    t0 = time.monotonic()
+    second.acquire(cautious=True)
+    assert time.monotonic() - t0 < 30 and second.held
+    third = WriterLease(storage, "job-A", timeout_s=60.0)
+    with pytest.raises(LeaseError, match="whose lease is alive"):
+        third.acquire(cautious=True)  # the second is held: a writer like any other
+    second.release()
+    assert not (tmp_path / LEASE).exists()
+
+
 def _job(url: str, job_id: str, steps: list[int], started, stop, out) -> None:
     torch.set_num_threads(1)
     try:

@@ -186,6 +186,20 @@ def _dead(pid: int) -> bool:
         return False
 
 
+# the tokens of this process's leases that are held now (a record of this process with another
+# token is an orphan: its lease was released without removing the file, or lost)
+_HELD: set[str] = set()
+
+
+def _this_process(record: LeaseRecord) -> bool:
+    """Whether ``record`` is an orphan of this very process: written by a lease of its own that is
+    no longer held (released when its file could not be read, so it stayed); not another live
+    Checkpointer's of this process, which is a writer like any other."""
+    return record.token not in _HELD and is_process(
+        record, os.getpid(), _process_start(os.getpid())
+    )
+
+
 def is_process(record: LeaseRecord, pid: object, start: object) -> bool:
     """Whether ``record`` was written by the process ``pid`` (started at ``start``) on this
     machine."""
@@ -287,13 +301,14 @@ class WriterLease:
             elif current is not None and current.token == self.token:
                 mine = current  # already ours (a second acquire after a transient failure)
             elif cautious and not (
-                current is not None and (current.token == only_from or _gone(current))
+                current is not None
+                and (current.token == only_from or _gone(current) or _this_process(current))
             ):
                 raise self._held_by(current, data)
             elif current is not None and current.job_id == self.job_id:
                 log.info("taking over the lease of %s: the same job, restarted", self.storage.url)
                 mine = self._take_over(current)
-            elif current is not None and _gone(current):
+            elif current is not None and (_gone(current) or _this_process(current)):
                 log.warning(
                     "taking over the lease of %s from %s: its process is gone",
                     self.storage.url,
@@ -331,6 +346,7 @@ class WriterLease:
             if after is None or after.token != self.token:
                 raise self._held_by(after, b"")
             self.record, self._lost = mine, None
+            _HELD.add(self.token)
             self._start_renewing()
             return
 
@@ -383,6 +399,7 @@ class WriterLease:
 
     def _lose(self, current: LeaseRecord | None) -> None:
         self._lost = current.describe() if current else "nobody (the lease file is gone)"
+        _HELD.discard(self.token)
 
     def _start_renewing(self) -> None:
         self._stop.clear()
@@ -423,6 +440,7 @@ class WriterLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        _HELD.discard(self.token)
         with self._lock:
             if self.record is None:
                 return
