@@ -165,6 +165,33 @@ def test_a_record_this_process_left_behind_is_taken_even_cautiously(tmp_path):
     assert not (tmp_path / LEASE).exists()
 
 
+def test_a_lease_of_this_process_still_settling_is_not_taken_for_an_orphan(tmp_path):
+    """On storage without exclusive create a new lease settles (re-reads after writing) before it
+    holds: another job's lease in the same process that looks meanwhile sees a live writer, not a
+    record this process left behind."""
+    import threading
+
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    url = f"faulty://{tmp_path / 'ck'}"
+    options = {"target_protocol": "file", "faults": []}
+    a = WriterLease(Storage(url, options), "job-A", timeout_s=4.0)  # settles 0.4 s
+    b = WriterLease(Storage(url, options), "job-B", timeout_s=4.0)
+    assert a.settle_s > 0.2
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(a=a.acquire()))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ck" / LEASE).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(LeaseError, match="job 'job-A'"):
+        b.acquire()  # inside A's settle: A's record is a live writer's
+    t.join(timeout=30)
+    assert a.held and not b.held
+    a.release()
+
+
 def _job(url: str, job_id: str, steps: list[int], started, stop, out) -> None:
     torch.set_num_threads(1)
     try:

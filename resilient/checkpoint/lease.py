@@ -11,7 +11,8 @@ Who may take a lease held by someone else:
 
 * the same job (same ``job_id``: a torchrun restart of the same run) takes it at once;
 * a lease whose owner ran on this host and whose process is gone (pid not running, or running a
-  different process) is taken at once;
+  different process) is taken at once, and so is one this very process left behind (a lease of
+  its own released while the file could not be read);
 * any other lease is stale only when its heartbeat counter has not changed for ``timeout_s`` as
   measured here, on this host's monotonic clock (never by comparing clocks across hosts): the
   taker watches the record for that long, and fails as soon as it sees a heartbeat.
@@ -194,10 +195,11 @@ _HELD: set[str] = set()
 def _this_process(record: LeaseRecord) -> bool:
     """Whether ``record`` is an orphan of this very process: written by a lease of its own that is
     no longer held (released when its file could not be read, so it stayed); not another live
-    Checkpointer's of this process, which is a writer like any other."""
-    return record.token not in _HELD and is_process(
-        record, os.getpid(), _process_start(os.getpid())
-    )
+    Checkpointer's of this process, which is a writer like any other.  Only where the machine and
+    the process's start time are known (``/proc``): a host name and a pid alone prove nothing."""
+    if record.token in _HELD or "//" in record.machine or not record.pid_start:
+        return False
+    return is_process(record, os.getpid(), _process_start(os.getpid()))
 
 
 def is_process(record: LeaseRecord, pid: object, start: object) -> bool:
@@ -286,10 +288,21 @@ class WriterLease:
         ``cautious`` (a persister taking the lease back for its trainer's saves, or to flush
         after it): take over no lease whose holder may be alive, not even the same job's (it may
         be a successor's), except the one with token ``only_from`` (the trainer's own, which it
-        says it released); a free lease, or a dead holder's on this host, is taken as usual."""
+        says it released); a free lease, a dead holder's on this host, or one this process left
+        behind (``_this_process``), is taken as usual."""
         if self.record is not None:
             self.check()
             return
+        # from before our record can be written: a record of ours is never an orphan to another
+        # lease of this process (_this_process), not even while it settles
+        _HELD.add(self.token)
+        try:
+            self._acquire(cautious, only_from)
+        except BaseException:
+            _HELD.discard(self.token)
+            raise
+
+    def _acquire(self, cautious: bool, only_from: str | None) -> None:
         watched: tuple[bytes, float] | None = None
         self.storage.makedirs("")
         while True:
@@ -310,9 +323,13 @@ class WriterLease:
                 mine = self._take_over(current)
             elif current is not None and (_gone(current) or _this_process(current)):
                 log.warning(
-                    "taking over the lease of %s from %s: its process is gone",
+                    "taking over the lease of %s from %s: %s",
                     self.storage.url,
                     current.describe(),
+                    "this process left it (an earlier lease of its own, released while the "
+                    "file could not be read)"
+                    if _this_process(current)
+                    else "its process is gone",
                 )
                 mine = self._take_over(current)
             else:
@@ -342,11 +359,19 @@ class WriterLease:
             # settle a race between two takers: whoever's token is there after a moment holds the
             # lease (a taker that read "free" just before our write wrote just after it)
             self.sleep(self.settle_s)
-            _, after = self._read()
-            if after is None or after.token != self.token:
+            data, after = self._read()
+            if data is not None and after is None:
+                raise self._unconfirmed(data)
+            if after is None:
+                raise LeaseError(
+                    f"{self.storage.display(LEASE_NAME)}: the writer lease of {self.storage.url} "
+                    f"was gone right after this job ({self.job_id!r}) wrote it: another writer "
+                    f"is at work on this URL (released it, or removed it); use another URL, or "
+                    f"stop the other job"
+                )
+            if after.token != self.token:
                 raise self._held_by(after, b"")
             self.record, self._lost = mine, None
-            _HELD.add(self.token)
             self._start_renewing()
             return
 
@@ -378,15 +403,7 @@ class WriterLease:
             if data is not None and current is None:
                 # a storage failure, not a loss: Run counts it among failed saves (max_failed_saves)
                 # and a persister takes it for a hiccup, as any failed read
-                raise StorageError(
-                    f"{self.storage.display(LEASE_NAME)}: the writer lease of {self.storage.url} "
-                    f"could not be read back ({data[:160]!r}), so this job cannot confirm it "
-                    f"still holds it; nothing is committed or deleted under it until it can — "
-                    f"the next save looks again; if this persists, check the storage (or who "
-                    f"replaced {LEASE_NAME})",
-                    url=self.storage.url,
-                    operation="lease check",
-                )
+                raise self._unconfirmed(data)
             if current is None or current.token != self.token:
                 self._lose(current)
         if self._lost is not None:
@@ -396,6 +413,16 @@ class WriterLease:
                 f"more — it looked stale (no heartbeat for {self.timeout_s:.0f}s?); use another "
                 f"URL or a longer lease_timeout_s"
             )
+
+    def _unconfirmed(self, data: bytes) -> StorageError:
+        return StorageError(
+            f"{self.storage.display(LEASE_NAME)}: the writer lease of {self.storage.url} could "
+            f"not be read back ({data[:160]!r}), so this job cannot confirm that it holds it; it "
+            f"commits and deletes nothing under it until it can, and the next save looks again; "
+            f"if this persists, check the storage (or who replaced {LEASE_NAME})",
+            url=self.storage.url,
+            operation="lease check",
+        )
 
     def _lose(self, current: LeaseRecord | None) -> None:
         self._lost = current.describe() if current else "nobody (the lease file is gone)"
@@ -440,9 +467,9 @@ class WriterLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        _HELD.discard(self.token)
         with self._lock:
             if self.record is None:
+                _HELD.discard(self.token)
                 return
             try:
                 _, current = self._read()
@@ -451,6 +478,7 @@ class WriterLease:
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
             self.record = None
+            _HELD.discard(self.token)  # (only now: the file is gone, or left as an orphan)
 
     def describe(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "token": self.token, "held": self.held}

@@ -747,10 +747,10 @@ def publish_commit(
         lease.check()
     except StorageError as e:  # (another owner's record is still a LeaseError: raised)
         log.warning(
-            "committed step %d, but the writer lease could not be confirmed afterwards (%s); "
-            "nothing is deleted this time",
+            "committed step %d; the writer lease could not be read back right after (%s), so "
+            "retention deletes nothing this time",
             step,
-            e,
+            str(e).split(";")[0],
         )
         return []
     garbage: list[str] = []
