@@ -342,6 +342,8 @@ def _without_launcher_flags(argv: list[str]) -> list[str]:
 def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> int:
     import signal
 
+    from reference_trainer import PRELOAD
+    from resilient import forkserver
     from resilient.launch.agent import launch_main
 
     gc.enable()  # a long-lived launcher collects as usual
@@ -358,7 +360,16 @@ def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> 
         "--spares",
         str(spares),
     ]
-    code = launch_main([*flags, "-m", "reference_trainer", *rest])
+    entry = ["-m", "reference_trainer"]
+    server = None
+    if forkserver.enabled():  # torch imported once, not by every rank at every restart
+        server = forkserver.start(PRELOAD)
+        entry = ["-m", "resilient.forkserver", "run", "reference_trainer"]
+    try:
+        code = launch_main([*flags, *entry, *rest])
+    finally:
+        if server is not None:
+            forkserver.stop(server)
     if code == 128 + signal.SIGTERM:
         # Preemption: the launcher forwarded SIGTERM and waited for the ranks, which saved the
         # current step and exited cleanly (resilient.Run); the job stops successfully.

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reference_trainer import PRELOAD as TRAINER_PRELOAD
+from resilient import forkserver
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
 from resilient.chaos.scenario import JOB_KILLS, NODE_KILLS, Fault, Job
 from resilient.health.events import EventLog
@@ -411,9 +413,14 @@ def _command(
     launcher = ["torch.distributed.run"]
     if job.spares is not None:  # torchrun's flags, with hot spares and in-job recovery
         launcher = ["resilient.cli", "launch", "--spares", str(job.spares)]
+    # the reference trainer's ranks start from the node's fork server (resilient/forkserver.py):
+    # torch imported once per agent, not once per rank and restart
+    forked = job.command is None and forkserver.enabled()
+    host = ["resilient.forkserver", "host", "--preload", _PRELOAD, "--"] if forked else []
     cmd = [
         sys.executable,
         "-m",
+        *host,
         *launcher,
         "--nnodes",
         nnodes,
@@ -452,7 +459,9 @@ def _command(
             "chaos": str(paths.plan(node)),
         }
         return cmd + [c.format(**subs) for c in job.command]
-    flags = ["-m", "reference_trainer"]
+    flags = ["-m", "resilient.forkserver", "run", "reference_trainer"]
+    if not forked:
+        flags = ["-m", "reference_trainer"]
     for k, v in job.trainer.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
@@ -465,6 +474,10 @@ def _command(
     if chaos:
         flags += ["--chaos", str(paths.plan(node))]
     return cmd + flags
+
+
+# what a reference-trainer rank imports, the chaos hook's modules with it
+_PRELOAD = ",".join([*TRAINER_PRELOAD, "resilient.chaos.faults", "resilient.chaos.faultfs"])
 
 
 def _storage_rule(f: Fault) -> dict[str, Any]:

@@ -1195,7 +1195,13 @@ def local_rank_pid(rank: int) -> int | None:
         except (OSError, ValueError, IndexError):
             continue
     top = [pid for pid, parent in found.items() if parent not in found]
-    return min(top) if top else None
+    if not top:
+        return None
+    from resilient.forkserver import rank_pid
+
+    # a worker that stands in for a rank its node's fork server started: the rank itself (killing
+    # the stand-in would kill it too, but a stack dump must come from the rank)
+    return rank_pid(min(top)) or min(top)
 
 
 def main_thread_stack(limit: int = 12) -> str:

@@ -1,0 +1,494 @@
+"""Start a node's ranks from a process that has torch imported already: a fork server.
+
+A rank's start costs about two seconds of CPU before its first line of training, most of it
+``import torch``, and every torchrun restart pays it again on every rank.  A fork server pays it
+once per node: it imports the heavy modules, then forks a child per rank, which runs the rank's
+module as ``__main__`` the way ``python -m`` would.  It stays out of torchrun's way:
+
+* ``python -m resilient.forkserver host --preload MOD[,MOD...] -- LAUNCHER [ARGS]`` starts the
+  server (a child of this process) and then *becomes* the launcher (``exec``, so the pid is the
+  same): ``torch.distributed.run``, ``resilient.cli launch``, any module.  The server's socket is
+  in the environment (``RESILIENT_FORKSERVER``) that the launcher's workers inherit.  The server
+  exits when its parent, the launcher, does.
+* ``python -m resilient.forkserver run MODULE [ARGS]`` is the worker's command (after torchrun's
+  ``-m``).  This process stays torchrun's worker: it hands its arguments, environment, working
+  directory and standard streams to the server, which forks the real rank; it forwards the
+  signals it gets (torchrun's SIGTERM, SIGINT, ...) to the rank, and ends as the rank ended (its
+  exit code, or killed by the same signal).  When it is killed itself (torchrun's SIGKILL), the
+  server kills the rank.  With no server in the environment, or one that cannot be reached, it
+  runs the module itself: the same rank, started the slow way.
+
+The rank is the server's child, so a tool that looks for a worker by its environment
+(``/proc/PID/environ`` keeps what a process was exec'd with, the server's) finds the stand-in
+instead: :func:`rank_pid` maps it to the rank, from the file the server writes for each one
+(``pids/<stand-in pid>`` next to the socket).
+
+What a forked rank shares with its siblings: the modules the server imported (and their
+module-level state, set before any rank existed) and the string hash seed.  Its own: random seeds
+(Python seeds ``random`` again in a forked child, this module numpy's global generator; torch's
+default generator starts where a new process's would), torch's thread count (from
+``OMP_NUM_THREADS``), and an interpreter's exit (its non-daemon threads waited for, ``atexit``
+handlers run, streams flushed).  The server imports and forks only: it starts no threads and runs
+no torch operation, so no thread pool or CUDA context exists to be copied half-made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+__all__ = ["ENV", "ENV_SWITCH", "enabled", "main", "rank_pid", "start", "stop"]
+
+ENV = "RESILIENT_FORKSERVER"  # the server's socket, in the workers' environment
+_PREFIX = "resilient-forkserver-"
+ENV_SWITCH = "RESILIENT_FORK_RANKS"  # "0": launchers start every rank the usual way
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+              signal.SIGUSR2)  # fmt: skip
+_HEADER = struct.Struct("!I")
+_START_WAIT_S = 60.0  # how long a worker waits for a server that is still importing
+
+
+# --- the worker's stand-in ------------------------------------------------------------------------
+
+
+def _connect(path: str) -> socket.socket | None:
+    """A connection to the server at ``path``, waiting while the server (alive: its pid file
+    names it) is still importing; None when there is none to reach."""
+    deadline = time.monotonic() + _START_WAIT_S
+    server_pid = _read_int(os.path.join(os.path.dirname(path), "server.pid"))
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except OSError:
+            s.close()
+        if server_pid is None or not _alive(server_pid) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run_here(module: str, args: list[str]) -> int:
+    import runpy
+
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _stand_in(module: str, args: list[str]) -> int:
+    path = os.environ.get(ENV)
+    conn = _connect(path) if path else None
+    if conn is None:
+        return _run_here(module, args)
+    request = {
+        "module": module,
+        "argv": [module, *args],
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
+    }
+    body = json.dumps(request).encode()
+    try:
+        socket.send_fds(conn, [_HEADER.pack(len(body))], [0, 1, 2])
+        conn.sendall(body)
+    except OSError:
+        conn.close()
+        return _run_here(module, args)  # the server forks a whole request only: start here
+    try:
+        reader = conn.makefile("rb")
+        child = int(json.loads(reader.readline())["pid"])
+    except (OSError, ValueError, KeyError) as e:
+        # the rank may have been forked: starting it here as well could make two of it
+        print(f"resilient.forkserver: the server at {path} did not start the rank ({e!r})",
+              file=sys.stderr)  # fmt: skip
+        return 1
+
+    def forward(signum, _frame):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        line = reader.readline()
+    except OSError:
+        line = b""
+    if not line:  # the server went away first: wait for the rank itself, exit code unknown
+        while _alive(child):
+            time.sleep(0.1)
+        return 1
+    status = int(json.loads(line)["status"])
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig in _FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), sig)
+        return 128 + sig  # not reached for a deadly signal
+    return os.waitstatus_to_exitcode(status)
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(10.0)
+    head, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 3)
+    if len(head) != _HEADER.size or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise OSError("a short request")
+    (size,) = _HEADER.unpack(head)
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            raise OSError("a short request")
+        body += chunk
+    conn.settimeout(None)
+    return json.loads(body), fds
+
+
+def _child(request: dict, fds: list[int], close: list[socket.socket]) -> None:
+    """In the forked rank: become the process ``python -m MODULE`` would have started; never
+    returns."""
+    code = 1
+    try:
+        for s in close:
+            s.close()
+        os.setsid()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (*_FORWARDED, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        if request.get("unbuffered"):
+            sys.stdout.reconfigure(write_through=True)
+            sys.stderr.reconfigure(write_through=True)
+        if "numpy.random" in sys.modules:  # numpy's global generator: seeded per process
+            sys.modules["numpy.random"].seed()
+        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        sys.argv = list(request["argv"])
+        code = _run_as_main(request["module"])
+    finally:
+        os._exit(_shutdown(code))
+
+
+def _run_as_main(module: str) -> int:
+    import runpy
+    import traceback
+
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _shutdown(code: int) -> int:
+    """What the interpreter does at exit: wait for non-daemon threads, run ``atexit``, flush."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    return code & 0xFF if code >= 0 else 1
+
+
+def serve(path: str, preload: list[str], parent: int) -> int:
+    """Import ``preload``, then fork a rank for every worker that asks, until ``parent`` exits."""
+    import gc
+    import importlib
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a rank that needs it will say why; the others are still served
+            print(f"resilient.forkserver: could not preload {name}: {e}", file=sys.stderr)
+    gc.collect()
+    gc.freeze()  # what every rank shares stays shared (and is never scanned again)
+    pids_dir = os.path.join(os.path.dirname(path), "pids")
+    os.makedirs(pids_dir, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(128)
+    os.rename(path + ".tmp", path)  # workers connect only once it listens
+    ranks: dict[int, tuple[socket.socket, int]] = {}  # rank pid -> (its stand-in's connection, pid)
+    by_conn: dict[socket.socket, int] = {}
+    try:
+        while not stopping and os.getppid() == parent:
+            try:
+                ready, _, _ = select.select([listener, *by_conn], [], [], 0.1)
+            except InterruptedError:
+                ready = []
+            for s in ready:
+                if s is listener:
+                    _accept(listener, ranks, by_conn, pids_dir)
+                elif not _peek(s):  # the stand-in died (torchrun's SIGKILL): so does its rank
+                    pid = by_conn.pop(s)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            _reap(ranks, by_conn, pids_dir)
+    finally:
+        listener.close()
+        for conn, pid in by_conn.items():  # ranks whose stand-ins died as the launcher did
+            if not _peek(conn):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for name in (path, path + ".tmp"):
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+    return 0
+
+
+def _accept(listener, ranks, by_conn, pids_dir) -> None:
+    conn, _ = listener.accept()
+    try:
+        request, fds = _recv_request(conn)
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        stand_in = struct.unpack("3i", creds)[0]
+    except (OSError, ValueError):
+        conn.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _child(request, fds, [listener, conn, *by_conn])
+    for fd in fds:
+        os.close(fd)
+    ranks[pid] = (conn, stand_in)
+    by_conn[conn] = pid
+    _write(os.path.join(pids_dir, str(stand_in)), str(pid))
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except OSError:
+        pass  # its stand-in is gone: the next select sees the closed connection
+
+
+def _peek(conn: socket.socket) -> bool:
+    """Whether ``conn`` is still open (a stand-in sends nothing after its request)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _reap(ranks, by_conn, pids_dir) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn, stand_in = ranks.pop(pid, (None, None))
+        if conn is None:
+            continue
+        by_conn.pop(conn, None)
+        try:
+            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+        except OSError:
+            pass
+        conn.close()
+        try:
+            os.unlink(os.path.join(pids_dir, str(stand_in)))
+        except OSError:
+            pass
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# --- the launcher's side ------------------------------------------------------------------------
+
+
+def enabled() -> bool:
+    """Whether launchers start ranks from a fork server (``RESILIENT_FORK_RANKS=0``: every rank
+    its own interpreter, as plain torchrun starts them)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def start(preload: list[str] | tuple[str, ...]):
+    """Start a server for this process's workers (it exits when this process does, or on
+    SIGTERM), and put its socket in this process's environment; returns its ``Popen``."""
+    import subprocess
+    import tempfile
+
+    _sweep(tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix=_PREFIX)
+    path = os.path.join(root, "sock")
+    cmd = [sys.executable, "-m", "resilient.forkserver", "serve", path, str(os.getpid())]
+    server = subprocess.Popen(
+        [*cmd, ",".join(preload)], stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    _write(os.path.join(root, "server.pid"), str(server.pid))
+    os.environ[ENV] = path
+    return server
+
+
+def _sweep(tmp: str) -> None:
+    """Remove what servers killed outright (a node's whole process tree, SIGKILL) left in
+    ``tmp``: a directory whose server is gone.  One still being set up (no pid file yet, for a
+    minute) and one whose server lives are left alone."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(_PREFIX)]
+    except OSError:
+        return
+    import shutil
+
+    for name in names:
+        root = os.path.join(tmp, name)
+        pid = _read_int(os.path.join(root, "server.pid"))
+        try:
+            if pid is None and time.time() - os.stat(root).st_mtime < 60:
+                continue
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read() if pid is not None else b""
+        except FileNotFoundError:
+            cmdline = b""
+        except OSError:
+            continue
+        if root.encode() not in cmdline:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def stop(server) -> None:
+    """Stop a server :func:`start` started (the ranks it forked are left to their stand-ins)."""
+    os.environ.pop(ENV, None)
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except Exception:
+        server.kill()
+        server.wait()
+
+
+def host(preload: list[str], launcher: list[str]) -> int:
+    """Start the server, then exec ``python -m LAUNCHER...`` in this process (never returns but
+    on a failed exec)."""
+    start(preload)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", *launcher])
+    return 1
+
+
+def rank_pid(pid: int) -> int | None:
+    """The rank that worker ``pid`` stands in for when a fork server started it (None when it
+    has not been forked yet); ``pid`` itself for a worker that is the rank."""
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return pid
+    if b"resilient.forkserver" not in cmdline or b"run" not in cmdline:
+        return pid
+    for e in env:
+        if e.startswith(ENV.encode() + b"="):
+            root = os.path.dirname(e.split(b"=", 1)[1].decode())
+            return _read_int(os.path.join(root, "pids", str(pid)))
+    return pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = (
+        "usage: python -m resilient.forkserver host --preload MOD[,MOD] -- LAUNCHER [ARGS]\n"
+        "       python -m resilient.forkserver run MODULE [ARGS]"
+    )
+    if argv[:1] == ["run"] and len(argv) >= 2:
+        return _stand_in(argv[1], argv[2:])
+    if argv[:1] == ["serve"] and len(argv) == 4:
+        path, parent, preload = argv[1], int(argv[2]), [m for m in argv[3].split(",") if m]
+        try:
+            return serve(path, preload, parent)
+        finally:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    if argv[:1] == ["host"] and "--" in argv:
+        split = argv.index("--")
+        opts, launcher = argv[1:split], argv[split + 1 :]
+        preload = []
+        if len(opts) == 2 and opts[0] == "--preload":
+            preload = [m for m in opts[1].split(",") if m]
+        elif opts:
+            print(usage, file=sys.stderr)
+            return 2
+        if launcher:
+            return host(preload, launcher)
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The fork server (resilient/forkserver.py): a rank forked from a process that has its imports
+done behaves like one ``python -m`` started: arguments, environment, working directory, standard
+streams, exit code, signals, ``atexit``; its stand-in (torchrun's worker) ends as it ends, and a
+stand-in killed takes its rank with it.  Real processes throughout (the server imports ``json``
+only, so that these run fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.forkserver import ENV, rank_pid
+
+PROBE = """
+import atexit, json, os, random, signal, sys, time
+out = os.environ["PROBE_OUT"]
+mode = sys.argv[1]
+info = {"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("PROBE_X"),
+        "pid": os.getpid(), "ppid": os.getppid(), "rand": random.random(), "name": __name__,
+        "rank": os.environ.get("RANK")}
+with open(os.path.join(out, f"probe-{os.getpid()}.json"), "w") as f:
+    json.dump(info, f)
+print("hello from the probe", flush=True)
+atexit.register(lambda: open(os.path.join(out, f"atexit-{os.getpid()}"), "w").close())
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "raise":
+    raise RuntimeError("boom in the probe")
+if mode == "selfkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "term":
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
+if mode in ("term", "sleep"):
+    open(os.path.join(out, f"ready-{os.getpid()}"), "w").close()
+    time.sleep(60)
+"""
+
+# a launcher that stays alive (as torchrun's agent does) with two workers that are stand-ins
+LAUNCHER = """
+import os, subprocess, sys, time
+cmd = [sys.executable, "-m", "resilient.forkserver", "run", "probe", "sleep"]
+procs = [subprocess.Popen(cmd, start_new_session=True) for _ in range(2)]
+with open(os.path.join(os.environ["PROBE_OUT"], "stand_ins"), "w") as f:
+    f.write(" ".join(str(p.pid) for p in procs))
+codes = [p.wait() for p in procs]
+with open(os.path.join(os.environ["PROBE_OUT"], "codes"), "w") as f:
+    f.write(" ".join(str(c) for c in codes))
+"""
+
+
+@pytest.fixture
+def where(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "wd").mkdir()
+    return tmp_path
+
+
+def _env(where: Path, **extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([str(where), root])
+    env["PROBE_OUT"] = str(where / "out")
+    env["PROBE_X"] = "from the worker's environment"
+    return {**env, **extra}
+
+
+def _host(where: Path, *launcher: str, **env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "json", "--"]
+    return subprocess.Popen(
+        [*cmd, *launcher],
+        cwd=where / "wd",
+        env=_env(where, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _probes(where: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((where / "out").glob("probe-*.json"))]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie not reaped yet
+    except OSError:
+        return True
+
+
+def test_a_forked_rank_gets_the_workers_arguments_environment_streams_and_exit_code(where):
+    proc = _host(where, "resilient.forkserver", "run", "probe", "exit", "3")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "hello from the probe" in out  # the stand-in's stdout, handed over
+    (info,) = _probes(where)
+    assert info["argv"] == ["exit", "3"] and info["cwd"] == str(where / "wd")
+    assert info["x"] == "from the worker's environment" and info["name"] == "__main__"
+    # forked by the server, not run in the stand-in (which is the host's pid, after its exec)
+    assert info["pid"] != proc.pid and info["ppid"] != proc.pid
+    assert (where / "out" / f"atexit-{info['pid']}").exists()  # interpreter exit: atexit ran
+
+
+def test_a_rank_that_raises_exits_1_with_its_traceback_on_the_workers_stderr(where):
+    proc = _host(where, "resilient.forkserver", "run", "probe", "raise")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "RuntimeError: boom in the probe" in err
+
+
+def test_a_rank_killed_by_a_signal_takes_its_stand_in_the_same_way(where):
+    proc = _host(where, "resilient.forkserver", "run", "probe", "selfkill")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_signals_to_the_stand_in_reach_the_rank(where):
+    proc = _host(where, "resilient.forkserver", "run", "probe", "term")
+    _wait_for(lambda: any((where / "out").glob("ready-*")))
+    proc.send_signal(signal.SIGTERM)  # torchrun's teardown
+    proc.communicate(timeout=60)
+    assert proc.returncode == 7  # the rank's handler ran and chose the code
+
+
+def test_a_killed_stand_in_takes_its_rank_and_only_it(where):
+    proc = _host(where, "launcher")
+    stand_ins_file = where / "out" / "stand_ins"
+    _wait_for(lambda: stand_ins_file.exists() and len(list((where / "out").glob("ready-*"))) == 2)
+    a, b = (int(p) for p in stand_ins_file.read_text().split())
+    ranks = {rank_pid(a), rank_pid(b)}
+    assert None not in ranks and not ranks & {a, b}  # each stand-in maps to its own rank
+    assert {p["pid"] for p in _probes(where)} == ranks
+    assert len({p["rand"] for p in _probes(where)}) == 2  # each rank seeded afresh
+    ra, rb = rank_pid(a), rank_pid(b)
+    os.kill(a, signal.SIGKILL)  # torchrun's SIGKILL after its grace period
+    _wait_for(lambda: _gone(ra), timeout_s=30)
+    time.sleep(0.3)
+    assert not _gone(rb) and not _gone(b)  # the other rank and its stand-in live on
+    os.kill(rb, signal.SIGKILL)  # a rank killed from outside (a chaos fault, a hang's kill)
+    proc.communicate(timeout=60)
+    codes = (where / "out" / "codes").read_text().split()
+    assert codes == [str(-signal.SIGKILL), str(-signal.SIGKILL)]
+
+
+def test_the_server_leaves_with_its_launcher_and_removes_its_socket(where):
+    proc = _host(where, "launcher")
+    stand_ins_file = where / "out" / "stand_ins"
+    _wait_for(lambda: stand_ins_file.exists() and len(list((where / "out").glob("ready-*"))) == 2)
+    a = int(stand_ins_file.read_text().split()[0])
+    sock = next(
+        e.split(b"=", 1)[1].decode()
+        for e in Path(f"/proc/{a}/environ").read_bytes().split(b"\0")
+        if e.startswith(ENV.encode() + b"=")
+    )
+    server = int(Path(sock).with_name("server.pid").read_text())
+    assert "resilient.forkserver serve" in _cmdline(server)
+    for p in _probes(where):
+        os.kill(p["pid"], signal.SIGKILL)
+    proc.communicate(timeout=60)  # both workers ended: the launcher exits
+    _wait_for(lambda: _gone(server), timeout_s=30)
+    assert not Path(sock).parent.exists()
+
+
+def test_with_no_server_to_reach_the_worker_runs_the_module_itself(where):
+    cmd = [sys.executable, "-m", "resilient.forkserver", "run", "probe", "exit", "0"]
+    env = _env(where, **{ENV: str(where / "nowhere" / "sock")})
+    done = subprocess.run(cmd, cwd=where / "wd", env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0
+    (info,) = _probes(where)
+    assert info["ppid"] == os.getpid()  # the worker itself: this test's child
+    assert rank_pid(os.getpid()) == os.getpid()  # not a stand-in: itself
+
+
+def test_usage_errors_exit_2():
+    for argv in ([], ["host", "--preload"], ["host", "--bogus", "x", "--", "m"], ["serve"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "resilient.forkserver", *argv], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "usage:" in done.stderr, argv
+
+
+@pytest.mark.distributed
+def test_ranks_of_a_torchrun_job_are_forked(where):
+    launcher = ["torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0"]
+    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    proc = _host(where, *launcher, "-m", "resilient.forkserver", "run", "probe", "exit", "0")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    infos = _probes(where)
+    assert sorted(i["rank"] for i in infos) == ["0", "1"]
+    assert all(i["ppid"] != proc.pid for i in infos)  # the server's children, not torchrun's
+    assert out.count("hello from the probe") == 2
+
+
+def test_a_server_killed_outright_leaves_a_directory_the_next_start_removes(tmp_path):
+    from resilient.forkserver import _PREFIX, _sweep
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, alive, young = (tmp_path / f"{_PREFIX}{n}" for n in ("gone", "alive", "young"))
+    for d in (gone, alive, young):
+        d.mkdir()
+    (gone / "server.pid").write_text(str(dead.pid))  # its server was SIGKILLed with its node
+    # a live process whose command line names the directory: a server at work
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(alive)])
+    try:
+        (alive / "server.pid").write_text(str(live.pid))
+        _sweep(str(tmp_path))  # `young` has no pid file yet: a server being started
+        assert (not gone.exists(), alive.exists(), young.exists()) == (True, True, True)
+    finally:
+        live.kill()
+        live.wait()
+    _sweep(str(tmp_path))
+    assert not alive.exists()
