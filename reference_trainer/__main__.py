@@ -343,7 +343,6 @@ def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> 
     import signal
 
     from reference_trainer import PRELOAD
-    from resilient import forkserver
     from resilient.launch.agent import launch_main
 
     gc.enable()  # a long-lived launcher collects as usual
@@ -360,16 +359,10 @@ def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> 
         "--spares",
         str(spares),
     ]
-    entry = ["-m", "reference_trainer"]
-    server = None
-    if forkserver.enabled():  # torch imported once, not by every rank at every restart
-        server = forkserver.start(PRELOAD)
-        entry = ["-m", "resilient.forkserver", "run", "reference_trainer"]
-    try:
-        code = launch_main([*flags, *entry, *rest])
-    finally:
-        if server is not None:
-            forkserver.stop(server)
+    # the ranks fork from a server that has imported torch and the trainer once (not every rank
+    # at every restart): resilient/forkserver.py
+    flags += ["--preload", ",".join(PRELOAD)]
+    code = launch_main([*flags, "-m", "reference_trainer", *rest])
     if code == 128 + signal.SIGTERM:
         # Preemption: the launcher forwarded SIGTERM and waited for the ranks, which saved the
         # current step and exited cleanly (resilient.Run); the job stops successfully.

@@ -10,7 +10,7 @@ module as ``__main__`` the way ``python -m`` would.  It stays out of torchrun's 
   same): ``torch.distributed.run``, ``resilient.cli launch``, any module.  The server's socket is
   in the environment (``RESILIENT_FORKSERVER``) that the launcher's workers inherit.  The server
   exits when its parent, the launcher, does.
-* ``python -m resilient.forkserver run MODULE [ARGS]`` is the worker's command (after torchrun's
+* ``python -m resilient.forkserver run (-m MODULE | SCRIPT) [ARGS]`` is the worker's command (after torchrun's
   ``-m``).  This process stays torchrun's worker: it hands its arguments, environment, working
   directory and standard streams to the server, which forks the real rank; it forwards the
   signals it gets (torchrun's SIGTERM, SIGINT, ...) to the rank, and ends as the rank ended (its
@@ -51,7 +51,7 @@ ENV_SWITCH = "RESILIENT_FORK_RANKS"  # "0": launchers start every rank the usual
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)  # fmt: skip
 _HEADER = struct.Struct("!I")
-_START_WAIT_S = 60.0  # how long a worker waits for a server that is still importing
+_START_WAIT_S = 60.0  # how long a worker waits for a server that is still starting
 
 
 # --- the worker's stand-in ------------------------------------------------------------------------
@@ -92,22 +92,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _run_here(module: str, args: list[str]) -> int:
+def _run_target(target: list[str], args: list[str]) -> None:
+    """Run ``target`` (``["-m", MODULE]`` or ``[SCRIPT]``) as ``__main__`` with ``args``, with
+    ``sys.argv`` and ``sys.path[0]`` as ``python -m MODULE`` or ``python SCRIPT`` sets them."""
     import runpy
 
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-    return 0
+    if target[0] == "-m":
+        sys.path[0] = os.getcwd()
+        sys.argv = [target[1], *args]
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
+        sys.argv = [target[0], *args]
+        runpy.run_path(target[0], run_name="__main__")
 
 
-def _stand_in(module: str, args: list[str]) -> int:
+def _stand_in(target: list[str], args: list[str]) -> int:
     path = os.environ.get(ENV)
     conn = _connect(path) if path else None
     if conn is None:
-        return _run_here(module, args)
+        _run_target(target, args)  # no server: the slow way, in this process
+        return 0
     request = {
-        "module": module,
-        "argv": [module, *args],
+        "target": target,
+        "args": args,
+        "path": sys.path[1:],  # PYTHONPATH and site as this worker has them
         "env": dict(os.environ),
         "cwd": os.getcwd(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
@@ -118,14 +127,17 @@ def _stand_in(module: str, args: list[str]) -> int:
         conn.sendall(body)
     except OSError:
         conn.close()
-        return _run_here(module, args)  # the server forks a whole request only: start here
+        _run_target(target, args)  # the server forks a whole request only: start here
+        return 0
     try:
         reader = conn.makefile("rb")
         child = int(json.loads(reader.readline())["pid"])
     except (OSError, ValueError, KeyError) as e:
         # the rank may have been forked: starting it here as well could make two of it
-        print(f"resilient.forkserver: the server at {path} did not start the rank ({e!r})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"resilient.forkserver: the server at {path} did not start the rank ({e!r})",
+            file=sys.stderr,
+        )
         return 1
 
     def forward(signum, _frame):
@@ -203,18 +215,17 @@ def _child(request: dict, fds: list[int], close: list[socket.socket]) -> None:
             sys.modules["numpy.random"].seed()
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
             sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-        sys.argv = list(request["argv"])
-        code = _run_as_main(request["module"])
+        sys.path[1:] = [p for p in request["path"] if isinstance(p, str)]
+        code = _run_as_main(list(request["target"]), list(request["args"]))
     finally:
         os._exit(_shutdown(code))
 
 
-def _run_as_main(module: str) -> int:
-    import runpy
+def _run_as_main(target: list[str], args: list[str]) -> int:
     import traceback
 
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        _run_target(target, args)
     except SystemExit as e:
         if e.code is None:
             return 0
@@ -250,26 +261,18 @@ def _shutdown(code: int) -> int:
 
 
 def serve(path: str, preload: list[str], parent: int) -> int:
-    """Import ``preload``, then fork a rank for every worker that asks, until ``parent`` exits."""
-    import gc
-    import importlib
-
+    """Fork a rank for every worker that asks (``preload`` imported first), until ``parent``
+    exits."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # a rank that needs it will say why; the others are still served
-            print(f"resilient.forkserver: could not preload {name}: {e}", file=sys.stderr)
-    gc.collect()
-    gc.freeze()  # what every rank shares stays shared (and is never scanned again)
     pids_dir = os.path.join(os.path.dirname(path), "pids")
     os.makedirs(pids_dir, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(128)
-    os.rename(path + ".tmp", path)  # workers connect only once it listens
+    os.rename(path + ".tmp", path)  # workers connect once it listens, and wait for their pids
+    loaded = False
     ranks: dict[int, tuple[socket.socket, int]] = {}  # rank pid -> (its stand-in's connection, pid)
     by_conn: dict[socket.socket, int] = {}
     try:
@@ -280,6 +283,9 @@ def serve(path: str, preload: list[str], parent: int) -> int:
                 ready = []
             for s in ready:
                 if s is listener:
+                    if not loaded:  # at the first worker, not before: see _preload
+                        _preload(preload)
+                        loaded = True
                     _accept(listener, ranks, by_conn, pids_dir)
                 elif not _peek(s):  # the stand-in died (torchrun's SIGKILL): so does its rank
                     pid = by_conn.pop(s)
@@ -302,6 +308,22 @@ def serve(path: str, preload: list[str], parent: int) -> int:
             except OSError:
                 pass
     return 0
+
+
+def _preload(preload: list[str]) -> None:
+    """Import ``preload``.  Done when the first worker asks, not when the server starts: the
+    launcher starts the server before its rendezvous, and an import racing the launchers of a
+    job's other nodes for the cores can make one of them join too late for the first round."""
+    import gc
+    import importlib
+
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a rank that needs it will say why; the others are still served
+            print(f"resilient.forkserver: could not preload {name}: {e}", file=sys.stderr)
+    gc.collect()
+    gc.freeze()  # what every rank shares stays shared (and is never scanned again)
 
 
 def _accept(listener, ranks, by_conn, pids_dir) -> None:
@@ -463,10 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
         "usage: python -m resilient.forkserver host --preload MOD[,MOD] -- LAUNCHER [ARGS]\n"
-        "       python -m resilient.forkserver run MODULE [ARGS]"
+        "       python -m resilient.forkserver run (-m MODULE | SCRIPT) [ARGS]"
     )
-    if argv[:1] == ["run"] and len(argv) >= 2:
-        return _stand_in(argv[1], argv[2:])
+    if argv[:1] == ["run"] and len(argv) >= 3 and argv[1] == "-m":
+        return _stand_in(argv[1:3], argv[3:])
+    if argv[:1] == ["run"] and len(argv) >= 2 and not argv[1].startswith("-"):
+        return _stand_in(argv[1:2], argv[2:])
     if argv[:1] == ["serve"] and len(argv) == 4:
         path, parent, preload = argv[1], int(argv[2]), [m for m in argv[3].split(",") if m]
         try:

@@ -24,7 +24,7 @@ out = os.environ["PROBE_OUT"]
 mode = sys.argv[1]
 info = {"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("PROBE_X"),
         "pid": os.getpid(), "ppid": os.getppid(), "rand": random.random(), "name": __name__,
-        "rank": os.environ.get("RANK")}
+        "rank": os.environ.get("RANK"), "argv0": sys.argv[0], "path0": sys.path[0]}
 with open(os.path.join(out, f"probe-{os.getpid()}.json"), "w") as f:
     json.dump(info, f)
 print("hello from the probe", flush=True)
@@ -45,7 +45,7 @@ if mode in ("term", "sleep"):
 # a launcher that stays alive (as torchrun's agent does) with two workers that are stand-ins
 LAUNCHER = """
 import os, subprocess, sys, time
-cmd = [sys.executable, "-m", "resilient.forkserver", "run", "probe", "sleep"]
+cmd = [sys.executable, "-m", "resilient.forkserver", "run", "-m", "probe", "sleep"]
 procs = [subprocess.Popen(cmd, start_new_session=True) for _ in range(2)]
 with open(os.path.join(os.environ["PROBE_OUT"], "stand_ins"), "w") as f:
     f.write(" ".join(str(p.pid) for p in procs))
@@ -116,33 +116,43 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_forked_rank_gets_the_workers_arguments_environment_streams_and_exit_code(where):
-    proc = _host(where, "resilient.forkserver", "run", "probe", "exit", "3")
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "exit", "3")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
     assert "hello from the probe" in out  # the stand-in's stdout, handed over
     (info,) = _probes(where)
     assert info["argv"] == ["exit", "3"] and info["cwd"] == str(where / "wd")
     assert info["x"] == "from the worker's environment" and info["name"] == "__main__"
+    assert info["argv0"] == str(where / "probe.py") and info["path0"] == str(where / "wd")
     # forked by the server, not run in the stand-in (which is the host's pid, after its exec)
     assert info["pid"] != proc.pid and info["ppid"] != proc.pid
     assert (where / "out" / f"atexit-{info['pid']}").exists()  # interpreter exit: atexit ran
 
 
+def test_a_script_runs_as_python_script_would_run_it(where):
+    proc = _host(where, "resilient.forkserver", "run", str(where / "probe.py"), "exit", "0")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    (info,) = _probes(where)
+    assert info["argv0"] == str(where / "probe.py") and info["argv"] == ["exit", "0"]
+    assert info["path0"] == str(where) and info["ppid"] != proc.pid  # forked: the script's dir
+
+
 def test_a_rank_that_raises_exits_1_with_its_traceback_on_the_workers_stderr(where):
-    proc = _host(where, "resilient.forkserver", "run", "probe", "raise")
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "raise")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "RuntimeError: boom in the probe" in err
 
 
 def test_a_rank_killed_by_a_signal_takes_its_stand_in_the_same_way(where):
-    proc = _host(where, "resilient.forkserver", "run", "probe", "selfkill")
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "selfkill")
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
 
 
 def test_signals_to_the_stand_in_reach_the_rank(where):
-    proc = _host(where, "resilient.forkserver", "run", "probe", "term")
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "term")
     _wait_for(lambda: any((where / "out").glob("ready-*")))
     proc.send_signal(signal.SIGTERM)  # torchrun's teardown
     proc.communicate(timeout=60)
@@ -189,7 +199,7 @@ def test_the_server_leaves_with_its_launcher_and_removes_its_socket(where):
 
 
 def test_with_no_server_to_reach_the_worker_runs_the_module_itself(where):
-    cmd = [sys.executable, "-m", "resilient.forkserver", "run", "probe", "exit", "0"]
+    cmd = [sys.executable, "-m", "resilient.forkserver", "run", "-m", "probe", "exit", "0"]
     env = _env(where, **{ENV: str(where / "nowhere" / "sock")})
     done = subprocess.run(cmd, cwd=where / "wd", env=env, capture_output=True, timeout=60)
     assert done.returncode == 0
@@ -210,7 +220,7 @@ def test_usage_errors_exit_2():
 def test_ranks_of_a_torchrun_job_are_forked(where):
     launcher = ["torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0"]
     launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
-    proc = _host(where, *launcher, "-m", "resilient.forkserver", "run", "probe", "exit", "0")
+    proc = _host(where, *launcher, "-m", "resilient.forkserver", "run", "-m", "probe", "exit", "0")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     infos = _probes(where)

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reference_trainer import PRELOAD as TRAINER_PRELOAD
 from resilient import forkserver
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
 from resilient.chaos.scenario import JOB_KILLS, NODE_KILLS, Fault, Job
@@ -459,7 +458,7 @@ def _command(
             "chaos": str(paths.plan(node)),
         }
         return cmd + [c.format(**subs) for c in job.command]
-    flags = ["-m", "resilient.forkserver", "run", "reference_trainer"]
+    flags = ["-m", "resilient.forkserver", "run", "-m", "reference_trainer"]
     if not forked:
         flags = ["-m", "reference_trainer"]
     for k, v in job.trainer.items():
@@ -476,8 +475,16 @@ def _command(
     return cmd + flags
 
 
-# what a reference-trainer rank imports, the chaos hook's modules with it
-_PRELOAD = ",".join([*TRAINER_PRELOAD, "resilient.chaos.faults", "resilient.chaos.faultfs"])
+# what a reference-trainer rank imports (reference_trainer.PRELOAD), the chaos hook's modules too
+_PRELOAD = ",".join(
+    [
+        "reference_trainer.train",
+        "fsspec.implementations.local",
+        "numpy.random",
+        "resilient.chaos.faults",
+        "resilient.chaos.faultfs",
+    ]
+)
 
 
 def _storage_rule(f: Fault) -> dict[str, Any]:
