@@ -439,6 +439,8 @@ def _sweep(tmp: str) -> None:
             cmdline = b""
         except OSError:
             continue
+        if pid is not None and not cmdline and _alive(pid):
+            continue  # in its exec still (no command line yet), or a zombie: not known gone
         if root.encode() not in cmdline:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -234,18 +234,26 @@ def test_a_server_killed_outright_leaves_a_directory_the_next_start_removes(tmp_
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    gone, alive, young = (tmp_path / f"{_PREFIX}{n}" for n in ("gone", "alive", "young"))
-    for d in (gone, alive, young):
+    dirs = {n: tmp_path / f"{_PREFIX}{n}" for n in ("gone", "alive", "young", "reused")}
+    for d in dirs.values():
         d.mkdir()
-    (gone / "server.pid").write_text(str(dead.pid))  # its server was SIGKILLed with its node
-    # a live process whose command line names the directory: a server at work
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(alive)])
+    (dirs["gone"] / "server.pid").write_text(str(dead.pid))  # SIGKILLed with its node
+    # a live process whose command line names its directory (a server at work), and one whose
+    # does not (the dead server's pid taken by another process)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    live = subprocess.Popen([*sleep, str(dirs["alive"])])
+    other = subprocess.Popen(sleep)
     try:
-        (alive / "server.pid").write_text(str(live.pid))
+        (dirs["alive"] / "server.pid").write_text(str(live.pid))
+        (dirs["reused"] / "server.pid").write_text(str(other.pid))
+        for p in (live, other):  # past their exec (an empty command line is not judged)
+            _wait_for(lambda p=p: _cmdline(p.pid).strip() != "")
         _sweep(str(tmp_path))  # `young` has no pid file yet: a server being started
-        assert (not gone.exists(), alive.exists(), young.exists()) == (True, True, True)
+        left = {n for n, d in dirs.items() if d.exists()}
+        assert left == {"alive", "young"}
     finally:
-        live.kill()
-        live.wait()
+        for p in (live, other):
+            p.kill()
+            p.wait()
     _sweep(str(tmp_path))
-    assert not alive.exists()
+    assert not dirs["alive"].exists() and dirs["young"].exists()
