@@ -43,7 +43,18 @@ import struct
 import sys
 import time
 
-__all__ = ["ENV", "ENV_SWITCH", "enabled", "main", "rank_pid", "start", "stop"]
+__all__ = [
+    "ENV",
+    "ENV_SWITCH",
+    "enabled",
+    "is_stand_in",
+    "main",
+    "prefer_stand_ins",
+    "rank_pid",
+    "start",
+    "stop",
+    "sweep",
+]
 
 ENV = "RESILIENT_FORKSERVER"  # the server's socket, in the workers' environment
 _PREFIX = "resilient-forkserver-"
@@ -141,10 +152,7 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         return 1
 
     def forward(signum, _frame):
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
+        _signal_group(child, signum)  # the rank leads its own group: its children get it too
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
@@ -152,11 +160,11 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         line = reader.readline()
     except OSError:
         line = b""
-    if not line:  # the server went away first: wait for the rank itself, exit code unknown
-        while _alive(child):
-            time.sleep(0.1)
-        return 1
-    status = int(json.loads(line)["status"])
+    if not line:  # the server died: its ranks die with it (PDEATHSIG); wait for ours, say killed
+        _wait_gone(child)
+        status = signal.SIGKILL  # a wait status: killed by SIGKILL
+    else:
+        status = int(json.loads(line)["status"])
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig in _FORWARDED:
@@ -168,101 +176,121 @@ def _stand_in(target: list[str], args: list[str]) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``'s process group (a rank and its children, as torchrun's ``killpg``
+    reaches a worker's), or to ``pid`` alone before it has made its group."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    except PermissionError:
+        pass
+
+
+def _wait_gone(pid: int) -> None:
+    """Until ``pid`` (not this process's child) has exited, zombie or reaped."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [])  # readable once the process has exited
+        finally:
+            os.close(fd)
+        return
+    while _alive(pid) and not _zombie(pid):
+        time.sleep(0.1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 # --- the server ---------------------------------------------------------------------------------
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    conn.settimeout(10.0)
-    head, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 3)
-    if len(head) != _HEADER.size or len(fds) != 3:
+    conn.settimeout(2.0)  # a stand-in sends its whole request at once: a slow one is refused
+    fds: list[int] = []
+    try:
+        head, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 3)
+        if len(head) != _HEADER.size or len(fds) != 3:
+            raise OSError("a short request")
+        (size,) = _HEADER.unpack(head)
+        body = b""
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise OSError("a short request")
+            body += chunk
+        request = json.loads(body)
+        if not isinstance(request, dict):
+            raise ValueError("not a request")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise OSError("a short request")
-    (size,) = _HEADER.unpack(head)
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            for fd in fds:
-                os.close(fd)
-            raise OSError("a short request")
-        body += chunk
+        raise
     conn.settimeout(None)
-    return json.loads(body), fds
+    return request, fds
 
 
-def _child(request: dict, fds: list[int], close: list[socket.socket]) -> None:
-    """In the forked rank: become the process ``python -m MODULE`` would have started; never
-    returns."""
-    code = 1
+def _child(request: dict, fds: list[int], close: list[socket.socket], server: int) -> None:
+    """In the forked rank: become the process ``python -m MODULE`` (or ``python SCRIPT``) would
+    have started, and leave the way it would (an exception or ``SystemExit`` up to the
+    interpreter, which then waits for threads, runs ``atexit`` and finalizes)."""
+    _die_with(server)
+    for s in close:
+        s.close()
+    os.setsid()  # its own group, which the stand-in signals (torchrun's killpg of the worker)
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for sig in (*_FORWARDED, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # what came meanwhile lands now
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if request.get("unbuffered"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    if "numpy.random" in sys.modules:  # numpy's global generator: seeded per process
+        sys.modules["numpy.random"].seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if "torch" in sys.modules and threads.isdigit():
+        sys.modules["torch"].set_num_threads(max(1, int(threads)))
+    sys.path[1:] = [p for p in request["path"] if isinstance(p, str)]
+    _run_target(list(request["target"]), list(request["args"]))
+    raise SystemExit(0)
+
+
+def _die_with(server: int) -> None:
+    """SIGKILL this process when the server dies (its parent: a server that crashed must not
+    leave ranks whose stand-ins cannot learn how they ended)."""
     try:
-        for s in close:
-            s.close()
-        os.setsid()
-        for target, fd in zip((0, 1, 2), fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        for sig in (*_FORWARDED, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        if request.get("unbuffered"):
-            sys.stdout.reconfigure(write_through=True)
-            sys.stderr.reconfigure(write_through=True)
-        if "numpy.random" in sys.modules:  # numpy's global generator: seeded per process
-            sys.modules["numpy.random"].seed()
-        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-        sys.path[1:] = [p for p in request["path"] if isinstance(p, str)]
-        code = _run_as_main(list(request["target"]), list(request["args"]))
-    finally:
-        os._exit(_shutdown(code))
+        import ctypes
 
-
-def _run_as_main(target: list[str], args: list[str]) -> int:
-    import traceback
-
-    try:
-        _run_target(target, args)
-    except SystemExit as e:
-        if e.code is None:
-            return 0
-        if isinstance(e.code, int):
-            return e.code
-        print(e.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-def _shutdown(code: int) -> int:
-    """What the interpreter does at exit: wait for non-daemon threads, run ``atexit``, flush."""
-    import atexit
-    import threading
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         pass
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    return code & 0xFF if code >= 0 else 1
+    if os.getppid() != server:  # it died before the line above
+        os._exit(1)
 
 
 def serve(path: str, preload: list[str], parent: int) -> int:
-    """Fork a rank for every worker that asks (``preload`` imported first), until ``parent``
-    exits."""
+    """Fork a rank for every worker that asks (``preload`` imported first, in the first
+    worker's environment), until ``parent`` exits; then wait for the ranks still running."""
+    me = os.getpid()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
@@ -272,51 +300,65 @@ def serve(path: str, preload: list[str], parent: int) -> int:
     listener.bind(path + ".tmp")
     listener.listen(128)
     os.rename(path + ".tmp", path)  # workers connect once it listens, and wait for their pids
+    ranks: dict[int, _Rank] = {}
     loaded = False
-    ranks: dict[int, tuple[socket.socket, int]] = {}  # rank pid -> (its stand-in's connection, pid)
-    by_conn: dict[socket.socket, int] = {}
     try:
         while not stopping and os.getppid() == parent:
+            open_ = {r.conn: pid for pid, r in ranks.items() if r.conn is not None}
             try:
-                ready, _, _ = select.select([listener, *by_conn], [], [], 0.1)
+                ready, _, _ = select.select([listener, *open_], [], [], 0.1)
             except InterruptedError:
                 ready = []
             for s in ready:
-                if s is listener:
-                    if not loaded:  # at the first worker, not before: see _preload
-                        _preload(preload)
-                        loaded = True
-                    _accept(listener, ranks, by_conn, pids_dir)
-                elif not _peek(s):  # the stand-in died (torchrun's SIGKILL): so does its rank
-                    pid = by_conn.pop(s)
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            _reap(ranks, by_conn, pids_dir)
+                if s is not listener:
+                    _check(open_[s], ranks)
+                    continue
+                got = _accept(listener)
+                if got is None:
+                    continue
+                if not loaded:  # at the first worker, not before: see _preload
+                    _preload(preload, got[1])
+                    loaded = True
+                _fork(*got, listener, ranks, pids_dir, me)
+            _reap(ranks, pids_dir)
     finally:
-        listener.close()
-        for conn, pid in by_conn.items():  # ranks whose stand-ins died as the launcher did
-            if not _peek(conn):
+        if os.getpid() == me:
+            listener.close()
+            for name in (path, path + ".tmp"):
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    os.unlink(name)
+                except OSError:
                     pass
-        for name in (path, path + ".tmp"):
-            try:
-                os.unlink(name)
-            except OSError:
-                pass
+    # the launcher is gone (or stopped us): no new ranks; those still running are waited for
+    # (their stand-ins may outlive the launcher, as torchrun's workers do an agent's SIGKILL),
+    # and a rank whose stand-in is gone is killed
+    while ranks:
+        for pid in list(ranks):
+            _check(pid, ranks)
+        _reap(ranks, pids_dir)
+        time.sleep(0.1)
     return 0
 
 
-def _preload(preload: list[str]) -> None:
-    """Import ``preload``.  Done when the first worker asks, not when the server starts: the
-    launcher starts the server before its rendezvous, and an import racing the launchers of a
-    job's other nodes for the cores can make one of them join too late for the first round."""
+class _Rank:
+    __slots__ = ("conn", "stand_in")
+
+    def __init__(self, conn: socket.socket | None, stand_in: int) -> None:
+        self.conn, self.stand_in = conn, stand_in
+
+
+def _preload(preload: list[str], request: dict) -> None:
+    """Import ``preload`` in the first worker's environment (its ``OMP_NUM_THREADS``, which
+    torchrun sets for its workers, sizes the thread pools libraries make at import).  Done when
+    the first worker asks, not when the server starts: the launcher starts the server before its
+    rendezvous, and an import racing the launchers of a job's other nodes for the cores can make
+    one of them join too late for the first round."""
     import gc
     import importlib
 
+    env = request.get("env")
+    if isinstance(env, dict):
+        os.environ.update({k: v for k, v in env.items() if isinstance(v, str)})
     for name in preload:
         try:
             importlib.import_module(name)
@@ -326,29 +368,48 @@ def _preload(preload: list[str]) -> None:
     gc.freeze()  # what every rank shares stays shared (and is never scanned again)
 
 
-def _accept(listener, ranks, by_conn, pids_dir) -> None:
+def _accept(listener: socket.socket) -> tuple[socket.socket, dict, list[int], int] | None:
     conn, _ = listener.accept()
     try:
         request, fds = _recv_request(conn)
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        stand_in = struct.unpack("3i", creds)[0]
     except (OSError, ValueError):
         conn.close()
-        return
+        return None
+    return conn, request, fds, struct.unpack("3i", creds)[0]
+
+
+def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        _child(request, fds, [listener, conn, *by_conn])
+    # a signal the stand-in forwards before the rank has its own dispositions waits for them
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            others = [r.conn for r in ranks.values() if r.conn is not None]
+            _child(request, fds, [listener, conn, *others], me)
+    finally:
+        if os.getpid() == me:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     for fd in fds:
         os.close(fd)
-    ranks[pid] = (conn, stand_in)
-    by_conn[conn] = pid
+    ranks[pid] = _Rank(conn, stand_in)
     _write(os.path.join(pids_dir, str(stand_in)), str(pid))
     try:
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     except OSError:
-        pass  # its stand-in is gone: the next select sees the closed connection
+        pass  # its stand-in is gone: _check sees the closed connection
+
+
+def _check(pid: int, ranks: dict[int, _Rank]) -> None:
+    """Kill rank ``pid`` (and its group) when its stand-in has gone (torchrun's SIGKILL)."""
+    rank = ranks.get(pid)
+    if rank is None or rank.conn is None or _peek(rank.conn):
+        return
+    rank.conn.close()
+    rank.conn = None
+    _signal_group(pid, signal.SIGKILL)
 
 
 def _peek(conn: socket.socket) -> bool:
@@ -361,7 +422,7 @@ def _peek(conn: socket.socket) -> bool:
         return False
 
 
-def _reap(ranks, by_conn, pids_dir) -> None:
+def _reap(ranks: dict[int, _Rank], pids_dir: str) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -369,17 +430,17 @@ def _reap(ranks, by_conn, pids_dir) -> None:
             return
         if pid == 0:
             return
-        conn, stand_in = ranks.pop(pid, (None, None))
-        if conn is None:
+        rank = ranks.pop(pid, None)
+        if rank is None:
             continue
-        by_conn.pop(conn, None)
+        if rank.conn is not None:
+            try:
+                rank.conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+            except OSError:
+                pass
+            rank.conn.close()
         try:
-            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
-        except OSError:
-            pass
-        conn.close()
-        try:
-            os.unlink(os.path.join(pids_dir, str(stand_in)))
+            os.unlink(os.path.join(pids_dir, str(rank.stand_in)))
         except OSError:
             pass
 
@@ -406,7 +467,7 @@ def start(preload: list[str] | tuple[str, ...]):
     import subprocess
     import tempfile
 
-    _sweep(tempfile.gettempdir())
+    sweep(tempfile.gettempdir())
     root = tempfile.mkdtemp(prefix=_PREFIX)
     path = os.path.join(root, "sock")
     cmd = [sys.executable, "-m", "resilient.forkserver", "serve", path, str(os.getpid())]
@@ -418,10 +479,13 @@ def start(preload: list[str] | tuple[str, ...]):
     return server
 
 
-def _sweep(tmp: str) -> None:
+def sweep(tmp: str | None = None) -> None:
     """Remove what servers killed outright (a node's whole process tree, SIGKILL) left in
-    ``tmp``: a directory whose server is gone.  One still being set up (no pid file yet, for a
+    ``tmp`` (the temporary directory): a directory whose server is gone.  One still being set up (no pid file yet, for a
     minute) and one whose server lives are left alone."""
+    import tempfile
+
+    tmp = tempfile.gettempdir() if tmp is None else tmp
     try:
         names = [n for n in os.listdir(tmp) if n.startswith(_PREFIX)]
     except OSError:
@@ -439,8 +503,8 @@ def _sweep(tmp: str) -> None:
             cmdline = b""
         except OSError:
             continue
-        if pid is not None and not cmdline and _alive(pid):
-            continue  # in its exec still (no command line yet), or a zombie: not known gone
+        if pid is not None and not cmdline and _alive(pid) and not _zombie(pid):
+            continue  # in its exec still (no command line yet): not known to be gone
         if root.encode() not in cmdline:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -466,21 +530,44 @@ def host(preload: list[str], launcher: list[str]) -> int:
     return 1
 
 
+def is_stand_in(pid: int) -> bool:
+    """Whether ``pid`` is a worker standing in for a rank that a fork server forked."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except OSError:
+        return False
+    return cmdline[1:4] == [b"-m", b"resilient.forkserver", b"run"] or cmdline[1:5] == [
+        b"-u",
+        b"-m",
+        b"resilient.forkserver",
+        b"run",
+    ]
+
+
 def rank_pid(pid: int) -> int | None:
     """The rank that worker ``pid`` stands in for when a fork server started it (None when it
     has not been forked yet); ``pid`` itself for a worker that is the rank."""
+    if not is_stand_in(pid):
+        return pid
     try:
-        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
     except OSError:
-        return pid
-    if b"resilient.forkserver" not in cmdline or b"run" not in cmdline:
-        return pid
+        return None
     for e in env:
         if e.startswith(ENV.encode() + b"="):
-            root = os.path.dirname(e.split(b"=", 1)[1].decode())
+            root = os.path.dirname(e.split(b"=", 1)[1].decode(errors="replace"))
             return _read_int(os.path.join(root, "pids", str(pid)))
-    return pid
+    return None
+
+
+def prefer_stand_ins(pids: list[int]) -> list[int]:
+    """``pids`` (workers found by their launcher environment) with stand-ins first, the order
+    otherwise kept: a forked rank's own children inherit that environment while the rank's
+    ``/proc`` entry shows the server's, so a match that is not a stand-in may be a rank's
+    child."""
+    return sorted(pids, key=lambda p: not is_stand_in(p))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,12 +582,14 @@ def main(argv: list[str] | None = None) -> int:
         return _stand_in(argv[1:2], argv[2:])
     if argv[:1] == ["serve"] and len(argv) == 4:
         path, parent, preload = argv[1], int(argv[2]), [m for m in argv[3].split(",") if m]
+        me = os.getpid()
         try:
             return serve(path, preload, parent)
         finally:
-            import shutil
+            if os.getpid() == me:  # not in a rank leaving through here
+                import shutil
 
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     if argv[:1] == ["host"] and "--" in argv:
         split = argv.index("--")
         opts, launcher = argv[1:split], argv[split + 1 :]

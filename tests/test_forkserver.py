@@ -37,7 +37,20 @@ if mode == "selfkill":
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
-if mode in ("term", "sleep"):
+if mode == "child":  # a rank with a child of its own (a helper, a data loader's worker)
+    import subprocess
+    helper = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(out, f"helper-{os.getpid()}"), "w") as f:
+        f.write(str(helper.pid))
+if mode == "unclosed":  # a file left open at exit: the interpreter's finalization flushes it
+    kept = open(os.path.join(out, "unclosed"), "w")
+    kept.write("written at exit")
+if mode == "libs":  # the server preloaded numpy and torch
+    import numpy, torch
+    with open(os.path.join(out, f"libs-{os.getpid()}.json"), "w") as f:
+        json.dump({"numpy": numpy.random.random(), "threads": torch.get_num_threads(),
+                   "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+if mode in ("term", "sleep", "child", "int"):
     open(os.path.join(out, f"ready-{os.getpid()}"), "w").close()
     time.sleep(60)
 """
@@ -45,8 +58,12 @@ if mode in ("term", "sleep"):
 # a launcher that stays alive (as torchrun's agent does) with two workers that are stand-ins
 LAUNCHER = """
 import os, subprocess, sys, time
-cmd = [sys.executable, "-m", "resilient.forkserver", "run", "-m", "probe", "sleep"]
-procs = [subprocess.Popen(cmd, start_new_session=True) for _ in range(2)]
+cmd = [sys.executable, "-m", "resilient.forkserver", "run", "-m", "probe"]
+cmd.append(os.environ.get("PROBE_MODE", "sleep"))
+procs = [  # each its own thread count, as workers of different jobs might have
+    subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": str(i)})
+    for i in (1, 2)
+]
 with open(os.path.join(os.environ["PROBE_OUT"], "stand_ins"), "w") as f:
     f.write(" ".join(str(p.pid) for p in procs))
 codes = [p.wait() for p in procs]
@@ -61,7 +78,20 @@ def where(tmp_path):
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     (tmp_path / "out").mkdir()
     (tmp_path / "wd").mkdir()
-    return tmp_path
+    yield tmp_path
+    # whatever a failed test left running: its probes (ranks), stand-ins and launcher
+    pids = [p["pid"] for p in _probes(tmp_path)]
+    stand_ins = tmp_path / "out" / "stand_ins"
+    pids += [int(p) for p in stand_ins.read_text().split()] if stand_ins.exists() else []
+    for pid in pids + _started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _started.clear()
+
+
+_started: list[int] = []
 
 
 def _env(where: Path, **extra) -> dict[str, str]:
@@ -73,16 +103,19 @@ def _env(where: Path, **extra) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _host(where: Path, *launcher: str, **env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "json", "--"]
-    return subprocess.Popen(
+def _host(where: Path, *launcher: str, preload: str = "json", **env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", preload, "--"]
+    proc = subprocess.Popen(
         [*cmd, *launcher],
         cwd=where / "wd",
         env=_env(where, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # a session of its own, as torchrun starts its workers
     )
+    _started.append(proc.pid)
+    return proc
 
 
 def _probes(where: Path) -> list[dict]:
@@ -143,12 +176,80 @@ def test_a_rank_that_raises_exits_1_with_its_traceback_on_the_workers_stderr(whe
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "RuntimeError: boom in the probe" in err
+    assert _forked(where, proc)
+
+
+def _forked(where: Path, proc: subprocess.Popen) -> bool:
+    """Whether the probe ran in a rank forked by the server, not in the stand-in itself."""
+    (info,) = _probes(where)
+    return info["pid"] != proc.pid and info["ppid"] != proc.pid
+
+
+def test_exit_codes_and_open_files_as_an_interpreter_leaves_them(where):
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "exit", "-1")
+    proc.communicate(timeout=120)
+    assert proc.returncode == 255 and _forked(where, proc)  # as `python -c "exit(-1)"`
+    for p in (where / "out").glob("probe-*"):
+        p.unlink()
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "unclosed")
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0 and _forked(where, proc)
+    assert (where / "out" / "unclosed").read_text() == "written at exit"
+
+
+def test_sigint_ends_the_rank_and_its_stand_in_as_it_ends_an_interpreter(where):
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "int")
+    _wait_for(lambda: any((where / "out").glob("ready-*")))
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT and _forked(where, proc)  # KeyboardInterrupt
+    assert "KeyboardInterrupt" in err
+
+
+def test_torchruns_teardown_reaches_the_ranks_own_children(where):
+    proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "child")
+    _wait_for(lambda: any((where / "out").glob("ready-*")))
+    (helper,) = (int(p.read_text()) for p in (where / "out").glob("helper-*"))
+    os.killpg(proc.pid, signal.SIGTERM)  # what torchrun does to a worker's session
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and _forked(where, proc)
+    _wait_for(lambda: _gone(helper), timeout_s=30)  # the rank's group got it too
+
+
+def test_a_server_that_dies_takes_its_ranks_and_their_stand_ins_say_so(where):
+    proc = _host(where, "launcher")
+    stand_ins_file = where / "out" / "stand_ins"
+    _wait_for(lambda: stand_ins_file.exists() and len(list((where / "out").glob("ready-*"))) == 2)
+    os.kill(_server_of(int(stand_ins_file.read_text().split()[0])), signal.SIGKILL)
+    proc.communicate(timeout=30)  # the ranks would sleep for 60 s: they are killed with it
+    codes = (where / "out" / "codes").read_text().split()
+    assert codes == [str(-signal.SIGKILL)] * 2  # not a made-up exit code
+    for p in _probes(where):
+        _wait_for(lambda p=p: _gone(p["pid"]), timeout_s=30)
+
+
+def _server_of(stand_in: int) -> int:
+    sock = next(
+        e.split(b"=", 1)[1].decode()
+        for e in Path(f"/proc/{stand_in}/environ").read_bytes().split(b"\0")
+        if e.startswith(ENV.encode() + b"=")
+    )
+    return int(Path(sock).with_name("server.pid").read_text())
+
+
+def test_preloaded_libraries_are_set_up_per_rank(where):
+    proc = _host(where, "launcher", preload="numpy.random,torch", PROBE_MODE="libs")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    libs = [json.loads(p.read_text()) for p in (where / "out").glob("libs-*.json")]
+    assert len(libs) == 2 and libs[0]["numpy"] != libs[1]["numpy"]  # numpy seeded per rank
+    assert sorted((x["omp"], x["threads"]) for x in libs) == [("1", 1), ("2", 2)]
 
 
 def test_a_rank_killed_by_a_signal_takes_its_stand_in_the_same_way(where):
     proc = _host(where, "resilient.forkserver", "run", "-m", "probe", "selfkill")
     proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.returncode == -signal.SIGKILL and _forked(where, proc)
 
 
 def test_signals_to_the_stand_in_reach_the_rank(where):
@@ -156,7 +257,7 @@ def test_signals_to_the_stand_in_reach_the_rank(where):
     _wait_for(lambda: any((where / "out").glob("ready-*")))
     proc.send_signal(signal.SIGTERM)  # torchrun's teardown
     proc.communicate(timeout=60)
-    assert proc.returncode == 7  # the rank's handler ran and chose the code
+    assert proc.returncode == 7 and _forked(where, proc)  # the rank's handler chose the code
 
 
 def test_a_killed_stand_in_takes_its_rank_and_only_it(where):
@@ -183,19 +284,14 @@ def test_the_server_leaves_with_its_launcher_and_removes_its_socket(where):
     proc = _host(where, "launcher")
     stand_ins_file = where / "out" / "stand_ins"
     _wait_for(lambda: stand_ins_file.exists() and len(list((where / "out").glob("ready-*"))) == 2)
-    a = int(stand_ins_file.read_text().split()[0])
-    sock = next(
-        e.split(b"=", 1)[1].decode()
-        for e in Path(f"/proc/{a}/environ").read_bytes().split(b"\0")
-        if e.startswith(ENV.encode() + b"=")
-    )
-    server = int(Path(sock).with_name("server.pid").read_text())
+    server = _server_of(int(stand_ins_file.read_text().split()[0]))
     assert "resilient.forkserver serve" in _cmdline(server)
+    root = Path(_cmdline(server).split()[4]).parent
     for p in _probes(where):
         os.kill(p["pid"], signal.SIGKILL)
     proc.communicate(timeout=60)  # both workers ended: the launcher exits
     _wait_for(lambda: _gone(server), timeout_s=30)
-    assert not Path(sock).parent.exists()
+    assert not root.exists()
 
 
 def test_with_no_server_to_reach_the_worker_runs_the_module_itself(where):
@@ -230,11 +326,14 @@ def test_ranks_of_a_torchrun_job_are_forked(where):
 
 
 def test_a_server_killed_outright_leaves_a_directory_the_next_start_removes(tmp_path):
-    from resilient.forkserver import _PREFIX, _sweep
+    from resilient.forkserver import _PREFIX, sweep
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    dirs = {n: tmp_path / f"{_PREFIX}{n}" for n in ("gone", "alive", "young", "reused")}
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits, never waited for here
+    _wait_for(lambda: _gone(zombie.pid))
+    names = ("gone", "alive", "young", "reused", "zombie")
+    dirs = {n: tmp_path / f"{_PREFIX}{n}" for n in names}
     for d in dirs.values():
         d.mkdir()
     (dirs["gone"] / "server.pid").write_text(str(dead.pid))  # SIGKILLed with its node
@@ -246,14 +345,16 @@ def test_a_server_killed_outright_leaves_a_directory_the_next_start_removes(tmp_
     try:
         (dirs["alive"] / "server.pid").write_text(str(live.pid))
         (dirs["reused"] / "server.pid").write_text(str(other.pid))
+        (dirs["zombie"] / "server.pid").write_text(str(zombie.pid))  # dead, not reaped
         for p in (live, other):  # past their exec (an empty command line is not judged)
             _wait_for(lambda p=p: _cmdline(p.pid).strip() != "")
-        _sweep(str(tmp_path))  # `young` has no pid file yet: a server being started
+        sweep(str(tmp_path))  # `young` has no pid file yet: a server being started
         left = {n for n, d in dirs.items() if d.exists()}
         assert left == {"alive", "young"}
     finally:
         for p in (live, other):
             p.kill()
             p.wait()
-    _sweep(str(tmp_path))
+        zombie.wait()
+    sweep(str(tmp_path))
     assert not dirs["alive"].exists() and dirs["young"].exists()

@@ -482,8 +482,9 @@ def persisters_of(roots: list[Path]) -> list[int]:
 def worker_pid(agent: int, rank: int) -> int | None:
     """The pid of global rank ``rank`` among ``agent``'s workers (read from their environment;
     a worker that stands in for a rank its node's fork server started gives that rank's pid)."""
-    from resilient.forkserver import rank_pid
+    from resilient.forkserver import prefer_stand_ins, rank_pid
 
+    found = []
     for p in descendants(agent)[1:]:
         try:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
@@ -492,5 +493,6 @@ def worker_pid(agent: int, rank: int) -> int | None:
         if b"RESILIENT_PERSISTER_PROCESS=1" in env:  # a rank's child, not a rank
             continue
         if f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
-            return rank_pid(p)
-    return None
+            found.append(p)
+    # a stand-in first (a forked rank's children share its environment, the rank does not)
+    return rank_pid(prefer_stand_ins(found)[0]) if found else None

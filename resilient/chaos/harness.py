@@ -301,6 +301,7 @@ def _attempt(
                 a.wait()
         for log in logs:
             log.close()
+        forkserver.sweep()  # what the fork servers of agents killed outright left in /tmp
     return [a.returncode for a in agents], killed, timed_out, job_killed
 
 

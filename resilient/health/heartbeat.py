@@ -1197,11 +1197,13 @@ def local_rank_pid(rank: int) -> int | None:
     top = [pid for pid, parent in found.items() if parent not in found]
     if not top:
         return None
-    from resilient.forkserver import rank_pid
+    from resilient.forkserver import prefer_stand_ins, rank_pid
 
     # a worker that stands in for a rank its node's fork server started: the rank itself (killing
-    # the stand-in would kill it too, but a stack dump must come from the rank)
-    return rank_pid(min(top)) or min(top)
+    # the stand-in would kill it too, but a stack dump must come from the rank); such a rank's
+    # children also count as top (the rank's /proc environment is the server's)
+    first = prefer_stand_ins(sorted(top))[0]
+    return rank_pid(first) or first
 
 
 def main_thread_stack(limit: int = 12) -> str:
