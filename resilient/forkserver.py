@@ -104,18 +104,45 @@ def _alive(pid: int) -> bool:
 
 
 def _run_target(target: list[str], args: list[str]) -> None:
-    """Run ``target`` (``["-m", MODULE]`` or ``[SCRIPT]``) as ``__main__`` with ``args``, with
-    ``sys.argv`` and ``sys.path[0]`` as ``python -m MODULE`` or ``python SCRIPT`` sets them."""
+    """Run ``target`` (``["-m", MODULE]`` or ``[SCRIPT]``) as ``python -m MODULE`` or ``python
+    SCRIPT`` would: in a ``__main__`` module of its own that stays in ``sys.modules`` (so that
+    the interpreter's exit finalizes what it holds, an open file flushed), with ``sys.argv`` and
+    ``sys.path[0]`` as python sets them."""
     import runpy
+    import types
 
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
     if target[0] == "-m":
         sys.path[0] = os.getcwd()
         sys.argv = [target[1], *args]
-        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
-        sys.argv = [target[0], *args]
-        runpy.run_path(target[0], run_name="__main__")
+        run_as_main = getattr(runpy, "_run_module_as_main", None)  # what `python -m` calls
+        if run_as_main is not None:
+            run_as_main(target[1], alter_argv=True)
+        else:
+            sys.argv[0] = _module_file(target[1])
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        return
+    path = target[0]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    sys.argv = [path, *args]
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=__builtins__)
+    exec(code, main.__dict__)
+
+
+def _module_file(name: str) -> str:
+    """The file ``python -m name`` runs (a package's ``__main__``), or ``name`` if not found."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{name}.__main__")
+    except (ImportError, ValueError):
+        return name
+    return spec.origin if spec is not None and spec.origin else name
 
 
 def _stand_in(target: list[str], args: list[str]) -> int:

@@ -28,7 +28,10 @@ info = {"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("PROBE_X")
 with open(os.path.join(out, f"probe-{os.getpid()}.json"), "w") as f:
     json.dump(info, f)
 print("hello from the probe", flush=True)
-atexit.register(lambda: open(os.path.join(out, f"atexit-{os.getpid()}"), "w").close())
+def at_exit():
+    with open(os.path.join(out, f"atexit-{os.getpid()}"), "w") as f:
+        f.write(sys.argv[0])
+atexit.register(at_exit)
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "raise":
@@ -159,7 +162,8 @@ def test_a_forked_rank_gets_the_workers_arguments_environment_streams_and_exit_c
     assert info["argv0"] == str(where / "probe.py") and info["path0"] == str(where / "wd")
     # forked by the server, not run in the stand-in (which is the host's pid, after its exec)
     assert info["pid"] != proc.pid and info["ppid"] != proc.pid
-    assert (where / "out" / f"atexit-{info['pid']}").exists()  # interpreter exit: atexit ran
+    # interpreter exit: atexit ran, with sys.argv[0] as `python -m` leaves it
+    assert (where / "out" / f"atexit-{info['pid']}").read_text() == str(where / "probe.py")
 
 
 def test_a_script_runs_as_python_script_would_run_it(where):
