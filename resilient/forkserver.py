@@ -123,13 +123,21 @@ def _run_target(target: list[str], args: list[str]) -> None:
             sys.argv[0] = _module_file(target[1])
             runpy.run_module(target[1], run_name="__main__", alter_sys=True)
         return
+    import importlib.machinery
+    import importlib.util
+
+    class ScriptLoader(importlib.machinery.SourceFileLoader):
+        def set_data(self, *args, **kwargs) -> None:  # python caches no script's bytecode
+            pass
+
     path = target[0]
     sys.path[0] = os.path.dirname(os.path.abspath(path))
     sys.argv = [path, *args]
-    with open(path, "rb") as f:
-        code = compile(f.read(), path, "exec")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=__builtins__)
-    exec(code, main.__dict__)
+    loader = ScriptLoader("__main__", path)
+    spec = importlib.util.spec_from_loader("__main__", loader, origin=path)
+    main = importlib.util.module_from_spec(spec)
+    sys.modules["__main__"] = main
+    loader.exec_module(main)
 
 
 def _module_file(name: str) -> str:

@@ -173,6 +173,7 @@ def test_a_script_runs_as_python_script_would_run_it(where):
     (info,) = _probes(where)
     assert info["argv0"] == str(where / "probe.py") and info["argv"] == ["exit", "0"]
     assert info["path0"] == str(where) and info["ppid"] != proc.pid  # forked: the script's dir
+    assert info["name"] == "__main__" and not (where / "__pycache__").exists()  # as python runs it
 
 
 def test_a_rank_that_raises_exits_1_with_its_traceback_on_the_workers_stderr(where):
