@@ -251,3 +251,27 @@ def test_the_first_lease_is_created_exclusively_on_every_backend(tmp_path, backe
     assert st.create_exclusive(LEASE, b"first") is True
     assert st.create_exclusive(LEASE, b"second") is False
     assert st.read(LEASE) == b"first"
+
+
+@pytest.mark.parametrize("record", ["torn", "another's"])
+def test_a_lease_handed_back_to_the_persister_vouches_only_for_its_own_record(tmp_path, record):
+    """The trainer hands its lease back to its persister (its token: the persister may take the
+    record that token names).  A record that cannot be read just now may still be the trainer's
+    (its release then leaves it behind), so the token goes along; a record of another owner's
+    means the lease was lost, and nothing is vouched for."""
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    url = str(tmp_path / "ck")
+    with Checkpointer(url) as ck:
+        lease = WriterLease(Storage(url), ck.job_id, timeout_s=30.0)
+        lease.acquire()
+        if record == "torn":  # a record being rewritten, read halfway
+            (tmp_path / "ck" / LEASE).write_bytes((tmp_path / "ck" / LEASE).read_bytes()[:20])
+        else:
+            other = json.loads((tmp_path / "ck" / LEASE).read_text())
+            (tmp_path / "ck" / LEASE).write_text(json.dumps({**other, "token": "f" * 32}))
+        ck._lease = lease
+        ck._hand_lease_back()
+        assert ck._lease_returned == (lease.token if record == "torn" else None)
+        assert ck._lease is None and not lease.held

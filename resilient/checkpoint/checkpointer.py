@@ -753,7 +753,11 @@ class Checkpointer:
         try:
             lease.check()
             self._lease_returned = lease.token
-        except Exception:  # lost, or unreadable: vouch for nothing
+        except StorageError:
+            # unreadable just now: the record there may still be ours (a release that cannot
+            # read it leaves it behind); the token vouches for that record only, never another's
+            self._lease_returned = lease.token
+        except Exception:  # lost to another owner: vouch for nothing
             self._lease_returned = None
         lease.release()
 
