@@ -48,6 +48,7 @@ __all__ = [
     "ENV_SWITCH",
     "enabled",
     "is_stand_in",
+    "launcher_pid",
     "main",
     "prefer_stand_ins",
     "rank_pid",
@@ -59,6 +60,7 @@ __all__ = [
 ENV = "RESILIENT_FORKSERVER"  # the server's socket, in the workers' environment
 _PREFIX = "resilient-forkserver-"
 ENV_SWITCH = "RESILIENT_FORK_RANKS"  # "0": launchers start every rank the usual way
+ENV_STAND_IN = "RESILIENT_FORKSERVER_STAND_IN"  # in a forked rank: its stand-in's pid
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)  # fmt: skip
 _HEADER = struct.Struct("!I")
@@ -130,12 +132,14 @@ def _run_target(target: list[str], args: list[str]) -> None:
         def set_data(self, *args, **kwargs) -> None:  # python caches no script's bytecode
             pass
 
-    path = target[0]
-    sys.path[0] = os.path.dirname(os.path.abspath(path))
-    sys.argv = [path, *args]
+    path = os.path.abspath(target[0])  # a script's __file__ is absolute (python >= 3.9)
+    sys.path[0] = os.path.dirname(path)
+    sys.argv = [target[0], *args]
     loader = ScriptLoader("__main__", path)
-    spec = importlib.util.spec_from_loader("__main__", loader, origin=path)
+    spec = importlib.util.spec_from_file_location("__main__", path, loader=loader)
     main = importlib.util.module_from_spec(spec)
+    main.__spec__ = None  # as python gives a script (multiprocessing's spawn goes by it)
+    main.__cached__ = None
     sys.modules["__main__"] = main
     loader.exec_module(main)
 
@@ -153,18 +157,31 @@ def _module_file(name: str) -> str:
     return spec.origin if spec is not None and spec.origin else name
 
 
+def _run_itself(path: str | None, target: list[str], args: list[str]) -> int:
+    """The slow way, in this process (no server, or one that could not fork): this process is
+    the rank (what rank_pid says of it)."""
+    if path:
+        try:
+            _write(os.path.join(os.path.dirname(path), "pids", str(os.getpid())), str(os.getpid()))
+        except OSError:
+            pass  # no server directory: rank_pid takes it for the rank anyway
+    _run_target(target, args)
+    return 0
+
+
 def _stand_in(target: list[str], args: list[str]) -> int:
     path = os.environ.get(ENV)
     conn = _connect(path) if path else None
     if conn is None:
-        _run_target(target, args)  # no server: the slow way, in this process
-        return 0
+        return _run_itself(path, target, args)
     request = {
         "target": target,
         "args": args,
         "path": sys.path[1:],  # PYTHONPATH and site as this worker has them
         "env": dict(os.environ),
         "cwd": os.getcwd(),
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "nice": os.nice(0),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
     }
     body = json.dumps(request).encode()
@@ -173,12 +190,15 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         conn.sendall(body)
     except OSError:
         conn.close()
-        _run_target(target, args)  # the server forks a whole request only: start here
-        return 0
+        return _run_itself(path, target, args)  # the server forks whole requests only
     try:
         reader = conn.makefile("rb")
-        child = int(json.loads(reader.readline())["pid"])
-    except (OSError, ValueError, KeyError) as e:
+        reply = json.loads(reader.readline())
+        if reply["pid"] is None:  # the server could not fork it: nothing started yet
+            conn.close()
+            return _run_itself(path, target, args)
+        child = int(reply["pid"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
         # the rank may have been forked: starting it here as well could make two of it
         print(
             f"resilient.forkserver: the server at {path} did not start the rank ({e!r})",
@@ -202,8 +222,16 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         status = int(json.loads(line)["status"])
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        if sig in _FORWARDED:
-            signal.signal(sig, signal.SIG_DFL)
+        try:
+            signal.signal(sig, signal.SIG_DFL)  # (SIGPIPE, say, is ignored in python)
+        except (OSError, ValueError):
+            pass  # SIGKILL, SIGSTOP: their default already
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank dumped core, if any
+        except (ImportError, OSError, ValueError):
+            pass
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), sig)
@@ -277,7 +305,9 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return request, fds
 
 
-def _child(request: dict, fds: list[int], close: list[socket.socket], server: int) -> None:
+def _child(
+    request: dict, fds: list[int], close: list[socket.socket], server: int, stand_in: int
+) -> None:
     """In the forked rank: become the process ``python -m MODULE`` (or ``python SCRIPT``) would
     have started, and leave the way it would (an exception or ``SystemExit`` up to the
     interpreter, which then waits for threads, runs ``atexit`` and finalizes)."""
@@ -294,7 +324,9 @@ def _child(request: dict, fds: list[int], close: list[socket.socket], server: in
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # what came meanwhile lands now
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ[ENV_STAND_IN] = str(stand_in)  # its launcher's child (see launcher_pid)
     os.chdir(request["cwd"])
+    _take_placement(request)
     if request.get("unbuffered"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
@@ -306,6 +338,38 @@ def _child(request: dict, fds: list[int], close: list[socket.socket], server: in
     sys.path[1:] = [p for p in request["path"] if isinstance(p, str)]
     _run_target(list(request["target"]), list(request["args"]))
     raise SystemExit(0)
+
+
+def _take_placement(request: dict) -> None:
+    """The CPU affinity and niceness the worker was started with (``numactl``, ``taskset``,
+    ``nice`` in front of it; torchrun's ``--numa-binding``): the rank's, not the server's."""
+    cpus = request.get("cpus")
+    if isinstance(cpus, list) and cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, [int(c) for c in cpus])
+        except (OSError, ValueError):
+            pass
+    nice = request.get("nice")
+    if isinstance(nice, int):
+        try:
+            delta = nice - os.nice(0)
+            if delta:
+                os.nice(delta)  # lowering it needs the privilege a worker started lower had
+        except OSError:
+            pass
+
+
+def launcher_pid() -> int:
+    """This worker's launcher (torchrun's agent): its parent, or, for a rank a fork server
+    forked, its stand-in's parent (0 once that is gone)."""
+    stand_in = os.environ.get(ENV_STAND_IN, "")
+    if not stand_in.isdigit():
+        return os.getppid()
+    try:
+        with open(f"/proc/{stand_in}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _die_with(server: int) -> None:
@@ -344,18 +408,25 @@ def serve(path: str, preload: list[str], parent: int) -> int:
                 ready, _, _ = select.select([listener, *open_], [], [], 0.1)
             except InterruptedError:
                 ready = []
-            for s in ready:
-                if s is not listener:
-                    _check(open_[s], ranks)
-                    continue
-                got = _accept(listener)
-                if got is None:
-                    continue
-                if not loaded:  # at the first worker, not before: see _preload
-                    _preload(preload, got[1])
-                    loaded = True
-                _fork(*got, listener, ranks, pids_dir, me)
-            _reap(ranks, pids_dir)
+            try:
+                for s in ready:
+                    if s is not listener:
+                        _check(open_[s], ranks)
+                        continue
+                    got = _accept(listener)
+                    if got is None:
+                        continue
+                    if not loaded:  # at the first worker, not before: see _preload
+                        _preload(preload, got[1])
+                        loaded = True
+                    _fork(*got, listener, ranks, pids_dir, me)
+                _reap(ranks, pids_dir)
+            except Exception as e:
+                if os.getpid() != me:
+                    raise  # a rank's own exception, leaving through the interpreter
+                # the server's ranks die with it: one request's failure must not end it
+                print(f"resilient.forkserver: {e!r}; serving on", file=sys.stderr)
+                time.sleep(0.1)
     finally:
         if os.getpid() == me:
             listener.close()
@@ -394,7 +465,12 @@ def _preload(preload: list[str], request: dict) -> None:
     env = request.get("env")
     if isinstance(env, dict):
         os.environ.update({k: v for k, v in env.items() if isinstance(v, str)})
+    target = request.get("target")
     for name in preload:
+        if target == ["-m", name]:  # it would run here, as itself, then again in every rank
+            print(f"resilient.forkserver: not preloading {name}: it is what the ranks run",
+                  file=sys.stderr)  # fmt: skip
+            continue
         try:
             importlib.import_module(name)
         except Exception as e:  # a rank that needs it will say why; the others are still served
@@ -404,7 +480,12 @@ def _preload(preload: list[str], request: dict) -> None:
 
 
 def _accept(listener: socket.socket) -> tuple[socket.socket, dict, list[int], int] | None:
-    conn, _ = listener.accept()
+    try:
+        conn, _ = listener.accept()
+    except OSError as e:  # out of descriptors, say: the worker waits in the backlog
+        print(f"resilient.forkserver: accept: {e}", file=sys.stderr)
+        time.sleep(0.1)
+        return None
     try:
         request, fds = _recv_request(conn)
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -423,14 +504,27 @@ def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me) -> None:
         pid = os.fork()
         if pid == 0:
             others = [r.conn for r in ranks.values() if r.conn is not None]
-            _child(request, fds, [listener, conn, *others], me)
+            _child(request, fds, [listener, conn, *others], me, stand_in)
+    except OSError as e:  # no fork (a process limit, memory): the stand-in starts it itself
+        print(f"resilient.forkserver: fork: {e}", file=sys.stderr)
+        pid = None
     finally:
         if os.getpid() == me:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     for fd in fds:
         os.close(fd)
+    if pid is None:
+        try:
+            conn.sendall(json.dumps({"pid": None}).encode() + b"\n")
+        except OSError:
+            pass
+        conn.close()
+        return
     ranks[pid] = _Rank(conn, stand_in)
-    _write(os.path.join(pids_dir, str(stand_in)), str(pid))
+    try:
+        _write(os.path.join(pids_dir, str(stand_in)), str(pid))
+    except OSError as e:  # only rank_pid misses it
+        print(f"resilient.forkserver: {e}", file=sys.stderr)
     try:
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     except OSError:
@@ -593,8 +687,10 @@ def rank_pid(pid: int) -> int | None:
     for e in env:
         if e.startswith(ENV.encode() + b"="):
             root = os.path.dirname(e.split(b"=", 1)[1].decode(errors="replace"))
+            if not os.path.isdir(root):
+                return pid  # no server to fork it: the stand-in runs the rank itself
             return _read_int(os.path.join(root, "pids", str(pid)))
-    return None
+    return pid
 
 
 def prefer_stand_ins(pids: list[int]) -> list[int]:

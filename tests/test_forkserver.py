@@ -22,9 +22,12 @@ PROBE = """
 import atexit, json, os, random, signal, sys, time
 out = os.environ["PROBE_OUT"]
 mode = sys.argv[1]
+from resilient.forkserver import launcher_pid
 info = {"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("PROBE_X"),
         "pid": os.getpid(), "ppid": os.getppid(), "rand": random.random(), "name": __name__,
-        "rank": os.environ.get("RANK"), "argv0": sys.argv[0], "path0": sys.path[0]}
+        "rank": os.environ.get("RANK"), "argv0": sys.argv[0], "path0": sys.path[0],
+        "file": __file__, "spec": __spec__ is None, "launcher": launcher_pid(),
+        "cpus": sorted(os.sched_getaffinity(0)), "nice": os.nice(0)}
 with open(os.path.join(out, f"probe-{os.getpid()}.json"), "w") as f:
     json.dump(info, f)
 print("hello from the probe", flush=True)
@@ -53,23 +56,41 @@ if mode == "libs":  # the server preloaded numpy and torch
     with open(os.path.join(out, f"libs-{os.getpid()}.json"), "w") as f:
         json.dump({"numpy": numpy.random.random(), "threads": torch.get_num_threads(),
                    "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+if mode == "late":  # still working when its launcher has gone
+    time.sleep(1.5)
+    open(os.path.join(out, f"finished-{os.getpid()}"), "w").close()
 if mode in ("term", "sleep", "child", "int"):
     open(os.path.join(out, f"ready-{os.getpid()}"), "w").close()
-    time.sleep(60)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:  # the rank itself got the SIGINT
+        open(os.path.join(out, f"interrupted-{os.getpid()}"), "w").close()
+        raise
 """
 
 # a launcher that stays alive (as torchrun's agent does) with two workers that are stand-ins
 LAUNCHER = """
 import os, subprocess, sys, time
 cmd = [sys.executable, "-m", "resilient.forkserver", "run", "-m", "probe"]
-cmd.append(os.environ.get("PROBE_MODE", "sleep"))
-procs = [  # each its own thread count, as workers of different jobs might have
-    subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": str(i)})
-    for i in (1, 2)
-]
+cmd += os.environ.get("PROBE_MODE", "sleep").split()
+def placed():  # the first worker pinned to CPU 0 and niced (numactl, taskset, nice)
+    os.sched_setaffinity(0, {0})
+    os.nice(3)
+procs, codes = [], []
+for i in (1, 2):  # each its own thread count, as workers of different jobs might have
+    env = {**os.environ, "OMP_NUM_THREADS": str(i)}
+    procs.append(subprocess.Popen(cmd, start_new_session=True, env=env,
+                                  preexec_fn=placed if i == 1 else None))
+    if os.environ.get("PROBE_SEQ"):  # one after the other: the first rank has ended
+        codes.append(procs[-1].wait())
 with open(os.path.join(os.environ["PROBE_OUT"], "stand_ins"), "w") as f:
     f.write(" ".join(str(p.pid) for p in procs))
-codes = [p.wait() for p in procs]
+if os.environ.get("PROBE_LEAVE"):  # the launcher goes; its workers do not (their sessions)
+    out = os.environ["PROBE_OUT"]
+    while len([n for n in os.listdir(out) if n.startswith("probe-")]) < 2:
+        time.sleep(0.02)  # once both ranks are at work
+    os._exit(0)
+codes = codes or [p.wait() for p in procs]
 with open(os.path.join(os.environ["PROBE_OUT"], "codes"), "w") as f:
     f.write(" ".join(str(c) for c in codes))
 """
@@ -172,8 +193,9 @@ def test_a_script_runs_as_python_script_would_run_it(where):
     assert proc.returncode == 0, err
     (info,) = _probes(where)
     assert info["argv0"] == str(where / "probe.py") and info["argv"] == ["exit", "0"]
-    assert info["path0"] == str(where) and info["ppid"] != proc.pid  # forked: the script's dir
+    assert info["path0"] == str(where) and _forked(where, proc)  # the script's dir
     assert info["name"] == "__main__" and not (where / "__pycache__").exists()  # as python runs it
+    assert info["file"] == str(where / "probe.py") and info["spec"]  # absolute; no __spec__
 
 
 def test_a_rank_that_raises_exits_1_with_its_traceback_on_the_workers_stderr(where):
@@ -209,6 +231,7 @@ def test_sigint_ends_the_rank_and_its_stand_in_as_it_ends_an_interpreter(where):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT and _forked(where, proc)  # KeyboardInterrupt
     assert "KeyboardInterrupt" in err
+    assert list((where / "out").glob("interrupted-*"))  # in the rank, forwarded to it
 
 
 def test_torchruns_teardown_reaches_the_ranks_own_children(where):
@@ -246,6 +269,9 @@ def test_preloaded_libraries_are_set_up_per_rank(where):
     proc = _host(where, "launcher", preload="numpy.random,torch", PROBE_MODE="libs")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    stand_ins = {int(p) for p in (where / "out" / "stand_ins").read_text().split()}
+    probes = _probes(where)
+    assert len(probes) == 2 and not {p["ppid"] for p in probes} & stand_ins  # forked
     libs = [json.loads(p.read_text()) for p in (where / "out").glob("libs-*.json")]
     assert len(libs) == 2 and libs[0]["numpy"] != libs[1]["numpy"]  # numpy seeded per rank
     assert sorted((x["omp"], x["threads"]) for x in libs) == [("1", 1), ("2", 2)]
@@ -363,3 +389,24 @@ def test_a_server_killed_outright_leaves_a_directory_the_next_start_removes(tmp_
         zombie.wait()
     sweep(str(tmp_path))
     assert not dirs["alive"].exists() and dirs["young"].exists()
+
+
+def test_ranks_are_forked_one_after_another_and_keep_their_workers_placement(where):
+    proc = _host(where, "launcher", PROBE_MODE="exit 0", PROBE_SEQ="1")
+    proc.communicate(timeout=120)
+    assert (where / "out" / "codes").read_text().split() == ["0", "0"]
+    stand_ins = [int(p) for p in (where / "out" / "stand_ins").read_text().split()]
+    first, second = sorted(_probes(where), key=lambda p: p["pid"])
+    # the second came after the first rank had ended: the server still serves
+    assert first["ppid"] == second["ppid"] and not {first["ppid"]} & set(stand_ins)
+    assert first["launcher"] == second["launcher"] == proc.pid  # its stand-in's parent
+    assert (first["cpus"], first["nice"]) == ([0], 3)  # taskset / nice of the first worker
+    assert second["cpus"] == sorted(os.sched_getaffinity(0)) and second["nice"] == os.nice(0)
+
+
+def test_ranks_run_on_when_their_launcher_has_gone(where):
+    proc = _host(where, "launcher", PROBE_MODE="late", PROBE_LEAVE="1")
+    proc.communicate(timeout=60)  # the launcher leaves at once
+    _wait_for(lambda: len(list((where / "out").glob("finished-*"))) == 2, timeout_s=60)
+    stand_ins = {int(p) for p in (where / "out" / "stand_ins").read_text().split()}
+    assert not {p["ppid"] for p in _probes(where)} & stand_ins  # forked ranks, not stand-ins

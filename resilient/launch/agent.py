@@ -76,8 +76,9 @@ def parse_args(argv: list[str]) -> Any:
         default="",
         metavar="MOD[,MOD...]",
         help="start the workers from a fork server that has imported these modules once "
-        "(torch, your training module: about 1.5 s of CPU less per worker and restart); "
-        "resilient/forkserver.py; default: every worker a new interpreter",
+        "(libraries: torch, your model code; not the training script itself): about 1.5 s of "
+        "CPU less per worker and restart (resilient/forkserver.py); default: every worker a "
+        "new interpreter",
     )
     args = parser.parse_args(argv)
     for flag, value in (
@@ -476,7 +477,7 @@ def launch_main(argv: list[str]) -> int:
         raise SystemExit("resilient launch: the entrypoint must be a script or -m MODULE")
     server = None
     preload = [m for m in args.preload.split(",") if m]
-    if preload and cmd == sys.executable and forkserver.enabled():
+    if preload and not args.no_python and cmd == sys.executable and forkserver.enabled():
         # torchrun's "-u [-m] SCRIPT ARGS": the same, through the fork server's stand-in
         unbuffered, rest = cmd_args[:1], cmd_args[1:]
         cmd_args = [*unbuffered, "-m", "resilient.forkserver", "run", *rest]

@@ -78,14 +78,16 @@ def wait_for_rank(store: Any, poll_s: float = 0.01) -> bool:
     _warm_up()
     node, index = os.environ[ENV_SPARE].split(":")
     key = f"{base_key()}/assign/{node}/{index}"
-    parent = os.getppid()
+    from resilient.forkserver import launcher_pid
+
+    parent = launcher_pid()  # (a forked spare's parent is its node's fork server)
     while True:
         try:
             if store.check([key]):
                 break
         except Exception:  # the agent's store is gone: the job is over
             return False
-        if os.getppid() != parent:  # the agent died
+        if launcher_pid() != parent:  # the agent died
             return False
         time.sleep(poll_s)
     got = json.loads(store.get(key))
