@@ -306,7 +306,8 @@ def trainer_runs(args) -> dict[str, list[float]]:
 def trainer_blocks(args) -> list[dict[str, float]]:
     """Per run of benchmarks/snapshot_blocks.py (a snapshot every step in alternate blocks of
     ``--block`` steps): the median time between steps with snapshots and without, after the
-    first ``--trainer-skip`` steps."""
+    first ``--trainer-skip`` steps.  With several ``--block-commit-every`` values each round runs
+    each of them, one after the other."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from snapshot_blocks import run_blocks
 
@@ -315,22 +316,25 @@ def trainer_blocks(args) -> list[dict[str, float]]:
     out = []
     try:
         for r in range(args.trainer_blocks):
-            res = run_blocks(
-                os.path.join(root, str(r)),
-                preset=args.preset,
-                steps=args.block_steps,
-                block=args.block,
-                skip=args.trainer_skip,
-                part=args.block_part,
-                env={"RESILIENT_MEMORY_ROOT": memory},
-            )
-            out.append(res)
-            print(
-                f"  run {r}: without {res['off'] * 1e3:.1f} ms, with a snapshot every step "
-                f"{res['on'] * 1e3:.1f} ms ({res['on'] / res['off'] - 1:+.1%}; "
-                f"{res['steps']} steps each way)",
-                flush=True,
-            )
+            for k in args.block_commit_every:
+                res = run_blocks(
+                    os.path.join(root, f"{r}-{k}"),
+                    preset=args.preset,
+                    steps=args.block_steps,
+                    block=args.block,
+                    skip=args.trainer_skip,
+                    part=args.block_part,
+                    env={"RESILIENT_MEMORY_ROOT": memory},
+                    commit_every=k,
+                )
+                res["commit_every"] = k
+                out.append(res)
+                print(
+                    f"  run {r}, --memory-commit-every {k}: without {res['off'] * 1e3:.1f} ms, "
+                    f"with a snapshot every step {res['on'] * 1e3:.1f} ms "
+                    f"({res['on'] / res['off'] - 1:+.1%}; {res['steps']} steps each way)",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
@@ -428,6 +432,13 @@ def main() -> None:
         default=None,
         help="(--trainer-blocks) cut every snapshot short (benchmarks/snapshot_parts.py)",
     )
+    p.add_argument(
+        "--block-commit-every",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1],
+        help="(--trainer-blocks) the trainer's --memory-commit-every, or several (1,0): each "
+        "round runs each, one after the other",
+    )
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     p.add_argument("--small-tensors", type=int, default=92)
     p.add_argument("--small-snapshots", type=int, default=400)
@@ -511,14 +522,17 @@ def main() -> None:
             + (f" (cut short: {args.block_part})" if args.block_part else "")
             + f"; {args.trainer_blocks} runs"
         )
+        rows = []
+        for k in args.block_commit_every:
+            mine = [(x, r) for x, r in zip(b, ratios) if x["commit_every"] == k]
+            rows += [
+                [str(k), f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}", f"{r - 1:+.1%}"]
+                for x, r in mine
+            ]
+            rows.append([str(k), "median", "", f"{median([r for _, r in mine]) - 1:+.1%}"])
         print(
             markdown_table(
-                ["without ms", "with ms", "with vs without"],
-                [
-                    [f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}", f"{r - 1:+.1%}"]
-                    for x, r in zip(b, ratios)
-                ]
-                + [["median", "", f"{median(ratios) - 1:+.1%}"]],
+                ["--memory-commit-every", "without ms", "with ms", "with vs without"], rows
             )
         )
     write_results(args.json, res)

@@ -56,10 +56,12 @@ def run_blocks(
     part: str | None = None,
     tree: str | None = None,
     env: dict[str, str] | None = None,
+    commit_every: int = 1,
 ) -> dict[str, float]:
     """(the driver) One run: the median seconds between steps with snapshots ("on") and without
     ("off"), after the first ``skip`` steps.  ``tree``: a checkout whose library and trainer to
-    measure (default: this one); ``env`` should give the run a RESILIENT_MEMORY_ROOT of its own."""
+    measure (default: this one); ``env`` should give the run a RESILIENT_MEMORY_ROOT of its own;
+    ``commit_every``: the trainer's ``--memory-commit-every`` (1: every snapshot committed)."""
     env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
     if tree is not None:
         env["RESILIENT_BENCH_TREE"] = tree
@@ -70,6 +72,7 @@ def run_blocks(
         "--preset", preset, "--steps", str(steps), "--memory-every", "1",
         "--ckpt", out_dir + "/ckpt", "--metrics", out_dir + "/metrics.jsonl",
         *(["--part", part] if part else []),
+        *(["--memory-commit-every", str(commit_every)] if commit_every != 1 else []),
     ]  # fmt: skip
     try:
         subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tree or os.getcwd())

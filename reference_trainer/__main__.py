@@ -79,6 +79,14 @@ def parser() -> argparse.ArgumentParser:
         help="snapshot into the node's host memory every N steps (the memory tier: a restart "
         "restores from there; 0: off)",
     )
+    p.add_argument(
+        "--memory-commit-every",
+        type=int,
+        default=1,
+        help="commit one memory snapshot in N as it is taken; the others are sealed by their "
+        "staged records and committed when a restore, a flush or a durable save needs them "
+        "(one node; 0: only then; default 1: every snapshot)",
+    )
     p.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
     p.add_argument(
         "--init-from",
@@ -239,6 +247,7 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
         steps=args.steps,
         save_every=args.save_every,
         memory_every=args.memory_every,
+        memory_commit_every=args.memory_commit_every,
         ckpt=args.ckpt,
         init_from=args.init_from,
         keep_last=args.keep_last,

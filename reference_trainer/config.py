@@ -113,6 +113,7 @@ class TrainConfig:
     steps: int = 100
     save_every: int = 0  # 0: never
     memory_every: int = 0  # 0: no memory tier
+    memory_commit_every: int = 1  # 0: snapshots sealed, committed only when needed
     ckpt: str | None = None
     init_from: str | None = None  # model weights to start from (a checkpoint URL), step 0
     keep_last: int = 3
@@ -196,6 +197,11 @@ class TrainConfig:
         if self.memory_every < 0:
             raise ConfigError(
                 f"--memory-every {self.memory_every}: must be >= 0 (0 turns the memory tier off)"
+            )
+        if self.memory_commit_every < 0:
+            raise ValueError(
+                f"--memory-commit-every {self.memory_commit_every}: must be >= 0 (1 commits "
+                f"every snapshot, 0 only when a restore, a flush or a durable save needs it)"
             )
         if self.memory_every and not self.ckpt:
             raise ConfigError(

@@ -207,6 +207,7 @@ def _train(
         cfg.ckpt,
         save_every=cfg.save_every,
         memory_every=cfg.memory_every or None,
+        memory_commit_every=cfg.memory_commit_every,
         keep_last=cfg.keep_last,
         layout=pc.layout,
         heartbeat_interval_s=cfg.heartbeat_interval_s,

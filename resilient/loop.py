@@ -129,7 +129,8 @@ class Run:
     ``Run(checkpoint_url, *, save_every=100, keep_last=3, keep_every=None, max_failed_saves=3,
     heartbeat_interval_s=1.0, hang_timeout_s=None, join_timeout_s=120.0, phase_budgets_s=None,
     storage_options=None, layout=None, monitor=None, detect=None, event_log=None, fallback=True,
-    hooks=(), memory_every=None, memory_root=None, preflight=False)``; see the README for what
+    hooks=(), memory_every=None, memory_root=None, memory_commit_every=1, preflight=False)``; see
+    the README for what
     each does.  ``preflight=True`` (or a ``resilient.preflight.PreflightConfig``) checks every rank
     before training (the quick subset of ``resilient preflight``: store latency, a small
     all-reduce, pairwise links, memory bandwidth, device health; a few seconds) and raises
@@ -157,6 +158,7 @@ class Run:
         hooks: Sequence[Any] = (),
         memory_every: int | None = None,
         memory_root: str | None = None,
+        memory_commit_every: int = 1,
         preflight: Any = False,
     ) -> None:
         detector = check_run_options(
@@ -170,10 +172,12 @@ class Run:
             phase_budgets_s=phase_budgets_s,
             hooks=hooks,
             memory_every=memory_every,
+            memory_commit_every=memory_commit_every,
             preflight=preflight,
         )
         self.url, self.save_every = checkpoint_url, save_every
         self.memory_every, self.memory_root = memory_every, memory_root
+        self.memory_commit_every = memory_commit_every
         self.keep_last, self.keep_every = keep_last, keep_every
         self.max_failed_saves = max_failed_saves
         self.heartbeat_interval_s, self.hang_timeout_s = heartbeat_interval_s, hang_timeout_s
@@ -296,6 +300,7 @@ class Run:
                 storage_options=self.storage_options,
                 memory_every=self.memory_every,
                 memory_root=self.memory_root,
+                memory_commit_every=self.memory_commit_every,
             )
         if self.checkpointer.memory is not None:
             self.checkpointer.check_memory_room(self.state)
@@ -341,6 +346,7 @@ class Run:
                 resharded=bool(last and last.resharded),
                 source=source,
                 peer_files=last.peer_files if last else 0,
+                sealed=bool(last and last.sealed),  # committed from the ranks' staged records
                 # what was committed when the restore began: a chaos run's proof that the restore
                 # took the newest step there was (nothing committed was lost)
                 newest_durable=durable,
@@ -691,6 +697,7 @@ def check_run_options(
     phase_budgets_s: dict[str, float] | None,
     hooks: Sequence[Any] = (),
     memory_every: int | None = None,
+    memory_commit_every: int = 1,
     preflight: Any = False,
 ) -> DetectorConfig:
     """Validate ``Run``'s values (before any process group exists, when ``fault_tolerant`` calls
@@ -717,6 +724,15 @@ def check_run_options(
     ):
         raise ValueError(
             f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
+        )
+    if (
+        isinstance(memory_commit_every, bool)
+        or not isinstance(memory_commit_every, int)
+        or memory_commit_every < 0
+    ):
+        raise ValueError(
+            f"memory_commit_every must be an int >= 0 (1: commit every memory snapshot; 0: only "
+            f"when a restore, a flush or a durable save needs it), got {memory_commit_every!r}"
         )
     if not isinstance(preflight, bool | PreflightConfig):
         raise ValueError(

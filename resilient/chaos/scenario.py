@@ -90,6 +90,7 @@ TRAINER_FLAGS = {
     "steps": int,
     "save_every": int,
     "memory_every": int,
+    "memory_commit_every": int,
     "keep_last": int,
     "preset": str,
     "seed": int,
@@ -111,6 +112,7 @@ DETECTION_FLAGS = (
     "join_timeout_s",
     "max_failed_saves",
     "memory_every",
+    "memory_commit_every",
     "save_every",
 )
 

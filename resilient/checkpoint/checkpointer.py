@@ -108,6 +108,8 @@ class SaveStats:
     commit_s: float = 0.0
     bytes_written: int = 0
     committed: bool = False
+    # (a memory snapshot) sealed by its staged record, its commit deferred (memory_commit_every)
+    sealed: bool = False
 
 
 @dataclass
@@ -121,6 +123,9 @@ class LoadStats:
     skipped_steps: list[int] = field(default_factory=list)
     source: str = "durable"  # the tier it came from: "memory" or "durable"
     peer_files: int = 0  # (memory, across nodes) files brought from other nodes' memory first
+    # (memory, rank 0) the step was committed by this load from its ranks' staged records: a
+    # sealed snapshot, or one whose commit a fault cut short (seal.py)
+    sealed: bool = False
 
 
 class SaveHandle:
@@ -134,6 +139,9 @@ class SaveHandle:
         self._error_reported = False
         self._lineage = lineage  # the checkpointer's when this save began (see _advance_anchor)
         self._replica_epoch: int | None = None  # its peer replicas' groups when it began
+        # (a sealed memory snapshot) its slot, or why it has none; and (layout, plan, values)
+        self._sealed: Any = None
+        self._sealed_meta: tuple | None = None
         self.started_at = time.time()
         self.finished_at: float | None = None
 
@@ -180,6 +188,11 @@ class Checkpointer:
     ``step`` is a multiple of ``N`` (the two newest are kept), and ``load()`` restores the newest
     step of either tier, memory first, falling back to durable storage when a snapshot is missing
     or damaged.  ``save()`` keeps its meaning: a durable commit to ``url``.
+    ``memory_commit_every=K`` (on one node): only one snapshot in ``K`` is committed as it is
+    taken (0: none); the others are *sealed*: each rank's copy and its staged record are all
+    there is, no handshake, no manifest, no checksums of the small tensors.  A restore after a
+    fault, the persister's flush and a durable save of the step commit a sealed snapshot when
+    they need it (seal.py), so a fault still loses at most one step.
     """
 
     def __init__(
@@ -201,6 +214,7 @@ class Checkpointer:
         memory_every: int | None = None,
         memory_root: str | None = None,
         persister: bool | None = None,
+        memory_commit_every: int = 1,
         _namespace: str = "ckpt",
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -222,6 +236,15 @@ class Checkpointer:
         ):
             raise ValueError(
                 f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
+            )
+        if (
+            isinstance(memory_commit_every, bool)
+            or not isinstance(memory_commit_every, int)
+            or memory_commit_every < 0
+        ):
+            raise ValueError(
+                f"memory_commit_every must be an int >= 0 (1: commit every snapshot; 0: only "
+                f"when a restore, a flush or a durable save needs it), got {memory_commit_every!r}"
             )
         self.storage = Storage(url, storage_options, retry, commit_method=commit_method)
         self.url = self.storage.url
@@ -274,6 +297,9 @@ class Checkpointer:
         # (in-job recovery) the pending save is the previous group's: a load need not wait for it
         self._pending_is_old = False
         self._hook_lock = threading.Lock()
+        # (the memory tier's own) every how many steps a snapshot is committed as it is taken
+        # (0: never; 1: always; else the others are sealed: see _defers)
+        self._commit_period = 1
         # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
         self.nodes = NodeMap((0,) * self.world_size)
         self._memory_root = memory_root
@@ -323,6 +349,7 @@ class Checkpointer:
                 _namespace="mem",
             )
             self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
+            self._memory._commit_period = memory_commit_every * memory_every
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
                 self._memory._replicas = Replicas(
@@ -430,6 +457,11 @@ class Checkpointer:
 
         Waits for the previous save first (one in flight) and re-raises its failure, if any.
         """
+        return self._save(step, state, defer=False)
+
+    def _save(self, step: int, state: Mapping[str, Any], *, defer: bool) -> SaveHandle:
+        """save(); with ``defer`` (the memory tier's own, see _defers) the snapshot is sealed
+        instead of committed (_seal_snapshot)."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
             raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
@@ -445,6 +477,8 @@ class Checkpointer:
         data: torch.Tensor | _Slot | Exception
         if lean and not any(t.local.is_cuda for t in flat.tensors.values()):
             assert self._slots is not None
+            if defer:
+                return self._seal_snapshot(step, layout, plan, flat, t0)
             # Straight into the tmpfs rank file, while the snapshot before this one finishes
             # committing on another core; it is committed (or its failure raised) before this
             # one returns, so a fault loses at most the step being staged.  A failure here (no
@@ -482,6 +516,95 @@ class Checkpointer:
         self._pending, self._thread = handle, job
         return handle
 
+    def _defers(self, step: int) -> bool:
+        """(the memory tier's own) Whether the snapshot of ``step`` is sealed rather than
+        committed: decided alike on every rank, by the step (one node, no peer replicas)."""
+        period = self._commit_period
+        return (
+            period != 1
+            and self._slots is not None
+            and self._replicas is None
+            and self.nodes.nodes == 1
+            and (period == 0 or step % period != 0)
+        )
+
+    def _seal_snapshot(
+        self, step: int, layout: Layout, plan: WritePlan, flat: FlatState, t0: float
+    ) -> SaveHandle:
+        """(the memory tier's own) A snapshot sealed by its staged record: the copy into the rank
+        file, the checksums of every chunk (a large tensor's as it is copied) and the record that
+        carries them, on the caller's thread; no handshake, no background work.  What a failure leaves (no file, no record)
+        is this rank's alone: the step is then not restorable, the one before it is."""
+        assert self._slots is not None
+        values = dict(flat.values)
+        handle = SaveHandle(step, self._lineage)
+        handle._sealed_meta = (layout, plan, values)
+        slot: _Slot | None = None
+        error: BaseException | None = None
+        try:
+            info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
+            slot = self._slots.stage(plan, flat.tensors, step, info, self.block_bytes, sum_all=True)
+        except Exception as e:
+            error = e
+        try:
+            self._join_pending()  # (a committed snapshot before it: its outcome, as save()'s)
+        except BaseException:
+            if slot is not None:
+                self._slots.settled(slot, False)
+            raise
+        if slot is not None and not self._slots.seal(slot, (step, layout, plan, values)):
+            error = MemoryTierError(
+                f"the staged record of snapshot {step} on rank {self.rank} could not be written "
+                f"in {self._slots.staging}; the snapshot is not kept"
+            )
+        handle.stats.stage_s = time.monotonic() - t0
+        if error is None:
+            handle._sealed, handle.stats.sealed = slot, True
+        else:
+            if not isinstance(error, ResilientError):
+                wrapped = CommitError(
+                    f"snapshot of step {step} failed on rank {self.rank}: {_describe(error)}"
+                )
+                wrapped.__cause__ = error
+                error = wrapped
+            handle._sealed = error
+            log.error("memory snapshot of step %d failed on rank %d: %s", step, self.rank, error)
+        handle._finish(error)
+        return handle
+
+    def _commit_sealed(self, snap: SaveHandle) -> SaveHandle:
+        """(the memory tier's own) Commit the sealed snapshot ``snap`` now, through the usual
+        handshake: every rank calls this for the same step (a durable save of it goes through
+        the persister).  A rank whose snapshot failed reports its failure there."""
+        assert snap._sealed_meta is not None and self._slots is not None
+        step = snap.step
+        layout, plan, values = snap._sealed_meta
+        data = snap._sealed
+        if isinstance(data, _Slot) and not self._slots.unseal(data):
+            data = MemoryTierError(
+                f"the sealed snapshot of step {step} on rank {self.rank} is no longer held"
+            )
+        try:
+            self._join_pending()
+        except BaseException:
+            if isinstance(data, _Slot):
+                self._slots.settled(data, False)
+            raise
+        handle = SaveHandle(step, self._lineage)
+        committer = self._committer(step)
+        try:
+            job = self._worker.submit(
+                self._thread_name(step),
+                self._persist,
+                *(handle, step, layout, plan, data, values, committer),
+            )
+        except BaseException:
+            if isinstance(data, _Slot):
+                self._slots.settled(data, False)
+            raise
+        self._pending, self._thread = handle, job
+        return handle
+
     def snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
         """Snapshot ``state`` into the node's memory when ``step`` is a multiple of
         ``memory_every`` (else do nothing and return None); returns once the snapshot is staged.
@@ -498,14 +621,18 @@ class Checkpointer:
             return None
         return self._take_snapshot(step, state)
 
-    def _take_snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def _take_snapshot(
+        self, step: int, state: Mapping[str, Any], *, defer: bool = True
+    ) -> SaveHandle:
         assert self._memory is not None
         if self._memory.layout is None:
             self._memory.layout = self._layout_for(state)
         if self._persister_config is not None and self.nodes.is_leader(self.rank):
             self._start_persister()  # early: it flushes this snapshot should the trainer die
         anchor = "" if self._anchor is None else f"{self._anchor[0]}:{self._anchor[1]}"
-        self._snap = self._memory.save(step, {**state, ANCHOR_KEY: anchor})
+        self._snap = self._memory._save(
+            step, {**state, ANCHOR_KEY: anchor}, defer=defer and self._memory._defers(step)
+        )
         return self._snap
 
     def _persister_client(self) -> PersisterClient:
@@ -550,7 +677,9 @@ class Checkpointer:
         t0 = time.monotonic()
         snap = self._snap
         if snap is None or snap.step != step:  # (never on timing: every rank decides alike)
-            snap = self._take_snapshot(step, state)
+            snap = self._take_snapshot(step, state, defer=False)
+        elif snap._sealed_meta is not None:  # sealed (or failed so, on some rank): commit it now
+            snap = self._snap = self._memory._commit_sealed(snap)
         handle = SaveHandle(step, self._lineage)
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
@@ -1275,11 +1404,22 @@ class Checkpointer:
             self._memory._thread.join()
         t0 = time.monotonic()
         self._loads += 1
-        if self._memory is not None and self.rank == 0 and self.nodes.nodes == 1:
-            # a snapshot whose copy every rank finished but whose commit a fault cut short is
-            # committed first (seal.py): the fault then loses at most one step
-            assert self.memory is not None
-            seal_staged(self.memory.dir)
+        sealed: int | None = None
+        if self._memory is not None and self.nodes.nodes == 1:
+            if self._memory._commit_period != 1:
+                # this process's sealed snapshots are let go first, so that rank 0 may commit
+                # the newest one (in-job recovery keeps this process, and its snapshots, alive);
+                # every rank's, before rank 0 looks
+                assert self._memory._slots is not None
+                self._memory._slots.release()
+                if self._distributed and self.world_size > 1:
+                    dist.barrier()
+            if self.rank == 0:
+                # a snapshot whose copy every rank finished but whose commit a fault cut short
+                # (or never began: a sealed one) is committed first (seal.py): the fault then
+                # loses at most one step
+                assert self.memory is not None
+                sealed = seal_staged(self.memory.dir)
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
@@ -1305,6 +1445,7 @@ class Checkpointer:
             if worst == 0:
                 stats = pending.apply()
                 stats.source = "memory" if source is not self else "durable"
+                stats.sealed = source is not self and s == sealed
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
                 self._lineage += 1
                 stats.skipped_steps = skipped

@@ -593,11 +593,13 @@ class Promoter:
         self._flushing = True
         if not self._still_ours():
             self._renew_lease()
-        seal_staged(self.job_dir, wait_s=_SEAL_WAIT_S)
-        mem = Storage(self.steps_dir)
-        snaps = scan(mem)
         durable = scan(self.storage)
         newest = durable.newest()
+        seal_staged(
+            self.job_dir, wait_s=_SEAL_WAIT_S, newer_than=None if newest is None else newest.step
+        )
+        mem = Storage(self.steps_dir)
+        snaps = scan(mem)
         line = set(durable.line())
         for s in snaps.line():
             if newest is not None and s <= newest.step:

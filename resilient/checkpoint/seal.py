@@ -77,11 +77,15 @@ class NodeLocal:
         return None
 
 
-def seal_staged(job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0) -> int | None:
+def seal_staged(
+    job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0, newer_than: int | None = None
+) -> int | None:
     """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
     was cut short (newest first; the first that seals ends it); returns its step, or None when
     there is none to seal.  ``wait_s``: how long to wait for the writers of records newer than
     the newest commit to be gone (the persister: the trainer's other ranks are being torn down).
+    ``newer_than``: only steps after it are worth sealing (the persister's flush: the newest
+    durable step; a snapshot no newer is never persisted, and sealing it costs a checksum pass).
     Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
@@ -89,7 +93,7 @@ def seal_staged(job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0) -> 
         return None
     try:
         deadline = time.monotonic() + wait_s
-        while _live_writers(staging) and time.monotonic() < deadline:
+        while _live_writers(staging, newer_than) and time.monotonic() < deadline:
             time.sleep(0.2)  # (each look parses the records)
         lock = _lock(os.path.join(job_dir, _LOCK), lock_s)
     except Exception as e:
@@ -105,7 +109,8 @@ def seal_staged(job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0) -> 
         committed = catalog.newest()
         newest = -1 if committed is None else committed.step
         try:
-            sealed = _seal_newest(records, staging, mem, catalog)
+            wanted = {s: r for s, r in records.items() if newer_than is None or s > newer_than}
+            sealed = _seal_newest(wanted, staging, mem, catalog)
             if sealed is not None:
                 newest = max(newest, sealed)
         finally:
@@ -158,8 +163,13 @@ def writer_alive(pid: Any, start: Any, machine: Any) -> bool:
     return fields[0] not in (b"Z", b"X")
 
 
-def _live_writers(staging: str) -> bool:
-    return bool(_records(staging)[2])
+def _live_writers(staging: str, newer_than: int | None = None) -> bool:
+    """Whether a record (of a step after ``newer_than``) may still be being written."""
+    for path in _records(staging)[2]:
+        m = _RECORD_RE.match(os.path.basename(path))
+        if newer_than is None or (m is not None and int(m.group(2)) > newer_than):
+            return True
+    return False
 
 
 def _records(
@@ -385,6 +395,9 @@ def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
     block_bytes, size = rec["block_bytes"], rec["size"]
     if not isinstance(chunks, dict) or not isinstance(rec.get("values"), dict):
         raise _Unsealable(f"rank {rank}'s record has no chunks or values")
+    taken = rec.get("sums")  # (a sealed snapshot's) taken as it was copied
+    if taken is not None and not isinstance(taken, dict):
+        raise _Unsealable(f"rank {rank}'s record has malformed checksums")
     out: dict[str, Any] = {}
     for key, c in chunks.items():
         if not isinstance(c, dict) or not isinstance(c.get("byte_range"), list):
@@ -399,6 +412,11 @@ def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
             if len(data) != n:
                 raise _Unsealable(f"rank {rank}'s file was cut short while it was being sealed")
             sums.append(crc32(data))
+        if taken is not None and taken.get(key) != sums:
+            raise _Unsealable(
+                f"rank {rank}'s chunk {key!r} does not match the checksums taken as it was "
+                f"copied: the snapshot is damaged"
+            )
         out[key] = {**c, "checksums": sums}
     return {
         "rank": rank,

@@ -109,7 +109,11 @@ class _Slot:
         self.size = len(mm)
         self.ino = os.fstat(fd).st_ino
         self.record: tuple[str, int] | None = None  # its staged record (path, inode), while
-        # its save is not over
+        # its save is not over, or while it is a sealed snapshot
+        self.record_text = ""  # what the record says (release() rewrites it)
+        # a sealed snapshot (its copy and record complete, its commit deferred: see seal()):
+        # what committing it takes (the step, the layout, the plan, the values)
+        self.sealed: tuple | None = None
         self.sums: dict[str, tuple[int, ...]] = {}  # the checksums taken while copying, by key
         self._views: tuple[WritePlan, list[torch.Tensor]] | None = None
 
@@ -162,7 +166,9 @@ class Slots:
         self._fresh_run = True  # a crashed run's staging files go at the first snapshot
         self._record_static: tuple[WritePlan, int, str] | None = None
         self._record_failed = False
-        self._committed: deque[_Slot] = deque()  # this rank's newest committed files, oldest first
+        # this rank's two newest snapshots, oldest first: committed files (in their step's
+        # directory) or sealed ones (at a staging name, with their staged record)
+        self._committed: deque[_Slot] = deque()
         self._staged: list[_Slot] = []  # staged and not settled yet, oldest first
         self._spare: _Slot | None = None  # a retired snapshot's file, kept for the next one
         self._lock = threading.Lock()  # the caller stages while a background thread settles
@@ -179,11 +185,14 @@ class Slots:
         step: int,
         record: StagedInfo | None = None,
         block_bytes: int | None = None,
+        sum_all: bool = False,
     ) -> _Slot:
         """Copy this rank's chunks into a laid-out rank file at a staging name (the caller's
         thread: this is the snapshot's stall), then write its staged record when ``record`` says
         what goes in it.  At most one earlier snapshot may be unsettled.  With ``block_bytes``
-        the large tensors' checksums (blocks of that size) are taken as they are copied."""
+        the large tensors' checksums (blocks of that size) are taken as they are copied, and
+        with ``sum_all`` the others' right after, and the record carries them all (a sealed
+        snapshot's: seal.py checks its file against them)."""
         if record is not None:  # a record of this step from before a rollback is void from here
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.staging, record_name(self.rank, step)))
@@ -207,9 +216,8 @@ class Slots:
                 self._discard(slot)
                 slot = None
             if slot is None:
-                busy = {x.path for x in self._staged}
                 slot = self._fresh(
-                    next(n for n in self.names if n not in busy),
+                    self._free_name(),
                     key,
                     prefix + plan.data_bytes,
                     prefix,
@@ -239,6 +247,8 @@ class Slots:
                     rest = [i for i in range(len(srcs)) if i not in fused]
                     if rest:
                         _copy([views[i] for i in rest], [srcs[i] for i in rest])
+                if sum_all and block_bytes is not None:
+                    _sum_rest(slot, plan, block_bytes)
         except BaseException:
             self.settled(slot, False)  # half-written: the spare, never a snapshot
             raise
@@ -253,31 +263,38 @@ class Slots:
         try:
             if self._record_static is None or self._record_static[:2] != (plan, prefix):
                 self._record_static = (plan, prefix, self._static(plan, prefix, info))
+            sums = (
+                f'"sums": {json.dumps(slot.sums)}, '
+                if len(slot.sums) == len(plan.items) and plan.items
+                else ""
+            )
             text = (
                 f'{{"step": {step}, "ino": {slot.ino}, '
                 f'"path": {json.dumps(os.path.basename(slot.path))}, '
-                f'"values": {json.dumps(info.values, allow_nan=False)}, '
+                f'"values": {json.dumps(info.values, allow_nan=False)}, {sums}'
                 f"{self._record_static[2]}}}"
             )
             final = os.path.join(self.staging, record_name(self.rank, step))
-            tmp = os.path.join(self.staging, f"rank_{self.rank:05d}.record.tmp")
-            data = text.encode()
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC, 0o600
-            )
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                ino = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-            slot.record = (final, ino)
+            ino = self._replace_record(final, text.encode())
+            slot.record, slot.record_text = (final, ino), text
         except (OSError, ValueError, TypeError) as e:
             if not self._record_failed:
                 log.warning("could not write the staged record of snapshot %d: %s", step, e)
                 self._record_failed = True
+
+    def _replace_record(self, final: str, data: bytes) -> int:
+        """Put ``data`` at ``final`` whole (a temporary file renamed over it); its inode."""
+        tmp = os.path.join(self.staging, f"rank_{self.rank:05d}.record.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        return ino
 
     def _static(self, plan: WritePlan, prefix: int, info: StagedInfo) -> str:
         """What every staged record of this plan says: the JSON members without braces."""
@@ -360,20 +377,97 @@ class Slots:
         if slot not in self._staged:
             return
         self._staged.remove(slot)
-        if slot.record is not None:  # its save is over: nothing is left to seal
+        self._drop_record(slot)  # its save is over: nothing is left to seal
+        if committed and slot.path not in self.names:
+            self._committed.append(slot)
+            while len(self._committed) > 2:  # retention retires the step: its file goes
+                self._retire(self._committed.popleft())
+        elif slot.path in self.names and self._spare is None:
+            self._spare = slot  # staged, never committed: its file serves the next snapshot
+        else:
+            self._discard(slot)
+
+    def seal(self, slot: _Slot, meta: tuple) -> bool:
+        """A staged snapshot whose save ends with its copy: its staged record (stage()) stands
+        for its commit.  It is kept, record and all, as one of the rank's two newest snapshots:
+        a restore after a fault or the persister's flush commits it from the record (seal.py),
+        and a durable save of its step commits it first (unseal()).  ``meta``: (step, layout,
+        plan, values), what that commit takes.  False (and the slot let go) when it has no
+        record: nothing could restore it."""
+        with self._lock:
+            if slot not in self._staged:
+                return False
+            if slot.record is None:
+                self._settle(slot, False)
+                return False
+            self._staged.remove(slot)
+            slot.sealed = meta
+            self._committed.append(slot)
+            while len(self._committed) > 2:
+                self._retire(self._committed.popleft())
+            return True
+
+    def unseal(self, slot: _Slot) -> bool:
+        """Take a sealed snapshot back to be committed now (persist(), then settled()); False
+        when it is no longer held (a newer snapshot took its file, or release() let it go)."""
+        with self._lock:
+            if slot.sealed is None or slot not in self._committed:
+                return False
+            self._committed.remove(slot)
+            slot.sealed = None
+            self._staged.append(slot)
+            return True
+
+    def release(self) -> list[str]:
+        """Let go of the sealed snapshots, file and record left for seal.py: each record is
+        rewritten as its writer's last word (``pid`` 0: a writer that is gone), so that a
+        restore or a flush may commit it while this process still runs.  It never touches them
+        again.  Returns their paths."""
+        kept: list[str] = []
+        with self._lock:
+            sealed = [x for x in self._committed if x.sealed is not None]
+            for slot in sealed:
+                self._committed.remove(slot)
+                slot.sealed = None
+                if slot.record is not None:
+                    try:
+                        rec = json.loads(slot.record_text)
+                        rec["pid"] = 0  # (no process has it: seal.writer_alive)
+                        self._replace_record(slot.record[0], json.dumps(rec).encode())
+                        kept.append(slot.path)
+                    except (OSError, ValueError) as e:
+                        log.warning("could not release the staged record %s: %s", slot.record[0], e)
+                slot.record = None
+                slot.close()
+        return kept
+
+    def _drop_record(self, slot: _Slot) -> None:
+        if slot.record is not None:
             path, ino = slot.record
             with contextlib.suppress(OSError):
                 if os.lstat(path).st_ino == ino:  # (not a later snapshot's of the same step)
                     os.unlink(path)
             slot.record = None
-        if committed and slot.path not in self.names:
-            self._committed.append(slot)
-            while len(self._committed) > 2:  # retention retires the step: its file goes
-                self._committed.popleft().close()
-        elif slot.path in self.names and self._spare is None:
-            self._spare = slot  # staged, never committed: its file serves the next snapshot
-        else:
+
+    def _retire(self, slot: _Slot) -> None:
+        """One of the two newest snapshots no more: a committed file stays for retention to
+        delete; a sealed one goes with its record."""
+        if slot.sealed is not None:
+            slot.sealed = None
+            self._drop_record(slot)
             self._discard(slot)
+        else:
+            slot.close()
+
+    def _free_name(self) -> str:
+        """(under the lock) A staging name no file of this run's is at."""
+        busy = {x.path for x in (*self._staged, *self._committed)}
+        if self._spare is not None:
+            busy.add(self._spare.path)
+        for name in self.names:
+            if name not in busy:
+                return name
+        raise MemoryTierError(f"every staging name of rank {self.rank} is taken; this is a bug")
 
     def _discard(self, slot: _Slot) -> None:
         """Close a slot; its file goes too when it is at a staging name (nothing else has it)."""
@@ -386,11 +480,17 @@ class Slots:
         """(under the lock) Move a committed snapshot's file to a free name, to be overwritten;
         None (and the file left alone) when something else links it or it is gone."""
         taken = None
+        if old.sealed is not None:
+            # its record goes first: from here on a fault restores the other snapshot, never
+            # this file half overwritten; then it is reused where it is, if it is still there
+            old.sealed = None
+            self._drop_record(old)
+            if old.reusable() and old.path in self.names:
+                return old
+            self._discard(old)
+            return None
         if old.reusable():
-            busy = {x.path for x in self._staged}
-            if self._spare is not None:
-                busy.add(self._spare.path)
-            name = next(n for n in self.names if n not in busy)
+            name = self._free_name()
             try:
                 os.replace(old.path, name)
                 old.path = name
@@ -407,6 +507,9 @@ class Slots:
         return taken
 
     def close(self) -> None:
+        """Let every file go: the sealed snapshots are released (kept for a flush or the next
+        run to commit: release()), the other staging files removed."""
+        kept = self.release()
         with self._lock:
             while self._staged:
                 self._settle(self._staged[0], False)
@@ -415,8 +518,9 @@ class Slots:
             self._committed.clear()
             self._spare = None
             for name in self.names:
-                with contextlib.suppress(OSError):
-                    os.unlink(name)
+                if name not in kept:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name)
 
     @staticmethod
     def _header(plan: WritePlan, step: int | str) -> bytes:
@@ -479,6 +583,20 @@ class _HeaderTemplate:
             return Slots._header(self.plan, step)[8:].rstrip(b" ")
         # (str(step), as the full encode writes it: an int subclass may print otherwise)
         return b"%s%s%s" % (self._parts[0], json.dumps(str(step))[1:-1].encode(), self._parts[1])
+
+
+def _sum_rest(slot: _Slot, plan: WritePlan, block_bytes: int) -> None:
+    """The checksums the copy did not take (the small tensors'), from the mapped file."""
+    view = memoryview(slot.mm)
+    try:
+        for it in plan.items:
+            if it.key not in slot.sums:
+                at = slot.prefix + it.begin
+                slot.sums[it.key] = tuple(
+                    block_checksums(view[at : slot.prefix + it.end], block_bytes, parallel=False)
+                )
+    finally:
+        view.release()
 
 
 def _check_fit(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -52,6 +52,7 @@ def _restore(report: dict) -> tuple[dict, str]:
 def test_the_memory_scenarios_are_the_ones_this_file_runs():
     assert set(MEMORY_TIER) == {
         "memory-kill-rank",
+        "memory-sealed-kill-rank",
         "memory-corrupt",
         "memory-kill-job",
         "memory-crash-job",
@@ -71,6 +72,19 @@ def test_killed_rank_restores_from_memory(out):
     # durable storage held step 10; the snapshot of step 12 was committed before the one of step
     # 13 was taken (a snapshot waits for the one before it), and the kill came before step 14
     assert restore["step"] in (12, 13), why
+    assert any(c["name"] == "memory tier released" and c["ok"] for c in report["checks"])
+
+
+@pytest.mark.slow
+def test_killed_rank_restores_a_sealed_snapshot_from_memory(out):
+    """No snapshot was committed as it was taken (--memory-commit-every 0) but the durable saves'
+    steps: the restart's load commits the newest step every rank sealed, and restores it."""
+    report = _run(out, "memory-sealed-kill-rank")
+    m = report["measurements"]
+    assert m["restore_sources"] == ["memory"]
+    assert max(m["steps_lost"], default=0) <= 1
+    restore, why = _restore(report)
+    assert restore["step"] in (12, 13) and restore["sealed"], why
     assert any(c["name"] == "memory tier released" and c["ok"] for c in report["checks"])
 
 
