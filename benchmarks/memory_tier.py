@@ -219,28 +219,44 @@ def bench(args) -> dict:
 def small_state(args) -> dict[str, float]:
     """The fixed cost of a snapshot: a small state (``--small-tensors`` fp32 tensors, 1 MB in
     all, as the tiny preset's), one process, from the call to the commit; wall and CPU time of
-    this process (the trainer's thread and the snapshot's background thread) per snapshot."""
+    this process (the trainer's thread and the snapshot's background thread) per snapshot.  The
+    same for a sealed snapshot (``memory_commit_every=0``: the call to its staged record), the two
+    kinds alternately, three times each."""
     g = torch.Generator().manual_seed(0)
     n = args.small_tensors
     state = {f"l{i}.w": torch.randn(2**20 // 4 // n, generator=g) for i in range(n)}
     disk = tempfile.mkdtemp(prefix="mem-bench-small-", dir=args.dir)
     shm = tempfile.mkdtemp(prefix="mem-bench-small-", dir=args.shm)
     os.environ["RESILIENT_MEMORY_ROOT"] = shm
+    out: dict[int, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in (1, 0)}
     try:
-        ck = Checkpointer(os.path.join(disk, "ckpt"), memory_every=1)
-        for step in range(1, 31):  # warm-up
-            ck.snapshot(step, state).wait()
-        count = args.small_snapshots
-        c0, t0 = time.process_time(), time.perf_counter()
-        for step in range(31, 31 + count):
-            ck.snapshot(step, state).wait()
-        wall, cpu = (time.perf_counter() - t0) / count, (time.process_time() - c0) / count
-        ck.release_memory()
-        ck.close()
+        for r in range(3):
+            for every in (1, 0):
+                ck = Checkpointer(
+                    os.path.join(disk, f"ckpt-{r}-{every}"),
+                    memory_every=1,
+                    memory_commit_every=every,
+                )
+                for step in range(1, 31):  # warm-up
+                    ck.snapshot(step, state).wait()
+                count = args.small_snapshots
+                c0, t0 = time.process_time(), time.perf_counter()
+                for step in range(31, 31 + count):
+                    ck.snapshot(step, state).wait()
+                out[every]["wall"].append((time.perf_counter() - t0) / count)
+                out[every]["cpu"].append((time.process_time() - c0) / count)
+                ck.release_memory()
+                ck.close()
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    return {"wall_s": wall, "cpu_s": cpu, "tensors": n}
+    return {
+        "wall_s": median(out[1]["wall"]),
+        "cpu_s": median(out[1]["cpu"]),
+        "sealed_wall_s": median(out[0]["wall"]),
+        "sealed_cpu_s": median(out[0]["cpu"]),
+        "tensors": n,
+    }
 
 
 TRAINER_KINDS = ("no snapshots", "a snapshot every step", "the floor: copy + crc32 every step")
@@ -469,7 +485,9 @@ def main() -> None:
     if not args.skip_bench:
         print(
             f"\nsmall state ({small['tensors']} fp32 tensors, 1 MB), one process, call to commit: "
-            f"{small['wall_s'] * 1000:.1f} ms per snapshot, {small['cpu_s'] * 1000:.1f} ms of CPU"
+            f"{small['wall_s'] * 1000:.1f} ms per snapshot, {small['cpu_s'] * 1000:.1f} ms of CPU; "
+            f"sealed (call to record): {small['sealed_wall_s'] * 1000:.1f} ms, "
+            f"{small['sealed_cpu_s'] * 1000:.1f} ms of CPU (medians of 3)"
         )
     if args.interference_runs:
         res["interference_s"] = t = interference_runs(args)

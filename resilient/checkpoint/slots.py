@@ -586,14 +586,17 @@ class _HeaderTemplate:
 
 
 def _sum_rest(slot: _Slot, plan: WritePlan, block_bytes: int) -> None:
-    """The checksums the copy did not take (the small tensors'), from the mapped file."""
-    view = memoryview(slot.mm)
+    """The checksums the copy did not take (the small tensors'), from the mapped file: a chunk of
+    one block (most of them) in one call."""
+    view, sums, prefix = memoryview(slot.mm), slot.sums, slot.prefix
     try:
         for it in plan.items:
-            if it.key not in slot.sums:
-                at = slot.prefix + it.begin
-                slot.sums[it.key] = tuple(
-                    block_checksums(view[at : slot.prefix + it.end], block_bytes, parallel=False)
+            if it.key not in sums:
+                a, b = prefix + it.begin, prefix + it.end
+                sums[it.key] = (
+                    (crc32(view[a:b]),)
+                    if 0 < b - a <= block_bytes
+                    else tuple(block_checksums(view[a:b], block_bytes, parallel=False))
                 )
     finally:
         view.release()
