@@ -220,7 +220,7 @@ def test_close_leaves_the_newest_sealed_snapshot_to_the_next_run(tmp_path, memor
         want = {k: v.clone() for k, v in m.state_dict().items()}
     step, ck, m2, meta = _restore(url)
     with ck:
-        assert step == 3 and ck.last_load.source == "memory"
+        assert step == 3 and ck.last_load.source == "memory" and ck.last_load.sealed
         assert _equal(m2, want) and meta == {"step": 3}
 
 
@@ -288,7 +288,7 @@ def _two_ranks(rank: int, world: int, url: str, fail_at: int | None) -> dict:
         with torch.no_grad():
             m.weight.zero_()
         out["loaded"] = ck.load({"model": m, "meta": meta})
-        out["source"] = ck.last_load.source
+        out["source"], out["sealed"] = ck.last_load.source, ck.last_load.sealed
         out["meta"] = dict(meta)
         out["exact"] = torch.equal(m.weight, weights[out["loaded"]])
         for step in (5, 6):  # training goes on, and a second restore finds the newest again
@@ -305,6 +305,7 @@ def test_two_ranks_restore_their_newest_sealed_snapshot_in_the_same_processes(
     tmp_path, memory_root
 ):
     got = run_distributed(_two_ranks, 2, str(tmp_path / "ckpt"), None)
+    assert got[0]["sealed"]  # (rank 0 committed it from the records)
     for rank, r in enumerate(got):
         assert r["failed"] == [False] * 4
         assert (r["loaded"], r["source"], r["meta"]) == (4, "memory", {"step": 4, "rank": rank})
@@ -320,3 +321,97 @@ def test_a_snapshot_that_failed_on_one_rank_is_neither_restored_nor_saved(tmp_pa
     for rank, r in enumerate(got):
         assert (r["loaded"], r["source"], r["meta"]) == (3, "memory", {"step": 3, "rank": rank})
         assert r["exact"] and r["again"] == 6 and r["exact_again"]
+
+
+def test_a_durable_save_after_a_restore_in_the_same_process(tmp_path, memory_root):
+    """The restore let the sealed snapshots go (and committed the newest): a durable save of the
+    restored step takes a snapshot of its own, through the persister as usual."""
+    url = str(tmp_path / "ckpt")
+    m = torch.nn.Linear(64, 32)
+    with Checkpointer(url, memory_every=1, memory_commit_every=0) as ck:
+        for step in range(1, 4):
+            with torch.no_grad():
+                m.weight.add_(1.0)
+            ck.snapshot(step, {"model": m})
+        assert ck.load({"model": m}) == 3 and ck.last_load.sealed
+        ck.save(3, {"model": m}).wait()
+        assert ck.latest_step() == 3 and ck.verify(3).ok
+        assert ck._memory._last_outcome is None  # the tier is fine: saves stay with the persister
+
+
+def _one_rank_failed_then_killed(rank: int, world: int, url: str) -> tuple:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 32)
+    with Checkpointer(url, memory_every=1, persister=False, memory_commit_every=0) as ck:
+        ck.save(1, {"model": m}).wait()
+        slots = ck._memory._slots
+        stage = slots.stage
+
+        def no_room(plan, leaves, step, *a, **kw):
+            if step == 3:
+                raise MemoryTierError(f"rank {rank} has no room for step {step}")
+            return stage(plan, leaves, step, *a, **kw)
+
+        def cut(dests, srcs):  # (as a kill in the middle of the copy: its file taken, not whole)
+            raise MemoryTierError("cut short")
+
+        if rank == 1:
+            slots.stage = no_room
+        for step in range(1, 5):
+            if rank == 0 and step == 4:
+                monkey = pytest.MonkeyPatch()
+                monkey.setattr("resilient.checkpoint.slots._copy", cut)
+            ck.snapshot(step, {"model": m})
+        step = ck.load({"model": m})
+        return step, ck.last_load.source
+
+
+def test_a_rank_that_failed_a_snapshot_and_a_fault_in_the_next_copy_fall_back_to_durable(
+    tmp_path, memory_root
+):
+    """A known limit: a sealed snapshot's failure is its rank's alone, so while the next one is
+    being copied the other ranks no longer hold the step before it (they keep two snapshots, as
+    the tier's bound says).  A fault in that copy finds no step every rank sealed: every rank
+    falls back to durable storage together, never to a mix."""
+    got = run_distributed(_one_rank_failed_then_killed, 2, str(tmp_path / "ckpt"))
+    assert got == [(1, "durable"), (1, "durable")]
+
+
+def test_the_flush_seals_only_steps_newer_than_the_newest_durable_one(tmp_path, memory_root):
+    from resilient.checkpoint.lease import _process_start
+    from resilient.checkpoint.seal import seal_staged
+
+    _killed(tmp_path, last=3)
+    job = str(_staging(memory_root).parent)
+    record = _staging(memory_root) / "rank_00000.step_3.json"
+    dead = record.read_text()
+    # a live writer's record of step 3 (at most the newest durable step) is not waited for
+    record.write_text(
+        json.dumps({**json.loads(dead), "pid": os.getpid(), "start": _process_start(os.getpid())})
+    )
+    assert seal_staged(job, wait_s=600, newer_than=3) is None  # (returns at once)
+    record.write_text(dead)
+    assert seal_staged(job, newer_than=3) is None  # nothing newer than step 3 to seal
+    assert not (_staging(memory_root).parent / "steps" / "step_00000003").exists()
+    (tmp_path / "b").mkdir()
+    _killed(tmp_path / "b", last=3)  # (another job)
+    other = next(p for p in memory_root.glob("job-*") if str(p) != job)
+    assert seal_staged(str(other), newer_than=2) == 3
+
+
+def test_the_default_commits_every_snapshot_and_its_loads_release_nothing(tmp_path, memory_root):
+    m = torch.nn.Linear(64, 32)
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=2, persister=False) as ck:
+        for step in range(1, 5):
+            h = ck.snapshot(step, {"model": m})
+            assert h is None or not h.stats.sealed
+        ck.wait_snapshot()
+        assert sorted(ck.memory_steps()) == [2, 4]
+
+        def release():
+            raise AssertionError("a load with every snapshot committed released sealed ones")
+
+        slots = ck._memory._slots
+        kept, slots.release = slots.release, release
+        assert ck.load({"model": m}) == 4
+        slots.release = kept  # (close lets go of what there is)

@@ -188,9 +188,9 @@ class Checkpointer:
     ``step`` is a multiple of ``N`` (the two newest are kept), and ``load()`` restores the newest
     step of either tier, memory first, falling back to durable storage when a snapshot is missing
     or damaged.  ``save()`` keeps its meaning: a durable commit to ``url``.
-    ``memory_commit_every=K`` (on one node): only one snapshot in ``K`` is committed as it is
-    taken (0: none); the others are *sealed*: each rank's copy and its staged record are all
-    there is, no handshake, no manifest, no checksums of the small tensors.  A restore after a
+    ``memory_commit_every=K`` (on one node, CPU state): only one snapshot in ``K`` is committed as
+    it is taken (0: none); the others are *sealed*: each rank's copy and its staged record (with
+    every chunk's checksums) are all there is: no handshake, no manifest, no background work.  A restore after a
     fault, the persister's flush and a durable save of the step commit a sealed snapshot when
     they need it (seal.py), so a fault still loses at most one step.
     """
@@ -297,9 +297,9 @@ class Checkpointer:
         # (in-job recovery) the pending save is the previous group's: a load need not wait for it
         self._pending_is_old = False
         self._hook_lock = threading.Lock()
-        # (the memory tier's own) every how many steps a snapshot is committed as it is taken
-        # (0: never; 1: always; else the others are sealed: see _defers)
-        self._commit_period = 1
+        # (the memory tier's own) memory_commit_every, and every how many steps that is (0:
+        # never; else the snapshots of the other steps are sealed: see _defers)
+        self._commit_every, self._commit_period = 1, 1
         # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
         self.nodes = NodeMap((0,) * self.world_size)
         self._memory_root = memory_root
@@ -349,6 +349,14 @@ class Checkpointer:
                 _namespace="mem",
             )
             self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
+            if memory_commit_every != 1 and self._distributed and _device().type != "cpu":
+                log.info(
+                    "memory_commit_every=%d: this job's collectives run on the GPU, whose "
+                    "snapshots are staged through host buffers: every snapshot is committed",
+                    memory_commit_every,
+                )
+                memory_commit_every = 1
+            self._memory._commit_every = memory_commit_every
             self._memory._commit_period = memory_commit_every * memory_every
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
@@ -475,7 +483,12 @@ class Checkpointer:
         flat = flatten_state(state, layout, self.rank, cache=self._described)
         plan = self._plan(flat, layout)
         data: torch.Tensor | _Slot | Exception
-        if lean and not any(t.local.is_cuda for t in flat.tensors.values()):
+        on_gpu = any(t.local.is_cuda for t in flat.tensors.values())
+        if defer and on_gpu and self.world_size > 1:
+            # the other ranks seal theirs and wait for nothing: this rank's snapshot fails alone
+            # (a job whose collectives run on the GPU never seals: see the constructor)
+            return self._seal_snapshot(step, layout, plan, flat, t0, gpu=True)
+        if lean and not on_gpu:
             assert self._slots is not None
             if defer:
                 return self._seal_snapshot(step, layout, plan, flat, t0)
@@ -521,7 +534,7 @@ class Checkpointer:
         committed: decided alike on every rank, by the step (one node, no peer replicas)."""
         period = self._commit_period
         return (
-            period != 1
+            self._commit_every != 1
             and self._slots is not None
             and self._replicas is None
             and self.nodes.nodes == 1
@@ -529,7 +542,14 @@ class Checkpointer:
         )
 
     def _seal_snapshot(
-        self, step: int, layout: Layout, plan: WritePlan, flat: FlatState, t0: float
+        self,
+        step: int,
+        layout: Layout,
+        plan: WritePlan,
+        flat: FlatState,
+        t0: float,
+        *,
+        gpu: bool = False,
     ) -> SaveHandle:
         """(the memory tier's own) A snapshot sealed by its staged record: the copy into the rank
         file, the checksums of every chunk (a large tensor's as it is copied) and the record that
@@ -542,6 +562,12 @@ class Checkpointer:
         slot: _Slot | None = None
         error: BaseException | None = None
         try:
+            if gpu:
+                raise MemoryTierError(
+                    f"snapshot of step {step} on rank {self.rank}: sealed snapshots take CPU "
+                    f"state, this rank's is on the GPU (the others' is not); pass "
+                    f"memory_commit_every=1"
+                )
             info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
             slot = self._slots.stage(plan, flat.tensors, step, info, self.block_bytes, sum_all=True)
         except Exception as e:
@@ -608,7 +634,8 @@ class Checkpointer:
     def snapshot(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
         """Snapshot ``state`` into the node's memory when ``step`` is a multiple of
         ``memory_every`` (else do nothing and return None); returns once the snapshot is staged.
-        Waits for the previous snapshot first and re-raises its failure, if any."""
+        Waits for the previous committed snapshot first and re-raises its failure, if any (a
+        sealed snapshot is over when this returns: its handle says how it went)."""
         self._check_open()
         if self._memory is None or self.memory_every is None:
             raise ResilientError(
@@ -855,7 +882,8 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self._persister.outbox, step_dir_name(step)), True)
 
     def wait_snapshot(self) -> SaveStats | None:
-        """Block until the pending memory snapshot is committed; re-raise its failure."""
+        """Block until the pending memory snapshot is committed; re-raise its failure (a sealed
+        snapshot has nothing pending: its own handle holds its outcome)."""
         self._check_open()
         return None if self._memory is None else self._memory.wait()
 
@@ -1406,12 +1434,14 @@ class Checkpointer:
         self._loads += 1
         sealed: int | None = None
         if self._memory is not None and self.nodes.nodes == 1:
-            if self._memory._commit_period != 1:
+            if self._memory._commit_every != 1:
                 # this process's sealed snapshots are let go first, so that rank 0 may commit
                 # the newest one (in-job recovery keeps this process, and its snapshots, alive);
                 # every rank's, before rank 0 looks
                 assert self._memory._slots is not None
                 self._memory._slots.release()
+                if self._snap is not None and self._snap._sealed_meta is not None:
+                    self._snap = None  # (let go: a durable save of its step takes a new one)
                 if self._distributed and self.world_size > 1:
                     dist.barrier()
             if self.rank == 0:
