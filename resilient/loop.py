@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
+from resilient.checkpoint.checkpointer import check_memory_options
 from resilient.checkpoint.worker import join_running
 from resilient.errors import (
     CheckpointNotFoundError,
@@ -719,21 +720,7 @@ def check_run_options(
             f"max_failed_saves must be an int >= 1 (1: the first failed save ends the run), "
             f"got {max_failed_saves!r}"
         )
-    if memory_every is not None and (
-        isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 1
-    ):
-        raise ValueError(
-            f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
-        )
-    if (
-        isinstance(memory_commit_every, bool)
-        or not isinstance(memory_commit_every, int)
-        or memory_commit_every < 0
-    ):
-        raise ValueError(
-            f"memory_commit_every must be an int >= 0 (1: commit every memory snapshot; 0: only "
-            f"when a restore, a flush or a durable save needs it), got {memory_commit_every!r}"
-        )
+    check_memory_options(memory_every, memory_commit_every)
     if not isinstance(preflight, bool | PreflightConfig):
         raise ValueError(
             f"preflight must be True, False or a resilient.preflight.PreflightConfig, got "

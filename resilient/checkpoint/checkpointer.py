@@ -231,21 +231,7 @@ class Checkpointer:
             raise ValueError(f"lease_timeout_s must be positive, got {lease_timeout_s!r}")
         if not commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s must be positive, got {commit_timeout_s!r}")
-        if memory_every is not None and (
-            isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 1
-        ):
-            raise ValueError(
-                f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
-            )
-        if (
-            isinstance(memory_commit_every, bool)
-            or not isinstance(memory_commit_every, int)
-            or memory_commit_every < 0
-        ):
-            raise ValueError(
-                f"memory_commit_every must be an int >= 0 (1: commit every snapshot; 0: only "
-                f"when a restore, a flush or a durable save needs it), got {memory_commit_every!r}"
-            )
+        check_memory_options(memory_every, memory_commit_every)
         self.storage = Storage(url, storage_options, retry, commit_method=commit_method)
         self.url = self.storage.url
         self.keep_last, self.keep_every, self.compression = keep_last, keep_every, compression
@@ -2027,6 +2013,25 @@ def _publish_failure(committer: Committer, e: BaseException) -> None:
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def check_memory_options(memory_every: Any, memory_commit_every: Any) -> None:
+    """ValueError unless these are a memory tier's options (Checkpointer's, Run's)."""
+    if memory_every is not None and (
+        isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 1
+    ):
+        raise ValueError(
+            f"memory_every must be None (no memory tier) or an int >= 1, got {memory_every!r}"
+        )
+    if (
+        isinstance(memory_commit_every, bool)
+        or not isinstance(memory_commit_every, int)
+        or memory_commit_every < 0
+    ):
+        raise ValueError(
+            f"memory_commit_every must be an int >= 0 (1: commit every memory snapshot; 0: only "
+            f"when a restore, a flush or a durable save needs it), got {memory_commit_every!r}"
+        )
 
 
 def _device() -> torch.device:
