@@ -70,21 +70,34 @@ class RNGState:
 
     The Mersenne Twister states (624 words and a position) are written as base64 of their
     little-endian 32-bit words: a third of the JSON of a list of integers, and a fraction of its
-    cost to encode and parse at every save.  States saved as lists (before) load all the same."""
+    cost to encode and parse at every save.  States saved as lists (before) load all the same.
+    A state that has not moved since the previous call is not encoded again (a snapshot at every
+    step reads all three, and a trainer seldom draws from python's or numpy's)."""
+
+    def __init__(self) -> None:
+        self._encoded: dict[str, tuple[Any, str]] = {}  # source -> (raw state, its text)
+
+    def _encode(self, source: str, raw: Any, encode: Callable[[Any], str]) -> str:
+        last = self._encoded.get(source)
+        if last is not None and last[0] == raw:
+            return last[1]
+        text = encode(raw)
+        self._encoded[source] = (raw, text)
+        return text
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
         np_state = np.random.get_state()
         sd = {
-            "python": [version, _words(internal), gauss],
+            "python": [version, self._encode("python", internal, _words), gauss],
             "numpy": [
                 np_state[0],
-                _words(np_state[1]),
+                self._encode("numpy", np_state[1].tobytes(), _words_of_bytes),
                 int(np_state[2]),
                 int(np_state[3]),
                 float(np_state[4]),
             ],
-            "torch": _b64(torch.get_rng_state()),
+            "torch": self._encode("torch", torch.get_rng_state().numpy().tobytes(), _bytes64),
             "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()]
             if torch.cuda.is_available()
             else [],
@@ -107,6 +120,15 @@ class RNGState:
 
 def _words(words: Any) -> str:
     return base64.b64encode(np.asarray(words, dtype="<u4").tobytes()).decode()
+
+
+def _words_of_bytes(raw: bytes) -> str:
+    """``_words`` of the native-endian uint32 words ``raw`` holds."""
+    return _words(np.frombuffer(raw, dtype=np.uint32))
+
+
+def _bytes64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
 
 
 def _unwords(words: Any) -> list[int]:

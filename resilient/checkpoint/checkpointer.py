@@ -258,7 +258,9 @@ class Checkpointer:
         self._sweep = Sweep()  # the uncommitted step directories this job may delete
         self._stager = Stager()
         self._slots: Slots | None = None  # (the memory tier's own) the lean snapshot path
-        self._plan_cache: tuple[Any, WritePlan] | None = None
+        # the newest plan: (its signature, the plan, whether a tensor is on the GPU, the
+        # DescribeCache generation of its flatten)
+        self._plan_cache: tuple[Any, WritePlan, bool, int] | None = None
         self._checked_shape: tuple | None = None  # (memory tier) see _coordinate
         self._described = DescribeCache()  # each save describes the tensors of the one before
         self._static_reports: dict[str, Any] = {}  # (the coordinator) writer.report_chunks
@@ -467,9 +469,8 @@ class Checkpointer:
         t0 = time.monotonic()
         layout = self._layout_for(state)
         flat = flatten_state(state, layout, self.rank, cache=self._described)
-        plan = self._plan(flat, layout)
+        plan, on_gpu, known = self._plan(flat, layout)
         data: torch.Tensor | _Slot | Exception
-        on_gpu = any(t.local.is_cuda for t in flat.tensors.values())
         if defer and on_gpu and self.world_size > 1:
             # the other ranks seal theirs and wait for nothing: this rank's snapshot fails alone
             # (a job whose collectives run on the GPU never seals: see the constructor)
@@ -477,7 +478,7 @@ class Checkpointer:
         if lean and not on_gpu:
             assert self._slots is not None
             if defer:
-                return self._seal_snapshot(step, layout, plan, flat, t0)
+                return self._seal_snapshot(step, layout, plan, flat, t0, known=known)
             # Straight into the tmpfs rank file, while the snapshot before this one finishes
             # committing on another core; it is committed (or its failure raised) before this
             # one returns, so a fault loses at most the step being staged.  A failure here (no
@@ -485,7 +486,9 @@ class Checkpointer:
             # failed write, so that every rank counts this save and hears the same outcome.
             try:
                 info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
-                data = self._slots.stage(plan, flat.tensors, step, info, self.block_bytes)
+                data = self._slots.stage(
+                    plan, flat.tensors, step, info, self.block_bytes, fits=known
+                )
             except Exception as e:
                 data = e
             try:
@@ -536,6 +539,7 @@ class Checkpointer:
         t0: float,
         *,
         gpu: bool = False,
+        known: bool = False,
     ) -> SaveHandle:
         """(the memory tier's own) A snapshot sealed by its staged record: the copy into the rank
         file, the checksums of every chunk (a large tensor's as it is copied) and the record that
@@ -555,7 +559,9 @@ class Checkpointer:
                     f"memory_commit_every=1"
                 )
             info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
-            slot = self._slots.stage(plan, flat.tensors, step, info, self.block_bytes, sum_all=True)
+            slot = self._slots.stage(
+                plan, flat.tensors, step, info, self.block_bytes, sum_all=True, fits=known
+            )
         except Exception as e:
             error = e
         try:
@@ -1372,7 +1378,20 @@ class Checkpointer:
         if self._replicas is not None:
             self._replicas.drop_groups()  # the broken group is freed before the next forms
 
-    def _plan(self, flat: FlatState, layout: Layout) -> WritePlan:
+    def _plan(self, flat: FlatState, layout: Layout) -> tuple[WritePlan, bool, bool]:
+        """The plan of ``flat`` (a flatten through ``self._described``), whether a tensor of it
+        is on the GPU, and whether it is known to fit: the flatten described the very tensors of
+        the one the newest plan was made of, unchanged by the cache's checks (no signature to
+        build, nothing to compare)."""
+        described, cached = self._described, self._plan_cache
+        if (
+            cached is not None
+            and described.unchanged
+            and cached[3] == described.generation - 1
+            and cached[0][0] == layout
+        ):
+            self._plan_cache = (*cached[:3], described.generation)
+            return cached[1], cached[2], True
         # (in the walk's order: the same state walks alike, and another order only costs a new
         # plan, which comes out the same)
         sig = (
@@ -1382,9 +1401,14 @@ class Checkpointer:
                 for k, v in flat.tensors.items()
             ),
         )
-        if self._plan_cache is None or self._plan_cache[0] != sig:
-            self._plan_cache = (sig, plan_writes(flat.tensors, layout, self.rank))
-        return self._plan_cache[1]
+        plan = (
+            cached[1]
+            if cached is not None and cached[0] == sig
+            else plan_writes(flat.tensors, layout, self.rank)
+        )
+        on_gpu = any(t.local.is_cuda for t in flat.tensors.values())
+        self._plan_cache = (sig, plan, on_gpu, described.generation)
+        return plan, on_gpu, False
 
     def _layout_for(self, state: Mapping[str, Any]) -> Layout:
         if self.layout is None:

@@ -11,8 +11,9 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,10 @@ except ImportError:  # no wheel for this platform: zlib's is the same function, 
 
 #: The implementation in use: "isal" or "zlib" (benchmarks print it).
 CRC32_IMPL = "zlib" if _fast_crc32 is None else "isal"
+
+
+#: crc32(data) itself, for a loop over many small pieces (no call in between).
+crc32_of: Callable[[Any], int] = zlib.crc32 if _fast_crc32 is None else _fast_crc32
 
 
 def crc32(data: memoryview | bytes, value: int = 0) -> int:

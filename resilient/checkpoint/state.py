@@ -143,12 +143,21 @@ def _contains_tensor(v: Any) -> bool:
     return False
 
 
+def _plain(value: Any) -> bool:
+    """A JSON scalar that is its own snapshot (json_snapshot returns it as it is)."""
+    kind = type(value)
+    return (
+        kind is str
+        or kind is bool
+        or value is None
+        or (kind is int and value.bit_length() <= 64)
+        or (kind is float and math.isfinite(value))
+    )
+
+
 def json_snapshot(key: str, value: Any) -> Any:
     """A deep, JSON-only copy of ``value`` (tuples become lists), or a TypeError naming the key."""
-    kind = type(value)  # a plain scalar is its own copy (an optimizer's dozen hyperparameters)
-    if kind is str or kind is bool or value is None or (kind is int and value.bit_length() <= 64):
-        return value
-    if kind is float and math.isfinite(value):
+    if _plain(value):  # its own copy (an optimizer's dozen hyperparameters)
         return value
     try:
         return json.loads(json.dumps(value, allow_nan=False))
@@ -175,14 +184,22 @@ class DescribeCache:
         self._where: tuple[Layout, int] | None = None
         self._old: dict[str, tuple[weakref.ref, tuple, tuple[int, ...], Placement]] = {}
         self._new: dict[str, tuple[weakref.ref, tuple, tuple[int, ...], Placement]] = {}
+        self._misses = 0
+        # after end(): whether this flatten described exactly the tensors of the one before, in
+        # the same order, each by checks alone (what a plan made of that one holds for); and
+        # how many flattens have ended
+        self.unchanged = False
+        self.generation = 0
 
     def begin(self, layout: Layout, rank: int) -> None:
         if self._where != (layout, rank):
             self._where, self._old = (layout, rank), {}
-        self._new = {}
+        self._new, self._misses, self.unchanged = {}, 0, False
 
     def end(self) -> None:
+        self.unchanged = bool(self._old) and not self._misses and list(self._new) == list(self._old)
         self._old, self._new = self._new, {}
+        self.generation += 1
 
     def describe(
         self, key: str, t: torch.Tensor, layout: Layout, rank: int, inherit: torch.Tensor | None
@@ -192,6 +209,7 @@ class DescribeCache:
         if hit is not None and hit[0]() is t and hit[1] == _signature(t, inherit):
             self._new[key] = hit
             return TensorLeaf(key, t.detach(), hit[2], hit[3])
+        self._misses += 1
         leaf = describe_tensor(key, t, layout, rank, inherit)
         if not is_dtensor(t) and t.layout is torch.strided:
             sig = _signature(t, inherit)
@@ -283,7 +301,9 @@ class _Walker:
         setter: Callable[[Any], None] | None = None,
         inherit: torch.Tensor | None = None,
     ) -> None:
-        if isinstance(obj, torch.Tensor):
+        if type(obj) is dict:  # (first: the commonest, and an ABC check costs)
+            self.mapping(obj, prefix)
+        elif isinstance(obj, torch.Tensor):
             self.tensor(prefix.rstrip("."), obj, inherit)
         elif isinstance(obj, torch.nn.Module):
             for k, v in obj.state_dict(keep_vars=True).items():
@@ -327,6 +347,9 @@ class _Walker:
         False for one that is not (it holds a tensor, or something else: see the caller)."""
         if self.for_load:
             return False
+        if all(_plain(x) for x in obj):  # (a list of scalars is its own copy, less the list)
+            self.flat.values[prefix.rstrip(".")] = list(obj)
+            return True
         try:
             value = json.loads(json.dumps(obj, allow_nan=False))
         except (TypeError, ValueError):
@@ -338,11 +361,20 @@ class _Walker:
         return True
 
     def mapping(self, m: Mapping[str, Any], prefix: str) -> None:
+        values = None if self.for_load else self.flat.values
         for k, v in m.items():
             if not isinstance(k, (str, int)):
                 raise TypeError(
                     f"state key {prefix}{k!r} must be a str or int, got {type(k).__name__}"
                 )
+            # (what walk() would do, without its checks: a plain tensor, and a save's scalar)
+            kind = type(v)
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                self.tensor(f"{prefix}{k}.".rstrip("."), v, None)
+                continue
+            if values is not None and _plain(v):
+                values[f"{prefix}{k}.".rstrip(".")] = v
+                continue
             setter = None
             if self.for_load and isinstance(m, MutableMapping):
                 setter = lambda val, m=m, k=k: m.__setitem__(k, val)  # noqa: E731

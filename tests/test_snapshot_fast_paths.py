@@ -1,0 +1,180 @@
+"""The fast paths of a snapshot at every step: a state described by checks alone reuses the plan
+of the snapshot before it (no signature built, no tensor checked against its place), the staged
+record reuses the text of a long string value that did not change, and an RNG state that did not
+move is not encoded again.  Each must give way the moment the state changes."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient.checkpoint.seal import record_name
+from resilient.loop import RNGState
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "a": torch.arange(6, dtype=torch.float32),
+        "b": torch.ones(3),
+        "meta": {"x": 1, "names": ["u", "v"]},
+    }
+
+
+def _blank(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"x": 0, "names": []}
+        for k, v in state.items()
+    }
+
+
+def _replace_a(s: dict[str, Any]) -> None:  # another object, another dtype, same shape
+    s["a"] = torch.arange(6, dtype=torch.float64) * 3
+
+
+def _set_b(s: dict[str, Any]) -> None:  # the same object on a new storage of another shape
+    s["b"].set_(torch.arange(5.0) + 10)
+
+
+def _same_shape_new_object(s: dict[str, Any]) -> None:
+    s["b"] = torch.full_like(s["b"], 4.0)
+
+
+def _add(s: dict[str, Any]) -> None:
+    s["c"] = torch.full((2,), 7.0)
+
+
+def _drop(s: dict[str, Any]) -> None:
+    del s["c"]
+
+
+def _reorder(s: dict[str, Any]) -> None:
+    items = list(s.items())[::-1]
+    s.clear()
+    s.update(items)
+
+
+def _meta(s: dict[str, Any]) -> None:
+    s["meta"] = {"x": 2, "names": ["w"]}
+
+
+CHANGES: list[Callable[[dict[str, Any]], None]] = [
+    _replace_a,
+    _set_b,
+    _same_shape_new_object,
+    _add,
+    _drop,
+    _reorder,
+    _meta,
+]
+
+
+@pytest.mark.parametrize("commit_every", [1, 0], ids=["committed", "sealed"])
+def test_a_state_that_changes_between_snapshots_is_snapshotted_as_it_is(tmp_path, commit_every):
+    state = _state()
+    with Checkpointer(
+        str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=commit_every
+    ) as ck:
+        ck.snapshot(1, state).wait()
+        ck.snapshot(2, state).wait()  # described by checks alone: the plan of step 1
+        assert ck._memory._described.unchanged
+        step = 2
+        for change in CHANGES:
+            change(state)
+            for _ in range(2):  # the first snapshot after the change, then one by checks alone
+                step += 1
+                ck.snapshot(step, state).wait()
+            assert ck._memory._described.unchanged
+            target = _blank(state)
+            assert ck.load(target) == step, change.__name__
+            assert ck.last_load.source == "memory"
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    assert target[k].dtype == v.dtype and torch.equal(target[k], v), (
+                        change.__name__,
+                        k,
+                    )
+                else:
+                    assert target[k] == v, (change.__name__, k)
+
+
+def test_a_durable_save_after_the_state_changed_holds_the_new_state(tmp_path):
+    state = _state()
+    with Checkpointer(str(tmp_path / "ckpt")) as ck:
+        ck.save(1, state).wait()
+        ck.save(2, state).wait()
+        _replace_a(state)
+        _set_b(state)
+        ck.save(3, state).wait()
+        ck.save(4, state).wait()
+        target = _blank(state)
+        assert ck.load(target) == 4
+        assert torch.equal(target["a"], state["a"]) and target["a"].dtype == torch.float64
+        assert torch.equal(target["b"], state["b"])
+
+
+def _record_values(ck: Checkpointer, step: int) -> dict[str, Any]:
+    assert ck.memory is not None
+    path = Path(ck.memory.dir) / "staging" / record_name(0, step)
+    values = json.loads(path.read_text())["values"]
+    return {k: v for k, v in values.items() if not k.startswith("_resilient")}  # (the anchor)
+
+
+def test_a_sealed_record_holds_each_long_value_as_it_is_at_its_step(tmp_path):
+    long_a, long_b = "a" * 4000, "b" * 4000 + '"\\\n'  # (escaped alike by the cache and json)
+    state: dict[str, Any] = {"t": torch.ones(4), "k": 9, "rng": {"s": long_a, "n": 1}, "z": 0.5}
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
+        ck.snapshot(1, state).wait()
+        ck.snapshot(2, state).wait()  # the same object: its text from the record before
+        state["rng"] = {"s": long_b, "n": 2}
+        ck.snapshot(3, state).wait()
+        state["rng"] = {"s": "a" * 4000, "n": 3}  # equal to step 1's, another object
+        ck.snapshot(4, state).wait()
+        assert _record_values(ck, 3) == {"k": 9, "rng.s": long_b, "rng.n": 2, "z": 0.5}
+        assert _record_values(ck, 4) == {"k": 9, "rng.s": long_a, "rng.n": 3, "z": 0.5}
+        assert list(_record_values(ck, 4)) == ["k", "rng.s", "rng.n", "z"]  # the state's order
+        target: dict[str, Any] = {
+            "t": torch.zeros(4),
+            "k": 0,
+            "rng": {"s": "", "n": 0},
+            "z": 0.0,
+        }
+        assert ck.load(target) == 4 and ck.last_load.sealed
+        assert target["rng"] == {"s": long_a, "n": 3} and target["z"] == 0.5 and target["k"] == 9
+
+
+def test_a_nan_value_is_refused_by_name(tmp_path):
+    state: dict[str, Any] = {"t": torch.ones(4), "s": "a" * 4000, "bad": float("nan")}
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
+        with pytest.raises(TypeError, match="bad"):
+            ck.snapshot(1, state)
+
+
+def test_rng_state_follows_every_source_that_moves():
+    rng = RNGState()
+    draws: list[Callable[[], Any]] = [
+        random.random,
+        np.random.rand,
+        lambda: torch.rand(1),
+    ]
+    before = rng.state_dict()
+    assert rng.state_dict() == before  # nothing moved: the same texts
+    for source, draw in zip(("python", "numpy", "torch"), draws):
+        draw()
+        now = rng.state_dict()
+        assert now[source] != before[source], source
+        assert now == RNGState().state_dict(), source  # what an encoding from scratch gives
+        before = now
+    # and it puts back what it read
+    sd = rng.state_dict()
+    want = [d() for d in draws]
+    rng.load_state_dict(sd)
+    got = [d() for d in draws]
+    assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
