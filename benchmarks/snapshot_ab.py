@@ -18,7 +18,8 @@ moods fall on both alike:
   this checkout's, over each tree's library and trainer); per tree, the median of the runs'
   ratios of the steps with snapshots to those without.  Steadier than separate runs.
 
-Usage: ``python benchmarks/snapshot_ab.py --other /path/to/a/checkout [--rounds 4] [--blocks]``
+Usage: ``python benchmarks/snapshot_ab.py --other /path/to/a/checkout [--rounds 4] [--blocks]
+[--commit-every 0]``
 (make a checkout of another commit with ``git worktree add /tmp/base <commit>``).
 """
 
@@ -44,7 +45,8 @@ g = torch.Generator().manual_seed(0)
 state = {f"l{i}.w": torch.randn(2**20 // 4 // 92, generator=g) for i in range(92)}
 state["rng"] = list(range(625))
 ck = Checkpointer(os.path.join(tempfile.mkdtemp(dir=sys.argv[3]), "ckpt"), memory_every=1,
-                  persister=False)
+                  persister=False, **({"memory_commit_every": int(sys.argv[4])}
+                                      if sys.argv[4] != "1" else {}))
 for step in range(1, 31):
     ck.snapshot(step, state).wait()
 n = int(sys.argv[1])
@@ -62,7 +64,15 @@ shutil.rmtree(shm, ignore_errors=True)
 def small(tree: str, args, tmp: str) -> tuple[float, float]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", _SMALL, str(args.small_snapshots), args.shm, tmp],
+        [
+            sys.executable,
+            "-c",
+            _SMALL,
+            str(args.small_snapshots),
+            args.shm,
+            tmp,
+            str(args.commit_every),
+        ],  # fmt: skip
         env=env,
         capture_output=True,
         text=True,
@@ -113,6 +123,7 @@ def blocks(tree: str, args, tmp: str) -> tuple[float, float]:
             skip=args.skip,
             tree=tree,
             env={"RESILIENT_MEMORY_ROOT": memory},
+            commit_every=args.commit_every,
         )
     finally:
         shutil.rmtree(memory, ignore_errors=True)
@@ -140,6 +151,13 @@ def main() -> None:
     )
     p.add_argument("--block", type=int, default=20)
     p.add_argument("--block-steps", type=int, default=400)
+    p.add_argument(
+        "--commit-every",
+        type=int,
+        default=1,
+        help="memory_commit_every of the small state's checkpointer and the trainer's "
+        "--memory-commit-every under --blocks (0: sealed snapshots; both trees must have it)",
+    )
     args = p.parse_args()
     trees = {"this tree": HERE, "other tree": os.path.abspath(args.other)}
     res: dict[str, list] = {}

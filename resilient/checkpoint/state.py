@@ -206,9 +206,23 @@ class DescribeCache:
     ) -> TensorLeaf:
         hit = self._old.get(key)
         # (a DTensor or a sparse tensor is never entered below: its shard is new each time)
-        if hit is not None and hit[0]() is t and hit[1] == _signature(t, inherit):
-            self._new[key] = hit
-            return TensorLeaf(key, t.detach(), hit[2], hit[3])
+        if hit is not None and hit[0]() is t:
+            sig = hit[
+                1
+            ]  # _signature(t, inherit), compared term by term (a save checks 92 each step)
+            if (
+                t.data_ptr() == sig[0]
+                and t.untyped_storage().nbytes() == sig[1]
+                and t.shape == sig[2]
+                and t.stride() == sig[3]
+                and t.dtype == sig[4]
+                and t.device == sig[5]
+                and getattr(t, _ATTR, None) == sig[6]
+                and (None if inherit is None else getattr(inherit, _ATTR, None)) == sig[7]
+            ):
+                self._new[key] = hit
+                # (a tensor that needs no gradient is its own detached view, for a save)
+                return TensorLeaf(key, t.detach() if t.requires_grad else t, hit[2], hit[3])
         self._misses += 1
         leaf = describe_tensor(key, t, layout, rank, inherit)
         if not is_dtensor(t) and t.layout is torch.strided:
