@@ -34,11 +34,17 @@
   ``--block`` steps (benchmarks/snapshot_blocks.py); per run, the median time between steps with
   snapshots and without.  Runs differ from each other more than the effect (rounds of
   ``--trainer-runs`` range widely); within one run both kinds share the processes and the minutes.
+  ``--block-commit-every 1,0`` runs each round with committed and with sealed snapshots, and
+  ``--block-two-nodes`` adds a run whose two ranks stand for two nodes (a memory root each): every
+  snapshot committed and replicated to the peer.  With ``--block-floors`` each run's blocks cycle
+  through three kinds, the third the floor of its snapshots: each rank's state copied and
+  checksummed, and on two nodes also exchanged with the other rank over a raw socket.
 
     python benchmarks/memory_tier.py [--gib 0.5] [--dir /path/on/disk] [--repeats 5]
                                      [--trainer-runs 8] [--trainer-parts] [--preset tiny]
                                      [--steps 150] [--trainer-blocks 3] [--block 20]
-                                     [--block-steps 400]
+                                     [--block-steps 400] [--block-commit-every 1,0]
+                                     [--block-two-nodes] [--block-floors]
                                      [--interference-runs 2] [--save-every 2] [--skip-bench]
 """
 
@@ -319,6 +325,22 @@ def trainer_runs(args) -> dict[str, list[float]]:
     return out
 
 
+def block_kinds(args) -> list[tuple[int, bool, str | None]]:
+    """The runs of a round of --trainer-blocks: (--memory-commit-every, two nodes, the floor in
+    a third kind of block: "copy", "replica" or None)."""
+    kinds: list[tuple[int, bool, str | None]] = [(k, False, None) for k in args.block_commit_every]
+    if args.block_two_nodes:
+        kinds.append((1, True, None))
+    if args.block_floors:  # each run's third kind of block: the floor of its snapshots
+        kinds = [(k, two, "replica" if two else "copy") for k, two, _ in kinds]
+    return kinds
+
+
+def block_kind_name(commit_every: int, two_nodes: bool, floor: str | None) -> str:
+    where = ", two nodes (committed, a replica each)" if two_nodes else ""
+    return f"--memory-commit-every {commit_every}{where}"
+
+
 def trainer_blocks(args) -> list[dict[str, float]]:
     """Per run of benchmarks/snapshot_blocks.py (a snapshot every step in alternate blocks of
     ``--block`` steps): the median time between steps with snapshots and without, after the
@@ -331,10 +353,11 @@ def trainer_blocks(args) -> list[dict[str, float]]:
     memory = tempfile.mkdtemp(prefix="mem-bench-blocks-", dir=args.shm)
     out = []
     try:
+        kinds = block_kinds(args)
         for r in range(args.trainer_blocks):
-            for k in args.block_commit_every:
+            for i, (k, split, floor) in enumerate(kinds):
                 res = run_blocks(
-                    os.path.join(root, f"{r}-{k}"),
+                    os.path.join(root, f"{r}-{i}"),
                     preset=args.preset,
                     steps=args.block_steps,
                     block=args.block,
@@ -342,13 +365,21 @@ def trainer_blocks(args) -> list[dict[str, float]]:
                     part=args.block_part,
                     env={"RESILIENT_MEMORY_ROOT": memory},
                     commit_every=k,
+                    split_nodes=split,
+                    floor=floor,
                 )
-                res["commit_every"] = k
+                res["kind"] = i
                 out.append(res)
                 print(
-                    f"  run {r}, --memory-commit-every {k}: without {res['off'] * 1e3:.1f} ms, "
+                    f"  run {r}, {block_kind_name(k, split, floor)}: without "
+                    f"{res['off'] * 1e3:.1f} ms, "
                     f"with a snapshot every step {res['on'] * 1e3:.1f} ms "
-                    f"({res['on'] / res['off'] - 1:+.1%}; {res['steps']} steps each way)",
+                    f"({res['on'] / res['off'] - 1:+.1%}; {res['steps']} steps each way)"
+                    + (
+                        f"; its floor ({floor}) {res['floor'] * 1e3:.1f} ms"
+                        if "floor" in res
+                        else ""
+                    ),
                     flush=True,
                 )
     finally:
@@ -455,6 +486,20 @@ def main() -> None:
         help="(--trainer-blocks) the trainer's --memory-commit-every, or several (1,0): each "
         "round runs each, one after the other",
     )
+    p.add_argument(
+        "--block-two-nodes",
+        action="store_true",
+        help="(--trainer-blocks) each round also runs the two ranks as two nodes (a memory root "
+        "each): every snapshot committed and sent to the peer as its replica",
+    )
+    p.add_argument(
+        "--block-floors",
+        action="store_true",
+        help="(--trainer-blocks) each run's blocks cycle through three kinds: none, a snapshot "
+        "every step, and its floor (the rank's state copied and checksummed, "
+        "benchmarks/snapshot_floor.py; on two nodes also exchanged with the other rank over a "
+        "raw socket)",
+    )
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     p.add_argument("--small-tensors", type=int, default=92)
     p.add_argument("--small-snapshots", type=int, default=400)
@@ -532,27 +577,38 @@ def main() -> None:
         )
     if args.trainer_blocks:
         res["trainer_blocks_s"] = b = trainer_blocks(args)
-        ratios = [x["on"] / x["off"] for x in b]
         print(
             f"\ntrainer, preset {args.preset}, 2 ranks (dp 2), {args.block_steps} steps in blocks "
             f"of {args.block} (the first {args.trainer_skip} steps and two per block dropped), "
-            f"snapshots every step in every other block"
+            + (
+                "blocks of three kinds: none, a snapshot every step, its floor"
+                if args.block_floors
+                else "snapshots every step in every other block"
+            )
             + (f" (cut short: {args.block_part})" if args.block_part else "")
             + f"; {args.trainer_blocks} runs"
         )
         rows = []
-        for k in args.block_commit_every:
-            mine = [(x, r) for x, r in zip(b, ratios) if x["commit_every"] == k]
-            rows += [
-                [str(k), f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}", f"{r - 1:+.1%}"]
-                for x, r in mine
-            ]
-            rows.append([str(k), "median", "", f"{median([r for _, r in mine]) - 1:+.1%}"])
-        print(
-            markdown_table(
-                ["--memory-commit-every", "without ms", "with ms", "with vs without"], rows
-            )
-        )
+        floors = args.block_floors
+        for i, kind in enumerate(block_kinds(args)):
+            mine = [x for x in b if x["kind"] == i]
+            name = block_kind_name(*kind)
+            for x in mine:
+                row = [name, f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}"]
+                row.append(f"{x['on'] / x['off'] - 1:+.1%}")
+                if floors:
+                    row += [f"{x['floor'] * 1e3:.1f}", f"{x['floor'] / x['off'] - 1:+.1%}"]
+                    row.append(f"{x['on'] / x['floor'] - 1:+.1%}")
+                rows.append(row)
+            row = [name, "median", "", f"{median([x['on'] / x['off'] for x in mine]) - 1:+.1%}"]
+            if floors:
+                row += ["", f"{median([x['floor'] / x['off'] for x in mine]) - 1:+.1%}"]
+                row.append(f"{median([x['on'] / x['floor'] for x in mine]) - 1:+.1%}")
+            rows.append(row)
+        head = ["every step in the blocks with", "without ms", "with ms", "with vs without"]
+        if floors:
+            head += ["floor ms", "floor vs without", "with vs floor"]
+        print(markdown_table(head, rows))
     write_results(args.json, res)
 
 

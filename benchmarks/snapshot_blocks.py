@@ -13,6 +13,11 @@ The switch is a hook that sets ``Run.memory_every`` at each step (1, or None for
 the tier itself (its directory, the persister process, the worker thread) stays up throughout, as
 in any run with the tier. This patches nothing in the library.
 
+With ``--floor copy`` (or ``replica``) the blocks cycle through three kinds: none, a snapshot
+every step, and the floor of one (the rank's state copied into a buffer and checksummed; with
+``replica`` also exchanged with the other rank over a raw socket), so that the snapshot is set
+against its floor within one run as well.
+
 With ``--part staged`` or ``--part checksummed`` every snapshot is cut short as
 benchmarks/snapshot_parts.py does: what the caller's part alone costs, measured the same way.
 
@@ -31,14 +36,16 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DROP = 2  # steps dropped at the start of each block
 
 
-def snapshots_on(step: int, block: int) -> bool:
-    """Whether the snapshot after ``step`` is taken: odd blocks, from step 1 on."""
-    return ((step - 1) // block) % 2 == 1
+def kind_of(step: int, block: int, kinds: int = 2) -> int:
+    """The kind of the block ``step`` is in: 0 none, 1 a snapshot, 2 (of three) the floor."""
+    return ((step - 1) // block) % kinds
 
 
 def kept(step: int, block: int) -> bool:
@@ -57,11 +64,18 @@ def run_blocks(
     tree: str | None = None,
     env: dict[str, str] | None = None,
     commit_every: int = 1,
+    split_nodes: bool = False,
+    floor: str | None = None,
 ) -> dict[str, float]:
     """(the driver) One run: the median seconds between steps with snapshots ("on") and without
     ("off"), after the first ``skip`` steps.  ``tree``: a checkout whose library and trainer to
     measure (default: this one); ``env`` should give the run a RESILIENT_MEMORY_ROOT of its own;
-    ``commit_every``: the trainer's ``--memory-commit-every`` (1: every snapshot committed)."""
+    ``commit_every``: the trainer's ``--memory-commit-every`` (1: every snapshot committed);
+    ``split_nodes``: each rank's memory tier under a root of its own (a directory of the
+    RESILIENT_MEMORY_ROOT ``env`` gives), so that each rank stands for a node: every snapshot is
+    committed and sent to the other rank as its peer replica; ``floor`` ("copy" or "replica"):
+    three kinds of blocks, the third with the floor of a snapshot instead (``"floor"``, the
+    median seconds between its steps: Blocks)."""
     env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
     if tree is not None:
         env["RESILIENT_BENCH_TREE"] = tree
@@ -73,6 +87,8 @@ def run_blocks(
         "--ckpt", out_dir + "/ckpt", "--metrics", out_dir + "/metrics.jsonl",
         *(["--part", part] if part else []),
         *(["--memory-commit-every", str(commit_every)] if commit_every != 1 else []),
+        *(["--split-nodes"] if split_nodes else []),
+        *(["--floor", floor] if floor else []),
     ]  # fmt: skip
     try:
         subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tree or os.getcwd())
@@ -82,25 +98,104 @@ def run_blocks(
             }
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    gaps: dict[bool, list[float]] = {True: [], False: []}
+    kinds = 3 if floor else 2
+    gaps: list[list[float]] = [[] for _ in range(kinds)]
     for s in sorted(wall):
         if s - 1 in wall and s > skip and kept(s, block):
-            gaps[snapshots_on(s, block)].append(wall[s] - wall[s - 1])
-    return {
-        "on": statistics.median(gaps[True]),
-        "off": statistics.median(gaps[False]),
-        "steps": len(gaps[True]),
+            gaps[kind_of(s, block, kinds)].append(wall[s] - wall[s - 1])
+    out = {
+        "on": statistics.median(gaps[1]),
+        "off": statistics.median(gaps[0]),
+        "steps": len(gaps[1]),
     }
+    if floor:
+        out["floor"] = statistics.median(gaps[2])
+    return out
 
 
 class Blocks:
-    """The hook: before each step, whether its snapshot is taken."""
+    """The hook: before each step, whether its snapshot is taken.  With ``floor`` ("copy" or
+    "replica", ``--floor``) a third kind of block takes no snapshot but does what one must at
+    least cost, from step 2 on: the rank's state copied into a buffer and checksummed
+    (benchmarks/snapshot_floor.py); with "replica", the buffer also sent to the other rank over a
+    raw TCP socket on loopback and the other's received, on two background threads, the exchange
+    of the step before joined first (one in flight, as the tier's replication)."""
 
-    def __init__(self, block: int) -> None:
-        self.block = block
+    def __init__(self, block: int, floor: str | None = None) -> None:
+        self.block, self.kinds = block, 3 if floor else 2
+        self.floor: Any = None
+        if floor:
+            from snapshot_floor import Floor
+
+            self.floor = Floor()
+        self.replica = floor == "replica"
+        self._go: list[threading.Semaphore] = []
+        self._done: list[threading.Semaphore] = []
+        self._busy = False
+        self.exchanges = 0
 
     def at_step(self, step: int, run) -> None:
-        run.memory_every = 1 if snapshots_on(step, self.block) else None
+        kind = kind_of(step, self.block, self.kinds)
+        run.memory_every = 1 if kind == 1 else None
+        if kind != 2 or step < 2:
+            return
+        if self._busy:
+            for done in self._done:
+                done.acquire()
+            self._busy = False
+        self.floor.at_step(step, run)
+        if self.replica:
+            if not self._go:
+                self._connect()
+            for go in self._go:
+                go.release()
+            self._busy = True
+
+    def _connect(self) -> None:
+        """A socket to the other rank (its port through the job's store), and the two threads."""
+        import socket
+
+        import torch
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        rank, buf = dist.get_rank(), self.floor.buf
+        store.set(f"blocks-floor-size-{rank}", str(buf.numel()))
+        peer_size = int(store.get(f"blocks-floor-size-{1 - rank}"))
+        if rank == 0:
+            server = socket.create_server(("127.0.0.1", 0))
+            store.set("blocks-floor-port", str(server.getsockname()[1]))
+            conn, _ = server.accept()
+            server.close()
+        else:
+            conn = socket.create_connection(("127.0.0.1", int(store.get("blocks-floor-port"))))
+        mine = memoryview(buf.numpy())
+        theirs = memoryview(torch.empty(peer_size, dtype=torch.uint8).numpy())
+
+        def send() -> None:
+            conn.sendall(mine)
+            self.exchanges += 1
+
+        def receive() -> None:
+            got = 0
+            while got < len(theirs):
+                n = conn.recv_into(theirs[got:])
+                if not n:
+                    raise ConnectionError("the other rank closed the floor's socket")
+                got += n
+
+        for work in (send, receive):
+            go, done = threading.Semaphore(0), threading.Semaphore(0)
+
+            def loop(work=work, go=go, done=done) -> None:
+                while True:
+                    go.acquire()
+                    work()
+                    done.release()
+
+            threading.Thread(target=loop, daemon=True).start()
+            self._go.append(go)
+            self._done.append(done)
 
 
 def main() -> int:
@@ -109,6 +204,16 @@ def main() -> int:
     if "--block" in argv:
         i = argv.index("--block")
         block = int(argv[i + 1])
+        del argv[i : i + 2]
+    if "--split-nodes" in argv:  # each rank a node of its own: its own memory root
+        argv.remove("--split-nodes")
+        root = os.path.join(os.environ["RESILIENT_MEMORY_ROOT"], f"node-{os.environ['RANK']}")
+        os.makedirs(root, exist_ok=True)
+        os.environ["RESILIENT_MEMORY_ROOT"] = root
+    floor = None  # "copy" or "replica" (Blocks)
+    if "--floor" in argv:
+        i = argv.index("--floor")
+        floor = argv[i + 1]
         del argv[i : i + 2]
     part = None
     if "--part" in argv:  # cut every snapshot short (benchmarks/snapshot_parts.py)
@@ -137,7 +242,16 @@ def main() -> int:
         spec.loader.exec_module(parts)
         parts.cut_short(part, cfg.steps)
 
-    train(cfg, hooks=[Blocks(block)])
+    sys.path.insert(0, HERE)  # (snapshot_floor, this checkout's)
+    hook = Blocks(block, floor)
+    train(cfg, hooks=[hook])
+    if hook.floor is not None:
+        print(
+            f"rank {os.environ.get('RANK')}: {hook.floor.steps} floor copies of "
+            f"{hook.floor.buf.numel() if hook.floor.buf is not None else 0} bytes, "
+            f"{hook.exchanges} sent to the other rank",
+            file=sys.stderr,
+        )
     import torch.distributed as dist
 
     if dist.is_initialized():

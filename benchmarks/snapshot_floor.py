@@ -45,7 +45,7 @@ class Floor:
         ck = run.checkpointer
         layout = ck._layout_for(run.state)  # as its saves flatten it
         flat = flatten_state(run.state, layout, run.rank)
-        leaves = [flat.tensors[it.key].local for it in ck._plan(flat, layout).items]
+        leaves = [flat.tensors[it.key].local for it in ck._plan(flat, layout)[0].items]
         total = sum(t.numel() * t.element_size() for t in leaves)
         self.buf = torch.empty(total, dtype=torch.uint8)
         at = 0

@@ -469,7 +469,7 @@ class Checkpointer:
         t0 = time.monotonic()
         layout = self._layout_for(state)
         flat = flatten_state(state, layout, self.rank, cache=self._described)
-        plan, on_gpu, known = self._plan(flat, layout)
+        plan, on_gpu, known = self._plan(flat, layout, described=True)
         data: torch.Tensor | _Slot | Exception
         if defer and on_gpu and self.world_size > 1:
             # the other ranks seal theirs and wait for nothing: this rank's snapshot fails alone
@@ -1378,19 +1378,22 @@ class Checkpointer:
         if self._replicas is not None:
             self._replicas.drop_groups()  # the broken group is freed before the next forms
 
-    def _plan(self, flat: FlatState, layout: Layout) -> tuple[WritePlan, bool, bool]:
-        """The plan of ``flat`` (a flatten through ``self._described``), whether a tensor of it
-        is on the GPU, and whether it is known to fit: the flatten described the very tensors of
-        the one the newest plan was made of, unchanged by the cache's checks (no signature to
-        build, nothing to compare)."""
-        described, cached = self._described, self._plan_cache
+    def _plan(
+        self, flat: FlatState, layout: Layout, *, described: bool = False
+    ) -> tuple[WritePlan, bool, bool]:
+        """The plan of ``flat``, whether a tensor of it is on the GPU, and whether it is known to
+        fit: with ``described`` (``flat`` is the newest flatten through ``self._described``),
+        when that flatten described the very tensors of the one the newest plan was made of,
+        unchanged by the cache's checks (no signature to build, nothing to compare)."""
+        cache, cached = self._described, self._plan_cache
         if (
-            cached is not None
-            and described.unchanged
-            and cached[3] == described.generation - 1
+            described
+            and cached is not None
+            and cache.unchanged
+            and cached[3] == cache.generation - 1
             and cached[0][0] == layout
         ):
-            self._plan_cache = (*cached[:3], described.generation)
+            self._plan_cache = (*cached[:3], cache.generation)
             return cached[1], cached[2], True
         # (in the walk's order: the same state walks alike, and another order only costs a new
         # plan, which comes out the same)
@@ -1407,7 +1410,8 @@ class Checkpointer:
             else plan_writes(flat.tensors, layout, self.rank)
         )
         on_gpu = any(t.local.is_cuda for t in flat.tensors.values())
-        self._plan_cache = (sig, plan, on_gpu, described.generation)
+        # (a plan of a flatten made elsewhere is never taken for the cache's newest)
+        self._plan_cache = (sig, plan, on_gpu, cache.generation if described else -2)
         return plan, on_gpu, False
 
     def _layout_for(self, state: Mapping[str, Any]) -> Layout:
