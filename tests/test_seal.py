@@ -180,6 +180,9 @@ def _damage(kind: str, record: Path, memory_root: Path) -> None:
     elif kind == "chunk outside the file":
         chunk = next(iter(rec["chunks"].values()))
         chunk["byte_range"] = [0, rec["size"] + 1]
+    elif kind == "overlapping chunks":  # (together they claim more bytes than the file has)
+        for chunk in rec["chunks"].values():
+            chunk["byte_range"] = [8, rec["size"]]
     elif kind == "another job's layout":
         rec["world"] = 2
     elif kind == "values not a mapping":
@@ -197,6 +200,7 @@ def _damage(kind: str, record: Path, memory_root: Path) -> None:
         "live writer",
         "size",
         "chunk outside the file",
+        "overlapping chunks",
         "another job's layout",
         "values not a mapping",
         "file gone",

@@ -178,3 +178,52 @@ def test_rng_state_follows_every_source_that_moves():
     rng.load_state_dict(sd)
     got = [d() for d in draws]
     assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
+
+
+def _sealed_file(ck: Checkpointer, step: int) -> Path:
+    assert ck.memory is not None
+    staging = Path(ck.memory.dir) / "staging"
+    return staging / json.loads((staging / record_name(0, step)).read_text())["path"]
+
+
+def test_a_large_sealed_snapshot_is_checked_on_the_checksum_threads(tmp_path):
+    # 24 MB: six 4 MB blocks, checked in parallel by the seal (seal._PARALLEL_BYTES); a byte
+    # flipped in the fifth block of the newest snapshot makes the restore take the one before
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(6 << 20, generator=g)}
+    want = {}
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
+        for step in (1, 2):
+            state["w"].add_(1.0)
+            ck.snapshot(step, state).wait()
+            want[step] = state["w"].clone()
+        path = _sealed_file(ck, 2)
+        with open(path, "r+b") as f:
+            f.seek(path.stat().st_size - (5 << 20))
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        target = {"w": torch.zeros_like(state["w"])}
+        assert ck.load(target) == 1
+        assert ck.last_load.source == "memory" and ck.last_load.sealed
+        assert torch.equal(target["w"], want[1])
+
+
+def test_the_steps_a_seal_retires_are_deleted_off_the_restore(tmp_path):
+    from resilient.checkpoint.worker import join_running
+
+    state = {"w": torch.ones(1000)}
+    # every second snapshot committed: 2 and 4 are committed, 5 is sealed
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=2) as ck:
+        for step in range(1, 6):
+            state["w"].add_(1.0)
+            ck.snapshot(step, state).wait()
+        assert ck.memory_steps() == [4, 2]
+        target = {"w": torch.zeros(1000)}
+        assert ck.load(target) == 5 and ck.last_load.sealed
+        assert torch.equal(target["w"], state["w"])
+        join_running("resilient-ckpt-retention", 60)
+        assert ck.memory is not None
+        left = sorted(p.name for p in Path(ck.memory.steps).glob("step_*"))
+        assert left == ["step_00000004", "step_00000005"]
+        assert ck.memory_steps() == [5, 4]

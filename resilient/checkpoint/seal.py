@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from resilient.checkpoint.catalog import Catalog, scan
-from resilient.checkpoint.codec import crc32
+from resilient.checkpoint.codec import crc32, crc_pool
 from resilient.checkpoint.format import (
     TensorEntry,
     rank_file_name,
@@ -57,6 +57,7 @@ RECORD_FORMAT = "resilient-staged-v1"
 _RECORD_RE = re.compile(r"^rank_(\d{5,9})\.step_(\d{1,19})\.json$")
 _LOCK = "seal.lock"
 _MAX_HEADER = 100 << 20
+_PARALLEL_BYTES = 16 << 20  # a file from this size on is checksummed on the checksum threads
 _MAX_RECORD = 64 << 20
 _MAX_WORLD = 1 << 16
 
@@ -78,7 +79,12 @@ class NodeLocal:
 
 
 def seal_staged(
-    job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0, newer_than: int | None = None
+    job_dir: str,
+    *,
+    wait_s: float = 0.0,
+    lock_s: float = 120.0,
+    newer_than: int | None = None,
+    garbage: list[tuple[Storage, list[str]]] | None = None,
 ) -> int | None:
     """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
     was cut short (newest first; the first that seals ends it); returns its step, or None when
@@ -86,6 +92,9 @@ def seal_staged(
     the newest commit to be gone (the persister: the trainer's other ranks are being torn down).
     ``newer_than``: only steps after it are worth sealing (the persister's flush: the newest
     durable step; a snapshot no newer is never persisted, and sealing it costs a checksum pass).
+    ``garbage``: where to leave the step directories the seal's retention retires (the storage
+    and their names), for the caller to delete off its critical path (freeing a large snapshot's
+    pages takes a while: a restore should not wait for it); deleted here without it.
     Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
@@ -110,7 +119,7 @@ def seal_staged(
         newest = -1 if committed is None else committed.step
         try:
             wanted = {s: r for s, r in records.items() if newer_than is None or s > newer_than}
-            sealed = _seal_newest(wanted, staging, mem, catalog)
+            sealed = _seal_newest(wanted, staging, mem, catalog, garbage)
             if sealed is not None:
                 newest = max(newest, sealed)
         finally:
@@ -219,7 +228,11 @@ def _read_record(path: str) -> Any:
 
 
 def _seal_newest(
-    records: dict[int, dict[int, dict[str, Any]]], staging: str, mem: Storage, catalog: Catalog
+    records: dict[int, dict[int, dict[str, Any]]],
+    staging: str,
+    mem: Storage,
+    catalog: Catalog,
+    garbage: list[tuple[Storage, list[str]]] | None = None,
 ) -> int | None:
     from resilient import __version__ as version
 
@@ -230,7 +243,7 @@ def _seal_newest(
         if newest is not None and step <= newest.step:
             return None  # the commit got through (or a newer one did): nothing to finish
         try:
-            _seal(step, records[step], staging, mem, catalog.next_commit_seq(), version)
+            _seal(step, records[step], staging, mem, catalog.next_commit_seq(), version, garbage)
         except Exception as e:  # whatever a record or a file says, the step stays uncommitted
             log.warning("memory snapshot of step %d is not sealed: %s", step, e)
             continue
@@ -246,6 +259,7 @@ def _seal(
     mem: Storage,
     commit_seq: int,
     version: str,
+    later: list[tuple[Storage, list[str]]] | None = None,
 ) -> None:
     first = by_rank[min(by_rank)]
     world = first.get("world")
@@ -304,7 +318,7 @@ def _seal(
         )
         for r, (fd, path, ino) in zip(reports, opened, strict=True):
             _move(fd, path, ino, os.path.join(step_dir, r["file"]))
-        garbage = publish_commit(
+        retired = publish_commit(
             mem,
             NodeLocal(),
             manifest,
@@ -315,8 +329,11 @@ def _seal(
     finally:
         for fd, _path, _ino in opened:
             os.close(fd)
+    if later is not None:
+        later.append((mem, retired))
+        return
     with contextlib.suppress(Exception):
-        delete_dirs(mem, garbage)
+        delete_dirs(mem, retired)
 
 
 def _move(fd: int, path: str, ino: int, dest: str) -> None:
@@ -398,20 +415,38 @@ def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
     taken = rec.get("sums")  # (a sealed snapshot's) taken as it was copied
     if taken is not None and not isinstance(taken, dict):
         raise _Unsealable(f"rank {rank}'s record has malformed checksums")
-    out: dict[str, Any] = {}
+    claimed = 0
     for key, c in chunks.items():
         if not isinstance(c, dict) or not isinstance(c.get("byte_range"), list):
             raise _Unsealable(f"rank {rank}'s chunk {key!r} is malformed")
         b, e = c["byte_range"]
         if not (type(b) is int and type(e) is int and 0 <= b <= e <= size):
             raise _Unsealable(f"rank {rank}'s chunk {key!r} lies outside its file")
-        sums = []
-        for at in range(b, e, block_bytes):
-            n = min(block_bytes, e - at)
-            data = os.pread(fd, n, at)
-            if len(data) != n:
-                raise _Unsealable(f"rank {rank}'s file was cut short while it was being sealed")
-            sums.append(crc32(data))
+        claimed += e - b
+    if claimed > size:  # (chunks never overlap: what they claim bounds the blocks listed below)
+        raise _Unsealable(f"rank {rank}'s chunks claim {claimed} bytes of a {size}-byte file")
+    blocks = [  # (offset, size) of every chunk's blocks, in order
+        (at, min(block_bytes, e - at))
+        for b, e in (c["byte_range"] for c in chunks.values())
+        for at in range(b, e, block_bytes)
+    ]
+
+    def checksum(block: tuple[int, int]) -> int:
+        data = os.pread(fd, block[1], block[0])
+        if len(data) != block[1]:
+            raise _Unsealable(f"rank {rank}'s file was cut short while it was being sealed")
+        return crc32(data)
+
+    # a large file's blocks on the checksum threads (a restore waits for this pass), a small
+    # one's here (handing out a few kilobytes costs more than checksumming them)
+    if claimed >= _PARALLEL_BYTES:
+        computed = iter(list(crc_pool().map(checksum, blocks)))
+    else:
+        computed = iter([checksum(x) for x in blocks])
+    out: dict[str, Any] = {}
+    for key, c in chunks.items():
+        b, e = c["byte_range"]
+        sums = [next(computed) for _ in range(b, e, block_bytes)]
         if taken is not None and taken.get(key) != sums:
             raise _Unsealable(
                 f"rank {rank}'s chunk {key!r} does not match the checksums taken as it was "
