@@ -91,7 +91,14 @@ def run_blocks(
         *(["--floor", floor] if floor else []),
     ]  # fmt: skip
     try:
-        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tree or os.getcwd())
+        subprocess.run(
+            cmd,
+            check=True,
+            env=env,
+            capture_output=True,
+            cwd=tree or os.getcwd(),
+            timeout=600 + 2 * steps,  # (a step takes tens of milliseconds)
+        )
         with open(out_dir + "/metrics.jsonl") as f:
             wall = {
                 row["step"]: row["wall_time"] for row in map(json.loads, f) if "wall_time" in row
@@ -133,6 +140,7 @@ class Blocks:
         self._done: list[threading.Semaphore] = []
         self._busy = False
         self.exchanges = 0
+        self.error: BaseException | None = None  # an exchange's, raised at the next step
 
     def at_step(self, step: int, run) -> None:
         kind = kind_of(step, self.block, self.kinds)
@@ -143,6 +151,8 @@ class Blocks:
             for done in self._done:
                 done.acquire()
             self._busy = False
+            if self.error is not None:
+                raise RuntimeError(f"the floor's exchange failed: {self.error}")
         self.floor.at_step(step, run)
         if self.replica:
             if not self._go:
@@ -190,8 +200,12 @@ class Blocks:
             def loop(work=work, go=go, done=done) -> None:
                 while True:
                     go.acquire()
-                    work()
-                    done.release()
+                    try:
+                        work()
+                    except BaseException as e:  # raised by the next step (at_step)
+                        self.error = e
+                    finally:
+                        done.release()
 
             threading.Thread(target=loop, daemon=True).start()
             self._go.append(go)
@@ -207,9 +221,11 @@ def main() -> int:
         del argv[i : i + 2]
     if "--split-nodes" in argv:  # each rank a node of its own: its own memory root
         argv.remove("--split-nodes")
-        root = os.path.join(os.environ["RESILIENT_MEMORY_ROOT"], f"node-{os.environ['RANK']}")
-        os.makedirs(root, exist_ok=True)
-        os.environ["RESILIENT_MEMORY_ROOT"] = root
+        rank = os.environ.get("RANK")  # (none yet in the launcher's hot spare, never used here)
+        if rank is not None:
+            root = os.path.join(os.environ["RESILIENT_MEMORY_ROOT"], f"node-{rank}")
+            os.makedirs(root, exist_ok=True)
+            os.environ["RESILIENT_MEMORY_ROOT"] = root
     floor = None  # "copy" or "replica" (Blocks)
     if "--floor" in argv:
         i = argv.index("--floor")

@@ -36,7 +36,8 @@ def _blank(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replace_a(s: dict[str, Any]) -> None:  # another object, another dtype, same shape
-    s["a"] = torch.arange(6, dtype=torch.float64) * 3
+    # (values a float32 cannot hold: a copy through the old plan would not come back equal)
+    s["a"] = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
 def _set_b(s: dict[str, Any]) -> None:  # the same object on a new storage of another shape
@@ -133,6 +134,7 @@ def test_a_sealed_record_holds_each_long_value_as_it_is_at_its_step(tmp_path):
     with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
         ck.snapshot(1, state).wait()
         ck.snapshot(2, state).wait()  # the same object: its text from the record before
+        assert _record_values(ck, 2) == {"k": 9, "rng.s": long_a, "rng.n": 1, "z": 0.5}
         state["rng"] = {"s": long_b, "n": 2}
         ck.snapshot(3, state).wait()
         state["rng"] = {"s": "a" * 4000, "n": 3}  # equal to step 1's, another object
@@ -227,3 +229,52 @@ def test_the_steps_a_seal_retires_are_deleted_off_the_restore(tmp_path):
         left = sorted(p.name for p in Path(ck.memory.steps).glob("step_*"))
         assert left == ["step_00000004", "step_00000005"]
         assert ck.memory_steps() == [5, 4]
+
+
+@pytest.mark.parametrize("commit_every", [1, 0], ids=["committed", "sealed"])
+def test_an_unchanged_state_takes_the_plan_before_it_and_a_changed_one_does_not(
+    tmp_path, monkeypatch, commit_every
+):
+    import resilient.checkpoint.checkpointer as checkpointer
+    import resilient.checkpoint.slots as slots
+
+    calls = {"plan": 0, "fit": 0}
+    plan_writes, check_fit = checkpointer.plan_writes, slots._check_fit
+
+    def counted_plan(*a: Any, **k: Any) -> Any:
+        calls["plan"] += 1
+        return plan_writes(*a, **k)
+
+    def counted_fit(*a: Any, **k: Any) -> Any:
+        calls["fit"] += 1
+        return check_fit(*a, **k)
+
+    monkeypatch.setattr(checkpointer, "plan_writes", counted_plan)
+    monkeypatch.setattr(slots, "_check_fit", counted_fit)
+    state = _state()
+    with Checkpointer(
+        str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=commit_every
+    ) as ck:
+        ck.snapshot(1, state).wait()
+        assert calls == {"plan": 1, "fit": 1}
+        for step in (2, 3):  # described by checks alone: the plan of step 1, nothing checked
+            ck.snapshot(step, state).wait()
+        assert calls == {"plan": 1, "fit": 1}
+        _replace_a(state)
+        ck.snapshot(4, state).wait()
+        assert calls == {"plan": 2, "fit": 2}
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_a_plan_that_failed_is_never_stood_in_for_by_the_one_before(tmp_path):
+    # the flatten of step 3 describes every tensor (the cache moves on to it), then its plan
+    # fails (a dtype the format does not have): step 4's flatten is "unchanged" against step
+    # 3's, but the newest plan is step 1's, of a float32 tensor, and must not be taken
+    state = {"a": torch.ones(4)}
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
+        ck.snapshot(1, state).wait()
+        ck.snapshot(2, state).wait()
+        state["a"] = torch.ones(4, dtype=torch.complex32)
+        for step in (3, 4):
+            with pytest.raises(Exception, match="complex32|dtype"):
+                ck.snapshot(step, state)
