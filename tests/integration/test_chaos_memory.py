@@ -55,6 +55,7 @@ def test_the_memory_scenarios_are_the_ones_this_file_runs():
         "memory-sealed-kill-rank",
         "memory-corrupt",
         "memory-kill-job",
+        "memory-sealed-kill-job",
         "memory-crash-job",
         "memory-kill-node-shrink",
         "memory-replace-node",
@@ -108,6 +109,19 @@ def test_killed_job_resumes_from_memory_when_run_again(out):
     restore, why = _restore(report)
     # durable storage held step 10; the rerun found a newer snapshot in the node's memory
     assert restore["source"] == "memory" and restore["step"] > 10, why
+    assert max(report["measurements"]["steps_lost"], default=0) <= 1
+
+
+@pytest.mark.slow
+def test_killed_job_with_sealed_snapshots_resumes_from_memory(out):
+    """Every process of the job SIGKILLed with sealed snapshots (never committed as taken): the
+    rerun's load commits the newest step every rank sealed, or takes the one the persister's
+    flush committed, and restores it from the node's memory."""
+    report = _run(out, "memory-sealed-kill-job")
+    assert any(e["event"] == "job_rerun" for e in _events(report))
+    restore, why = _restore(report)
+    # durable storage held step 10; the kill came at step 14 (12 when it lands in a copy)
+    assert restore["source"] == "memory" and restore["step"] >= 12, why
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 
