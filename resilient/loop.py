@@ -74,15 +74,15 @@ class RNGState:
     A state that has not moved since the previous call is not encoded again (a snapshot at every
     step reads all three, and a trainer seldom draws from python's or numpy's)."""
 
-    def __init__(self) -> None:
-        self._encoded: dict[str, tuple[Any, str]] = {}  # source -> (raw state, its text)
-
     def _encode(self, source: str, raw: Any, encode: Callable[[Any], str]) -> str:
-        last = self._encoded.get(source)
+        # source -> (raw state, its text); kept in the instance (a subclass's __init__ need not
+        # call this one's)
+        encoded: dict[str, tuple[Any, str]] = vars(self).setdefault("_encoded", {})
+        last = encoded.get(source)
         if last is not None and last[0] == raw:
             return last[1]
         text = encode(raw)
-        self._encoded[source] = (raw, text)
+        encoded[source] = (raw, text)
         return text
 
     def state_dict(self) -> dict[str, Any]:

@@ -174,6 +174,11 @@ def test_rng_state_follows_every_source_that_moves():
         assert now[source] != before[source], source
         assert now == RNGState().state_dict(), source  # what an encoding from scratch gives
         before = now
+    class Mine(RNGState):  # a subclass whose __init__ does not call RNGState's
+        def __init__(self) -> None:
+            self.tag = "mine"
+
+    assert Mine().state_dict() == rng.state_dict()
     # and it puts back what it read
     sd = rng.state_dict()
     want = [d() for d in draws]
