@@ -6,6 +6,7 @@ move is not encoded again.  Each must give way the moment the state changes."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -174,6 +175,7 @@ def test_rng_state_follows_every_source_that_moves():
         assert now[source] != before[source], source
         assert now == RNGState().state_dict(), source  # what an encoding from scratch gives
         before = now
+
     class Mine(RNGState):  # a subclass whose __init__ does not call RNGState's
         def __init__(self) -> None:
             self.tag = "mine"
@@ -193,17 +195,39 @@ def _sealed_file(ck: Checkpointer, step: int) -> Path:
     return staging / json.loads((staging / record_name(0, step)).read_text())["path"]
 
 
-def test_a_large_sealed_snapshot_is_checked_on_the_checksum_threads(tmp_path):
-    # 24 MB: six 4 MB blocks, checked in parallel by the seal (seal._PARALLEL_BYTES); a byte
-    # flipped in the fifth block of the newest snapshot makes the restore take the one before
+def _pool_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the jobs the seal hands to the checksum threads."""
+    import resilient.checkpoint.seal as seal
+
+    jobs: list[int] = []
+    pool = seal.crc_pool
+
+    class Counted:
+        def submit(self, *a: Any, **k: Any) -> Any:
+            jobs.append(1)
+            return pool().submit(*a, **k)
+
+    monkeypatch.setattr(seal, "crc_pool", Counted)
+    return jobs
+
+
+def _two_large_sealed(ck: Checkpointer, state: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    want = {}
+    for step in (1, 2):
+        state["w"].add_(1.0)
+        ck.snapshot(step, state).wait()
+        want[step] = state["w"].clone()
+    return want
+
+
+def test_a_large_sealed_snapshot_is_checked_on_the_checksum_threads(tmp_path, monkeypatch):
+    # 24 MB: six 4 MB blocks, checked on the checksum threads by the seal (seal._in_parallel); a
+    # byte flipped in the fifth block of the newest snapshot makes the restore take the one before
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(6 << 20, generator=g)}
-    want = {}
+    jobs = _pool_jobs(monkeypatch)
     with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
-        for step in (1, 2):
-            state["w"].add_(1.0)
-            ck.snapshot(step, state).wait()
-            want[step] = state["w"].clone()
+        want = _two_large_sealed(ck, state)
         path = _sealed_file(ck, 2)
         with open(path, "r+b") as f:
             f.seek(path.stat().st_size - (5 << 20))
@@ -214,11 +238,36 @@ def test_a_large_sealed_snapshot_is_checked_on_the_checksum_threads(tmp_path):
         assert ck.load(target) == 1
         assert ck.last_load.source == "memory" and ck.last_load.sealed
         assert torch.equal(target["w"], want[1])
+        assert jobs  # (both steps' files were checked on the threads)
 
 
-def test_the_steps_a_seal_retires_are_deleted_off_the_restore(tmp_path):
-    from resilient.checkpoint.worker import join_running
+def test_a_short_read_on_the_checksum_threads_leaves_the_step_unsealed(tmp_path, monkeypatch):
+    import resilient.checkpoint.seal as seal
 
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(6 << 20, generator=g)}
+    jobs = _pool_jobs(monkeypatch)
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
+        want = _two_large_sealed(ck, state)
+        ino = _sealed_file(ck, 2).stat().st_ino
+
+        class Short:  # the os module, but one block of step 2's file reads a byte short
+            def __getattr__(self, name: str) -> Any:
+                return getattr(os, name)
+
+            def pread(self, fd: int, n: int, at: int) -> bytes:
+                data = os.pread(fd, n, at)
+                short = os.fstat(fd).st_ino == ino and at > (12 << 20)
+                return data[:-1] if short else data
+
+        monkeypatch.setattr(seal, "os", Short())
+        target = {"w": torch.zeros_like(state["w"])}
+        assert ck.load(target) == 1 and ck.last_load.sealed
+        assert torch.equal(target["w"], want[1])
+        assert jobs
+
+
+def test_the_steps_a_seal_retires_are_deleted(tmp_path):
     state = {"w": torch.ones(1000)}
     # every second snapshot committed: 2 and 4 are committed, 5 is sealed
     with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=2) as ck:
@@ -229,7 +278,6 @@ def test_the_steps_a_seal_retires_are_deleted_off_the_restore(tmp_path):
         target = {"w": torch.zeros(1000)}
         assert ck.load(target) == 5 and ck.last_load.sealed
         assert torch.equal(target["w"], state["w"])
-        join_running("resilient-ckpt-retention", 60)
         assert ck.memory is not None
         left = sorted(p.name for p in Path(ck.memory.steps).glob("step_*"))
         assert left == ["step_00000004", "step_00000005"]

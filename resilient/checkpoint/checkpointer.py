@@ -654,22 +654,6 @@ class Checkpointer:
         )
         return self._snap
 
-    def _collect(self, retired: list[tuple[Storage, list[str]]]) -> None:
-        """(the memory tier's own) Delete the step directories a seal retired, on a thread of the
-        worker (its failure is logged: retention takes them at a later commit)."""
-
-        def collect() -> None:
-            for storage, names in retired:
-                try:
-                    delete_dirs(storage, names)
-                except Exception as e:
-                    log.warning("could not delete retired snapshots %s: %s", names, e)
-
-        try:
-            self._worker.submit("resilient-ckpt-retention", collect)
-        except Exception:  # no thread could start: here, then
-            collect()
-
     def _persister_client(self) -> PersisterClient:
         assert self.memory is not None and self._persister_config is not None
         if self._persister is None:
@@ -1479,10 +1463,7 @@ class Checkpointer:
                 # (or never began: a sealed one) is committed first (seal.py): the fault then
                 # loses at most one step
                 assert self.memory is not None
-                retired: list[tuple[Storage, list[str]]] = []
-                sealed = seal_staged(self.memory.dir, garbage=retired)
-                if retired:  # the older steps' pages are freed while this load reads
-                    self._memory._collect(retired)
+                sealed = seal_staged(self.memory.dir)
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []

@@ -33,11 +33,12 @@ import re
 import stat
 import struct
 import time
+from concurrent.futures import FIRST_EXCEPTION, wait
 from types import SimpleNamespace
 from typing import Any
 
 from resilient.checkpoint.catalog import Catalog, scan
-from resilient.checkpoint.codec import crc32, crc_pool
+from resilient.checkpoint.codec import CRC_THREADS, crc32, crc_pool
 from resilient.checkpoint.format import (
     TensorEntry,
     rank_file_name,
@@ -57,7 +58,12 @@ RECORD_FORMAT = "resilient-staged-v1"
 _RECORD_RE = re.compile(r"^rank_(\d{5,9})\.step_(\d{1,19})\.json$")
 _LOCK = "seal.lock"
 _MAX_HEADER = 100 << 20
-_PARALLEL_BYTES = 16 << 20  # a file from this size on is checksummed on the checksum threads
+# a rank file checksummed on the checksum threads, in a few contiguous runs of blocks: from this
+# size on, with blocks of at least _PARALLEL_BLOCK bytes and at most _PARALLEL_CHUNKS chunks (the
+# blocks are listed first; a record of a million tiny chunks streams through here instead)
+_PARALLEL_BYTES = 16 << 20
+_PARALLEL_BLOCK = 1 << 20
+_PARALLEL_CHUNKS = 1 << 16
 _MAX_RECORD = 64 << 20
 _MAX_WORLD = 1 << 16
 
@@ -79,12 +85,7 @@ class NodeLocal:
 
 
 def seal_staged(
-    job_dir: str,
-    *,
-    wait_s: float = 0.0,
-    lock_s: float = 120.0,
-    newer_than: int | None = None,
-    garbage: list[tuple[Storage, list[str]]] | None = None,
+    job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0, newer_than: int | None = None
 ) -> int | None:
     """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
     was cut short (newest first; the first that seals ends it); returns its step, or None when
@@ -92,9 +93,6 @@ def seal_staged(
     the newest commit to be gone (the persister: the trainer's other ranks are being torn down).
     ``newer_than``: only steps after it are worth sealing (the persister's flush: the newest
     durable step; a snapshot no newer is never persisted, and sealing it costs a checksum pass).
-    ``garbage``: where to leave the step directories the seal's retention retires (the storage
-    and their names), for the caller to delete off its critical path (freeing a large snapshot's
-    pages takes a while: a restore should not wait for it); deleted here without it.
     Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
@@ -119,7 +117,7 @@ def seal_staged(
         newest = -1 if committed is None else committed.step
         try:
             wanted = {s: r for s, r in records.items() if newer_than is None or s > newer_than}
-            sealed = _seal_newest(wanted, staging, mem, catalog, garbage)
+            sealed = _seal_newest(wanted, staging, mem, catalog)
             if sealed is not None:
                 newest = max(newest, sealed)
         finally:
@@ -228,11 +226,7 @@ def _read_record(path: str) -> Any:
 
 
 def _seal_newest(
-    records: dict[int, dict[int, dict[str, Any]]],
-    staging: str,
-    mem: Storage,
-    catalog: Catalog,
-    garbage: list[tuple[Storage, list[str]]] | None = None,
+    records: dict[int, dict[int, dict[str, Any]]], staging: str, mem: Storage, catalog: Catalog
 ) -> int | None:
     from resilient import __version__ as version
 
@@ -243,7 +237,7 @@ def _seal_newest(
         if newest is not None and step <= newest.step:
             return None  # the commit got through (or a newer one did): nothing to finish
         try:
-            _seal(step, records[step], staging, mem, catalog.next_commit_seq(), version, garbage)
+            _seal(step, records[step], staging, mem, catalog.next_commit_seq(), version)
         except Exception as e:  # whatever a record or a file says, the step stays uncommitted
             log.warning("memory snapshot of step %d is not sealed: %s", step, e)
             continue
@@ -259,7 +253,6 @@ def _seal(
     mem: Storage,
     commit_seq: int,
     version: str,
-    later: list[tuple[Storage, list[str]]] | None = None,
 ) -> None:
     first = by_rank[min(by_rank)]
     world = first.get("world")
@@ -318,7 +311,7 @@ def _seal(
         )
         for r, (fd, path, ino) in zip(reports, opened, strict=True):
             _move(fd, path, ino, os.path.join(step_dir, r["file"]))
-        retired = publish_commit(
+        garbage = publish_commit(
             mem,
             NodeLocal(),
             manifest,
@@ -329,11 +322,8 @@ def _seal(
     finally:
         for fd, _path, _ino in opened:
             os.close(fd)
-    if later is not None:
-        later.append((mem, retired))
-        return
     with contextlib.suppress(Exception):
-        delete_dirs(mem, retired)
+        delete_dirs(mem, garbage)
 
 
 def _move(fd: int, path: str, ino: int, dest: str) -> None:
@@ -405,6 +395,19 @@ def _check_header_step(fd: int, size: int, step: int, path: str) -> None:
         raise _Unsealable(f"{path} holds another step than {step}")
 
 
+def _in_parallel(checksums: Any, ranges: list[list[int]], block_bytes: int) -> list[int]:
+    """``checksums`` of every block of ``ranges`` (in order), on the checksum threads: one job per
+    thread, each a contiguous run of the blocks.  Returns (or raises the first failure) only once
+    every job is over: none reads the file after its caller closes it."""
+    blocks = [(at, min(block_bytes, e - at)) for b, e in ranges for at in range(b, e, block_bytes)]
+    per = -(-len(blocks) // CRC_THREADS)
+    jobs = [crc_pool().submit(checksums, blocks[i : i + per]) for i in range(0, len(blocks), per)]
+    done, _ = wait(jobs, return_when=FIRST_EXCEPTION)
+    if any(j.exception() is not None for j in done):
+        wait(jobs)  # (the others still read: let them end first)
+    return [crc for j in jobs for crc in j.result()]
+
+
 def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
     """The rank's commit report, with the checksums of its chunks computed from the file (read,
     not mapped: a file cut short meanwhile is an error here, not a SIGBUS)."""
@@ -423,26 +426,32 @@ def _report(rec: dict[str, Any], rank: int, fd: int) -> dict[str, Any]:
         if not (type(b) is int and type(e) is int and 0 <= b <= e <= size):
             raise _Unsealable(f"rank {rank}'s chunk {key!r} lies outside its file")
         claimed += e - b
-    if claimed > size:  # (chunks never overlap: what they claim bounds the blocks listed below)
+    if claimed > size:  # (a rank's chunks lie one after another in its file)
         raise _Unsealable(f"rank {rank}'s chunks claim {claimed} bytes of a {size}-byte file")
-    blocks = [  # (offset, size) of every chunk's blocks, in order
-        (at, min(block_bytes, e - at))
-        for b, e in (c["byte_range"] for c in chunks.values())
-        for at in range(b, e, block_bytes)
-    ]
 
-    def checksum(block: tuple[int, int]) -> int:
-        data = os.pread(fd, block[1], block[0])
-        if len(data) != block[1]:
-            raise _Unsealable(f"rank {rank}'s file was cut short while it was being sealed")
-        return crc32(data)
+    def checksums(blocks: Any) -> list[int]:
+        out = []
+        for at, n in blocks:
+            data = os.pread(fd, n, at)
+            if len(data) != n:
+                raise _Unsealable(f"rank {rank}'s file was cut short while it was being sealed")
+            out.append(crc32(data))
+        return out
 
-    # a large file's blocks on the checksum threads (a restore waits for this pass), a small
-    # one's here (handing out a few kilobytes costs more than checksumming them)
-    if claimed >= _PARALLEL_BYTES:
-        computed = iter(list(crc_pool().map(checksum, blocks)))
-    else:
-        computed = iter([checksum(x) for x in blocks])
+    ranges = [c["byte_range"] for c in chunks.values()]
+    if (
+        claimed >= _PARALLEL_BYTES
+        and block_bytes >= _PARALLEL_BLOCK
+        and len(chunks) <= _PARALLEL_CHUNKS
+        and CRC_THREADS > 1
+    ):
+        computed = iter(_in_parallel(checksums, ranges, block_bytes))
+    else:  # (streamed: one block in memory at a time)
+        computed = iter(
+            checksums(
+                (at, min(block_bytes, e - at)) for b, e in ranges for at in range(b, e, block_bytes)
+            )
+        )
     out: dict[str, Any] = {}
     for key, c in chunks.items():
         b, e = c["byte_range"]
