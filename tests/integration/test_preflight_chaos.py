@@ -98,7 +98,9 @@ def test_preflight_names_a_slow_link(tmp_path):
 
 
 def test_preflight_names_nothing_when_nothing_is_injected(tmp_path):
-    code, report, text = _preflight(tmp_path, "--plot", str(tmp_path / "p.png"))
+    # judged at 0.2: under a full test run (four workers on two cores) a healthy link measured
+    # 0.24x of the median, alone, twice; the faults above are 12x and 20x
+    code, report, text = _preflight(tmp_path, "--plot", str(tmp_path / "p.png"), factor=0.2)
     assert (code, report["outliers"], report["failures"]) == (0, [], []), text
     assert report["ok"] and report["world_size"] == 3 and "PASSED" in text
     assert (tmp_path / "p.png").exists()
