@@ -211,23 +211,24 @@ def _pool_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return jobs
 
 
-def _two_large_sealed(ck: Checkpointer, state: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _two_large_sealed(ck: Checkpointer) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """Sealed snapshots of steps 1 and 2 of a 24 MB state (six 4 MB blocks): the state, and each
+    step's tensor."""
+    state = {"w": torch.randn(6 << 20, generator=torch.Generator().manual_seed(0))}
     want = {}
     for step in (1, 2):
         state["w"].add_(1.0)
         ck.snapshot(step, state).wait()
         want[step] = state["w"].clone()
-    return want
+    return state, want
 
 
 def test_a_large_sealed_snapshot_is_checked_on_the_checksum_threads(tmp_path, monkeypatch):
-    # 24 MB: six 4 MB blocks, checked on the checksum threads by the seal (seal._in_parallel); a
-    # byte flipped in the fifth block of the newest snapshot makes the restore take the one before
-    g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(6 << 20, generator=g)}
+    # the six blocks checked on the checksum threads by the seal (seal._in_parallel); a byte
+    # flipped in the fifth block of the newest snapshot makes the restore take the one before
     jobs = _pool_jobs(monkeypatch)
     with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
-        want = _two_large_sealed(ck, state)
+        state, want = _two_large_sealed(ck)
         path = _sealed_file(ck, 2)
         with open(path, "r+b") as f:
             f.seek(path.stat().st_size - (5 << 20))
@@ -244,11 +245,9 @@ def test_a_large_sealed_snapshot_is_checked_on_the_checksum_threads(tmp_path, mo
 def test_a_short_read_on_the_checksum_threads_leaves_the_step_unsealed(tmp_path, monkeypatch):
     import resilient.checkpoint.seal as seal
 
-    g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(6 << 20, generator=g)}
     jobs = _pool_jobs(monkeypatch)
     with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_commit_every=0) as ck:
-        want = _two_large_sealed(ck, state)
+        state, want = _two_large_sealed(ck)
         ino = _sealed_file(ck, 2).stat().st_ino
 
         class Short:  # the os module, but one block of step 2's file reads a byte short
