@@ -351,7 +351,7 @@ def block_kinds(args) -> list[tuple[int, bool, str | None]]:
     return kinds
 
 
-def block_kind_name(commit_every: int, two_nodes: bool, floor: str | None) -> str:
+def block_kind_name(commit_every: int, two_nodes: bool) -> str:
     where = ", two nodes (committed, a replica each)" if two_nodes else ""
     return f"--memory-commit-every {commit_every}{where}"
 
@@ -386,7 +386,7 @@ def trainer_blocks(args) -> list[dict[str, float]]:
                 res["kind"] = i
                 out.append(res)
                 print(
-                    f"  run {r}, {block_kind_name(k, split, floor)}: without "
+                    f"  run {r}, {block_kind_name(k, split)}: without "
                     f"{res['off'] * 1e3:.1f} ms, "
                     f"with a snapshot every step {res['on'] * 1e3:.1f} ms "
                     f"({res['on'] / res['off'] - 1:+.1%}; {res['steps']} steps each way)"
@@ -608,7 +608,7 @@ def main() -> None:
         floors = args.block_floors
         for i, kind in enumerate(block_kinds(args)):
             mine = [x for x in b if x["kind"] == i]
-            name = block_kind_name(*kind)
+            name = block_kind_name(*kind[:2])
             for x in mine:
                 row = [name, f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}"]
                 row.append(f"{x['on'] / x['off'] - 1:+.1%}")
