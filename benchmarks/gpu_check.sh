@@ -17,9 +17,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 BUDGET=${BUDGET:-520}  # seconds for all of it; a step that would start past it is skipped
+ONLY=${ONLY:-}  # names of the steps to run (all when empty), e.g. ONLY="gpu_snapshot pytest_gpu"
 step() {  # step NAME TIMEOUT CMD...: run CMD under TIMEOUT (cut to what the budget has left)
     local name=$1 limit=$2
     shift 2
+    [[ -z $ONLY || " $ONLY " == *" $name "* ]] || return 0
     local left=$((BUDGET - SECONDS))
     if ((left < 20)); then
         echo "== $name: skipped (budget spent at ${SECONDS}s)" | tee -a "$OUT/summary.txt"
@@ -44,7 +46,7 @@ step() {  # step NAME TIMEOUT CMD...: run CMD under TIMEOUT (cut to what the bud
 cat "$OUT/machine.txt"
 
 step gpu_snapshot 150 $PY benchmarks/gpu_snapshot.py --device cuda --preset small \
-    --json "$OUT/gpu_snapshot.json"
+    --train-steps 120 --json "$OUT/gpu_snapshot.json"
 step pytest_gpu 150 $PY -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -x
 step nccl_two_ranks 60 $PY benchmarks/nccl_ranks_per_gpu.py --ranks 2 --timeout 45 \
     --json "$OUT/nccl_two_ranks.json"

@@ -139,7 +139,8 @@ class MoE(nn.Module):
         # reduce over tp before weighting, so that the router's gradient is whole on every tp rank
         ye = reduce_from_tp(ye, pc)
         w = weights.reshape(-1)[order].unsqueeze(-1).to(ye.dtype)
-        out = torch.zeros_like(x).index_add(0, token, ye * w)  # (N, D)
+        # in the residual stream's dtype: under autocast the experts' matmuls give bf16, x is fp32
+        out = torch.zeros_like(x).index_add(0, token, (ye * w).to(x.dtype))  # (N, D)
         if self.cfg.shared_expert:
             gate, up = self.shared_gate_up(xi).chunk(2, dim=-1)
             out = out + reduce_from_tp(self.shared_down(F.silu(gate) * up), pc)

@@ -68,3 +68,32 @@ def test_sample_order_does_not_depend_on_the_data_parallel_size():
     x, y = whole.batch(2)
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
     assert whole.state_dict() == {"next_step": 3}
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_the_model_trains_under_bf16_autocast(name):
+    """The trainer's GPU path runs the model under bf16 autocast; the same dtypes meet on the CPU
+    (the experts' matmuls give bf16, the residual stream stays fp32), so CI catches a mix-up
+    that only a GPU run would otherwise show."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from reference_trainer.model import MoETransformer, init_parameters
+    from reference_trainer.parallel import ParallelContext
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = preset(name)
+        pc = ParallelContext.create(1, 1, 1, "cpu")
+        model = MoETransformer(cfg, pc)
+        init_parameters(model, pc, 0)
+        x = torch.randint(0, cfg.vocab_size, (2, min(cfg.seq_len, 64)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, aux = model(x)
+        assert logits.dtype == torch.bfloat16
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
+        (loss + aux).backward()
+        assert all(p.grad is not None and p.grad.dtype == p.dtype for p in model.parameters())
+        assert torch.isfinite(loss)
+    finally:
+        dist.destroy_process_group()
