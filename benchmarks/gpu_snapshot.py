@@ -169,6 +169,8 @@ def measure(args) -> dict:
                     add(f"snapshot stall, {kind}", stall)
                     add(f"snapshot background part, {kind}", write)
                     add(f"snapshot stall, {kind}, back to back", b2b)
+        slots = kinds["committed"]._memory._slots  # (whether its files are page-locked)
+        pinned = [bool(x.pinned) for x in (*slots._committed, *slots._staged)]
         # restore onto the device: memory against durable (local disk, warm)
         ck = kinds["committed"]
         step += 1
@@ -226,6 +228,7 @@ def measure(args) -> dict:
         "samples_s": out,
         "train_step_median_s": {k: statistics.median(v) for k, v in steps.items()},
         "train_steps_each": {k: len(v) for k, v in steps.items()},
+        "tier_files_page_locked": pinned,
         "machine": machine(),
         "torch": torch.__version__,
     }
@@ -241,6 +244,7 @@ def report(res: dict) -> str:
     lines = [
         f"{res['device']}, preset {res['preset']}: {res['tensors']} tensors, "
         f"{res['bytes'] / 2**20:.0f} MiB (the model and AdamW's moments, fp32); {res['machine']}",
+        f"the tier's files page-locked for the GPU: {res['tier_files_page_locked']}",
         "",
         markdown_table(["what", "median ms", "vs bare pinned copy", "GB/s"], rows),
         "",

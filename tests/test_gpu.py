@@ -82,13 +82,18 @@ def test_memory_snapshot_of_gpu_state_restores_bit_exact(tmp_path, commit_every)
         assert ck.load(out) == 2
         assert ck.last_load.source == "memory"
         assert bool(ck.last_load.sealed) == (commit_every == 0)
+        # copied from the device straight into the node's memory, page-locked for the copy
+        slots = ck._memory._slots
+        held = [*slots._committed, *slots._staged]
+        assert held and all(s.pinned for s in held), "the tier's files were not page-locked"
         ck.release_memory()
     for k in ("a", "b", "c"):
         assert out[k].device.type == "cuda" and torch.equal(out[k], state[k]), k
     assert out["step"] == 3
 
 
-def test_trainer_on_the_gpu_with_the_memory_tier_resumes_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("commit_every", ["1", "0"], ids=["committed", "sealed"])
+def test_trainer_on_the_gpu_with_the_memory_tier_resumes_where_it_stopped(tmp_path, commit_every):
     """The trainer on the GPU with a snapshot every step and no durable save of its own: the
     snapshots are taken from the device, the last one is made durable when the run ends, and a
     second run of the same job restores it onto the device and goes on."""
@@ -98,7 +103,8 @@ def test_trainer_on_the_gpu_with_the_memory_tier_resumes_where_it_stopped(tmp_pa
 
     ckpt, events = tmp_path / "ck", tmp_path / "events.jsonl"
     common = [sys.executable, "-m", "reference_trainer", "--device", "cuda", "--ckpt", str(ckpt)]
-    common += ["--memory-every", "1", "--save-every", "0", "--events", str(events)]
+    common += ["--memory-every", "1", "--memory-commit-every", commit_every]
+    common += ["--save-every", "0", "--events", str(events)]
     for steps in (4, 6):
         proc = subprocess.run(
             [*common, "--steps", str(steps)], capture_output=True, text=True, timeout=600

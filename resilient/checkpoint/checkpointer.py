@@ -188,7 +188,7 @@ class Checkpointer:
     ``step`` is a multiple of ``N`` (the two newest are kept), and ``load()`` restores the newest
     step of either tier, memory first, falling back to durable storage when a snapshot is missing
     or damaged.  ``save()`` keeps its meaning: a durable commit to ``url``.
-    ``memory_commit_every=K`` (on one node, CPU state): only one snapshot in ``K`` is committed as
+    ``memory_commit_every=K`` (on one node): only one snapshot in ``K`` is committed as
     it is taken (0: none); the others are *sealed*: each rank's copy and its staged record (with
     every chunk's checksums) are all there is: no handshake, no manifest, no background work.  A restore after a
     fault, the persister's flush and a durable save of the step commit a sealed snapshot when
@@ -337,13 +337,6 @@ class Checkpointer:
                 _namespace="mem",
             )
             self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
-            if memory_commit_every != 1 and self._distributed and _device().type != "cpu":
-                log.info(
-                    "memory_commit_every=%d: this job's collectives run on the GPU, whose "
-                    "snapshots are staged through host buffers: every snapshot is committed",
-                    memory_commit_every,
-                )
-                memory_commit_every = 1
             self._memory._commit_every = memory_commit_every
             self._memory._commit_period = memory_commit_every * memory_every
             if self.nodes.nodes > 1:
@@ -471,14 +464,10 @@ class Checkpointer:
         flat = flatten_state(state, layout, self.rank, cache=self._described)
         plan, on_gpu, known = self._plan(flat, layout, described=True)
         data: torch.Tensor | _Slot | Exception
-        if defer and on_gpu and self.world_size > 1:
-            # the other ranks seal theirs and wait for nothing: this rank's snapshot fails alone
-            # (a job whose collectives run on the GPU never seals: see the constructor)
-            return self._seal_snapshot(step, layout, plan, flat, t0, gpu=True)
-        if lean and not on_gpu:
+        if lean:
             assert self._slots is not None
             if defer:
-                return self._seal_snapshot(step, layout, plan, flat, t0, known=known)
+                return self._seal_snapshot(step, layout, plan, flat, t0, known=known, gpu=on_gpu)
             # Straight into the tmpfs rank file, while the snapshot before this one finishes
             # committing on another core; it is committed (or its failure raised) before this
             # one returns, so a fault loses at most the step being staged.  A failure here (no
@@ -487,7 +476,7 @@ class Checkpointer:
             try:
                 info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
                 data = self._slots.stage(
-                    plan, flat.tensors, step, info, self.block_bytes, fits=known
+                    plan, flat.tensors, step, info, self.block_bytes, fits=known, gpu=on_gpu
                 )
             except Exception as e:
                 data = e
@@ -542,8 +531,9 @@ class Checkpointer:
         known: bool = False,
     ) -> SaveHandle:
         """(the memory tier's own) A snapshot sealed by its staged record: the copy into the rank
-        file, the checksums of every chunk (a large tensor's as it is copied) and the record that
-        carries them, on the caller's thread; no handshake, no background work.  What a failure leaves (no file, no record)
+        file (from the GPU too: ``gpu``), the checksums of every chunk (a large tensor's as it is
+        copied) and the record that carries them, on the caller's thread; no handshake, no
+        background work.  What a failure leaves (no file, no record)
         is this rank's alone: the step is then not restorable, the one before it is."""
         assert self._slots is not None
         values = dict(flat.values)
@@ -552,15 +542,9 @@ class Checkpointer:
         slot: _Slot | None = None
         error: BaseException | None = None
         try:
-            if gpu:
-                raise MemoryTierError(
-                    f"snapshot of step {step} on rank {self.rank}: sealed snapshots take CPU "
-                    f"state, this rank's is on the GPU (the others' is not); pass "
-                    f"memory_commit_every=1"
-                )
             info = StagedInfo(layout, flat.values, self.job_id, self.block_bytes)
             slot = self._slots.stage(
-                plan, flat.tensors, step, info, self.block_bytes, sum_all=True, fits=known
+                plan, flat.tensors, step, info, self.block_bytes, sum_all=True, fits=known, gpu=gpu
             )
         except Exception as e:
             error = e
