@@ -47,7 +47,7 @@ cat "$OUT/machine.txt"
 
 step gpu_snapshot 150 $PY benchmarks/gpu_snapshot.py --device cuda --preset small \
     --train-steps 120 --json "$OUT/gpu_snapshot.json"
-step pytest_gpu 150 $PY -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -x
+step pytest_gpu 150 $PY -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --tb=native
 step nccl_two_ranks 60 $PY benchmarks/nccl_ranks_per_gpu.py --ranks 2 --timeout 45 \
     --json "$OUT/nccl_two_ranks.json"
 step throughput_small 120 $PY benchmarks/trainer_throughput.py --preset small --device cuda \

@@ -48,6 +48,7 @@ import mmap
 import os
 import stat
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -152,8 +153,13 @@ class _Slot:
         if self.pinned:  # before the mapping goes
             _unpin(self.pinned)
             self.pinned = 0
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()  # a tensor still viewing it keeps the mapping until it is freed
+        # A tensor still viewing the mapping (torch.frombuffer holds a reference to it, not an
+        # export: close() would unmap it under the tensor, and reading it then is a segfault;
+        # an exception's traceback holds the views its frames copied into) keeps it until that
+        # tensor is freed.  Otherwise (the attribute and getrefcount's argument) it goes now.
+        if sys.getrefcount(self.mm) <= 2:
+            with contextlib.suppress(BufferError, ValueError):
+                self.mm.close()
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
