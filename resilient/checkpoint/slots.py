@@ -42,6 +42,8 @@ step.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import mmap
@@ -722,8 +724,8 @@ def _pin(slot: _Slot) -> None:
     refuses (a sandbox, a locked-memory limit), copies go through the driver's bounce buffer."""
     global _PIN_WARNED
     slot.pin_tried = True
-    if not slot.size or not torch.cuda.is_available():
-        return
+    if not slot.size or not torch.cuda.is_available() or not _in_ram(slot.path):
+        return  # (a file on a disk's filesystem cannot be: the driver refuses its pages)
     t = torch.frombuffer(slot.mm, dtype=torch.uint8)
     ptr = t.data_ptr()
     del t  # (a tensor over the mapping would keep it from closing)
@@ -734,7 +736,9 @@ def _pin(slot: _Slot) -> None:
         ok, rc = False, e
     if ok:
         slot.pinned = ptr
-    elif not _PIN_WARNED:
+        return
+    _clear_device_error()  # else torch reports it at its next kernel launch, as that kernel's
+    if not _PIN_WARNED:
         _PIN_WARNED = True
         log.warning(
             "could not page-lock the memory tier's file %s for the GPU (%s): snapshots copy "
@@ -743,6 +747,54 @@ def _pin(slot: _Slot) -> None:
             slot.path,
             rc,
         )
+
+
+_RAM_FS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+@functools.lru_cache(maxsize=64)
+def _fs_type(directory: str) -> str:
+    """The type of the filesystem ``directory`` is on (the longest mount point above it in
+    /proc/self/mounts), or "" where that cannot be read."""
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                under = directory == mnt or directory.startswith(mnt.rstrip("/") + "/")
+                if under and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def _in_ram(path: str) -> bool:
+    return _fs_type(os.path.dirname(os.path.realpath(path))) in _RAM_FS
+
+
+def _clear_device_error() -> None:
+    """Reset the CUDA (HIP) runtime's last error after a call that failed (torch's binding of
+    cudaHostRegister leaves it set, and torch's next kernel launch would raise it), through
+    the runtime library this process loaded; nothing where it cannot be found."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {
+                line.split()[-1]
+                for line in f
+                if "/libcudart.so" in line or "/libamdhip64.so" in line
+            }
+        for path in sorted(paths):
+            lib = ctypes.CDLL(path)
+            fn = getattr(lib, "cudaGetLastError", None) or getattr(lib, "hipGetLastError", None)
+            if fn is not None:
+                fn()
+                return
+    except (OSError, AttributeError, IndexError):
+        pass
 
 
 def _unpin(ptr: int) -> None:
