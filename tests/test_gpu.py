@@ -113,14 +113,15 @@ def _snapshot_round_trip(tmp_path, commit_every: int, pinned: bool) -> None:
         for step in (1, 2):
             state["b"].add_(1.0)
             ck.snapshot(step, state).wait()
+        # copied from the device straight into the node's memory, page-locked for the copy (the
+        # files this rank holds: a load lets a sealed snapshot's go first)
+        slots = ck._memory._slots
+        held = [*slots._committed, *slots._staged]
+        assert held and all(bool(s.pinned) == pinned for s in held), [s.pinned for s in held]
         out = {k: torch.zeros_like(v) if torch.is_tensor(v) else 0 for k, v in state.items()}
         assert ck.load(out) == 2
         assert ck.last_load.source == "memory"
         assert bool(ck.last_load.sealed) == (commit_every == 0)
-        # copied from the device straight into the node's memory, page-locked for the copy
-        slots = ck._memory._slots
-        held = [*slots._committed, *slots._staged]
-        assert held and all(bool(s.pinned) == pinned for s in held), [s.pinned for s in held]
         ck.release_memory()
     for k in ("a", "b", "c"):
         assert out[k].device.type == "cuda" and torch.equal(out[k], state[k]), k
