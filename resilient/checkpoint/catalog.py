@@ -195,10 +195,10 @@ def summary_of(m: Manifest) -> ManifestSummary:
     return ManifestSummary(m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files))
 
 
-def remember_commit(storage: Storage, m: Manifest) -> None:
-    """Put the manifest a writer has just checked and published into the scan cache, so that the
-    scans right after a commit (retention, the next save) do not parse it again.  Keyed by the
-    file's stat like any entry: if the file changes, the entry is not used."""
+def remember_commit(storage: Storage, m: Manifest | ManifestSummary) -> None:
+    """Put the manifest a writer has just checked and published (or its summary) into the scan
+    cache, so that the scans right after a commit (retention, the next save) do not parse it
+    again.  Keyed by the file's stat like any entry: if the file changes, the entry is not used."""
     rel = f"{step_dir_name(m.step)}/{MANIFEST_NAME}"
     try:
         key = storage.stat_key(rel)
@@ -206,7 +206,7 @@ def remember_commit(storage: Storage, m: Manifest) -> None:
         return
     if key is None:
         return
-    summary = summary_of(m)
+    summary = m if isinstance(m, ManifestSummary) else summary_of(m)
     with _LOCK:
         _CACHE[(storage.location(), rel, key)] = summary
         while len(_CACHE) > _CACHE_SIZE:

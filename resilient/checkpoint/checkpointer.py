@@ -34,6 +34,7 @@ from resilient.checkpoint.format import (
     Manifest,
     ManifestEncoder,
     manifest_of_step,
+    manifest_summary,
     rank_file_name,
     step_dir_name,
 )
@@ -1238,18 +1239,24 @@ class Checkpointer:
 
     def _publish_on_this_node(self, committer: Committer, step: int) -> list[str]:
         """(a node's leader, memory tier across nodes) Publish the manifest rank 0 committed in
-        this node's own directory, and run retention there; returns what to delete."""
+        this node's own directory, and run retention there; returns what to delete.  Rank 0
+        checked these very bytes as readers will before it committed them (publish_commit), so
+        only their top level is parsed here, for retention and the catalog (parsing and checking
+        the whole tensor table again took two full parses, 8 ms a snapshot of the tiny preset,
+        on the node leader's background thread); a reader checks it all when it reads the step."""
         data = committer.store.get(f"{committer.prefix}/manifest")
         step_rel = step_dir_name(step)
-        manifest = manifest_of_step(data, self.storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
+        summary = manifest_summary(data, self.storage.display(f"{step_rel}/{MANIFEST_NAME}"), step)
         garbage = publish_commit(
             self.storage,
             NodeLocal(),
-            manifest,
+            summary,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             collect=self._sweep,
             sweep_step=False,  # the node's other ranks may be receiving replicas into it
+            data=data,
+            verified=True,
         )
         self._sweep.committed()
         return garbage
@@ -1441,7 +1448,7 @@ class Checkpointer:
                 if self._snap is not None and self._snap._sealed_meta is not None:
                     self._snap = None  # (let go: a durable save of its step takes a new one)
                 if self._distributed and self.world_size > 1:
-                    dist.barrier()
+                    _barrier()
             if self.rank == 0:
                 # a snapshot whose copy every rank finished but whose commit a fault cut short
                 # (or never began: a sealed one) is committed first (seal.py): the fault then
@@ -2044,6 +2051,16 @@ def check_memory_options(memory_every: Any, memory_commit_every: Any) -> None:
             f"memory_commit_every must be an int >= 0 (1: commit every memory snapshot; 0: only "
             f"when a restore, a flush or a durable save needs it), got {memory_commit_every!r}"
         )
+
+
+def _barrier() -> None:
+    """A barrier of the default group; under NCCL on this rank's own device (without
+    ``device_ids`` NCCL guesses the device from the rank, and a wrong guess can hang)."""
+    device = _device()
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
 
 
 def _device() -> torch.device:

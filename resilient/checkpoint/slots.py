@@ -48,9 +48,9 @@ import json
 import logging
 import mmap
 import os
+import re
 import stat
 import struct
-import sys
 import threading
 import time
 from collections import deque
@@ -124,10 +124,14 @@ class _Slot:
         self._views: tuple[WritePlan, list[torch.Tensor]] | None = None
         # page-locked for the GPU (cudaHostRegister: _pin): the mapping's address, else 0
         self.pinned = 0
+        self.pin_device = -1  # the device current when it was page-locked
         self.pin_tried = False
 
     def data(self) -> torch.Tensor:
-        return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.prefix)
+        # through numpy: a view of it is an export of the mapping's buffer, so close() cannot
+        # unmap it under a tensor that still views it (torch.frombuffer holds a reference only,
+        # and reading such a tensor after close() was a segfault: a traceback's repr did)
+        return torch.from_numpy(np.frombuffer(self.mm, dtype=np.uint8, offset=self.prefix))
 
     def views(self, plan: WritePlan) -> list[torch.Tensor]:
         """Each of ``plan``'s chunks as a tensor over its bytes in the file (made once per plan:
@@ -153,15 +157,10 @@ class _Slot:
     def close(self) -> None:
         self._views = None
         if self.pinned:  # before the mapping goes
-            _unpin(self.pinned)
+            _unpin(self.pinned, self.pin_device, self.path)
             self.pinned = 0
-        # A tensor still viewing the mapping (torch.frombuffer holds a reference to it, not an
-        # export: close() would unmap it under the tensor, and reading it then is a segfault;
-        # an exception's traceback holds the views its frames copied into) keeps it until that
-        # tensor is freed.  Otherwise (the attribute and getrefcount's argument) it goes now.
-        if sys.getrefcount(self.mm) <= 2:
-            with contextlib.suppress(BufferError, ValueError):
-                self.mm.close()
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()  # a view still exported keeps the mapping until it is freed
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
@@ -277,8 +276,8 @@ class Slots:
                         _copy_from_devices([views[i] for i in rest], [srcs[i] for i in rest])
                     elif rest:
                         _copy([views[i] for i in rest], [srcs[i] for i in rest])
-                if sum_all and block_bytes is not None:
-                    _sum_rest(slot, plan, block_bytes, template.small(block_bytes))
+                if sum_all and block_bytes is not None:  # (a GPU state's on the crc threads)
+                    _sum_rest(slot, plan, block_bytes, template.small(block_bytes), parallel=gpu)
         except BaseException:
             self.settled(slot, False)  # half-written: the spare, never a snapshot
             raise
@@ -656,24 +655,40 @@ class _HeaderTemplate:
 
 
 def _sum_rest(
-    slot: _Slot, plan: WritePlan, block_bytes: int, small: tuple[tuple[str, int, int], ...]
+    slot: _Slot,
+    plan: WritePlan,
+    block_bytes: int,
+    small: tuple[tuple[str, int, int], ...],
+    parallel: bool = False,
 ) -> None:
-    """The checksums the copy did not take (the small tensors'), from the mapped file: a chunk of
-    one block (``small``, most of them) in one call."""
+    """The checksums the copy did not take (the small tensors', and a GPU state's), from the
+    mapped file: a chunk of one block (``small``, most of them) in one call; with ``parallel``
+    the blocks of the others on the checksum threads, all of them in one batch (the caller is
+    not one of those threads)."""
     view, sums, prefix = memoryview(slot.mm), slot.sums, slot.prefix
     try:
         for key, a, b in small:
             sums[key] = (crc32_of(view[a:b]),)
         if len(sums) == len(plan.items):
             return
+        todo = [it.key for it in plan.items if it.key not in sums]
+        spans: list[tuple[str, int, int]] = []  # (key, begin, end) of each block, in order
         for it in plan.items:
             if it.key not in sums:
                 a, b = prefix + it.begin, prefix + it.end
-                sums[it.key] = (
-                    (crc32(view[a:b]),)
-                    if 0 < b - a <= block_bytes
-                    else tuple(block_checksums(view[a:b], block_bytes, parallel=False))
-                )
+                spans += [(it.key, x, min(x + block_bytes, b)) for x in range(a, b, block_bytes)]
+
+        def one(span: tuple[str, int, int]) -> int:
+            return crc32(view[span[1] : span[2]])
+
+        values = (
+            list(crc_pool().map(one, spans)) if parallel and len(spans) >= 4 else map(one, spans)
+        )
+        out: dict[str, list[int]] = {key: [] for key in todo}
+        for (key, _, _), value in zip(spans, values):
+            out[key].append(value)
+        for key in todo:  # (an empty tensor has no block: no checksum)
+            sums[key] = tuple(out[key])
     finally:
         view.release()
 
@@ -704,17 +719,20 @@ def _copy_from_devices(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> N
     so that the bytes are in place when this returns (into page-locked memory the copy engine
     writes them directly; into pageable memory the driver copies through a bounce buffer)."""
     devices = set()
-    for d, src in zip(dests, srcs):
-        if src.is_cuda:
-            d.copy_(src, non_blocking=True)
-            devices.add(src.device)
-        else:
-            d.copy_(src)
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
+    try:
+        for d, src in zip(dests, srcs):
+            if src.is_cuda:
+                devices.add(src.device)
+                d.copy_(src, non_blocking=True)
+            else:
+                d.copy_(src)
+    finally:  # also when one copy failed: none still writes into the file after this returns
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
 
 
 _PIN_WARNED = False
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable (hipHostRegisterPortable)
 
 
 def _pin(slot: _Slot) -> None:
@@ -728,14 +746,16 @@ def _pin(slot: _Slot) -> None:
         return  # (a file on a disk's filesystem cannot be: the driver refuses its pages)
     t = torch.frombuffer(slot.mm, dtype=torch.uint8)
     ptr = t.data_ptr()
-    del t  # (a tensor over the mapping would keep it from closing)
+    del t
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, slot.size, 0)
-        ok = int(getattr(rc, "value", rc)) == 0
+        device = torch.cuda.current_device()
+        # portable: page-locked for every device's context, not only the current one's
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, slot.size, _HOST_REGISTER_PORTABLE)
+        ok = _code(rc) == 0
     except (AttributeError, RuntimeError, TypeError) as e:
         ok, rc = False, e
     if ok:
-        slot.pinned = ptr
+        slot.pinned, slot.pin_device = ptr, device
         return
     _clear_device_error()  # else torch reports it at its next kernel launch, as that kernel's
     if not _PIN_WARNED:
@@ -750,25 +770,33 @@ def _pin(slot: _Slot) -> None:
 
 
 _RAM_FS = ("tmpfs", "hugetlbfs", "ramfs")
+_OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts escapes space, tab, newline, backslash
 
 
 @functools.lru_cache(maxsize=64)
 def _fs_type(directory: str) -> str:
-    """The type of the filesystem ``directory`` is on (the longest mount point above it in
-    /proc/self/mounts), or "" where that cannot be read."""
-    best, kind = "", ""
+    """The type of the filesystem ``directory`` is on, or "" where that cannot be read."""
     try:
         with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                under = directory == mnt or directory.startswith(mnt.rstrip("/") + "/")
-                if under and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
+            mounts = f.read()
+    except OSError as e:
+        log.info("cannot read /proc/self/mounts (%s): the tier's files are not page-locked", e)
         return ""
+    return _fs_type_in(mounts, directory)
+
+
+def _fs_type_in(mounts: str, directory: str) -> str:
+    """The type of the filesystem of the longest mount point above ``directory`` in ``mounts``
+    (/proc/self/mounts' text, whose paths escape space, tab, newline and backslash in octal)."""
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[1])
+        under = directory == mnt or directory.startswith(mnt.rstrip("/") + "/")
+        if under and len(mnt) >= len(best):
+            best, kind = mnt, parts[2]
     return kind
 
 
@@ -779,27 +807,49 @@ def _in_ram(path: str) -> bool:
 def _clear_device_error() -> None:
     """Reset the CUDA (HIP) runtime's last error after a call that failed (torch's binding of
     cudaHostRegister leaves it set, and torch's next kernel launch would raise it), through
-    the runtime library this process loaded; nothing where it cannot be found."""
+    each runtime library this process loaded; nothing where none can be found."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {
-                line.split()[-1]
-                for line in f
-                if "/libcudart.so" in line or "/libamdhip64.so" in line
-            }
-        for path in sorted(paths):
+            paths = _runtime_libraries(f.read())
+    except OSError:
+        return
+    for path in paths:
+        try:
             lib = ctypes.CDLL(path)
-            fn = getattr(lib, "cudaGetLastError", None) or getattr(lib, "hipGetLastError", None)
-            if fn is not None:
-                fn()
-                return
-    except (OSError, AttributeError, IndexError):
-        pass
+        except OSError:
+            continue
+        fn = getattr(lib, "cudaGetLastError", None) or getattr(lib, "hipGetLastError", None)
+        if fn is not None:
+            fn()  # (the last error is per runtime and thread: each runtime loaded)
 
 
-def _unpin(ptr: int) -> None:
-    with contextlib.suppress(AttributeError, RuntimeError, TypeError):
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+def _runtime_libraries(maps: str) -> list[str]:
+    """The CUDA and HIP runtime libraries in /proc/self/maps' text, by path (which may hold
+    spaces, or end in " (deleted)" when the file was replaced under the running process)."""
+    paths = set()
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and ("/libcudart.so" in parts[5] or "/libamdhip64.so" in parts[5]):
+            paths.add(parts[5].removesuffix(" (deleted)"))
+    return sorted(paths)
+
+
+def _unpin(ptr: int, device: int, path: str) -> None:
+    """Undo ``_pin``, with its device current (this may run on a commit thread, whose current
+    device is the first: the runtime would make a context there for nothing)."""
+    try:
+        with torch.cuda.device(device):
+            rc = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if _code(rc) != 0:
+            _clear_device_error()
+            log.warning("could not release the page-lock of %s (%s)", path, rc)
+    except (AttributeError, RuntimeError, TypeError) as e:
+        log.warning("could not release the page-lock of %s (%s)", path, e)
+
+
+def _code(rc: Any) -> int:
+    """A CUDA error code from torch's binding (an enum, or an int)."""
+    return int(getattr(rc, "value", rc))
 
 
 def _fusable(

@@ -39,6 +39,7 @@ from resilient.checkpoint.format import (
     ChunkEntry,
     FileEntry,
     Manifest,
+    ManifestSummary,
     TensorEntry,
     check_variable_parts,
     dtype_info,
@@ -706,7 +707,7 @@ _MISSING = object()
 def publish_commit(
     storage: Storage,
     lease: Any,
-    manifest: Manifest,
+    manifest: Manifest | ManifestSummary,
     *,
     keep_last: int,
     keep_every: int | None,
@@ -715,6 +716,7 @@ def publish_commit(
     shape_checked: bool = False,
     data: bytes | None = None,
     catalog: Catalog | None = None,
+    verified: bool = False,
 ) -> list[str]:
     """Commit a step whose files are written: check that readers would accept the manifest,
     make the directory durable, check the writer lease, publish the manifest, then (under the
@@ -722,23 +724,29 @@ def publish_commit(
     files of this step, and the directories retention dropped (uncommitted already).  ``data``:
     the manifest's bytes where the caller has them (``manifest_to_bytes`` otherwise);
     ``catalog``: the caller's scan of ``storage`` under the lease, before this commit (retention
-    then lists the steps once per commit instead of twice)."""
+    then lists the steps once per commit instead of twice).  ``verified``: ``data`` are bytes
+    this check passed already, where they were made (a node's leader publishing the manifest
+    rank 0 committed: ``manifest`` is then its ``ManifestSummary``, from ``data`` itself)."""
     step = manifest.step
     step_rel = step_dir_name(step)
     if data is None:
+        assert isinstance(manifest, Manifest)
         data = manifest_to_bytes(manifest)
     where = storage.display(f"{step_rel}/{MANIFEST_NAME}")
     try:  # never publish what a reader would refuse (the caps, JSON depth, ...)
-        if shape_checked:  # (the caller compared all but the variable parts with a checked one)
+        if verified:
+            pass
+        elif shape_checked:  # (the caller compared all but the variable parts with a checked one)
             check_variable_parts(data, manifest, where)
         else:
             manifest_of_step(data, where, step)
     except CheckpointCorruptError as e:
         raise CommitError(f"refusing to commit step {step}: readers would refuse it: {e}") from None
+    summary = manifest if isinstance(manifest, ManifestSummary) else summary_of(manifest)
     storage.sync_dir(step_rel)
     lease.check()  # nobody took the URL over while the files were written
     storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
-    remember_commit(storage, manifest)
+    remember_commit(storage, summary)
     # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps that
     # retention drops are uncommitted before the outcome is published, so every rank's wait()
     # sees the same steps; their bytes are deleted after.  Nothing is deleted unless the lease is
@@ -757,13 +765,13 @@ def publish_commit(
     try:
         # Files of an older generation of this step, and temp files, are garbage now.
         for name in storage.listdir(step_rel) if sweep_step else ():
-            if name != MANIFEST_NAME and name not in manifest.files:
+            if name != MANIFEST_NAME and name not in summary.files:
                 garbage.append(f"{step_rel}/{name}")
         if catalog is not None:  # (the lease kept other writers out since: only this commit)
             catalog = Catalog(
                 [
                     *(i for i in catalog.infos.values() if i.step != step),
-                    committed_step(step_rel, summary_of(manifest)),
+                    committed_step(step_rel, summary),
                 ]
             )
         garbage += retire_steps(
