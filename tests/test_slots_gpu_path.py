@@ -221,3 +221,21 @@ def test_the_runtime_libraries_are_found_in_the_maps_whatever_their_path():
         "/opt/my env/lib/libcudart.so.13",
         "/opt/rocm/lib/libamdhip64.so.6",
     ]
+
+
+def test_a_view_of_a_closed_rank_file_stays_readable(tmp_path):
+    """A tensor that still views a rank file when the file is closed (a traceback's frame holds
+    the views a failed copy was given, say) keeps its mapping: reading it is not a segfault."""
+    import mmap
+    import os
+
+    path = tmp_path / "rank.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, 1 << 16)
+    mm = mmap.mmap(fd, 1 << 16, flags=mmap.MAP_SHARED)
+    slot = slots._Slot(str(path), fd, mm, ("k",), 4096)
+    view = slot.data()[:1024].view(torch.float32)
+    view.fill_(2.5)
+    slot.close()
+    assert float(view.sum()) == 2.5 * 256
+    del view  # the mapping goes with the last view
