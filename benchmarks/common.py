@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,47 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def scratch(prefix: str, disk: str | None, shm: str | None) -> tuple[str, str]:
+    """A directory for durable storage under ``disk`` and a memory-tier root under ``shm`` (set
+    as ``RESILIENT_MEMORY_ROOT`` for this process and what it starts) for one benchmark."""
+    d = tempfile.mkdtemp(prefix=prefix, dir=disk)
+    m = tempfile.mkdtemp(prefix=prefix, dir=shm)
+    os.environ["RESILIENT_MEMORY_ROOT"] = m
+    return d, m
+
+
+class Samples(dict):
+    """Seconds measured, by name, in the order taken."""
+
+    def add(self, name: str, seconds: float) -> None:
+        self.setdefault(name, []).append(seconds)
+
+
+def snapshot_times(
+    ck, step: int, state, before: Callable[[], object] = lambda: None
+) -> tuple[float, float, float, int]:
+    """A memory snapshot's times: its stall with the previous one written, its background part
+    (from the call's return to ``wait()``), and the stall of a snapshot taken right after another
+    (back to back: it waits for the other's background part); ``before`` runs before the first
+    (a device sync).  Returns them with the last step number taken."""
+    ck.wait_snapshot()
+    step += 1
+    before()
+    t0 = time.perf_counter()
+    h = ck.snapshot(step, state)
+    stall = time.perf_counter() - t0
+    h.wait()
+    write = time.perf_counter() - t0 - stall
+    step += 1
+    ck.snapshot(step, state)
+    step += 1
+    t0 = time.perf_counter()
+    ck.snapshot(step, state)
+    b2b = time.perf_counter() - t0
+    ck.wait_snapshot()
+    return stall, write, b2b, step
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -33,7 +33,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from common import machine, markdown_table  # noqa: E402
+from common import Samples, machine, markdown_table, scratch, snapshot_times  # noqa: E402
 
 from reference_trainer.config import preset  # noqa: E402
 from reference_trainer.model import MoETransformer, init_parameters  # noqa: E402
@@ -118,13 +117,9 @@ def measure(args) -> dict:
     pin = device.type == "cuda"
     pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
     pageable = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
-    disk = tempfile.mkdtemp(prefix="gpu-snap-", dir=args.dir)
-    shm = tempfile.mkdtemp(prefix="gpu-snap-", dir=args.shm)
-    os.environ["RESILIENT_MEMORY_ROOT"] = shm
-    out: dict[str, list[float]] = {}
-
-    def add(name: str, seconds: float) -> None:
-        out.setdefault(name, []).append(seconds)
+    disk, shm = scratch("gpu-snap-", args.dir, args.shm)
+    out = Samples()
+    add = out.add
 
     def bare(into: list[torch.Tensor]) -> float:
         sync(device)
@@ -150,21 +145,7 @@ def measure(args) -> dict:
                 add("bare copy_ into pinned host memory", b)
                 add("bare copy_ into pageable host memory", p)
             for kind, ck in kinds.items():
-                ck.wait_snapshot()
-                step += 1
-                sync(device)
-                t0 = time.perf_counter()
-                h = ck.snapshot(step, state)
-                stall = time.perf_counter() - t0
-                h.wait()
-                write = time.perf_counter() - t0 - stall
-                step += 1
-                ck.snapshot(step, state)
-                step += 1
-                t0 = time.perf_counter()
-                ck.snapshot(step, state)
-                b2b = time.perf_counter() - t0
-                ck.wait_snapshot()
+                stall, write, b2b, step = snapshot_times(ck, step, state, lambda: sync(device))
                 if r:
                     add(f"snapshot stall, {kind}", stall)
                     add(f"snapshot background part, {kind}", write)

@@ -62,7 +62,17 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import drop_caches, gib, machine, markdown_table, median, write_results  # noqa: E402
+from common import (  # noqa: E402
+    Samples,
+    drop_caches,
+    gib,
+    machine,
+    markdown_table,
+    median,
+    scratch,
+    snapshot_times,
+    write_results,
+)
 
 from resilient import Checkpointer  # noqa: E402
 from resilient.checkpoint.persister import OUTBOX, Promoter, link_to_outbox  # noqa: E402
@@ -97,13 +107,9 @@ def compute(seconds: float) -> None:
 def bench(args) -> dict:
     state = make_state(int(args.gib * 2**30))
     total = sum(t.numel() * t.element_size() for t in state.values())
-    disk = tempfile.mkdtemp(prefix="mem-bench-", dir=args.dir)
-    shm = tempfile.mkdtemp(prefix="mem-bench-", dir=args.shm)
-    os.environ["RESILIENT_MEMORY_ROOT"] = shm
-    out: dict[str, list[float]] = {}
-
-    def add(name: str, seconds: float) -> None:
-        out.setdefault(name, []).append(seconds)
+    disk, shm = scratch("mem-bench-", args.dir, args.shm)
+    out = Samples()
+    add = out.add
 
     try:
         buffers = {k: torch.empty_like(v) for k, v in state.items()}
@@ -115,22 +121,9 @@ def bench(args) -> dict:
             for k, v in state.items():
                 buffers[k].copy_(v)
             bare = time.perf_counter() - t0
-            # a snapshot after the previous one finished writing
-            ck.wait_snapshot()
-            step += 1
-            t0 = time.perf_counter()
-            h = ck.snapshot(step, state)
-            stall = time.perf_counter() - t0
-            h.wait()
-            write = time.perf_counter() - t0 - stall
-            # back to back: the next snapshot at once, so it waits for the previous write
-            step += 1
-            h = ck.snapshot(step, state)
-            t0 = time.perf_counter()
-            step += 1
-            ck.snapshot(step, state)
-            b2b = time.perf_counter() - t0
-            ck.wait_snapshot()
+            # a snapshot after the previous one finished writing, and back to back (the next
+            # snapshot at once, so it waits for the previous write)
+            stall, write, b2b, step = snapshot_times(ck, step, state)
             # with compute between snapshots (a training step), a fraction of a bare copy long:
             # how much of a step the background work needs before the stall is one copy again
             for frac in GAPS:
