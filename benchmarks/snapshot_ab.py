@@ -19,7 +19,7 @@ moods fall on both alike:
   ratios of the steps with snapshots to those without.  Steadier than separate runs.
 
 Usage: ``python benchmarks/snapshot_ab.py --other /path/to/a/checkout [--rounds 4] [--blocks]
-[--commit-every 0]``
+[--commit-every 0] [--two-nodes]``
 (make a checkout of another commit with ``git worktree add /tmp/base <commit>``).
 """
 
@@ -124,6 +124,7 @@ def blocks(tree: str, args, tmp: str) -> tuple[float, float]:
             tree=tree,
             env={"RESILIENT_MEMORY_ROOT": memory},
             commit_every=args.commit_every,
+            split_nodes=args.two_nodes,
         )
     finally:
         shutil.rmtree(memory, ignore_errors=True)
@@ -157,6 +158,12 @@ def main() -> None:
         default=1,
         help="memory_commit_every of the small state's checkpointer and the trainer's "
         "--memory-commit-every under --blocks (0: sealed snapshots; both trees must have it)",
+    )
+    p.add_argument(
+        "--two-nodes",
+        action="store_true",
+        help="under --blocks: each rank's memory tier under a root of its own, so each rank "
+        "stands for a node (every snapshot committed and sent to the other as its peer replica)",
     )
     args = p.parse_args()
     trees = {"this tree": HERE, "other tree": os.path.abspath(args.other)}

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint.format import rank_file_name
+from resilient.checkpoint.links import Link, Links, send_in_background
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointNotFoundError, ResilientError
 
@@ -125,6 +126,7 @@ class Replicas:
         self._timeout_s = timeout_s
         self.group: dist.ProcessGroup | None = None
         self.lanes: list[dist.ProcessGroup] = []
+        self.links: Links | None = None  # the replicas' bytes, by socket (links.py)
         self.epoch = 0  # one more at every regroup: a save begun before it uses none of them
         self.regroup()
 
@@ -140,12 +142,22 @@ class Replicas:
         # then carries one direction per group (two nodes send to each other at once, and one
         # connection carrying both directions moved them one after the other: half the speed)
         self.lanes = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(2)]
+        # and, faster, on a connection of their own per peer pair (gloo when it cannot be made)
+        links, self.links = self.links, None
+        if links is not None:
+            links.close()
+        peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
+        if peer is not None and source is not None:
+            self.links = Links(self.group, self.rank, peer, source, self._timeout_s)
 
     def drop_groups(self) -> None:
         """(in-job recovery) Let go of the broken generation's groups, so that they can be freed
         (gloo closes a group's connections only then); a replication or exchange still running
         fails, and none starts until ``regroup``."""
         self.group, self.lanes = None, []
+        links, self.links = self.links, None
+        if links is not None:
+            links.close()  # (a transfer in flight on them fails at once)
 
     def _groups(
         self, epoch: int | None = None
@@ -178,6 +190,9 @@ class Replicas:
         if peer is None or source is None:
             return
         group, lanes = self._groups(epoch)
+        links = self.links
+        out_link = links.out if links is not None and links.out is not None else None
+        in_link = links.into if links is not None and links.into is not None else None
         data: torch.Tensor | None = None
         try:
             if own is not None:
@@ -188,8 +203,11 @@ class Replicas:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if data is None or not int(agreed.item()):
             return
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-        theirs = torch.zeros(1, dtype=torch.int64)
+        # with the size, whether this rank's connection to its peer is up (and below, with the
+        # readiness, whether the one from its source is): the bytes go by socket where both ends
+        # of a pair's connection are up, through gloo otherwise; both ends decide alike
+        size = torch.tensor([data.numel(), int(out_link is not None and out_link.up)])
+        theirs = torch.zeros(2, dtype=torch.int64)
         reqs = [
             dist.isend(size, peer, group=group),
             dist.irecv(theirs, source, group=group),
@@ -197,7 +215,7 @@ class Replicas:
         for r in reqs:
             r.wait()
         name = rank_file_name(source, generation)
-        size = int(theirs.item())
+        size, source_link_up = int(theirs[0].item()), bool(theirs[1].item())
         spare, self._spare = self._spare, None
         if spare is not None and spare.size != size:
             spare.discard()
@@ -208,27 +226,25 @@ class Replicas:
                 # Each rank tells its source whether it can take the file (no room, no inode or
                 # descriptor left): a sender sends only to a rank that will receive, so that no
                 # rank waits for a transfer the other side will not make.
-                ready = torch.tensor([int(incoming.failed is None)], dtype=torch.int64)
-                peer_ready = torch.zeros(1, dtype=torch.int64)
+                ready = torch.tensor(
+                    [int(incoming.failed is None), int(in_link is not None and in_link.up)]
+                )
+                peer_ready = torch.zeros(2, dtype=torch.int64)
                 reqs = [
                     dist.isend(ready, source, group=group),
                     dist.irecv(peer_ready, peer, group=group),
                 ]
                 for r in reqs:
                     r.wait()
-                out_lane = lanes[self.nodes.node_of[self.rank] % 2]
-                in_lane = lanes[self.nodes.node_of[source] % 2]
-                reqs = [
-                    dist.isend(data, peer, group=out_lane)
-                    if data.numel() and int(peer_ready.item())
-                    else None,
-                    dist.irecv(incoming.tensor, source, group=in_lane)
-                    if incoming.size and incoming.failed is None
-                    else None,
-                ]
-                for r in reqs:
-                    if r is not None:
-                        r.wait()
+                self._transfer(
+                    data if data.numel() and int(peer_ready[0].item()) else None,
+                    incoming if incoming.size and incoming.failed is None else None,
+                    _agreed(out_link, bool(peer_ready[1].item())),
+                    _agreed(in_link, source_link_up),
+                    lanes,
+                    peer,
+                    source,
+                )
             received = int(incoming.failed is None)  # (not kept: the older replicas stay)
         finally:
             # The older replicas go only once every rank holds its source's file of this step:
@@ -244,6 +260,58 @@ class Replicas:
             self._drop_older(storage, step_rel, source, older)
         elif older is not None:  # the previous step's replica stays where it is, unmapped
             older.close()
+
+    def _transfer(
+        self,
+        data: torch.Tensor | None,
+        incoming: _Incoming | None,
+        out_link: Link | None,
+        in_link: Link | None,
+        lanes: list[dist.ProcessGroup],
+        peer: int,
+        source: int,
+    ) -> None:
+        """Send ``data`` to the peer and receive the source's file into ``incoming`` (either
+        None: not this time), both at once: by socket where a link is given, else through the
+        lane of the sending node's parity.  A receive that fails by socket sets
+        ``incoming.failed``; one through gloo raises, as a send does."""
+        sender, sent_failed, reqs = None, [], []
+        try:
+            if data is not None:
+                if out_link is not None:
+                    sender, sent_failed = send_in_background(out_link, memoryview(data.numpy()))
+                else:
+                    out_lane = lanes[self.nodes.node_of[self.rank] % 2]
+                    reqs.append(dist.isend(data, peer, group=out_lane))
+            if incoming is not None:
+                if in_link is None:
+                    in_lane = lanes[self.nodes.node_of[source] % 2]
+                    reqs.append(dist.irecv(incoming.tensor, source, group=in_lane))
+                else:
+                    try:
+                        in_link.receive_into(memoryview(incoming.tensor.numpy()))
+                    except Exception as e:
+                        incoming.failed = e
+                        log.warning(
+                            "rank %d: the replica from rank %d failed (%s); this rank keeps the "
+                            "previous one, and the replicas travel through gloo from now on",
+                            self.rank,
+                            source,
+                            e,
+                        )
+            for r in reqs:
+                r.wait()
+        finally:
+            if sender is not None:
+                sender.join()
+        if sent_failed:
+            log.warning(
+                "rank %d: sending its replica to rank %d failed (%s); the replicas travel "
+                "through gloo from now on",
+                self.rank,
+                peer,
+                sent_failed[0],
+            )
 
     def _drop_older(
         self, storage: Storage, keep_rel: str, source: int, older: _Mapped | None
@@ -273,7 +341,10 @@ class Replicas:
                         log.warning("could not drop an old replica %s/%s: %s", name, f, e)
 
     def close(self) -> None:
-        """Unmap the replica and the spare, and remove the spare's file."""
+        """Unmap the replica and the spare, remove the spare's file, close the connections."""
+        links, self.links = self.links, None
+        if links is not None:
+            links.close()
         for held in (self._held, self._spare):
             if held is not None:
                 held.close()
@@ -380,6 +451,17 @@ class Replicas:
                 len(transfers),
             )
         return len(transfers)
+
+
+def _agreed(link: Link | None, other_end_up: bool) -> Link | None:
+    """``link`` when both ends of its connection are up; closed when only this one is (the
+    other end failed a transfer and closed its own: the connection is out of step)."""
+    if link is None or not link.up:
+        return None
+    if not other_end_up:
+        link.close()
+        return None
+    return link
 
 
 class _Mapped:
