@@ -87,7 +87,11 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
     queue = _CTX.Queue()
     # the forkserver's environment is that of the test that started it: pass on this test's
     # memory root (tests/conftest.py), so no rank writes into the machine's /dev/shm
-    env = {k: os.environ[k] for k in ("RESILIENT_MEMORY_ROOT",) if k in os.environ}
+    env = {
+        k: os.environ[k]
+        for k in ("RESILIENT_MEMORY_ROOT", "RESILIENT_REPLICA_LINKS")
+        if k in os.environ
+    }
     procs = [
         _CTX.Process(target=_child, args=(fn, r, world_size, port, args, queue, env), daemon=True)
         for r in range(world_size)

@@ -9,10 +9,20 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from resilient import Checkpointer, Shard, sharded
 from tests.dist import run_distributed
+
+
+@pytest.fixture(params=["links", "gloo"])
+def transport(request, monkeypatch) -> str:
+    """Replicas over the tier's own connections (the default), or through gloo only
+    (``RESILIENT_REPLICA_LINKS=0``: where connections cannot be made, or after one broke)."""
+    if request.param == "gloo":
+        monkeypatch.setenv("RESILIENT_REPLICA_LINKS", "0")
+    return request.param
 
 
 def _root(base: str, node: int) -> str:
@@ -42,8 +52,12 @@ def _snapshot_on_two_nodes(rank: int, world: int, url: str, base: str) -> dict:
     older = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
     staging = sorted(p.name for p in (Path(ck.memory.dir) / "staging").iterdir())
     reused = ck._memory._replicas.reused
+    links = ck._memory._replicas.links
+    # transfers made on each of this rank's connections (None: not made, or not used)
+    linked = [x.seq if x is not None and x.up else None for x in (links.out, links.into)]
     ck.close()
     return {
+        "linked": linked,
         "own": own,
         "older": older,
         "memory_steps": ck.memory_steps(),
@@ -62,7 +76,7 @@ def _restore(rank: int, world: int, url: str, base: str, node: int | None) -> tu
     return out
 
 
-def test_every_node_holds_its_snapshots_and_the_previous_nodes_newest_replica(tmp_path):
+def test_every_node_holds_its_snapshots_and_the_previous_nodes_newest_replica(tmp_path, transport):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     results = run_distributed(_snapshot_on_two_nodes, 4, url, base)
     for node in (0, 1):
@@ -75,6 +89,7 @@ def test_every_node_holds_its_snapshots_and_the_previous_nodes_newest_replica(tm
         # older steps keep no replica: one replica per rank is held
         assert set(r["older"]) == mine | {"MANIFEST.json"}
     for rank, r in enumerate(results):
+        assert r["linked"] == ([3, 3] if transport == "links" else [None, None])
         # the third replica went into the file of the first (the second's is the spare now);
         # the next test restores a replaced node from it
         assert r["replicas_into_spare"] == 1
@@ -155,7 +170,9 @@ def _a_failed_snapshot_on_one_node(rank: int, world: int, url: str, base: str) -
     return failed, held
 
 
-def test_a_snapshot_that_fails_on_one_node_is_not_replicated_and_the_next_one_is(tmp_path):
+def test_a_snapshot_that_fails_on_one_node_is_not_replicated_and_the_next_one_is(
+    tmp_path, transport
+):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     results = run_distributed(_a_failed_snapshot_on_one_node, 4, url, base, timeout_s=120)
     assert [failed for failed, _ in results] == [True] * 4  # every rank: one commit, one outcome
@@ -263,7 +280,7 @@ def _a_replica_that_does_not_arrive(rank: int, world: int, url: str, base: str) 
     return held
 
 
-def test_older_replicas_stay_until_every_rank_holds_the_new_ones(tmp_path):
+def test_older_replicas_stay_until_every_rank_holds_the_new_ones(tmp_path, transport):
     """Node 0's rank 1 got rank 3's file of step 3, rank 0 did not keep rank 2's: step 2 keeps
     both replicas (dropping rank 3's would leave no step of node 1's files whole on node 0), and
     after node 1 is lost the survivors restore step 2 from memory."""
@@ -319,7 +336,7 @@ def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str)
     return out
 
 
-def test_a_rank_that_cannot_receive_its_replica_still_sends_its_own(tmp_path):
+def test_a_rank_that_cannot_receive_its_replica_still_sends_its_own(tmp_path, transport):
     """Rank 0 cannot set up the receive of rank 2's file (no room in its node's memory): it tells
     rank 2, which does not send it, and still sends its own file to rank 2 (leaving instead would
     leave rank 2 waiting for it until the group's timeout); step 2's replicas stay on node 0."""
@@ -418,7 +435,7 @@ def _three_nodes_one_cannot_receive(rank: int, world: int, url: str, base: str) 
     return {"step_2": out}
 
 
-def test_on_three_nodes_a_rank_that_cannot_receive_leaves_nobody_waiting(tmp_path):
+def test_on_three_nodes_a_rank_that_cannot_receive_leaves_nobody_waiting(tmp_path, transport):
     """Peer and source differ on three nodes (rank 0 sends to rank 1 and receives from rank 2):
     rank 0's "cannot take it" reaches rank 2, the one that would send to it, and every other
     transfer is made."""

@@ -1,11 +1,12 @@
-"""Peer replicas' bytes on connections of their own (resilient/checkpoint/links.py): they travel
-by socket, arrive bit-exact, and any connection that breaks or cannot be made hands its transfers
-to gloo on both of its ends, without losing a replica.  Four ranks on two memory roots stand for
-two nodes (rank r's peer and source: r + 2 mod 4)."""
+"""Peer replicas on connections of their own (resilient/checkpoint/links.py): they travel by
+socket, arrive bit-exact, and when a connection cannot be made or breaks, every rank replicates
+through gloo from then on, without losing a replica.  Four ranks on two memory roots stand for two
+nodes (rank r's peer and source: r + 2 mod 4)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resilient import Checkpointer
-from resilient.checkpoint.links import Link
+from resilient.checkpoint.links import Link, Sender
 from tests.dist import run_distributed
 from tests.test_memory_nodes import _root, _state
 
@@ -37,6 +38,7 @@ def _snapshots(rank, world, url, base, steps, before=None) -> dict:
         # transfers made on each connection, None where it is not up
         "out": links.out.seq if links.out is not None and links.out.up else None,
         "into": links.into.seq if links.into is not None and links.into.up else None,
+        "dir": str(ck.memory.steps),
         "steps": {
             p.name: sorted(f.name for f in p.iterdir())
             for p in sorted(Path(ck.memory.steps).glob("step_*"))
@@ -50,20 +52,15 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _assert_replicas_are_the_files(base: str, step: int) -> None:
+def _assert_replicas_are_the_files(res: list[dict], step: int) -> None:
     """Each node's replica of the other node's files of ``step`` is byte for byte the file."""
     d = f"step_{step:08d}"
     for node, other in ((0, 1), (1, 0)):
         for r in (2 * other, 2 * other + 1):
             name = f"rank_{r:05d}.safetensors"
-            own, held = _step_dir(base, other, d) / name, _step_dir(base, node, d) / name
+            held = Path(res[2 * node]["dir"]) / d / name
+            own = Path(res[2 * other]["dir"]) / d / name
             assert _digest(held) == _digest(own), (node, name)
-
-
-def _step_dir(base: str, node: int, d: str) -> Path:
-    found = list(Path(_root(base, node)).rglob(d))
-    assert len(found) == 1, found
-    return found[0]
 
 
 def test_replicas_travel_by_socket_and_arrive_bit_exact(tmp_path):
@@ -71,7 +68,7 @@ def test_replicas_travel_by_socket_and_arrive_bit_exact(tmp_path):
     res = run_distributed(_snapshots, 4, url, base, (1, 2, 3))
     for r in res:  # every transfer went over the rank's two connections
         assert (r["out"], r["into"]) == (3, 3)
-    _assert_replicas_are_the_files(base, 3)
+    _assert_replicas_are_the_files(res, 3)
     assert "rank_00002.safetensors" in res[0]["steps"]["step_00000003"]
 
 
@@ -87,27 +84,25 @@ def _break_rank_2s_connection_mid_transfer(rank, ck, step) -> None:
 
         sock.sendall(links_mod._HEADER.pack(links_mod._HEADER_MAGIC, link.seq, data.nbytes))
         sock.sendall(data[: data.nbytes // 2])
+        link.seq += 1
         link.close()
         raise ConnectionResetError("the connection broke (the test)")
 
     link.send = half
 
 
-def test_a_connection_that_breaks_mid_transfer_hands_the_pair_to_gloo(tmp_path):
-    """Rank 0 gets half of rank 2's file of step 2: that replica fails (step 1's stay on node 0),
-    both ends of the connection close, and step 3 reaches rank 0 through gloo, bit-exact; the
-    other connections carry on."""
+def test_a_connection_that_breaks_mid_transfer_hands_replication_to_gloo(tmp_path):
+    """Rank 0 gets half of rank 2's file of step 2: that replica fails, every rank closes its
+    connections, and step 3's replicas reach every node through gloo, bit-exact."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     res = run_distributed(
         _snapshots, 4, url, base, (1, 2, 3), _break_rank_2s_connection_mid_transfer
     )
-    assert res[0]["into"] is None and res[2]["out"] is None
-    assert (res[0]["out"], res[2]["into"]) == (3, 3)  # the other direction of the pair
-    assert (res[1]["out"], res[1]["into"], res[3]["out"], res[3]["into"]) == (3, 3, 3, 3)
-    # step 2's replica of rank 2 failed: the older ones stayed on node 0 until step 3's came
+    assert all(r["out"] is None and r["into"] is None for r in res)
+    # step 2's replica of rank 2 never arrived; step 3's did
     assert "rank_00002.safetensors" not in res[0]["steps"].get("step_00000002", [])
     assert "rank_00002.safetensors" in res[0]["steps"]["step_00000003"]
-    _assert_replicas_are_the_files(base, 3)
+    _assert_replicas_are_the_files(res, 3)
 
 
 def _no_address_on_rank_0(rank, world, url, base) -> dict:
@@ -118,13 +113,12 @@ def _no_address_on_rank_0(rank, world, url, base) -> dict:
     return _snapshots(rank, world, url, base, (1, 2))
 
 
-def test_a_rank_that_cannot_listen_gets_its_replicas_through_gloo(tmp_path):
+def test_when_a_rank_cannot_listen_every_rank_replicates_through_gloo(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     res = run_distributed(_no_address_on_rank_0, 4, url, base)
-    assert res[0]["into"] is None and res[2]["out"] is None  # rank 2 -> rank 0: gloo
-    assert (res[0]["out"], res[2]["into"]) == (2, 2)  # rank 0 -> rank 2: by socket
-    assert (res[1]["out"], res[1]["into"]) == (2, 2)
-    _assert_replicas_are_the_files(base, 2)
+    assert all(r["out"] is None and r["into"] is None for r in res)
+    _assert_replicas_are_the_files(res, 2)
+    assert "rank_00002.safetensors" in res[0]["steps"]["step_00000002"]
 
 
 def _strangers_first(rank, world) -> dict:
@@ -158,17 +152,21 @@ def _strangers_first(rank, world) -> dict:
         s.close()
     payload = bytes(range(256)) * 64
     into = bytearray(len(payload))
-    t = threading.Thread(target=links.out.send, args=(memoryview(payload),))
-    t.start()
+    links.sender.start(memoryview(payload))
+    size = links.into.receive_header()
     links.into.receive_into(memoryview(into))
-    t.join()
+    sent = links.sender.wait()
     links.close()
-    return {"turned_away": turned_away, "arrived": bytes(into) == payload}
+    return {
+        "turned_away": turned_away,
+        "usable": links.usable,
+        "arrived": size == len(payload) and bytes(into) == payload and sent is None,
+    }
 
 
 def test_strangers_at_the_replica_port_are_turned_away(tmp_path):
     (res,) = run_distributed(_strangers_first, 1)
-    assert res == {"turned_away": [True, True], "arrived": True}
+    assert res == {"turned_away": [True, True], "usable": False, "arrived": True}
 
 
 def _pair(timeout_s: float = 30) -> tuple[Link, Link]:
@@ -178,27 +176,30 @@ def _pair(timeout_s: float = 30) -> tuple[Link, Link]:
     return Link(a, timeout_s, "the sender"), Link(b, timeout_s, "the receiver")
 
 
+def _send(link: Link, data: bytes | None) -> threading.Thread:
+    t = threading.Thread(target=link.send, args=(None if data is None else memoryview(data),))
+    t.start()
+    return t
+
+
 def test_a_transfer_out_of_step_is_refused_and_closes_the_link():
     out, into = _pair()
     out.seq = 1  # the sender is one transfer ahead of the receiver
-    t = threading.Thread(target=out.send, args=(memoryview(b"x" * 100),))
-    t.start()
-    with pytest.raises(ConnectionError, match="expected transfer 0 of 100 bytes, found transfer 1"):
-        into.receive_into(memoryview(bytearray(100)))
+    t = _send(out, b"x" * 100)
+    with pytest.raises(
+        ConnectionError, match="expected the header of transfer 0, found transfer 1"
+    ):
+        into.receive_header()
     t.join()
     assert not into.up
     out.close()
 
 
-def test_a_transfer_of_another_size_is_refused():
+def test_bytes_that_are_not_a_header_are_refused():
     out, into = _pair()
-    t = threading.Thread(target=out.send, args=(memoryview(b"x" * 100),))
-    t.start()
-    with pytest.raises(
-        ConnectionError, match="expected transfer 0 of 64 bytes, found transfer 0 of 100"
-    ):
-        into.receive_into(memoryview(bytearray(64)))
-    t.join()
+    out.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(ConnectionError, match="found bytes that are not one"):
+        into.receive_header()
     assert not into.up
     out.close()
 
@@ -210,21 +211,38 @@ def test_a_sender_that_closes_mid_transfer_ends_the_receive_at_once():
     out.sock.sendall(links_mod._HEADER.pack(links_mod._HEADER_MAGIC, 0, 1000))
     out.sock.sendall(b"y" * 10)
     out.close()
+    assert into.receive_header() == 1000
     with pytest.raises(ConnectionError, match="after 10 of 1000 bytes"):
         into.receive_into(memoryview(bytearray(1000)))
     assert not into.up
 
 
-def test_transfers_in_order_arrive_whole():
+def test_transfers_in_order_arrive_whole_nothing_and_drained_ones_included():
     out, into = _pair()
-    for n in (0, 1, 3 << 20):
-        data = bytes(hashlib.sha256(str(n).encode()).digest()) * (n // 32) + b"z" * (n % 32)
-        got = bytearray(n)
-        t = threading.Thread(target=out.send, args=(memoryview(data),))
-        t.start()
-        into.receive_into(memoryview(got))
+    sizes = []
+    for n in (0, 1, 3 << 20, None, (1 << 20) + 5, 7):
+        data = None if n is None else bytes(os.urandom(n))
+        t = _send(out, data)
+        size = into.receive_header()
+        sizes.append(size)
+        if n == (1 << 20) + 5:
+            into.drain(size)  # a receiver with no room for it: the next one is still whole
+        elif size is not None:
+            got = bytearray(size)
+            into.receive_into(memoryview(got))
+            assert bytes(got) == data
         t.join()
-        assert bytes(got) == data
-    assert out.seq == into.seq == 3
+    assert sizes == [0, 1, 3 << 20, None, (1 << 20) + 5, 7]
+    assert out.seq == into.seq == 6
+    out.close()
+    into.close()
+
+
+def test_a_stopped_sender_fails_what_it_is_given_instead_of_hanging():
+    out, into = _pair()
+    sender = Sender(out)
+    sender.stop()
+    sender.start(memoryview(b"late"))
+    assert isinstance(sender.wait(), ConnectionError)
     out.close()
     into.close()

@@ -1,29 +1,34 @@
-"""Raw TCP connections that carry peer replicas' bytes between nodes.
+"""TCP connections of the memory tier's own that carry peer replicas between nodes.
 
 Every snapshot on several nodes sends each rank's file to its peer (resilient.checkpoint.replicas).
-Through gloo that transfer cost most of the replication (BENCHMARKS.md, "Eighteenth session": about
-17 points of a tiny-preset step for 1.8 MB each way, where a plain socket moves the same bytes for
-2 to 6), so the bytes travel on a connection of their own per peer pair: one from this rank to its
-peer ("out") and one from its source ("in"), made when the replicas' groups form and kept for their
-generation.  The gloo group stays the channel of agreement: the ranks agree there, before every
-transfer, whether it goes by socket (both ends' connection up) or through gloo, so a broken or
-refused connection costs speed, never a replica.
+Through gloo, a replication was five operations (agreement, sizes, readiness, the bytes, the
+outcome), and each costs both ranks CPU on gloo's transport thread, whose event loop polls while an
+operation waits (about half a millisecond for eight bytes on a busy 2-core machine, more for the
+file's bytes; BENCHMARKS.md).  So each rank keeps one connection to its peer ("out") and one from
+its source ("into"), made when the replicas' groups form, kept for their generation: a replication
+is then the file on "out" (from a thread of its own), the source's file on "into", and one gloo
+reduction that says whether every rank holds its source's file and every connection is still up.
 
 Setting up (a collective of the replicas' gloo group):
 
-1. each rank with a source listens on the address it advertises (``RESILIENT_REPLICA_HOST``, or
-   the address this host reaches the job's ``MASTER_ADDR`` from, or its host name's), on a port the
-   system picks, and draws a random token;
+1. each rank listens on the address it advertises (``RESILIENT_REPLICA_HOST``, or the address of
+   the interface that reaches the job's ``MASTER_ADDR``, or its host name's), on a port the system
+   picks, and draws a random token;
 2. the ranks all-gather "host port token" (text in a uint8 tensor; nothing is pickled);
 3. each rank connects to its peer and says hello: a magic, its rank, its peer's token;
 4. the ranks all-gather whether they connected; each rank whose source did accepts, and takes only
    the connection whose hello names its source and its own token (anything else that reaches the
-   port in that window is closed), then stops listening.
+   port in that window is closed), then stops listening;
+5. a reduction: the connections are used only if every rank has both of its own up.
 
-A transfer is a 24-byte header (magic, a sequence number both ends count, the size) and the bytes,
-received straight into the file's pages.  Any failure (the peer gone, a timeout, a header that is
-not the one expected) closes that connection on that end; the other end learns it at the next
-agreement, and both use gloo from then on in this generation.
+``RESILIENT_REPLICA_LINKS=0`` (on any rank) makes no connection: every replica goes through gloo.
+
+A transfer is a 24-byte header (magic, a sequence number both ends count, the size, or "nothing
+this time") and the bytes, received straight into the file's pages.  A failure (the peer gone, a
+timeout, a header out of step) closes the connection on that end and is reported in the
+replication's reduction: every rank then closes its connections and replicates through gloo for
+the rest of the generation.  A replica lost in that replication is the same loss as through gloo:
+the node keeps the previous step's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -40,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "Links", "advertised_host"]
+__all__ = ["Link", "Links", "Sender", "advertised_host"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,10 @@ def advertised_host() -> str:
 
 
 class Link:
-    """One end of a connection: sends or receives whole transfers, in order."""
+    """One end of a connection: whole transfers, in order.  A transfer is a header (magic, a
+    sequence number both ends count, the size, or ``NONE``: nothing this time) and the bytes."""
+
+    NONE = (1 << 64) - 1
 
     def __init__(self, sock: socket.socket, timeout_s: float, what: str) -> None:
         self.sock: socket.socket | None = sock
@@ -93,40 +102,63 @@ class Link:
     def up(self) -> bool:
         return self.sock is not None
 
-    def send(self, data: memoryview) -> None:
-        """Send one transfer; on any failure the connection is closed (so the receiver sees its
-        end at once, not at its timeout) and the error raised."""
+    def _sock(self) -> socket.socket:
         sock = self.sock
         if sock is None:
             raise ConnectionError(f"{self.what} is closed")
+        return sock
+
+    def send(self, data: memoryview | None) -> None:
+        """Send one transfer (None: the header only, saying there is nothing); on any failure
+        the connection is closed (so the receiver sees its end at once, not at its timeout) and
+        the error raised."""
+        sock = self._sock()
         try:
-            sock.sendall(_HEADER.pack(_HEADER_MAGIC, self.seq, data.nbytes))
-            sock.sendall(data)
+            size = self.NONE if data is None else data.nbytes
+            sock.sendall(_HEADER.pack(_HEADER_MAGIC, self.seq, size))
+            self.seq += 1
+            if data is not None and data.nbytes:
+                sock.sendall(data)
         except BaseException:
             self.close()
             raise
-        self.seq += 1
 
-    def receive_into(self, into: memoryview) -> None:
-        """Receive one transfer of exactly ``into.nbytes`` bytes into ``into``."""
-        sock = self.sock
-        if sock is None:
-            raise ConnectionError(f"{self.what} is closed")
+    def receive_header(self) -> int | None:
+        """The size of the next transfer, None when it carries nothing; its bytes must be taken
+        next (``receive_into`` or ``drain``)."""
+        sock = self._sock()
         try:
             header = bytearray(_HEADER.size)
             _receive_exactly(sock, memoryview(header))
             magic, seq, size = _HEADER.unpack(header)
-            if magic != _HEADER_MAGIC or seq != self.seq or size != into.nbytes:
+            if magic != _HEADER_MAGIC or seq != self.seq:
                 raise ConnectionError(
-                    f"{self.what}: expected transfer {self.seq} of {into.nbytes} bytes, found "
-                    f"{'a header that is not a replica' if magic != _HEADER_MAGIC else ''}"
-                    f"{f'transfer {seq} of {size} bytes' if magic == _HEADER_MAGIC else ''}"
+                    f"{self.what}: expected the header of transfer {self.seq}, found "
+                    + (f"transfer {seq}" if magic == _HEADER_MAGIC else "bytes that are not one")
                 )
-            _receive_exactly(sock, into)
         except BaseException:
             self.close()
             raise
         self.seq += 1
+        return None if size == self.NONE else int(size)
+
+    def receive_into(self, into: memoryview) -> None:
+        """The bytes of the transfer whose header came last, exactly ``into.nbytes`` of them."""
+        sock = self._sock()
+        try:
+            _receive_exactly(sock, into)
+        except BaseException:
+            self.close()
+            raise
+
+    def drain(self, size: int) -> None:
+        """Read and drop the ``size`` bytes of the transfer whose header came last (a receiver
+        that cannot keep them keeps the connection in step)."""
+        scratch = memoryview(bytearray(min(size, 1 << 20)))
+        while size > 0:
+            n = min(size, scratch.nbytes)
+            self.receive_into(scratch[:n])
+            size -= n
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
@@ -136,6 +168,48 @@ class Link:
             except OSError:
                 pass
             sock.close()
+
+
+class Sender:
+    """A thread of the link's own that sends its transfers (both directions of a pair move at
+    once, and a thread started per transfer costs more than handing one over)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name="resilient-replica-send", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            data = self._work.get()
+            if data is _STOP:
+                return
+            try:
+                self.link.send(data)
+            except BaseException as e:  # (handed to the caller of wait)
+                self._done.put(e)
+            else:
+                self._done.put(None)
+
+    def start(self, data: memoryview | None) -> None:
+        self._work.put(data)
+
+    def wait(self) -> BaseException | None:
+        """The outcome of the transfer started last: None, or what it raised."""
+        return self._done.get()
+
+    def stop(self) -> None:
+        """End the thread (after the transfer in flight); a transfer started after this, or
+        waited for, fails instead of waiting for a thread that is gone."""
+        self._work.put(_STOP)
+        self._done.put(ConnectionError(f"{self.link.what} is closed"))
+
+
+_STOP = object()
 
 
 def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -148,8 +222,9 @@ def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
 
 
 class Links:
-    """This rank's two connections: ``out`` to ``peer``, ``into`` from ``source`` (None where
-    that connection could not be made).  Constructing it is a collective of ``group``."""
+    """This rank's two connections: ``out`` to ``peer``, ``into`` from ``source``.  Constructing it
+    is a collective of ``group``; ``usable`` is the same on every rank: every rank's two
+    connections are up (else none is used, and the replicas travel through gloo)."""
 
     def __init__(
         self,
@@ -162,24 +237,30 @@ class Links:
         self.rank, self.peer, self.source = rank, peer, source
         self.out: Link | None = None
         self.into: Link | None = None
+        self.sender: Sender | None = None
+        self.usable = False
         world = dist.get_world_size(group)
         setup_s = min(_SETUP_S, timeout_s)
         token = secrets.token_bytes(16)
         listener: socket.socket | None = None
         record = b""
         try:
+            if os.environ.get("RESILIENT_REPLICA_LINKS", "").strip() == "0":
+                raise ValueError("RESILIENT_REPLICA_LINKS=0")
             host = advertised_host()
             family = socket.AF_INET6 if _is_v6(host) else socket.AF_INET
             listener = socket.create_server((host, 0), family=family, backlog=8)
             port = listener.getsockname()[1]
             record = f"{host} {port} {token.hex()}".encode()
         except (OSError, ValueError) as e:
-            log.warning(
-                "rank %d: cannot listen for its peer replicas (%s): they travel through gloo "
-                "(set RESILIENT_REPLICA_HOST to an address of this host that the other nodes reach)",
-                rank,
-                e,
-            )
+            if str(e) != "RESILIENT_REPLICA_LINKS=0":
+                log.warning(
+                    "rank %d: cannot listen for its peer replicas (%s): they travel through gloo "
+                    "(set RESILIENT_REPLICA_HOST to an address of this host that the other nodes "
+                    "reach, or RESILIENT_REPLICA_LINKS=0 to use gloo without trying)",
+                    rank,
+                    e,
+                )
         try:
             records = _all_gather_bytes(group, world, record)
             self.out = self._connect(records[peer], setup_s, timeout_s)
@@ -188,6 +269,14 @@ class Links:
             dist.all_gather(every, connected, group=group)
             if listener is not None and int(every[source].item()):
                 self.into = self._accept(listener, token, setup_s, timeout_s)
+            up = torch.tensor([int(self.out is not None and self.into is not None)])
+            dist.all_reduce(up, op=dist.ReduceOp.MIN, group=group)
+            if int(up.item()):
+                assert self.out is not None
+                self.sender = Sender(self.out)
+                self.usable = True
+            else:
+                self.close()
         except BaseException:
             self.close()
             raise
@@ -261,25 +350,14 @@ class Links:
         return None
 
     def close(self) -> None:
+        """Close both connections (a transfer in flight fails at once); ``usable`` goes."""
+        self.usable = False
         for link in (self.out, self.into):
             if link is not None:
                 link.close()
-
-
-def send_in_background(link: Link, data: memoryview) -> tuple[threading.Thread, list]:
-    """Start sending ``data`` on ``link`` from a thread of its own (both directions of a pair move
-    at once); join the thread, then the list holds the exception, if any."""
-    failed: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            link.send(data)
-        except BaseException as e:  # (reported to the caller, which decides)
-            failed.append(e)
-
-    t = threading.Thread(target=send, name="resilient-replica-send", daemon=True)
-    t.start()
-    return t, failed
+        if self.sender is not None:
+            self.sender.stop()
+            self.sender = None
 
 
 def _all_gather_bytes(group: dist.ProcessGroup, world: int, data: bytes) -> list[bytes]:
