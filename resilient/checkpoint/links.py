@@ -2,9 +2,9 @@
 
 Every snapshot on several nodes sends each rank's file to its peer (resilient.checkpoint.replicas).
 Through gloo, a replication was five operations (agreement, sizes, readiness, the bytes, the
-outcome), and each costs both ranks CPU on gloo's transport thread, whose event loop polls while an
-operation waits (about half a millisecond for eight bytes on a busy 2-core machine, more for the
-file's bytes; BENCHMARKS.md).  So each rank keeps one connection to its peer ("out") and one from
+outcome), and each costs both ranks CPU on gloo's transport thread, whose event loop keeps waking
+while an operation waits (about half a millisecond for eight bytes on a busy 2-core machine;
+BENCHMARKS.md, "Nineteenth session").  So each rank keeps one connection to its peer ("out") and one from
 its source ("into"), made when the replicas' groups form, kept for their generation: a replication
 is then the file on "out" (from a thread of its own), the source's file on "into", and one gloo
 reduction that says whether every rank holds its source's file and every connection is still up.
