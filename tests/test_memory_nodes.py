@@ -52,9 +52,7 @@ def _snapshot_on_two_nodes(rank: int, world: int, url: str, base: str) -> dict:
     older = sorted(p.name for p in (Path(ck.memory.steps) / "step_00000002").iterdir())
     staging = sorted(p.name for p in (Path(ck.memory.dir) / "staging").iterdir())
     reused = ck._memory._replicas.reused
-    links = ck._memory._replicas.links
-    # transfers made on each of this rank's connections (None: not made, or not used)
-    linked = [x.seq if x is not None and x.up else None for x in (links.out, links.into)]
+    linked = _linked(ck)
     ck.close()
     return {
         "linked": linked,
@@ -331,17 +329,28 @@ def _a_receive_that_cannot_be_set_up(rank: int, world: int, url: str, base: str)
     out = {
         "step_2": sorted(p.name for p in (steps / "step_00000002").iterdir()),
         "step_3": sorted(p.name for p in (steps / "step_00000003").iterdir()),
+        "linked": _linked(ck),
     }
     ck.close()
     return out
 
 
+def _linked(ck: Checkpointer) -> list[int | None]:
+    """Transfers made on each of this rank's connections (None: not made, or not used)."""
+    links = ck._memory._replicas.links
+    return [x.seq if x is not None and x.up else None for x in (links.out, links.into)]
+
+
 def test_a_rank_that_cannot_receive_its_replica_still_sends_its_own(tmp_path, transport):
-    """Rank 0 cannot set up the receive of rank 2's file (no room in its node's memory): it tells
-    rank 2, which does not send it, and still sends its own file to rank 2 (leaving instead would
-    leave rank 2 waiting for it until the group's timeout); step 2's replicas stay on node 0."""
+    """Rank 0 cannot set up the receive of rank 2's file (no room in its node's memory).  Through
+    gloo it tells rank 2, which does not send it; over the links rank 2 sends it and rank 0
+    drops the bytes, the connection staying in step.  Either way rank 0 still sends its own file
+    to rank 2 (leaving instead would leave rank 2 waiting for it until the group's timeout), and
+    step 2's replicas stay on node 0."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     held = run_distributed(_a_receive_that_cannot_be_set_up, 4, url, base, timeout_s=120)
+    for r in held:  # over the links, a drained transfer leaves them up
+        assert r["linked"] == ([3, 3] if transport == "links" else [None, None])
     assert "rank_00002.safetensors" not in held[0]["step_3"]
     assert {"rank_00002.safetensors", "rank_00003.safetensors"} <= set(held[0]["step_2"])
     assert "rank_00000.safetensors" in held[2]["step_3"]  # rank 0's own file reached node 1

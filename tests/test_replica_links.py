@@ -9,6 +9,7 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,7 @@ def _strangers_first(rank, world) -> dict:
     strangers: list[socket.socket] = []
 
     def strangers_then_real(self, record, setup_s, timeout_s):
-        host, port, token = record.decode().split(" ")
+        host, port, token, _ = record.decode().split(" ")
         for hello in (
             links_mod._HELLO.pack(links_mod._HELLO_MAGIC, 0, b"\x00" * 16),
             links_mod._HELLO.pack(links_mod._HELLO_MAGIC, 7, bytes.fromhex(token)),
@@ -152,6 +153,7 @@ def _strangers_first(rank, world) -> dict:
         s.close()
     payload = bytes(range(256)) * 64
     into = bytearray(len(payload))
+    usable = links.usable
     links.sender.start(memoryview(payload))
     size = links.into.receive_header()
     links.into.receive_into(memoryview(into))
@@ -159,14 +161,14 @@ def _strangers_first(rank, world) -> dict:
     links.close()
     return {
         "turned_away": turned_away,
-        "usable": links.usable,
+        "usable": usable,
         "arrived": size == len(payload) and bytes(into) == payload and sent is None,
     }
 
 
 def test_strangers_at_the_replica_port_are_turned_away(tmp_path):
     (res,) = run_distributed(_strangers_first, 1)
-    assert res == {"turned_away": [True, True], "usable": False, "arrived": True}
+    assert res == {"turned_away": [True, True], "usable": True, "arrived": True}
 
 
 def _pair(timeout_s: float = 30) -> tuple[Link, Link]:
@@ -246,3 +248,122 @@ def test_a_stopped_sender_fails_what_it_is_given_instead_of_hanging():
     assert isinstance(sender.wait(), ConnectionError)
     out.close()
     into.close()
+
+
+def _a_silent_stranger_first(rank, world) -> dict:
+    """A stranger reaches the port first and sends nothing, holding its connection open: the
+    source's connection behind it is still taken (the set-up reads every connection at once)."""
+    import torch.distributed as dist
+
+    from resilient.checkpoint import links as links_mod
+
+    real_connect = links_mod.Links._connect
+    held: list[socket.socket] = []
+
+    def stranger_then_real(self, record, setup_s, timeout_s):
+        host, port, _, _ = record.decode().split(" ")
+        held.append(socket.create_connection((host, int(port))))
+        return real_connect(self, record, setup_s, timeout_s)
+
+    links_mod.Links._connect = stranger_then_real
+    group = dist.new_group(backend="gloo")
+    links = links_mod.Links(group, 0, 0, 0, timeout_s=20)  # (5 s to accept)
+    usable = links.usable
+    links.close()
+    for s in held:
+        s.close()
+    return {"usable": usable}
+
+
+def test_a_silent_stranger_at_the_port_holds_up_no_one(tmp_path):
+    (res,) = run_distributed(_a_silent_stranger_first, 1)
+    assert res == {"usable": True}
+
+
+def _a_peer_that_cannot_be_reached(rank, world) -> str:
+    """Rank 1's connect hangs until its set-up time is over (a firewall dropping the packets),
+    with a group timeout of 8 s: the set-up ends in gloo on both ranks, within the timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from resilient.checkpoint import links as links_mod
+
+    if rank == 1:
+
+        def dropped(address, timeout=None):
+            time.sleep(timeout)
+            raise TimeoutError("timed out (the test: packets dropped)")
+
+        links_mod.socket.create_connection = dropped
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))
+    links = links_mod.Links(group, rank, 1 - rank, 1 - rank, timeout_s=8)
+    usable = links.usable
+    links.close()
+    return f"usable={usable}"
+
+
+def test_a_peer_that_cannot_be_reached_leaves_gloo_in_charge_not_a_failed_group(tmp_path):
+    assert run_distributed(_a_peer_that_cannot_be_reached, 2) == ["usable=False"] * 2
+
+
+def _unreadable_own_file_at_step_2(rank, ck, step) -> None:
+    if rank != 2 or step != 2:
+        return
+    from resilient.checkpoint import replicas as replicas_mod
+
+    real = replicas_mod._file_tensor
+
+    def unreadable(storage, rel):
+        if "step_00000002" in rel:
+            raise OSError("Input/output error (the test)")
+        return real(storage, rel)
+
+    replicas_mod._file_tensor = unreadable
+
+
+def test_a_rank_that_cannot_read_its_file_says_so_and_the_others_still_replicate(tmp_path):
+    """Rank 2 cannot read its file of step 2: it sends word that there is nothing, rank 0 keeps
+    rank 2's replica of step 1, rank 1 still gets rank 3's of step 2; the links stay up."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    res = run_distributed(_snapshots, 4, url, base, (1, 2, 3), _unreadable_own_file_at_step_2)
+    for r in res:
+        assert (r["out"], r["into"]) == (3, 3)
+    assert "rank_00002.safetensors" in res[0]["steps"]["step_00000003"]
+    _assert_replicas_are_the_files(res, 3)
+
+
+def _regroup_then_snapshot(rank, world, url, base) -> dict:
+    """In-job recovery's part: the replicas' groups dropped and formed again (twice), then a
+    snapshot: it travels over the new generation's connections; one send thread is left."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    ck.snapshot(1, _state(rank, world, 1.0)).wait()
+    replicas = ck._memory._replicas
+    first = replicas.links
+    for _ in range(2):
+        replicas.drop_groups()
+        replicas.regroup()
+    ck.snapshot(2, _state(rank, world, 2.0)).wait()
+    dist.barrier()
+    links = replicas.links
+    out = {
+        "old_closed": not first.out.up and not first.into.up,
+        "seq": (links.out.seq, links.into.seq),
+        "senders": sum(t.name == "resilient-replica-send" for t in threading.enumerate()),
+        "dir": str(ck.memory.steps),
+    }
+    ck.close()
+    out["senders_after_close"] = sum(
+        t.name == "resilient-replica-send" and t.is_alive() for t in threading.enumerate()
+    )
+    return out
+
+
+def test_a_regroup_makes_new_connections_and_closes_the_old(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    res = run_distributed(_regroup_then_snapshot, 4, url, base)
+    for r in res:
+        assert r["old_closed"] and r["seq"] == (1, 1) and r["senders"] == 1
+    _assert_replicas_are_the_files(res, 2)

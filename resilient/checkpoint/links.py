@@ -38,6 +38,7 @@ import logging
 import os
 import queue
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -45,6 +46,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from resilient.errors import ResilientError
 
 __all__ = ["Link", "Links", "Sender", "advertised_host"]
 
@@ -56,6 +59,7 @@ _HEADER = struct.Struct("<8sQQ")  # magic, sequence number, size
 _HEADER_MAGIC = b"RSLNKDAT"
 _RECORD = 192  # bytes of one rank's "host port token" record in the all-gather
 _SETUP_S = 30.0  # the most a connect or an accept waits at setup (then gloo carries the bytes)
+_PENDING = 64  # connections read at once at setup, waiting for their hello
 
 
 def advertised_host() -> str:
@@ -224,7 +228,8 @@ def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
 class Links:
     """This rank's two connections: ``out`` to ``peer``, ``into`` from ``source``.  Constructing it
     is a collective of ``group``; ``usable`` is the same on every rank: every rank's two
-    connections are up (else none is used, and the replicas travel through gloo)."""
+    connections were up (else none is used, and the replicas travel through gloo), and so is
+    ``failed``, which the replications set on every rank at once."""
 
     def __init__(
         self,
@@ -238,22 +243,32 @@ class Links:
         self.out: Link | None = None
         self.into: Link | None = None
         self.sender: Sender | None = None
-        self.usable = False
+        self.usable = False  # (set here only: the same on every rank for the generation)
+        self.failed = False  # a replication over them failed somewhere (set on every rank)
         world = dist.get_world_size(group)
-        setup_s = min(_SETUP_S, timeout_s)
+        # A connect and an accept each wait at most this long: together well within the group's
+        # timeout, so that the other ranks, already in the next collective, do not time out
+        # there (the set-up then ends in gloo, not in a failed group)
+        setup_s = min(_SETUP_S, timeout_s / 4)
+        # a connection's send or receive that makes no progress for this long fails: the
+        # replication's reduction after it still has the group's whole timeout
+        link_timeout_s = timeout_s / 2
         token = secrets.token_bytes(16)
         listener: socket.socket | None = None
         record = b""
+        disabled = os.environ.get("RESILIENT_REPLICA_LINKS", "").strip() == "0"
         try:
-            if os.environ.get("RESILIENT_REPLICA_LINKS", "").strip() == "0":
+            if disabled:
                 raise ValueError("RESILIENT_REPLICA_LINKS=0")
             host = advertised_host()
             family = socket.AF_INET6 if _is_v6(host) else socket.AF_INET
-            listener = socket.create_server((host, 0), family=family, backlog=8)
+            listener = socket.create_server((host, 0), family=family, backlog=64)
             port = listener.getsockname()[1]
-            record = f"{host} {port} {token.hex()}".encode()
+            record = f"{host} {port} {token.hex()} {socket.gethostname()}".encode()
+            if len(record) > _RECORD - 2:
+                raise ValueError(f"its address and host name take {len(record)} bytes")
         except (OSError, ValueError) as e:
-            if str(e) != "RESILIENT_REPLICA_LINKS=0":
+            if not disabled:
                 log.warning(
                     "rank %d: cannot listen for its peer replicas (%s): they travel through gloo "
                     "(set RESILIENT_REPLICA_HOST to an address of this host that the other nodes "
@@ -263,12 +278,13 @@ class Links:
                 )
         try:
             records = _all_gather_bytes(group, world, record)
-            self.out = self._connect(records[peer], setup_s, timeout_s)
+            if not disabled:
+                self.out = self._connect(records[peer], setup_s, link_timeout_s)
             connected = torch.tensor([int(self.out is not None)], dtype=torch.int64)
             every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(every, connected, group=group)
             if listener is not None and int(every[source].item()):
-                self.into = self._accept(listener, token, setup_s, timeout_s)
+                self.into = self._accept(listener, token, setup_s, link_timeout_s)
             up = torch.tensor([int(self.out is not None and self.into is not None)])
             dist.all_reduce(up, op=dist.ReduceOp.MIN, group=group)
             if int(up.item()):
@@ -277,6 +293,12 @@ class Links:
                 self.usable = True
             else:
                 self.close()
+        except Exception as e:  # a collective failed (the group broke, or timed out)
+            self.close()
+            raise ResilientError(
+                f"rank {rank}: setting up the peer replicas' connections failed in the replicas' "
+                f"process group: {e}"
+            ) from e
         except BaseException:
             self.close()
             raise
@@ -289,7 +311,12 @@ class Links:
         if not record:
             return None
         try:
-            host, port, token = record.decode().split(" ")
+            host, port, token, hostname = record.decode().split(" ")
+            if _is_loopback(host) and hostname != socket.gethostname():
+                raise ValueError(
+                    f"it advertises {host}, a loopback address, from another host ({hostname}); "
+                    f"set RESILIENT_REPLICA_HOST there to an address this host reaches"
+                )
             sock = socket.create_connection((host, int(port)), timeout=setup_s)
         except (OSError, ValueError, UnicodeDecodeError) as e:
             log.warning(
@@ -302,44 +329,76 @@ class Links:
             return None
         try:
             sock.sendall(_HELLO.pack(_HELLO_MAGIC, self.rank, bytes.fromhex(token)))
+            return Link(
+                sock, timeout_s, f"rank {self.rank}'s replica connection to rank {self.peer}"
+            )
         except (OSError, ValueError) as e:
             sock.close()
             log.warning("rank %d: hello to peer rank %d failed: %s", self.rank, self.peer, e)
             return None
-        return Link(sock, timeout_s, f"rank {self.rank}'s replica connection to rank {self.peer}")
 
     def _accept(
         self, listener: socket.socket, token: bytes, setup_s: float, timeout_s: float
     ) -> Link | None:
         """The connection from this rank's source: the first whose hello names the source and
-        this rank's token, within ``setup_s``; None (and a warning) when none came."""
+        this rank's token, within ``setup_s``; None (and a warning) when none came.  Every
+        connection that reaches the port is read at once (a stranger that sends slowly, or
+        nothing, holds up no other), up to the hello's 28 bytes; at most ``_PENDING`` at a time."""
         deadline = time.monotonic() + setup_s
-        while (left := deadline - time.monotonic()) > 0:
-            listener.settimeout(left)
+        pending: dict[socket.socket, bytearray] = {}
+        found: socket.socket | None = None
+        listener.setblocking(False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(listener, selectors.EVENT_READ)
             try:
-                sock, _ = listener.accept()
-            except OSError:
-                break
+                while found is None and (left := deadline - time.monotonic()) > 0:
+                    for key, _ in sel.select(timeout=left):
+                        sock = key.fileobj
+                        assert isinstance(sock, socket.socket)
+                        if sock is listener:
+                            try:
+                                conn, _ = listener.accept()
+                            except OSError:
+                                continue
+                            if len(pending) >= _PENDING:
+                                conn.close()
+                                continue
+                            conn.setblocking(False)
+                            pending[conn] = bytearray()
+                            sel.register(conn, selectors.EVENT_READ)
+                            continue
+                        got = pending[sock]
+                        try:
+                            chunk = sock.recv(_HELLO.size - len(got))
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            chunk = b""
+                        got += chunk
+                        if chunk and len(got) < _HELLO.size:
+                            continue
+                        sel.unregister(sock)
+                        del pending[sock]
+                        if len(got) == _HELLO.size and secrets.compare_digest(
+                            bytes(got), _HELLO.pack(_HELLO_MAGIC, self.source, token)
+                        ):
+                            found = sock
+                            break
+                        sock.close()  # not the source: whatever else reached the port
+            finally:
+                for sock in pending:
+                    sock.close()
+        if found is not None:
             try:
-                sock.settimeout(max(0.1, min(left, 5.0)))
-                hello = bytearray(_HELLO.size)
-                view, got = memoryview(hello), 0
-                while got < len(hello):
-                    k = sock.recv_into(view[got:])
-                    if not k:
-                        break
-                    got += k
-                if got == len(hello) and secrets.compare_digest(
-                    bytes(hello), _HELLO.pack(_HELLO_MAGIC, self.source, token)
-                ):
-                    return Link(
-                        sock,
-                        timeout_s,
-                        f"rank {self.rank}'s replica connection from rank {self.source}",
-                    )
-            except OSError:
-                pass
-            sock.close()  # not the source: whatever else reached the port
+                return Link(
+                    found,
+                    timeout_s,
+                    f"rank {self.rank}'s replica connection from rank {self.source}",
+                )
+            except OSError as e:
+                found.close()
+                log.warning("rank %d: the connection from rank %d: %s", self.rank, self.source, e)
+                return None
         log.warning(
             "rank %d: its source rank %d did not connect for replicas within %.0f s: they travel "
             "through gloo",
@@ -350,8 +409,7 @@ class Links:
         return None
 
     def close(self) -> None:
-        """Close both connections (a transfer in flight fails at once); ``usable`` goes."""
-        self.usable = False
+        """Close both connections (a transfer in flight fails at once)."""
         for link in (self.out, self.into):
             if link is not None:
                 link.close()
@@ -376,6 +434,13 @@ def _all_gather_bytes(group: dist.ProcessGroup, world: int, data: bytes) -> list
         n = min(raw[0] | raw[1] << 8, _RECORD - 2)
         out.append(raw[2 : 2 + n])
     return out
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _is_v6(host: str) -> bool:

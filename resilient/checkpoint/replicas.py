@@ -192,15 +192,18 @@ class Replicas:
     ) -> None:
         """Send this rank's file of the just-committed step to its peer; keep its source's file
         (and drop the replicas of older steps: one replica per rank is held).  Every rank calls
-        this after every snapshot, ``own`` None where the snapshot failed: the ranks agree first,
-        and replicate only when it committed everywhere (no rank waits for a peer that will not
-        send)."""
+        this after every snapshot, ``own`` None where the snapshot failed (or its file cannot be
+        read), so that no rank waits for a peer that will not send.  Over the links, such a rank
+        sends word that there is nothing and the other files still move (each is a committed
+        step's: ``own`` is set only after the commit); through gloo, the ranks agree first and
+        replicate only when every rank has its file.  Either way the older replicas go only once
+        every rank holds its source's file of this step."""
         peer, source = self.nodes.peer(self.rank), self.nodes.source(self.rank)
         if peer is None or source is None:
             return
+        links = self.links  # (before the group: drop_groups() lets go of the group first)
         group, lanes = self._groups(epoch)
-        links = self.links
-        if links is not None and links.usable:
+        if links is not None and links.usable and not links.failed:
             self._replicate_linked(storage, step_rel, own, generation, group, links, source)
             return
         data: torch.Tensor | None = None
@@ -341,7 +344,8 @@ class Replicas:
             everyone = torch.tensor([received, links_up], dtype=torch.int64)
             dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
         if not int(everyone[1].item()):
-            links.close()  # on every rank: the next replications go through gloo
+            links.failed = True  # on every rank: the next replications go through gloo
+            links.close()
         if incoming is None:
             return  # nothing came from the source: the replica held stays as it is
         self.reused += incoming.from_spare
