@@ -686,3 +686,30 @@ def test_a_newest_step_whose_rank_file_is_a_fifo_is_fallen_back_from_without_blo
     t.join(30)
     assert not t.is_alive(), "load blocked on a FIFO"
     assert box.get("step") == 1
+
+
+def test_a_manifests_summary_line_round_trips_and_is_checked():
+    """The summary rank 0 sends ahead of a manifest to the other nodes' leaders: one line, the
+    same summary back, and the top-level checks of ``manifest_summary`` on it."""
+    from types import SimpleNamespace
+
+    from resilient.checkpoint.format import ManifestSummary, summary_from_line, summary_line
+
+    files = {"rank_00001.safetensors": None, "rank_00000.safetensors": None}
+    m = SimpleNamespace(step=7, commit_seq=41, generation=2, job_id="job-x", files=files)
+    line = summary_line(m)
+    assert b"\n" not in line
+    assert summary_from_line(line, "where", 7) == ManifestSummary(
+        step=7, commit_seq=41, generation=2, job_id="job-x", files=frozenset(files)
+    )
+    with pytest.raises(CheckpointCorruptError, match="says step 7, not 8"):
+        summary_from_line(line, "where", 8)
+    for bad in (
+        b"[]",
+        b'{"step":7,"commit_seq":1,"generation":0,"job_id":"j","files":["../x"]}',
+        b'{"step":7,"commit_seq":-1,"generation":0,"job_id":"j","files":[]}',
+        b'{"step":7,"commit_seq":1,"generation":0,"job_id":"j","files":"rank_00000.safetensors"}',
+        b"\xff",
+    ):
+        with pytest.raises(CheckpointCorruptError):
+            summary_from_line(bad, "where", 7)

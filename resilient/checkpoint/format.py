@@ -844,6 +844,46 @@ def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
     )
 
 
+def summary_line(manifest: Manifest) -> bytes:
+    """A manifest's ``ManifestSummary`` as one line of JSON (no newline in it), to travel with
+    the manifest's bytes to a reader that trusts their sender's check of them and needs the
+    summary only (``summary_from_line``): parsing the whole manifest for its top level took most
+    of a node leader's publish."""
+    return json.dumps(
+        {
+            "step": manifest.step,
+            "commit_seq": manifest.commit_seq,
+            "generation": manifest.generation,
+            "job_id": manifest.job_id,
+            "files": sorted(manifest.files),
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def summary_from_line(line: bytes, where: str, step: int) -> ManifestSummary:
+    """The ``ManifestSummary`` that ``summary_line`` wrote, checked as ``manifest_summary``
+    checks a manifest's top level."""
+    d = parse_json(line, where, MAX_MANIFEST_BYTES)
+    if not isinstance(d, dict):
+        raise CheckpointCorruptError(f"{where}: a manifest's summary must be a JSON object")
+    found = _int(d.get("step"), f"{where}: summary.step")
+    if found != step:
+        raise CheckpointCorruptError(f"{where}: the summary says step {found}, not {step}")
+    files = d.get("files")
+    if not isinstance(files, list) or not all(
+        isinstance(f, str) and _FILE_RE.fullmatch(f) for f in files
+    ):
+        raise CheckpointCorruptError(f"{where}: summary.files must be a list of plain file names")
+    return ManifestSummary(
+        step=found,
+        commit_seq=_int(d.get("commit_seq"), f"{where}: summary.commit_seq"),
+        generation=_int(d.get("generation"), f"{where}: summary.generation"),
+        job_id=_str(d.get("job_id"), f"{where}: summary.job_id"),
+        files=frozenset(files),
+    )
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
