@@ -53,8 +53,10 @@ def _snapshot_on_two_nodes(rank: int, world: int, url: str, base: str) -> dict:
     staging = sorted(p.name for p in (Path(ck.memory.dir) / "staging").iterdir())
     reused = ck._memory._replicas.reused
     linked = _linked(ck)
+    manifest = (Path(ck.memory.steps) / "step_00000003" / "MANIFEST.json").read_bytes()
     ck.close()
     return {
+        "manifest": manifest,
         "linked": linked,
         "own": own,
         "older": older,
@@ -86,6 +88,9 @@ def test_every_node_holds_its_snapshots_and_the_previous_nodes_newest_replica(tm
         assert set(r["own"]) == mine | theirs | {"MANIFEST.json"}
         # older steps keep no replica: one replica per rank is held
         assert set(r["older"]) == mine | {"MANIFEST.json"}
+    # node 1's leader published rank 0's very bytes (from the summary line's message)
+    assert results[2]["manifest"] == results[0]["manifest"]
+    assert results[0]["manifest"].startswith(b"{")
     for rank, r in enumerate(results):
         assert r["linked"] == ([3, 3] if transport == "links" else [None, None])
         # the third replica went into the file of the first (the second's is the spare now);

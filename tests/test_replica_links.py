@@ -367,3 +367,76 @@ def test_a_regroup_makes_new_connections_and_closes_the_old(tmp_path):
     for r in res:
         assert r["old_closed"] and r["seq"] == (1, 1) and r["senders"] == 1
     _assert_replicas_are_the_files(res, 2)
+
+
+def _a_crowd_of_silent_strangers_first(rank, world) -> dict:
+    """More silent connections than the set-up reads at once reach the port before the source's:
+    the oldest make room, so the source's, the newest, is still taken."""
+    import torch.distributed as dist
+
+    from resilient.checkpoint import links as links_mod
+
+    real_connect = links_mod.Links._connect
+    held: list[socket.socket] = []
+    links_mod._PENDING = 8  # (a crowd within the listen backlog: all wait to be accepted)
+
+    def crowd_then_real(self, record, setup_s, timeout_s):
+        host, port, _, _ = record.decode().split(" ")
+        for _ in range(links_mod._PENDING + 12):
+            held.append(socket.create_connection((host, int(port))))
+        return real_connect(self, record, setup_s, timeout_s)
+
+    links_mod.Links._connect = crowd_then_real
+    group = dist.new_group(backend="gloo")
+    links = links_mod.Links(group, 0, 0, 0, timeout_s=20)
+    usable = links.usable
+    links.close()
+    for s in held:
+        s.close()
+    return {"usable": usable}
+
+
+def test_a_crowd_at_the_port_does_not_lock_the_source_out(tmp_path):
+    (res,) = run_distributed(_a_crowd_of_silent_strangers_first, 1)
+    assert res == {"usable": True}
+
+
+def _no_descriptor_for_the_selector_on_rank_1(rank, world) -> str:
+    """Rank 1 cannot make the selector it accepts with (EMFILE): every rank ends in gloo, none
+    fails, and nobody waits for the group's timeout."""
+    import errno
+
+    import torch.distributed as dist
+
+    from resilient.checkpoint import links as links_mod
+
+    if rank == 1:
+
+        def no_selector():
+            raise OSError(errno.EMFILE, "Too many open files (the test)")
+
+        links_mod.selectors.DefaultSelector = no_selector
+    group = dist.new_group(backend="gloo")
+    links = links_mod.Links(group, rank, 1 - rank, 1 - rank, timeout_s=60)
+    usable = links.usable
+    links.close()
+    return f"usable={usable}"
+
+
+def test_a_rank_that_cannot_accept_leaves_every_rank_in_gloo(tmp_path):
+    assert run_distributed(_no_descriptor_for_the_selector_on_rank_1, 2) == ["usable=False"] * 2
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost", "0.0.0.0", "::"]
+)
+def test_an_address_the_peer_cannot_be_reached_at_is_not_connected_to(host, caplog):
+    """A peer on another host that advertises a loopback address (or none at all) is not
+    connected to: the connection would reach this host."""
+    from resilient.checkpoint.links import Links
+
+    links = Links.__new__(Links)
+    links.rank, links.peer = 0, 1
+    record = f"{host} 1 {'00' * 16} another-host-than-{socket.gethostname()}".encode()
+    assert links._connect(record, 1.0, 1.0) is None
+    assert "an address this host cannot reach it at" in caplog.text

@@ -285,11 +285,14 @@ class Links:
             dist.all_gather(every, connected, group=group)
             if listener is not None and int(every[source].item()):
                 self.into = self._accept(listener, token, setup_s, link_timeout_s)
-            up = torch.tensor([int(self.out is not None and self.into is not None)])
+            if self.out is not None and self.into is not None:
+                try:
+                    self.sender = Sender(self.out)  # (before the reduction: its failure counts)
+                except RuntimeError as e:  # (no thread can be started)
+                    log.warning("rank %d: no thread to send replicas: %s", rank, e)
+            up = torch.tensor([int(self.sender is not None and self.into is not None)])
             dist.all_reduce(up, op=dist.ReduceOp.MIN, group=group)
             if int(up.item()):
-                assert self.out is not None
-                self.sender = Sender(self.out)
                 self.usable = True
             else:
                 self.close()
@@ -312,10 +315,10 @@ class Links:
             return None
         try:
             host, port, token, hostname = record.decode().split(" ")
-            if _is_loopback(host) and hostname != socket.gethostname():
+            if _is_unspecified(host) or (_is_loopback(host) and hostname != socket.gethostname()):
                 raise ValueError(
-                    f"it advertises {host}, a loopback address, from another host ({hostname}); "
-                    f"set RESILIENT_REPLICA_HOST there to an address this host reaches"
+                    f"it advertises {host} from host {hostname}, an address this host cannot "
+                    f"reach it at; set RESILIENT_REPLICA_HOST there to one it can"
                 )
             sock = socket.create_connection((host, int(port)), timeout=setup_s)
         except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -344,8 +347,37 @@ class Links:
         this rank's token, within ``setup_s``; None (and a warning) when none came.  Every
         connection that reaches the port is read at once (a stranger that sends slowly, or
         nothing, holds up no other), up to the hello's 28 bytes; at most ``_PENDING`` at a time."""
+        try:
+            found = self._hello_from_source(listener, token, setup_s)
+        except OSError as e:  # (no descriptor for the selector, ...): gloo, on every rank
+            log.warning("rank %d: cannot accept its source's connection: %s", self.rank, e)
+            return None
+        if found is not None:
+            try:
+                return Link(
+                    found,
+                    timeout_s,
+                    f"rank {self.rank}'s replica connection from rank {self.source}",
+                )
+            except OSError as e:
+                found.close()
+                log.warning("rank %d: the connection from rank %d: %s", self.rank, self.source, e)
+                return None
+        log.warning(
+            "rank %d: its source rank %d did not connect for replicas within %.0f s: they travel "
+            "through gloo",
+            self.rank,
+            self.source,
+            setup_s,
+        )
+        return None
+
+    def _hello_from_source(
+        self, listener: socket.socket, token: bytes, setup_s: float
+    ) -> socket.socket | None:
+        """(``_accept``) The socket whose hello is right, or None at the deadline."""
         deadline = time.monotonic() + setup_s
-        pending: dict[socket.socket, bytearray] = {}
+        pending: dict[socket.socket, bytearray] = {}  # (in the order they came)
         found: socket.socket | None = None
         listener.setblocking(False)
         with selectors.DefaultSelector() as sel:
@@ -360,14 +392,19 @@ class Links:
                                 conn, _ = listener.accept()
                             except OSError:
                                 continue
-                            if len(pending) >= _PENDING:
-                                conn.close()
-                                continue
+                            if len(pending) >= _PENDING:  # the oldest goes, not the newest:
+                                # strangers that came first do not lock the source out
+                                oldest = next(iter(pending))
+                                sel.unregister(oldest)
+                                del pending[oldest]
+                                oldest.close()
                             conn.setblocking(False)
                             pending[conn] = bytearray()
                             sel.register(conn, selectors.EVENT_READ)
                             continue
-                        got = pending[sock]
+                        got = pending.get(sock)
+                        if got is None:  # (the oldest, closed for a newer one just now)
+                            continue
                         try:
                             chunk = sock.recv(_HELLO.size - len(got))
                         except BlockingIOError:
@@ -388,25 +425,7 @@ class Links:
             finally:
                 for sock in pending:
                     sock.close()
-        if found is not None:
-            try:
-                return Link(
-                    found,
-                    timeout_s,
-                    f"rank {self.rank}'s replica connection from rank {self.source}",
-                )
-            except OSError as e:
-                found.close()
-                log.warning("rank %d: the connection from rank %d: %s", self.rank, self.source, e)
-                return None
-        log.warning(
-            "rank %d: its source rank %d did not connect for replicas within %.0f s: they travel "
-            "through gloo",
-            self.rank,
-            self.source,
-            setup_s,
-        )
-        return None
+        return found
 
     def close(self) -> None:
         """Close both connections (a transfer in flight fails at once)."""
@@ -436,11 +455,23 @@ def _all_gather_bytes(group: dist.ProcessGroup, world: int, data: bytes) -> list
     return out
 
 
-def _is_loopback(host: str) -> bool:
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return host == "localhost"
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)  # (::ffff:127.0.0.1 is 127.0.0.1)
+    return mapped if mapped is not None else ip
+
+
+def _is_loopback(host: str) -> bool:
+    ip = _ip(host)
+    return ip.is_loopback if ip is not None else host == "localhost"
+
+
+def _is_unspecified(host: str) -> bool:
+    ip = _ip(host)
+    return ip is not None and ip.is_unspecified
 
 
 def _is_v6(host: str) -> bool:

@@ -726,7 +726,8 @@ def publish_commit(
     ``catalog``: the caller's scan of ``storage`` under the lease, before this commit (retention
     then lists the steps once per commit instead of twice).  ``verified``: ``data`` are bytes
     this check passed already, where they were made (a node's leader publishing the manifest
-    rank 0 committed: ``manifest`` is then its ``ManifestSummary``, from ``data`` itself)."""
+    rank 0 committed: ``manifest`` is then its ``ManifestSummary``, which rank 0 sent with
+    ``data``)."""
     step = manifest.step
     step_rel = step_dir_name(step)
     if data is None:
