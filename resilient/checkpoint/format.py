@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -835,11 +835,16 @@ def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
                 f"{where}: manifest names file {f[:200]!r}; files must be plain names like "
                 f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
             )
+    return _summary(d, f"{where}: manifest", found, files)
+
+
+def _summary(d: dict, what: str, step: int, files: Iterable[str]) -> ManifestSummary:
+    """(``manifest_summary``, ``summary_from_line``) The rest of the summary, checked."""
     return ManifestSummary(
-        step=found,
-        commit_seq=_int(d.get("commit_seq"), f"{where}: manifest.commit_seq"),
-        generation=_int(d.get("generation"), f"{where}: manifest.generation"),
-        job_id=_str(d.get("job_id"), f"{where}: manifest.job_id"),
+        step=step,
+        commit_seq=_int(d.get("commit_seq"), f"{what}.commit_seq"),
+        generation=_int(d.get("generation"), f"{what}.generation"),
+        job_id=_str(d.get("job_id"), f"{what}.job_id"),
         files=frozenset(files),
     )
 
@@ -875,13 +880,7 @@ def summary_from_line(line: bytes, where: str, step: int) -> ManifestSummary:
         isinstance(f, str) and _FILE_RE.fullmatch(f) for f in files
     ):
         raise CheckpointCorruptError(f"{where}: summary.files must be a list of plain file names")
-    return ManifestSummary(
-        step=found,
-        commit_seq=_int(d.get("commit_seq"), f"{where}: summary.commit_seq"),
-        generation=_int(d.get("generation"), f"{where}: summary.generation"),
-        job_id=_str(d.get("job_id"), f"{where}: summary.job_id"),
-        files=frozenset(files),
-    )
+    return _summary(d, f"{where}: summary", found, files)
 
 
 def _reject_constant(name: str) -> Any:

@@ -206,12 +206,7 @@ class Replicas:
         if links is not None and links.usable and not links.failed:
             self._replicate_linked(storage, step_rel, own, generation, group, links, source)
             return
-        data: torch.Tensor | None = None
-        try:
-            if own is not None:
-                data = _file_tensor(storage, f"{step_rel}/{own}")
-        except Exception as e:  # (ValueError: truncated between the stat and the map)
-            log.warning("cannot read %s/%s to replicate it: %s", step_rel, own, e)
+        data = _own_file(storage, step_rel, own)
         agreed = torch.tensor([0 if data is None else 1], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if data is None or not int(agreed.item()):
@@ -288,12 +283,7 @@ class Replicas:
         (and dropped when this node cannot keep it: the connection stays in step); then one
         reduction says whether every rank holds its source's file and every connection is up."""
         sender, into = links.sender, links.into
-        data: torch.Tensor | None = None
-        try:
-            if own is not None:
-                data = _file_tensor(storage, f"{step_rel}/{own}")
-        except Exception as e:  # (ValueError: truncated between the stat and the map)
-            log.warning("cannot read %s/%s to replicate it: %s", step_rel, own, e)
+        data = _own_file(storage, step_rel, own)
         received, links_up = 0, 1
         incoming: _Incoming | None = None
         started = False
@@ -634,6 +624,18 @@ def _readable(storage: Storage, rel: str, size: int) -> torch.Tensor | None:
         log.warning("%s is %d bytes, not %d: not sent", rel, data.numel(), size)
         return None
     return data
+
+
+def _own_file(storage: Storage, step_rel: str, own: str | None) -> torch.Tensor | None:
+    """This rank's file of the step to replicate, mapped; None when there is none or it cannot
+    be read (the peer is told so, and keeps its replica of the previous step)."""
+    if own is None:
+        return None
+    try:
+        return _file_tensor(storage, f"{step_rel}/{own}")
+    except Exception as e:  # (ValueError: truncated between the stat and the map)
+        log.warning("cannot read %s/%s to replicate it: %s", step_rel, own, e)
+        return None
 
 
 def _file_tensor(storage: Storage, rel: str) -> torch.Tensor:
