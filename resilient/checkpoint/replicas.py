@@ -28,9 +28,9 @@ peer (resilient/checkpoint/links.py): the file's size and bytes on the connectio
 reduction on the group, which says whether every rank now holds its source's file and every
 connection is still up.  Each gloo operation costs the sending and the waiting rank CPU on its
 transport's thread (about half a millisecond for eight bytes on a busy machine: its event loop
-keeps waking while one waits), and before this a replication made five of them.  Where a connection could not be made,
-or once one broke, every rank replicates through gloo instead (five operations: agreement, sizes,
-readiness, the bytes on the lanes, the outcome).
+keeps waking while one waits), and before this a replication made five of them.  Where a
+connection could not be made, or once one broke, every rank replicates through gloo instead (five
+operations: agreement, sizes, readiness, the bytes on the lanes, the outcome).
 """
 
 from __future__ import annotations
