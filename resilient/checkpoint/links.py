@@ -14,7 +14,7 @@ Setting up (a collective of the replicas' gloo group):
 1. each rank listens on the address it advertises (``RESILIENT_REPLICA_HOST``, or the address of
    the interface that reaches the job's ``MASTER_ADDR``, or its host name's), on a port the system
    picks, and draws a random token;
-2. the ranks all-gather "host port token" (text in a uint8 tensor; nothing is pickled);
+2. the ranks all-gather "host port token hostname" (text in a uint8 tensor; nothing pickled);
 3. each rank connects to its peer and says hello: a magic, its rank, its peer's token;
 4. the ranks all-gather whether they connected; each rank whose source did accepts, and takes only
    the connection whose hello names its source and its own token (anything else that reaches the
@@ -57,7 +57,7 @@ _HELLO = struct.Struct("<8sI16s")  # magic, the connecting rank, the listener's 
 _HELLO_MAGIC = b"RSLNK\x00\x00\x01"
 _HEADER = struct.Struct("<8sQQ")  # magic, sequence number, size
 _HEADER_MAGIC = b"RSLNKDAT"
-_RECORD = 192  # bytes of one rank's "host port token" record in the all-gather
+_RECORD = 192  # bytes of one rank's "host port token hostname" record in the all-gather
 _SETUP_S = 30.0  # the most a connect or an accept waits at setup (then gloo carries the bytes)
 _PENDING = 64  # connections read at once at setup, waiting for their hello
 
