@@ -250,22 +250,27 @@ def test_a_stopped_sender_fails_what_it_is_given_instead_of_hanging():
     into.close()
 
 
-def _a_silent_stranger_first(rank, world) -> dict:
-    """A stranger reaches the port first and sends nothing, holding its connection open: the
-    source's connection behind it is still taken (the set-up reads every connection at once)."""
+def _silent_strangers_first(rank, world, crowd: int, pending: int | None) -> dict:
+    """``crowd`` strangers reach the port before the source and send nothing, holding their
+    connections open (``pending``: how many the set-up reads at once, if not its own): the
+    source's connection behind them is still taken (every connection is read at once, and when
+    too many wait, the oldest make room)."""
     import torch.distributed as dist
 
     from resilient.checkpoint import links as links_mod
 
     real_connect = links_mod.Links._connect
     held: list[socket.socket] = []
+    if pending is not None:
+        links_mod._PENDING = pending
 
-    def stranger_then_real(self, record, setup_s, timeout_s):
+    def strangers_then_real(self, record, setup_s, timeout_s):
         host, port, _, _ = record.decode().split(" ")
-        held.append(socket.create_connection((host, int(port))))
+        for _ in range(crowd):
+            held.append(socket.create_connection((host, int(port))))
         return real_connect(self, record, setup_s, timeout_s)
 
-    links_mod.Links._connect = stranger_then_real
+    links_mod.Links._connect = strangers_then_real
     group = dist.new_group(backend="gloo")
     links = links_mod.Links(group, 0, 0, 0, timeout_s=20)  # (5 s to accept)
     usable = links.usable
@@ -276,7 +281,7 @@ def _a_silent_stranger_first(rank, world) -> dict:
 
 
 def test_a_silent_stranger_at_the_port_holds_up_no_one(tmp_path):
-    (res,) = run_distributed(_a_silent_stranger_first, 1)
+    (res,) = run_distributed(_silent_strangers_first, 1, 1, None)
     assert res == {"usable": True}
 
 
@@ -369,35 +374,9 @@ def test_a_regroup_makes_new_connections_and_closes_the_old(tmp_path):
     _assert_replicas_are_the_files(res, 2)
 
 
-def _a_crowd_of_silent_strangers_first(rank, world) -> dict:
-    """More silent connections than the set-up reads at once reach the port before the source's:
-    the oldest make room, so the source's, the newest, is still taken."""
-    import torch.distributed as dist
-
-    from resilient.checkpoint import links as links_mod
-
-    real_connect = links_mod.Links._connect
-    held: list[socket.socket] = []
-    links_mod._PENDING = 8  # (a crowd within the listen backlog: all wait to be accepted)
-
-    def crowd_then_real(self, record, setup_s, timeout_s):
-        host, port, _, _ = record.decode().split(" ")
-        for _ in range(links_mod._PENDING + 12):
-            held.append(socket.create_connection((host, int(port))))
-        return real_connect(self, record, setup_s, timeout_s)
-
-    links_mod.Links._connect = crowd_then_real
-    group = dist.new_group(backend="gloo")
-    links = links_mod.Links(group, 0, 0, 0, timeout_s=20)
-    usable = links.usable
-    links.close()
-    for s in held:
-        s.close()
-    return {"usable": usable}
-
-
 def test_a_crowd_at_the_port_does_not_lock_the_source_out(tmp_path):
-    (res,) = run_distributed(_a_crowd_of_silent_strangers_first, 1)
+    # 20 within the listen backlog (all wait to be accepted), 8 read at once
+    (res,) = run_distributed(_silent_strangers_first, 1, 20, 8)
     assert res == {"usable": True}
 
 
