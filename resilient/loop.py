@@ -328,7 +328,10 @@ class Run:
         if self.checkpointer.memory is not None:
             self.checkpointer.check_memory_room(self.state)
         durable = self.checkpointer.latest_step()
-        if durable is None and not self.checkpointer.memory_steps():
+        # (across nodes, this node's memory may be empty while another's holds the snapshots:
+        # the load looks on every node, and says "nothing" on every rank alike)
+        across = self.checkpointer.memory is not None and self.checkpointer.nodes.nodes > 1
+        if durable is None and not across and not self.checkpointer.memory_steps():
             return
         t0 = time.time()
         try:

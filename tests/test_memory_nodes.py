@@ -458,3 +458,99 @@ def test_on_three_nodes_a_rank_that_cannot_receive_leaves_nobody_waiting(tmp_pat
     assert "rank_00002.safetensors" not in held[0]["step_2"]
     assert "rank_00000.safetensors" in held[1]["step_2"]  # rank 0's own file reached rank 1
     assert "rank_00001.safetensors" in held[2]["step_2"]
+
+
+
+def _restore_with_rank_0_on_the_new_node(
+    rank: int, world: int, url: str, base: str, first: int
+) -> dict:
+    """Node 0 was lost; its replacement (an empty memory root) holds ranks 0 and 1 now (torchrun's
+    rendezvous may hand rank 0 to the new agent), the survivor ranks 2 and 3 (root 1)."""
+    import torch.distributed as dist
+
+    root = _root(base, 2) if rank < 2 else _root(base, 1)
+    ck = Checkpointer(url, memory_every=1, memory_root=root, persister=False)
+    state = _state(rank, world, 0.0)
+    got = ck.load(state)
+    out = {
+        "step": got,
+        "source": ck.last_load.source,
+        "peer_files": ck.last_load.peer_files,
+        "w": state["w"].tolist(),
+    }
+    for step in (first, first + 1):  # the snapshots after it are kept on every node
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    dist.barrier()
+    out["memory_steps"] = ck.memory_steps()
+    ck.close()
+    return out
+
+
+def test_rank_0_on_a_replaced_node_restores_from_the_other_nodes_memory(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshot_on_two_nodes, 4, url, base)
+    shutil.rmtree(_root(base, 0))  # node 0 (rank 0's) is lost
+    results = run_distributed(_restore_with_rank_0_on_the_new_node, 4, url, base, 4)
+    for rank, r in enumerate(results):
+        # step 3 from memory: node 1's own files, and the replicas of node 0's it held
+        assert (r["step"], r["source"]) == (3, "memory"), r
+        assert r["peer_files"] >= 2 and r["w"] == [3.0 + rank] * 4
+        assert r["memory_steps"] == [5, 4], (rank, r)
+
+
+def _snapshots_then_a_durable_save(rank: int, world: int, url: str, base: str) -> None:
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    for step in (1, 2, 3):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    ck.save(4, _state(rank, world, 4.0)).wait()
+    ck.close()
+
+
+def test_rank_0_on_a_replaced_node_commits_above_the_other_nodes_older_snapshots(tmp_path):
+    """Rank 0's node is new (its memory empty) and the job restores from durable storage, newer
+    than what the survivor's memory holds: rank 0's next snapshots must rank above the
+    survivor's older ones there (commit order), or its retention retires each new one at once."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshots_then_a_durable_save, 4, url, base)
+    shutil.rmtree(_root(base, 0))
+    results = run_distributed(_restore_with_rank_0_on_the_new_node, 4, url, base, 5)
+    for rank, r in enumerate(results):
+        assert (r["step"], r["source"]) == (4, "durable"), r
+        assert r["w"] == [4.0 + rank] * 4
+        assert r["memory_steps"] == [6, 5], (rank, r)
+
+
+def _run_on_two_nodes(rank: int, world: int, url: str, base: str, phase: int) -> tuple:
+    """A Run, ranks 0-1 on one node and 2-3 on another; phase 1 crashes in step 4 (its
+    memory stays for the next run: no persister flushes it), phase 2 runs on a replacement of
+    node 0 (ranks 0 and 1 on an empty root) beside the survivor (root 1)."""
+    from resilient import Run
+
+    os.environ["RESILIENT_PERSISTER"] = "0"
+    root = _root(base, rank // 2) if phase == 1 else _root(base, 2 if rank < 2 else 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with Run(url, memory_every=1, memory_root=root, detect=False) as run:
+        got = run.track(model=model)
+        if phase == 2:
+            return got, run.checkpointer.last_load.source
+        try:
+            for step in run.steps(10):
+                with torch.no_grad():
+                    model.weight.add_(float(step))
+                if step == 4:
+                    run._join_snapshot()  # (step 3's replica in)
+                    raise RuntimeError("crash")
+        except RuntimeError:
+            pass
+    return None
+
+
+def test_a_run_with_rank_0_on_an_empty_node_restores_the_other_nodes_snapshot(tmp_path):
+    """No durable commit yet, and rank 0's node's memory empty: every rank still loads (the
+    other node holds the snapshots), none skips the load alone and leaves the others waiting."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_run_on_two_nodes, 4, url, base, 1)
+    shutil.rmtree(_root(base, 0))
+    results = run_distributed(_run_on_two_nodes, 4, url, base, 2, timeout_s=120)
+    assert results == [(3, "memory")] * 4

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint.buffers import scratch_for
-from resilient.checkpoint.catalog import Catalog, scan
+from resilient.checkpoint.catalog import Catalog, line_of, scan
 from resilient.checkpoint.format import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
@@ -34,6 +34,7 @@ from resilient.checkpoint.format import (
     Manifest,
     ManifestEncoder,
     manifest_of_step,
+    manifest_summary,
     rank_file_name,
     step_dir_name,
     summary_from_line,
@@ -320,6 +321,9 @@ class Checkpointer:
         self._anchor: tuple[int, int] | None = None
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
+        # (the memory tier across nodes) the newest commit order in any node's memory, as the
+        # last load's exchange found it: this node's next commits rank above it
+        self._seq_floor = 0
         if memory_every is not None:
             # a local path is its absolute path: "ckpt" run from two directories is two jobs
             key = os.path.abspath(self.storage.path()) if self.storage.is_local else self.url
@@ -1152,7 +1156,8 @@ class Checkpointer:
         reports = committer.gather(own) if committer.store is not None else [own]
         self._forget_previous_outcome(committer, reports)
         catalog = scan(self.storage)
-        seq = catalog.next_commit_seq()
+        # (across nodes: above the newest commit in every node's memory, not only this one's)
+        seq = max(catalog.next_commit_seq(), self._seq_floor + 1)
         if seq > MAX_INT:
             top = max(catalog.infos.values(), key=lambda i: i.commit_seq)
             raise CommitError(
@@ -1517,10 +1522,23 @@ class Checkpointer:
         says.  Step -1 stands for "nothing to load" (every rank then raises
         CheckpointNotFoundError)."""
         found: list[tuple[int, int, int, int]] = []
+        across = self._memory is not None and self._memory._replicas is not None
+        if self.rank == 0 or (across and self.nodes.is_leader(self.rank)):
+            try:
+                found = self._durable_candidates(step, fallback)
+                if self._memory is not None:
+                    found = self._memory_candidates(step, found) + found
+            except Exception:
+                if not across:
+                    raise
+                # (a node's leader that cannot look still takes part below; its node's
+                # snapshots are not candidates)
+                log.warning("listing the candidate steps failed on rank %d", self.rank, exc_info=1)
+                found = []
+        if across:  # every node's snapshots, not only rank 0's node's (every rank, a collective)
+            memory = self._memory_of_every_node([c for c in found if c[0] == _MEMORY])
+            found = memory + [c for c in found if c[0] == _DURABLE]
         if self.rank == 0:
-            found = self._durable_candidates(step, fallback)
-            if self._memory is not None:
-                found = self._memory_candidates(step, found) + found
             found = found[:_MAX_FALLBACKS] or [(_DURABLE, -1, 0, 0)]
         if not self._distributed or self.world_size == 1:
             return found
@@ -1534,6 +1552,54 @@ class Checkpointer:
         n = int(buf[0].item())
         flat = [int(x) for x in buf[1 : 4 * n + 1].tolist()]
         return [tuple(flat[i : i + 4]) for i in range(0, len(flat), 4)]
+
+    def _memory_of_every_node(
+        self, mine: list[tuple[int, int, int, int]]
+    ) -> list[tuple[int, int, int, int]]:
+        """(memory tier across nodes; every rank, a collective) The memory candidates of every
+        node, as its leader found them (``mine``; other ranks pass []), merged newest first: rank
+        0's node may hold none of them (torchrun's rendezvous can give rank 0 to a node that
+        replaced a lost one: its memory is empty, while the other nodes hold the snapshots and
+        the replicas of the lost node's files).  Each node also says the newest commit order in
+        its memory: rank 0's next commits in memory rank above it on every node, or another
+        node's retention would take them for older ones."""
+        assert self._memory is not None
+        n = _MAX_MEMORY_CANDIDATES
+        row = torch.full((2 + 5 * n,), -1, dtype=torch.int64)
+        mine = mine[:n]
+        row[0] = len(mine)
+        try:
+            row[1] = self._memory.catalog().next_commit_seq() - 1
+        except Exception as e:  # (its snapshots are not candidates either, then)
+            log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
+        for i, (_, s, seq, generation) in enumerate(mine):
+            anchor = self._anchors.get(s)
+            row[2 + 5 * i : 7 + 5 * i] = torch.tensor(
+                [s, seq, generation, *(anchor if anchor is not None else (-1, -1))]
+            )
+        every = [torch.empty_like(row, device=_device()) for _ in range(self.world_size)]
+        dist.all_gather(every, row.to(_device()))
+        best: dict[int, tuple[int, int, tuple[int, int] | None]] = {}
+        floor = 0
+        for t in every:
+            vals = [int(x) for x in t.tolist()]
+            floor = max(floor, vals[1])
+            for i in range(min(max(vals[0], 0), n)):
+                s, seq, generation, a_step, a_seq = vals[2 + 5 * i : 7 + 5 * i]
+                if s < 0:
+                    continue
+                if s not in best or (seq, generation) > best[s][:2]:
+                    best[s] = (seq, generation, (a_step, a_seq) if a_step >= 0 else None)
+        self._memory._seq_floor = max(self._memory._seq_floor, floor)
+        # the line of the merged commits (as each node's own: newest first, each older commit
+        # numbered below every step taken so far)
+        by_order = sorted(best, key=lambda s: (best[s][0], s))
+        out = []
+        for s in line_of(by_order):
+            seq, generation, anchor = best[s]
+            self._anchors[s] = anchor
+            out.append((_MEMORY, s, seq, generation))
+        return out
 
     def _durable_candidates(
         self, step: int | None, fallback: bool
@@ -1642,7 +1708,9 @@ class Checkpointer:
     ) -> _PendingLoad:
         """Read and check every byte this rank needs of ``step`` into scratch memory; the step's
         manifest must be ``version`` (commit_seq, generation) when given."""
-        peer_files = self._gather_files(state, step, layout) if self._replicas is not None else 0
+        peer_files = (
+            self._gather_files(state, step, layout, version) if self._replicas is not None else 0
+        )
         with watching_retirement(self.storage, step):
             manifest = read_manifest(self.storage, step)
             if version is not None and (manifest.commit_seq, manifest.generation) != version:
@@ -1700,19 +1768,31 @@ class Checkpointer:
         stats.peer_files = peer_files
         return _PendingLoad(flat, scratch, values, stats, in_place)
 
-    def _gather_files(self, state: Mapping[str, Any], step: int, layout: Layout) -> int:
+    def _gather_files(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        layout: Layout,
+        version: tuple[int, int] | None = None,
+    ) -> int:
         """(memory tier across nodes; every rank, a collective) Bring the files of ``step`` that
         this rank needs and its node lacks from the nodes that hold them (replicas.py); returns
-        how many files moved between nodes (the same on every rank)."""
+        how many files moved between nodes (the same on every rank).  The manifest comes from
+        rank 0's node, or, where that node lacks the step (or holds another ``version`` of it),
+        from the first node whose leader holds it."""
         assert self._replicas is not None
         step_rel = step_dir_name(step)
         rel = f"{step_rel}/{MANIFEST_NAME}"
         local = None
-        if self.rank == 0:
+        if self.nodes.is_leader(self.rank):
             try:
                 local = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
-            except Exception as e:
-                log.warning("memory step %d: rank 0 cannot read its manifest: %s", step, e)
+                held = manifest_summary(local, self.storage.display(rel), step)
+                if version is not None and (held.commit_seq, held.generation) != version:
+                    local = None  # (another node's may be the one rank 0 picked)
+            except Exception as e:  # (a node that lacks the step: another node's, then)
+                log.info("memory step %d: rank %d cannot read its manifest: %s", step, self.rank, e)
+                local = None
         try:
             data = self._replicas.share_manifest(local)
         except RuntimeError as e:  # the replica group failed (a peer is gone): not from memory
@@ -1808,6 +1888,9 @@ _MAX_FALLBACKS = 64
 STALE_KEYS_PER_COMMIT = 64
 # The tiers a load candidate comes from.
 _DURABLE, _MEMORY = 0, 1
+# per node, in the exchange of memory candidates across nodes (a node keeps two snapshots, and
+# those sealed or left by a rollback: a few)
+_MAX_MEMORY_CANDIDATES = 8
 
 
 # A load reads in place (checks first, then reads again into the state) from at most this many

@@ -387,21 +387,26 @@ class Replicas:
 
     # --- the restore exchange (load, every rank, main thread) ---------------------------------
     def share_manifest(self, data: bytes | None) -> bytes:
-        """Rank 0's manifest bytes of the step being restored, on every rank."""
+        """The manifest bytes of the step being restored, on every rank: rank 0's, or where rank
+        0 has none (its node lacks the step: a node that replaced a lost one), those of the
+        lowest rank that has them (``data``: this rank's, or None)."""
         group, _ = self._groups()
+        world = dist.get_world_size(group)
         size = torch.tensor([len(data) if data is not None else -1], dtype=torch.int64)
-        dist.broadcast(size, 0, group=group)
-        n = int(size.item())
-        if n < 0:
-            raise CheckpointNotFoundError("rank 0 could not read the snapshot's manifest")
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        src = next((r for r in range(world) if int(sizes[r].item()) >= 0), None)
+        if src is None:
+            raise CheckpointNotFoundError("no node could read the snapshot's manifest")
+        n = int(sizes[src].item())
         buf = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.rank == 0 and n
+            if self.rank == src and n and data is not None
             else torch.empty(n, dtype=torch.uint8)
         )
         if n:
-            dist.broadcast(buf, 0, group=group)
-        return bytes(buf.numpy()) if self.rank != 0 else (data or b"")
+            dist.broadcast(buf, src, group=group)
+        return data if self.rank == src and data is not None else bytes(buf.numpy())
 
     def fetch(
         self, storage: Storage, step_rel: str, files: dict[str, int], need: set[str] | None
