@@ -460,7 +460,6 @@ def test_on_three_nodes_a_rank_that_cannot_receive_leaves_nobody_waiting(tmp_pat
     assert "rank_00001.safetensors" in held[2]["step_2"]
 
 
-
 def _restore_with_rank_0_on_the_new_node(
     rank: int, world: int, url: str, base: str, first: int
 ) -> dict:
