@@ -353,6 +353,7 @@ class Checkpointer:
                     timeout_s=min(commit_timeout_s, 300.0),
                     spare_dir=os.path.join(self.memory.dir, STAGING_DIR),
                 )
+                self._agree_memory_floor()
         # Durable saves through the persister process (persister.py) when the tier is on, one per
         # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
         # code says nothing.
@@ -1360,6 +1361,7 @@ class Checkpointer:
         if self._memory is not None and self._memory._replicas is not None:
             # the collectives a new checkpointer's constructor runs next (the spare's)
             self._memory._replicas.regroup()
+            self._agree_memory_floor()
 
     def _thread_name(self, step: int) -> str:
         """A save's background thread: a memory snapshot's ("resilient-ckpt-snapshot", which
@@ -1522,22 +1524,36 @@ class Checkpointer:
         says.  Step -1 stands for "nothing to load" (every rank then raises
         CheckpointNotFoundError)."""
         found: list[tuple[int, int, int, int]] = []
+        memory: list[tuple[int, int, int, int]] = []
         across = self._memory is not None and self._memory._replicas is not None
         if self.rank == 0 or (across and self.nodes.is_leader(self.rank)):
-            try:
-                found = self._durable_candidates(step, fallback)
-                if self._memory is not None:
-                    found = self._memory_candidates(step, found) + found
-            except Exception:
-                if not across:
-                    raise
-                # (a node's leader that cannot look still takes part below; its node's
-                # snapshots are not candidates)
-                log.warning("listing the candidate steps failed on rank %d", self.rank, exc_info=1)
-                found = []
+            found = self._durable_candidates(step, fallback)
+            if self._memory is not None:
+                try:
+                    if across and self.rank != 0:
+                        self.catalog()  # (raises where durable storage cannot be listed here)
+                    memory = self._memory_candidates(step, found)
+                except Exception as e:
+                    if not across:
+                        raise
+                    # A node's leader that cannot tell which of its snapshots are stale (durable
+                    # storage or its memory cannot be listed here) offers none; it still takes
+                    # part below, and rank 0 keeps the durable steps
+                    log.warning(
+                        "rank %d: this node's snapshots are not offered for the restore: %s: %s",
+                        self.rank,
+                        type(e).__name__,
+                        e,
+                    )
+                    memory = []
         if across:  # every node's snapshots, not only rank 0's node's (every rank, a collective)
-            memory = self._memory_of_every_node([c for c in found if c[0] == _MEMORY])
-            found = memory + [c for c in found if c[0] == _DURABLE]
+            newest_durable = found[0][1] if found and step is None else -1
+            memory = [
+                c
+                for c in self._memory_of_every_node(memory)
+                if step is not None or c[1] >= newest_durable
+            ]
+        found = memory + found
         if self.rank == 0:
             found = found[:_MAX_FALLBACKS] or [(_DURABLE, -1, 0, 0)]
         if not self._distributed or self.world_size == 1:
@@ -1560,37 +1576,34 @@ class Checkpointer:
         node, as its leader found them (``mine``; other ranks pass []), merged newest first: rank
         0's node may hold none of them (torchrun's rendezvous can give rank 0 to a node that
         replaced a lost one: its memory is empty, while the other nodes hold the snapshots and
-        the replicas of the lost node's files).  Each node also says the newest commit order in
-        its memory: rank 0's next commits in memory rank above it on every node, or another
-        node's retention would take them for older ones."""
+        the replicas of the lost node's files)."""
         assert self._memory is not None
         n = _MAX_MEMORY_CANDIDATES
-        row = torch.full((2 + 5 * n,), -1, dtype=torch.int64)
-        mine = mine[:n]
-        row[0] = len(mine)
+        row = torch.full((1 + 5 * n,), -1, dtype=torch.int64)
         try:
-            row[1] = self._memory.catalog().next_commit_seq() - 1
-        except Exception as e:  # (its snapshots are not candidates either, then)
-            log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
-        for i, (_, s, seq, generation) in enumerate(mine):
-            anchor = self._anchors.get(s)
-            row[2 + 5 * i : 7 + 5 * i] = torch.tensor(
-                [s, seq, generation, *(anchor if anchor is not None else (-1, -1))]
-            )
+            entries = []
+            for _, s, seq, generation in mine[:n]:
+                anchor = self._anchors.get(s)
+                entries.append([s, seq, generation, *(anchor if anchor is not None else (-1, -1))])
+            if entries:  # (a value beyond int64 raises here, before the collective)
+                row[1 : 1 + 5 * len(entries)] = torch.tensor(entries, dtype=torch.int64).flatten()
+            row[0] = len(entries)
+        except Exception as e:
+            log.warning("rank %d: this node's snapshots cannot be offered: %s", self.rank, e)
+            row.fill_(-1)
+            row[0] = 0
         every = [torch.empty_like(row, device=_device()) for _ in range(self.world_size)]
         dist.all_gather(every, row.to(_device()))
+        # a step's version as rank 0's node holds it, else as the lowest rank that offered it
+        # (nodes agree but for a damaged or rolled-back copy: rank 0's was the one restored
+        # before nodes offered theirs)
         best: dict[int, tuple[int, int, tuple[int, int] | None]] = {}
-        floor = 0
         for t in every:
             vals = [int(x) for x in t.tolist()]
-            floor = max(floor, vals[1])
             for i in range(min(max(vals[0], 0), n)):
-                s, seq, generation, a_step, a_seq = vals[2 + 5 * i : 7 + 5 * i]
-                if s < 0:
-                    continue
-                if s not in best or (seq, generation) > best[s][:2]:
+                s, seq, generation, a_step, a_seq = vals[1 + 5 * i : 6 + 5 * i]
+                if s >= 0 and s not in best:
                     best[s] = (seq, generation, (a_step, a_seq) if a_step >= 0 else None)
-        self._memory._seq_floor = max(self._memory._seq_floor, floor)
         # the line of the merged commits (as each node's own: newest first, each older commit
         # numbered below every step taken so far)
         by_order = sorted(best, key=lambda s: (best[s][0], s))
@@ -1600,6 +1613,32 @@ class Checkpointer:
             self._anchors[s] = anchor
             out.append((_MEMORY, s, seq, generation))
         return out
+
+    def _agree_memory_floor(self) -> None:
+        """(memory tier across nodes; every rank, a collective on the replicas' group, where a
+        checkpointer is made and where in-job recovery carries one to a new group) The newest
+        commit order in any node's memory: rank 0's commits in memory rank above it, on every
+        node.  Rank 0's own node may hold none (it replaced a lost node), and a node whose
+        memory holds commits ranked above rank 0's next ones would take those for older and
+        retire them at once."""
+        assert self._memory is not None and self._memory._replicas is not None
+        try:
+            newest = self._memory.catalog().next_commit_seq() - 1
+        except Exception as e:  # (the load says what is wrong with this node's memory)
+            log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
+            newest = 0
+        if newest >= _IMPLAUSIBLE_SEQ:  # not this toolkit's counter: a damaged manifest
+            log.warning(
+                "the memory tier at %s holds a commit numbered %d, which no run counts up to; "
+                "it does not set the commit order of this job's snapshots",
+                self._memory.url,
+                newest,
+            )
+            newest = 0
+        t = torch.tensor([newest], dtype=torch.int64)
+        group, _ = self._memory._replicas._groups()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        self._memory._seq_floor = int(t.item())
 
     def _durable_candidates(
         self, step: int | None, fallback: bool
@@ -1891,6 +1930,8 @@ _DURABLE, _MEMORY = 0, 1
 # per node, in the exchange of memory candidates across nodes (a node keeps two snapshots, and
 # those sealed or left by a rollback: a few)
 _MAX_MEMORY_CANDIDATES = 8
+# a commit order no run reaches counting one per commit (a damaged or hand-made manifest's)
+_IMPLAUSIBLE_SEQ = 1 << 62
 
 
 # A load reads in place (checks first, then reads again into the state) from at most this many

@@ -1,0 +1,190 @@
+"""The restore across nodes chooses from every node's memory, not only rank 0's: what a node
+offers, and what it must not (stale or older snapshots, values that do not fit, a damaged commit
+order), never leaves a rank waiting or loses a newer step.  Four ranks, two memory roots per run
+stand for two nodes (as in tests/test_memory_nodes.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from resilient import Checkpointer
+from tests.dist import run_distributed
+from tests.test_memory_nodes import (
+    _durable_then_snapshots,
+    _root,
+    _snapshot_on_two_nodes,
+    _snapshots_then_a_durable_save,
+    _state,
+)
+
+
+def _manifests(base: str, node: int, step: int) -> list[Path]:
+    return list(Path(_root(base, node)).glob(f"job-*/steps/step_{step:08d}/MANIFEST.json"))
+
+
+def _edit_manifest(path: Path, **changes) -> None:
+    d = json.loads(path.read_bytes())
+    for key, value in changes.items():
+        if key == "anchor":
+            d["extras"]["_resilient_durable_anchor"] = value
+        else:
+            d[key] = value
+    path.write_text(json.dumps(d))
+
+
+def _load_on(rank: int, world: int, url: str, base: str, roots: list[int], then: list[int]):
+    """Rank r's memory root is roots[r]; load, report, then snapshot the steps in ``then``."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, roots[rank]), persister=False)
+    state = _state(rank, world, 0.0)
+    try:
+        got = ck.load(state)
+        out = {"step": got, "source": ck.last_load.source, "w": state["w"].tolist()}
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}"}
+    out["anchor"] = ck._anchor
+    out["floor"] = ck._memory._seq_floor
+    snaps = []
+    for step in then:
+        try:
+            ck.snapshot(step, _state(rank, world, float(step))).wait()
+            snaps.append("ok")
+        except Exception as e:
+            snaps.append(f"{type(e).__name__}: {str(e)[:160]}")
+    if then:
+        dist.barrier()
+    out["snaps"] = snaps
+    out["memory_steps"] = ck.memory_steps()
+    ck.close()
+    return out
+
+
+def _snap_only(rank: int, world: int, url: str, base: str, roots: list[int], steps: list[int]):
+    """A checkpointer that never loads (a fresh start at the URL): it only snapshots."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, roots[rank]), persister=False)
+    for step in steps:
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    dist.barrier()
+    out = ck.memory_steps()
+    ck.close()
+    return out
+
+
+# --- a leader raising between its listing and the all_gather: every other rank waits --------
+def test_a_node_whose_anchor_overflows_int64_does_not_hang_the_restore(tmp_path):
+    """A snapshot anchor of 19 digits parses (_parse_anchor allows < 20 digits) and passes
+    _stale (a newer durable commit is on the line), but does not fit the int64 row of
+    _memory_of_every_node: node 1's leader raises before the all_gather."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)
+    (m,) = _manifests(base, 1, 3)
+    _edit_manifest(m, anchor="9999999999999999999:0")
+    results = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [], timeout_s=60)
+    # node 1 offers nothing; rank 0's node holds step 3 (its manifest intact), and the exchange
+    # brings node 1's ranks rank 0's version of it
+    assert [(r.get("step"), r.get("source")) for r in results] == [(3, "memory")] * 4, results
+
+
+# --- anchors after restoring a step rank 0's node did not hold, and the restart after ------
+def test_snapshots_after_a_restore_from_another_node_are_restored_by_the_next_restart(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)  # durable 1; memory 2, 3
+    shutil.rmtree(_root(base, 0))
+    # rank 0's node is new (root 2): it restores step 3 from node 1, then snapshots 4 and 5
+    first = run_distributed(_load_on, 4, url, base, [2, 2, 1, 1], [4, 5])
+    for r in first:
+        assert (r["step"], r["source"]) == (3, "memory"), first
+        assert r["anchor"] == (1, 1), first  # step 3 descends from durable step 1 (commit 1)
+        assert r["snaps"] == ["ok", "ok"] and r["memory_steps"] == [5, 4], first
+    for node in (1, 2):
+        (m,) = _manifests(base, node, 5)
+        assert json.loads(m.read_bytes())["extras"]["_resilient_durable_anchor"] == "1:1"
+    # the next restart (the same nodes) takes step 5; then node 1 is lost as well
+    again = run_distributed(_load_on, 4, url, base, [2, 2, 1, 1], [])
+    assert [(r["step"], r["source"]) for r in again] == [(5, "memory")] * 4, again
+    shutil.rmtree(_root(base, 1))
+    last = run_distributed(_load_on, 4, url, base, [2, 2, 3, 3], [])
+    assert [(r["step"], r["source"]) for r in last] == [(5, "memory")] * 4, last
+    assert [r["w"] for r in last] == [[5.0 + rank] * 4 for rank in range(4)]
+
+
+# --- the commit order's floor where the checkpointer never loads --------------------------------------
+def test_a_checkpointer_that_never_loads_commits_above_the_other_nodes_older_snapshots(tmp_path):
+    """Rank 0 on a new node snapshots without a load first: its commit order restarts at 1, and
+    the survivor node's older snapshots (commits 2 and 3) outrank the new ones there."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshot_on_two_nodes, 4, url, base)  # memory 1, 2, 3 on both nodes
+    shutil.rmtree(_root(base, 0))
+    held = run_distributed(_snap_only, 4, url, base, [2, 2, 1, 1], [10, 11])
+    restart = run_distributed(_load_on, 4, url, base, [2, 2, 1, 1], [])
+    assert held[2] == [11, 10] and restart[0]["step"] == 11, (held, restart)
+
+
+# --- rank 0's listing failing drops the durable candidates too ------------------------------
+def _load_with_rank_0s_memory_listing_failing(rank: int, world: int, url: str, base: str):
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    if rank == 0:
+
+        def broken():
+            raise OSError("the memory tier cannot be listed (the test)")
+
+        ck._memory.catalog = broken
+    state = _state(rank, world, 0.0)
+    try:
+        out = (ck.load(state), ck.last_load.source)
+    except Exception as e:
+        out = f"{type(e).__name__}: {e}"
+    ck.close()
+    return out
+
+
+def test_rank_0s_memory_failing_to_list_still_restores_the_durable_step(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshots_then_a_durable_save, 4, url, base)
+    results = run_distributed(_load_with_rank_0s_memory_listing_failing, 4, url, base)
+    assert results == [(4, "durable")] * 4, results
+
+
+# --- a node whose manifest says an absurd commit order --------------------------------------
+def test_one_nodes_manifest_with_a_huge_commit_seq_does_not_stop_every_later_snapshot(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshot_on_two_nodes, 4, url, base)
+    (m,) = _manifests(base, 1, 3)
+    _edit_manifest(m, commit_seq=(1 << 63) - 1)
+    results = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [4, 5])
+    assert [r["snaps"] for r in results] == [["ok", "ok"]] * 4, results
+
+
+# --- a leader whose durable listing fails judges its snapshots alone ------------------------
+def _load_with_rank_2s_durable_listing_failing(rank: int, world: int, url: str, base: str):
+    from resilient.errors import StorageError
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    if rank == 2:  # node 1's leader cannot list durable storage (a transient outage, retries spent)
+
+        def broken():
+            raise StorageError("durable storage cannot be listed (the test)")
+
+        ck.catalog = broken
+    state = _state(rank, world, 0.0)
+    try:
+        out = (ck.load(state), ck.last_load.source)
+    except Exception as e:
+        out = f"{type(e).__name__}: {e}"
+    ck.close()
+    return out
+
+
+def test_a_leader_that_cannot_list_durable_storage_does_not_offer_older_snapshots(tmp_path):
+    """Snapshots 1-3 were taken before any durable commit (anchor ""), then step 4 was saved
+    durably.  Rank 0 offers no memory step (all older than 4); node 1's leader, unable to list
+    durable storage, offers 3 and 2 (newest durable -1, and "" is not stale without a catalog)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshots_then_a_durable_save, 4, url, base)
+    results = run_distributed(_load_with_rank_2s_durable_listing_failing, 4, url, base)
+    assert results == [(4, "durable")] * 4, results
