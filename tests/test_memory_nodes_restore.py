@@ -125,15 +125,22 @@ def test_a_checkpointer_that_never_loads_commits_above_the_other_nodes_older_sna
     assert held[2] == [11, 10] and restart[0]["step"] == 11, (held, restart)
 
 
-# --- rank 0's listing failing drops the durable candidates too ------------------------------
-def _load_with_rank_0s_memory_listing_failing(rank: int, world: int, url: str, base: str):
+# --- a listing that fails on one rank ------------------------------------------------------
+def _load_with_a_listing_failing(rank: int, world: int, url: str, base: str, who: int, what: str):
+    """Rank ``who`` cannot list its node's memory (``what`` "memory") or durable storage
+    ("durable": a transient outage, its retries spent)."""
+    from resilient.errors import StorageError
+
     ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
-    if rank == 0:
+    if rank == who:
 
         def broken():
-            raise OSError("the memory tier cannot be listed (the test)")
+            raise (OSError if what == "memory" else StorageError)(f"{what} cannot be listed (test)")
 
-        ck._memory.catalog = broken
+        if what == "memory":
+            ck._memory.catalog = broken
+        else:
+            ck.catalog = broken
     state = _state(rank, world, 0.0)
     try:
         out = (ck.load(state), ck.last_load.source)
@@ -146,7 +153,18 @@ def _load_with_rank_0s_memory_listing_failing(rank: int, world: int, url: str, b
 def test_rank_0s_memory_failing_to_list_still_restores_the_durable_step(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     run_distributed(_snapshots_then_a_durable_save, 4, url, base)
-    results = run_distributed(_load_with_rank_0s_memory_listing_failing, 4, url, base)
+    results = run_distributed(_load_with_a_listing_failing, 4, url, base, 0, "memory")
+    assert results == [(4, "durable")] * 4, results
+
+
+def test_a_leader_that_cannot_list_durable_storage_does_not_offer_older_snapshots(tmp_path):
+    """Snapshots 1-3 were taken before any durable commit (anchor ""), then step 4 was saved
+    durably.  Rank 0 offers no memory step (all older than 4); node 1's leader, unable to list
+    durable storage, cannot tell that its 3 and 2 are older (and "" is not stale without a
+    catalog): it offers none, and rank 0 would drop them anyway."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshots_then_a_durable_save, 4, url, base)
+    results = run_distributed(_load_with_a_listing_failing, 4, url, base, 2, "durable")
     assert results == [(4, "durable")] * 4, results
 
 
@@ -158,33 +176,3 @@ def test_one_nodes_manifest_with_a_huge_commit_seq_does_not_stop_every_later_sna
     _edit_manifest(m, commit_seq=(1 << 63) - 1)
     results = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [4, 5])
     assert [r["snaps"] for r in results] == [["ok", "ok"]] * 4, results
-
-
-# --- a leader whose durable listing fails judges its snapshots alone ------------------------
-def _load_with_rank_2s_durable_listing_failing(rank: int, world: int, url: str, base: str):
-    from resilient.errors import StorageError
-
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
-    if rank == 2:  # node 1's leader cannot list durable storage (a transient outage, retries spent)
-
-        def broken():
-            raise StorageError("durable storage cannot be listed (the test)")
-
-        ck.catalog = broken
-    state = _state(rank, world, 0.0)
-    try:
-        out = (ck.load(state), ck.last_load.source)
-    except Exception as e:
-        out = f"{type(e).__name__}: {e}"
-    ck.close()
-    return out
-
-
-def test_a_leader_that_cannot_list_durable_storage_does_not_offer_older_snapshots(tmp_path):
-    """Snapshots 1-3 were taken before any durable commit (anchor ""), then step 4 was saved
-    durably.  Rank 0 offers no memory step (all older than 4); node 1's leader, unable to list
-    durable storage, offers 3 and 2 (newest durable -1, and "" is not stale without a catalog)."""
-    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_snapshots_then_a_durable_save, 4, url, base)
-    results = run_distributed(_load_with_rank_2s_durable_listing_failing, 4, url, base)
-    assert results == [(4, "durable")] * 4, results
