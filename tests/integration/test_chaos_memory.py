@@ -49,6 +49,14 @@ def _restore(report: dict) -> tuple[dict, str]:
     return restore, "\n".join([json.dumps(restore), *lines[:40]])
 
 
+def _reached(report: dict, restore: dict) -> int:
+    """The newest step the run had trained before the restore: the fault fires once the harness
+    sees its planned step, and on a loaded machine the run may be a step or two past it."""
+    path = Path(report["run_dir"]) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max(r["step"] for r in rows if r["wall_time"] < restore["start"])
+
+
 def test_the_memory_scenarios_are_the_ones_this_file_runs():
     assert set(MEMORY_TIER) == {
         "memory-kill-rank",
@@ -148,7 +156,8 @@ def test_lost_node_restores_from_its_peers_replica(out):
     # durable storage held step 10; node 0 restored a newer step from memory, which needed the
     # replicas of node 1's files (node 1's ranks wrote their own shards), resharded to dp 1
     assert restore["source"] == "memory" and restore["resharded"], why
-    assert lost["step"] - 1 <= restore["step"] <= lost["step"]
+    reached = _reached(report, restore)
+    assert lost["step"] <= reached and reached - 1 <= restore["step"] <= reached, why
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 
@@ -164,7 +173,8 @@ def test_a_replaced_node_restores_its_ranks_from_the_peers_replicas(out):
     assert restore["source"] == "memory" and not restore["resharded"], why
     assert restore["peer_files"] >= 2, why  # at least ranks 2 and 3's files, from node 0's replicas
     assert report["measurements"]["restore_sources"] == ["peer"]
-    assert lost["step"] - 1 <= restore["step"] <= lost["step"]
+    reached = _reached(report, restore)
+    assert lost["step"] <= reached and reached - 1 <= restore["step"] <= reached, why
     assert max(report["measurements"]["steps_lost"], default=0) <= 1
 
 
