@@ -9,6 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from resilient import Checkpointer
 from tests.dist import run_distributed
 from tests.test_memory_nodes import (
@@ -176,3 +178,44 @@ def test_one_nodes_manifest_with_a_huge_commit_seq_does_not_stop_every_later_sna
     _edit_manifest(m, commit_seq=(1 << 63) - 1)
     results = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [4, 5])
     assert [r["snaps"] for r in results] == [["ok", "ok"]] * 4, results
+
+
+# --- three nodes: a copy of the manifest that fails the full check -------------------------
+def _three(rank: int, world: int, value: float) -> dict:  # 4 values per rank
+    from resilient import Shard, sharded
+
+    w = torch.full((4,), value + rank, dtype=torch.float32)
+    return {"w": sharded(w, {"dp": Shard(0)}, global_shape=(4 * world,))}
+
+
+def _three_nodes(rank: int, world: int, url: str, base: str, roots: list[int], load: bool):
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, roots[rank]), persister=False)
+    if not load:
+        for step in (1, 2, 3):
+            ck.snapshot(step, _three(rank, world, float(step))).wait()
+        ck.close()
+        return None
+    state = _three(rank, world, 0.0)
+    try:
+        out = (ck.load(state), ck.last_load.source, state["w"].tolist())
+    except Exception as e:
+        out = f"{type(e).__name__}: {e}"
+    ck.close()
+    return out
+
+
+def test_a_manifest_copy_that_fails_the_full_check_does_not_hide_a_good_one(tmp_path):
+    """Three nodes of one rank each; node 0 (rank 0's) is lost and rank 0 restarts on an empty
+    one.  Node 1 holds rank 0's file of step 3 (the replica) but a manifest whose tensor table
+    is damaged (its top level intact: it still lists as a commit); node 2's manifest is good.
+    The restore takes node 2's, and rank 0's file from node 1."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_three_nodes, 3, url, base, [0, 1, 2], False)
+    shutil.rmtree(_root(base, 0))
+    (m,) = _manifests(base, 1, 3)
+    d = json.loads(m.read_bytes())
+    d["tensors"]["w"]["shape"] = [7]  # (the chunks no longer tile it)
+    m.write_text(json.dumps(d))
+    results = run_distributed(_three_nodes, 3, url, base, [3, 1, 2], True)
+    assert [r[:2] for r in results] == [(3, "memory")] * 3, results
+    assert [r[2] for r in results] == [[3.0 + rank] * 4 for rank in range(3)]

@@ -34,7 +34,6 @@ from resilient.checkpoint.format import (
     Manifest,
     ManifestEncoder,
     manifest_of_step,
-    manifest_summary,
     rank_file_name,
     step_dir_name,
     summary_from_line,
@@ -1826,7 +1825,9 @@ class Checkpointer:
         if self.nodes.is_leader(self.rank):
             try:
                 local = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
-                held = manifest_summary(local, self.storage.display(rel), step)
+                # (checked in full: a copy that fails the full check must not hide a good one
+                # on another node)
+                held = manifest_of_step(local, self.storage.display(rel), step)
                 if version is not None and (held.commit_seq, held.generation) != version:
                     local = None  # (another node's may be the one rank 0 picked)
             except Exception as e:  # (a node that lacks the step: another node's, then)
