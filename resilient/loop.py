@@ -357,7 +357,8 @@ class Run:
             last = self.checkpointer.last_load
             source = last.source if last else "durable"
             try:
-                in_memory = max(self.checkpointer.memory_steps(), default=None)
+                offered = [last.newest_memory] if last and last.newest_memory is not None else []
+                in_memory = max([*self.checkpointer.memory_steps(), *offered], default=None)
             except (ResilientError, OSError) as e:  # (only for the event: the restore is done)
                 log.warning("could not list the memory tier's steps: %s", e)
                 in_memory = None

@@ -5,6 +5,7 @@ torchrun agents on one host stand for two nodes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -475,6 +476,7 @@ def _restore_with_rank_0_on_the_new_node(
         "step": got,
         "source": ck.last_load.source,
         "peer_files": ck.last_load.peer_files,
+        "newest_memory": ck.last_load.newest_memory,
         "w": state["w"].tolist(),
     }
     for step in (first, first + 1):  # the snapshots after it are kept on every node
@@ -495,6 +497,8 @@ def test_rank_0_on_a_replaced_node_restores_from_the_other_nodes_memory(tmp_path
         assert (r["step"], r["source"]) == (3, "memory"), r
         assert r["peer_files"] >= 2 and r["w"] == [3.0 + rank] * 4
         assert r["memory_steps"] == [5, 4], (rank, r)
+    # what the restore event reports as the newest snapshot there was: node 1's
+    assert results[0]["newest_memory"] == 3
 
 
 def _snapshots_then_a_durable_save(rank: int, world: int, url: str, base: str) -> None:
@@ -532,7 +536,10 @@ def _run_on_two_nodes(rank: int, world: int, url: str, base: str, phase: int) ->
     with Run(url, memory_every=1, memory_root=root, detect=False) as run:
         got = run.track(model=model)
         if phase == 2:
-            return got, run.checkpointer.last_load.source
+            events = [json.loads(x) for x in Path(run.events.path).read_text().splitlines()]
+            restore = [e for e in events if e["event"] == "restore"]
+            newest = restore[-1]["newest_memory"] if rank == 0 else None
+            return got, run.checkpointer.last_load.source, newest
         try:
             for step in run.steps(10):
                 with torch.no_grad():
@@ -552,4 +559,6 @@ def test_a_run_with_rank_0_on_an_empty_node_restores_the_other_nodes_snapshot(tm
     run_distributed(_run_on_two_nodes, 4, url, base, 1)
     shutil.rmtree(_root(base, 0))
     results = run_distributed(_run_on_two_nodes, 4, url, base, 2, timeout_s=120)
-    assert results == [(3, "memory")] * 4
+    # rank 0's restore event names node 1's newest snapshot (the chaos harness's proof that no
+    # newer committed step was passed over)
+    assert results == [(3, "memory", 3)] + [(3, "memory", None)] * 3

@@ -128,6 +128,9 @@ class LoadStats:
     # (memory, rank 0) the step was committed by this load from its ranks' staged records: a
     # sealed snapshot, or one whose commit a fault cut short (seal.py)
     sealed: bool = False
+    # (memory, rank 0) the newest snapshot this load could restore, on any node (across nodes,
+    # rank 0's own node may hold none of them)
+    newest_memory: int | None = None
 
 
 class SaveHandle:
@@ -323,6 +326,7 @@ class Checkpointer:
         # (the memory tier across nodes) the newest commit order in any node's memory, as the
         # last load's exchange found it: this node's next commits rank above it
         self._seq_floor = 0
+        self._newest_offered: int | None = None  # (rank 0) see LoadStats.newest_memory
         if memory_every is not None:
             # a local path is its absolute path: "ckpt" run from two directories is two jobs
             key = os.path.abspath(self.storage.path()) if self.storage.is_local else self.url
@@ -1493,6 +1497,7 @@ class Checkpointer:
                 stats = pending.apply()
                 stats.source = "memory" if source is not self else "durable"
                 stats.sealed = source is not self and s == sealed
+                stats.newest_memory = self._newest_offered
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
                 self._lineage += 1
                 stats.skipped_steps = skipped
@@ -1553,6 +1558,7 @@ class Checkpointer:
                 if step is not None or c[1] >= newest_durable
             ]
         found = memory + found
+        self._newest_offered = max((c[1] for c in memory), default=None)
         if self.rank == 0:
             found = found[:_MAX_FALLBACKS] or [(_DURABLE, -1, 0, 0)]
         if not self._distributed or self.world_size == 1:
