@@ -219,3 +219,100 @@ def test_a_manifest_copy_that_fails_the_full_check_does_not_hide_a_good_one(tmp_
     results = run_distributed(_three_nodes, 3, url, base, [3, 1, 2], True)
     assert [r[:2] for r in results] == [(3, "memory")] * 3, results
     assert [r[2] for r in results] == [[3.0 + rank] * 4 for rank in range(3)]
+
+
+# --- a rollback some node missed, and a node unlisted when the checkpointer is made ----------
+def _rollback_then_resave(rank, world, url, base, roots, to, then, value):
+    """load(step=to) (a rollback), then snapshot the steps in ``then`` with values ``value``."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, roots[rank]), persister=False)
+    state = _state(rank, world, 0.0)
+    got = ck.load(state, step=to)
+    for step in then:
+        ck.snapshot(step, _state(rank, world, value * step)).wait()
+    dist.barrier()
+    out = {"step": got, "floor": ck._memory._seq_floor, "memory_steps": ck.memory_steps()}
+    ck.close()
+    return out
+
+
+def _seqs(base, node, step):
+    return [json.loads(m.read_bytes())["commit_seq"] for m in _manifests(base, node, step)]
+
+
+def test_a_node_back_from_offline_does_not_win_with_its_older_version_of_a_step(tmp_path):
+    """Job 1 on nodes 0 (rank 0) and 1: durable step 1, snapshots 2, 3 (memory commits 1, 2).
+    Job 2 runs without node 0 (rank 0 on a new node 2, with node 1): it rolls back to durable
+    step 1 and takes steps 2 and 3 again (memory commits 3 and 4, other values).  Job 3: node 0
+    is back, with rank 0.  The newest commit of step 3 is job 2's (on node 1, commit 4); node 0
+    still holds job 1's (commit 2), under the same file names: the newest version is restored,
+    and node 0's own files of step 3 count as absent."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)
+    r2 = run_distributed(_rollback_then_resave, 4, url, base, [2, 2, 1, 1], 1, [2, 3], 10.0)
+    assert [r["step"] for r in r2] == [1] * 4, r2
+    before = (_seqs(base, 0, 3), _seqs(base, 1, 3))
+    assert before == ([2], [4]), before
+    r3 = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [])
+    after = (_seqs(base, 0, 3), _seqs(base, 1, 3))
+    got = [(r.get("step"), r.get("w")) for r in r3]
+    # expected: job 2's step 3 (values 30 + rank), the newest commit there is
+    assert got == [(3, [30.0 + rank] * 4) for rank in range(4)], (got, before, after)
+    # and node 1 keeps the newest version (node 0 is given it, and fetches the files it needs)
+    assert after == ([4], [4]), after
+
+
+def _memory_unlisted_at_construction(rank, world, url, base, first):
+    """As _restore_with_rank_0_on_the_new_node (rank 0's node is new, node 1 survives), but node
+    1's memory cannot be listed while the checkpointer is made (a transient error, on both of its
+    ranks): it lists again by the load."""
+    import torch.distributed as dist
+
+    from resilient.checkpoint import checkpointer as mod
+
+    real = mod.Checkpointer.catalog
+    failing = {"on": rank >= 2}
+
+    def catalog(self):
+        if failing["on"] and self._namespace == "mem":
+            raise OSError("memory cannot be listed (test, transient)")
+        return real(self)
+
+    mod.Checkpointer.catalog = catalog
+    root = _root(base, 2) if rank < 2 else _root(base, 1)
+    ck = Checkpointer(url, memory_every=1, memory_root=root, persister=False)
+    failing["on"] = False
+    state = _state(rank, world, 0.0)
+    got = ck.load(state)
+    out = {"step": got, "source": ck.last_load.source, "floor": ck._memory._seq_floor}
+    for step in (first, first + 1):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+    dist.barrier()
+    out["memory_steps"] = ck.memory_steps()
+    ck.close()
+    return out
+
+
+def test_a_node_unlisted_while_the_checkpointer_is_made_still_sets_the_floor(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshots_then_a_durable_save, 4, url, base)  # memory 1-3; durable 4
+    shutil.rmtree(_root(base, 0))
+    results = run_distributed(_memory_unlisted_at_construction, 4, url, base, 5)
+    assert [(r["step"], r["source"]) for r in results] == [(4, "durable")] * 4, results
+    # node 1 must keep the new snapshots 6 and 5, as in
+    # test_rank_0_on_a_replaced_node_commits_above_the_other_nodes_older_snapshots
+    assert [r["memory_steps"] for r in results] == [[6, 5]] * 4, results
+
+
+def test_after_a_huge_commit_seq_on_one_node_that_node_keeps_the_new_snapshots(tmp_path):
+    """As test_one_nodes_manifest_with_a_huge_commit_seq_does_not_stop_every_later_snapshot,
+    and what node 1 keeps and what the next restart restores."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_snapshot_on_two_nodes, 4, url, base)
+    (m,) = _manifests(base, 1, 3)
+    _edit_manifest(m, commit_seq=(1 << 63) - 1)
+    first = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [4, 5])
+    again = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [])
+    report = ([r["memory_steps"] for r in first], [(r.get("step"), r.get("error")) for r in again])
+    assert report == ([[5, 4]] * 4, [(5, None)] * 4), report

@@ -34,6 +34,7 @@ from resilient.checkpoint.format import (
     Manifest,
     ManifestEncoder,
     manifest_of_step,
+    manifest_summary,
     rank_file_name,
     step_dir_name,
     summary_from_line,
@@ -1584,31 +1585,39 @@ class Checkpointer:
         the replicas of the lost node's files)."""
         assert self._memory is not None
         n = _MAX_MEMORY_CANDIDATES
-        row = torch.full((1 + 5 * n,), -1, dtype=torch.int64)
+        row = torch.full((2 + 5 * n,), -1, dtype=torch.int64)
+        row[1] = self._node_newest_seq() if self.nodes.is_leader(self.rank) else 0
         try:
             entries = []
             for _, s, seq, generation in mine[:n]:
+                if seq >= _IMPLAUSIBLE_SEQ:
+                    continue  # (not offered: see _node_newest_seq)
                 anchor = self._anchors.get(s)
                 entries.append([s, seq, generation, *(anchor if anchor is not None else (-1, -1))])
             if entries:  # (a value beyond int64 raises here, before the collective)
-                row[1 : 1 + 5 * len(entries)] = torch.tensor(entries, dtype=torch.int64).flatten()
+                row[2 : 2 + 5 * len(entries)] = torch.tensor(entries, dtype=torch.int64).flatten()
             row[0] = len(entries)
         except Exception as e:
             log.warning("rank %d: this node's snapshots cannot be offered: %s", self.rank, e)
-            row.fill_(-1)
+            row[2:] = -1
             row[0] = 0
         every = [torch.empty_like(row, device=_device()) for _ in range(self.world_size)]
         dist.all_gather(every, row.to(_device()))
-        # a step's version as rank 0's node holds it, else as the lowest rank that offered it
-        # (nodes agree but for a damaged or rolled-back copy: rank 0's was the one restored
-        # before nodes offered theirs)
+        # A step's newest version wins: a node that missed a rollback's commits (it was not in
+        # the job meanwhile) holds an older one, whose manifest must not be restored nor put over
+        # the newer one (both name the same files when their generations agree)
         best: dict[int, tuple[int, int, tuple[int, int] | None]] = {}
+        floor = self._memory._seq_floor
         for t in every:
             vals = [int(x) for x in t.tolist()]
+            floor = max(floor, vals[1])
             for i in range(min(max(vals[0], 0), n)):
-                s, seq, generation, a_step, a_seq = vals[1 + 5 * i : 6 + 5 * i]
-                if s >= 0 and s not in best:
+                s, seq, generation, a_step, a_seq = vals[2 + 5 * i : 7 + 5 * i]
+                if s >= 0 and (s not in best or (seq, generation) > best[s][:2]):
                     best[s] = (seq, generation, (a_step, a_seq) if a_step >= 0 else None)
+        # (each node's newest commit, seen again: a node that could not be listed when this
+        # checkpointer was made, or has joined since, sets the floor too)
+        self._memory._seq_floor = floor
         # the line of the merged commits (as each node's own: newest first, each older commit
         # numbered below every step taken so far)
         by_order = sorted(best, key=lambda s: (best[s][0], s))
@@ -1619,6 +1628,25 @@ class Checkpointer:
             out.append((_MEMORY, s, seq, generation))
         return out
 
+    def _node_newest_seq(self) -> int:
+        """The newest commit order in this node's memory (0 where it cannot be listed, or where
+        it is a number no run counts up to: a damaged manifest's, which then sets nothing)."""
+        assert self._memory is not None
+        try:
+            newest = self._memory.catalog().next_commit_seq() - 1
+        except Exception as e:  # (the load says what is wrong with this node's memory)
+            log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
+            return 0
+        if newest >= _IMPLAUSIBLE_SEQ:  # not this toolkit's counter: a damaged manifest
+            log.warning(
+                "the memory tier at %s holds a commit numbered %d, which no run counts up to; "
+                "it does not set the commit order of this job's snapshots",
+                self._memory.url,
+                newest,
+            )
+            return 0
+        return newest
+
     def _agree_memory_floor(self) -> None:
         """(memory tier across nodes; every rank, a collective on the replicas' group, where a
         checkpointer is made and where in-job recovery carries one to a new group) The newest
@@ -1627,19 +1655,7 @@ class Checkpointer:
         memory holds commits ranked above rank 0's next ones would take those for older and
         retire them at once."""
         assert self._memory is not None and self._memory._replicas is not None
-        try:
-            newest = self._memory.catalog().next_commit_seq() - 1
-        except Exception as e:  # (the load says what is wrong with this node's memory)
-            log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
-            newest = 0
-        if newest >= _IMPLAUSIBLE_SEQ:  # not this toolkit's counter: a damaged manifest
-            log.warning(
-                "the memory tier at %s holds a commit numbered %d, which no run counts up to; "
-                "it does not set the commit order of this job's snapshots",
-                self._memory.url,
-                newest,
-            )
-            newest = 0
+        newest = self._node_newest_seq() if self.nodes.is_leader(self.rank) else 0
         t = torch.tensor([newest], dtype=torch.int64)
         group, _ = self._memory._replicas._groups()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -1859,7 +1875,17 @@ class Checkpointer:
                 undo()
         sizes = {name: entry.size_bytes for name, entry in manifest.files.items()}
         try:
-            moved = self._replicas.fetch(self.storage, step_rel, sizes, need)
+            mine: bytes | None = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
+        except Exception:  # a node that had nothing of this step (a replacement node)
+            mine = None
+        try:
+            # A node that holds another version of the step (it missed a rollback's commits)
+            # holds files of the same names that are not this version's: they count as absent,
+            # and the ones its ranks need come from a node that has them.  (A manifest that does
+            # not parse says no version: its node's files count, and the read checks them.)
+            moved = self._replicas.fetch(
+                self.storage, step_rel, sizes, need, stale=_other_version(mine, manifest, rel)
+            )
         except CheckpointNotFoundError:
             if error is not None:
                 raise error from None  # this rank's own reason, not "a rank failed"
@@ -1870,10 +1896,6 @@ class Checkpointer:
             ) from e
         if error is not None:
             raise error
-        try:
-            mine = self.storage.read_small(rel, MAX_MANIFEST_BYTES)
-        except Exception:  # a node that had nothing of this step (a replacement node)
-            mine = None
         if mine != data:  # this node now holds rank 0's version of the step (the read checks it)
             self.storage.makedirs(step_rel)
             self.storage.publish(rel, data)
@@ -2198,6 +2220,18 @@ def _barrier() -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
+
+
+def _other_version(mine: bytes | None, chosen: Manifest, where: str) -> bool:
+    """Whether a node's manifest bytes of a step (None: it has none) are a version of the step
+    other than ``chosen`` (another commit order or generation)."""
+    if mine is None:
+        return False
+    try:
+        held = manifest_summary(mine, where, chosen.step)
+    except Exception:
+        return False
+    return (held.commit_seq, held.generation) != (chosen.commit_seq, chosen.generation)
 
 
 def _device() -> torch.device:

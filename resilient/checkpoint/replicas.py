@@ -409,12 +409,20 @@ class Replicas:
         return data if self.rank == src and data is not None else bytes(buf.numpy())
 
     def fetch(
-        self, storage: Storage, step_rel: str, files: dict[str, int], need: set[str] | None
+        self,
+        storage: Storage,
+        step_rel: str,
+        files: dict[str, int],
+        need: set[str] | None,
+        *,
+        stale: bool = False,
     ) -> int:
         """Make every file this rank ``need``\\ s present in its node's ``step_rel`` (files: name ->
         size, the manifest's, sorted the same on every rank); ``need`` None: this rank failed
-        before it knew (it still takes part, so nobody waits for it).  Returns how many files
-        moved between nodes (the same on every rank).
+        before it knew (it still takes part, so nobody waits for it).  ``stale``: this node's
+        files of the step are another version's (its manifest is not the one restored), so it
+        holds none of them.  Returns how many files moved between nodes (the same on every
+        rank).
         Raises CheckpointNotFoundError on every rank when a needed file is on no node, or when a
         rank failed."""
         group, _ = self._groups()
@@ -422,7 +430,7 @@ class Replicas:
         have = torch.zeros(len(names) + 1, dtype=torch.uint8)
         want = torch.zeros(len(names) + 1, dtype=torch.uint8)
         for i, name in enumerate(names):
-            have[i] = int(_present(storage, f"{step_rel}/{name}", files[name]))
+            have[i] = int(not stale and _present(storage, f"{step_rel}/{name}", files[name]))
             want[i] = int(need is not None and name in need)
         want[-1] = int(need is None)
         world = dist.get_world_size(group)
