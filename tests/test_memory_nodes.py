@@ -462,14 +462,28 @@ def test_on_three_nodes_a_rank_that_cannot_receive_leaves_nobody_waiting(tmp_pat
 
 
 def _restore_with_rank_0_on_the_new_node(
-    rank: int, world: int, url: str, base: str, first: int
+    rank: int, world: int, url: str, base: str, first: int, unlisted: bool = False
 ) -> dict:
     """Node 0 was lost; its replacement (an empty memory root) holds ranks 0 and 1 now (torchrun's
-    rendezvous may hand rank 0 to the new agent), the survivor ranks 2 and 3 (root 1)."""
+    rendezvous may hand rank 0 to the new agent), the survivor ranks 2 and 3 (root 1).
+    ``unlisted``: the survivor's memory cannot be listed while the checkpointer is made (a
+    transient error, on both of its ranks); it lists again by the load."""
     import torch.distributed as dist
 
+    from resilient.checkpoint import checkpointer as mod
+
+    real = mod.Checkpointer.catalog
+    failing = {"on": unlisted and rank >= 2}
+
+    def catalog(self):
+        if failing["on"] and self._namespace == "mem":
+            raise OSError("memory cannot be listed (test, transient)")
+        return real(self)
+
+    mod.Checkpointer.catalog = catalog
     root = _root(base, 2) if rank < 2 else _root(base, 1)
     ck = Checkpointer(url, memory_every=1, memory_root=root, persister=False)
+    failing["on"] = False
     state = _state(rank, world, 0.0)
     got = ck.load(state)
     out = {

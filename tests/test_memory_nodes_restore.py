@@ -15,6 +15,7 @@ from resilient import Checkpointer
 from tests.dist import run_distributed
 from tests.test_memory_nodes import (
     _durable_then_snapshots,
+    _restore_with_rank_0_on_the_new_node,
     _root,
     _snapshot_on_two_nodes,
     _snapshots_then_a_durable_save,
@@ -263,44 +264,13 @@ def test_a_node_back_from_offline_does_not_win_with_its_older_version_of_a_step(
     assert after == ([4], [4]), after
 
 
-def _memory_unlisted_at_construction(rank, world, url, base, first):
-    """As _restore_with_rank_0_on_the_new_node (rank 0's node is new, node 1 survives), but node
-    1's memory cannot be listed while the checkpointer is made (a transient error, on both of its
-    ranks): it lists again by the load."""
-    import torch.distributed as dist
-
-    from resilient.checkpoint import checkpointer as mod
-
-    real = mod.Checkpointer.catalog
-    failing = {"on": rank >= 2}
-
-    def catalog(self):
-        if failing["on"] and self._namespace == "mem":
-            raise OSError("memory cannot be listed (test, transient)")
-        return real(self)
-
-    mod.Checkpointer.catalog = catalog
-    root = _root(base, 2) if rank < 2 else _root(base, 1)
-    ck = Checkpointer(url, memory_every=1, memory_root=root, persister=False)
-    failing["on"] = False
-    state = _state(rank, world, 0.0)
-    got = ck.load(state)
-    out = {"step": got, "source": ck.last_load.source, "floor": ck._memory._seq_floor}
-    for step in (first, first + 1):
-        ck.snapshot(step, _state(rank, world, float(step))).wait()
-    dist.barrier()
-    out["memory_steps"] = ck.memory_steps()
-    ck.close()
-    return out
-
-
 def test_a_node_unlisted_while_the_checkpointer_is_made_still_sets_the_floor(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     run_distributed(_snapshots_then_a_durable_save, 4, url, base)  # memory 1-3; durable 4
     shutil.rmtree(_root(base, 0))
-    results = run_distributed(_memory_unlisted_at_construction, 4, url, base, 5)
+    results = run_distributed(_restore_with_rank_0_on_the_new_node, 4, url, base, 5, True)
     assert [(r["step"], r["source"]) for r in results] == [(4, "durable")] * 4, results
-    # node 1 must keep the new snapshots 6 and 5, as in
+    # node 1 keeps the new snapshots 6 and 5, as in test_memory_nodes.py's
     # test_rank_0_on_a_replaced_node_commits_above_the_other_nodes_older_snapshots
     assert [r["memory_steps"] for r in results] == [[6, 5]] * 4, results
 
