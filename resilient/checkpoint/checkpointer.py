@@ -324,8 +324,9 @@ class Checkpointer:
         self._anchor: tuple[int, int] | None = None
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
-        # (the memory tier across nodes) the newest commit order in any node's memory, as the
-        # last load's exchange found it: this node's next commits rank above it
+        # (the memory tier across nodes) the newest commit order in any node's memory, agreed
+        # where the checkpointer is made or carried to a new group, and raised by each load's
+        # exchange: rank 0's next commits rank above it
         self._seq_floor = 0
         self._newest_offered: int | None = None  # (rank 0) see LoadStats.newest_memory
         if memory_every is not None:
