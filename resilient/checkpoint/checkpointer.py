@@ -1536,9 +1536,7 @@ class Checkpointer:
             found = self._durable_candidates(step, fallback)
             if self._memory is not None:
                 try:
-                    if across and self.rank != 0:
-                        self.catalog()  # (raises where durable storage cannot be listed here)
-                    memory = self._memory_candidates(step, found)
+                    memory = self._memory_candidates(step, found, strict=across and self.rank != 0)
                 except Exception as e:
                     if not across:
                         raise
@@ -1680,8 +1678,11 @@ class Checkpointer:
             return []
 
     def _memory_candidates(
-        self, step: int | None, durable: list[tuple[int, int, int, int]]
+        self, step: int | None, durable: list[tuple[int, int, int, int]], *, strict: bool = False
     ) -> list[tuple[int, int, int, int]]:
+        """This node's restorable snapshots.  ``strict`` (a node's leader other than rank 0,
+        across nodes): none where durable storage cannot be listed here, since which of them
+        are stale or older than the newest durable step cannot then be told."""
         assert self._memory is not None
         try:
             catalog = self._memory.catalog()
@@ -1689,7 +1690,15 @@ class Checkpointer:
             try:
                 durable_catalog: Catalog | None = self.catalog()
                 line = set(durable_catalog.line())
-            except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
+            except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
+                if strict and not isinstance(e, CheckpointNotFoundError):
+                    log.warning(
+                        "rank %d: durable storage cannot be listed here (%s); this node's "
+                        "snapshots are not offered for the restore",
+                        self.rank,
+                        e,
+                    )
+                    return []
                 durable_catalog, line = None, set()
             found = []
             for s in catalog.line():
