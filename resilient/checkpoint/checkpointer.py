@@ -59,12 +59,14 @@ from resilient.checkpoint.seal import NodeLocal, seal_staged
 from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
+    RUN_SHIFT,
     MemoryPlace,
     _fmt,
     _parse_anchor,
     _stale,
     default_root,
     memory_place,
+    number_this_run,
 )
 from resilient.checkpoint.state import DescribeCache, FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
@@ -350,6 +352,10 @@ class Checkpointer:
             self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
             self._memory._commit_every = memory_commit_every
             self._memory._commit_period = memory_commit_every * memory_every
+            if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
+                run = number_this_run(self.storage, self._node_newest_seq() >> RUN_SHIFT)
+                if run is not None:
+                    self._memory._seq_floor = run << RUN_SHIFT
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
                 self._memory._replicas = Replicas(
@@ -1472,7 +1478,7 @@ class Checkpointer:
                 # (or never began: a sealed one) is committed first (seal.py): the fault then
                 # loses at most one step
                 assert self.memory is not None
-                sealed = seal_staged(self.memory.dir)
+                sealed = seal_staged(self.memory.dir, seq_floor=self._memory._seq_floor)
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
@@ -1655,7 +1661,8 @@ class Checkpointer:
         retire them at once."""
         assert self._memory is not None and self._memory._replicas is not None
         newest = self._node_newest_seq() if self.nodes.is_leader(self.rank) else 0
-        t = torch.tensor([newest], dtype=torch.int64)
+        # (rank 0's: this run's number, see snapshots.number_this_run)
+        t = torch.tensor([max(newest, self._memory._seq_floor)], dtype=torch.int64)
         group, _ = self._memory._replicas._groups()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         self._memory._seq_floor = int(t.item())

@@ -85,7 +85,12 @@ class NodeLocal:
 
 
 def seal_staged(
-    job_dir: str, *, wait_s: float = 0.0, lock_s: float = 120.0, newer_than: int | None = None
+    job_dir: str,
+    *,
+    wait_s: float = 0.0,
+    lock_s: float = 120.0,
+    newer_than: int | None = None,
+    seq_floor: int = 0,
 ) -> int | None:
     """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
     was cut short (newest first; the first that seals ends it); returns its step, or None when
@@ -93,6 +98,8 @@ def seal_staged(
     the newest commit to be gone (the persister: the trainer's other ranks are being torn down).
     ``newer_than``: only steps after it are worth sealing (the persister's flush: the newest
     durable step; a snapshot no newer is never persisted, and sealing it costs a checksum pass).
+    ``seq_floor``: the commit is numbered above it (the loading run's number, where it seals a
+    step at its load: snapshots.number_this_run).
     Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
@@ -117,7 +124,7 @@ def seal_staged(
         newest = -1 if committed is None else committed.step
         try:
             wanted = {s: r for s, r in records.items() if newer_than is None or s > newer_than}
-            sealed = _seal_newest(wanted, staging, mem, catalog)
+            sealed = _seal_newest(wanted, staging, mem, catalog, seq_floor)
             if sealed is not None:
                 newest = max(newest, sealed)
         finally:
@@ -226,7 +233,11 @@ def _read_record(path: str) -> Any:
 
 
 def _seal_newest(
-    records: dict[int, dict[int, dict[str, Any]]], staging: str, mem: Storage, catalog: Catalog
+    records: dict[int, dict[int, dict[str, Any]]],
+    staging: str,
+    mem: Storage,
+    catalog: Catalog,
+    seq_floor: int = 0,
 ) -> int | None:
     from resilient import __version__ as version
 
@@ -237,7 +248,8 @@ def _seal_newest(
         if newest is not None and step <= newest.step:
             return None  # the commit got through (or a newer one did): nothing to finish
         try:
-            _seal(step, records[step], staging, mem, catalog.next_commit_seq(), version)
+            seq = max(catalog.next_commit_seq(), seq_floor + 1)
+            _seal(step, records[step], staging, mem, seq, version)
         except Exception as e:  # whatever a record or a file says, the step stays uncommitted
             log.warning("memory snapshot of step %d is not sealed: %s", step, e)
             continue

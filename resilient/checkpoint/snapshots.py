@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import stat
 import tempfile
 import time
+import warnings
 from typing import Any
 
 from resilient.checkpoint.catalog import Catalog
-from resilient.errors import MemoryTierError
+from resilient.checkpoint.storage import Storage
+from resilient.errors import MemoryTierError, ResilientError
 
 __all__ = [
     "ENV_LIMIT",
@@ -40,6 +43,8 @@ __all__ = [
     "default_root",
     "memory_place",
 ]
+
+log = logging.getLogger(__name__)
 
 ENV_ROOT = "RESILIENT_MEMORY_ROOT"
 # An optional cap (bytes; K/M/G suffixes) on what this job's snapshots may use on a node, for nodes
@@ -286,3 +291,63 @@ def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) ->
             f"(a rollback happened since)"
         )
     return None
+
+
+# The runs of a job that used the memory tier, counted in durable storage (docs/FORMAT.md,
+# section 9).  Each node's memory outlives runs, and a node can sit out a run and come back with
+# snapshots whose commit order was counted apart from that run's: a run's commits in memory are
+# numbered from ``run << RUN_SHIFT`` up, so a later run's outrank an earlier one's on every node.
+MEMORY_RUNS_NAME = "MEMORY_RUNS.json"
+MEMORY_RUNS_FORMAT = "resilient-memory-runs/1"
+RUN_SHIFT = 32  # commits per run, at most 2**32
+MAX_RUN = 1 << 29  # (run << RUN_SHIFT stays far below the commit order no run reaches, 2**62)
+_MAX_RUNS_FILE = 4 << 10
+
+
+def number_this_run(storage: Storage, seen: int) -> int | None:
+    """(rank 0 of a job with the memory tier, where its checkpointer is made) One past the runs
+    counted at the durable URL and past ``seen`` (the newest run this node's memory holds),
+    written back before it is returned.  None, with a warning, where the count cannot be
+    written: the run's commits are then ordered as the nodes' memory alone says (README, "Across
+    nodes")."""
+    where = storage.display(MEMORY_RUNS_NAME)
+    counted, why = 0, None
+    try:
+        data: bytes | None = storage.read_small(MEMORY_RUNS_NAME, _MAX_RUNS_FILE)
+    except ResilientError as e:
+        data = None
+        if not isinstance(e.__cause__, FileNotFoundError):  # (none yet: the job's first run)
+            why = f"it cannot be read ({e})"
+    if data is not None:
+        try:
+            record = json.loads(data)
+            runs = record.get("runs") if isinstance(record, dict) else None
+            if not isinstance(record, dict) or record.get("format") != MEMORY_RUNS_FORMAT:
+                raise ValueError(f"expected a {MEMORY_RUNS_FORMAT!r} record")
+            if type(runs) is not int or not 0 <= runs < MAX_RUN:
+                raise ValueError(f"expected 'runs' an int in [0, {MAX_RUN}), found {runs!r:.40}")
+            counted = runs
+        except ValueError as e:  # (json's errors are ValueErrors)
+            why = f"it is not a count of runs: {e}"
+    if why is not None:
+        _warn(f"{where}, the memory tier's count of this job's runs: {why}; it is written anew")
+    run = max(counted, seen) + 1
+    if run >= MAX_RUN:
+        _warn(f"{where}: {run} runs of this job is more than the tier counts ({MAX_RUN - 1})")
+        return None
+    record = {"format": MEMORY_RUNS_FORMAT, "runs": run, "unix_s": round(time.time(), 3)}
+    try:
+        storage.makedirs("")  # (a job's first save makes it too)
+        storage.publish(MEMORY_RUNS_NAME, json.dumps(record).encode())
+    except Exception as e:
+        _warn(
+            f"the memory tier's count of this job's runs cannot be written to {where} ({e}); "
+            f"this run's snapshots are ordered as the nodes' memory alone says"
+        )
+        return None
+    return run
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, stacklevel=4)
