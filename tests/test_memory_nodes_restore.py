@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from resilient import Checkpointer
@@ -344,3 +345,39 @@ def test_a_sealed_step_of_the_newest_run_is_numbered_as_the_run_that_seals_it(tm
     five = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [])
     got = [(r.get("step"), r.get("source"), r.get("w")) for r in five]
     assert got == [(5, "memory", [50.0 + rank // 2] * 4) for rank in range(4)], got
+
+
+def _resume_then_save(rank, world, url, base, roots, then, value, persister):
+    """As _resume_then_snapshot, the last step of ``then`` a durable save (through the
+    persister process, or the trainer's own thread)."""
+    import torch.distributed as dist
+
+    root = _root(base, roots[rank])
+    ck = Checkpointer(url, memory_every=1, memory_root=root, persister=persister)
+    got = ck.load(_state(rank, world, 0.0))
+    for step in then[:-1]:
+        ck.snapshot(step, _state(rank, world, value * step)).wait()
+    ck.save(then[-1], _state(rank, world, value * then[-1])).wait()
+    ck.wait()
+    dist.barrier()
+    ck.close()
+    return got
+
+
+@pytest.mark.parametrize("persister", [False, True], ids=["own-thread", "persister"])
+def test_a_durable_commit_of_a_later_run_outranks_an_older_runs_snapshots(tmp_path, persister):
+    """As above, job 3 (node 1 alone) ends with a durable save of its step 5, and node 1 is
+    lost after it (its memory with it).  Job 4, on node 0 and a new node, restores that durable
+    step 5, not job 2's step 8 in node 0's memory: job 2's line descends from durable step 1
+    too, but job 3 committed to the durable line since, without seeing job 2's snapshots."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_snapshots, 4, url, base)
+    run_distributed(_resume_then_snapshot, 2, url, base, [0, 0], [4, 5, 6, 7, 8], 1.0)
+    three = run_distributed(_resume_then_save, 2, url, base, [1, 1], [4, 5], 10.0, persister)
+    assert three == [3, 3], three
+    manifest = json.loads((Path(url) / "step_00000005" / "MANIFEST.json").read_text())
+    assert manifest["extras"]["_resilient_memory_run"] == 3, manifest["extras"]
+    shutil.rmtree(_root(base, 1))
+    four = run_distributed(_load_on, 4, url, base, [0, 0, 2, 2], [])
+    got = [(r.get("step"), r.get("source"), r.get("w")) for r in four]
+    assert got == [(5, "durable", [50.0 + rank // 2] * 4) for rank in range(4)], got

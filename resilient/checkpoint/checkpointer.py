@@ -59,12 +59,14 @@ from resilient.checkpoint.seal import NodeLocal, seal_staged
 from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
+    RUN_KEY,
     RUN_SHIFT,
     MemoryPlace,
     _fmt,
     _parse_anchor,
     _stale,
     default_root,
+    durable_runs,
     memory_place,
     number_this_run,
 )
@@ -330,6 +332,9 @@ class Checkpointer:
         # where the checkpointer is made or carried to a new group, and raised by each load's
         # exchange: rank 0's next commits rank above it
         self._seq_floor = 0
+        # (rank 0, memory tier) this run's number (snapshots.number_this_run), which its durable
+        # commits record; None where it could not be counted
+        self._run: int | None = None
         self._newest_offered: int | None = None  # (rank 0) see LoadStats.newest_memory
         if memory_every is not None:
             # a local path is its absolute path: "ckpt" run from two directories is two jobs
@@ -353,9 +358,9 @@ class Checkpointer:
             self._memory._commit_every = memory_commit_every
             self._memory._commit_period = memory_commit_every * memory_every
             if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
-                run = number_this_run(self.storage, self._node_newest_seq() >> RUN_SHIFT)
-                if run is not None:
-                    self._memory._seq_floor = run << RUN_SHIFT
+                self._run = number_this_run(self.storage, self._node_newest_seq() >> RUN_SHIFT)
+                if self._run is not None:
+                    self._memory._seq_floor = self._run << RUN_SHIFT
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
                 self._memory._replicas = Replicas(
@@ -1190,6 +1195,8 @@ class Checkpointer:
             validate=False,  # publish_commit checks the bytes it publishes, as readers will
             static_cache=self._static_reports,
         )
+        if self._run is not None:  # (a durable commit of a run with the memory tier)
+            manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: self._run})
         # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
         # and values only: once one of a shape passed the readers' full check, the next ones of
         # that shape get the check of those parts (format.check_variable_parts), and its text is
@@ -1707,12 +1714,20 @@ class Checkpointer:
                     )
                     return []
                 durable_catalog, line = None, set()
+            run_of = durable_runs(self.storage)
             found = []
             for s in catalog.line():
                 if not ((step is None and s >= newest_durable) or s == step):
                     continue
                 snap = read_manifest(self._memory.storage, s)
-                why = _stale(snap.extras.get(ANCHOR_KEY), snap.job_id, durable_catalog, line)
+                why = _stale(
+                    snap.extras.get(ANCHOR_KEY),
+                    snap.job_id,
+                    durable_catalog,
+                    line,
+                    run=snap.commit_seq >> RUN_SHIFT,
+                    run_of=run_of,
+                )
                 anchor = snap.extras.get(ANCHOR_KEY)
                 if why:
                     log.warning("memory snapshot of step %d is not restored: %s", s, why)

@@ -69,7 +69,14 @@ from resilient.checkpoint.format import (
 from resilient.checkpoint.lease import WriterLease, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
-from resilient.checkpoint.snapshots import ANCHOR_KEY, _stale
+from resilient.checkpoint.snapshots import (
+    ANCHOR_KEY,
+    MAX_RUN,
+    RUN_KEY,
+    RUN_SHIFT,
+    _stale,
+    durable_runs,
+)
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
 from resilient.errors import (
@@ -601,6 +608,7 @@ class Promoter:
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         line = set(durable.line())
+        run_of = durable_runs(self.storage)
         for s in snaps.line():
             if newest is not None and s <= newest.step:
                 log.info("flush: nothing newer than durable step %d in memory", newest.step)
@@ -614,7 +622,14 @@ class Promoter:
             except (OSError, ResilientError) as e:
                 log.warning("flush: memory step %d is not readable (%s); trying an older one", s, e)
                 continue
-            why = _stale(snap.extras.get(ANCHOR_KEY), snap.job_id, durable, line)
+            why = _stale(
+                snap.extras.get(ANCHOR_KEY),
+                snap.job_id,
+                durable,
+                line,
+                run=snap.commit_seq >> RUN_SHIFT,
+                run_of=run_of,
+            )
             if snap.job_id != self.job_id:  # a later job's trainer took it: not ours to write
                 why = f"it was taken by job {snap.job_id!r}, not by this persister's"
             if why:
@@ -648,6 +663,9 @@ def _promoted(
         for k, t in snap.tensors.items()
     }
     extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
+    run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)
+    if 0 < run < MAX_RUN:
+        extras[RUN_KEY] = run
     rank_extras = {}
     for r, values in snap.rank_extras.items():
         kept = {k: v for k, v in values.items() if k != ANCHOR_KEY}

@@ -30,9 +30,11 @@ import stat
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-from resilient.checkpoint.catalog import Catalog
+from resilient.checkpoint.catalog import Catalog, StepInfo
+from resilient.checkpoint.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, manifest_of_step
 from resilient.checkpoint.storage import Storage
 from resilient.errors import MemoryTierError, ResilientError
 
@@ -251,9 +253,63 @@ def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
     return None
 
 
-def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
-    """Why a snapshot (taken by ``job_id``) descended from durable commit ``anchor`` must not be
-    restored, or None."""
+def _stale(
+    anchor: Any,
+    job_id: str,
+    durable: Catalog | None,
+    line: set[int],
+    *,
+    run: int = 0,
+    run_of: Callable[[StepInfo], int] | None = None,
+) -> str | None:
+    """Why a snapshot (taken by ``job_id``, in run ``run`` of the job: its commit order's, see
+    number_this_run; 0 for none) descended from durable commit ``anchor`` must not be restored,
+    or None.  ``run_of``: the run that made a durable commit (durable_runs)."""
+    why = _stale_anchor(anchor, job_id, durable, line)
+    if why is not None or not run or run_of is None or durable is None:
+        return why
+    # A durable commit on the line made after the snapshot's anchor by a later run of the job:
+    # that run never saw this snapshot (its node sat the run out), and its line is the newer one
+    # (as a durable commit supersedes older ones, not higher-numbered ones).  The same run's
+    # commit is no such sign: a durable save in flight while the snapshot was taken.
+    parsed = _parse_anchor(anchor)
+    after = parsed[1] if parsed is not None else -1
+    for s in sorted(line, reverse=True):
+        info = durable.get(s)
+        if info is None or info.commit_seq <= after:
+            continue
+        later = run_of(info)
+        if later > run:
+            return (
+                f"durable step {s} was committed since by a later run of the job (run {later}, "
+                f"this snapshot's is {run}), which did not see it: that run's line is newer"
+            )
+    return None
+
+
+def durable_runs(storage: Storage) -> Callable[[StepInfo], int]:
+    """The run (number_this_run) that made each durable commit, as its manifest records it (0:
+    none, unreadable, or not a run number); each manifest is read once, only when asked for."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def run_of(info: StepInfo) -> int:
+        key = (info.dir, info.commit_seq)
+        if key not in seen:
+            value: Any = None
+            try:
+                data = storage.read_small(f"{info.dir}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+                value = manifest_of_step(data, storage.display(info.dir), info.step).extras.get(
+                    RUN_KEY
+                )
+            except Exception as e:  # (its own reader says what is wrong with it)
+                log.warning("the run of durable step %d cannot be read: %s", info.step, e)
+            seen[key] = value if type(value) is int and 0 < value < MAX_RUN else 0
+        return seen[key]
+
+    return run_of
+
+
+def _stale_anchor(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
     if anchor is None:
         return "it records no durable commit it descends from"
     if anchor == "":
@@ -298,6 +354,9 @@ def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) ->
 # snapshots whose commit order was counted apart from that run's: a run's commits in memory are
 # numbered from ``run << RUN_SHIFT`` up, so a later run's outrank an earlier one's on every node.
 MEMORY_RUNS_NAME = "MEMORY_RUNS.json"
+# The run that made a durable commit, in its manifest's extras (a memory snapshot's is in its
+# commit order): a snapshot is stale once a later run committed to the durable line.
+RUN_KEY = "_resilient_memory_run"
 MEMORY_RUNS_FORMAT = "resilient-memory-runs/1"
 RUN_SHIFT = 32  # commits per run, at most 2**32
 MAX_RUN = 1 << 29  # (run << RUN_SHIFT stays far below the commit order no run reaches, 2**62)
