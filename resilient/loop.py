@@ -327,17 +327,14 @@ class Run:
             )
         if self.checkpointer.memory is not None:
             self.checkpointer.check_memory_room(self.state)
-        durable = self.checkpointer.latest_step()
-        # (across nodes, this node's memory may be empty while another's holds the snapshots:
-        # the load looks on every node, and says "nothing" on every rank alike)
-        across = self.checkpointer.memory is not None and self.checkpointer.nodes.nodes > 1
-        if durable is None and not across and not self.checkpointer.memory_steps():
+        newest, durable, something = self._what_to_restore()
+        if not something:
             return
         t0 = time.time()
         try:
             loaded = self.checkpointer.load(self.state, fallback=self.fallback)
         except ResilientError as e:
-            if durable is not None or isinstance(e, RankFailureError):
+            if durable or isinstance(e, RankFailureError):
                 raise
             # nothing durable, and no snapshot in memory that is restorable (stale, damaged, of
             # another state): a fresh run, said loudly, rather than the same error at every rerun
@@ -376,9 +373,38 @@ class Run:
                 sealed=bool(last and last.sealed),  # committed from the ranks' staged records
                 # what was committed when the restore began: a chaos run's proof that the restore
                 # took the newest step there was (nothing committed was lost)
-                newest_durable=durable,
+                newest_durable=newest,
                 newest_memory=in_memory,
             )
+
+    def _what_to_restore(self) -> tuple[int | None, bool, bool]:
+        """(the newest durable step this rank found, whether durable storage holds a commit,
+        whether there is anything to load): the last two agreed by every rank, since the load is
+        a collective, and a rank that skipped it (its listing failed, or saw another state of
+        the storage than rank 0's) would leave the others waiting in it.  A listing that fails
+        counts as a commit: the load then says what is wrong."""
+        ck = self.checkpointer
+        assert ck is not None
+        newest = None
+        try:
+            newest = ck.latest_step()
+            durable = newest is not None
+        except ResilientError as e:
+            log.warning("rank %d: cannot list the durable steps of %s: %s", self.rank, self.url, e)
+            durable = True
+        # (across nodes, this node's memory may be empty while another's holds the snapshots:
+        # the load looks on every node, and says "nothing" on every rank alike)
+        across = ck.memory is not None and ck.nodes.nodes > 1
+        try:
+            memory = across or bool(ck.memory_steps())
+        except ResilientError as e:
+            log.warning("rank %d: cannot list this node's memory tier: %s", self.rank, e)
+            memory = True
+        if self.distributed and self.world_size > 1:
+            flags = torch.tensor([int(durable), int(memory)], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            durable, memory = bool(flags[0].item()), bool(flags[1].item())
+        return newest, durable, durable or memory
 
     # --- the loop ----------------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:

@@ -122,6 +122,39 @@ def _dist_train(rank, world, url, total, preempt_rank_at):
         return ("exit", e.code)
 
 
+def _restore_with_one_ranks_listing(rank, world, url, listing):
+    """Run's restore where rank 1's durable listing ``listing``: "fails" (a storage error on
+    that rank only) or "empty" (it sees no commit while rank 0 sees one)."""
+    from resilient import Run
+    from resilient.checkpoint import checkpointer
+
+    if rank == 1:
+
+        def latest_step(self):
+            if listing == "fails":
+                raise StorageError(f"listing {self.url} failed on rank 1 (injected)")
+            return None
+
+        checkpointer.Checkpointer.latest_step = latest_step
+    model = torch.nn.Linear(4, 2)
+    with Run(url, save_every=0) as run:
+        run.track(model=model)
+        restored = run.restored_step
+        # a collective right after the restore: a rank that skipped the load would meet here
+        # the other ranks' load broadcasts instead
+        dist.barrier()
+    return restored, model.weight.sum().item()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("listing", ["fails", "empty"])
+def test_a_rank_that_lists_durable_storage_differently_still_restores(tmp_path, listing):
+    run_distributed(_dist_train, 2, str(tmp_path), 5, None)  # a durable step 5
+    out = run_distributed(_restore_with_one_ranks_listing, 2, str(tmp_path), listing, timeout_s=90)
+    assert [r[0] for r in out] == [5, 5], out
+    assert out[0][1] == out[1][1], out
+
+
 @pytest.mark.distributed
 def test_ranks_agree_on_preemption_and_stop_at_the_same_step(tmp_path):
     out = run_distributed(_dist_train, 2, str(tmp_path), 20, (1, 7))
