@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from resilient import Checkpointer
 from resilient.checkpoint.snapshots import MAX_RUN, MEMORY_RUNS_NAME, RUN_SHIFT, number_this_run
 from resilient.checkpoint.storage import Storage
+from resilient.errors import StorageError
 
 
 def _count(url: Path) -> int:
@@ -53,8 +56,22 @@ def test_the_count_never_falls_behind_the_runs_this_nodes_memory_holds(tmp_path)
         json.dumps({"format": "resilient-memory-runs/1", "runs": MAX_RUN}).encode(),
         json.dumps({"format": "resilient-memory-runs/1", "runs": 10**400}).encode(),
         b" " * (1 << 20),
+        b"[" * 4000,  # (json's RecursionError, not a ValueError)
+        b'{"format": "resilient-memory-runs/1", "runs": ' + b"[" * 2000 + b"]" * 2000 + b"}",
     ],
-    ids=["text", "list", "format", "string", "negative", "bool", "too-many", "huge", "1MiB"],
+    ids=[
+        "text",
+        "list",
+        "format",
+        "string",
+        "negative",
+        "bool",
+        "too-many",
+        "huge",
+        "1MiB",
+        "nested",
+        "nested-value",
+    ],
 )
 def test_a_damaged_count_is_named_and_written_anew(tmp_path, content):
     url = tmp_path / "ckpt"
@@ -84,3 +101,80 @@ def test_a_count_that_is_a_link_or_a_directory_is_not_followed(tmp_path):
     said = [str(w.message) for w in caught]
     assert any("cannot be read" in m for m in said), said
     assert any("cannot be written" in m for m in said), said
+
+
+def test_a_count_that_cannot_be_read_is_not_written_back_lower(tmp_path, monkeypatch):
+    """A storage failure reading the count (after retries) is not a damaged count: writing it
+    anew from this node's memory alone could put it below runs already made."""
+    url = tmp_path / "ckpt"
+    url.mkdir()
+    (url / MEMORY_RUNS_NAME).write_text(
+        json.dumps({"format": "resilient-memory-runs/1", "runs": 5})
+    )
+    real = Storage.read_small
+
+    def failing(self, rel, max_bytes):
+        if rel == MEMORY_RUNS_NAME:
+            try:
+                raise ConnectionError("503 SlowDown (injected)")
+            except ConnectionError as e:
+                raise StorageError(f"reading {rel} kept failing: {e}", url=str(url)) from e
+        return real(self, rel, max_bytes)
+
+    monkeypatch.setattr(Storage, "read_small", failing)
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert number_this_run(Storage(str(url)), 0) is None
+    assert _count(url) == 5
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbage", "nested"])
+def test_a_lost_count_never_numbers_a_run_below_the_newest_durable_commits(tmp_path, damage):
+    """Run 1 on node X: durable 10, snapshot 20.  The count is lost.  Run 2 on node Y (X sat it
+    out) restores 10 and commits durable 15.  Run 3 on X restores run 2's 15, not run 1's
+    snapshot 20: run 2 is numbered above run 1, which durable step 10 records."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+
+    def checkpointer(root: str) -> Checkpointer:
+        return Checkpointer(str(url), memory_every=1, memory_root=root, persister=False, job_id="j")
+
+    with checkpointer(x) as ck:
+        ck.save(10, {"model": m}).wait()
+        ck.snapshot(20, {"model": m}).wait()
+    if damage == "deleted":
+        (url / MEMORY_RUNS_NAME).unlink()
+    else:
+        (url / MEMORY_RUNS_NAME).write_bytes(b"\x00garbage" if damage == "garbage" else b"[" * 4000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the damaged count's warning)
+        with checkpointer(y) as ck:
+            assert ck._run == 2
+            assert ck.load({"model": m}) == 10
+            with torch.no_grad():
+                m.weight.fill_(15.0)
+            ck.save(15, {"model": m}).wait()
+    with checkpointer(x) as ck:
+        assert ck._run == 3
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 15
+        assert torch.equal(fresh.weight, m.weight)
+
+
+def test_a_rollback_by_name_to_a_snapshot_a_later_run_descends_from(tmp_path):
+    """Run 1: durable 10, snapshots 11 and 12.  Run 2 restores 12 and commits durable 14 (a
+    later run's commit, of a later step).  Run 3 rolls back to 12 by name: run 2 descends from
+    it, so it is no older line."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    with Checkpointer(str(url), memory_every=1, persister=False, job_id="j") as ck:
+        ck.save(10, {"model": m}).wait()
+        for step in (11, 12):
+            with torch.no_grad():
+                m.weight.fill_(float(step))
+            ck.snapshot(step, {"model": m}).wait()
+    with Checkpointer(str(url), memory_every=1, persister=False, job_id="j") as ck:
+        assert ck.load({"model": m}) == 12
+        ck.save(14, {"model": m}).wait()
+    with Checkpointer(str(url), memory_every=1, persister=False, job_id="j") as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}, step=12) == 12
+        assert ck.last_load.source == "memory" and fresh.weight.eq(12.0).all()

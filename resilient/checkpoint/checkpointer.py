@@ -357,10 +357,6 @@ class Checkpointer:
             self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
             self._memory._commit_every = memory_commit_every
             self._memory._commit_period = memory_commit_every * memory_every
-            if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
-                self._run = number_this_run(self.storage, self._node_newest_seq() >> RUN_SHIFT)
-                if self._run is not None:
-                    self._memory._seq_floor = self._run << RUN_SHIFT
             if self.nodes.nodes > 1:
                 self._memory.nodes = self.nodes
                 self._memory._replicas = Replicas(
@@ -370,6 +366,8 @@ class Checkpointer:
                     spare_dir=os.path.join(self.memory.dir, STAGING_DIR),
                 )
                 self._agree_memory_floor()
+            if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
+                self._run = self._number_this_run()
         # Durable saves through the persister process (persister.py) when the tier is on, one per
         # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
         # code says nothing.
@@ -1659,6 +1657,23 @@ class Checkpointer:
             return 0
         return newest
 
+    def _number_this_run(self) -> int | None:
+        """(rank 0, memory tier, where the checkpointer is made: after the nodes agreed the
+        floor) This run's number (snapshots.number_this_run), above the runs that the count, any
+        node's memory and the newest durable commit record; the floor of its commits."""
+        assert self._memory is not None
+        seen = max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
+        try:
+            newest = self.catalog().newest()
+            if newest is not None:
+                seen = max(seen, durable_runs(self.storage)(newest))
+        except ResilientError as e:  # (the load says what is wrong with durable storage)
+            log.warning("the durable steps of %s cannot be listed: %s", self.url, e)
+        run = number_this_run(self.storage, seen)
+        if run is not None:
+            self._memory._seq_floor = max(self._memory._seq_floor, run << RUN_SHIFT)
+        return run
+
     def _agree_memory_floor(self) -> None:
         """(memory tier across nodes; every rank, a collective on the replicas' group, where a
         checkpointer is made and where in-job recovery carries one to a new group) The newest
@@ -1727,6 +1742,7 @@ class Checkpointer:
                     line,
                     run=snap.commit_seq >> RUN_SHIFT,
                     run_of=run_of,
+                    step=s,
                 )
                 anchor = snap.extras.get(ANCHOR_KEY)
                 if why:

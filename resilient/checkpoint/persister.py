@@ -629,6 +629,7 @@ class Promoter:
                 line,
                 run=snap.commit_seq >> RUN_SHIFT,
                 run_of=run_of,
+                step=s,
             )
             if snap.job_id != self.job_id:  # a later job's trainer took it: not ours to write
                 why = f"it was taken by job {snap.job_id!r}, not by this persister's"

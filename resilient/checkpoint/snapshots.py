@@ -261,22 +261,24 @@ def _stale(
     *,
     run: int = 0,
     run_of: Callable[[StepInfo], int] | None = None,
+    step: int | None = None,
 ) -> str | None:
-    """Why a snapshot (taken by ``job_id``, in run ``run`` of the job: its commit order's, see
-    number_this_run; 0 for none) descended from durable commit ``anchor`` must not be restored,
-    or None.  ``run_of``: the run that made a durable commit (durable_runs)."""
+    """Why a snapshot (of ``step``, taken by ``job_id``, in run ``run`` of the job: its commit
+    order's, see number_this_run; 0 for none) descended from durable commit ``anchor`` must not
+    be restored, or None.  ``run_of``: the run that made a durable commit (durable_runs)."""
     why = _stale_anchor(anchor, job_id, durable, line)
     if why is not None or not run or run_of is None or durable is None:
         return why
     # A durable commit on the line made after the snapshot's anchor by a later run of the job:
     # that run never saw this snapshot (its node sat the run out), and its line is the newer one
     # (as a durable commit supersedes older ones, not higher-numbered ones).  The same run's
-    # commit is no such sign: a durable save in flight while the snapshot was taken.
+    # commit is no such sign: a durable save in flight while the snapshot was taken.  Nor is a
+    # commit of a later step (a rollback to this step by name: that run may descend from it).
     parsed = _parse_anchor(anchor)
     after = parsed[1] if parsed is not None else -1
     for s in sorted(line, reverse=True):
         info = durable.get(s)
-        if info is None or info.commit_seq <= after:
+        if info is None or info.commit_seq <= after or (step is not None and s > step):
             continue
         later = run_of(info)
         if later > run:
@@ -365,10 +367,12 @@ _MAX_RUNS_FILE = 4 << 10
 
 def number_this_run(storage: Storage, seen: int) -> int | None:
     """(rank 0 of a job with the memory tier, where its checkpointer is made) One past the runs
-    counted at the durable URL and past ``seen`` (the newest run this node's memory holds),
-    written back before it is returned.  None, with a warning, where the count cannot be
-    written: the run's commits are then ordered as the nodes' memory alone says (README, "Across
-    nodes")."""
+    counted at the durable URL and past ``seen`` (the newest run the nodes' memory and the
+    newest durable commit record: a count lost or damaged never goes back below them), written
+    back before it is returned.  None, with a warning, where the count cannot be read (a
+    storage error: written from ``seen`` alone, it could go back below a run it missed) or
+    written: the run's commits are then ordered as the nodes' memory alone says (README,
+    "Across nodes")."""
     where = storage.display(MEMORY_RUNS_NAME)
     counted, why = 0, None
     try:
@@ -376,6 +380,12 @@ def number_this_run(storage: Storage, seen: int) -> int | None:
     except ResilientError as e:
         data = None
         if not isinstance(e.__cause__, FileNotFoundError):  # (none yet: the job's first run)
+            if not _refused(e):
+                _warn(
+                    f"{where}, the memory tier's count of this job's runs, cannot be read ({e}); "
+                    f"this run's snapshots are ordered as the nodes' memory alone says"
+                )
+                return None
             why = f"it cannot be read ({e})"
     if data is not None:
         try:
@@ -386,8 +396,8 @@ def number_this_run(storage: Storage, seen: int) -> int | None:
             if type(runs) is not int or not 0 <= runs < MAX_RUN:
                 raise ValueError(f"expected 'runs' an int in [0, {MAX_RUN}), found {runs!r:.40}")
             counted = runs
-        except ValueError as e:  # (json's errors are ValueErrors)
-            why = f"it is not a count of runs: {e}"
+        except (ValueError, RecursionError) as e:  # (json's errors; nesting beyond its depth)
+            why = f"it is not a count of runs: {str(e)[:200]}"
     if why is not None:
         _warn(f"{where}, the memory tier's count of this job's runs: {why}; it is written anew")
     run = max(counted, seen) + 1
@@ -405,6 +415,12 @@ def number_this_run(storage: Storage, seen: int) -> int | None:
         )
         return None
     return run
+
+
+def _refused(e: ResilientError) -> bool:
+    """Whether a read refused the file itself (a link, a directory, too large: damaged, written
+    anew) rather than failed (storage.py raises a failure from its cause)."""
+    return e.__cause__ is None
 
 
 def _warn(message: str) -> None:
