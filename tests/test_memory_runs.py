@@ -178,3 +178,21 @@ def test_a_rollback_by_name_to_a_snapshot_a_later_run_descends_from(tmp_path):
         fresh = torch.nn.Linear(4, 4)
         assert ck.load({"model": fresh}, step=12) == 12
         assert ck.last_load.source == "memory" and fresh.weight.eq(12.0).all()
+
+
+@pytest.mark.parametrize("where", ["root", "prefix"])
+def test_the_count_on_an_object_store(s3, tmp_path, where):
+    """At a bucket's root and under a prefix (nothing to make: an object store has no
+    directories); a durable save there records the run."""
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}" if where == "root" else f"s3://{bucket}/job"
+    for run in (1, 2):
+        with Checkpointer(
+            url, memory_every=1, memory_root=str(tmp_path / "m"), storage_options=s3.options
+        ) as ck:
+            assert ck._run == run
+            ck.save(run, {"w": torch.full((4,), float(run))}).wait()
+    st = Storage(url, s3.options)
+    assert json.loads(st.read_small(MEMORY_RUNS_NAME, 4096))["runs"] == 2
+    with Checkpointer(url, storage_options=s3.options) as ck:
+        assert ck.manifest(2).extras["_resilient_memory_run"] == 2

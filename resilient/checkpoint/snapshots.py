@@ -406,7 +406,8 @@ def number_this_run(storage: Storage, seen: int) -> int | None:
         return None
     record = {"format": MEMORY_RUNS_FORMAT, "runs": run, "unix_s": round(time.time(), 3)}
     try:
-        storage.makedirs("")  # (a job's first save makes it too)
+        if storage.is_local:  # (a job's first save makes it too; an object store has none)
+            storage.makedirs("")
         storage.publish(MEMORY_RUNS_NAME, json.dumps(record).encode())
     except Exception as e:
         _warn(
