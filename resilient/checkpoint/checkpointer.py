@@ -64,11 +64,11 @@ from resilient.checkpoint.snapshots import (
     MemoryPlace,
     _fmt,
     _parse_anchor,
-    _stale,
     default_root,
     durable_runs,
     memory_place,
     number_this_run,
+    stale_snapshot,
 )
 from resilient.checkpoint.state import DescribeCache, FlatState, flatten_state, is_dtensor
 from resilient.checkpoint.storage import PinnedFiles, RetryPolicy, Storage
@@ -1735,15 +1735,7 @@ class Checkpointer:
                 if not ((step is None and s >= newest_durable) or s == step):
                     continue
                 snap = read_manifest(self._memory.storage, s)
-                why = _stale(
-                    snap.extras.get(ANCHOR_KEY),
-                    snap.job_id,
-                    durable_catalog,
-                    line,
-                    run=snap.commit_seq >> RUN_SHIFT,
-                    run_of=run_of,
-                    step=s,
-                )
+                why = stale_snapshot(snap, durable_catalog, line, run_of)
                 anchor = snap.extras.get(ANCHOR_KEY)
                 if why:
                     log.warning("memory snapshot of step %d is not restored: %s", s, why)

@@ -74,8 +74,8 @@ from resilient.checkpoint.snapshots import (
     MAX_RUN,
     RUN_KEY,
     RUN_SHIFT,
-    _stale,
     durable_runs,
+    stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
@@ -622,15 +622,7 @@ class Promoter:
             except (OSError, ResilientError) as e:
                 log.warning("flush: memory step %d is not readable (%s); trying an older one", s, e)
                 continue
-            why = _stale(
-                snap.extras.get(ANCHOR_KEY),
-                snap.job_id,
-                durable,
-                line,
-                run=snap.commit_seq >> RUN_SHIFT,
-                run_of=run_of,
-                step=s,
-            )
+            why = stale_snapshot(snap, durable, line, run_of)
             if snap.job_id != self.job_id:  # a later job's trainer took it: not ours to write
                 why = f"it was taken by job {snap.job_id!r}, not by this persister's"
             if why:

@@ -34,7 +34,12 @@ from collections.abc import Callable
 from typing import Any
 
 from resilient.checkpoint.catalog import Catalog, StepInfo
-from resilient.checkpoint.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, manifest_of_step
+from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    manifest_of_step,
+)
 from resilient.checkpoint.storage import Storage
 from resilient.errors import MemoryTierError, ResilientError
 
@@ -287,6 +292,21 @@ def _stale(
                 f"this snapshot's is {run}), which did not see it: that run's line is newer"
             )
     return None
+
+
+def stale_snapshot(
+    snap: Manifest, durable: Catalog | None, line: set[int], run_of: Callable[[StepInfo], int]
+) -> str | None:
+    """_stale of a snapshot's manifest: its anchor, job, run and step."""
+    return _stale(
+        snap.extras.get(ANCHOR_KEY),
+        snap.job_id,
+        durable,
+        line,
+        run=snap.commit_seq >> RUN_SHIFT,
+        run_of=run_of,
+        step=snap.step,
+    )
 
 
 def durable_runs(storage: Storage) -> Callable[[StepInfo], int]:
