@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
-from resilient.checkpoint.checkpointer import check_memory_options
+from resilient.checkpoint.checkpointer import check_memory_options, collective_device
 from resilient.checkpoint.worker import join_running
 from resilient.errors import (
     CheckpointNotFoundError,
@@ -401,7 +401,9 @@ class Run:
             log.warning("rank %d: cannot list this node's memory tier: %s", self.rank, e)
             memory = True
         if self.distributed and self.world_size > 1:
-            flags = torch.tensor([int(durable), int(memory)], dtype=torch.int32)
+            flags = torch.tensor(
+                [int(durable), int(memory)], dtype=torch.int32, device=collective_device()
+            )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             durable, memory = bool(flags[0].item()), bool(flags[1].item())
         return newest, durable, durable or memory
@@ -712,7 +714,9 @@ class Run:
         """Whether any rank was told to stop: all ranks stop at the same step boundary."""
         if not self.distributed or self.world_size == 1:
             return self._preempt.is_set()
-        flag = torch.tensor([1 if self._preempt.is_set() else 0], dtype=torch.int32)
+        flag = torch.tensor(
+            [1 if self._preempt.is_set() else 0], dtype=torch.int32, device=collective_device()
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -146,6 +146,31 @@ def _restore_with_one_ranks_listing(rank, world, url, listing):
     return restored, model.weight.sum().item()
 
 
+def test_runs_own_collectives_put_their_tensors_where_the_backend_takes_them(tmp_path, monkeypatch):
+    """Under NCCL (fault_tolerant's backend on a GPU machine) a collective's tensor must be on
+    the GPU, as the Checkpointer's are (collective_device): Run's agreement on what to restore
+    and on preemption ask the same function.  (A two-rank NCCL group needs two GPUs; this
+    checks the wiring on a one-process group of gloo.)"""
+    import resilient.loop as loop
+
+    asked = []
+
+    def device():
+        asked.append(1)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(loop, "collective_device", device)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with Run(str(tmp_path / "ckpt"), save_every=0) as run:
+            run.world_size = 2  # (as a group of two would: the agreements run)
+            run.track(model=torch.nn.Linear(2, 2))
+            assert len(asked) == 1  # what to restore
+            assert run._agree_preempted() is False and len(asked) == 2
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("listing", ["fails", "empty"])
 def test_a_rank_that_lists_durable_storage_differently_still_restores(tmp_path, listing):

@@ -196,3 +196,75 @@ def test_the_count_on_an_object_store(s3, tmp_path, where):
     assert json.loads(st.read_small(MEMORY_RUNS_NAME, 4096))["runs"] == 2
     with Checkpointer(url, storage_options=s3.options) as ck:
         assert ck.manifest(2).extras["_resilient_memory_run"] == 2
+
+
+@pytest.mark.parametrize("commit_every", [1, 0], ids=["committed", "sealed"])
+def test_an_older_runs_snapshot_loses_to_a_later_runs_durable_commit(tmp_path, commit_every):
+    """Run 1 on node X: durable 10, snapshot 20 (committed, or sealed only: its commit is the
+    next load's).  Run 2 on node Y (X sat it out) restores 10 and commits durable 15.  Run 3
+    back on X restores run 2's 15: its load seals run 1's step 20 as run 1's, which a later
+    run's durable commit outranks."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+
+    def checkpointer(root: str) -> Checkpointer:
+        return Checkpointer(
+            str(url),
+            memory_every=1,
+            memory_root=root,
+            persister=False,
+            job_id="j",
+            memory_commit_every=commit_every,
+        )
+
+    with checkpointer(x) as ck:
+        ck.save(10, {"model": m}).wait()
+        with torch.no_grad():
+            m.weight.fill_(20.0)
+        ck.snapshot(20, {"model": m})
+    with checkpointer(y) as ck:
+        assert ck.load({"model": m}) == 10
+        with torch.no_grad():
+            m.weight.fill_(15.0)
+        ck.save(15, {"model": m}).wait()
+    with checkpointer(x) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
+        runs = {s: ck._memory.catalog().get(s).commit_seq >> RUN_SHIFT for s in ck.memory_steps()}
+        assert runs[20] == 1, runs  # (sealed or committed, run 1's)
+
+
+def test_a_step_staged_by_a_run_older_than_a_later_commit_here_is_not_sealed(tmp_path):
+    """Run 1 stages step 20 (sealed only) and dies.  Run 2 on the same memory commits steps 11
+    and 12 without sealing it (as a job on several nodes does: only one node's load seals), and
+    run 1's staged files are still there (a run's first snapshot clears its own rank's only).
+    Run 3's load does not seal run 1's step 20 above run 2's line: it restores 12."""
+    import shutil
+
+    url, m, root = tmp_path / "ckpt", torch.nn.Linear(4, 4), tmp_path / "m"
+    kw = {"memory_every": 1, "memory_root": str(root), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), memory_commit_every=0, **kw) as ck:
+        ck.save(10, {"model": m}).wait()
+        ck.snapshot(20, {"model": m})
+        staging = Path(ck.memory.dir) / "staging"
+    kept = tmp_path / "kept"  # (hard links: a record names its file by inode)
+    kept.mkdir()
+    for f in staging.iterdir():
+        os.link(f, kept / f.name)
+    with Checkpointer(str(url), **kw) as ck:  # (no load: nothing sealed)
+        for step in (11, 12):
+            with torch.no_grad():
+                m.weight.fill_(float(step))
+            ck.snapshot(step, {"model": m}).wait()
+    shutil.rmtree(staging)
+    staging.mkdir()
+    for f in kept.iterdir():
+        os.link(f, staging / f.name)
+    assert sorted(p.name for p in staging.iterdir()) == [
+        "rank_00000.0.safetensors",
+        "rank_00000.step_20.json",
+    ]
+    with Checkpointer(str(url), **kw) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 12 and fresh.weight.eq(12.0).all()
+        assert 20 not in ck.memory_steps()

@@ -368,6 +368,8 @@ class Checkpointer:
                 self._agree_memory_floor()
             if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
                 self._run = self._number_this_run()
+                # (its staged records say it: a seal numbers a sealed step as the run's, seal.py)
+                self._memory._slots.job_run = self._run or 0
         # Durable saves through the persister process (persister.py) when the tier is on, one per
         # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
         # code says nothing.
@@ -1483,7 +1485,7 @@ class Checkpointer:
                 # (or never began: a sealed one) is committed first (seal.py): the fault then
                 # loses at most one step
                 assert self.memory is not None
-                sealed = seal_staged(self.memory.dir, seq_floor=self._memory._seq_floor)
+                sealed = seal_staged(self.memory.dir)
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
@@ -1659,17 +1661,21 @@ class Checkpointer:
 
     def _number_this_run(self) -> int | None:
         """(rank 0, memory tier, where the checkpointer is made: after the nodes agreed the
-        floor) This run's number (snapshots.number_this_run), above the runs that the count, any
-        node's memory and the newest durable commit record; the floor of its commits."""
+        floor) This run's number (snapshots.number_this_run), above the runs that the count and
+        any node's memory record (and the newest durable commit, where the count is lost or
+        damaged); the floor of its commits."""
         assert self._memory is not None
         seen = max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
-        try:
-            newest = self.catalog().newest()
-            if newest is not None:
-                seen = max(seen, durable_runs(self.storage)(newest))
-        except ResilientError as e:  # (the load says what is wrong with durable storage)
-            log.warning("the durable steps of %s cannot be listed: %s", self.url, e)
-        run = number_this_run(self.storage, seen)
+
+        def recorded() -> int:  # (a manifest read: only where the count is lost or damaged)
+            try:
+                newest = self.catalog().newest()
+                return 0 if newest is None else durable_runs(self.storage)(newest)
+            except ResilientError as e:  # (the load says what is wrong with durable storage)
+                log.warning("the durable steps of %s cannot be listed: %s", self.url, e)
+                return 0
+
+        run = number_this_run(self.storage, seen, recorded)
         if run is not None:
             self._memory._seq_floor = max(self._memory._seq_floor, run << RUN_SHIFT)
         return run
@@ -2274,11 +2280,14 @@ def _other_version(mine: bytes | None, chosen: Manifest, where: str) -> bool:
     return (held.commit_seq, held.generation) != (chosen.commit_seq, chosen.generation)
 
 
-def _device() -> torch.device:
+def collective_device() -> torch.device:
     """Where a collective's tensor must live: the GPU under NCCL (RCCL), else the CPU."""
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_device = collective_device
 
 
 def _find_mesh(state: Any) -> Any:

@@ -46,6 +46,7 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.lease import _machine
 from resilient.checkpoint.retention import delete_dirs
+from resilient.checkpoint.snapshots import MAX_RUN, RUN_SHIFT
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
 from resilient.layout import Layout
@@ -90,7 +91,6 @@ def seal_staged(
     wait_s: float = 0.0,
     lock_s: float = 120.0,
     newer_than: int | None = None,
-    seq_floor: int = 0,
 ) -> int | None:
     """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
     was cut short (newest first; the first that seals ends it); returns its step, or None when
@@ -98,8 +98,9 @@ def seal_staged(
     the newest commit to be gone (the persister: the trainer's other ranks are being torn down).
     ``newer_than``: only steps after it are worth sealing (the persister's flush: the newest
     durable step; a snapshot no newer is never persisted, and sealing it costs a checksum pass).
-    ``seq_floor``: the commit is numbered above it (the loading run's number, where it seals a
-    step at its load: snapshots.number_this_run).
+    A step is numbered as the run that staged it (its rank 0's record's ``job_run``:
+    snapshots.number_this_run), and a step staged by an earlier run than one that committed in
+    this memory since is not sealed: that later run did not take it up, its line is newer.
     Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
@@ -124,7 +125,7 @@ def seal_staged(
         newest = -1 if committed is None else committed.step
         try:
             wanted = {s: r for s, r in records.items() if newer_than is None or s > newer_than}
-            sealed = _seal_newest(wanted, staging, mem, catalog, seq_floor)
+            sealed = _seal_newest(wanted, staging, mem, catalog)
             if sealed is not None:
                 newest = max(newest, sealed)
         finally:
@@ -237,19 +238,31 @@ def _seal_newest(
     staging: str,
     mem: Storage,
     catalog: Catalog,
-    seq_floor: int = 0,
 ) -> int | None:
     from resilient import __version__ as version
 
     if not records:
         return None
     newest = catalog.newest()
+    committed_run = (catalog.next_commit_seq() - 1) >> RUN_SHIFT
     for step in sorted(records, reverse=True):
         if newest is not None and step <= newest.step:
             return None  # the commit got through (or a newer one did): nothing to finish
+        by_rank = records[step]
+        run = by_rank[min(by_rank)].get("job_run", 0)
+        run = run if type(run) is int and 0 <= run < MAX_RUN else 0
+        if run and run < committed_run:
+            log.warning(
+                "memory snapshot of step %d is not sealed: run %d of the job staged it, and run "
+                "%d committed in this node's memory since without taking it up",
+                step,
+                run,
+                committed_run,
+            )
+            continue
         try:
-            seq = max(catalog.next_commit_seq(), seq_floor + 1)
-            _seal(step, records[step], staging, mem, seq, version)
+            seq = max(catalog.next_commit_seq(), (run << RUN_SHIFT) + 1)
+            _seal(step, by_rank, staging, mem, seq, version)
         except Exception as e:  # whatever a record or a file says, the step stays uncommitted
             log.warning("memory snapshot of step %d is not sealed: %s", step, e)
             continue

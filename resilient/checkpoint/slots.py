@@ -179,6 +179,9 @@ class Slots:
             os.path.join(self.staging, f"rank_{rank:05d}.{k}.safetensors") for k in range(3)
         )
         self._me = (os.getpid(), _process_start(os.getpid()), _machine())
+        # (rank 0) the job's run that stages here (snapshots.number_this_run; 0: not counted):
+        # a seal numbers the step as that run's commit
+        self.job_run = 0
         self._fresh_run = True  # a crashed run's staging files go at the first snapshot
         self._record_static: tuple[WritePlan, int, str] | None = None
         # the text of each long string value in the previous record, by the string itself: an
@@ -379,6 +382,7 @@ class Slots:
             "start": self._me[1],
             "machine": self._me[2],
             "run": _run_id(),
+            "job_run": self.job_run,
             "size": prefix + plan.data_bytes,
             "block_bytes": info.block_bytes,
             "job_id": info.job_id,

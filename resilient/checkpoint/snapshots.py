@@ -385,11 +385,14 @@ MAX_RUN = 1 << 29  # (run << RUN_SHIFT stays far below the commit order no run r
 _MAX_RUNS_FILE = 4 << 10
 
 
-def number_this_run(storage: Storage, seen: int) -> int | None:
+def number_this_run(
+    storage: Storage, seen: int, recorded: Callable[[], int] = lambda: 0
+) -> int | None:
     """(rank 0 of a job with the memory tier, where its checkpointer is made) One past the runs
-    counted at the durable URL and past ``seen`` (the newest run the nodes' memory and the
-    newest durable commit record: a count lost or damaged never goes back below them), written
-    back before it is returned.  None, with a warning, where the count cannot be read (a
+    counted at the durable URL and past ``seen`` (the newest run the nodes' memory records),
+    written back before it is returned; where there is no count, or a damaged one, past
+    ``recorded()`` too (the newest durable commit's run: a count lost or damaged never goes back
+    below a run that committed).  None, with a warning, where the count cannot be read (a
     storage error: written from ``seen`` alone, it could go back below a run it missed) or
     written: the run's commits are then ordered as the nodes' memory alone says (README,
     "Across nodes")."""
@@ -420,6 +423,8 @@ def number_this_run(storage: Storage, seen: int) -> int | None:
             why = f"it is not a count of runs: {str(e)[:200]}"
     if why is not None:
         _warn(f"{where}, the memory tier's count of this job's runs: {why}; it is written anew")
+    if data is None or why is not None:
+        seen = max(seen, recorded())
     run = max(counted, seen) + 1
     if run >= MAX_RUN:
         _warn(f"{where}: {run} runs of this job is more than the tier counts ({MAX_RUN - 1})")
