@@ -330,10 +330,10 @@ def test_a_node_that_sat_out_the_newest_run_does_not_win_with_an_older_runs_line
     assert [seq >> 32 for node in (0, 1) for seq in _seqs(base, node, 6)] == [4, 4]
 
 
-def test_a_sealed_step_of_the_newest_run_is_numbered_as_the_run_that_seals_it(tmp_path):
+def test_a_sealed_step_of_the_newest_run_is_numbered_as_the_run_that_staged_it(tmp_path):
     """As above, with job 3's snapshots sealed (no commit per step) and job 4 on node 1 alone
-    again: its load seals job 3's step 5 and numbers that commit as job 4's, so that job 5, on
-    both nodes, restores it rather than job 2's step 8."""
+    again: its load seals job 3's step 5 and numbers that commit as job 3's (its staged record
+    says so), so that job 5, on both nodes, restores it rather than job 2's step 8."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     run_distributed(_durable_then_snapshots, 4, url, base)
     run_distributed(_resume_then_snapshot, 2, url, base, [0, 0], [4, 5, 6, 7, 8], 1.0)
@@ -341,7 +341,7 @@ def test_a_sealed_step_of_the_newest_run_is_numbered_as_the_run_that_seals_it(tm
     assert [r["memory_steps"][0] for r in three] == [3, 3], three  # sealed, not committed
     four = run_distributed(_resume_then_snapshot, 2, url, base, [1, 1], [], 0.0)
     assert [(r["step"], r["memory_steps"][0]) for r in four] == [(5, 5)] * 2, four
-    assert [seq >> 32 for seq in _seqs(base, 1, 5)] == [4]
+    assert [seq >> 32 for seq in _seqs(base, 1, 5)] == [3]
     five = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [])
     got = [(r.get("step"), r.get("source"), r.get("w")) for r in five]
     assert got == [(5, "memory", [50.0 + rank // 2] * 4) for rank in range(4)], got
