@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -198,36 +199,36 @@ def test_the_count_on_an_object_store(s3, tmp_path, where):
         assert ck.manifest(2).extras["_resilient_memory_run"] == 2
 
 
-@pytest.mark.parametrize("commit_every", [1, 0], ids=["committed", "sealed"])
-def test_an_older_runs_snapshot_loses_to_a_later_runs_durable_commit(tmp_path, commit_every):
-    """Run 1 on node X: durable 10, snapshot 20 (committed, or sealed only: its commit is the
-    next load's).  Run 2 on node Y (X sat it out) restores 10 and commits durable 15.  Run 3
-    back on X restores run 2's 15: its load seals run 1's step 20 as run 1's, which a later
-    run's durable commit outranks."""
+def older_then_later_run(tmp_path: Path, commit_every: int) -> Callable[[], Checkpointer]:
+    """Run 1 on node X: durable 10, snapshot 20 of weights 20 (committed, or with
+    ``commit_every`` 0 sealed only: its commit is whoever needs it).  Run 2 on node Y (X sat it
+    out) restores 10 and commits durable 15 of weights 15.  Returns the maker of run 3's
+    checkpointer, back on X."""
     url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
-    x, y = str(tmp_path / "x"), str(tmp_path / "y")
 
-    def checkpointer(root: str) -> Checkpointer:
-        return Checkpointer(
-            str(url),
-            memory_every=1,
-            memory_root=root,
-            persister=False,
-            job_id="j",
-            memory_commit_every=commit_every,
-        )
+    def checkpointer(node: str, every: int = commit_every) -> Checkpointer:
+        root = str(tmp_path / node)
+        kw = {"memory_root": root, "persister": False, "job_id": "j", "memory_commit_every": every}
+        return Checkpointer(str(url), memory_every=1, **kw)
 
-    with checkpointer(x) as ck:
+    with checkpointer("x") as ck:
         ck.save(10, {"model": m}).wait()
         with torch.no_grad():
             m.weight.fill_(20.0)
         ck.snapshot(20, {"model": m})
-    with checkpointer(y) as ck:
-        assert ck.load({"model": m}) == 10
+    with checkpointer("y", 1) as ck:
+        assert ck.load({"model": m}) == 10  # (X's memory is not this node's)
         with torch.no_grad():
             m.weight.fill_(15.0)
         ck.save(15, {"model": m}).wait()
-    with checkpointer(x) as ck:
+    return lambda: checkpointer("x")
+
+
+@pytest.mark.parametrize("commit_every", [1, 0], ids=["committed", "sealed"])
+def test_an_older_runs_snapshot_loses_to_a_later_runs_durable_commit(tmp_path, commit_every):
+    """Run 3 back on X restores run 2's 15: its load seals run 1's step 20 (if only sealed) as
+    run 1's, which a later run's durable commit outranks."""
+    with older_then_later_run(tmp_path, commit_every)() as ck:
         fresh = torch.nn.Linear(4, 4)
         assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
         runs = {s: ck._memory.catalog().get(s).commit_seq >> RUN_SHIFT for s in ck.memory_steps()}

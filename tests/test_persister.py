@@ -227,33 +227,12 @@ def test_a_stale_snapshot_is_never_flushed(tmp_path):
 def test_an_older_runs_snapshot_is_not_flushed_over_a_later_runs_durable_commit(
     tmp_path, commit_every
 ):
-    """Run 1 on node X: durable 10, snapshot 20 (committed, or sealed only: the flush seals it
-    as run 1's).  Run 2 on node Y (X sat it out): restores 10, commits durable 15.  Run 3 on X:
-    its flush must not persist run 1's snapshot 20 (descended from 10, still on the line) over
-    run 2's newer line."""
-    url, m = tmp_path / "ckpt", _model()
-    x, y = str(tmp_path / "x"), str(tmp_path / "y")
-    with Checkpointer(
-        str(url),
-        memory_every=1,
-        memory_root=x,
-        persister=False,
-        job_id="j",
-        memory_commit_every=commit_every,
-    ) as ck:
-        ck.save(10, {"model": m}).wait()
-        ck.snapshot(20, {"model": m})
-    with Checkpointer(str(url), memory_every=1, memory_root=y, persister=False, job_id="j") as ck:
-        assert ck.load({"model": m}) == 10  # (X's memory is not this node's)
-        ck.save(15, {"model": m}).wait()
-    with Checkpointer(
-        str(url),
-        memory_every=1,
-        memory_root=x,
-        persister=False,
-        job_id="j",
-        memory_commit_every=commit_every,
-    ) as ck:
+    """tests/test_memory_runs.py's older_then_later_run: run 3's flush on X must not persist run
+    1's snapshot 20 (descended from 10, still on the line; if only sealed, the flush seals it as
+    run 1's) over run 2's newer line."""
+    from tests.test_memory_runs import older_then_later_run
+
+    with older_then_later_run(tmp_path, commit_every)() as ck:
         assert ck.memory_steps() == ([20] if commit_every else [])  # (sealed: not committed)
         promoter = _promoter(ck)
         assert promoter.flush() is None
