@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from resilient import Checkpointer
+from resilient.checkpoint import checkpointer as ckmod
+from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import MAX_RUN, MEMORY_RUNS_NAME, RUN_SHIFT, number_this_run
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StorageError
@@ -235,37 +238,136 @@ def test_an_older_runs_snapshot_loses_to_a_later_runs_durable_commit(tmp_path, c
         assert runs[20] == 1, runs  # (sealed or committed, run 1's)
 
 
-def test_a_step_staged_by_a_run_older_than_a_later_commit_here_is_not_sealed(tmp_path):
-    """Run 1 stages step 20 (sealed only) and dies.  Run 2 on the same memory commits steps 11
-    and 12 without sealing it (as a job on several nodes does: only one node's load seals), and
-    run 1's staged files are still there (a run's first snapshot clears its own rank's only).
-    Run 3's load does not seal run 1's step 20 above run 2's line: it restores 12."""
-    import shutil
-
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "uncounted"])
+def test_a_step_staged_by_a_run_older_than_a_later_commit_here_is_not_sealed(
+    tmp_path, monkeypatch, counted
+):
+    """Run 1 (its count written, or not: storage down at its start) stages step 20 (sealed only)
+    and dies.  Run 2 on the same memory commits steps 11 and 12 without sealing it (as a job on
+    several nodes does: only one node's load seals), and run 1's staged files are still there
+    (a run's first snapshot clears its own rank's only).  Run 3's load does not seal run 1's
+    step 20 above run 2's line: it restores 12."""
     url, m, root = tmp_path / "ckpt", torch.nn.Linear(4, 4), tmp_path / "m"
-    kw = {"memory_every": 1, "memory_root": str(root), "persister": False, "job_id": "j"}
-    with Checkpointer(str(url), memory_commit_every=0, **kw) as ck:
+    if not counted:
+        monkeypatch.setattr(ckmod, "number_this_run", lambda *a, **k: None)
+    with Checkpointer(str(url), memory_commit_every=0, **_kw(root)) as ck:
+        assert ck._memory._slots.job_run == (1 if counted else 0)
         ck.save(10, {"model": m}).wait()
         ck.snapshot(20, {"model": m})
         staging = Path(ck.memory.dir) / "staging"
-    kept = tmp_path / "kept"  # (hard links: a record names its file by inode)
-    kept.mkdir()
-    for f in staging.iterdir():
-        os.link(f, kept / f.name)
-    with Checkpointer(str(url), **kw) as ck:  # (no load: nothing sealed)
+    monkeypatch.undo()
+    _keep(staging, tmp_path / "kept")
+    with Checkpointer(str(url), **_kw(root)) as ck:  # (no load: nothing sealed)
         for step in (11, 12):
             with torch.no_grad():
                 m.weight.fill_(float(step))
             ck.snapshot(step, {"model": m}).wait()
-    shutil.rmtree(staging)
-    staging.mkdir()
-    for f in kept.iterdir():
-        os.link(f, staging / f.name)
+    _put_back(staging, tmp_path / "kept")
     assert sorted(p.name for p in staging.iterdir()) == [
         "rank_00000.0.safetensors",
         "rank_00000.step_20.json",
     ]
-    with Checkpointer(str(url), **kw) as ck:
+    with Checkpointer(str(url), **_kw(root)) as ck:
         fresh = torch.nn.Linear(4, 4)
         assert ck.load({"model": fresh}) == 12 and fresh.weight.eq(12.0).all()
         assert 20 not in ck.memory_steps()
+
+
+# --- sealing a step as the run that staged it (a third review's probes) ---------------------
+def _kw(root: Path) -> dict:
+    return {"memory_every": 1, "memory_root": str(root), "persister": False, "job_id": "j"}
+
+
+def _keep(staging: Path, kept: Path) -> None:
+    kept.mkdir()
+    for f in staging.iterdir():
+        os.link(f, kept / f.name)
+
+
+def _put_back(staging: Path, kept: Path) -> None:
+    shutil.rmtree(staging)
+    staging.mkdir()
+    for f in kept.iterdir():
+        os.link(f, staging / f.name)
+
+
+def test_an_implausible_commit_in_memory_does_not_stop_later_seals(tmp_path):
+    """A commit numbered beyond any run in this memory (a damaged manifest's, IMPLAUSIBLE_SEQ)
+    says nothing of runs: a later run's own cut-short step is still sealed."""
+    url, m, root = tmp_path / "ckpt", torch.nn.Linear(4, 4), tmp_path / "m"
+    with Checkpointer(str(url), memory_commit_every=1, **_kw(root)) as ck:
+        ck._memory._seq_floor = 1 << 62  # (a manifest of that commit order in this memory)
+        ck.snapshot(1, {"model": m}).wait()
+        assert ck._memory.catalog().get(1).commit_seq > (1 << 62)
+    with Checkpointer(str(url), memory_commit_every=0, **_kw(root)) as ck:
+        assert ck._run and ck._run < (1 << 29)
+        with torch.no_grad():
+            m.weight.fill_(2.0)
+        ck.snapshot(2, {"model": m})
+    with Checkpointer(str(url), **_kw(root)) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 2  # run 2's newest step, cut short: sealed
+
+
+def _sealed_5_whose_record_says(tmp_path: Path, job_run: object) -> Path:
+    """A run that staged step 5 (sealed only) and ended; its rank 0 record's ``job_run`` then
+    rewritten.  Returns the job's memory directory."""
+    with Checkpointer(str(tmp_path / "ckpt"), memory_commit_every=0, **_kw(tmp_path / "m")) as ck:
+        ck.snapshot(5, {"model": torch.nn.Linear(4, 4)})
+        job = Path(ck.memory.dir)
+    rec = job / "staging" / "rank_00000.step_5.json"
+    data = json.loads(rec.read_text())
+    data["job_run"] = job_run
+    rec.write_text(json.dumps(data))
+    return job
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, False, -1, 1 << 29, 1 << 70, 2.0, "3", None, [1], {"a": 1}, float("nan")],
+    ids=repr,
+)
+def test_a_damaged_job_run_in_a_staged_record_counts_as_no_run(tmp_path, value):
+    job = _sealed_5_whose_record_says(tmp_path, value)
+    assert seal_staged(str(job)) == 5
+    from resilient.checkpoint.catalog import scan
+    from resilient.checkpoint.storage import Storage
+
+    seq = scan(Storage(str(job / "steps"))).get(5).commit_seq
+    assert seq >> RUN_SHIFT == 0, seq  # (treated as no run)
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "uncounted"])
+def test_a_step_staged_after_an_earlier_runs_commits_is_sealed_as_its_own_runs(
+    tmp_path, monkeypatch, counted
+):
+    """Run 1 commits 1 and 2; run 2 stages step 3 only (sealed); run 3's load seals it as run
+    2's, not its own, and restores it.  Where run 2 could not be counted (storage down at its
+    start), it numbers as the newest run its memory holds (run 1's), so the seal still takes
+    it: nothing committed since."""
+    url, m, root = tmp_path / "ckpt", torch.nn.Linear(4, 4), tmp_path / "m"
+    with Checkpointer(str(url), memory_commit_every=1, **_kw(root)) as ck:
+        run1 = ck._run
+        for s in (1, 2):
+            ck.snapshot(s, {"model": m}).wait()
+    if not counted:
+        monkeypatch.setattr(ckmod, "number_this_run", lambda *a, **k: None)
+    with Checkpointer(str(url), memory_commit_every=0, **_kw(root)) as ck:
+        run2 = ck._run if counted else run1
+        ck.snapshot(3, {"model": m})
+    monkeypatch.undo()
+    with Checkpointer(str(url), **_kw(root)) as ck:
+        assert ck.load({"model": torch.nn.Linear(4, 4)}) == 3
+        assert ck._memory.catalog().get(3).commit_seq >> RUN_SHIFT == run2 >= run1
+
+
+def test_a_staged_record_claiming_a_later_run_than_the_sealers_counts_as_no_run(tmp_path):
+    """One damaged record claiming run 2**29 - 1 would number its sealed commit so that no later
+    run of the job could be counted: the load's seal knows its own run and takes no later one."""
+    url, root = tmp_path / "ckpt", tmp_path / "m"
+    _sealed_5_whose_record_says(tmp_path, (1 << 29) - 1)
+    with Checkpointer(str(url), **_kw(root)) as ck:
+        assert ck.load({"model": torch.nn.Linear(4, 4)}) == 5
+        assert ck._memory.catalog().get(5).commit_seq >> RUN_SHIFT == 0
+    with Checkpointer(str(url), **_kw(root)) as ck:
+        assert ck._run == 3

@@ -59,6 +59,7 @@ from resilient.checkpoint.seal import NodeLocal, seal_staged
 from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
+    IMPLAUSIBLE_SEQ,
     RUN_KEY,
     RUN_SHIFT,
     MemoryPlace,
@@ -368,8 +369,13 @@ class Checkpointer:
                 self._agree_memory_floor()
             if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
                 self._run = self._number_this_run()
-                # (its staged records say it: a seal numbers a sealed step as the run's, seal.py)
-                self._memory._slots.job_run = self._run or 0
+                # (its staged records say it: a seal numbers a sealed step as the run's, seal.py;
+                # a run that could not be counted, as the newest run this memory holds)
+                self._memory._slots.job_run = (
+                    self._run
+                    if self._run is not None
+                    else max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
+                )
         # Durable saves through the persister process (persister.py) when the tier is on, one per
         # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
         # code says nothing.
@@ -398,6 +404,8 @@ class Checkpointer:
                     # the flush when the trainer dies: rank 0's node's (across nodes, it holds
                     # the newest snapshot whole only with two nodes: its files and the replicas)
                     "flush": self.nodes.node_of[self.rank] == self.nodes.node_of[0],
+                    # (rank 0's: its flush seals no staged step of a later run than this one)
+                    "max_run": self._run,
                 }
 
     def _persister_unavailable(
@@ -1485,7 +1493,7 @@ class Checkpointer:
                 # (or never began: a sealed one) is committed first (seal.py): the fault then
                 # loses at most one step
                 assert self.memory is not None
-                sealed = seal_staged(self.memory.dir)
+                sealed = seal_staged(self.memory.dir, max_run=self._run)
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
@@ -2005,8 +2013,7 @@ _DURABLE, _MEMORY = 0, 1
 # per node, in the exchange of memory candidates across nodes (a node keeps two snapshots, and
 # those sealed or left by a rollback: a few)
 _MAX_MEMORY_CANDIDATES = 8
-# a commit order no run reaches counting one per commit (a damaged or hand-made manifest's)
-_IMPLAUSIBLE_SEQ = 1 << 62
+_IMPLAUSIBLE_SEQ = IMPLAUSIBLE_SEQ
 
 
 # A load reads in place (checks first, then reads again into the state) from at most this many

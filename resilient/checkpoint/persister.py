@@ -602,8 +602,12 @@ class Promoter:
             self._renew_lease()
         durable = scan(self.storage)
         newest = durable.newest()
+        max_run = self.config.get("max_run")
         seal_staged(
-            self.job_dir, wait_s=_SEAL_WAIT_S, newer_than=None if newest is None else newest.step
+            self.job_dir,
+            wait_s=_SEAL_WAIT_S,
+            newer_than=None if newest is None else newest.step,
+            max_run=max_run if type(max_run) is int else None,
         )
         mem = Storage(self.steps_dir)
         snaps = scan(mem)

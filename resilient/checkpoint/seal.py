@@ -46,7 +46,7 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.lease import _machine
 from resilient.checkpoint.retention import delete_dirs
-from resilient.checkpoint.snapshots import MAX_RUN, RUN_SHIFT
+from resilient.checkpoint.snapshots import IMPLAUSIBLE_SEQ, MAX_RUN, RUN_SHIFT
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
 from resilient.layout import Layout
@@ -91,6 +91,7 @@ def seal_staged(
     wait_s: float = 0.0,
     lock_s: float = 120.0,
     newer_than: int | None = None,
+    max_run: int | None = None,
 ) -> int | None:
     """Commit, in the node's memory at ``job_dir``, the snapshots every rank staged whose commit
     was cut short (newest first; the first that seals ends it); returns its step, or None when
@@ -101,6 +102,8 @@ def seal_staged(
     A step is numbered as the run that staged it (its rank 0's record's ``job_run``:
     snapshots.number_this_run), and a step staged by an earlier run than one that committed in
     this memory since is not sealed: that later run did not take it up, its line is newer.
+    ``max_run``: the sealer's own run, where it knows it; a record that claims a later one is
+    damaged (it would set every later run's number beyond what the count allows).
     Never raises: a step that cannot be sealed is logged and left as it is."""
     staging = os.path.join(job_dir, "staging")
     steps_dir = os.path.join(job_dir, "steps")
@@ -125,7 +128,7 @@ def seal_staged(
         newest = -1 if committed is None else committed.step
         try:
             wanted = {s: r for s, r in records.items() if newer_than is None or s > newer_than}
-            sealed = _seal_newest(wanted, staging, mem, catalog)
+            sealed = _seal_newest(wanted, staging, mem, catalog, max_run)
             if sealed is not None:
                 newest = max(newest, sealed)
         finally:
@@ -238,20 +241,31 @@ def _seal_newest(
     staging: str,
     mem: Storage,
     catalog: Catalog,
+    max_run: int | None = None,
 ) -> int | None:
     from resilient import __version__ as version
 
     if not records:
         return None
     newest = catalog.newest()
-    committed_run = (catalog.next_commit_seq() - 1) >> RUN_SHIFT
+    # (a commit numbered beyond any run's is a damaged manifest's: it says nothing of runs)
+    committed_run = (
+        max(
+            (i.commit_seq for i in catalog.infos.values() if i.commit_seq < IMPLAUSIBLE_SEQ),
+            default=0,
+        )
+        >> RUN_SHIFT
+    )
     for step in sorted(records, reverse=True):
         if newest is not None and step <= newest.step:
             return None  # the commit got through (or a newer one did): nothing to finish
         by_rank = records[step]
-        run = by_rank[min(by_rank)].get("job_run", 0)
-        run = run if type(run) is int and 0 <= run < MAX_RUN else 0
-        if run and run < committed_run:
+        run = by_rank[min(by_rank)].get("job_run")
+        if run is None:  # (a record of a version that did not say)
+            run = committed_run
+        elif type(run) is not int or not 0 <= run < MAX_RUN or (max_run and run > max_run):
+            run = 0  # (damaged: staged before any counted run)
+        if run < committed_run:
             log.warning(
                 "memory snapshot of step %d is not sealed: run %d of the job staged it, and run "
                 "%d committed in this node's memory since without taking it up",

@@ -381,6 +381,8 @@ MEMORY_RUNS_NAME = "MEMORY_RUNS.json"
 RUN_KEY = "_resilient_memory_run"
 MEMORY_RUNS_FORMAT = "resilient-memory-runs/1"
 RUN_SHIFT = 32  # commits per run, at most 2**32
+# a commit order no run reaches counting one per commit (a damaged or hand-made manifest's)
+IMPLAUSIBLE_SEQ = 1 << 62
 MAX_RUN = 1 << 29  # (run << RUN_SHIFT stays far below the commit order no run reaches, 2**62)
 _MAX_RUNS_FILE = 4 << 10
 
