@@ -1610,7 +1610,7 @@ class Checkpointer:
         try:
             entries = []
             for _, s, seq, generation in mine[:n]:
-                if seq >= _IMPLAUSIBLE_SEQ:
+                if seq >= IMPLAUSIBLE_SEQ:
                     continue  # (not offered: see _node_newest_seq)
                 anchor = self._anchors.get(s)
                 entries.append([s, seq, generation, *(anchor if anchor is not None else (-1, -1))])
@@ -1657,7 +1657,7 @@ class Checkpointer:
         except Exception as e:  # (the load says what is wrong with this node's memory)
             log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
             return 0
-        if newest >= _IMPLAUSIBLE_SEQ:  # not this toolkit's counter: a damaged manifest
+        if newest >= IMPLAUSIBLE_SEQ:  # not this toolkit's counter: a damaged manifest
             log.warning(
                 "the memory tier at %s holds a commit numbered %d, which no run counts up to; "
                 "it does not set the commit order of this job's snapshots",
@@ -2013,7 +2013,6 @@ _DURABLE, _MEMORY = 0, 1
 # per node, in the exchange of memory candidates across nodes (a node keeps two snapshots, and
 # those sealed or left by a rollback: a few)
 _MAX_MEMORY_CANDIDATES = 8
-_IMPLAUSIBLE_SEQ = IMPLAUSIBLE_SEQ
 
 
 # A load reads in place (checks first, then reads again into the state) from at most this many
