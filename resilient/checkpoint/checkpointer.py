@@ -957,7 +957,7 @@ class Checkpointer:
         flat = flatten_state(state, self._layout_for(state), self.rank)
         mine = sum(leaf.local.numel() * leaf.local.element_size() for leaf in flat.tensors.values())
         if self._distributed and self.world_size > 1:  # every rank decides on the same number
-            most = torch.tensor([mine], dtype=torch.int64, device=_device())
+            most = torch.tensor([mine], dtype=torch.int64, device=collective_device())
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             mine = int(most.item())
         local_ranks = len(self.nodes.ranks_of(self.nodes.node_of[self.rank]))
@@ -972,7 +972,9 @@ class Checkpointer:
         except MemoryTierError as e:
             error = e
         if self._distributed and self.world_size > 1:  # ... and on the outcome: all or none
-            failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=_device())
+            failed = torch.tensor(
+                [0 if error is None else 1], dtype=torch.int64, device=collective_device()
+            )
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if error is None and int(failed.item()):
                 error = MemoryTierError(
@@ -1584,7 +1586,9 @@ class Checkpointer:
             found = found[:_MAX_FALLBACKS] or [(_DURABLE, -1, 0, 0)]
         if not self._distributed or self.world_size == 1:
             return found
-        buf = torch.full((1 + 4 * _MAX_FALLBACKS,), -2, dtype=torch.int64, device=_device())
+        buf = torch.full(
+            (1 + 4 * _MAX_FALLBACKS,), -2, dtype=torch.int64, device=collective_device()
+        )
         if self.rank == 0:
             buf[0] = len(found)
             buf[1 : 4 * len(found) + 1] = torch.tensor(
@@ -1621,8 +1625,8 @@ class Checkpointer:
             log.warning("rank %d: this node's snapshots cannot be offered: %s", self.rank, e)
             row[2:] = -1
             row[0] = 0
-        every = [torch.empty_like(row, device=_device()) for _ in range(self.world_size)]
-        dist.all_gather(every, row.to(_device()))
+        every = [torch.empty_like(row, device=collective_device()) for _ in range(self.world_size)]
+        dist.all_gather(every, row.to(collective_device()))
         # A step's newest version wins: a node that missed a rollback's commits (it was not in
         # the job meanwhile) holds an older one, whose manifest must not be restored nor put over
         # the newer one (both name the same files when their generations agree)
@@ -1788,7 +1792,7 @@ class Checkpointer:
             return code, self.rank
         if code and error is not None:
             self._publish_error(step, error)
-        codes = torch.zeros(self.world_size, dtype=torch.int32, device=_device())
+        codes = torch.zeros(self.world_size, dtype=torch.int32, device=collective_device())
         codes[self.rank] = code
         dist.all_reduce(codes, op=dist.ReduceOp.MAX)
         worst = int(codes.max().item())
@@ -2267,7 +2271,7 @@ def check_memory_options(memory_every: Any, memory_commit_every: Any) -> None:
 def _barrier() -> None:
     """A barrier of the default group; under NCCL on this rank's own device (without
     ``device_ids`` NCCL guesses the device from the rank, and a wrong guess can hang)."""
-    device = _device()
+    device = collective_device()
     if device.type == "cuda":
         dist.barrier(device_ids=[device.index])
     else:
@@ -2291,9 +2295,6 @@ def collective_device() -> torch.device:
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-_device = collective_device
 
 
 def _find_mesh(state: Any) -> Any:

@@ -258,21 +258,16 @@ def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
     return None
 
 
-def _stale(
-    anchor: Any,
-    job_id: str,
-    durable: Catalog | None,
-    line: set[int],
-    *,
-    run: int = 0,
-    run_of: Callable[[StepInfo], int] | None = None,
-    step: int | None = None,
+def stale_snapshot(
+    snap: Manifest, durable: Catalog | None, line: set[int], run_of: Callable[[StepInfo], int]
 ) -> str | None:
-    """Why a snapshot (of ``step``, taken by ``job_id``, in run ``run`` of the job: its commit
-    order's, see number_this_run; 0 for none) descended from durable commit ``anchor`` must not
-    be restored, or None.  ``run_of``: the run that made a durable commit (durable_runs)."""
-    why = _stale_anchor(anchor, job_id, durable, line)
-    if why is not None or not run or run_of is None or durable is None:
+    """Why a snapshot (its manifest: its anchor, job, step, and run, its commit order's, see
+    number_this_run; 0 for none) must not be restored, or None.  ``run_of``: the run that made
+    a durable commit (durable_runs)."""
+    anchor = snap.extras.get(ANCHOR_KEY)
+    why = _stale(anchor, snap.job_id, durable, line)
+    run = snap.commit_seq >> RUN_SHIFT
+    if why is not None or not run or durable is None:
         return why
     # A durable commit on the line made after the snapshot's anchor by a later run of the job:
     # that run never saw this snapshot (its node sat the run out), and its line is the newer one
@@ -283,7 +278,7 @@ def _stale(
     after = parsed[1] if parsed is not None else -1
     for s in sorted(line, reverse=True):
         info = durable.get(s)
-        if info is None or info.commit_seq <= after or (step is not None and s > step):
+        if info is None or info.commit_seq <= after or s > snap.step:
             continue
         later = run_of(info)
         if later > run:
@@ -292,21 +287,6 @@ def _stale(
                 f"this snapshot's is {run}), which did not see it: that run's line is newer"
             )
     return None
-
-
-def stale_snapshot(
-    snap: Manifest, durable: Catalog | None, line: set[int], run_of: Callable[[StepInfo], int]
-) -> str | None:
-    """_stale of a snapshot's manifest: its anchor, job, run and step."""
-    return _stale(
-        snap.extras.get(ANCHOR_KEY),
-        snap.job_id,
-        durable,
-        line,
-        run=snap.commit_seq >> RUN_SHIFT,
-        run_of=run_of,
-        step=snap.step,
-    )
 
 
 def durable_runs(storage: Storage) -> Callable[[StepInfo], int]:
@@ -331,7 +311,9 @@ def durable_runs(storage: Storage) -> Callable[[StepInfo], int]:
     return run_of
 
 
-def _stale_anchor(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
+def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
+    """Why a snapshot (taken by ``job_id``) descended from durable commit ``anchor`` must not be
+    restored, as the anchor says, or None."""
     if anchor is None:
         return "it records no durable commit it descends from"
     if anchor == "":
