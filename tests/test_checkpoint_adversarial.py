@@ -696,12 +696,23 @@ def test_a_manifests_summary_line_round_trips_and_is_checked():
     from resilient.checkpoint.format import ManifestSummary, summary_from_line, summary_line
 
     files = {"rank_00001.safetensors": None, "rank_00000.safetensors": None}
-    m = SimpleNamespace(step=7, commit_seq=41, generation=2, job_id="job-x", files=files)
+    m = SimpleNamespace(
+        step=7,
+        commit_seq=41,
+        generation=2,
+        job_id="job-x",
+        files=files,
+        extras={"_resilient_memory_run": 3},
+    )
     line = summary_line(m)
     assert b"\n" not in line
     assert summary_from_line(line, "where", 7) == ManifestSummary(
-        step=7, commit_seq=41, generation=2, job_id="job-x", files=frozenset(files)
+        step=7, commit_seq=41, generation=2, job_id="job-x", files=frozenset(files), run=3
     )
+    # the memory tier's run: anything but a run number counts as none (never an error)
+    for run in (b"0", b"-1", b"true", b'"3"', b"3.0", b"536870912", b"1e400", b"[3]", b"null"):
+        odd = line.replace(b'"run":3', b'"run":' + run)
+        assert summary_from_line(odd, "where", 7).run == 0, run
     with pytest.raises(CheckpointCorruptError, match="says step 7, not 8"):
         summary_from_line(line, "where", 8)
     for bad in (

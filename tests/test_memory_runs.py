@@ -17,8 +17,9 @@ import torch
 
 from resilient import Checkpointer
 from resilient.checkpoint import checkpointer as ckmod
+from resilient.checkpoint.format import MAX_RUN
 from resilient.checkpoint.seal import seal_staged
-from resilient.checkpoint.snapshots import MAX_RUN, MEMORY_RUNS_NAME, RUN_SHIFT, number_this_run
+from resilient.checkpoint.snapshots import MEMORY_RUNS_NAME, RUN_SHIFT, number_this_run
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StorageError
 
@@ -371,3 +372,28 @@ def test_a_staged_record_claiming_a_later_run_than_the_sealers_counts_as_no_run(
         assert ck._memory.catalog().get(5).commit_seq >> RUN_SHIFT == 0
     with Checkpointer(str(url), **_kw(root)) as ck:
         assert ck._run == 3
+
+
+def test_a_later_runs_commit_whose_manifest_cannot_be_read_again_still_outranks(
+    tmp_path, monkeypatch
+):
+    """The run that made each durable commit comes with the listing (the catalog's read of its
+    manifest), not from a second read: a storage error on that read, after the listing, used to
+    count as "no run", and run 1's snapshot 20 was restored over run 2's durable 15."""
+    make = older_then_later_run(tmp_path, 1)
+    with make() as ck:
+        ck.catalog()  # (listed: the manifests' summaries are known)
+        real = Storage.read_small
+
+        def failing(self, rel, *a, **kw):
+            if rel.endswith("MANIFEST.json") and "00000015" in rel:
+                raise StorageError(f"injected: {rel} cannot be read")
+            return real(self, rel, *a, **kw)
+
+        monkeypatch.setattr(Storage, "read_small", failing)
+        fresh = torch.nn.Linear(4, 4)
+        with pytest.raises(StorageError, match="00000015"):  # (the durable step's own read)
+            ck.load({"model": fresh})
+        assert not fresh.weight.eq(20.0).all()
+        monkeypatch.undo()
+        assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()

@@ -39,6 +39,7 @@ from resilient.checkpoint.format import (
     ManifestSummary,
     manifest_of_step,
     parse_step_dir,
+    recorded_run,
     step_dir_name,
 )
 from resilient.checkpoint.storage import Storage
@@ -69,6 +70,7 @@ class StepInfo:
     job_id: str = ""
     files: frozenset[str] = frozenset()  # the rank files its manifest names
     problem: str = ""  # why a damaged step is not a commit
+    run: int = 0  # the memory tier's run that made the commit (format.RUN_KEY; 0: none)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -187,12 +189,15 @@ def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
         generation=summary.generation,
         job_id=summary.job_id,
         files=summary.files,
+        run=summary.run,
     )
 
 
 def summary_of(m: Manifest) -> ManifestSummary:
     """What the catalog keeps of a manifest."""
-    return ManifestSummary(m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files))
+    return ManifestSummary(
+        m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files), recorded_run(m.extras)
+    )
 
 
 def remember_commit(storage: Storage, m: Manifest | ManifestSummary) -> None:

@@ -30,6 +30,7 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_INT,
     MAX_MANIFEST_BYTES,
+    RUN_KEY,
     ChunkEntry,
     Manifest,
     ManifestEncoder,
@@ -60,13 +61,11 @@ from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     IMPLAUSIBLE_SEQ,
-    RUN_KEY,
     RUN_SHIFT,
     MemoryPlace,
     _fmt,
     _parse_anchor,
     default_root,
-    durable_runs,
     memory_place,
     number_this_run,
     stale_snapshot,
@@ -1679,10 +1678,10 @@ class Checkpointer:
         assert self._memory is not None
         seen = max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
 
-        def recorded() -> int:  # (a manifest read: only where the count is lost or damaged)
+        def recorded() -> int:  # (a listing: only where the count is lost or damaged)
             try:
                 newest = self.catalog().newest()
-                return 0 if newest is None else durable_runs(self.storage)(newest)
+                return 0 if newest is None else newest.run
             except ResilientError as e:  # (the load says what is wrong with durable storage)
                 log.warning("the durable steps of %s cannot be listed: %s", self.url, e)
                 return 0
@@ -1747,13 +1746,12 @@ class Checkpointer:
                     )
                     return []
                 durable_catalog, line = None, set()
-            run_of = durable_runs(self.storage)
             found = []
             for s in catalog.line():
                 if not ((step is None and s >= newest_durable) or s == step):
                     continue
                 snap = read_manifest(self._memory.storage, s)
-                why = stale_snapshot(snap, durable_catalog, line, run_of)
+                why = stale_snapshot(snap, durable_catalog, line)
                 anchor = snap.extras.get(ANCHOR_KEY)
                 if why:
                     log.warning("memory snapshot of step %d is not restored: %s", s, why)

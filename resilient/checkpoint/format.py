@@ -52,6 +52,7 @@ __all__ = [
     "manifest_summary",
     "manifest_of_step",
     "ManifestSummary",
+    "recorded_run",
     "upgrade_v1",
     "check_json_depth",
     "check_variable_parts",
@@ -72,6 +73,10 @@ MAX_AXES = 16  # layout axes
 MAX_NDIM = 32  # tensor dims
 MAX_INT = (1 << 63) - 1  # every size, offset and byte count fits an int64
 MAX_JSON_DEPTH = 64  # nesting of the free-form JSON values (extras)
+# The memory tier's run that made a commit, in its manifest's extras (snapshots.py,
+# number_this_run; docs/FORMAT.md section 9), and the most runs the tier counts
+RUN_KEY = "_resilient_memory_run"
+MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below 2**62)
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
 
 # ASCII digits only: \d matches any Unicode digit ("step_" + Arabic-Indic digits would be a step)
@@ -812,6 +817,7 @@ class ManifestSummary:
     generation: int
     job_id: str
     files: frozenset[str]
+    run: int = 0  # the memory tier's run that made the commit (RUN_KEY; 0: none recorded)
 
 
 def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
@@ -835,10 +841,10 @@ def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
                 f"{where}: manifest names file {f[:200]!r}; files must be plain names like "
                 f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
             )
-    return _summary(d, f"{where}: manifest", found, files)
+    return _summary(d, f"{where}: manifest", found, files, recorded_run(d.get("extras")))
 
 
-def _summary(d: dict, what: str, step: int, files: Iterable[str]) -> ManifestSummary:
+def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> ManifestSummary:
     """(``manifest_summary``, ``summary_from_line``) The rest of the summary, checked."""
     return ManifestSummary(
         step=step,
@@ -846,7 +852,18 @@ def _summary(d: dict, what: str, step: int, files: Iterable[str]) -> ManifestSum
         generation=_int(d.get("generation"), f"{what}.generation"),
         job_id=_str(d.get("job_id"), f"{what}.job_id"),
         files=frozenset(files),
+        run=run,
     )
+
+
+def recorded_run(extras: Any) -> int:
+    """The memory tier's run that a manifest's extras record (RUN_KEY); 0 where they record none
+    (a save without the tier, an older version) or anything but a run number."""
+    return _run(extras.get(RUN_KEY) if isinstance(extras, Mapping) else None)
+
+
+def _run(value: Any) -> int:
+    return value if type(value) is int and 0 < value < MAX_RUN else 0
 
 
 def summary_line(manifest: Manifest) -> bytes:
@@ -861,6 +878,7 @@ def summary_line(manifest: Manifest) -> bytes:
             "generation": manifest.generation,
             "job_id": manifest.job_id,
             "files": sorted(manifest.files),
+            "run": recorded_run(manifest.extras),
         },
         separators=(",", ":"),
     ).encode()
@@ -880,7 +898,7 @@ def summary_from_line(line: bytes, where: str, step: int) -> ManifestSummary:
         isinstance(f, str) and _FILE_RE.fullmatch(f) for f in files
     ):
         raise CheckpointCorruptError(f"{where}: summary.files must be a list of plain file names")
-    return _summary(d, f"{where}: summary", found, files)
+    return _summary(d, f"{where}: summary", found, files, _run(d.get("run")))
 
 
 def _reject_constant(name: str) -> Any:

@@ -61,6 +61,8 @@ from resilient.checkpoint.codec import block_checksums
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    MAX_RUN,
+    RUN_KEY,
     Manifest,
     manifest_of_step,
     rank_file_name,
@@ -71,10 +73,7 @@ from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
-    MAX_RUN,
-    RUN_KEY,
     RUN_SHIFT,
-    durable_runs,
     stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
@@ -612,7 +611,6 @@ class Promoter:
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         line = set(durable.line())
-        run_of = durable_runs(self.storage)
         for s in snaps.line():
             if newest is not None and s <= newest.step:
                 log.info("flush: nothing newer than durable step %d in memory", newest.step)
@@ -626,7 +624,7 @@ class Promoter:
             except (OSError, ResilientError) as e:
                 log.warning("flush: memory step %d is not readable (%s); trying an older one", s, e)
                 continue
-            why = stale_snapshot(snap, durable, line, run_of)
+            why = stale_snapshot(snap, durable, line)
             if snap.job_id != self.job_id:  # a later job's trainer took it: not ours to write
                 why = f"it was taken by job {snap.job_id!r}, not by this persister's"
             if why:

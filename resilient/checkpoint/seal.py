@@ -40,13 +40,14 @@ from typing import Any
 from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.codec import CRC_THREADS, crc32, crc_pool
 from resilient.checkpoint.format import (
+    MAX_RUN,
     TensorEntry,
     rank_file_name,
     step_dir_name,
 )
 from resilient.checkpoint.lease import _machine
 from resilient.checkpoint.retention import delete_dirs
-from resilient.checkpoint.snapshots import IMPLAUSIBLE_SEQ, MAX_RUN, RUN_SHIFT
+from resilient.checkpoint.snapshots import IMPLAUSIBLE_SEQ, RUN_SHIFT
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
 from resilient.layout import Layout

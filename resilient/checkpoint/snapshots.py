@@ -33,12 +33,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from resilient.checkpoint.catalog import Catalog, StepInfo
+from resilient.checkpoint.catalog import Catalog
 from resilient.checkpoint.format import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
+    MAX_RUN,
     Manifest,
-    manifest_of_step,
 )
 from resilient.checkpoint.storage import Storage
 from resilient.errors import MemoryTierError, ResilientError
@@ -258,12 +256,11 @@ def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
     return None
 
 
-def stale_snapshot(
-    snap: Manifest, durable: Catalog | None, line: set[int], run_of: Callable[[StepInfo], int]
-) -> str | None:
+def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> str | None:
     """Why a snapshot (its manifest: its anchor, job, step, and run, its commit order's, see
-    number_this_run; 0 for none) must not be restored, or None.  ``run_of``: the run that made
-    a durable commit (durable_runs)."""
+    number_this_run; 0 for none) must not be restored, or None.  The run that made each durable
+    commit is the one its manifest records, read with it when durable storage was listed (so no
+    second read can fail and leave it unknown)."""
     anchor = snap.extras.get(ANCHOR_KEY)
     why = _stale(anchor, snap.job_id, durable, line)
     run = snap.commit_seq >> RUN_SHIFT
@@ -280,35 +277,13 @@ def stale_snapshot(
         info = durable.get(s)
         if info is None or info.commit_seq <= after or s > snap.step:
             continue
-        later = run_of(info)
+        later = info.run
         if later > run:
             return (
                 f"durable step {s} was committed since by a later run of the job (run {later}, "
                 f"this snapshot's is {run}), which did not see it: that run's line is newer"
             )
     return None
-
-
-def durable_runs(storage: Storage) -> Callable[[StepInfo], int]:
-    """The run (number_this_run) that made each durable commit, as its manifest records it (0:
-    none, unreadable, or not a run number); each manifest is read once, only when asked for."""
-    seen: dict[tuple[str, int], int] = {}
-
-    def run_of(info: StepInfo) -> int:
-        key = (info.dir, info.commit_seq)
-        if key not in seen:
-            value: Any = None
-            try:
-                data = storage.read_small(f"{info.dir}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
-                value = manifest_of_step(data, storage.display(info.dir), info.step).extras.get(
-                    RUN_KEY
-                )
-            except Exception as e:  # (its own reader says what is wrong with it)
-                log.warning("the run of durable step %d cannot be read: %s", info.step, e)
-            seen[key] = value if type(value) is int and 0 < value < MAX_RUN else 0
-        return seen[key]
-
-    return run_of
 
 
 def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) -> str | None:
@@ -358,14 +333,14 @@ def _stale(anchor: Any, job_id: str, durable: Catalog | None, line: set[int]) ->
 # snapshots whose commit order was counted apart from that run's: a run's commits in memory are
 # numbered from ``run << RUN_SHIFT`` up, so a later run's outrank an earlier one's on every node.
 MEMORY_RUNS_NAME = "MEMORY_RUNS.json"
-# The run that made a durable commit, in its manifest's extras (a memory snapshot's is in its
-# commit order): a snapshot is stale once a later run committed to the durable line.
-RUN_KEY = "_resilient_memory_run"
+# The run that made a durable commit is in its manifest's extras (RUN_KEY, format.py; a memory
+# snapshot's is in its commit order): a snapshot is stale once a later run committed to the
+# durable line.
 MEMORY_RUNS_FORMAT = "resilient-memory-runs/1"
 RUN_SHIFT = 32  # commits per run, at most 2**32
 # a commit order no run reaches counting one per commit (a damaged or hand-made manifest's)
 IMPLAUSIBLE_SEQ = 1 << 62
-MAX_RUN = 1 << 29  # (run << RUN_SHIFT stays far below the commit order no run reaches, 2**62)
+# (MAX_RUN, format.py: run << RUN_SHIFT stays far below the commit order no run reaches)
 _MAX_RUNS_FILE = 4 << 10
 
 
