@@ -381,3 +381,31 @@ def test_a_durable_commit_of_a_later_run_outranks_an_older_runs_snapshots(tmp_pa
     four = run_distributed(_load_on, 4, url, base, [0, 0, 2, 2], [])
     got = [(r.get("step"), r.get("source"), r.get("w")) for r in four]
     assert got == [(5, "durable", [50.0 + rank // 2] * 4) for rank in range(4)], got
+
+
+def _sealed_asked_on_two_nodes(rank, world, url, base):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = Checkpointer(
+            url,
+            memory_every=1,
+            memory_root=_root(base, rank),
+            persister=False,
+            memory_commit_every=0,
+        )
+    ck.snapshot(1, _state(rank, world, 1.0)).wait()
+    out = {"memory_steps": ck.memory_steps(), "warned": [str(w.message) for w in caught]}
+    ck.close()
+    return out
+
+
+def test_sealed_snapshots_asked_across_nodes_are_committed_with_a_warning(tmp_path):
+    """memory_commit_every applies on one node: on two, every snapshot is committed (its
+    replica follows the commit), and the job is told so rather than silently."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_sealed_asked_on_two_nodes, 2, url, base)
+    assert [r["memory_steps"] for r in results] == [[1], [1]], results
+    for r in results:
+        assert any("memory_commit_every=0 applies on one node" in w for w in r["warned"]), r

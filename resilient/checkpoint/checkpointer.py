@@ -317,6 +317,14 @@ class Checkpointer:
             warnings.warn(message, stacklevel=2)
             log.warning(message)
             memory_every = None
+        if memory_every is not None and self.nodes.nodes > 1 and memory_commit_every != 1:
+            message = (
+                f"memory_commit_every={memory_commit_every} applies on one node: across this "
+                f"job's {self.nodes.nodes} nodes every memory snapshot is committed, since its "
+                f"peer replica is sent once it commits (README, 'Sealed snapshots')"
+            )
+            warnings.warn(message, stacklevel=2)
+            log.warning(message)
         self.memory_every = memory_every
         self.memory: MemoryPlace | None = None
         self._memory: Checkpointer | None = None
