@@ -362,6 +362,76 @@ def test_the_flush_skips_a_damaged_newest_snapshot_for_an_older_one(tmp_path):
     assert fresh.load({"model": m2}) == 2 and _same(m2, want)
 
 
+def test_a_fifo_in_place_of_a_snapshots_rank_file_is_skipped_not_waited_on(tmp_path):
+    """The memory directory is untrusted: a FIFO planted as the newest snapshot's rank file
+    used to block the flush's open() forever, holding PERSISTER.lock and renewing the URL's
+    writer lease.  Now the flush refuses it and persists the snapshot before it."""
+    import threading
+
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        ck.save(1, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(2, {"model": m}).wait()
+        want = _weights(m)
+        _bump(m, 1.0)
+        ck.snapshot(3, {"model": m}).wait()
+        rank_file = Path(ck.memory.steps) / "step_00000003" / "rank_00000.safetensors"
+        rank_file.unlink()
+        os.mkfifo(rank_file)
+        ck._lease.release()
+        promoter, result = _promoter(ck), {}
+        flush = threading.Thread(target=lambda: result.update(out=promoter.flush()), daemon=True)
+        flush.start()
+        flush.join(120.0)
+        if flush.is_alive():  # (let the blocked open() go, so that the test can end)
+            os.close(os.open(rank_file, os.O_WRONLY | os.O_NONBLOCK))
+            flush.join(30.0)
+            pytest.fail("the flush blocked on a FIFO in place of a rank file")
+        promoter.close()
+        assert result["out"]["step"] == 2, result
+    m2 = _model(1)
+    assert Checkpointer(str(url)).load({"model": m2}) == 2 and _same(m2, want)
+
+
+@pytest.mark.parametrize("then", ["rolled-back", "same-state"])
+def test_the_flush_after_a_rollback_to_the_same_step_number(tmp_path, then):
+    """Durable 3 and 5; the job rolls back to 3 and its new line reaches step 5 in memory (a load
+    on this node restores that snapshot).  The flush used to compare step numbers only and wrote
+    nothing, so a rerun on nodes with empty memory resumed the abandoned line's 5.  A durable 5
+    that holds the same state as the snapshot is not written again."""
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        ck.save(3, {"model": m}).wait()
+        _bump(m, 100.0)
+        ck.save(5, {"model": m}).wait()
+    old5 = _weights(m)
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        if then == "rolled-back":
+            assert ck.load({"model": m}, step=3) == 3
+            _bump(m, 1.0)
+            ck.snapshot(4, {"model": m}).wait()
+            _bump(m, 1.0)
+        else:
+            assert ck.load({"model": m}) == 5
+        ck.snapshot(5, {"model": m}).wait()
+        want = _weights(m)
+        if ck._lease is not None:
+            ck._lease.release()
+        promoter = _promoter(ck)
+        flushed = promoter.flush()
+        promoter.close()
+    fresh = Checkpointer(str(url))
+    m2 = _model(1)
+    assert fresh.load({"model": m2}) == 5 and _same(m2, want)
+    if then == "rolled-back":
+        assert flushed is not None and flushed["step"] == 5 and not _same(m2, old5)
+    else:
+        assert flushed is None and fresh.commits() == [3, 5]
+
+
 def test_durable_saves_go_on_when_the_memory_tier_fails(tmp_path):
     import shutil
 

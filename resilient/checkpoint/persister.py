@@ -56,7 +56,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.catalog import StepInfo, scan
 from resilient.checkpoint.codec import block_checksums
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
@@ -557,7 +557,7 @@ class Promoter:
     ) -> int:
         """Check one rank file's chunks against the snapshot's checksums and write it to the URL."""
         path = os.path.join(src, name)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, _READ_FLAGS)  # (a FIFO planted there must not block the open)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -612,7 +612,7 @@ class Promoter:
         snaps = scan(mem)
         line = set(durable.line())
         for s in snaps.line():
-            if newest is not None and s <= newest.step:
+            if newest is not None and s < newest.step:
                 log.info("flush: nothing newer than durable step %d in memory", newest.step)
                 return None
             try:
@@ -630,6 +630,9 @@ class Promoter:
             if why:
                 log.warning("flush: memory step %d is not persisted: %s", s, why)
                 continue
+            if newest is not None and s == newest.step and self._durable_holds(newest, snap):
+                log.info("flush: durable step %d holds the newest snapshot's state", s)
+                return None
             try:
                 link_to_outbox(self.steps_dir, s, self.outbox)
                 return {"step": s, **self.persist(s)}
@@ -641,9 +644,50 @@ class Promoter:
         log.info("flush: no snapshot in memory to persist")
         return None
 
+    def _durable_holds(self, info: StepInfo, snap: Manifest) -> bool:
+        """Whether durable step ``info`` (of the snapshot's step number) holds the snapshot's
+        state: it was made from it (or from the same state).  Not after a rollback: a load of an
+        older step, then snapshots up to the same number on the new line (a load on this node
+        restores the snapshot, so the flush must make it durable too).  A manifest that cannot
+        be read counts as another state (the flush then writes the step again)."""
+        try:
+            data = self.storage.read_small(f"{info.dir}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+            held = manifest_of_step(data, self.storage.display(info.dir), info.step)
+        except ResilientError as e:
+            log.warning("flush: durable step %d cannot be read to compare (%s)", info.step, e)
+            return False
+        return _state_of(held) == _state_of(snap)
+
     def close(self) -> None:
         if self.lease.held:
             self.lease.release()
+
+
+def _state_of(m: Manifest) -> tuple[Any, ...]:
+    """What a manifest says of the state (not of where its bytes are or who wrote them): every
+    tensor with its chunks' checksums, the values, and the layout."""
+    tensors = {
+        k: (
+            t.dtype,
+            t.shape,
+            t.placement,
+            # (a chunk's checksums are of its own blocks: the same bytes anywhere in any file)
+            [(c.offsets, c.sizes, c.checksums, c.codec, c.raw_bytes, _length(c)) for c in t.chunks],
+        )
+        for k, t in m.tensors.items()
+    }
+    extras = {k: v for k, v in m.extras.items() if k not in (ANCHOR_KEY, RUN_KEY)}
+    rank_extras = {
+        r: kept
+        for r, values in m.rank_extras.items()
+        if (kept := {k: v for k, v in values.items() if k != ANCHOR_KEY})
+    }
+    return tensors, extras, rank_extras, m.layout, m.block_bytes
+
+
+def _length(c: Any) -> int:
+    b, e = c.byte_range
+    return e - b
 
 
 def _promoted(
@@ -683,9 +727,15 @@ class _Gone(ResilientError):
     """The persister process went away before it answered."""
 
 
+# never through a link, and never blocked by a FIFO in a file's place (fstat then refuses it)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
 def _read_small(path: str, cap: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, _READ_FLAGS)
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointCorruptError(f"{path} is not a regular file")
         data = f.read(cap + 1)
     if len(data) > cap:
         raise CheckpointCorruptError(f"{path} is larger than {cap} bytes")
