@@ -415,3 +415,49 @@ def test_the_default_commits_every_snapshot_and_its_loads_release_nothing(tmp_pa
         kept, slots.release = slots.release, release
         assert ck.load({"model": m}) == 4
         slots.release = kept  # (close lets go of what there is)
+
+
+# --- a rollback, then sealed snapshots of the new line -------------------------------------------
+def _rolled_back(tmp_path: Path, every: int, new_steps: tuple[int, ...]) -> Checkpointer:
+    """Snapshots 1-5 (a durable save of 2), closed; the next run restores 5 (sealing it), rolls
+    back to durable 2 by name and takes ``new_steps`` with other contents (values 100 + step),
+    and is closed without a durable save.  Returns the checkpointer of the run after it."""
+    url = str(tmp_path / "ckpt")
+
+    def ck() -> Checkpointer:
+        return Checkpointer(url, memory_every=1, persister=False, memory_commit_every=every)
+
+    first = ck()
+    for step in range(1, 6):
+        state = {"w": torch.full((64, 32), float(step)), "meta": {"step": step}}
+        first.snapshot(step, state).wait()
+        if step == 2:
+            first.save(2, state).wait()
+    first.close()
+    second, state = ck(), {"w": torch.zeros(64, 32), "meta": {"step": -1}}
+    assert second.load(state) == 5 and state["meta"]["step"] == 5
+    assert second.load(state, step=2) == 2 and state["meta"]["step"] == 2  # the rollback
+    for step in new_steps:
+        new = {"w": torch.full((64, 32), 100.0 + step), "meta": {"step": 100 + step}}
+        second.snapshot(step, new).wait()
+    second.close()
+    return ck()
+
+
+@pytest.mark.parametrize("every", [0, 2, 1], ids=["sealed", "every-2", "committed"])
+@pytest.mark.parametrize("new_steps", [(3, 4), (3, 4, 5)], ids=["fewer", "same-number"])
+def test_after_a_rollback_the_new_lines_newest_snapshot_is_restored(
+    tmp_path, memory_root, every, new_steps
+):
+    """The seal used to judge a staged step "committed already" by its number against the
+    newest commit in memory: after a rollback that is the abandoned line's step 5 (sealed at
+    the load before it), so the new line's sealed 3 and 4 were never sealed and the abandoned 5
+    was restored; with the new line at 5 again, the abandoned line's bytes under that number.
+    A staged record now says where its line began (rank 0's last load); only a commit since,
+    of its step or a later one, makes it void."""
+    with _rolled_back(tmp_path, every, new_steps) as ck:
+        state = {"w": torch.zeros(64, 32), "meta": {"step": -1}}
+        last = new_steps[-1]
+        assert ck.load(state) == last
+        assert (state["meta"]["step"], float(state["w"][0, 0])) == (100 + last, 100.0 + last)
+        assert ck.last_load.source == "memory"

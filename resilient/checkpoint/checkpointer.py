@@ -56,7 +56,7 @@ from resilient.checkpoint.reader import (
 )
 from resilient.checkpoint.replicas import NodeMap, Replicas, node_map
 from resilient.checkpoint.retention import Sweep, delete_dirs
-from resilient.checkpoint.seal import NodeLocal, seal_staged
+from resilient.checkpoint.seal import NodeLocal, newest_plausible_seq, seal_staged
 from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
@@ -383,6 +383,7 @@ class Checkpointer:
                     if self._run is not None
                     else max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
                 )
+                self._begin_line()
         # Durable saves through the persister process (persister.py) when the tier is on, one per
         # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
         # code says nothing.
@@ -1503,6 +1504,8 @@ class Checkpointer:
                 # loses at most one step
                 assert self.memory is not None
                 sealed = seal_staged(self.memory.dir, max_run=self._run)
+        if self._memory is not None and self.rank == 0:
+            self._begin_line()  # (whatever this load restores, what memory holds now is older)
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
@@ -1658,6 +1661,17 @@ class Checkpointer:
             self._anchors[s] = anchor
             out.append((_MEMORY, s, seq, generation))
         return out
+
+    def _begin_line(self) -> None:
+        """(rank 0, memory tier: where the checkpointer is made, at every load) This process's
+        line begins here: its staged records say so (``after``, seal.py), so that a seal does
+        not take the commits of the line a rollback left, numbered above its steps, for its
+        own."""
+        assert self._memory is not None and self._memory._slots is not None
+        try:
+            self._memory._slots.line_base = newest_plausible_seq(self._memory.catalog())
+        except Exception as e:  # (the load says what is wrong with this node's memory)
+            log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
 
     def _node_newest_seq(self) -> int:
         """The newest commit order in this node's memory (0 where it cannot be listed, or where

@@ -52,7 +52,7 @@ from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
 from resilient.layout import Layout
 
-__all__ = ["RECORD_FORMAT", "NodeLocal", "record_name", "seal_staged"]
+__all__ = ["RECORD_FORMAT", "NodeLocal", "newest_plausible_seq", "record_name", "seal_staged"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,15 @@ def seal_staged(
         return None
     finally:
         os.close(lock)
+
+
+def newest_plausible_seq(catalog: Catalog) -> int:
+    """The newest commit order in a node's memory that a run's counter could have reached (a
+    damaged manifest's, 2^62 or more, is left out); 0 for none."""
+    return max(
+        (i.commit_seq for i in catalog.infos.values() if i.commit_seq < IMPLAUSIBLE_SEQ),
+        default=0,
+    )
 
 
 def _lock(path: str, timeout_s: float) -> int | None:
@@ -250,17 +259,22 @@ def _seal_newest(
         return None
     newest = catalog.newest()
     # (a commit numbered beyond any run's is a damaged manifest's: it says nothing of runs)
-    committed_run = (
-        max(
-            (i.commit_seq for i in catalog.infos.values() if i.commit_seq < IMPLAUSIBLE_SEQ),
-            default=0,
-        )
-        >> RUN_SHIFT
-    )
+    committed_run = newest_plausible_seq(catalog) >> RUN_SHIFT
     for step in sorted(records, reverse=True):
-        if newest is not None and step <= newest.step:
-            return None  # the commit got through (or a newer one did): nothing to finish
         by_rank = records[step]
+        after = by_rank[min(by_rank)].get("after")
+        if type(after) is int and after >= 0:
+            # Its line began after the commit numbered ``after`` (rank 0's load, or its start):
+            # a commit since of this step or a later one is its own commit, got through, or a
+            # newer one's.  A commit made before, of any step, is not: after a rollback (a load
+            # of an older step) the abandoned line's steps are still in memory, numbered above.
+            if any(
+                i.state == "committed" and i.step >= step and after < i.commit_seq < IMPLAUSIBLE_SEQ
+                for i in catalog.infos.values()
+            ):
+                return None
+        elif newest is not None and step <= newest.step:  # (a record of a version without it)
+            return None  # the commit got through (or a newer one did): nothing to finish
         run = by_rank[min(by_rank)].get("job_run")
         if run is None:  # (a record of a version that did not say)
             run = committed_run

@@ -182,6 +182,10 @@ class Slots:
         # (rank 0) the job's run that stages here (snapshots.number_this_run; 0: not counted):
         # a seal numbers the step as that run's commit
         self.job_run = 0
+        # (rank 0) the newest commit order in this node's memory when this process's line began
+        # (its start, its last load): a commit numbered above it, of the same step or a later
+        # one, is what makes a staged record void; the abandoned line's after a rollback is not
+        self.line_base = 0
         self._fresh_run = True  # a crashed run's staging files go at the first snapshot
         self._record_static: tuple[WritePlan, int, str] | None = None
         # the text of each long string value in the previous record, by the string itself: an
@@ -301,7 +305,7 @@ class Slots:
                 else ""
             )
             text = (
-                f'{{"step": {step}, "ino": {slot.ino}, '
+                f'{{"step": {step}, "after": {self.line_base}, "ino": {slot.ino}, '
                 f'"path": {json.dumps(os.path.basename(slot.path))}, '
                 f'"values": {self._values_text(info.values)}, {sums}'
                 f"{self._record_static[2]}}}"
