@@ -16,6 +16,7 @@ from resilient import Checkpointer
 from tests.dist import run_distributed
 from tests.test_memory_nodes import (
     _durable_then_snapshots,
+    _restore,
     _restore_with_rank_0_on_the_new_node,
     _root,
     _snapshot_on_two_nodes,
@@ -409,3 +410,75 @@ def test_sealed_snapshots_asked_across_nodes_are_committed_with_a_warning(tmp_pa
     assert [r["memory_steps"] for r in results] == [[1], [1]], results
     for r in results:
         assert any("memory_commit_every=0 applies on one node" in w for w in r["warned"]), r
+
+
+# --- a node lost while a snapshot's replicas are on their way ---------------------------------
+def _lose_node_1_while_step_2_replicates(rank: int, world: int, url: str, base: str) -> dict:
+    """Snapshots 1, 2, 3 on two nodes; step 2's replication waits (on every rank) until step 3
+    was staged, and node 0's memory is copied then: what survives if node 1 is lost at that
+    moment (its replicas of step 2 not in, the next snapshot already being copied)."""
+    import shutil
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from resilient.checkpoint.replicas import Replicas
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    sync = Path(base) / "sync"
+    sync.mkdir(exist_ok=True)
+    in_replicate, staged3 = threading.Event(), threading.Event()
+    real_replicate, real_stage = Replicas.replicate, ck._memory._slots.stage
+
+    def wait_for(path: Path) -> None:
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert time.monotonic() < deadline, path
+            time.sleep(0.01)
+
+    def replicate(self, storage, step_rel, *a, **kw):
+        if step_rel == "step_00000002":
+            in_replicate.set()
+            assert staged3.wait(120)
+            (sync / f"in_{rank}").touch()
+            if rank == 0:  # node 0's two ranks are here: node 1 is lost now
+                wait_for(sync / "in_1")
+                shutil.copytree(_root(base, 0), str(Path(base) / "survivor"), symlinks=True)
+                (sync / "copied").touch()
+            wait_for(sync / "copied")
+        return real_replicate(self, storage, step_rel, *a, **kw)
+
+    def stage(plan, leaves, step, *a, **kw):
+        out = real_stage(plan, leaves, step, *a, **kw)
+        if step == 3:
+            staged3.set()
+        return out
+
+    Replicas.replicate = replicate
+    ck._memory._slots.stage = stage
+    ck.snapshot(1, _state(rank, world, 1.0)).wait()
+    second = ck.snapshot(2, _state(rank, world, 2.0))
+    assert in_replicate.wait(120)
+    ck.snapshot(3, _state(rank, world, 3.0)).wait()
+    second.wait()
+    dist.barrier()
+    ck.close()
+    return {}
+
+
+def test_a_node_lost_while_the_previous_snapshots_replicas_travel_leaves_a_step_whole(tmp_path):
+    """The next snapshot's copy used to take the file of the snapshot two steps back as soon as
+    the previous one committed, before its replicas were in: node 1 lost then left node 0 with
+    neither step whole (step 1's own files taken, step 2's replicas missing), and the job fell
+    back to durable storage.  A committed file is let go only once its replica is in, so step
+    1 is whole on node 0: two steps lost, not everything since the last durable save."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_lose_node_1_while_step_2_replicates, 4, url, base)
+    shutil.rmtree(_root(base, 0))
+    shutil.rmtree(_root(base, 1))
+    Path(base, "survivor").rename(_root(base, 0))
+    results = run_distributed(_restore, 4, url, base, None)
+    for rank, (step, source, w, b, _meta) in enumerate(results):
+        assert (step, source) == (1, "memory"), (rank, step, source)
+        assert w == [1.0 + rank] * 4 and b == [1.0] * 3, (rank, w, b)

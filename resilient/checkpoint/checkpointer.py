@@ -1138,8 +1138,6 @@ class Checkpointer:
             if coordinator:
                 self._failed_commit(committer, e)
             log.error("checkpoint save of step %d failed on rank %d: %s", step, self.rank, error)
-        if isinstance(data, _Slot) and self._slots is not None:  # a committed file is reused
-            self._slots.settled(data, error is None and handle.stats.committed)
         if self._replicas is not None:  # every rank, whatever happened: the peers agree first
             try:
                 ok = error is None and handle.stats.committed
@@ -1152,6 +1150,12 @@ class Checkpointer:
                 )
             except Exception as e:  # the snapshot is committed; its replica is a bonus
                 log.warning("replicating snapshot %d to the peer node failed: %s", step, e)
+        # A committed file is reused, and settling it lets the next snapshot take the file of
+        # the one before it (Slots.stage): across nodes only once its replica is in, or a node
+        # lost meanwhile would leave no step whole (the older step's own files taken, this
+        # step's replicas not yet on the peer)
+        if isinstance(data, _Slot) and self._slots is not None:
+            self._slots.settled(data, error is None and handle.stats.committed)
         if coordinator:  # (after the outcome, before the handle says this save is over)
             self._forget_doomed(committer)
         with self._hook_lock:  # save() of the outer checkpointer checks done() under it
