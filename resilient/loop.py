@@ -393,10 +393,12 @@ class Run:
             log.warning("rank %d: cannot list the durable steps of %s: %s", self.rank, self.url, e)
             durable = True
         # (across nodes, this node's memory may be empty while another's holds the snapshots:
-        # the load looks on every node, and says "nothing" on every rank alike)
+        # the load looks on every node, and says "nothing" on every rank alike; on one node,
+        # sealed snapshots and commits cut short are staged records, not yet memory_steps(),
+        # which the load seals first)
         across = ck.memory is not None and ck.nodes.nodes > 1
         try:
-            memory = across or bool(ck.memory_steps())
+            memory = across or bool(ck.memory_steps()) or ck._has_staged()
         except ResilientError as e:
             log.warning("rank %d: cannot list this node's memory tier: %s", self.rank, e)
             memory = True

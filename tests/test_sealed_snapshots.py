@@ -461,3 +461,48 @@ def test_after_a_rollback_the_new_lines_newest_snapshot_is_restored(
         assert ck.load(state) == last
         assert (state["meta"]["step"], float(state["w"][0, 0])) == (100 + last, 100.0 + last)
         assert ck.last_load.source == "memory"
+
+
+# --- Run with sealed snapshots and nothing committed yet -----------------------------------------
+def _train_until_a_peer_fails(run: Run, model: torch.nn.Linear, crash_after: int) -> None:
+    for step in run.steps(20):
+        with torch.no_grad():
+            model.weight += 1.0
+        if step == crash_after:  # what a collective raises when a peer died
+            raise RuntimeError(f"gloo: Connection closed by peer (after step {step})")
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["injob-carried", "fresh-checkpointer"])
+def test_run_restores_a_sealed_snapshot_when_nothing_is_committed_yet(
+    tmp_path, monkeypatch, carried
+):
+    """Every snapshot sealed, no durable save yet: Run decided whether to load from
+    memory_steps(), which lists committed steps only, so the next attempt started from step 0
+    and the sealed steps 1-5 were lost (in-job recovery's survivor, and a plain restart)."""
+    monkeypatch.setenv("RESILIENT_PERSISTER", "0")
+    monkeypatch.setenv("RESILIENT_INJOB", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    url = str(tmp_path / "ck")
+    kw = dict(
+        save_every=1000, memory_every=1, memory_commit_every=0, memory_root=str(tmp_path / "m")
+    )
+    run, model = Run(url, **kw), torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        with run:
+            run.track(model=model)
+            _train_until_a_peer_fails(run, model, crash_after=6)
+    kept = run.checkpointer
+    assert kept is not None and run._carry  # (in-job recovery keeps the checkpointer)
+    again = Run(url, **kw)
+    if carried:
+        again.checkpointer, again._rebind = kept, True  # (InJobRecovery.attach)
+    else:
+        kept.close()
+    model2 = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.zeros_(model2.weight)
+    with again:
+        restored = again.track(model=model2)
+        assert (restored, model2.weight[0, 0].item()) == (5, 5.0)
+        assert again.checkpointer.last_load.sealed
+        again.close()

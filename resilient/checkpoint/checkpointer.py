@@ -56,7 +56,12 @@ from resilient.checkpoint.reader import (
 )
 from resilient.checkpoint.replicas import NodeMap, Replicas, node_map
 from resilient.checkpoint.retention import Sweep, delete_dirs
-from resilient.checkpoint.seal import NodeLocal, newest_plausible_seq, seal_staged
+from resilient.checkpoint.seal import (
+    NodeLocal,
+    is_record_name,
+    newest_plausible_seq,
+    seal_staged,
+)
 from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
@@ -471,6 +476,17 @@ class Checkpointer:
         if self._memory is None:
             return []
         return self._memory.catalog().line()
+
+    def _has_staged(self) -> bool:
+        """Whether this node's memory tier holds staged records (sealed snapshots, or a commit
+        cut short): not in ``memory_steps()``, yet a load may seal and restore one (seal.py)."""
+        if self.memory is None:
+            return False
+        try:
+            names = os.listdir(os.path.join(self.memory.dir, STAGING_DIR))
+        except OSError:
+            return False
+        return any(is_record_name(name) for name in names)
 
     def manifest(self, step: int | None = None) -> Manifest:
         return read_manifest(self.storage, self._resolve_step(step))

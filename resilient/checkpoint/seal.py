@@ -52,7 +52,14 @@ from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
 from resilient.layout import Layout
 
-__all__ = ["RECORD_FORMAT", "NodeLocal", "newest_plausible_seq", "record_name", "seal_staged"]
+__all__ = [
+    "RECORD_FORMAT",
+    "NodeLocal",
+    "is_record_name",
+    "newest_plausible_seq",
+    "record_name",
+    "seal_staged",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,10 @@ _MAX_WORLD = 1 << 16
 
 def record_name(rank: int, step: int) -> str:
     return f"rank_{rank:05d}.step_{step}.json"
+
+
+def is_record_name(name: str) -> bool:
+    return _RECORD_RE.match(name) is not None
 
 
 class _Unsealable(Exception):
