@@ -612,3 +612,36 @@ def test_the_flush_takes_the_lease_of_a_dead_trainer_not_yet_reaped(tmp_path):
         promoter.close()
     assert done is not None and done["step"] == 2
     assert Checkpointer(str(url)).steps() == [1, 2]
+
+
+@pytest.mark.parametrize("successor_memory", [False, True], ids=["no-tier", "tier-elsewhere"])
+def test_the_flush_leaves_a_successors_commit_of_the_same_step_number(tmp_path, successor_memory):
+    """An old run snapshots 4 and 5 (from durable 3) and dies; before its persister flushes, a
+    successor of the same job on other nodes (with the tier or without) resumes from durable 3,
+    saves its own 5 and ends.  The old run's flush must not write its 5 over the successor's
+    newest commit (a flush of the same step number is for a rollback: a durable step of the
+    tier's own run or an earlier one)."""
+    url = tmp_path / "ckpt"
+    m = _model()
+    with Checkpointer(str(url), memory_every=1, persister=False) as ck:
+        ck.save(3, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(4, {"model": m}).wait()
+        _bump(m, 1.0)
+        ck.snapshot(5, {"model": m}).wait()
+        if ck._lease is not None:
+            ck._lease.release()
+        kw = {"memory_every": 1, "persister": False, "memory_root": str(tmp_path / "elsewhere")}
+        successor = Checkpointer(str(url), **(kw if successor_memory else {}))
+        m2 = _model(1)
+        assert successor.load({"model": m2}) == 3
+        _bump(m2, 7.0)
+        successor.save(5, {"model": m2}).wait()
+        theirs = _weights(m2)
+        successor.close()
+        promoter = _promoter(ck)
+        flushed = promoter.flush()
+        promoter.close()
+    m3 = _model(2)
+    assert Checkpointer(str(url)).load({"model": m3}) == 5 and _same(m3, theirs)
+    assert flushed is None, flushed

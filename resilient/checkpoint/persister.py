@@ -630,8 +630,7 @@ class Promoter:
             if why:
                 log.warning("flush: memory step %d is not persisted: %s", s, why)
                 continue
-            if newest is not None and s == newest.step and self._durable_holds(newest, snap):
-                log.info("flush: durable step %d holds the newest snapshot's state", s)
+            if newest is not None and s == newest.step and not self._supersedes(newest, snap):
                 return None
             try:
                 link_to_outbox(self.steps_dir, s, self.outbox)
@@ -643,6 +642,29 @@ class Promoter:
                 continue
         log.info("flush: no snapshot in memory to persist")
         return None
+
+    def _supersedes(self, info: StepInfo, snap: Manifest) -> bool:
+        """Whether a snapshot of the same step number as the newest durable commit ``info`` is
+        to be written over it: after a rollback (a load of an older step, then snapshots up to
+        the same number on the new line: a load on this node restores the snapshot, so the
+        flush must make it durable too).  Not when the durable step holds the same state (it
+        was made from it), nor when it may be a successor's: one that records no run of the
+        tier, or a later run than the snapshot's (a job of the same URL that resumed elsewhere
+        from the snapshot's anchor and saved that step number), whose line is the newer."""
+        run = snap.commit_seq >> RUN_SHIFT
+        if not 0 < info.run <= run:
+            log.info(
+                "flush: durable step %d (run %d of the tier; the snapshot's is run %d) may be a "
+                "later run's: nothing newer in memory",
+                info.step,
+                info.run,
+                run,
+            )
+            return False
+        if self._durable_holds(info, snap):
+            log.info("flush: durable step %d holds the newest snapshot's state", info.step)
+            return False
+        return True
 
     def _durable_holds(self, info: StepInfo, snap: Manifest) -> bool:
         """Whether durable step ``info`` (of the snapshot's step number) holds the snapshot's
