@@ -364,6 +364,17 @@ def test_directories_that_are_not_the_jobs_own_are_refused(tmp_path, memory_root
     with pytest.raises(MemoryTierError, match="snapshot directory .* is a symbolic link"):
         Checkpointer(url, memory_every=1)
     os.unlink(place.steps)
+    # staging/ is a link: rank files are made, replaced and removed there by name
+    victim = elsewhere / "rank_00000.0.safetensors"
+    victim.write_bytes(b"someone else's")
+    os.symlink(elsewhere, place.staging)
+    with pytest.raises(MemoryTierError, match="staging directory .* is a symbolic link"):
+        Checkpointer(url, memory_every=1)
+    assert (
+        sorted(os.listdir(elsewhere)) == [victim.name] and victim.read_bytes() == b"someone else's"
+    )
+    os.unlink(place.staging)
+    os.rmdir(place.steps)  # (made before staging/ was refused)
     Path(place.steps).write_text("not a directory")
     with pytest.raises(MemoryTierError, match="is not a directory"):
         Checkpointer(url, memory_every=1)
@@ -494,6 +505,32 @@ def test_a_memory_root_others_could_swap_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(link))
     with pytest.raises(MemoryTierError, match="root .* is a symbolic link"):
         Checkpointer(str(tmp_path / "ckpt2"), memory_every=1)
+
+
+def test_a_memory_root_of_another_user_is_refused(tmp_path, monkeypatch):
+    """The owner of a directory may rename what is in it, sticky bit or not: another user who
+    made /dev/shm/resilient-<uid> first (mode 1777) could swap this job's directory for a link
+    once it was claimed, and have its snapshots' files made and removed where the link points.
+    (Root's own directories, such as /dev/shm itself, are trusted.)"""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chmod(theirs, 0o1777)
+    other = os.getuid() + 4242
+    real_lstat = os.lstat
+
+    def lstat(path, *a, **kw):  # (chown needs root: the root's owner as lstat says it)
+        st = real_lstat(path, *a, **kw)
+        if os.path.abspath(path) == str(theirs):
+            fields = list(st)
+            fields[4] = other  # st_uid
+            return os.stat_result(fields)
+        return st
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(theirs))
+    with pytest.raises(MemoryTierError, match=f"root .* belongs to uid {other}"):
+        Checkpointer(str(tmp_path / "ckpt"), memory_every=1)
+    assert os.listdir(theirs) == []
 
 
 def test_after_the_first_snapshot_of_a_shape_only_what_changes_is_checked(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.lease import _machine
 from resilient.checkpoint.retention import delete_dirs
-from resilient.checkpoint.snapshots import IMPLAUSIBLE_SEQ, RUN_SHIFT
+from resilient.checkpoint.snapshots import IMPLAUSIBLE_SEQ, RUN_SHIFT, STAGING_DIR, STEPS_DIR
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import build_manifest, next_generation, publish_commit
 from resilient.layout import Layout
@@ -117,8 +117,13 @@ def seal_staged(
     ``max_run``: the sealer's own run, where it knows it; a record that claims a later one is
     damaged (it would set every later run's number beyond what the count allows).
     Never raises: a step that cannot be sealed is logged and left as it is."""
-    staging = os.path.join(job_dir, "staging")
-    steps_dir = os.path.join(job_dir, "steps")
+    staging = os.path.join(job_dir, STAGING_DIR)
+    steps_dir = os.path.join(job_dir, STEPS_DIR)
+    if os.path.islink(staging):  # (MemoryPlace.claim refuses it: records are removed there)
+        log.warning(
+            "%s is a symbolic link, not this job's staging directory: nothing sealed", staging
+        )
+        return None
     if not os.path.isdir(staging):
         return None
     try:

@@ -72,6 +72,7 @@ from resilient.checkpoint.codec import (
 from resilient.checkpoint.format import ChunkEntry, TensorEntry, dtype_info
 from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.seal import RECORD_FORMAT, record_name
+from resilient.checkpoint.snapshots import STAGING_DIR
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.writer import (
     PersistResult,
@@ -85,7 +86,6 @@ from resilient.layout import Layout
 log = logging.getLogger(__name__)
 __all__ = ["STAGING_DIR", "Slots", "StagedInfo"]
 
-STAGING_DIR = "staging"
 _PAGE = 4096
 _MAX_STEP = str(2**63 - 1)  # the widest step number a header must have room for
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

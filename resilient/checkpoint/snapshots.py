@@ -57,6 +57,7 @@ ENV_ROOT = "RESILIENT_MEMORY_ROOT"
 ENV_LIMIT = "RESILIENT_MEMORY_LIMIT"
 JOB_FILE = "JOB.json"
 STEPS_DIR = "steps"
+STAGING_DIR = "staging"  # rank files being copied, sealed ones and their records (slots.py)
 _MAX_JOB_FILE = 64 << 10
 
 
@@ -99,6 +100,7 @@ class MemoryPlace:
         self.url = url
         self.dir = os.path.join(self.root, f"job-{job_key(url)}")
         self.steps = os.path.join(self.dir, STEPS_DIR)
+        self.staging = os.path.join(self.dir, STAGING_DIR)
 
     def claim(self) -> None:
         """Create (or adopt) this job's directory; refuse one that is not this user's own real
@@ -126,11 +128,14 @@ class MemoryPlace:
                     f"{owner!r}, not {self.url!r} (a hash collision or a hand-made directory); it "
                     f"is left as it is: set {ENV_ROOT} to another directory"
                 )
-            try:
-                os.mkdir(self.steps, 0o700)
-            except FileExistsError:
-                pass
-            self._check_dir(self.steps, "snapshot directory")
+            # (the staging directory too: rank files are made, replaced and removed there by
+            # name, and a link in its place would have that done wherever it points)
+            for path, what in ((self.steps, "snapshot"), (self.staging, "staging")):
+                try:
+                    os.mkdir(path, 0o700)
+                except FileExistsError:
+                    pass
+                self._check_dir(path, f"{what} directory")
         except OSError as e:
             raise MemoryTierError(
                 f"cannot use the memory tier's directory {self.dir}: {e}; set {ENV_ROOT} to a "
@@ -139,12 +144,16 @@ class MemoryPlace:
             ) from e
 
     def _check_root(self) -> None:
-        """The root holds the job's directory: not a link, and not a place where others could
-        move it away (writable by others without the sticky bit, as /dev/shm itself has)."""
+        """The root holds the job's directory: not a link, not another user's (the owner of a
+        directory may rename what is in it, sticky bit or not: root excepted, as for /dev/shm
+        itself), and not a place where others could move it away (writable by others without
+        the sticky bit)."""
         st = os.lstat(self.root)
         problem = None
         if stat.S_ISLNK(st.st_mode):
             problem = "is a symbolic link"
+        elif st.st_uid not in (os.getuid(), 0):
+            problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}) or root"
         elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             problem = (
                 f"is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):o})"
