@@ -341,6 +341,8 @@ def block_kinds(args) -> list[tuple[int, bool, str | None]]:
         kinds.append((1, True, None))
     if args.block_floors:  # each run's third kind of block: the floor of its snapshots
         kinds = [(k, two, "replica" if two else "copy") for k, two, _ in kinds]
+    if args.block_sealed_replica:  # sealed on one node, and a third kind with a raw replica
+        kinds.append((0, False, "sealed-replica"))
     return kinds
 
 
@@ -384,7 +386,8 @@ def trainer_blocks(args) -> list[dict[str, float]]:
                     f"with a snapshot every step {res['on'] * 1e3:.1f} ms "
                     f"({res['on'] / res['off'] - 1:+.1%}; {res['steps']} steps each way)"
                     + (
-                        f"; its floor ({floor}) {res['floor'] * 1e3:.1f} ms"
+                        f"; its floor ({floor}) {res['floor'] * 1e3:.1f} ms "
+                        f"({res['floor'] / res['off'] - 1:+.1%})"
                         if "floor" in res
                         else ""
                     ),
@@ -508,6 +511,13 @@ def main() -> None:
         "benchmarks/snapshot_floor.py; on two nodes also exchanged with the other rank over a "
         "raw socket)",
     )
+    p.add_argument(
+        "--block-sealed-replica",
+        action="store_true",
+        help="(--trainer-blocks) each round also runs sealed snapshots on one node with a third "
+        "kind of block: the sealed snapshot and a raw socket exchange of its bytes with the other "
+        "rank (the least a sealed snapshot with a peer replica would cost; not built)",
+    )
     p.add_argument("--skip-bench", action="store_true", help="only the trainer runs")
     p.add_argument("--small-tensors", type=int, default=92)
     p.add_argument("--small-snapshots", type=int, default=400)
@@ -598,21 +608,32 @@ def main() -> None:
             + f"; {args.trainer_blocks} runs"
         )
         rows = []
-        floors = args.block_floors
+        floors = args.block_floors or args.block_sealed_replica
         for i, kind in enumerate(block_kinds(args)):
             mine = [x for x in b if x["kind"] == i]
             name = block_kind_name(*kind[:2])
+            if kind[2] == "sealed-replica":
+                name += " (its 'floor': the snapshot and a raw replica of its bytes)"
+            has = bool(mine) and all("floor" in x for x in mine)
             for x in mine:
                 row = [name, f"{x['off'] * 1e3:.1f}", f"{x['on'] * 1e3:.1f}"]
                 row.append(f"{x['on'] / x['off'] - 1:+.1%}")
                 if floors:
-                    row += [f"{x['floor'] * 1e3:.1f}", f"{x['floor'] / x['off'] - 1:+.1%}"]
-                    row.append(f"{x['on'] / x['floor'] - 1:+.1%}")
+                    row += (
+                        [f"{x['floor'] * 1e3:.1f}", f"{x['floor'] / x['off'] - 1:+.1%}"]
+                        + [f"{x['on'] / x['floor'] - 1:+.1%}"]
+                        if has
+                        else ["", "", ""]
+                    )
                 rows.append(row)
             row = [name, "median", "", f"{median([x['on'] / x['off'] for x in mine]) - 1:+.1%}"]
             if floors:
-                row += ["", f"{median([x['floor'] / x['off'] for x in mine]) - 1:+.1%}"]
-                row.append(f"{median([x['on'] / x['floor'] for x in mine]) - 1:+.1%}")
+                row += (
+                    ["", f"{median([x['floor'] / x['off'] for x in mine]) - 1:+.1%}"]
+                    + [f"{median([x['on'] / x['floor'] for x in mine]) - 1:+.1%}"]
+                    if has
+                    else ["", "", ""]
+                )
             rows.append(row)
         head = ["every step in the blocks with", "without ms", "with ms", "with vs without"]
         if floors:

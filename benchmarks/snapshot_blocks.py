@@ -16,7 +16,9 @@ in any run with the tier. This patches nothing in the library.
 With ``--floor copy`` (or ``replica``) the blocks cycle through three kinds: none, a snapshot
 every step, and the floor of one (the rank's state copied into a buffer and checksummed; with
 ``replica`` also exchanged with the other rank over a raw socket), so that the snapshot is set
-against its floor within one run as well.
+against its floor within one run as well.  With ``--floor sealed-replica`` (one node, sealed
+snapshots) the third kind is the snapshot and a raw socket exchange of as many bytes with the
+other rank: the least that sealed snapshots with a peer replica each step would cost.
 
 With ``--part staged`` or ``--part checksummed`` every snapshot is cut short as
 benchmarks/snapshot_parts.py does: what the caller's part alone costs, measured the same way.
@@ -135,7 +137,10 @@ class Blocks:
             from snapshot_floor import Floor
 
             self.floor = Floor()
-        self.replica = floor == "replica"
+        self.replica = floor in ("replica", "sealed-replica")
+        # "sealed-replica": the snapshot itself (sealed, one node) and a raw exchange of its
+        # bytes with the other rank: what sealed snapshots across nodes would at least cost
+        self.with_snapshot = floor == "sealed-replica"
         self._go: list[threading.Semaphore] = []
         self._done: list[threading.Semaphore] = []
         self._busy = False
@@ -144,7 +149,8 @@ class Blocks:
 
     def at_step(self, step: int, run) -> None:
         kind = kind_of(step, self.block, self.kinds)
-        run.memory_every = 1 if kind == 1 else None
+        # ("sealed-replica": the third kind takes the snapshot too, and sends its bytes)
+        run.memory_every = 1 if kind == 1 or (kind == 2 and self.with_snapshot) else None
         if kind != 2 or step < 2:
             return
         if self._busy:
@@ -153,7 +159,10 @@ class Blocks:
             self._busy = False
             if self.error is not None:
                 raise RuntimeError(f"the floor's exchange failed: {self.error}")
-        self.floor.at_step(step, run)
+        if not self.with_snapshot:
+            self.floor.at_step(step, run)
+        elif self.floor.buf is None:  # (only its size: the snapshot copies and checksums)
+            self.floor._setup(run)
         if self.replica:
             if not self._go:
                 self._connect()
