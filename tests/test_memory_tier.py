@@ -511,26 +511,34 @@ def test_a_memory_root_of_another_user_is_refused(tmp_path, monkeypatch):
     """The owner of a directory may rename what is in it, sticky bit or not: another user who
     made /dev/shm/resilient-<uid> first (mode 1777) could swap this job's directory for a link
     once it was claimed, and have its snapshots' files made and removed where the link points.
-    (Root's own directories, such as /dev/shm itself, are trusted.)"""
+    (Root's own directories, such as /dev/shm itself, are trusted; so is a sticky one whose
+    owner a user namespace does not map, as a rootless container sees the host's /dev/shm.)"""
+    from resilient.checkpoint.snapshots import _overflow_uid
+
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     os.chmod(theirs, 0o1777)
-    other = os.getuid() + 4242
+    owner = {"uid": os.getuid() + 4242}
     real_lstat = os.lstat
 
     def lstat(path, *a, **kw):  # (chown needs root: the root's owner as lstat says it)
         st = real_lstat(path, *a, **kw)
         if os.path.abspath(path) == str(theirs):
             fields = list(st)
-            fields[4] = other  # st_uid
+            fields[4] = owner["uid"]  # st_uid
             return os.stat_result(fields)
         return st
 
     monkeypatch.setattr(os, "lstat", lstat)
     monkeypatch.setenv("RESILIENT_MEMORY_ROOT", str(theirs))
-    with pytest.raises(MemoryTierError, match=f"root .* belongs to uid {other}"):
+    with pytest.raises(MemoryTierError, match=f"root .* belongs to uid {owner['uid']}"):
         Checkpointer(str(tmp_path / "ckpt"), memory_every=1)
     assert os.listdir(theirs) == []
+    owner["uid"] = _overflow_uid()  # (an owner the namespace does not map)
+    Checkpointer(str(tmp_path / "ckpt"), memory_every=1).close()
+    os.chmod(theirs, 0o777)  # ... but not without the sticky bit
+    with pytest.raises(MemoryTierError, match="root .* belongs to uid"):
+        Checkpointer(str(tmp_path / "ckpt"), memory_every=1)
 
 
 def test_after_the_first_snapshot_of_a_shape_only_what_changes_is_checked(tmp_path, monkeypatch):

@@ -92,6 +92,17 @@ def _parse_bytes(text: str) -> int:
     return value
 
 
+def _overflow_uid() -> int:
+    """The uid a user namespace shows for an owner it does not map (a rootless container sees
+    the host's root, owner of the shared /dev/shm, as this): such a sticky root is taken as
+    root's own, as it was before owners were checked."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 65534
+
+
 class MemoryPlace:
     """One job's directory in a node's memory root."""
 
@@ -152,7 +163,9 @@ class MemoryPlace:
         problem = None
         if stat.S_ISLNK(st.st_mode):
             problem = "is a symbolic link"
-        elif st.st_uid not in (os.getuid(), 0):
+        elif st.st_uid not in (os.getuid(), 0) and not (
+            st.st_mode & stat.S_ISVTX and st.st_uid == _overflow_uid()
+        ):
             problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}) or root"
         elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             problem = (
