@@ -336,17 +336,23 @@ def test_a_relative_url_means_the_same_directory_to_the_persister(tmp_path, monk
     assert not (tmp_path / "b" / "ckpt").exists()
 
 
+def _durable_1_then_snapshots_2_3(ck: Checkpointer, m: torch.nn.Module) -> tuple[dict, Path]:
+    """Durable step 1, snapshots 2 and 3 (each a step further): step 2's weights, and step 3's
+    rank file in memory."""
+    ck.save(1, {"model": m}).wait()
+    _bump(m, 1.0)
+    ck.snapshot(2, {"model": m}).wait()
+    want = _weights(m)
+    _bump(m, 1.0)
+    ck.snapshot(3, {"model": m}).wait()
+    return want, Path(ck.memory.steps) / "step_00000003" / "rank_00000.safetensors"
+
+
 def test_the_flush_skips_a_damaged_newest_snapshot_for_an_older_one(tmp_path):
     url = tmp_path / "ckpt"
     m = _model()
     with Checkpointer(str(url), memory_every=1, persister=False) as ck:
-        ck.save(1, {"model": m}).wait()
-        _bump(m, 1.0)
-        ck.snapshot(2, {"model": m}).wait()
-        want = _weights(m)
-        _bump(m, 1.0)
-        ck.snapshot(3, {"model": m}).wait()
-        step3 = Path(ck.memory.steps) / "step_00000003" / "rank_00000.safetensors"
+        want, step3 = _durable_1_then_snapshots_2_3(ck, m)
         data = bytearray(step3.read_bytes())
         data[-3] ^= 0xFF
         step3.write_bytes(bytes(data))
@@ -371,13 +377,7 @@ def test_a_fifo_in_place_of_a_snapshots_rank_file_is_skipped_not_waited_on(tmp_p
     url = tmp_path / "ckpt"
     m = _model()
     with Checkpointer(str(url), memory_every=1, persister=False) as ck:
-        ck.save(1, {"model": m}).wait()
-        _bump(m, 1.0)
-        ck.snapshot(2, {"model": m}).wait()
-        want = _weights(m)
-        _bump(m, 1.0)
-        ck.snapshot(3, {"model": m}).wait()
-        rank_file = Path(ck.memory.steps) / "step_00000003" / "rank_00000.safetensors"
+        want, rank_file = _durable_1_then_snapshots_2_3(ck, m)
         rank_file.unlink()
         os.mkfifo(rank_file)
         ck._lease.release()

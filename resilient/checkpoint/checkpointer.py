@@ -319,17 +319,14 @@ class Checkpointer:
                 f"numbers of ranks ({counts}), and peer replicas pair the ranks of neighbouring "
                 f"nodes; the tier is off, durable saves to {self.url} protect the run"
             )
-            warnings.warn(message, stacklevel=2)
-            log.warning(message)
+            _tell(message)
             memory_every = None
         if memory_every is not None and self.nodes.nodes > 1 and memory_commit_every != 1:
-            message = (
+            _tell(
                 f"memory_commit_every={memory_commit_every} applies on one node: across this "
                 f"job's {self.nodes.nodes} nodes every memory snapshot is committed, since its "
                 f"peer replica is sent once it commits (README, 'Sealed snapshots')"
             )
-            warnings.warn(message, stacklevel=2)
-            log.warning(message)
         self.memory_every = memory_every
         self.memory: MemoryPlace | None = None
         self._memory: Checkpointer | None = None
@@ -2287,6 +2284,12 @@ def _publish_failure(committer: Committer, e: BaseException) -> None:
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def _tell(message: str) -> None:
+    """(the constructor) A warning to the code that made the checkpointer, and to the log."""
+    warnings.warn(message, stacklevel=3)
+    log.warning(message)
 
 
 def check_memory_options(memory_every: Any, memory_commit_every: Any) -> None:
