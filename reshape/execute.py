@@ -333,6 +333,16 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
                 f"{existing[-10:]}; pass --overwrite to replace step {step} there, or choose an "
                 f"empty destination"
             )
+        # The converted step is committed as the destination's newest: over later steps there, it
+        # would abandon them (a load, a resume, `inspect` would all go back to it)
+        later = [s for s in scan(destination).line() if s > step] if existing else []
+        if later:
+            raise DestinationExistsError(
+                f"the destination {destination.url} holds later steps {sorted(later)[-10:]} than "
+                f"step {step}; its conversion would be committed after them and abandon them (a "
+                f"resume would go back to step {step}); convert into an empty destination, or "
+                f"delete those steps there first"
+            )
         lease = WriterLease(destination, default_job_id())
         lease.acquire()  # the destination is written by this conversion alone
         try:

@@ -20,7 +20,7 @@ import torch
 
 from reshape.execute import DestinationExistsError, resolve_step
 from resilient.checkpoint.codec import safetensors_header
-from resilient.checkpoint.format import DTYPES, Manifest, dtype_info
+from resilient.checkpoint.format import DTYPES, Manifest, dtype_info, parse_step_dir
 from resilient.checkpoint.reader import execute_reads, plan_tensor_reads, read_manifest
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StateMismatchError
@@ -95,6 +95,7 @@ def export_hf(
         raise ValueError(f"--dtype {dtype!r}: one of {sorted(DTYPES)}")
     out_dtype = {k: dtype or manifest.tensors[k].dtype for k in keys}
     rename = check_name_map(name_map or {}, keys, source.url, step)
+    refuse_inside_source(source, dest)
     clear_destination(dest, overwrite)
     items = [(rename.get(k, k), out_dtype[k], manifest.tensors[k].shape) for k in keys]
     back = {rename.get(k, k): k for k in keys}
@@ -137,6 +138,30 @@ def check_name_map(
             )
         seen[out] = k
     return dict(name_map)
+
+
+def refuse_inside_source(source: Storage, dest: Storage) -> None:
+    """Refuse an export into the source checkpoint's root or into one of its step directories:
+    making the destination ready removes the ``*.safetensors`` there, which in a step directory
+    are the checkpoint's own rank files.  (A directory of its own under the root, such as
+    ``ckpt/hf``, is no step of the checkpoint and is fine.)"""
+    src, out = source.location(), dest.location()
+    if src[:-1] != out[:-1]:
+        return
+    base, path = src[-1].rstrip("/"), out[-1].rstrip("/")
+    if path == base:
+        inside = "is the source checkpoint's root"
+    elif (
+        path.startswith(base + "/")
+        and parse_step_dir(path[len(base) + 1 :].split("/")[0]) is not None
+    ):
+        inside = "is inside one of the source checkpoint's step directories"
+    else:
+        return
+    raise DestinationExistsError(
+        f"the destination {dest.url} {inside} ({source.url}); its files there would be replaced: "
+        f"export into a directory of its own"
+    )
 
 
 def clear_destination(dest: Storage, overwrite: bool, also: tuple[str, ...] = ()) -> None:

@@ -119,7 +119,14 @@ def target_layout(source: Layout, sizes: Mapping[str, int | None]) -> Layout:
         raise LayoutError(
             f"the checkpoint's layout {source} has no axes {unknown}; its axes are {list(source.names)}"
         )
-    return Layout([(a, sizes.get(a) or n) for a, n in source.axes])
+    bad = {a: v for a, v in sizes.items() if v is not None and (type(v) is not int or v < 1)}
+    if bad:
+        a, v = next(iter(bad.items()))
+        raise LayoutError(
+            f"--{a} {v!r}: a layout axis size is an int >= 1 (leave the flag out to keep the "
+            f"source's size, {source.size(a) if a in source else '?'})"
+        )
+    return Layout([(a, n if sizes.get(a) is None else sizes[a]) for a, n in source.axes])
 
 
 def check_fits(manifest: Manifest, target: Layout) -> None:

@@ -490,3 +490,61 @@ def test_preset_checkpoint_takes_the_model_the_import_recorded(tmp_path):
         ck.save(1, {"model": {"w": torch.ones(1)}}).wait()
     with pytest.raises(ConfigError, match="records no model configuration"):
         config_from(parser().parse_args(["--preset", "checkpoint", "--init-from", user]), 1)
+
+
+_HOSTILE = r"""
+import json, os, resource, sys, tempfile, types
+import torch  # (mapped before the cap)
+from reshape.formats.hf import import_hf, model_config_of
+from resilient.errors import ResilientError
+with open("/proc/self/status") as f:
+    vm = [int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))
+which = sys.argv[1]
+try:
+    if which == "import":
+        d = tempfile.mkdtemp()
+        cfg = dict(model_type="mixtral", vocab_size=8, hidden_size=8, num_hidden_layers=1 << 24,
+                   num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                   max_position_embeddings=8, rms_norm_eps=1e-5, num_experts_per_tok=2,
+                   num_local_experts=2, intermediate_size=8, sliding_window=None)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        import_hf(d, os.path.join(d, "out"), sizes={})
+    else:
+        cfg = dict(vocab_size=8, dim=8, num_layers=1 << 24, num_heads=1, num_kv_heads=1,
+                   head_dim=8, num_experts=2, top_k=2, expert_ffn_dim=8, shared_expert=False,
+                   seq_len=8, rope_theta=1e4, norm_eps=1e-5)
+        m = types.SimpleNamespace(
+            extras={"config.model." + k: v for k, v in cfg.items()},
+            tensors={"model.layers.0.attn_norm.weight": None},
+        )
+        model_config_of(m, "a hostile step")
+except ResilientError as e:
+    print("NAMED", type(e).__name__, str(e)[:300])
+    sys.exit(0)
+except BaseException as e:
+    print("OTHER", type(e).__name__, str(e)[:300])
+    sys.exit(3)
+print("NO ERROR")
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("which", ["import", "export"])
+def test_a_hostile_layer_count_is_refused_before_it_is_listed(which):
+    """A config of 2^24 layers (a 300-byte config.json, or a checkpoint's recorded values) made
+    the import and the export list every layer's tensors (a hundred million entries) before any
+    check: a MemoryError (here, under a 1 GiB cap) or the OOM killer. Now a named error."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(
+        [sys.executable, "-c", _HOSTILE, which],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert p.returncode == 0 and p.stdout.startswith("NAMED"), p.stdout + p.stderr[-2000:]

@@ -381,3 +381,40 @@ def test_chunk_stream_reads_ahead_across_files_and_drops_what_an_abandoned_file_
             memoryview(data)[c.item.begin : c.item.end], m.block_bytes
         )
     assert buffers.ring.idle and stream.read_bytes[1] > 0
+
+
+# --- the destination against the source, and sizes that are not sizes ----------------------------
+def test_an_export_into_the_sources_step_directory_is_refused(tmp_path):
+    """Making an export's destination ready removes the *.safetensors there: in one of the
+    source's step directories those are its rank files (the step was gone for good)."""
+    _saved(tmp_path)
+    src = str(tmp_path / "src")
+    for out in (tmp_path / "src" / "step_00000005", tmp_path / "src"):
+        r = runner.invoke(app, ["export", src, str(out), "--format", "hf", "--overwrite"])
+        assert r.exit_code == 2 and "source checkpoint" in r.output, r.output
+    assert Checkpointer(src).verify(5).ok
+    r = runner.invoke(app, ["export", src, str(tmp_path / "src" / "hf"), "--format", "hf"])
+    assert r.exit_code == 0, r.output  # (a directory of its own under the root is fine)
+    assert Checkpointer(src).verify(5).ok and Checkpointer(src).steps() == [5]
+
+
+@pytest.mark.parametrize("command", ["convert", "plan"])
+def test_a_zero_axis_size_is_refused_not_taken_as_the_sources(tmp_path, command):
+    _saved(tmp_path)
+    args = [command, str(tmp_path / "src")] + (
+        [str(tmp_path / "dst")] if command == "convert" else []
+    )
+    r = runner.invoke(app, [*args, "--tp", "0"])
+    assert r.exit_code == 2 and "--tp 0" in r.output, r.output
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_over_later_steps_of_the_destination_is_refused(tmp_path):
+    """The converted step is committed as the destination's newest: over its later steps it
+    would abandon them (the destination's line went back to the converted step)."""
+    _saved(tmp_path)
+    dst = tmp_path / "dst"
+    save_world(str(dst), 10, [{"optim.m": torch.arange(30.0)}], Layout(dp=1))
+    with pytest.raises(DestinationExistsError, match=r"later steps \[10\]"):
+        convert(str(tmp_path / "src"), str(dst), {"tp": 1, "ep": 1}, step=5, overwrite=True)
+    assert Checkpointer(str(dst)).latest_step() == 10 and Checkpointer(str(dst)).steps() == [10]

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
 
 from reshape.execute import ConvertReport, DestinationExistsError, resolve_step
-from reshape.export import byte_batches, read_many, read_whole
+from reshape.export import byte_batches, read_many, read_whole, refuse_inside_source
 from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
 from resilient.checkpoint.format import (
     DTYPES,
@@ -255,6 +255,7 @@ def export_dcp(
             f"rank_extras of rank {rank} ({len(per_rank)} values, such as {sorted(per_rank)[:3]}): "
             f"values that differ per rank have no place in DCP's one namespace"
         )
+    refuse_inside_source(source, Storage(out_dir))
     _prepare_out(out_dir, overwrite)
     planner = _StreamingSavePlanner(source, manifest, progress)
     writer = FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1)

@@ -44,6 +44,7 @@ from reshape.export import (
     byte_batches,
     clear_destination,
     read_many,
+    refuse_inside_source,
     write_shards,
 )
 from reshape.formats.reference import check_memory, tensor_bytes, write_checkpoint
@@ -130,6 +131,17 @@ class MoEConfig:
             )
         return cfg
 
+    def weight_bytes(self, itemsize: int) -> int:
+        """The bytes of ``tensor_shapes()`` at ``itemsize`` bytes an element, without listing
+        every layer's (a hostile config's 2^24 layers would be a hundred million entries)."""
+        one = tensor_bytes(MoEConfig(**{**asdict(self), "num_layers": 1}).tensor_shapes(), itemsize)
+        none = tensor_bytes(
+            {k: v for k, v in MoEConfig(**{**asdict(self), "num_layers": 1}).tensor_shapes().items()
+             if not k.startswith("model.layers.")},
+            itemsize,
+        )  # fmt: skip
+        return none + self.num_layers * (one - none)
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The checkpoint keys and global shapes of this model's weights."""
         d, f, e = self.dim, self.expert_ffn_dim, self.num_experts
@@ -202,6 +214,14 @@ def model_config_of(
                 f"JSON object of the trainer's ModelConfig fields{hint}"
             )
         cfg = MoEConfig.from_mapping(recorded, f"{where}'s config.model")
+    # (before listing what the configuration needs: a hostile one's count of layers would make
+    # that list unbounded, and a checkpoint cannot need more layers than its tensors name)
+    layers = {k.split(".", 3)[2] for k in manifest.tensors if k.startswith("model.layers.")}
+    if cfg.num_layers > len(layers):
+        raise StateMismatchError(
+            f"{where}: its model configuration has {cfg.num_layers} layers, and its tensors "
+            f"name {len(layers)} (model.layers.<i>.*)"
+        )
     want = cfg.tensor_shapes()
     for key, shape in want.items():
         t = manifest.tensors.get(key)
@@ -374,6 +394,7 @@ def export_reference_hf(
     torch_dtype = dtype_info(out_dtype).torch_dtype
     arch = architecture_for(cfg)
     rules = _rules(cfg, arch)
+    refuse_inside_source(source, dest)
     clear_destination(dest, overwrite, also=(CONFIG_NAME,))
     # the checkpoint tensors the rules read, in order, read in batches of READ_AHEAD bytes
     order = list(dict.fromkeys(k for k, _, _ in rules.values() if k is not None))
@@ -645,7 +666,7 @@ def import_hf(
         )
     path = os.path.join(src, CONFIG_NAME)
     arch, cfg, extra = _config_from_hf(_read_json(path, _MAX_CONFIG_BYTES, "config"), path)
-    check_memory(tensor_bytes(cfg.tensor_shapes(), 4))  # float32, before reading any weight
+    check_memory(cfg.weight_bytes(4))  # float32, before reading any weight
     w = _Weights(src)
     d, f, kvd = cfg.dim, cfg.expert_ffn_dim, cfg.num_kv_heads * cfg.head_dim
     qd = cfg.num_heads * cfg.head_dim

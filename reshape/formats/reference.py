@@ -31,6 +31,7 @@ from reshape.execute import ConvertReport, DestinationExistsError, convert
 from resilient.checkpoint import Checkpointer, sharded
 from resilient.checkpoint.retention import step_dirs
 from resilient.checkpoint.storage import Storage
+from resilient.errors import StateMismatchError
 from resilient.layout import Layout, Shard
 
 __all__ = [
@@ -81,7 +82,7 @@ def check_memory(need: int) -> None:
     except (OSError, ValueError):
         return
     if 2 * need > memory:
-        raise ValueError(
+        raise StateMismatchError(
             f"importing {need / 2**30:.1f} GiB of tensors needs about twice that in memory while "
             f"it is written, and this machine has {memory / 2**30:.1f} GiB; run it on a larger one"
         )
