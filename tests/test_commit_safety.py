@@ -15,6 +15,7 @@ from resilient.checkpoint.format import MANIFEST_NAME
 from resilient.checkpoint.storage import PinnedFiles, Storage
 from resilient.errors import (
     CheckpointCorruptError,
+    ResilientError,
     StateMismatchError,
     StepRetiredError,
     StorageError,
@@ -691,3 +692,57 @@ def test_a_report_of_static_text_and_checksums_gives_the_chunks_of_a_full_report
     assert shape(compact) != shape({**compact, "sums": [[*s, 1] for s in other]})
     moved = chunks_static({k: dataclasses.replace(c, file="g") for k, c in chunks.items()})
     assert shape(compact) != shape({**compact, "static": moved})
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_writer_that_lost_its_lease_never_replaces_its_successors_committed_files(
+    request, tmp_path, backend
+):
+    """Writer A's lease is taken over (the same job restarted) while A still writes step 2's
+    rank file: on an object store an upload in flight is invisible to a listing, and on a local
+    disk A may not have opened its temporary yet.  Its successor B saves step 2 and commits.
+    Both used to pick the same generation (one past every file B could see), so A's upload,
+    landing later, replaced B's committed rank file: step 2 failed its checksums.  Each save now
+    claims its generation where nothing is (claim.g<N>), and B's is another one."""
+    if backend == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, opts = f"s3://{s3.new_bucket()}/run", s3.options
+    else:
+        url, opts = str(tmp_path / "ck"), None
+    a = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)
+    a.save(1, state(1)).wait()
+    gate, started = threading.Event(), threading.Event()
+    real = a.storage.write_file
+
+    def slow_write(rel, parts, **kw):
+        if rel.startswith("step_00000002/rank_00000"):
+            fixed = list(parts() if callable(parts) else parts)
+
+            def held():
+                yield fixed[0]
+                started.set()
+                assert gate.wait(120)  # the upload is in flight
+                yield from fixed[1:]
+
+            if backend == "local":  # stalled before its first byte
+                started.set()
+                assert gate.wait(120)
+                return real(rel, fixed, **kw)
+            return real(rel, held, **kw)
+        return real(rel, parts, **kw)
+
+    a.storage.write_file = slow_write
+    stale = a.save(2, state(2.5))
+    assert started.wait(120)
+    b = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)  # takes the lease over
+    b.save(2, state(2)).wait()
+    gate.set()  # the stale upload lands
+    with pytest.raises(ResilientError):
+        stale.wait()  # (its commit is refused: the lease is b's)
+    with contextlib.suppress(ResilientError):
+        a.close()
+    b.close()
+    with Checkpointer(url, storage_options=opts, job_id="reader") as r:
+        out = state(0)
+        assert r.load(out, step=2) == 2 and torch.equal(out["w"], state(2)["w"])
+        assert r.verify(2).ok

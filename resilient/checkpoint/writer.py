@@ -19,11 +19,13 @@ Never a collective from a background thread: the training process group stays th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -351,15 +353,22 @@ def persist_rank_file(
 def next_generation(storage: Storage, step_rel: str) -> int:
     """The generation of a new save of a step (run by the coordinator only, which publishes it to
     every rank): 0 for a step directory with no rank files, else one past every generation in it,
-    the committed manifest's included.
+    the committed manifest's and every claimed one included; claimed for this save before it is
+    returned.
 
     So a save never writes under the name of a file that exists, least of all one the committed
     manifest names: the committed step stays intact until the new manifest replaces it, and a
-    leftover of an interrupted save is never truncated under a reader.
+    leftover of an interrupted save is never truncated under a reader.  The claim (a
+    ``claim.g<N>`` holding a random token, made only where nothing is at that name: a ``link()`` on a local disk, a
+    conditional PUT on an object store) covers what a listing cannot see: a writer whose lease
+    was taken over may still be uploading its rank files (an upload in flight is invisible on an
+    object store), and its successor, saving the same step, must not pick that generation and
+    have its committed files replaced when the upload lands.  The commit's clean-up of the step
+    directory removes the claims with the other generations' files.
     """
     gens = []
     for name in storage.listdir(step_rel):
-        m = _RANK_FILE_RE.match(name)  # finished files and temporaries alike
+        m = _RANK_FILE_RE.match(name) or _CLAIM_RE.match(name)  # finished, temporary, claimed
         if m:
             gens.append(int(m.group(1) or 0))
     if storage.exists(f"{step_rel}/{MANIFEST_NAME}"):
@@ -372,7 +381,28 @@ def next_generation(storage: Storage, step_rel: str) -> int:
             gens.append(old.generation)
         except ResilientError:  # a damaged manifest: the files present decide
             pass
-    return max(gens) + 1 if gens else 0
+    generation = max(gens) + 1 if gens else 0
+    mine = secrets.token_hex(8).encode()  # (a retried create that had linked it finds it there)
+    for _ in range(_CLAIM_TRIES):
+        claim = f"{step_rel}/{claim_name(generation)}"
+        if storage.create_exclusive(claim, mine):
+            return generation
+        with contextlib.suppress(ResilientError):
+            if storage.read_small(claim, 64) == mine:
+                return generation
+        generation += 1  # (another writer claimed it meanwhile)
+    raise CommitError(
+        f"cannot claim a generation for a save of {storage.display(step_rel)}: "
+        f"{_CLAIM_TRIES} in a row were claimed by other writers meanwhile"
+    )
+
+
+def claim_name(generation: int) -> str:
+    return f"claim.g{generation}"
+
+
+_CLAIM_RE = re.compile(r"^claim\.g(\d{1,18})$")
+_CLAIM_TRIES = 64
 
 
 _RANK_FILE_RE = re.compile(r"^rank_\d{5,}(?:\.g(\d{1,18}))?\.safetensors(?:\.tmp-[0-9a-f]+)?$")
