@@ -364,7 +364,9 @@ def next_generation(storage: Storage, step_rel: str) -> int:
     was taken over may still be uploading its rank files (an upload in flight is invisible on an
     object store), and its successor, saving the same step, must not pick that generation and
     have its committed files replaced when the upload lands.  The commit's clean-up of the step
-    directory removes the claims with the other generations' files.
+    directory removes the claims with the other generations' files.  (Not covered: retention
+    removes a directory left uncommitted over two commits, its claims with it, so a writer
+    frozen that long can still meet a successor's later save of that step; docs/FORMAT.md.)
     """
     gens = []
     for name in storage.listdir(step_rel):
