@@ -32,7 +32,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -134,13 +134,10 @@ class MoEConfig:
     def weight_bytes(self, itemsize: int) -> int:
         """The bytes of ``tensor_shapes()`` at ``itemsize`` bytes an element, without listing
         every layer's (a hostile config's 2^24 layers would be a hundred million entries)."""
-        one = tensor_bytes(MoEConfig(**{**asdict(self), "num_layers": 1}).tensor_shapes(), itemsize)
-        none = tensor_bytes(
-            {k: v for k, v in MoEConfig(**{**asdict(self), "num_layers": 1}).tensor_shapes().items()
-             if not k.startswith("model.layers.")},
-            itemsize,
-        )  # fmt: skip
-        return none + self.num_layers * (one - none)
+        shapes = replace(self, num_layers=1).tensor_shapes()
+        layer = {k: v for k, v in shapes.items() if k.startswith("model.layers.")}
+        rest = {k: v for k, v in shapes.items() if k not in layer}
+        return tensor_bytes(rest, itemsize) + self.num_layers * tensor_bytes(layer, itemsize)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The checkpoint keys and global shapes of this model's weights."""
