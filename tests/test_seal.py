@@ -46,8 +46,10 @@ _CUT_SHORT = textwrap.dedent(
             ck.wait_snapshot()
     torch.save(m.state_dict(), ref)  # (the test's reference: not a checkpoint)
     if mode == "moved":
-        while not any(n.startswith("step_00000003") for n in os.listdir(ck.memory.steps)) or not \
-                os.listdir(os.path.join(ck.memory.steps, "step_00000003")):
+        step_dir = os.path.join(ck.memory.steps, "step_00000003")
+        # (the rank file itself: the directory also holds the generation's claim, made before)
+        while not os.path.isdir(step_dir) or not any(
+                n.startswith("rank_") for n in os.listdir(step_dir)):
             time.sleep(0.01)
     if mode == "persister":
         log = os.path.join(ck.memory.dir, "persister.log")
