@@ -126,7 +126,7 @@ class GatedFileSystem(FaultyFileSystem):
         return path[len("gated://") :] if path.startswith("gated://") else path
 
     def _open(self, path, mode="rb", **kwargs):
-        if "w" in mode and path.endswith(".safetensors"):
+        if ("w" in mode or "x" in mode) and path.endswith(".safetensors"):
             GatedFileSystem.writes_started.set()
             assert GatedFileSystem.gate.wait(30)
         return super()._open(path, mode, **kwargs)

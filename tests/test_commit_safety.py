@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 
 import fsspec
 import pytest
@@ -694,28 +695,21 @@ def test_a_report_of_static_text_and_checksums_gives_the_chunks_of_a_full_report
     assert shape(compact) != shape({**compact, "static": moved})
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_a_writer_that_lost_its_lease_never_replaces_its_successors_committed_files(
-    request, tmp_path, backend
-):
-    """Writer A's lease is taken over (the same job restarted) while A still writes step 2's
-    rank file: on an object store an upload in flight is invisible to a listing, and on a local
-    disk A may not have opened its temporary yet.  Its successor B saves step 2 and commits.
-    Both used to pick the same generation (one past every file B could see), so A's upload,
-    landing later, replaced B's committed rank file: step 2 failed its checksums.  Each save now
-    claims its generation where nothing is (claim.g<N>), and B's is another one."""
+def _url_of(request, tmp_path, backend: str) -> tuple[str, dict | None]:
     if backend == "s3":
         s3 = request.getfixturevalue("s3")
-        url, opts = f"s3://{s3.new_bucket()}/run", s3.options
-    else:
-        url, opts = str(tmp_path / "ck"), None
-    a = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)
-    a.save(1, state(1)).wait()
+        return f"s3://{s3.new_bucket()}/run", s3.options
+    return str(tmp_path / "ck"), None
+
+
+def _stall_rank_file(ck: Checkpointer, backend: str, prefix: str):
+    """Hold ``ck``'s write of the rank file under ``prefix`` until the gate opens: on S3 with
+    the upload in flight (its first part sent), on a local disk before its first byte."""
     gate, started = threading.Event(), threading.Event()
-    real = a.storage.write_file
+    real = ck.storage.write_file
 
     def slow_write(rel, parts, **kw):
-        if rel.startswith("step_00000002/rank_00000"):
+        if rel.startswith(prefix):
             fixed = list(parts() if callable(parts) else parts)
 
             def held():
@@ -731,18 +725,69 @@ def test_a_writer_that_lost_its_lease_never_replaces_its_successors_committed_fi
             return real(rel, held, **kw)
         return real(rel, parts, **kw)
 
-    a.storage.write_file = slow_write
-    stale = a.save(2, state(2.5))
-    assert started.wait(120)
-    b = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)  # takes the lease over
-    b.save(2, state(2)).wait()
-    gate.set()  # the stale upload lands
+    ck.storage.write_file = slow_write
+    return started, gate
+
+
+def _stale_save_fails_and_step_holds(a, b, stale, url, opts, step: int, want: float) -> None:
     with pytest.raises(ResilientError):
-        stale.wait()  # (its commit is refused: the lease is b's)
+        stale.wait()  # (its commit is refused: the lease is b's; or its file is)
     with contextlib.suppress(ResilientError):
         a.close()
     b.close()
     with Checkpointer(url, storage_options=opts, job_id="reader") as r:
         out = state(0)
-        assert r.load(out, step=2) == 2 and torch.equal(out["w"], state(2)["w"])
-        assert r.verify(2).ok
+        assert r.load(out, step=step) == step and torch.equal(out["w"], state(want)["w"])
+        assert r.verify(step).ok
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_writer_that_lost_its_lease_never_replaces_its_successors_committed_files(
+    request, tmp_path, backend
+):
+    """Writer A's lease is taken over (the same job restarted) while A still writes step 2's
+    rank file: on an object store an upload in flight is invisible to a listing, and on a local
+    disk A may not have opened its temporary yet.  Its successor B saves step 2 and commits.
+    Both used to pick the same generation (one past every file B could see), so A's upload,
+    landing later, replaced B's committed rank file: step 2 failed its checksums.  Each save now
+    claims its generation where nothing is (claim.g<N>), and B's is another one."""
+    url, opts = _url_of(request, tmp_path, backend)
+    a = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)
+    a.save(1, state(1)).wait()
+    started, gate = _stall_rank_file(a, backend, "step_00000002/rank_00000")
+    stale = a.save(2, state(2.5))
+    assert started.wait(120)
+    b = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)  # takes the lease over
+    b.save(2, state(2)).wait()
+    gate.set()  # the stale upload lands
+    _stale_save_fails_and_step_holds(a, b, stale, url, opts, 2, 2)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_stale_writers_file_never_replaces_a_committed_one_after_its_claim_was_swept(
+    request, tmp_path, backend
+):
+    """Writer A (its lease taken over) is frozen in its save of step 4, generation 0 claimed;
+    its successor B saves 2 and 3, and B's commit of 3 removes step 4's directory, left
+    uncommitted over two commits, with A's claim; B's save of 4 then claims generation 0 again
+    and commits.  A's write, landing after that, replaced B's committed rank file (step 4 failed
+    its checksums).  A rank file is now written only where nothing is (a link() of the
+    temporary; If-None-Match on S3): A's save fails, B's step stays whole."""
+    url, opts = _url_of(request, tmp_path, backend)
+    a = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)
+    a.save(1, state(1)).wait()
+    started, gate = _stall_rank_file(a, backend, "step_00000004/rank_00000")
+    stale = a.save(4, state(4.5))
+    assert started.wait(120)
+    b = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)  # takes the lease over
+    b.save(2, state(2)).wait()
+    assert "claim.g0" in b.storage.listdir("step_00000004")  # (A's claim)
+    b.save(3, state(3)).wait()
+    deadline = time.monotonic() + 120  # (retired directories are deleted after the commit)
+    while "step_00000004" in b.storage.listdir("") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "step_00000004" not in b.storage.listdir("")  # swept, A's claim with it
+    b.save(4, state(4)).wait()
+    assert b.catalog().get(4).generation == 0  # (the generation A claimed)
+    gate.set()  # the stale write lands
+    _stale_save_fails_and_step_holds(a, b, stale, url, opts, 4, 4)

@@ -62,6 +62,16 @@ class FailingOps(LocalOps):
             raise self._fail(dst)
         super().rename(src, dst, dir_fd=dir_fd)
 
+    def link(self, src, dst, *, dir_fd):
+        if self._hit("link", dst):
+            raise self._fail(dst)
+        super().link(src, dst, dir_fd=dir_fd)
+
+    def unlink(self, name, *, dir_fd):
+        if self._hit("unlink", name):
+            raise self._fail(name)
+        super().unlink(name, dir_fd=dir_fd)
+
 
 @pytest.fixture
 def inject():
@@ -97,7 +107,7 @@ def leftovers(path) -> list[str]:
     [
         ("write", "rank_", errno.ENOSPC, "free space on the checkpoint storage"),
         ("fsync", "rank_", errno.EIO, "kept failing"),
-        ("rename", "rank_", errno.EROFS, "failed after 1 attempt"),
+        ("link", "rank_", errno.EROFS, "failed after 1 attempt"),  # (rank files: never replaced)
         ("write", "MANIFEST", errno.ENOSPC, "free space"),
         ("fsync", "MANIFEST", errno.EDQUOT, "free space"),
         ("rename", "MANIFEST", errno.EACCES, "check write permissions"),
@@ -127,6 +137,19 @@ def test_a_transient_fsync_error_is_retried_and_the_save_commits(tmp_path, injec
         ops = inject(FailingOps("fsync", "rank_", errno.EIO, count=1))
         ck.save(2, state(2)).wait()
         assert ops.fired == [("fsync", ops.fired[0][1])]
+    assert_intact(tmp_path, 2)
+
+
+def test_a_rank_file_put_in_place_before_a_transient_error_is_not_a_conflict(tmp_path, inject):
+    """A rank file is linked where nothing is (never replaced); the link took, then the
+    temporary's removal failed (a transient error): the retry finds the name taken, by these very
+    bytes, and the save commits."""
+    with Checkpointer(str(tmp_path), retry=FAST) as ck:
+        ck.save(1, state(1)).wait()
+        ops = inject(FailingOps("unlink", ".safetensors.tmp-", errno.EIO, count=1))
+        ck.save(2, state(2)).wait()
+        assert len(ops.fired) == 1 and ops.fired[0][1].startswith("rank_00000")
+        assert leftovers(tmp_path) == []
     assert_intact(tmp_path, 2)
 
 

@@ -7,8 +7,92 @@ import pytest
 import torch
 
 from resilient import Checkpointer, Layout, Shard, sharded
-from resilient.checkpoint.storage import RetryPolicy, Storage, is_transient
-from resilient.errors import StorageError
+from resilient.checkpoint.storage import RetryPolicy, Storage, WriteConflict, is_transient
+from resilient.errors import CheckpointCorruptError, StorageError
+
+
+def test_an_exclusive_write_never_replaces_a_file(storage_url):
+    """Rank files are written where nothing is: what is there stays, and a named error says so."""
+    url, opts = storage_url
+    st = Storage(url, opts, retry=RetryPolicy(max_attempts=1))
+    st.makedirs("step_00000001")
+    assert st.write_file("step_00000001/r.bin", [b"committed"], exclusive=True) == 9
+    with pytest.raises(WriteConflict, match=r"r\.bin: a file is there already.*one job"):
+        st.write_file("step_00000001/r.bin", [b"a stale writer's"], exclusive=True)
+    assert st.read("step_00000001/r.bin") == b"committed"
+    st.write_file("step_00000001/r.bin", [b"replaced"])  # (a plain write still replaces)
+    assert st.read("step_00000001/r.bin") == b"replaced"
+
+
+def test_a_write_that_fails_part_way_publishes_nothing(storage_url):
+    """Bytes a failed write produced are never published under its name (an object store's
+    upload, published at its close, is aborted; a file its exclusive open created is removed),
+    so the retry of an exclusive write is not taken for another writer's, and a write that failed
+    for good leaves nothing."""
+    url, opts = storage_url
+    st = Storage(url, opts, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.001))
+    st.makedirs("s")
+    data = bytes(range(256)) * 100
+
+    def flaky(attempts: list):
+        def parts():
+            attempts.append(1)
+            yield data[:1000]
+            if len(attempts) == 1:
+                raise ConnectionError("the connection dropped part-way (injected)")
+            yield data[1000:]
+
+        return parts
+
+    for exclusive in (True, False):
+        attempts: list = []
+        assert st.write_file(f"s/{exclusive}.bin", flaky(attempts), exclusive=exclusive) == len(
+            data
+        )
+        assert len(attempts) == 2 and st.read(f"s/{exclusive}.bin") == data
+
+    def broken():
+        yield data[:1000]
+        raise CheckpointCorruptError("the bytes did not match their checksums (injected)")
+
+    with pytest.raises(CheckpointCorruptError):
+        st.write_file("s/never.bin", broken, exclusive=True)
+    assert not st.exists("s/never.bin")
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])  # (the local disk: test_local_faults.py)
+@pytest.mark.parametrize("first", ["landed", "stranger-landed"])
+def test_an_exclusive_write_whose_answer_was_lost_is_retried(request, backend, first):
+    """The first attempt timed out and the name is taken at the retry: by this write's own upload
+    (it landed, its answer lost), and the write succeeds; or by another writer's bytes, and the
+    retry never takes them for its own."""
+    if backend == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, opts = f"s3://{s3.new_bucket()}/run", s3.options
+    else:
+        url, opts = f"memory://excl-{time.monotonic_ns()}", None
+    st = Storage(url, opts, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.001))
+    st.makedirs("s")
+    data = bytes(range(256)) * 1000
+    real, calls = st.fs.open, []
+
+    def open_once_lost(path, mode="rb", **kw):
+        calls.append(mode)
+        if len(calls) > 1:
+            return real(path, mode, **kw)
+        with real(path, "wb") as f:  # the first attempt's upload lands (or a stranger's does)
+            f.write(data if first == "landed" else data[::-1])
+        raise TimeoutError("the answer of the final request was lost (injected)")
+
+    st.fs.open = open_once_lost
+    if first == "landed":
+        assert st.write_file("s/r.bin", [data[:7], data[7:]], exclusive=True) == len(data)
+        assert st.read("s/r.bin") == data
+    else:
+        with pytest.raises(WriteConflict):
+            st.write_file("s/r.bin", [data[:7], data[7:]], exclusive=True)
+        assert st.read("s/r.bin") == data[::-1]
+    assert calls == ["xb", "xb"]
 
 
 def test_storage_contract(storage_url):

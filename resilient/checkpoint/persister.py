@@ -577,7 +577,7 @@ class Promoter:
                             f"memory snapshot file {path}: chunk {key!r} does not match its "
                             f"checksums; the snapshot is damaged and is not persisted"
                         )
-                self.storage.write_file(f"{step_rel}/{names[name]}", [view])
+                self.storage.write_file(f"{step_rel}/{names[name]}", [view], exclusive=True)
             finally:
                 view.release()
                 if mm is not None:

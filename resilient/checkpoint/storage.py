@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -48,6 +49,7 @@ __all__ = [
     "is_transient",
     "ATOMIC_PUT_PROTOCOLS",
     "COMMIT_METHODS",
+    "WriteConflict",
 ]
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,12 @@ class RetryPolicy:
 # While a stream is written to a file, the disk is asked to start writing back every this many
 # bytes, so the final fsync waits for the tail only rather than for the whole file.
 WRITEBACK_BYTES = 8 << 20
+# An exclusive write that found its name taken compares what is there in pieces this large.
+_COMPARE_BYTES = 64 << 20
+
+
+class WriteConflict(StorageError):
+    """An exclusive write (a rank file) found something at its name: another writer was first."""
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -435,9 +443,11 @@ class Storage:
         streamed: bool,
         written: Callable[[], None],
         sync_dir: bool = False,
+        exclusive: bool = False,
     ) -> int:
         """Write a fresh temporary (``O_EXCL|O_NOFOLLOW``: never through a planted link or into
-        someone else's file), make it durable, rename it over ``rel``."""
+        someone else's file), make it durable, rename it over ``rel`` (``exclusive``: ``link()``
+        it there, which fails with FileExistsError where anything is at that name)."""
         d, _, name = rel.rpartition("/")
         ops = _local_ops
         dfd = self._dir_fd(d, operation="write")
@@ -463,7 +473,11 @@ class Storage:
                     ops.fsync(fd)
             finally:
                 os.close(fd)
-            ops.rename(tmp, name, dir_fd=dfd)
+            if exclusive:
+                ops.link(tmp, name, dir_fd=dfd)
+                ops.unlink(tmp, dir_fd=dfd)
+            else:
+                ops.rename(tmp, name, dir_fd=dfd)
             if sync_dir:
                 ops.fsync(dfd)
             return n
@@ -647,8 +661,16 @@ class Storage:
         *,
         fsync: bool = True,
         on_written: Callable[[], None] | None = None,
+        exclusive: bool = False,
     ) -> int:
         """Stream ``parts`` into a new file at ``rel`` (replacing it) and make it durable.
+
+        ``exclusive``: only where nothing is at ``rel`` (a ``link()`` of the temporary on a local
+        disk, ``If-None-Match: *`` on the upload's final request on S3, where a store can say so):
+        a rank file is never replaced, so a writer whose lease was taken over, still writing,
+        can never replace its successor's committed file, whatever generation both picked.
+        Something there already raises :class:`WriteConflict`, unless it holds these very bytes
+        and an earlier attempt of this call may have written it (its answer lost).
 
         ``parts`` is a list, or a function returning a fresh iterable (a stream too large to hold,
         regenerated if the write is retried).  ``on_written`` runs once, after the bytes are handed
@@ -670,24 +692,98 @@ class Storage:
                 fn, hook[0] = hook[0], None
                 fn()
 
+        def open_fs() -> tuple[Any, bool]:
+            """The file, and whether it is exclusive (created by this open, or published only
+            where nothing is)."""
+            if exclusive:
+                try:
+                    return self.fs.open(self.path(rel), "xb"), True
+                except (TypeError, NotImplementedError, ValueError):  # no exclusive mode here
+                    pass
+            return self.fs.open(self.path(rel), "wb"), False
+
         def write_fs() -> int:
             n = 0
-            with self.fs.open(self.path(rel), "wb") as f, _closing(make_parts()) as stream:
-                for p in stream:
-                    n += len(memoryview(p).cast("B"))
-                    f.write(p)
-                written()
+            f, created = open_fs()
+            try:
+                with _closing(make_parts()) as stream:
+                    for p in stream:
+                        n += len(memoryview(p).cast("B"))
+                        f.write(p)
+                    written()
+            except BaseException:
+                self._abandon(f, rel, created=created)
+                raise
+            try:
+                f.close()  # (an object store's upload is published here, If-None-Match and all)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    f.discard()  # (an upload left unfinished is aborted)
+                raise
             return n
 
-        if self.is_local:
-            return self._call(
-                "write",
+        def write_local() -> int:
+            return self._write_local(
                 rel,
-                lambda: self._write_local(
-                    rel, make_parts, fsync=fsync, streamed=streamed, written=written
-                ),
+                make_parts,
+                fsync=fsync,
+                streamed=streamed,
+                written=written,
+                exclusive=exclusive,
             )
-        return self._call("write", rel, write_fs)
+
+        write = write_local if self.is_local else write_fs
+        if not exclusive:
+            return self._call("write", rel, write)
+        attempts = [0]
+
+        def write_once() -> int:
+            attempts[0] += 1
+            try:
+                return write()
+            except FileExistsError:
+                if attempts[0] > 1 and self._holds(rel, make_parts):
+                    return self.size(rel)  # the earlier attempt's, its answer lost
+                raise WriteConflict(
+                    f"refusing to write {self.display(rel)}: a file is there already, and a save "
+                    f"never replaces one (another writer wrote it first: a job whose writer "
+                    f"lease was taken over while it was still saving, or a second job writing "
+                    f"this URL); this save fails and what is committed stays as it is — make "
+                    f"sure one job writes this URL",
+                    url=self.display(rel),
+                    operation="write",
+                ) from None
+
+        return self._call("write", rel, write_once)
+
+    def _abandon(self, f: Any, rel: str, *, created: bool) -> None:
+        """A write that failed part-way publishes nothing of what it wrote: an object store's
+        upload (published at its close) is aborted and never closed; a file that appeared at its
+        open (memory://, filesystems) is removed when this write created it (``created``: an
+        exclusive open succeeded), so a retry finds the name free."""
+        if isinstance(f, AbstractBufferedFile):
+            with contextlib.suppress(Exception):
+                f.discard()
+            f.closed = True  # (its close, here or when it is collected, would publish the bytes)
+            return
+        with contextlib.suppress(Exception):
+            f.close()
+        if created:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self.path(rel))
+
+    def _holds(self, rel: str, make_parts: Callable[[], Iterable[memoryview | bytes]]) -> bool:
+        """Whether ``rel`` holds exactly the bytes ``make_parts`` produces."""
+        pos = 0
+        with _closing(make_parts()) as stream:
+            for p in stream:
+                mv = memoryview(p).cast("B")
+                for b in range(0, len(mv), _COMPARE_BYTES):
+                    piece = mv[b : b + _COMPARE_BYTES]
+                    if self.read_range(rel, pos, pos + len(piece)) != piece:
+                        return False
+                    pos += len(piece)
+        return self.size(rel) == pos
 
     def publish(self, rel: str, data: bytes) -> None:
         """Make a small file (a manifest) visible all at once: readers see all of it or nothing,

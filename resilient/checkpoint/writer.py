@@ -331,7 +331,9 @@ def persist_rank_file(
             for b, e in spans
         )
 
-    size = storage.write_file(f"{step_rel}/{file}", [header, *body], on_written=start_checksums)
+    size = storage.write_file(
+        f"{step_rel}/{file}", [header, *body], on_written=start_checksums, exclusive=True
+    )
     if not crc_futures:
         start_checksums()
     base = len(header)
@@ -364,9 +366,11 @@ def next_generation(storage: Storage, step_rel: str) -> int:
     was taken over may still be uploading its rank files (an upload in flight is invisible on an
     object store), and its successor, saving the same step, must not pick that generation and
     have its committed files replaced when the upload lands.  The commit's clean-up of the step
-    directory removes the claims with the other generations' files.  (Not covered: retention
-    removes a directory left uncommitted over two commits, its claims with it, so a writer
-    frozen that long can still meet a successor's later save of that step; docs/FORMAT.md.)
+    directory removes the claims with the other generations' files.  Retention removes a
+    directory left uncommitted over two commits, its claims with it, so a writer frozen that long
+    can still meet a successor's later save of that step under the same generation: rank files
+    are therefore written only where nothing is (``write_file(exclusive=True)``), and the stale
+    write fails instead of replacing a committed file (docs/FORMAT.md section 1).
     """
     gens = []
     for name in storage.listdir(step_rel):
