@@ -29,7 +29,9 @@ def test_the_first_save_takes_the_lease_and_close_releases_it(tmp_path):
 
 
 def test_a_second_job_gets_a_lease_error_naming_the_owner_and_damages_nothing(tmp_path):
-    a = Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=2.0)
+    # (A renews every 2 s: B, watching for 8 s, sees a heartbeat even when a loaded machine
+    # delays a renewal's fsync by seconds; with a 2 s lease a 1.5 s delay made A look stale)
+    a = Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=8.0)
     a.save(1, state(1)).wait()
     # job A has a save in flight: its step directory exists, uncommitted, while it writes
     (tmp_path / "step_00000002").mkdir()
@@ -195,7 +197,9 @@ def test_a_lease_of_this_process_still_settling_is_not_taken_for_an_orphan(tmp_p
 def _job(url: str, job_id: str, steps: list[int], started, stop, out) -> None:
     torch.set_num_threads(1)
     try:
-        with Checkpointer(url, job_id=job_id, lease_timeout_s=2.0, keep_last=2) as ck:
+        # (renewals every 2 s, watched for 8 s: a renewal delayed on a loaded machine is not
+        # taken for a stale lease)
+        with Checkpointer(url, job_id=job_id, lease_timeout_s=8.0, keep_last=2) as ck:
             for s in steps:
                 ck.save(s, state(float(s))).wait()
                 started.set()
