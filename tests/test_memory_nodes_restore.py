@@ -89,7 +89,7 @@ def test_a_node_whose_anchor_overflows_int64_does_not_hang_the_restore(tmp_path)
     run_distributed(_durable_then_snapshots, 4, url, base)
     (m,) = _manifests(base, 1, 3)
     _edit_manifest(m, anchor="9999999999999999999:0")
-    results = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [], timeout_s=60)
+    results = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [])  # (a hang: its timeout)
     # node 1 offers nothing; rank 0's node holds step 3 (its manifest intact), and the exchange
     # brings node 1's ranks rank 0's version of it
     assert [(r.get("step"), r.get("source")) for r in results] == [(3, "memory")] * 4, results

@@ -287,7 +287,7 @@ def test_a_silent_stranger_at_the_port_holds_up_no_one(tmp_path):
 
 def _a_peer_that_cannot_be_reached(rank, world) -> str:
     """Rank 1's connect hangs until its set-up time is over (a firewall dropping the packets),
-    with a group timeout of 8 s: the set-up ends in gloo on both ranks, within the timeout."""
+    with a group timeout of 16 s: the set-up ends in gloo on both ranks, within the timeout."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -301,8 +301,8 @@ def _a_peer_that_cannot_be_reached(rank, world) -> str:
             raise TimeoutError("timed out (the test: packets dropped)")
 
         links_mod.socket.create_connection = dropped
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))
-    links = links_mod.Links(group, rank, 1 - rank, 1 - rank, timeout_s=8)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=16))
+    links = links_mod.Links(group, rank, 1 - rank, 1 - rank, timeout_s=16)
     usable = links.usable
     links.close()
     return f"usable={usable}"

@@ -442,7 +442,8 @@ def test_no_thread_copies_into_a_snapshot_file_after_its_copy_failed(tmp_path, m
             if threading.current_thread() is threading.main_thread():
                 failed.set()
                 raise OSError("the caller's copy failed (test)")
-            time.sleep(0.05)  # the other thread is mid-block when the caller fails
+            time.sleep(0.25)  # the other thread is mid-block when the caller fails (long: a
+            # second block after the failure needs the caller descheduled that long)
             return real(data, value)
         finally:
             with lock:

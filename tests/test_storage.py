@@ -1,7 +1,9 @@
 """One storage contract, run against every backend: local disk, memory://, S3 (moto over HTTP)."""
 
 import errno
+import functools
 import time
+import uuid
 
 import pytest
 import torch
@@ -304,3 +306,133 @@ def test_a_call_that_succeeds_first_time_skips_the_retry_machinery_and_one_that_
     with pytest.raises(GreenletTimeout):
         st._call("read", "x", interrupted)
     assert len(seen) == 2
+
+
+# --- exclusive writes: retries below Storage, in-place partial files, wrappers ---
+
+
+def _s3_storage(s3, **retry):
+    url = f"s3://{s3.new_bucket()}/run"
+    st = Storage(url, s3.options, retry=RetryPolicy(initial_backoff_s=0.001, **retry))
+    st.makedirs("s")
+    return st
+
+
+def _lose_first_answer(st: Storage, method: str) -> list:
+    """The first ``method`` request reaches the server and lands; its answer is lost (a read
+    timeout), which s3fs (and botocore) retry by themselves, below Storage._call."""
+    import botocore.exceptions
+
+    st.fs.call_s3("list_buckets")  # (a session and a client)
+    client = st.fs._s3
+    real = getattr(client, method)
+    calls: list = []
+
+    @functools.wraps(real)
+    async def lossy(*a, **kw):
+        calls.append(kw.get("IfNoneMatch"))
+        out = await real(*a, **kw)
+        if len(calls) == 1:
+            raise botocore.exceptions.ReadTimeoutError(endpoint_url="http://lost-answer")
+        return out
+
+    setattr(client, method, lossy)
+    return calls
+
+
+def test_an_exclusive_put_whose_answer_was_lost_and_retried_by_s3fs_is_not_a_conflict(s3):
+    """The one-shot PUT (a rank file under s3fs's block size) lands; its answer is lost; s3fs
+    retries it itself (S3_RETRYABLE_ERRORS) and the retry, If-None-Match: *, gets 412, which s3fs
+    turns into FileExistsError on Storage's *first* attempt: the bytes there are compared all the
+    same (they were only on a retry of Storage's own, and this save failed as a conflict)."""
+    st = _s3_storage(s3)
+    data = bytes(range(256)) * 1000
+    calls = _lose_first_answer(st, "put_object")
+    n = st.write_file("s/rank_00000.safetensors", [data], exclusive=True)
+    assert calls == ["*", "*"]
+    assert n == len(data) and st.read("s/rank_00000.safetensors") == data
+
+
+def test_a_transient_write_fault_whose_clean_up_also_failed_is_not_a_conflict(tmp_path):
+    """faulty:// over a local disk (the chaos harness; any fsspec filesystem whose exclusive
+    open creates the file in place): a transient write fault leaves half the bytes at the rank
+    file's own name, and removing them fails too (transiently): the retry removes this call's own
+    partial file first (it failed as a conflict, the partial file left behind)."""
+    import resilient.chaos.faultfs  # noqa: F401  (registers faulty://)
+
+    faults = [
+        {"op": "write", "error": "transient", "path": "rank_", "count": 1},
+        {"op": "remove", "error": "transient", "path": "rank_", "count": 1},
+    ]
+    st = Storage(
+        f"faulty://{tmp_path}/ck",
+        {"target_protocol": "file", "faults": faults},
+        retry=RetryPolicy(max_attempts=4, initial_backoff_s=0.001),
+    )
+    st.makedirs("s")
+    data = bytes(range(256)) * 64
+    n = st.write_file("s/rank_00000.safetensors", [data], exclusive=True)
+    assert [f[0] for f in st.fs.fired] == ["write", "remove"]
+    assert n == len(data) and st.read("s/rank_00000.safetensors") == data
+
+
+def _simplecache(tmp_path):
+    """simplecache:: over memory://, commit_method="put" (the project treats its writes as
+    writes of the target: Storage.location); every upload to the target recorded."""
+    url = f"simplecache::memory://probe-{uuid.uuid4().hex[:8]}"
+    st = Storage(
+        url,
+        {"simplecache": {"cache_storage": str(tmp_path / "cache")}},
+        retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.001),
+        commit_method="put",
+    )
+    st.makedirs("s")
+    target, published = st.fs.fs, []
+    real_put = target.put_file
+
+    def put_file(lpath, rpath, **kw):
+        with open(lpath, "rb") as f:
+            published.append(f.read())
+        return real_put(lpath, rpath, **kw)
+
+    target.put_file = put_file
+    return st, published
+
+
+def test_simplecache_a_write_that_fails_part_way_uploads_nothing(tmp_path):
+    """simplecache's LocalTempFile uploads its bytes to the target at close(): a failed write
+    discards it instead (it was closed: the partial rank file was published, then deleted)."""
+    from resilient.errors import CheckpointCorruptError
+
+    st, published = _simplecache(tmp_path)
+
+    def broken():
+        yield b"partial-"
+        raise CheckpointCorruptError("the bytes did not match their checksums (injected)")
+
+    with pytest.raises(CheckpointCorruptError):
+        st.write_file("s/rank_00000.safetensors", broken, exclusive=True)
+    assert published == []
+
+
+def test_simplecache_a_retried_exclusive_write_is_not_a_conflict(tmp_path):
+    """simplecache's "xb" is exclusive on the local *cache* file, not on the target: it is not
+    used there (the first attempt's cache file made the retry's exclusive open fail, and the
+    write failed as a conflict with nothing at the name on the target)."""
+    st, _ = _simplecache(tmp_path)
+    attempts: list = []
+
+    def flaky():
+        attempts.append(1)
+        yield b"partial-"
+        if len(attempts) == 1:
+            raise ConnectionError("the connection dropped part-way (injected)")
+        yield b"rest"
+
+    assert st.write_file("s/rank_00000.safetensors", flaky, exclusive=True) == 12
+    assert st.read("s/rank_00000.safetensors") == b"partial-rest"
+    # a name written before through this cache, removed (a swept step), and written again: the
+    # cache still holds its file, which an "xb" open there took for the name being taken
+    st.remove("s/rank_00000.safetensors")
+    assert st.write_file("s/rank_00000.safetensors", [b"again"], exclusive=True) == 5
+    assert st.read("s/rank_00000.safetensors") == b"again"

@@ -100,6 +100,13 @@ class FaultyFileSystem(AbstractFileSystem):
 
         return "put" if set(protocols) & ATOMIC_PUT_PROTOCOLS else None
 
+    @property
+    def resilient_exclusive_open(self) -> bool:
+        """Whether an exclusive open ("xb") is exclusive on the target: as the target's."""
+        from resilient.checkpoint.storage import exclusive_open_ok
+
+        return exclusive_open_ok(self.target)
+
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
         path = path[len("faulty://") :] if path.startswith("faulty://") else path

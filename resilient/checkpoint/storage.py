@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.spec import AbstractBufferedFile
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -692,33 +691,25 @@ class Storage:
                 fn, hook[0] = hook[0], None
                 fn()
 
-        def open_fs() -> tuple[Any, bool]:
-            """The file, and whether it is exclusive (created by this open, or published only
-            where nothing is)."""
-            if exclusive:
-                try:
-                    return self.fs.open(self.path(rel), "xb"), True
-                except (TypeError, NotImplementedError, ValueError):  # no exclusive mode here
-                    pass
-            return self.fs.open(self.path(rel), "wb"), False
+        exclusive_open = exclusive and exclusive_open_ok(self.fs)
+        leftover = [False]  # a partial file this call created in place, its removal failed
 
         def write_fs() -> int:
+            if leftover[0]:  # (this call's own: its exclusive open had created it)
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.path(rel))
+                leftover[0] = False
             n = 0
-            f, created = open_fs()
+            f = self.fs.open(self.path(rel), "xb" if exclusive_open else "wb")
             try:
                 with _closing(make_parts()) as stream:
                     for p in stream:
                         n += len(memoryview(p).cast("B"))
                         f.write(p)
                     written()
-            except BaseException:
-                self._abandon(f, rel, created=created)
-                raise
-            try:
                 f.close()  # (an object store's upload is published here, If-None-Match and all)
             except BaseException:
-                with contextlib.suppress(Exception):
-                    f.discard()  # (an upload left unfinished is aborted)
+                leftover[0] = not self._abandon(f, rel, created=exclusive_open)
                 raise
             return n
 
@@ -735,15 +726,15 @@ class Storage:
         write = write_local if self.is_local else write_fs
         if not exclusive:
             return self._call("write", rel, write)
-        attempts = [0]
 
         def write_once() -> int:
-            attempts[0] += 1
             try:
                 return write()
             except FileExistsError:
-                if attempts[0] > 1 and self._holds(rel, make_parts):
-                    return self.size(rel)  # the earlier attempt's, its answer lost
+                # These very bytes there: an earlier attempt's, its answer lost (a retry here,
+                # or one the client library made by itself); taking them is harmless.
+                if self._holds(rel, make_parts):
+                    return self.size(rel)
                 raise WriteConflict(
                     f"refusing to write {self.display(rel)}: a file is there already, and a save "
                     f"never replaces one (another writer wrote it first: a job whose writer "
@@ -756,34 +747,49 @@ class Storage:
 
         return self._call("write", rel, write_once)
 
-    def _abandon(self, f: Any, rel: str, *, created: bool) -> None:
-        """A write that failed part-way publishes nothing of what it wrote: an object store's
-        upload (published at its close) is aborted and never closed; a file that appeared at its
-        open (memory://, filesystems) is removed when this write created it (``created``: an
-        exclusive open succeeded), so a retry finds the name free."""
-        if isinstance(f, AbstractBufferedFile):
-            with contextlib.suppress(Exception):
-                f.discard()
-            f.closed = True  # (its close, here or when it is collected, would publish the bytes)
-            return
+    def _abandon(self, f: Any, rel: str, *, created: bool) -> bool:
+        """A write that failed (part-way, or at its close) publishes nothing of what it wrote;
+        False where a partial file it created may still be at ``rel``.
+
+        A file that can be discarded (an object store's upload, published at its close, is
+        aborted; a local temporary meant for upload is dropped) is marked closed, so that no
+        later close publishes it; a file that appeared at its open (``memory://``, filesystems)
+        is closed and, when this write created it (an exclusive open), removed."""
+        discard = getattr(f, "discard", None)
+        if callable(discard):
+            try:
+                discard()
+                f.closed = True  # (its close, here or when it is collected, would publish it)
+                return True
+            except Exception:  # (a file that cannot be discarded, or whose `closed` is fixed)
+                pass
         with contextlib.suppress(Exception):
             f.close()
-        if created:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(self.path(rel))
+        if not created:
+            return True
+        try:
+            self.fs.rm_file(self.path(rel))
+        except FileNotFoundError:
+            pass
+        except Exception:
+            return False  # (the next attempt removes it first)
+        return True
 
     def _holds(self, rel: str, make_parts: Callable[[], Iterable[memoryview | bytes]]) -> bool:
-        """Whether ``rel`` holds exactly the bytes ``make_parts`` produces."""
-        pos = 0
+        """Whether ``rel`` holds exactly the bytes ``make_parts`` produces (read in pieces, to the
+        first that differs)."""
+        size, pos = self.size(rel), 0
         with _closing(make_parts()) as stream:
             for p in stream:
                 mv = memoryview(p).cast("B")
                 for b in range(0, len(mv), _COMPARE_BYTES):
                     piece = mv[b : b + _COMPARE_BYTES]
+                    if pos + len(piece) > size:
+                        return False
                     if self.read_range(rel, pos, pos + len(piece)) != piece:
                         return False
                     pos += len(piece)
-        return self.size(rel) == pos
+        return pos == size
 
     def publish(self, rel: str, data: bytes) -> None:
         """Make a small file (a manifest) visible all at once: readers see all of it or nothing,
@@ -1055,6 +1061,22 @@ def _pread_into(fd: int, start: int, out: memoryview) -> int:
             break
         n += got
     return n
+
+
+# Filesystems whose exclusive open ("xb") is exclusive on the target itself: s3fs sends
+# If-None-Match: * with the upload's final request; memory:// and local files create exclusively.
+# Elsewhere a rank file is written plainly, and the generation claim alone keeps writers apart.
+_EXCLUSIVE_OPEN_PROTOCOLS = frozenset({"s3", "s3a", "memory", "file", "local"})
+
+
+def exclusive_open_ok(fs: Any) -> bool:
+    """Whether ``fs.open(path, "xb")`` creates ``path`` only where nothing is, on the target (a
+    wrapper such as ``simplecache::`` is exclusive on its local cache file, not on the target)."""
+    declared = getattr(fs, "resilient_exclusive_open", None)  # a filesystem may say (faulty://)
+    if declared is not None:
+        return bool(declared)
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocols) & _EXCLUSIVE_OPEN_PROTOCOLS)
 
 
 def _detect_commit_method(fs: Any, is_local: bool) -> str | None:
