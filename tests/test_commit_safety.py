@@ -16,6 +16,7 @@ from resilient.checkpoint.format import MANIFEST_NAME
 from resilient.checkpoint.storage import PinnedFiles, Storage
 from resilient.errors import (
     CheckpointCorruptError,
+    LeaseError,
     ResilientError,
     StateMismatchError,
     StepRetiredError,
@@ -791,3 +792,148 @@ def test_a_stale_writers_file_never_replaces_a_committed_one_after_its_claim_was
     assert b.catalog().get(4).generation == 0  # (the generation A claimed)
     gate.set()  # the stale write lands
     _stale_save_fails_and_step_holds(a, b, stale, url, opts, 4, 4)
+
+
+# --- a stale writer (its lease taken over by the same job restarted) between its last lease
+# check and a destructive act: each stall an event, each takeover a fresh Checkpointer
+
+
+def _holds_step(url, opts, step: int, want: float) -> None:
+    with Checkpointer(url, storage_options=opts, job_id="reader") as r:
+        assert step in r.steps(), f"the successor's committed step {step} is gone: {r.steps()}"
+        out = state(0)
+        assert r.load(out, step=step, fallback=False) == step
+        assert torch.equal(out["w"], state(want)["w"]), f"step {step} is not the successor's"
+        assert r.verify(step).ok
+
+
+def _hold_call(storage, name, pred):
+    """Hold ``storage.<name>(rel, ...)`` the first time ``pred(rel)``, until the gate opens."""
+    gate, started, armed = threading.Event(), threading.Event(), [True]
+    real = getattr(storage, name)
+
+    def held(rel, *a, **k):
+        if armed[0] and pred(rel):
+            armed[0] = False
+            started.set()
+            assert gate.wait(120)
+        return real(rel, *a, **k)
+
+    setattr(storage, name, held)
+    return started, gate
+
+
+def test_a_stale_writers_clean_up_never_deletes_a_later_generations_files(tmp_path, monkeypatch):
+    """A committed step 2 and checked its lease, then (frozen) listed the step directory after B
+    took over, saved step 2 under generation 1 and committed: every file not in A's manifest was
+    garbage, B's rank file with them, and B's step named a missing file.  Only files of A's own
+    generation or older are garbage now (and the lease is checked before each deletion)."""
+    import resilient.checkpoint.checkpointer as ckmod
+
+    url = str(tmp_path / "ck")
+    a = Checkpointer(url, job_id="J", keep_last=3)
+    judged: list[str] = []  # what A's commit took for garbage
+    real_delete = ckmod.delete_dirs
+
+    def recording(storage, names, **kw):
+        names = list(names)
+        if storage is a.storage:
+            judged.extend(names)
+        return real_delete(storage, names, **kw)
+
+    monkeypatch.setattr(ckmod, "delete_dirs", recording)
+    a.save(1, state(1)).wait()
+    started, gate = _hold_call(
+        a.storage,
+        "listdir",
+        lambda rel: rel == "step_00000002" and a.storage.exists(f"step_00000002/{MANIFEST_NAME}"),
+    )
+    stale = a.save(2, state(2.5))
+    assert started.wait(120)  # A committed step 2 and checked its lease again
+    b = Checkpointer(url, job_id="J", keep_last=3)  # takes the lease over
+    b.save(2, state(2)).wait()  # generation 1
+    b.wait()
+    gate.set()
+    stale.wait()  # (A's commit stands until B's: A's save succeeded)
+    a.wait()  # (A's thread deletes its garbage)
+    assert judged and not [n for n in judged if ".g1." in n]  # (A's garbage: never B's files)
+    with contextlib.suppress(ResilientError):
+        a.close()
+    b.close()
+    _holds_step(url, None, 2, 2)
+
+
+def test_a_stale_writer_deletes_nothing_once_its_lease_is_gone(tmp_path, monkeypatch):
+    """A's failed save of step 3 left its directory; A's commit of 4 collected it, and A froze
+    before deleting it (deletion runs after the save's outcome); B took over, saved 3 and
+    committed it into that directory; A's deletion removed B's committed step.  The lease is
+    checked right before each deletion now."""
+    import resilient.checkpoint.checkpointer as ckmod
+
+    url = str(tmp_path / "ck")
+    a = Checkpointer(url, job_id="J", keep_last=3)
+    a.save(1, state(1)).wait()
+    real_write = a.storage.write_file
+
+    def failing(rel, parts, **kw):
+        if rel.startswith("step_00000003/rank_"):
+            raise StorageError("injected: the write of step 3 fails", url=url, operation="write")
+        return real_write(rel, parts, **kw)
+
+    a.storage.write_file = failing
+    with pytest.raises(ResilientError):
+        a.save(3, state(3.5)).wait()
+    a.storage.write_file = real_write
+    assert "step_00000003" in a.storage.listdir("")  # (uncommitted, A's own)
+    gate, started = threading.Event(), threading.Event()
+    real_delete = ckmod.delete_dirs
+
+    def frozen_delete(storage, names, **kw):
+        names = list(names)
+        if storage is a.storage and "step_00000003" in names:
+            started.set()
+            assert gate.wait(120)
+        return real_delete(storage, names, **kw)
+
+    monkeypatch.setattr(ckmod, "delete_dirs", frozen_delete)
+    a.save(4, state(4)).wait()  # committed; its thread now holds the garbage
+    assert started.wait(120)
+    b = Checkpointer(url, job_id="J", keep_last=3)  # takes the lease over
+    b.save(3, state(3)).wait()  # (B resumed from step 1: its step 3)
+    b.wait()
+    gate.set()
+    with contextlib.suppress(ResilientError):
+        a.close()
+    b.close()
+    _holds_step(url, None, 3, 3)
+
+
+def test_a_lease_renewal_never_writes_over_a_takeover(tmp_path):
+    """A's renewal read its own token, then (frozen) wrote its record: B's takeover in between
+    was overwritten, A held the lease again and its next save replaced the step B committed.  A
+    renewal writes only the holder's own heartbeat file now (LEASE.beat.<token>)."""
+    from resilient.checkpoint.lease import BEAT_PREFIX
+
+    url = str(tmp_path / "ck")
+    a = Checkpointer(url, job_id="J", keep_last=3)
+    a.save(1, state(1)).wait()
+    started, gate = _hold_call(
+        a.storage, "publish", lambda rel: rel in ("LEASE.json", BEAT_PREFIX + a._lease.token)
+    )
+    renewal = threading.Thread(target=a._lease.renew)  # (the renewal thread's beat)
+    renewal.start()
+    assert started.wait(120)  # A read its own token; its write is on the way
+    b = Checkpointer(url, job_id="J", keep_last=3)  # takes the lease over
+    b.save(2, state(2)).wait()
+    b.wait()
+    gate.set()
+    renewal.join(120)
+    stale = a.save(2, state(2.5))  # A must never commit again
+    with pytest.raises(LeaseError):
+        stale.wait()
+    assert not stale.stats.committed
+    with contextlib.suppress(ResilientError):
+        a.close()
+    assert b._lease.held
+    b.close()
+    _holds_step(url, None, 2, 2)

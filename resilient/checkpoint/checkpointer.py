@@ -1179,7 +1179,8 @@ class Checkpointer:
         # Deleting retired bytes is not part of making this step durable, but it stays on this
         # thread, so the next save (which joins it) never overlaps it.
         try:
-            delete_dirs(self.storage, garbage)
+            lease = self._lease
+            delete_dirs(self.storage, garbage, check=lease.check if lease is not None else None)
         except Exception as e:
             log.warning("deleting retired checkpoint files failed: %s", e)
 

@@ -2,10 +2,14 @@
 
 Two jobs saving to one URL would damage each other: each would garbage-collect the other's steps in
 progress, and both could write the same step.  So the coordinator of a job takes a lease before its
-first save (``LEASE.json`` at the root: job id, host, pid, a random token and a heartbeat counter),
-renews it from a daemon thread, checks it is still its own before every commit, and removes it at
-``close()``.  A job that finds another job's lease gets a :class:`~resilient.errors.LeaseError`
-naming that owner.
+first save (``LEASE.json`` at the root: job id, host, pid and a random token), renews it from a
+daemon thread, checks it is still its own before every commit, and removes it at ``close()``.  A
+job that finds another job's lease gets a :class:`~resilient.errors.LeaseError` naming that owner.
+
+Only a taker ever writes ``LEASE.json``; the holder's heartbeat is a file of its own,
+``LEASE.beat.<token>`` (a counter), so a renewal can never write over a takeover: a holder that
+read its own token, then was overtaken before its write, would otherwise have put its record back
+over its successor's and held the lease again (a stale writer committing over the successor).
 
 Who may take a lease held by someone else:
 
@@ -13,9 +17,9 @@ Who may take a lease held by someone else:
 * a lease whose owner ran on this host and whose process is gone (pid not running, or running a
   different process) is taken at once, and so is one this very process left behind (a lease of
   its own released while the file could not be read);
-* any other lease is stale only when its heartbeat counter has not changed for ``timeout_s`` as
-  measured here, on this host's monotonic clock (never by comparing clocks across hosts): the
-  taker watches the record for that long, and fails as soon as it sees a heartbeat.
+* any other lease is stale only when neither its record nor its heartbeat file has changed for
+  ``timeout_s`` as measured here, on this host's monotonic clock (never by comparing clocks across
+  hosts): the taker watches them for that long, and fails as soon as it sees a heartbeat.
 
 A lease file that does not parse is treated like a silent owner (watched, then taken).  Races
 between two takers are settled by re-reading after writing: a taker that does not find its own
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -45,6 +50,8 @@ __all__ = ["LEASE_NAME", "LeaseRecord", "WriterLease", "default_job_id"]
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "LEASE.json"
+BEAT_PREFIX = "LEASE.beat."  # + the holder's token: its heartbeat (written by the holder only)
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}")
 _MAX_LEASE_BYTES = 64 << 10
 # A lease record's own timeout is honoured up to this (a record cannot make takers wait a year).
 MAX_WATCH_S = 3600.0
@@ -92,7 +99,7 @@ class LeaseRecord:
     pid_start: str  # the owner process's start time (/proc), to tell a reused pid apart
     acquired_unix_s: float
     heartbeat_unix_s: float  # for people reading the file; never compared across hosts
-    beat: int
+    beat: int  # (1: the heartbeat counter is in the holder's LEASE.beat.<token>)
     timeout_s: float
 
     def describe(self) -> str:
@@ -239,6 +246,7 @@ class WriterLease:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beats = 0
 
     @property
     def held(self) -> bool:
@@ -254,6 +262,24 @@ class WriterLease:
             # there, but unreadable (too large, a link, ...): a silent owner of unknown identity
             return f"unreadable: {e}".encode(), None
         return data, LeaseRecord.from_bytes(data)
+
+    def _beat_of(self, record: LeaseRecord | None) -> bytes:
+        """The holder's heartbeat file's bytes (empty where there is none, or no valid token)."""
+        if record is None or not _TOKEN_RE.fullmatch(record.token):
+            return b""
+        try:
+            return self.storage.read_small(BEAT_PREFIX + record.token, 4096)
+        except ResilientError:
+            return b""
+
+    def _forget_beats(self) -> None:
+        """(the holder, best effort) Remove heartbeat files of earlier holders."""
+        try:
+            for name in self.storage.listdir(""):
+                if name.startswith(BEAT_PREFIX) and name != BEAT_PREFIX + self.token:
+                    self.storage.remove(name)
+        except Exception as e:
+            log.info("removing old lease heartbeats of %s failed: %s", self.storage.url, e)
 
     def _new_record(self, beat: int) -> LeaseRecord:
         now = time.time()
@@ -334,6 +360,7 @@ class WriterLease:
                 mine = self._take_over(current)
             else:
                 now = self.clock()
+                data += b"\n" + self._beat_of(current)  # (the record and its heartbeat)
                 if watched is None or watched[0] != data:
                     if watched is not None:  # it changed while we watched: the owner is alive
                         raise self._held_by(current, data)
@@ -372,6 +399,9 @@ class WriterLease:
             if after.token != self.token:
                 raise self._held_by(after, b"")
             self.record, self._lost = mine, None
+            self._beats = 0
+            if self.taken_over is not None or current is not None:
+                self._forget_beats()
             self._start_renewing()
             return
 
@@ -459,8 +489,11 @@ class WriterLease:
                 self._lose(current)
                 log.error("lost the writer lease of %s to %s", self.storage.url, self._lost)
                 return
-            self.record = self._new_record(current.beat + 1)
-            self._write(self.record, exclusive=False)
+            # the heartbeat goes to a file of its own: LEASE.json is written by takers only, so
+            # this renewal cannot put our record back over a takeover since the read above
+            self._beats += 1
+            beat = {"token": self.token, "beat": self._beats, "heartbeat_unix_s": time.time()}
+            self.storage.publish(BEAT_PREFIX + self.token, json.dumps(beat).encode())
 
     def release(self) -> None:
         """Stop renewing and remove the lease file if it is still ours."""
@@ -475,6 +508,8 @@ class WriterLease:
                 _, current = self._read()
                 if current is not None and current.token == self.token:
                     self.storage.remove(LEASE_NAME)
+                if self._beats:
+                    self.storage.remove(BEAT_PREFIX + self.token)
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
             self.record = None

@@ -538,7 +538,7 @@ class Promoter:
         )
         self._sweep.committed()
         try:
-            delete_dirs(self.storage, garbage)
+            delete_dirs(self.storage, garbage, check=self.lease.check)
         except Exception as e:
             log.warning("deleting retired checkpoint files failed: %s", e)
         seconds = time.monotonic() - t0

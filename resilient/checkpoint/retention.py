@@ -105,7 +105,15 @@ def retire_steps(
     return sorted(doomed)
 
 
-def delete_dirs(storage: Storage, names: Iterable[str]) -> None:
+def delete_dirs(
+    storage: Storage, names: Iterable[str], *, check: Callable[[], None] | None = None
+) -> None:
+    """Remove ``names`` (step directories, files).  ``check`` (the writer lease's) runs right
+    before each removal and raises to stop: what to delete was decided under the lease, maybe a
+    while ago, and a successor that took the URL over since may have committed into a
+    directory of the same name."""
     for name in names:
+        if check is not None:
+            check()
         storage.remove_tree(name)
         log.info("removed %s", storage.display(name))

@@ -372,11 +372,9 @@ def next_generation(storage: Storage, step_rel: str) -> int:
     are therefore written only where nothing is (``write_file(exclusive=True)``), and the stale
     write fails instead of replacing a committed file (docs/FORMAT.md section 1).
     """
-    gens = []
-    for name in storage.listdir(step_rel):
-        m = _RANK_FILE_RE.match(name) or _CLAIM_RE.match(name)  # finished, temporary, claimed
-        if m:
-            gens.append(int(m.group(1) or 0))
+    gens = [  # finished, temporary, claimed
+        g for g in (_generation_of(n, default=-1) for n in storage.listdir(step_rel)) if g >= 0
+    ]
     if storage.exists(f"{step_rel}/{MANIFEST_NAME}"):
         try:
             old = manifest_summary(
@@ -401,6 +399,13 @@ def next_generation(storage: Storage, step_rel: str) -> int:
         f"cannot claim a generation for a save of {storage.display(step_rel)}: "
         f"{_CLAIM_TRIES} in a row were claimed by other writers meanwhile"
     )
+
+
+def _generation_of(name: str, *, default: int) -> int:
+    """The generation a rank file (finished or temporary) or a claim in a step directory belongs
+    to; ``default`` for any other name."""
+    m = _RANK_FILE_RE.match(name) or _CLAIM_RE.match(name)
+    return int(m.group(1) or 0) if m else default
 
 
 def claim_name(generation: int) -> str:
@@ -800,10 +805,13 @@ def publish_commit(
         return []
     garbage: list[str] = []
     try:
-        # Files of an older generation of this step, and temp files, are garbage now.
+        # Files of an older generation of this step, and temp files, are garbage now; never a
+        # later generation's (a successor that took the lease over since the check above may be
+        # saving this step again, under a generation past ours: its files are not ours to judge)
         for name in storage.listdir(step_rel) if sweep_step else ():
-            if name != MANIFEST_NAME and name not in summary.files:
-                garbage.append(f"{step_rel}/{name}")
+            if not name.startswith(MANIFEST_NAME) and name not in summary.files:
+                if _generation_of(name, default=-1) <= summary.generation:
+                    garbage.append(f"{step_rel}/{name}")
         if catalog is not None:  # (the lease kept other writers out since: only this commit)
             catalog = Catalog(
                 [
