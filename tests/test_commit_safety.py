@@ -937,3 +937,29 @@ def test_a_lease_renewal_never_writes_over_a_takeover(tmp_path):
     assert b._lease.held
     b.close()
     _holds_step(url, None, 2, 2)
+
+
+def test_a_stale_coordinators_manifest_never_replaces_its_successors_commit_on_s3(s3):
+    """A checked its lease and froze right before publishing step 2's manifest; B took over,
+    saved step 2 and committed (A's generation deleted as garbage); A's publish then replaced
+    B's manifest with one naming deleted files.  On S3 the manifest is published only if it is
+    still what was there before the lease check (If-Match / If-None-Match): A's commit fails.
+    (A local disk has no conditional replace: there the check and the publish are adjacent.)"""
+    url, opts = f"s3://{s3.new_bucket()}/run", s3.options
+    a = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)
+    a.save(1, state(1)).wait()
+    started, gate = _hold_call(
+        a.storage, "publish_if", lambda rel: rel == f"step_00000002/{MANIFEST_NAME}"
+    )
+    stale = a.save(2, state(2.5))
+    assert started.wait(120)  # A checked its lease and is about to publish
+    b = Checkpointer(url, storage_options=opts, job_id="J", keep_last=3)  # takes the lease over
+    b.save(2, state(2)).wait()
+    b.wait()  # (B's clean-up of step 2 done)
+    gate.set()
+    with pytest.raises(ResilientError, match="changed since this commit began"):
+        stale.wait()
+    with contextlib.suppress(ResilientError):
+        a.close()
+    b.close()
+    _holds_step(url, opts, 2, 2)

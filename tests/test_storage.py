@@ -436,3 +436,28 @@ def test_simplecache_a_retried_exclusive_write_is_not_a_conflict(tmp_path):
     st.remove("s/rank_00000.safetensors")
     assert st.write_file("s/rank_00000.safetensors", [b"again"], exclusive=True) == 5
     assert st.read("s/rank_00000.safetensors") == b"again"
+
+
+def test_a_conditional_publish_replaces_only_what_it_saw(storage_url):
+    """S3: publish_if replaces a manifest only if it still holds the ETag seen before (or, where
+    nothing was, only if nothing is); other stores have no conditional replace (version None)."""
+    url, opts = storage_url
+    st = Storage(url, opts, retry=RetryPolicy(max_attempts=1))
+    st.makedirs("s")
+    before = st.version_of("s/M.json")
+    if not url.startswith("s3://"):
+        assert before is None  # (a plain publish)
+        st.publish_if("s/M.json", b"one", before)
+        assert st.read("s/M.json") == b"one"
+        return
+    assert before == ""  # nothing there
+    st.publish_if("s/M.json", b"one", before)
+    with pytest.raises(WriteConflict, match="changed since this commit began"):
+        st.publish_if("s/M.json", b"stale", before)  # something is there now
+    seen = st.version_of("s/M.json")
+    st.publish("s/M.json", b"two")  # another writer's commit
+    with pytest.raises(WriteConflict):
+        st.publish_if("s/M.json", b"stale", seen)
+    assert st.read("s/M.json") == b"two"
+    st.publish_if("s/M.json", b"three", st.version_of("s/M.json"))
+    assert st.read("s/M.json") == b"three"

@@ -823,6 +823,60 @@ class Storage:
 
     write_atomic = publish  # the earlier name
 
+    def version_of(self, rel: str) -> str | None:
+        """An opaque token of what is at ``rel`` now, for :meth:`publish_if`: where the store can
+        replace a file conditionally (S3's ETag; ``""``: nothing there), else None."""
+        if self.is_local or not _conditional_put_ok(self.fs):
+            return None
+
+        def head() -> str:
+            try:
+                info = self.fs.info(self.path(rel), refresh=True)
+            except FileNotFoundError:
+                return ""
+            etag = info.get("ETag") or info.get("etag")
+            if not isinstance(etag, str) or not etag:
+                raise StorageError(
+                    f"{self.display(rel)}: the store gave no ETag for it; a commit cannot be "
+                    f"made conditional here",
+                    url=self.display(rel),
+                    operation="stat",
+                )
+            return etag
+
+        return self._call("stat", rel, head)
+
+    def publish_if(self, rel: str, data: bytes, version: str | None) -> None:
+        """:meth:`publish`, only if ``rel`` still holds ``version`` (from :meth:`version_of`;
+        None: unconditionally).  Another writer's file there since raises
+        :class:`WriteConflict`."""
+        if version is None:
+            return self.publish(rel, data)
+
+        def put() -> None:
+            try:
+                if version:
+                    self.fs.pipe_file(self.path(rel), data, IfMatch=version)
+                else:
+                    self.fs.pipe_file(self.path(rel), data, mode="create")
+            except FileExistsError:
+                raise self._changed(rel) from None
+            except OSError as e:
+                if "pre-condition" in str(e) or "PreconditionFailed" in repr(e) or "412" in str(e):
+                    raise self._changed(rel) from None
+                raise
+
+        self._call("atomic write", rel, put)
+
+    def _changed(self, rel: str) -> WriteConflict:
+        return WriteConflict(
+            f"refusing to replace {self.display(rel)}: it changed since this commit began "
+            f"(another writer committed it: this job's writer lease was taken over?); what is "
+            f"committed there stays as it is — make sure one job writes this URL",
+            url=self.display(rel),
+            operation="atomic write",
+        )
+
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Publish a small file only if nothing is at ``rel`` yet; False when something is there.
 
@@ -1067,6 +1121,14 @@ def _pread_into(fd: int, start: int, out: memoryview) -> int:
 # If-None-Match: * with the upload's final request; memory:// and local files create exclusively.
 # Elsewhere a rank file is written plainly, and the generation claim alone keeps writers apart.
 _EXCLUSIVE_OPEN_PROTOCOLS = frozenset({"s3", "s3a", "memory", "file", "local"})
+
+
+def _conditional_put_ok(fs: Any) -> bool:
+    """Whether ``pipe_file(..., IfMatch=etag)`` replaces a file only if it holds ``etag`` (s3fs)."""
+    if getattr(fs, "resilient_conditional_put", None) is not None:
+        return bool(fs.resilient_conditional_put)
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocols) & {"s3", "s3a"})
 
 
 def exclusive_open_ok(fs: Any) -> bool:

@@ -786,8 +786,12 @@ def publish_commit(
         raise CommitError(f"refusing to commit step {step}: readers would refuse it: {e}") from None
     summary = manifest if isinstance(manifest, ManifestSummary) else summary_of(manifest)
     storage.sync_dir(step_rel)
+    # What is at the manifest's name now, read before the lease check: a successor that takes
+    # the URL over after the check and commits this step first makes the publish fail, where the
+    # store can replace conditionally (S3); elsewhere the check and the publish are adjacent
+    version = storage.version_of(f"{step_rel}/{MANIFEST_NAME}")
     lease.check()  # nobody took the URL over while the files were written
-    storage.publish(f"{step_rel}/{MANIFEST_NAME}", data)
+    storage.publish_if(f"{step_rel}/{MANIFEST_NAME}", data, version)
     remember_commit(storage, summary)
     # Committed.  Housekeeping failures from here on are logged, never a failed save.  Steps that
     # retention drops are uncommitted before the outcome is published, so every rank's wait()
