@@ -19,6 +19,7 @@ from resilient.chaos.harness import (
 from resilient.chaos.report import suite_markdown, write_reports
 from resilient.chaos.scenario import Scenario, load_scenario, parse_scenario
 from resilient.chaos.verify import verify_run
+from resilient.errors import ScenarioError
 
 __all__ = ["run_scenario", "run_suite", "rebuild_report", "builtin_scenarios", "QUICK"]
 
@@ -52,7 +53,7 @@ def run_scenario(
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     out = Path(out)
-    run_dir = out / scenario.name
+    run_dir = _run_dir(out, scenario)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -72,6 +73,21 @@ def run_scenario(
     launch.reference = None if ref is None else str(ref)
     RunPaths(run_dir).run_json.write_text(json.dumps(launch.to_json(), indent=1))
     return _verify_and_report(scenario, run_dir, launch, say)
+
+
+def _run_dir(out: Path, scenario: Scenario) -> Path:
+    """``out/<name>``, which the run empties first: refused unless it lies strictly inside
+    ``out`` (a name such as '..', or a link at its place, would have it delete elsewhere)."""
+    run_dir = out / scenario.name
+    root, resolved = out.resolve(), run_dir.resolve()
+    if root not in resolved.parents or resolved == root / "references":
+        raise ScenarioError(
+            f"{scenario.source}: name: scenario {scenario.name!r} would run in {resolved}, which "
+            f"is not a directory of its own inside the output directory {root} (the run deletes "
+            f"what is there first); give the scenario a plain name (letters, digits, '-', '_', "
+            f"'.') and remove any link at {run_dir}"
+        )
+    return run_dir
 
 
 def rebuild_report(run_dir: str | Path, *, say: Any = print) -> dict[str, Any]:

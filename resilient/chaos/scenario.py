@@ -82,6 +82,9 @@ JOB_KILLS = ("kill_job", "crash_job")  # the harness kills the whole job, then r
 STORAGE_ERRORS = ("transient", "timeout", "permanent", "enospc")
 STORAGE_OPS = ("read", "write", "list", "exists", "remove", "mkdir", "any")
 VERDICTS = ("DEAD", "HUNG", "STRAGGLER", "none")
+# what the runner keeps beside the scenarios' run directories in --out (a scenario's name is its
+# run directory's name, which the runner empties first)
+RESERVED_NAMES = ("references", "suite.json", "suite.md")
 TRAINER_FLAGS = {
     "tp": int,
     "ep": int,
@@ -233,9 +236,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"{source}: not valid TOML: {e}") from None
     v = _Validator(text, source)
     v.keys(raw, {"name", "description", "job", "faults", "expect"}, ())
-    name = v.typed(raw, "name", str, (), required=True)
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        v.fail((), "name", f"{name!r} must use only letters, digits, '-', '_' and '.'")
+    name = v.file_name(raw, "name", (), required=True, reserved=RESERVED_NAMES)
     job = _job(v, v.table(raw, "job", required=True))
     faults = tuple(_fault(v, f, i, job) for i, f in enumerate(v.array_of_tables(raw, "faults")))
     in_rank = [f for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
@@ -605,6 +606,31 @@ class _Validator:
         if (isinstance(x, bool) and bool not in kinds) or not isinstance(x, kinds):
             names = " or ".join(k.__name__ for k in kinds)
             self.fail(at, key, f"expected {names}, found {type(x).__name__} {x!r}")
+        return x
+
+    def file_name(
+        self,
+        t: dict[str, Any],
+        key: str,
+        at: tuple,
+        *,
+        required: bool = False,
+        default: str | None = None,
+        reserved: tuple[str, ...] = (),
+    ) -> Any:
+        """A string used as a file name (a run directory, a marker file): one path component."""
+        x = self.typed(t, key, str, at, required=required, default=default)
+        if x is None:
+            return x
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", x) or x in (".", ".."):
+            self.fail(
+                at,
+                key,
+                f"{x!r} is used as a file name: use only letters, digits, '-', '_' and '.' "
+                f"(and not '.' or '..')",
+            )
+        if x in reserved:
+            self.fail(at, key, f"{x!r} is taken by the runner's own files; choose another")
         return x
 
     def positive(

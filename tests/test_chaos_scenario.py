@@ -1,0 +1,61 @@
+"""What a scenario file may hold: names and ids used as file names, command placeholders, and
+numbers (the adversarial review of the chaos harness).  tests/test_chaos.py has the rest."""
+
+import dataclasses
+
+import pytest
+
+from resilient.chaos.scenario import parse_scenario
+from resilient.errors import ScenarioError
+
+TRAINER_JOB = """
+[job]
+nproc = 2
+[job.trainer]
+steps = 4
+save_every = 2
+"""
+
+
+def _text(name: str = "t", job: str = TRAINER_JOB, faults: str = "", expect: str = "") -> str:
+    return f'name = "{name}"\n{job}\n{faults}\n[expect]\n{expect}\n'
+
+
+def _scenario(**kw):
+    return parse_scenario(_text(**kw), "s.toml")
+
+
+@pytest.mark.parametrize("name", [".", "..", "references", "suite.json", "a/b", "../x"])
+def test_a_scenario_whose_name_is_not_a_run_directory_of_its_own_is_refused(name):
+    with pytest.raises(ScenarioError, match=r"s\.toml:1: name: ") as e:
+        _scenario(name=name)
+    assert repr(name) in str(e.value)
+
+
+def test_a_scenario_named_dotdot_is_refused_and_nothing_outside_out_is_deleted(
+    tmp_path, monkeypatch
+):
+    """The runner empties out/<name> first: a scenario that got past the parser with a name
+    such as '..' (built in code), or a link at out/<name>, must not have it delete elsewhere."""
+    from resilient.chaos import runner
+
+    out = tmp_path / "base" / "out"
+    out.mkdir(parents=True)
+    keep = tmp_path / "base" / "someone_elses_file.txt"
+    keep.write_text("precious")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data").write_text("precious too")
+    (out / "linked").symlink_to(elsewhere)
+
+    def launch(*a, **k):
+        raise AssertionError("the run must be refused before anything is launched")
+
+    monkeypatch.setattr(runner, "launch_job", launch)
+    good = _scenario(expect='final_state = "any"')
+    for name in ("..", ".", "references", "linked"):
+        s = dataclasses.replace(good, name=name)
+        with pytest.raises(ScenarioError, match="not a directory of its own inside the output"):
+            runner.run_scenario(s, out, say=lambda *_: None)
+    assert keep.read_text() == "precious" and (elsewhere / "data").exists()
+    assert (out / "linked").is_symlink()
