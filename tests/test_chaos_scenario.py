@@ -59,3 +59,32 @@ def test_a_scenario_named_dotdot_is_refused_and_nothing_outside_out_is_deleted(
             runner.run_scenario(s, out, say=lambda *_: None)
     assert keep.read_text() == "precious" and (elsewhere / "data").exists()
     assert (out / "linked").is_symlink()
+
+
+@pytest.mark.parametrize("fid", ["../../escaped", ".", "..", "a/b", ""])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        'kind = "raise"\nrank = 0\nstep = 2',
+        'kind = "skew"\nrank = 0\nseconds = 5.0',
+        'kind = "storage"\nerror = "transient"',
+    ],
+)
+def test_a_fault_id_that_is_not_a_plain_file_name_is_refused(fid, fault):
+    """A fault's id names its marker file (faults/<id>.fired): '../../x' would claim a file
+    outside the run directory."""
+    with pytest.raises(ScenarioError, match=r"s\.toml:\d+: faults\[0\]\.id: .* file name"):
+        _scenario(faults=f'[[faults]]\nid = "{fid}"\n{fault}\n')
+
+
+def test_the_hook_claims_no_marker_outside_its_directory(tmp_path):
+    """A plan written by hand (a command job) with such an id: the hook refuses, by name."""
+    from resilient.chaos.faults import ChaosError, ChaosHook
+    from resilient.health.events import EventLog
+
+    run = tmp_path / "out" / "run"
+    fault = {"id": "../../escaped", "kind": "raise", "rank": 0, "step": 2}
+    hook = ChaosHook({"marker_dir": str(run / "faults"), "faults": [fault]}, 0, EventLog(None))
+    with pytest.raises(ChaosError, match=r"fault id '\.\./\.\./escaped' is not a plain file"):
+        hook.at_step(2, None)
+    assert not list(tmp_path.rglob("*.fired"))

@@ -145,7 +145,7 @@ class ChaosHook:
                 continue
             if when in ("step", "save") and (step is None or step < f["step"]):
                 continue
-            if f.get("after") and not (self.marker_dir / f"{f['after']}.fired").exists():
+            if f.get("after") and not self._marker(f["after"]).exists():
                 continue  # armed once the fault it follows has fired
             if self._claim_and_record(f, step, when):
                 self._fire(f, step, run)
@@ -165,9 +165,18 @@ class ChaosHook:
         )
         return True
 
+    def _marker(self, fault_id: str) -> Path:
+        """The file whose creation claims the fault, in the run's faults/ directory."""
+        if not fault_id or "/" in fault_id or "\\" in fault_id or fault_id in (".", ".."):
+            raise ChaosError(
+                f"fault id {fault_id!r} is not a plain file name (it names the fault's marker "
+                f"in {self.marker_dir}); give the fault an id of letters, digits, '-', '_', '.'"
+            )
+        return self.marker_dir / f"{fault_id}.fired"
+
     def _claim(self, fault: dict[str, Any]) -> bool:
         try:
-            fd = os.open(self.marker_dir / f"{fault['id']}.fired", os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(self._marker(fault["id"]), os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
         os.close(fd)

@@ -403,7 +403,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         if not 0 < prob <= 1:
             v.fail(at, "probability", f"{prob}: must be in (0, 1]")
         return Fault(
-            id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
+            id=v.file_name(t, "id", at, default=f"{kind}-{i}"),
             kind=kind,
             error=error,
             op=op,
@@ -426,7 +426,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         if (rank is None) == (node is None):
             v.fail(at, "rank", "a skew fault targets one rank = R or one node = N")
         return Fault(
-            id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
+            id=v.file_name(t, "id", at, default=f"{kind}-{i}"),
             kind=kind,
             rank=rank,
             node=node,
@@ -466,7 +466,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     if tier is not None and (kind not in ("corrupt", "truncate") or tier not in TIERS):
         v.fail(at, "tier", f"{tier!r}: a corrupt or truncate fault's tier is 'durable' or 'memory'")
     return Fault(
-        id=v.typed(t, "id", str, at, default=f"{kind}-{i}"),
+        id=v.file_name(t, "id", at, default=f"{kind}-{i}"),
         kind=kind,
         rank=0 if kind in ("corrupt", "truncate") and rank is None else rank,
         node=node,
