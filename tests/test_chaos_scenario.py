@@ -88,3 +88,54 @@ def test_the_hook_claims_no_marker_outside_its_directory(tmp_path):
     with pytest.raises(ChaosError, match=r"fault id '\.\./\.\./escaped' is not a plain file"):
         hook.at_step(2, None)
     assert not list(tmp_path.rglob("*.fired"))
+
+
+@pytest.mark.parametrize(
+    "word,found",
+    [
+        ("print({1: 2})", "{1: 2} is not a placeholder"),
+        ("{unknown}", "{unknown} is not a placeholder"),
+        ("{0}", "{0} is not a placeholder"),
+        ("{ckpt.x}", "{ckpt.x} is not a placeholder"),
+        ("{ckpt!r}", "{ckpt!r} is not a placeholder"),
+        ("{", "Single '{'"),
+        ("a}", "Single '}'"),
+    ],
+)
+def test_a_command_word_the_harness_cannot_substitute_is_refused_by_name(word, found):
+    """Command words go through str.format: a literal brace or an unknown placeholder crashed
+    the harness with a raw KeyError / IndexError / ValueError when the job was launched."""
+    job = f'[job]\nnproc = 1\ncommand = ["python", "-c", "{word}", "{{ckpt}}"]\n'
+    with pytest.raises(ScenarioError) as e:
+        _scenario(job=job)
+    msg = str(e.value)
+    assert msg.startswith("s.toml:4: job.command: ") and repr(word) in msg and found in msg
+    assert "{ckpt}, {metrics}, {events}, {run_dir}, {chaos}" in msg and "'{{' or '}}'" in msg
+
+
+def test_every_placeholder_and_an_escaped_brace_reach_the_command(tmp_path):
+    from resilient.chaos import harness
+
+    words = ["-c", "print({{1: 2}})", "{ckpt}", "{metrics}", "{events}", "{run_dir}", "{chaos}"]
+    quoted = ", ".join(f'"{w}"' for w in words)
+    s = _scenario(
+        job=f"[job]\nnproc = 1\ncommand = [{quoted}]\n",
+        faults='[[faults]]\nkind = "raise"\nrank = 0\nstep = 1\n',
+    )
+    paths = harness.RunPaths(tmp_path / "run")
+    cmd = harness._command(s.job, paths, 29500, "x", [], 0, True)
+    assert cmd[-7:] == [
+        "-c",
+        "print({1: 2})",
+        str(paths.ckpt),
+        str(paths.metrics),
+        str(paths.events),
+        str(paths.root),
+        str(paths.plan(0)),
+    ]
+    # an escaped '{{chaos}}' is a literal, not the plan: the in-rank fault has no hook
+    with pytest.raises(ScenarioError, match="need the job to install the chaos hook"):
+        _scenario(
+            job='[job]\nnproc = 1\ncommand = ["x.py", "{{chaos}}"]\n',
+            faults='[[faults]]\nkind = "raise"\nrank = 0\nstep = 1\n',
+        )

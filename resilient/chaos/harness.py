@@ -35,7 +35,7 @@ from typing import Any
 
 from resilient import forkserver
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
-from resilient.chaos.scenario import JOB_KILLS, NODE_KILLS, Fault, Job
+from resilient.chaos.scenario import COMMAND_PLACEHOLDERS, JOB_KILLS, NODE_KILLS, Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
 
@@ -451,6 +451,7 @@ def _command(
             "faults": [_storage_rule(f) for f in storage],
         }
     if job.command is not None:
+        # the parser let through only words these substitute (scenario.command_fields)
         subs = {
             "ckpt": url,
             "metrics": str(paths.metrics),
@@ -458,6 +459,7 @@ def _command(
             "run_dir": str(paths.root),
             "chaos": str(paths.plan(node)),
         }
+        assert set(subs) == set(COMMAND_PLACEHOLDERS), "keep scenario.COMMAND_PLACEHOLDERS in step"
         return cmd + [c.format(**subs) for c in job.command]
     flags = ["-m", "resilient.forkserver", "run", "-m", "reference_trainer"]
     if not forked:

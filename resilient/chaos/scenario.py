@@ -55,6 +55,10 @@ recover_within_s = 45.0   # fault to the first step completed after the restart 
 
 ``job.env`` values may say ``{run_dir}`` (the faulty run's directory).
 
+``job.command`` words may say ``{ckpt}`` (the checkpoint URL), ``{metrics}``, ``{events}``,
+``{run_dir}`` and ``{chaos}`` (see ``COMMAND_PLACEHOLDERS``); a literal brace is written ``{{`` or
+``}}``, as in ``str.format``, which the harness substitutes them with.
+
 A command job (``job.command``) gets the chaos plan where it says ``{chaos}`` and must install the
 hook itself (``resilient.chaos.faults.ChaosHook.from_file``); the reference trainer takes it as
 ``--chaos PLAN``.
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +79,17 @@ from typing import Any
 from resilient.chaos.faults import IN_RANK_KINDS, PHASE_TRIGGERS
 from resilient.errors import ScenarioError
 
-__all__ = ["Scenario", "Job", "Fault", "Expect", "load_scenario", "parse_scenario", "KINDS"]
+__all__ = [
+    "Scenario",
+    "Job",
+    "Fault",
+    "Expect",
+    "load_scenario",
+    "parse_scenario",
+    "KINDS",
+    "COMMAND_PLACEHOLDERS",
+    "command_fields",
+]
 
 KINDS = (*IN_RANK_KINDS, "kill_node", "replace_node", "kill_job", "crash_job", "storage")
 NODE_KILLS = ("kill_node", "replace_node")  # the harness kills one agent (and its memory)
@@ -108,6 +123,9 @@ TRAINER_FLAGS = {
     "no_fallback": bool,
     "data": str,
 }
+
+# what a command job's words may say, as {name}: the harness substitutes each (harness._command)
+COMMAND_PLACEHOLDERS = ("ckpt", "metrics", "events", "run_dir", "chaos")
 
 DETECTION_FLAGS = (
     "heartbeat_interval_s",
@@ -240,7 +258,11 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     job = _job(v, v.table(raw, "job", required=True))
     faults = tuple(_fault(v, f, i, job) for i, f in enumerate(v.array_of_tables(raw, "faults")))
     in_rank = [f for f in faults if f.kind in IN_RANK_KINDS and f.at_s is None]
-    if job.command is not None and in_rank and not any("{chaos}" in c for c in job.command):
+    if (
+        job.command is not None
+        and in_rank
+        and not any("chaos" in command_fields(c) for c in job.command)
+    ):
         v.fail(
             ("job",),
             "command",
@@ -331,6 +353,17 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         command = v.typed(t, "command", list, at)
         if not command or not all(isinstance(c, str) for c in command):
             v.fail(at, "command", "must be a non-empty list of strings")
+        for word in command:
+            try:
+                command_fields(word)
+            except ValueError as e:
+                v.fail(
+                    at,
+                    "command",
+                    f"{word!r}: {e}; a word may say "
+                    f"{', '.join('{' + p + '}' for p in COMMAND_PLACEHOLDERS)}, and a literal "
+                    f"brace is written '{{{{' or '}}}}'",
+                )
     env = v.typed(t, "env", dict, at, default={})
     if not all(isinstance(x, str) for x in env.values()):
         v.fail(at, "env", "values must be strings")
@@ -350,6 +383,21 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         env=env,
         spares=spares,
     )
+
+
+def command_fields(word: str) -> set[str]:
+    """The placeholders a command word says (``{ckpt}``: ``{"ckpt"}``); ``ValueError`` where
+    ``str.format`` would not substitute it with ``COMMAND_PLACEHOLDERS`` alone (an unknown
+    name, a positional, an index or attribute, a format spec, a lone brace)."""
+    fields = set()
+    for _literal, name, spec, conversion in string.Formatter().parse(word):
+        if name is None:
+            continue
+        if name not in COMMAND_PLACEHOLDERS or spec or conversion:
+            shown = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(f"{{{shown}}} is not a placeholder")
+        fields.add(name)
+    return fields
 
 
 def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
