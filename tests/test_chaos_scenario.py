@@ -139,3 +139,173 @@ def test_every_placeholder_and_an_escaped_brace_reach_the_command(tmp_path):
             job='[job]\nnproc = 1\ncommand = ["x.py", "{{chaos}}"]\n',
             faults='[[faults]]\nkind = "raise"\nrank = 0\nstep = 1\n',
         )
+
+
+def _trainer(extra: str) -> str:
+    return TRAINER_JOB.replace("save_every = 2", f"save_every = 2\n{extra}")
+
+
+# (faults, job, expect) -> the message: TOML has nan and inf, and every field had no lower bound
+BAD_NUMBERS = {
+    "negative at_s": (
+        '[[faults]]\nkind = "kill"\nrank = 0\nat_s = -5.0\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].at_s: -5.0: must be >= 0",
+    ),
+    "nan at_s": (
+        '[[faults]]\nkind = "kill"\nrank = 0\nat_s = nan\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].at_s: expected a finite number, found nan",
+    ),
+    "nan pause seconds": (
+        '[[faults]]\nkind = "pause"\nrank = 0\nstep = 2\nseconds = nan\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].seconds: expected a finite number, found nan",
+    ),
+    "inf skew seconds": (
+        '[[faults]]\nkind = "skew"\nrank = 0\nseconds = inf\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].seconds: expected a finite number, found inf",
+    ),
+    "nan slow factor": (
+        '[[faults]]\nkind = "slow"\nrank = 0\nstep = 2\nfactor = nan\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].factor: expected a finite number, found nan",
+    ),
+    "negative slow seconds": (
+        '[[faults]]\nkind = "slow"\nrank = 0\nstep = 2\nfactor = 2.0\nmode = "throttle"\n'
+        "seconds = -1.0\n",
+        TRAINER_JOB,
+        "",
+        "faults[0].seconds: -1.0: a slow fault's duration, >= 0",
+    ),
+    "negative storage latency": (
+        '[[faults]]\nkind = "storage"\nlatency_s = -1.0\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].latency_s: -1.0: must be >= 0",
+    ),
+    "negative storage count": (
+        '[[faults]]\nkind = "storage"\nerror = "transient"\ncount = -1\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].count: -1: must be >= 0",
+    ),
+    "negative storage skip": (
+        '[[faults]]\nkind = "storage"\nerror = "transient"\nskip = -1\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].skip: -1: must be >= 0",
+    ),
+    "nan timeout_s": (
+        "",
+        TRAINER_JOB.replace("nproc = 2", "nproc = 2\ntimeout_s = nan"),
+        "",
+        "job.timeout_s: expected a finite number, found nan",
+    ),
+    "negative max_restarts": (
+        "",
+        TRAINER_JOB.replace("nproc = 2", "nproc = 2\nmax_restarts = -1"),
+        "",
+        "job.max_restarts: -1: must be >= 0",
+    ),
+    "negative tp and ep": (
+        "",
+        _trainer("tp = -1\nep = -1"),
+        "",
+        "job.trainer.tp: -1: must be >= 1",
+    ),
+    "zero dp": ("", _trainer("dp = 0"), "", "job.trainer.dp: 0: must be >= 1"),
+    "negative save_every": (
+        "",
+        TRAINER_JOB.replace("save_every = 2", "save_every = -2"),
+        "",
+        "job.trainer.save_every: -2: must be >= 0",
+    ),
+    "zero storage latency alone": (
+        '[[faults]]\nkind = "storage"\nlatency_s = 0.0\n',
+        TRAINER_JOB,
+        "",
+        "faults[0].error: a storage fault needs error (transient, timeout, permanent, enospc) or "
+        "latency_s > 0",
+    ),
+    "zero global_batch": ("", _trainer("global_batch = 0"), "", "global_batch: 0: must be >= 1"),
+    "zero keep_last": ("", _trainer("keep_last = 0"), "", "job.trainer.keep_last: 0: must be >= 1"),
+    "negative micro_batch": ("", _trainer("micro_batch = -1"), "", "micro_batch: -1: must be >= 0"),
+    "negative memory_every": ("", _trainer("memory_every = -1"), "", "memory_every: -1: must be"),
+    "zero max_failed_saves": (
+        "",
+        _trainer("max_failed_saves = 0"),
+        "",
+        "max_failed_saves: 0: must",
+    ),
+    "zero lr": ("", _trainer("lr = 0.0"), "", "job.trainer.lr: 0.0: must be > 0"),
+    "nan lr": ("", _trainer("lr = nan"), "", "job.trainer.lr: expected a finite number, found nan"),
+    "zero hang_timeout_s": ("", _trainer("hang_timeout_s = 0.0"), "", "hang_timeout_s: 0.0: must"),
+    "negative max_steps_lost": (
+        "",
+        TRAINER_JOB,
+        "max_steps_lost = -1",
+        "expect.max_steps_lost: -1: must be >= 0",
+    ),
+    "negative restarts": ("", TRAINER_JOB, "restarts = -1", "expect.restarts: -1: must be >= 0"),
+    "negative failed_saves": ("", TRAINER_JOB, "failed_saves = -1", "expect.failed_saves: -1"),
+    "hang_rank outside the world": (
+        "",
+        TRAINER_JOB,
+        "hang_rank = 2",
+        "expect.hang_rank: 2 is not a rank of this 2-rank job (0..1)",
+    ),
+    "inf detect_within_s": (
+        "",
+        TRAINER_JOB,
+        "detect_within_s = inf",
+        "expect.detect_within_s: expected a finite number, found inf",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_NUMBERS))
+def test_a_number_a_scenario_may_not_hold_is_refused_with_its_line(case):
+    faults, job, expect, message = BAD_NUMBERS[case]
+    text = _text(job=job, faults=faults, expect=expect)
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario(text, "s.toml")
+    field = message.split(":")[0].split(".")[-1].split("[")[0]
+    lines = text.splitlines()
+    # the line that sets the field, else (a field that is missing) its table's header
+    line = next((n for n, x in enumerate(lines, 1) if x.startswith(field + " =")), None)
+    line = line or lines.index("[[faults]]") + 1
+    assert f"s.toml:{line}: " in str(e.value) and message in str(e.value)
+
+
+def test_the_least_values_the_reference_trainer_takes_still_parse():
+    s = _scenario(
+        job=_trainer(
+            "micro_batch = 0\nmemory_every = 0\nmemory_commit_every = 0\nwarmup_steps = 0\n"
+            "max_failed_saves = 1\nkeep_last = 1\nseed = -3\nlr = 1e-6"
+        ).replace("save_every = 2", "save_every = 0"),
+        faults='[[faults]]\nkind = "kill"\nrank = 0\nat_s = 0\n'
+        '[[faults]]\nkind = "storage"\nerror = "transient"\nlatency_s = 0.0\ncount = 0\n'
+        "skip = 0\n",
+        expect="max_steps_lost = 0\nrestarts = 0\nfailed_saves = 0\nhang_rank = 1",
+    )
+    assert s.job.trainer["seed"] == -3 and s.faults[0].at_s == 0.0 and s.expect.hang_rank == 1
+
+
+def test_a_negative_storage_latency_no_longer_reaches_the_faulty_filesystem(tmp_path):
+    """What latency_s = -1 did once accepted: the faulty filesystem's first call raised a raw
+    ValueError (time.sleep(-1)) inside a rank."""
+    from resilient.chaos import harness
+    from resilient.chaos.faultfs import FaultyFileSystem
+
+    with pytest.raises(ScenarioError, match=r"faults\[0\]\.latency_s: -1\.0: must be >= 0"):
+        _scenario(faults='[[faults]]\nkind = "storage"\nlatency_s = -1.0\n')
+    s = _scenario(faults='[[faults]]\nkind = "storage"\nlatency_s = 0.001\n')
+    fs = FaultyFileSystem(faults=[harness._storage_rule(f) for f in s.storage_faults])
+    assert fs.exists(str(tmp_path))

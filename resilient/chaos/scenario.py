@@ -127,6 +127,27 @@ TRAINER_FLAGS = {
 # what a command job's words may say, as {name}: the harness substitutes each (harness._command)
 COMMAND_PLACEHOLDERS = ("ckpt", "metrics", "events", "run_dir", "chaos")
 
+# the least value of each numeric trainer flag (reference_trainer.config.TrainConfig's checks):
+# (bound, strict): x >= bound, or x > bound where strict; seed takes any integer
+TRAINER_BOUNDS = {
+    "tp": (1, False),
+    "ep": (1, False),
+    "dp": (1, False),
+    "steps": (1, False),
+    "global_batch": (1, False),
+    "keep_last": (1, False),
+    "max_failed_saves": (1, False),  # 1: the first failed save ends the run
+    "micro_batch": (0, False),  # 0: the replica's whole share at once
+    "save_every": (0, False),  # 0: never
+    "memory_every": (0, False),  # 0: no memory tier
+    "memory_commit_every": (0, False),  # 0: committed only when needed
+    "warmup_steps": (0, False),
+    "lr": (0, True),
+    "heartbeat_interval_s": (0, True),
+    "hang_timeout_s": (0, True),
+    "join_timeout_s": (0, True),
+}
+
 DETECTION_FLAGS = (
     "heartbeat_interval_s",
     "hang_timeout_s",
@@ -337,6 +358,9 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         v.positive(trainer, "steps", tat, required=True)
         if isinstance(trainer.get("dp"), str) and trainer["dp"] != "auto":
             v.fail(tat, "dp", f"{trainer['dp']!r}: an integer or 'auto'")
+        for k, (bound, strict) in TRAINER_BOUNDS.items():
+            if not isinstance(trainer.get(k), str):  # (dp = 'auto')
+                v.at_least(trainer, k, tat, bound, kind=TRAINER_FLAGS[k], strict=strict)
         world = nproc * nodes
         inner = trainer.get("tp", 1) * trainer.get("ep", 1)
         dp = trainer.get("dp", world // max(inner, 1))
@@ -369,14 +393,12 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         v.fail(at, "env", "values must be strings")
     spares = t.get("spares")
     if spares is not None:
-        v.typed(t, "spares", int, at)
-        if spares < 0:
-            v.fail(at, "spares", f"{spares}: a number of spare processes per node, >= 0")
+        v.at_least(t, "spares", at, 0)
     return Job(
         nproc=nproc,
         nodes=nodes,
         elastic=v.typed(t, "elastic", bool, at, default=False),
-        max_restarts=v.typed(t, "max_restarts", int, at, default=2),
+        max_restarts=v.at_least(t, "max_restarts", at, 0, default=2),
         timeout_s=float(v.positive(t, "timeout_s", at, default=300, kind=(int, float))),
         trainer=trainer,
         command=command,
@@ -414,7 +436,7 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     if rank is not None and not 0 <= rank < world:
         v.fail(at, "rank", f"{rank} is not a rank of this {world}-rank job (0..{world - 1})")
     step = v.typed(t, "step", int, at, default=None)
-    at_s = v.typed(t, "at_s", (int, float), at, default=None)
+    at_s = v.at_least(t, "at_s", at, 0, kind=(int, float))
     when = v.typed(t, "when", str, at, default="step")
     after = v.typed(t, "after", str, at, default=None)
     if after is not None and (kind not in IN_RANK_KINDS or kind == "skew" or at_s is not None):
@@ -435,12 +457,12 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         v.fail(at, "step", f"{step} is outside the job's steps 1..{steps}")
     if kind == "storage":
         error = v.typed(t, "error", str, at, default=None)
-        latency = v.typed(t, "latency_s", (int, float), at, default=None)
-        if error is None and latency is None:
+        latency = v.at_least(t, "latency_s", at, 0, kind=(int, float))
+        if error is None and not latency:  # (latency_s = 0 alone would do nothing)
             v.fail(
                 at,
                 "error",
-                f"a storage fault needs error ({', '.join(STORAGE_ERRORS)}) or latency_s",
+                f"a storage fault needs error ({', '.join(STORAGE_ERRORS)}) or latency_s > 0",
             )
         if error is not None and error not in STORAGE_ERRORS:
             v.fail(at, "error", f"{error!r}: one of {', '.join(STORAGE_ERRORS)}")
@@ -457,8 +479,8 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
             op=op,
             path=v.typed(t, "path", str, at, default=""),
             probability=prob,
-            count=v.typed(t, "count", int, at, default=None),
-            skip=v.typed(t, "skip", int, at, default=0),
+            count=v.at_least(t, "count", at, 0),
+            skip=v.at_least(t, "skip", at, 0, default=0),
             latency_s=None if latency is None else float(latency),
         )
     node = v.typed(t, "node", int, at, default=None)
@@ -510,6 +532,8 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
         v.fail(at, "mode", f"{mode!r}: a slow fault's mode is 'compute' or 'throttle'")
     if kind == "pause" and (seconds is None or seconds <= 0):
         v.fail(at, "seconds", "a pause fault needs seconds > 0")
+    if kind == "slow" and seconds is not None and seconds < 0:
+        v.fail(at, "seconds", f"{seconds}: a slow fault's duration, >= 0 (0: to the end)")
     tier = v.typed(t, "tier", str, at, default=None)
     if tier is not None and (kind not in ("corrupt", "truncate") or tier not in TIERS):
         v.fail(at, "tier", f"{tier!r}: a corrupt or truncate fault's tier is 'durable' or 'memory'")
@@ -541,26 +565,30 @@ def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
     verdict = v.typed(t, "verdict", str, at, default=None)
     if verdict is not None and verdict not in VERDICTS:
         v.fail(at, "verdict", f"{verdict!r}: one of {', '.join(VERDICTS)}")
+    world = job.nproc * job.nodes
+    hang_rank = v.typed(t, "hang_rank", int, at, default=None)
+    if hang_rank is not None and not 0 <= hang_rank < world:
+        v.fail(
+            at, "hang_rank", f"{hang_rank} is not a rank of this {world}-rank job (0..{world - 1})"
+        )
     floats = {}
     for k in ("rtol", "atol", "moment_rtol", "loss_rtol", "detect_within_s", "recover_within_s"):
-        x = v.typed(t, k, (int, float), at, default=None)
-        if x is not None and (x < 0 or math.isnan(x)):
-            v.fail(at, k, f"{x}: must be >= 0")
+        x = v.at_least(t, k, at, 0, kind=(int, float))
         if x is not None:
             floats[k] = float(x)
     return Expect(
         completed=v.typed(t, "completed", bool, at, default=True),
         final_state=final,
-        max_steps_lost=v.typed(t, "max_steps_lost", int, at, default=None),
+        max_steps_lost=v.at_least(t, "max_steps_lost", at, 0),
         verdict=verdict,
         checkpoints_verify=v.typed(t, "checkpoints_verify", bool, at, default=True),
         samples_exactly_once=v.typed(
             t, "samples_exactly_once", bool, at, default=job.trainer is not None
         ),
         error_contains=v.typed(t, "error_contains", str, at, default=None),
-        restarts=v.typed(t, "restarts", int, at, default=None),
-        failed_saves=v.typed(t, "failed_saves", int, at, default=None),
-        hang_rank=v.typed(t, "hang_rank", int, at, default=None),
+        restarts=v.at_least(t, "restarts", at, 0),
+        failed_saves=v.at_least(t, "failed_saves", at, 0),
+        hang_rank=hang_rank,
         hang_collective=v.typed(t, "hang_collective", str, at, default=None),
         **floats,
     )
@@ -654,6 +682,26 @@ class _Validator:
         if (isinstance(x, bool) and bool not in kinds) or not isinstance(x, kinds):
             names = " or ".join(k.__name__ for k in kinds)
             self.fail(at, key, f"expected {names}, found {type(x).__name__} {x!r}")
+        if isinstance(x, float) and not math.isfinite(x):  # TOML allows nan and inf
+            self.fail(at, key, f"expected a finite number, found {x}")
+        return x
+
+    def at_least(
+        self,
+        t: dict[str, Any],
+        key: str,
+        at: tuple,
+        bound: float,
+        *,
+        kind: Any = int,
+        strict: bool = False,
+        default: Any = None,
+        required: bool = False,
+    ) -> Any:
+        """A number ``>= bound`` (``> bound`` where ``strict``)."""
+        x = self.typed(t, key, kind, at, required=required, default=default)
+        if x is not None and (x <= bound if strict else x < bound):
+            self.fail(at, key, f"{x}: must be {'>' if strict else '>='} {bound}")
         return x
 
     def file_name(
@@ -691,7 +739,4 @@ class _Validator:
         required: bool = False,
         kind: Any = int,
     ) -> Any:
-        x = self.typed(t, key, kind, at, required=required, default=default)
-        if x is not None and x < 1:
-            self.fail(at, key, f"{x}: must be >= 1")
-        return x
+        return self.at_least(t, key, at, 1, kind=kind, default=default, required=required)
