@@ -709,9 +709,16 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
         return Check(name, False, f"cannot read a final checkpoint: {e}")
     if a.keys() != b.keys():
         return Check(name, False, f"tensor names differ: {sorted(a.keys() ^ b.keys())[:5]}")
-    differ, worst = [], {"weights": 0.0, "moments": 0.0}
+    differ, worst, why = [], {"weights": 0.0, "moments": 0.0}, ""
     for k in a:
-        if exp.final_state == "exact":
+        if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape:
+            # (torch.equal ignores the dtype: a float64 copy of a float32 weight is "equal")
+            differ.append(k)
+            why = why or (
+                f"; {k} is {b[k].dtype} {tuple(b[k].shape)}, the reference's "
+                f"{a[k].dtype} {tuple(a[k].shape)}"
+            )
+        elif exp.final_state == "exact":
             if not torch.equal(a[k], b[k]):
                 differ.append(k)
         elif not _close(k, a[k], b[k], exp, worst):
@@ -724,7 +731,9 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
     )
     if differ:
         return Check(
-            name, False, f"step {step}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
+            name,
+            False,
+            f"step {step}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}{why}",
         )
     extra = (
         f" (largest relative difference in norm: weights {worst['weights']:.1e}, "
