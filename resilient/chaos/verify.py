@@ -12,6 +12,7 @@ were within their bounds.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -280,19 +281,38 @@ def verify_run(
             else (0.0 if exp.final_state == "exact" else exp.rtol)
         )
         worst, at = 0.0, None
+        unmatched, nonfinite = [], []
         for r in history:
-            if r["step"] in ref_loss:
-                d = abs(r["loss"] - ref_loss[r["step"]]) / max(abs(ref_loss[r["step"]]), 1e-12)
-                if d > worst:
-                    worst, at = d, r["step"]
-        ok = worst <= tol
+            if r["step"] not in ref_loss:
+                unmatched.append(r["step"])  # a step the reference never ran: nothing vouches
+                continue
+            x, y = float(r["loss"]), float(ref_loss[r["step"]])
+            if not (math.isfinite(x) and math.isfinite(y)):
+                # (a NaN's difference is NaN, which no '>' catches) only the same non-finite
+                # value on both sides matches
+                if not (x == y or (math.isnan(x) and math.isnan(y))):
+                    nonfinite.append((r["step"], x, y))
+                continue
+            d = abs(x - y) / max(abs(y), 1e-12)
+            if d > worst:
+                worst, at = d, r["step"]
+        ok = worst <= tol and not unmatched and not nonfinite
         checks.append(
             Check(
                 "loss curve matches the reference",
                 ok,
                 f"max relative difference {worst:.2e}"
                 + (f" at step {at}" if at else "")
-                + f" (allowed {tol:.0e})",
+                + f" (allowed {tol:.0e})"
+                + "".join(
+                    f"; step {st}: loss {x}, the reference's {y}" for st, x, y in nonfinite[:3]
+                )
+                + (
+                    f"; steps {unmatched[:5]} have no reference step (it ran "
+                    f"{min(ref_loss)}..{max(ref_loss)})"
+                    if unmatched
+                    else ""
+                ),
             )
         )
         m["loss_max_rel_diff"] = worst
