@@ -95,3 +95,96 @@ def test_a_nan_loss_the_reference_does_not_have_fails_the_loss_curve(tmp_path, m
 def test_a_run_step_the_reference_never_ran_fails_the_loss_curve(tmp_path, monkeypatch):
     bad = _loss_check(tmp_path, monkeypatch, [5.0, 4.0, 3.0, 2.0, 1.0], [5.0, 4.0, 3.0], "extra")
     assert bad.ok is False and "steps [4, 5] have no reference step (it ran 1..3)" in bad.detail
+
+
+class _Checkpointer:
+    """What the damaging faults use of a run's checkpointer: nothing committed until told."""
+
+    def __init__(self, url: str) -> None:
+        from resilient import Checkpointer
+
+        self.real, self.committed, self.snapshots = Checkpointer(url), False, None
+        self.storage = self.real.storage
+
+    def wait(self) -> None:
+        self.real.wait()
+
+    def latest_step(self):
+        return self.real.latest_step() if self.committed else None
+
+    def manifest(self, step):
+        return self.real.manifest(step)
+
+
+def test_a_corrupt_fault_before_any_commit_stays_armed_and_counts_only_once_it_damaged(
+    tmp_path, monkeypatch
+):
+    """A corrupt fault triggered before anything was committed wrote its 'fault' event, then
+    raised ChaosError without damaging anything, and the verifier's "faults fired" counted it.
+    Now it claims nothing and records nothing until a commit exists, then damages the newest
+    step: the 'fault' event comes with a 'fault_detail' saying what was damaged."""
+    from resilient.chaos.faults import ChaosHook
+    from resilient.health.events import EventLog
+
+    monkeypatch.setattr(
+        verify,
+        "_compare_final",
+        lambda *a, **k: Check("final state matches the reference", True, ""),
+    )
+    s = _scenario(faults='[[faults]]\nid = "rot"\nkind = "corrupt"\nstep = 1\n')
+    run = tmp_path / "run"
+    _write_run(run, [5.0, 4.0, 3.0, 2.0])
+    plan = {
+        "marker_dir": str(run / "faults"),
+        "events": str(run / "events.jsonl"),
+        "faults": [f.to_json() for f in s.faults],
+    }
+
+    class Run:
+        checkpointer = _Checkpointer(str(run / "ckpt"))
+
+    Run.checkpointer.real.save(2, {"model": {"w": torch.arange(4096.0)}}).wait()
+    hook = ChaosHook(plan, 0, EventLog(plan["events"]))
+    hook.at_step(1, Run())  # nothing committed yet: armed, not fired
+    hook.during_save(1, Run())
+    events = verify.read_jsonl(run / "events.jsonl")
+    assert events == [] and not (run / "faults" / "rot.fired").exists()
+    fired = next(
+        c for c in verify_run(s, run, _launch(run), None).checks if c.name == "faults fired"
+    )
+    assert fired.ok is False and "never fired: ['rot']" in fired.detail
+
+    ChaosHook(plan, 0, EventLog(plan["events"])).at_step(2, Run())  # the next attempt, say
+    Run.checkpointer.committed = True
+    hook.at_step(3, Run())  # step 2 is committed now: damaged
+    hook.at_step(4, Run())  # once
+    events = verify.read_jsonl(run / "events.jsonl")
+    assert [(e["event"], e["id"], e.get("step")) for e in events] == [
+        ("fault", "rot", 3),
+        ("fault_detail", "rot", 2),
+    ]
+    fired = next(
+        c for c in verify_run(s, run, _launch(run), None).checks if c.name == "faults fired"
+    )
+    assert fired.ok is True, fired.detail
+
+
+def test_a_recorded_corrupt_fault_without_its_damage_is_not_counted_as_fired(tmp_path, monkeypatch):
+    """The verifier's side, for a run an older hook recorded: a 'fault' event alone."""
+    monkeypatch.setattr(
+        verify,
+        "_compare_final",
+        lambda *a, **k: Check("final state matches the reference", True, ""),
+    )
+    s = _scenario(faults='[[faults]]\nid = "rot"\nkind = "truncate"\nstep = 1\n')
+    run = tmp_path / "run"
+    _write_run(run, [5.0, 4.0, 3.0, 2.0])
+    (run / "events.jsonl").write_text(
+        json.dumps({"event": "fault", "id": "rot", "kind": "truncate", "step": 1, "time": 1.0})
+        + "\n"
+    )
+    fired = next(
+        c for c in verify_run(s, run, _launch(run), None).checks if c.name == "faults fired"
+    )
+    assert fired.ok is False
+    assert "never fired: ['rot'] (['rot']: recorded, but no fault_detail" in fired.detail

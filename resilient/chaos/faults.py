@@ -20,7 +20,9 @@ thread keeps beating), ``pause`` (the loop blocks for ``seconds``, then goes on)
 (every torch operation on the rank takes ``factor`` times as long while communication keeps full
 speed, like a throttled GPU; ``mode = "throttle"`` instead stops and continues the whole process
 with SIGSTOP/SIGCONT, like an oversubscribed node), ``corrupt`` / ``truncate`` (bit rot or a lost tail in
-a file of the newest committed checkpoint), ``skew`` (the rank's wall clock, ``time.time``, runs
+a file of the newest committed checkpoint; one triggered before anything is committed stays armed
+and fires at the first step or save after a commit: it claims its marker and records its ``fault``
+event only once it damaged a file, and its ``fault_detail`` event says which), ``skew`` (the rank's wall clock, ``time.time``, runs
 ``seconds`` off from the start of every attempt: a host without NTP), ``delay_link`` (every
 point-to-point send from the rank to ``peer`` is held to ``bytes_per_s``, plus ``latency_s``: one
 slow link, for ``resilient preflight --chaos PLAN``; a plan-only kind, not a scenario's, since
@@ -48,6 +50,7 @@ from resilient.health.events import EventLog
 
 __all__ = [
     "IN_RANK_KINDS",
+    "DAMAGE_KINDS",
     "PHASE_TRIGGERS",
     "ChaosHook",
     "ChaosError",
@@ -65,6 +68,8 @@ __all__ = [
 IN_RANK_KINDS = ("kill", "stop", "raise", "hang", "pause", "slow", "corrupt", "truncate", "skew")
 # kinds a plan may hold that scenario files do not take (see the module docstring)
 LINK_KINDS = ("delay_link",)
+# kinds that damage a committed checkpoint: fired only once they did (ChaosHook._damage)
+DAMAGE_KINDS = ("corrupt", "truncate")
 # scenario ``when`` -> the hook phase it fires at
 PHASE_TRIGGERS = {"import": "import", "init": "init_process_group", "restore": "restore"}
 
@@ -147,12 +152,18 @@ class ChaosHook:
                 continue
             if f.get("after") and not self._marker(f["after"]).exists():
                 continue  # armed once the fault it follows has fired
-            if self._claim_and_record(f, step, when):
+            if f["kind"] in DAMAGE_KINDS:
+                self._damage(f, step, when, run)
+            elif self._claim_and_record(f, step, when):
                 self._fire(f, step, run)
 
     def _claim_and_record(self, f: dict[str, Any], step: int | None, when: str) -> bool:
         if not self._claim(f):
             return False
+        self._record(f, step, when)
+        return True
+
+    def _record(self, f: dict[str, Any], step: int | None, when: str) -> None:
         self.events.write(
             "fault",
             id=f["id"],
@@ -163,7 +174,6 @@ class ChaosHook:
             pid=os.getpid(),
             **({"seconds": f["seconds"]} if f["kind"] == "skew" else {}),
         )
-        return True
 
     def _marker(self, fault_id: str) -> Path:
         """The file whose creation claims the fault, in the run's faults/ directory."""
@@ -203,18 +213,35 @@ class ChaosHook:
                 slow_compute(float(f["factor"]))
         elif kind == "delay_link":
             delay_link(int(f["peer"]), float(f["bytes_per_s"]), float(f.get("latency_s") or 0.0))
-        elif kind in ("corrupt", "truncate"):
-            if run is None or run.checkpointer is None:
-                raise ChaosError(f"{f['id']}: the run has no checkpoint to damage")
-            target = run.checkpointer
-            if f.get("tier") == "memory":
-                target = run.checkpointer.snapshots
-                if target is None:
-                    raise ChaosError(f"{f['id']}: the run has no memory tier (memory_every)")
-            target.wait()  # damage a committed step, not one being written
-            detail = damage_newest_checkpoint(target, kind)
-            detail["tier"] = f.get("tier") or "durable"
-            self.events.write("fault_detail", id=f["id"], **detail)
+
+    def _damage(self, f: dict[str, Any], step: int | None, when: str, run: Any) -> None:
+        """A corrupt or truncate fault fires, and is recorded as fired, only once it damaged a
+        committed step: triggered before the first commit, it stays armed (no marker, no event)
+        and tries again at the next step or save, of this process or the next attempt's, so the
+        verifier's "faults fired" never counts a fault that damaged nothing."""
+        if run is None or run.checkpointer is None:  # a job that cannot be damaged: say so
+            raise ChaosError(
+                f"{f['id']}: the run has no checkpointer to damage; a {f['kind']} fault needs a "
+                f"job that saves (save_every)"
+            )
+        target = run.checkpointer
+        if f.get("tier") == "memory":
+            target = run.checkpointer.snapshots
+            if target is None:
+                raise ChaosError(
+                    f"{f['id']}: the run has no memory tier to damage; give the job memory_every"
+                )
+        target.wait()  # damage a committed step, not one being written
+        if target.latest_step() is None or not self._claim(f):
+            return  # nothing committed yet (armed still), or fired already
+        try:
+            detail = damage_newest_checkpoint(target, f["kind"])
+        except BaseException:
+            self._marker(f["id"]).unlink(missing_ok=True)  # damaged nothing: not fired
+            raise
+        self._record(f, step, when)
+        detail["tier"] = f.get("tier") or "durable"
+        self.events.write("fault_detail", id=f["id"], **detail)
 
 
 _TRUE_TIME = time.time

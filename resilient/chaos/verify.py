@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from resilient.chaos.faults import DAMAGE_KINDS
 from resilient.chaos.harness import Launch, RunPaths
 from resilient.chaos.scenario import Scenario
 from resilient.health.detector import STARTUP_LIVENESS_PHASES, DetectorConfig
@@ -244,6 +245,15 @@ def verify_run(
     for rec in read_jsonl(paths.storage_record):
         fired.setdefault(rec["rule"], {"time": rec["time"], "count": 0})
         fired[rec["rule"]]["count"] = fired[rec["rule"]].get("count", 0) + 1
+    # a corrupt or truncate fault fired where it damaged something (its fault_detail event)
+    damaged = {e["id"] for e in events if e["event"] == "fault_detail"}
+    undamaged = [
+        f.id
+        for f in scenario.faults
+        if f.kind in DAMAGE_KINDS and f.id in fired and f.id not in damaged
+    ]
+    for fid in undamaged:
+        del fired[fid]
     missing = [f.id for f in scenario.faults if f.id not in fired]
     checks.append(
         Check(
@@ -255,7 +265,12 @@ def verify_run(
                 for fid in fired
             )
             if not missing
-            else f"never fired: {missing}",
+            else f"never fired: {missing}"
+            + (
+                f" ({undamaged}: recorded, but no fault_detail: damaged nothing)"
+                if undamaged
+                else ""
+            ),
         )
     )
     m["faults_fired"] = {
