@@ -221,7 +221,7 @@ def _train(
         preflight=cfg.preflight,
     )
     recovery.attach(run)
-    metrics = open(cfg.metrics, "a", buffering=1) if cfg.metrics and rank == 0 else None
+    metrics = open_metrics(cfg.metrics) if cfg.metrics and rank == 0 else None
     losses: list[float] = []
     with run:  # on an error, the detector first gets a moment to name a failed peer
         start = run.track(model=model, optim=optim, data=loader, train=counters, config=config)
@@ -243,6 +243,18 @@ def _train(
             if metrics is not None:
                 metrics.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+def open_metrics(path: str) -> Any:
+    """The metrics file, to append one line per step on a fresh line: a kill can cut the
+    previous attempt's last record mid-write, and a record appended to its line would be read
+    as part of the cut one (a replayed step hidden from the chaos verifier's lineage)."""
+    f = open(path, "a", buffering=1)
+    with open(path, "rb") as r:
+        size = r.seek(0, os.SEEK_END)
+        if size and (r.seek(size - 1), r.read(1))[1] != b"\n":
+            f.write("\n")
+    return f
 
 
 def _has_committed_step(cfg: TrainConfig, device: Any) -> bool:

@@ -188,3 +188,59 @@ def test_a_recorded_corrupt_fault_without_its_damage_is_not_counted_as_fired(tmp
     )
     assert fired.ok is False
     assert "never fired: ['rot'] (['rot']: recorded, but no fault_detail" in fired.detail
+
+
+def _rec(i: int) -> str:
+    return json.dumps({"step": i, "loss": 1.0, "wall_time": 100.0 + i, "samples": [(i - 1) * 8, 8]})
+
+
+def test_a_line_a_kill_cut_gives_up_the_record_the_restart_appended_to_it():
+    from resilient.chaos.jsonl import records_of_line
+
+    nested = json.dumps({"step": 5, "layout": {"dp": 2, "tp": 1}, "loss": 1.0})
+    assert records_of_line(_rec(7)[:10] + nested) == [json.loads(nested)]  # not its inner {"dp"
+    assert records_of_line(_rec(4) + _rec(5)) == [json.loads(_rec(4)), json.loads(_rec(5))]
+    assert records_of_line('{"step": 3, "lo') == []
+    assert records_of_line("  ") == [] and records_of_line("[1, 2]") == []
+
+
+def test_the_harness_tails_metrics_past_a_line_a_kill_cut(tmp_path):
+    """The supervisor's _MetricsTail json.loads'ed every line: a cut record followed by the
+    restart's next one raised a raw JSONDecodeError out of the harness, killing the job."""
+    from resilient.chaos.harness import _MetricsTail
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # killed mid-record
+    tail = _MetricsTail(p)
+    assert tail.last_step() == 2
+    with open(p, "a") as f:
+        f.write('{"step": 3, "loss": 1.0}\n{"no_step": 1}\nnot json\n')  # the restart appends
+    assert tail.last_step() == 3
+    with open(p, "a") as f:
+        f.write('{"step": 4}\n')
+    assert tail.last_step() == 4
+
+
+def test_a_rollback_whose_first_record_shares_the_cut_line_is_still_counted(tmp_path, monkeypatch):
+    """The cut line swallowed the replay's first record: lineage saw the rollback one step
+    shorter (keeping the pre-crash record of that step), so a rollback that lost more than
+    max_steps_lost passed "steps lost within bound"."""
+    monkeypatch.setattr(
+        verify,
+        "_compare_final",
+        lambda *a, **k: Check("final state matches the reference", True, ""),
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    # steps 1..6, step 7 cut by the kill, resumed from step 4: 5, 6, 7, 8 replayed
+    text = "\n".join(_rec(i) for i in range(1, 7)) + "\n" + _rec(7)[:10] + _rec(5) + "\n"
+    text += "\n".join(_rec(i) for i in range(6, 9)) + "\n"
+    (run / "metrics.jsonl").write_text(text)
+    s = _scenario(
+        job=TRAINER_JOB.replace("steps = 4", "steps = 8"),
+        expect='max_steps_lost = 1\nfinal_state = "any"',
+    )
+    out = verify_run(s, run, _launch(run), None)
+    lost = next(c for c in out.checks if c.name == "steps lost within bound")
+    assert lost.ok is False, f"2 steps (5, 6) were lost, the bound is 1: {lost.detail}"
+    assert out.measurements["rollbacks"][0]["lost"] == 2

@@ -97,3 +97,25 @@ def test_the_model_trains_under_bf16_autocast(name):
         assert torch.isfinite(loss)
     finally:
         dist.destroy_process_group()
+
+
+def test_metrics_are_appended_on_a_fresh_line_after_a_record_a_kill_cut(tmp_path):
+    """A kill can cut rank 0's last metrics record mid-write; the restart's first record must
+    not land on that line (the chaos verifier would read the two as one cut record)."""
+    from reference_trainer.train import open_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')
+    with open_metrics(str(path)) as f:
+        f.write('{"step": 2}\n')
+    with open_metrics(str(path)) as f:  # a whole last line: nothing added
+        f.write('{"step": 3}\n')
+    assert path.read_text().splitlines() == [
+        '{"step": 1}',
+        '{"step": 2, "lo',
+        '{"step": 2}',
+        '{"step": 3}',
+    ]
+    with open_metrics(str(tmp_path / "new.jsonl")) as f:  # a new file starts at its start
+        f.write('{"step": 1}\n')
+    assert (tmp_path / "new.jsonl").read_text() == '{"step": 1}\n'

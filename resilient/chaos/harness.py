@@ -35,6 +35,7 @@ from typing import Any
 
 from resilient import forkserver
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
+from resilient.chaos.jsonl import records_of_line
 from resilient.chaos.scenario import COMMAND_PLACEHOLDERS, JOB_KILLS, NODE_KILLS, Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
@@ -395,8 +396,10 @@ class _MetricsTail:
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         for line in lines:
-            if line.strip():
-                self.step = int(json.loads(line)["step"])
+            # a record cut by a kill, or merged with the next attempt's first: what parses
+            for record in records_of_line(line.decode(errors="replace")):
+                if isinstance(record.get("step"), int):
+                    self.step = record["step"]
         return self.step
 
 

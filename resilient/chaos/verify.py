@@ -11,7 +11,6 @@ were within their bounds.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 from resilient.chaos.faults import DAMAGE_KINDS
 from resilient.chaos.harness import Launch, RunPaths
+from resilient.chaos.jsonl import read_jsonl
 from resilient.chaos.scenario import Scenario
 from resilient.health.detector import STARTUP_LIVENESS_PHASES, DetectorConfig
 
@@ -57,19 +57,6 @@ class Outcome:
     @property
     def failures(self) -> list[Check]:
         return [c for c in self.checks if c.ok is False]
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-    return out
 
 
 def lineage(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
