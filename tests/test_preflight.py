@@ -423,6 +423,29 @@ def test_storage_check_works_in_a_scratch_directory_and_leaves_nothing(tmp_path)
         pstorage.open_storage("nosuchprotocol://bucket/x", None)
 
 
+def test_the_storage_check_compares_every_block_read_back_not_the_first_only(tmp_path):
+    """The file is 1 MiB blocks of the same random bytes; only the first block read back was
+    compared, so a store that returns zeros past the first MiB passed."""
+    store = pstorage.open_storage(str(tmp_path / "ckpt"), None)
+    scratch = pstorage.scratch_name()
+    pstorage.make_scratch(store, scratch)
+    read_into = store.read_into
+
+    def zeroed_tail(rel, offset, buf):
+        n = read_into(rel, offset, buf)
+        start = max((3 << 20) - offset, 0)  # the last of four blocks lost
+        if start < len(buf):
+            buf[start:] = bytes(len(buf) - start)
+        return n
+
+    store.read_into = zeroed_tail
+    with pytest.raises(StorageError, match=r"first difference in the block at byte 3145728"):
+        pstorage.storage_sample(store, scratch, 0, 4 << 20)
+    store.read_into = read_into
+    assert pstorage.storage_sample(store, scratch, 0, 4 << 20)["bytes"] == 4 << 20
+    pstorage.remove_scratch(store, scratch)
+
+
 def test_a_world_of_one_runs_every_local_check(tmp_path):
     """No process group: device, memory, storage; links, collectives and the store skipped."""
     url = str(tmp_path / "new")
