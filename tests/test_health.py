@@ -259,6 +259,74 @@ def test_straggler_reported_after_consecutive_windows():
     assert "3.0x slower than the median rank" in found[0].detail
 
 
+def _synchronous_steps(d, steps_busy, step_s, scans_per_step, t0=0.0):
+    """Ranks of a synchronous job: every step ends at the same time, ``step_s[i]`` after the one
+    before; ``steps_busy[i][r]`` is rank r's compute in step i (reported with the next step's
+    announcement, as the loop does); the first step is announced as ``first_step``.  The leader
+    scans ``scans_per_step`` times a step; returns every finding."""
+    found, t = [], t0
+    n = len(steps_busy[0])
+    for i in range(len(steps_busy) + 1):
+        length = step_s[min(i, len(step_s) - 1)]
+        for j in range(scans_per_step):
+            now = t + j * length / scans_per_step
+            sts = [
+                RankStatus(
+                    r,
+                    now,
+                    i + 1,
+                    "first_step" if i == 0 else "train",
+                    t,
+                    "h",
+                    r,
+                    busy_s=None if i == 0 else steps_busy[i - 1][r],
+                    seq=i + 1,
+                )
+                for r in range(n)
+            ]
+            found += d.observe(sts, now)
+        t += length
+    return found
+
+
+@pytest.mark.parametrize("windows", [1, 3])
+def test_a_slower_first_step_compile_is_not_reported_as_a_straggler(windows):
+    """Rank 3 compiled its first step in 40 s, its peers in 20 s; every later step takes 8 s of
+    compute on every rank (steps of 10 s, ten scans a step).  Rank 3 is not a straggler, even
+    where one slow measurement would make one: the first step is measured for no comparison."""
+    d = Detector(DetectorConfig(hang_timeout_s=1e9, straggler_windows=windows))
+    busy = [[20.0, 20.0, 20.0, 40.0], [8.0, 8.0, 8.0, 8.0], [8.0, 8.0, 8.0, 8.0]]
+    found = _synchronous_steps(d, busy, step_s=[40.0, 10.0], scans_per_step=10, t0=1000.0)
+    assert [f for f in found if f.verdict is Verdict.STRAGGLER] == []
+
+
+def test_a_straggler_needs_that_many_slow_measurements_not_that_many_scans():
+    """One slow step seen by many scans of the leader is one measurement: straggler_windows (3)
+    consecutive slow steps make a straggler, not three looks at the same one."""
+    d = Detector(DetectorConfig(hang_timeout_s=1e9, straggler_windows=3))
+    # steps 1 (first), then rank 3 is slow in one step (the median of its last two: 19 s vs 8 s)
+    busy = [[9.0] * 4, [8.0] * 4, [8.0, 8.0, 8.0, 30.0]]
+    found = _synchronous_steps(d, busy, step_s=[10.0], scans_per_step=10)
+    assert [f for f in found if f.verdict is Verdict.STRAGGLER] == []
+    # ...and three slow steps in a row are a straggler
+    busy += [[8.0, 8.0, 8.0, 30.0]] * 2
+    found = _synchronous_steps(Detector(d.config), busy, step_s=[10.0], scans_per_step=10)
+    assert [(f.verdict, f.rank) for f in found] == [(Verdict.STRAGGLER, 3)]
+
+
+def test_the_first_step_does_not_stretch_the_calibrated_hang_timeout():
+    """A 120 s first step (compile) then 1 s steps on 4 ranks: once 15 ordinary steps are
+    measured, a hang is caught at the floor (30 s), not after 5 x the compile time."""
+    d = Detector(DetectorConfig())
+    t = 1000.0
+    d.observe([RankStatus(r, t, 1, "first_step", t, seq=1) for r in range(4)], t)
+    t += 120.0
+    for step in range(2, 18):
+        d.observe([RankStatus(r, t, step, "train", t, seq=step) for r in range(4)], t)
+        t += 1.0
+    assert d.hang_timeout_s() == 30.0
+
+
 class Sim:
     """Monitors, one per simulated rank, heartbeating into one TCPStore.  Beats every 0.2 s and
     DEAD after 1 s: five missed beats, so a loaded 2-core machine that stalls a thread for a

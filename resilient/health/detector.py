@@ -20,7 +20,9 @@ clocks of its own: tested by feeding snapshots.
   start to the first step (init, rendezvous, setup, restore), the first step itself, and the phases
   the loop declares later (checkpoint, commit, eval) have budgets of their own.
 * STRAGGLER: a rank whose recent step time exceeds the median rank's by ``straggler_factor`` for
-  ``straggler_windows`` consecutive observations; reported, never killed.  When the loop reports
+  ``straggler_windows`` consecutive new measurements of its step (not scans: one slow step seen by
+  several scans counts once); reported, never killed.  The first step (the loop's ``first_step``
+  phase: compiling, warming caches) is measured for neither this nor the hang budget.  When the loop reports
   each rank's compute time (without collective waits), that is compared instead: in a synchronous
   job every rank's wall-clock step is as long as the slowest rank's.
 """
@@ -207,10 +209,13 @@ class Detector:
         self.start = start
         self._running = running
         self._probe = probe
-        self._last: dict[int, tuple[int | None, float | None]] = {}
+        # rank -> (its last step, when it announced it, in which phase)
+        self._last: dict[int, tuple[int | None, float | None, str]] = {}
         self._step_times: dict[int, deque[float]] = {}
         self._busy_times: dict[int, deque[float]] = {}
-        self._slow_streak: dict[int, int] = {}
+        self._samples: dict[int, int] = {}  # rank -> how many step times were recorded for it
+        # rank -> (consecutive slow samples, the sample count the last one was)
+        self._slow_streak: dict[int, tuple[int, int]] = {}
         self._hang_s = config.hang_timeout_s or config.hang_floor_s
         # the earliest moment a verdict could become due on what the last scan saw (a heartbeat
         # crossing its timeout, a rank behind its peers crossing its budget): the leader looks
@@ -237,7 +242,17 @@ class Detector:
     def _record(self, s: RankStatus) -> None:
         prev = self._last.get(s.rank)
         if s.step is not None:
-            if prev and prev[0] is not None and s.step > prev[0] and prev[1] and s.progress_t:
+            # the step after the loop's first one measures the first step: compiling, warming
+            # caches, often minutes, and longer on one rank than another; it calibrates neither
+            # the hang budget (p95 x factor) nor the straggler comparison
+            if (
+                prev
+                and prev[0] is not None
+                and s.step > prev[0]
+                and prev[1]
+                and s.progress_t
+                and prev[2] != "first_step"
+            ):
                 per_step = (s.progress_t - prev[1]) / (s.step - prev[0])
                 self._step_times.setdefault(s.rank, deque(maxlen=self.config.window)).append(
                     per_step
@@ -246,8 +261,9 @@ class Detector:
                     self._busy_times.setdefault(s.rank, deque(maxlen=self.config.window)).append(
                         s.busy_s
                     )
+                self._samples[s.rank] = self._samples.get(s.rank, 0) + 1
         if prev is None or prev[0] != s.step:
-            self._last[s.rank] = (s.step, s.progress_t)
+            self._last[s.rank] = (s.step, s.progress_t, s.phase)
 
     def observe(
         self,
@@ -406,8 +422,14 @@ class Detector:
         for s in statuses:
             t = recent.get(s.rank)
             if t is not None and median > 0 and t > self.config.straggler_factor * median:
-                self._slow_streak[s.rank] = self._slow_streak.get(s.rank, 0) + 1
-                if self._slow_streak[s.rank] == self.config.straggler_windows:
+                # a streak of measurements, not of scans: the leader scans every interval, and
+                # one slow step seen over three scans is one observation, not three
+                streak, counted = self._slow_streak.get(s.rank, (0, 0))
+                samples = self._samples.get(s.rank, 0)
+                if samples == counted:
+                    continue
+                self._slow_streak[s.rank] = (streak + 1, samples)
+                if streak + 1 == self.config.straggler_windows:
                     out.append(
                         self._finding(
                             Verdict.STRAGGLER,
@@ -419,7 +441,7 @@ class Detector:
                         )
                     )
             else:
-                self._slow_streak[s.rank] = 0
+                self._slow_streak[s.rank] = (0, self._samples.get(s.rank, 0))
         return out
 
     @staticmethod
