@@ -12,12 +12,14 @@ import pytest
 import torch.distributed as dist
 
 from resilient.health import Detector, DetectorConfig, EventLog, Monitor, RankStatus, Verdict
+from resilient.health.clocks import PeerClock
 from resilient.health.detector import Finding
 from resilient.health.heartbeat import (
     boot_id,
     decode_block,
     decode_info,
     decode_start,
+    encode_alive,
     encode_info,
     process_running,
     process_start,
@@ -591,6 +593,54 @@ def test_a_rank_stuck_in_its_restore_is_hung_before_any_step(tmp_path):
         assert "while peers reached step 1" in f.detail
     finally:
         sim.close()
+
+
+def _peer_beats(rate, seconds, delay=0.01, start=5000.0):
+    """A healthy peer on another machine beating once a second for ``seconds``, its monotonic
+    clock running at ``rate`` observer seconds a second (a slow crystal, NTP slewing it); each
+    beat reaches the observer ``delay`` after it is written, and the observer reads once a
+    second.  Yields (the observer's time, the beat's peer time, the beat's true age)."""
+    for k in range(1, seconds):
+        written = float(k)
+        yield written + delay, start + written * rate, delay
+
+
+@pytest.mark.parametrize("rate", [1 - 0.083333, 1 + 0.083333], ids=["slewed-slow", "slewed-fast"])
+def test_a_peer_whose_monotonic_clock_is_slewed_is_not_declared_dead(rate):
+    """Rank 1's wall clock is 30 s off and chrony slews it at its maximum rate (83,333 ppm):
+    CLOCK_MONOTONIC is slewed too ("affected by the incremental adjustments performed by
+    adjtime(3) and NTP").  A minimum of (seen - sent) over all time holds an offset the clocks
+    have since left: within a minute the healthy peer looked older than its 2 s timeout."""
+    clock = PeerClock(same_kernel=False)
+    d = Detector(DetectorConfig(interval_s=1.0, dead_after_intervals=2))
+    found, ages = [], []
+    for now, m, _ in _peer_beats(rate, 120):
+        clock.observe(encode_alive(m, 0.0).encode(), m, 0.0, now, 0.0)
+        ranks = [
+            RankStatus(0, now, 1, "train", now, "h0", 10, seq=1),
+            RankStatus(1, clock.local(m), 1, "train", clock.local(m), "h1", 11, seq=1),
+        ]
+        found += [f for f in d.observe(ranks, now) if f.verdict is Verdict.DEAD]
+        ages.append(now - clock.local(m))
+    assert found == []
+    # the error is capped at the time between two reads (1 s), under any drift
+    assert max(ages) <= 1.0 + 1e-6 and min(ages) >= -1e-9
+
+
+@pytest.mark.parametrize("ppm", [-100, 0, 100])
+def test_a_heartbeats_age_is_never_longer_than_the_truth_under_crystal_drift(ppm):
+    """The promise of resilient.health.clocks: a heartbeat's age is never longer than the truth
+    (here: a crystal 100 ppm off, no NTP, six hours of one beat a second; with a minimum over all
+    time the slow one's age grew by 0.36 s an hour) and never shorter than the time since the
+    observer saw it (0: it is seen as it arrives)."""
+    clock = PeerClock(same_kernel=False)
+    worst = 0.0
+    for now, m, age in _peer_beats(1 + ppm * 1e-6, 6 * 3600, start=77.0):
+        clock.observe(repr(m).encode(), m, 0.0, now, 0.0)
+        judged = now - clock.local(m)
+        assert judged >= -1e-9
+        worst = max(worst, judged - age)
+    assert worst <= 0.01  # the drift over the offset's window: 6 ms at 100 ppm over 60 s
 
 
 SKEWED_RANK = """

@@ -176,7 +176,7 @@ class Monitor:
         self._joined: set[int] = set()
         self._keys: list[str] = []
         self._clocks: dict[int, PeerClock] = {}
-        self._cache: dict[int, tuple[bytes, bytes, RankStatus]] = {}
+        self._cache: dict[int, tuple[bytes, bytes, RankStatus, PeerClock]] = {}
         self._skew_reported: dict[int, float] = {}
         self._key_leader = f"{self.prefix}/leader"
         self._info: dict[int, tuple[str, int, str, str]] = {}  # rank -> (host, pid, boot, node)
@@ -543,6 +543,7 @@ class Monitor:
         changed, and only the fields a verdict needs (host and pid were read once, at join)."""
         cached = self._cache.get(r)
         if cached is not None and cached[0] == alive and cached[1] == progress:
+            cached[3].unchanged(now)  # a value seen anew later was written after this read
             return cached[2]
         mono_b, _, wall_b = alive.partition(b"|")
         a_mono = float(mono_b)
@@ -570,7 +571,7 @@ class Monitor:
             seq = int(seq_b)
         host, pid = self._info.get(r, ("", 0, "", ""))[:2]
         status = RankStatus(r, clock.local(a_mono), step, phase, progress_t, host, pid, busy, seq)
-        self._cache[r] = (alive, progress, status)
+        self._cache[r] = (alive, progress, status, clock)
         return status
 
     def _local(self, s: RankStatus) -> tuple[int, int] | None:
