@@ -25,6 +25,7 @@ from resilient.health.heartbeat import (
     process_start,
     process_state,
 )
+from tests.monitor_fakes import DictStore, fake_time, quiet_monitors
 
 
 def statuses(now, steps, alive_age=None, progress_age=None):
@@ -1029,3 +1030,145 @@ def test_a_silent_process_that_used_cpu_since_its_first_look_is_running(tmp_path
             proc.kill()
             proc.wait()
         sim.close()
+
+
+# --- what the store holds, read by monitors on fake clocks ---------------------------------------
+
+
+@pytest.fixture
+def clk(monkeypatch):
+    return fake_time(monkeypatch)
+
+
+def _elsewhere(store, *ranks):
+    """Ranks on other machines (other hosts, other boot ids): the leader judges them by their
+    heartbeats alone, not by whether their process (this test's) runs."""
+    for r in ranks:
+        store.set(f"run/0/info/{r}", encode_info(f"host{r}", 4000 + r, f"{r:016x}"))
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("run/0/progress/1", "garbage"),  # not step|phase|seq|mono|busy
+        ("run/0/alive/1", "not-a-number|1.0"),
+        ("run/0/alive/1", b"\xff\xfe"),
+        ("run/0/alive/1", "nan|1.0"),
+    ],
+    ids=["progress-garbage", "alive-not-a-float", "alive-not-utf8", "alive-nan"],
+)
+def test_a_malformed_heartbeat_of_one_rank_does_not_hide_anothers_death(clk, tmp_path, key, value):
+    """Rank 1 (an older version, a stray writer) publishes a value that does not parse: it raised
+    out of the leader's scan every interval, and no verdict came for any rank, ever.  It is no new
+    heartbeat of rank 1 (logged once); rank 2's death is still found."""
+    store, events = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
+    ms = quiet_monitors(
+        store, 3, DetectorConfig(interval_s=1.0, dead_after_intervals=2), events=events
+    )
+    _elsewhere(store, 1, 2)
+    for m in ms.values():
+        m.progress(1, "train")
+    ms[0]._scan()  # everyone seen alive
+    for k in range(1, 4):  # rank 2 died; rank 1 beats, then its key holds the malformed value
+        clk.t += 1.0
+        ms[0]._beat()
+        if k <= 2 or "progress" in key:
+            ms[1]._beat()
+        if k == 2:
+            store.set(key, value)
+        ms[0]._scan()
+    verdict = json.loads(store.d["run/0/verdict"])
+    assert (verdict["verdict"], verdict["rank"]) == ("DEAD", 2)
+    said = [(e["rank"], e["key"]) for e in events.read() if e["event"] == "heartbeat_malformed"]
+    assert said == [(1, key.split("/")[2])]
+
+
+def test_a_rank_whose_heartbeat_is_malformed_is_judged_by_its_last_one(clk, tmp_path):
+    """A malformed value keeps no rank alive: its liveness timeout runs on from the last heartbeat
+    read; a join list entry that is not a rank is skipped."""
+    store, events = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
+    ms = quiet_monitors(
+        store, 2, DetectorConfig(interval_s=1.0, dead_after_intervals=2), events=events
+    )
+    _elsewhere(store, 1)
+    store.append("run/0/joined", "oops,7,")  # not a rank; no such rank
+    for m in ms.values():
+        m.progress(1, "train")
+    ms[0]._scan()
+    store.set("run/0/alive/1", "garbage")
+    for _ in range(3):
+        clk.t += 1.0
+        ms[0]._beat()
+        ms[0]._scan()
+    verdict = json.loads(store.d["run/0/verdict"])
+    assert (verdict["verdict"], verdict["rank"], verdict["cause"]) == ("DEAD", 1, "no_heartbeat")
+    said = [(e["rank"], e["key"]) for e in events.read() if e["event"] == "heartbeat_malformed"]
+    assert said == [(None, "joined"), (1, "alive")]
+
+
+def test_a_verdict_is_acted_on_when_the_take_over_check_fails(tmp_path):
+    """The take-over check (a read of the leader's heartbeat) raising every interval must not
+    keep a rank from reading the verdict that is already out."""
+    store = DictStore()
+    cfg = DetectorConfig(interval_s=0.05, dead_after_intervals=2)
+    failed = threading.Event()
+    m0 = quiet_monitors(store, 2, cfg, ranks=[0])[0]
+    m1 = Monitor(
+        store,
+        "run/0",
+        1,
+        2,
+        cfg,
+        kill_local=False,
+        ring=None,
+        events=EventLog(str(tmp_path / "events.jsonl")),
+        on_failure=lambda f: failed.set(),
+    )
+
+    def broken(key):
+        if key == "run/0/alive/0":
+            raise RuntimeError("the take-over check fails")
+
+    try:
+        store.on_get = broken
+        finding = Finding(Verdict.DEAD, 0, m0.host, 1, 1, "train", 1.0, 3.0, "test", "no_heartbeat")
+        store.set("run/0/verdict", json.dumps(finding.to_json()))
+        assert failed.wait(60)
+        assert m1.verdict() is not None and m1.verdict().rank == 0
+    finally:
+        m1.close(announce=False)
+
+
+def test_a_slow_read_of_the_leaders_beat_does_not_make_it_look_dead(clk):
+    """Rank 1 watches leader 0 on another machine.  One read of the leader's beat is slow (rank
+    1's heartbeat thread descheduled for 2 s, or the store slow) and the leader beats meanwhile:
+    observed with the time taken before the read, that beat set the offset 2 s too small, for
+    good, and rank 1 took the lead from a live leader whose last beat was 0.1 s old."""
+    store = DictStore()
+    ms = quiet_monitors(store, 2, DetectorConfig(interval_s=1.0, dead_after_intervals=2))
+    skew = 50_000.0  # the leader's monotonic clock minus rank 1's
+
+    def leader_beats():
+        store.set("run/0/alive/0", encode_alive(clk.t + skew, clk.t + 1.7e9))
+
+    _elsewhere(store, 0)
+    leader_beats()
+    clk.t += 0.1
+    ms[1]._maybe_take_over()  # a normal look
+    clk.t += 0.9
+    leader_beats()
+
+    def slow(key):
+        if key == "run/0/alive/0":
+            clk.t += 2.0  # the read takes 2 s; the leader beats at its end
+            leader_beats()
+
+    clk.t += 0.05
+    store.on_get = slow
+    ms[1]._maybe_take_over()
+    store.on_get = None
+    clk.t += 0.1  # the leader's newest beat is 0.1 s old
+    ms[1]._maybe_take_over()
+    assert store.d["run/0/leader"] == b"0"
+    mono = float(store.d["run/0/alive/0"].split(b"|")[0])
+    assert clk.t - ms[1]._clocks[0].local(mono) == pytest.approx(0.1)

@@ -80,15 +80,18 @@ class PeerClock:
         bound = now_mono - peer_mono
         if self.same_kernel:
             bound = max(bound, 0.0)  # how stale this value is: the skew is wall minus that
-            if self.skew_s is None or bound <= self._best:
+            peer = _wall(peer_wall)
+            if peer is not None and (self.skew_s is None or bound <= self._best):
                 self._best = bound
-                self.skew_s = _wall(peer_wall) - (now_wall - bound)
+                self.skew_s = peer - (now_wall - bound)
             return True
         if before is not None and before <= now_mono:
             self._floor = (peer_mono, before)
         if self._add(now_mono, bound):
             # the tightest observation is the freshest one: its wall clock difference is the skew
-            self.skew_s = _wall(peer_wall) - now_wall
+            peer = _wall(peer_wall)
+            if peer is not None:
+                self.skew_s = peer - now_wall
         return True
 
     def unchanged(self, now_mono: float) -> None:
@@ -135,5 +138,11 @@ def boot_id() -> str:
         return ""
 
 
-def _wall(x: float | bytes) -> float:
-    return x if isinstance(x, float) else float(x)
+def _wall(x: float | bytes) -> float | None:
+    """A sender's wall time, or None where its text is not one (it only serves the skew report)."""
+    if isinstance(x, float):
+        return x
+    try:
+        return float(x)
+    except ValueError:
+        return None

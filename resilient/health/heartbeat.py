@@ -48,6 +48,7 @@ import atexit
 import dataclasses
 import faulthandler
 import json
+import math
 import os
 import signal
 import socket
@@ -177,7 +178,9 @@ class Monitor:
         self._keys: list[str] = []
         self._clocks: dict[int, PeerClock] = {}
         self._cache: dict[int, tuple[bytes, bytes, RankStatus, PeerClock]] = {}
+        self._beats: dict[int, float] = {}  # rank -> the monotonic time of its last beat read
         self._skew_reported: dict[int, float] = {}
+        self._malformed: set[tuple[int | None, str]] = set()  # (rank, key) logged already
         self._key_leader = f"{self.prefix}/leader"
         self._info: dict[int, tuple[str, int, str, str]] = {}  # rank -> (host, pid, boot, node)
         self._starts: dict[int, int] = {}  # rank -> its process's start time (process_start)
@@ -185,6 +188,8 @@ class Monitor:
         self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
+        # (a rank watching the leader) the leader and the monotonic time of its last beat read
+        self._leader_beat: tuple[int, float] | None = None
         self.attribution: dict[str, Any] | None = None  # the leader's, on a HUNG verdict
         self._set(
             "info",
@@ -320,10 +325,13 @@ class Monitor:
             try:
                 if beat:
                     self._beat()
-                    self._maybe_take_over()
-                if self.is_leader:
-                    self._scan()
-                self._watch()
+                try:
+                    if beat:
+                        self._maybe_take_over()
+                    if self.is_leader:
+                        self._scan()
+                finally:  # a verdict already out is acted on whatever went wrong above
+                    self._watch()
             except Exception as e:  # the store going away ends monitoring, not the run
                 self.events.write("monitor_error", rank=self.rank, error=repr(e))
                 if self._stop.wait(interval):
@@ -404,20 +412,30 @@ class Monitor:
         distance = (self.rank - leader - 1) % self.world_size + 1
         c = self.config
         key = f"{self.prefix}/alive/{leader}"
-        now = time.monotonic()  # before the read: a slow read must not age what it returns
+        # ages are judged as of before the read (a slow read must not age what it returns); the
+        # clock observes the value as of after it (when it was there for sure: observed earlier,
+        # a value the leader wrote during a slow read would set the offset too small, for good)
+        now = time.monotonic()
         with self._lock:
             raw = self.store.get(key) if self.store.check([key]) else None
-        if raw is None:
-            # the leader never registered (frozen in its imports?): wait as long as the leader
-            # would wait for any rank, then take its place and judge it
+        seen, wall = time.monotonic(), time.time()
+        parsed = None if raw is None else self._parse_alive(leader, raw)
+        clock = self._clocks.get(leader)
+        if parsed is not None:
+            clock = clock or self._clock(leader, self._fetch_info([leader]))
+            clock.observe(raw, parsed[0], parsed[1], seen, wall)
+            self._leader_beat = (leader, parsed[0])
+        last = self._leader_beat
+        if raw is None or last is None or last[0] != leader or clock is None:
+            # the leader never registered (frozen in its imports?), or never published a
+            # heartbeat this rank could read: wait as long as the leader would wait for any
+            # rank, then take its place and judge it
             gone = now - self.started_mono > c.join_timeout_s + (distance - 1) * c.dead_timeout_s
         else:
-            mono, wall = decode_alive(raw)
-            clock = self._clocks.get(leader) or self._clock(leader, self._fetch_info([leader]))
-            clock.observe(raw, mono, wall, now, time.time())
+            # a malformed value is no new heartbeat: the last one read still ages
             gone = (
                 self._phase(leader) in GONE_PHASES
-                or now - clock.local(mono) > distance * c.dead_timeout_s
+                or now - clock.local(last[1]) > distance * c.dead_timeout_s
             )
         if gone:
             with self._lock:
@@ -437,7 +455,7 @@ class Monitor:
             joined_key = f"{self.prefix}/joined"
             with self._lock:
                 raw = self.store.get(joined_key) if self.store.check([joined_key]) else b""
-            now_joined = {int(x) for x in raw.decode().split(",") if x}
+            now_joined = self._parse_joined(raw)
             if now_joined != self._joined:
                 self._fetch_info(sorted(now_joined - set(self._info)))
                 self._joined = now_joined
@@ -545,14 +563,20 @@ class Monitor:
         if cached is not None and cached[0] == alive and cached[1] == progress:
             cached[3].unchanged(now)  # a value seen anew later was written after this read
             return cached[2]
-        mono_b, _, wall_b = alive.partition(b"|")
-        a_mono = float(mono_b)
         clock = self._clocks.get(r)
         if clock is None:
             clock = self._clock(r, self._info.get(r, ("", 0, "", ""))[2])
-        clock.observe(alive, a_mono, wall_b, now, wall)
+        # a value that does not parse (another version's, a stray writer's) is no new heartbeat:
+        # the rank keeps what was last read of it, and its liveness timeout runs on; it must not
+        # stop the scan, which judges every other rank too
+        old = None if cached is None else cached[2]
+        parsed = self._parse_alive(r, alive)
+        if parsed is not None:
+            a_mono = parsed[0]
+            clock.observe(alive, a_mono, parsed[1], now, wall)
+            self._beats[r] = a_mono
         if cached is not None and cached[1] == progress:
-            old = cached[2]
+            assert old is not None
             step, phase, progress_t, busy, seq = (
                 old.step,
                 old.phase,
@@ -561,18 +585,76 @@ class Monitor:
                 old.seq,
             )
         else:
-            step_b, phase_b, seq_b, p_mono_b, busy_b = progress.split(b"|", 4)
-            p_mono = float(p_mono_b)
-            clock.note(p_mono, now)
-            step = int(step_b) if step_b else None
-            phase = _PHASES.get(phase_b) or phase_b.decode()
-            progress_t = clock.local(p_mono)
-            busy = float(busy_b) if busy_b else None
-            seq = int(seq_b)
+            try:
+                step_b, phase_b, seq_b, p_mono_b, busy_b = progress.split(b"|", 4)
+                p_mono = _finite(p_mono_b)
+                step = int(step_b) if step_b else None
+                phase = _PHASES.get(phase_b) or phase_b.decode()
+                busy = float(busy_b) if busy_b else None
+                seq = int(seq_b)
+            except (ValueError, UnicodeDecodeError):
+                self._note_malformed(r, "progress", progress)
+                if old is not None:
+                    step, phase, progress_t, busy, seq = (
+                        old.step,
+                        old.phase,
+                        old.progress_t,
+                        old.busy_s,
+                        old.seq,
+                    )
+                else:  # nothing read of it yet: what its monitor says first
+                    step, phase, progress_t, busy, seq = None, "init", None, None, None
+            else:
+                clock.note(p_mono, now)
+                progress_t = clock.local(p_mono)
         host, pid = self._info.get(r, ("", 0, "", ""))[:2]
-        status = RankStatus(r, clock.local(a_mono), step, phase, progress_t, host, pid, busy, seq)
+        beat = self._beats.get(r)
+        alive_t = None if beat is None or clock.offset_s is None else clock.local(beat)
+        status = RankStatus(r, alive_t, step, phase, progress_t, host, pid, busy, seq)
         self._cache[r] = (alive, progress, status, clock)
         return status
+
+    def _parse_alive(self, r: int, raw: bytes) -> tuple[float, bytes] | None:
+        """A liveness value's monotonic time and its wall time's text, or None (logged once per
+        rank) when it is not one."""
+        mono_b, _, wall_b = raw.partition(b"|")
+        try:
+            return _finite(mono_b), wall_b
+        except ValueError:
+            self._note_malformed(r, "alive", raw)
+            return None
+
+    def _note_malformed(self, r: int | None, what: str, raw: bytes) -> None:
+        if (r, what) in self._malformed:
+            return
+        self._malformed.add((r, what))
+        whose = "the join list" if r is None else f"rank {r}'s {what} key"
+        self.events.write(
+            "heartbeat_malformed",
+            rank=r,
+            key=what,
+            value=repr(raw[:200]),
+            leader=self.rank,
+            detail=f"{whose} holds {raw[:200]!r}, which is not a heartbeat of this version; "
+            "it is taken for no new heartbeat (the rank's liveness timeout runs on). Another "
+            "version of resilient, or another job with the same store prefix, writes there",
+        )
+
+    def _parse_joined(self, raw: bytes) -> set[int]:
+        """The ranks in the join list (``0,1,2,``); an entry that is not a rank is skipped."""
+        ranks = set()
+        for x in raw.split(b","):
+            try:
+                if x:
+                    r = int(x)
+                    if 0 <= r < self.world_size:
+                        ranks.add(r)
+                        continue
+            except ValueError:
+                pass
+            if x:
+                self._note_malformed(None, "joined", raw)
+        return ranks
 
     def _local(self, s: RankStatus) -> tuple[int, int] | None:
         """The pid and start time of ``s``'s process when it is on this machine (None when it is
@@ -955,7 +1037,12 @@ class Monitor:
         with self._lock:
             if not self.store.check([key]):
                 return None
-            return decode_progress(self.store.get(key))[1]
+            raw = self.store.get(key)
+        try:
+            return decode_progress(raw)[1]
+        except (ValueError, UnicodeDecodeError):  # not a phase this version knows: none said
+            self._note_malformed(rank, "progress", raw)
+            return None
 
     def _leader(self) -> int:
         with self._lock:
@@ -1109,6 +1196,14 @@ def encode_alive(mono: float, wall: float) -> str:
     """``monotonic|wall``: the monotonic time is what the observer maps onto its own clock (exactly,
     when the boot ids say it is the same kernel's); the wall time only serves to report skew."""
     return f"{mono!r}|{wall!r}"
+
+
+def _finite(text: bytes) -> float:
+    """A heartbeat's time: a finite float (a NaN would never age, an infinity age everyone)."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"not a finite time: {text!r}")
+    return x
 
 
 def decode_alive(raw: bytes) -> tuple[float, float]:
