@@ -1172,3 +1172,58 @@ def test_a_slow_read_of_the_leaders_beat_does_not_make_it_look_dead(clk):
     assert store.d["run/0/leader"] == b"0"
     mono = float(store.d["run/0/alive/0"].split(b"|")[0])
     assert clk.t - ms[1]._clocks[0].local(mono) == pytest.approx(0.1)
+
+
+def test_a_store_that_stays_down_is_logged_once_then_summarised(tmp_path):
+    """One monitor_error an interval, forever, while the store is down: now the first, and the
+    total when it answers again (no heartbeat_late either: the beats are late because of it)."""
+    store, log = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
+    cfg = DetectorConfig(interval_s=0.02, dead_after_intervals=2)
+    m = Monitor(
+        store,
+        "run/0",
+        0,
+        2,
+        cfg,
+        kill_local=False,
+        ring=None,
+        events=log,
+        on_failure=lambda f: None,
+    )
+
+    def wait_for(what):
+        end = time.monotonic() + 60
+        while not what() and time.monotonic() < end:
+            time.sleep(0.01)
+        return what()
+
+    try:
+        store.fail = True
+        calls = store.calls
+        assert wait_for(lambda: store.calls >= calls + 100)  # many beats failed
+        store.fail = False
+        assert wait_for(lambda: any(e["event"] == "monitor_recovered" for e in log.read()))
+    finally:
+        m.close(announce=False)
+    events = [e for e in log.read() if e["event"] in ("monitor_error", "monitor_recovered")]
+    assert [(e["event"], e["where"]) for e in events] == [
+        ("monitor_error", "heartbeat"),
+        ("monitor_recovered", "heartbeat"),
+    ]
+    assert events[1]["failures"] > 10
+    assert not [e for e in log.read() if e["event"] == "heartbeat_late"]
+
+
+def test_a_series_of_store_errors_is_counted_every_few_minutes(clk, tmp_path):
+    """While the errors go on, a count every ERROR_SUMMARY_S (300 s): an hour of a dead store at
+    one beat a second is 13 events, not 3,600."""
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    m = quiet_monitors(DictStore(), 1, DetectorConfig(), events=log)[0]
+    for _ in range(3600):
+        clk.t += 1.0
+        m._beat_errors.failed(RuntimeError("store down"))
+    m._beat_errors.ok()
+    events = [e for e in log.read() if e["event"].startswith("monitor_")]
+    assert len(events) == 1 + 11 + 1  # the first, a count every 300 s, the recovery
+    assert [e.get("repeated") for e in events[1:-1]] == [300] * 11
+    assert events[-1]["event"] == "monitor_recovered" and events[-1]["failures"] == 3600

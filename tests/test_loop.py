@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from resilient import Checkpointer, Run, SaveFailedWarning, fault_tolerant
 from resilient.errors import LeaseError, StorageError
-from resilient.health import EventLog
+from resilient.health import DetectorConfig, EventLog
+from resilient.health.heartbeat import decode_progress
 from resilient.loop import RNGState
 from tests.dist import run_distributed
+from tests.monitor_fakes import DictStore, fake_time, quiet_monitors
 
 
 def make_train(url, total, crash_at=None, save_every=3):
@@ -442,3 +444,30 @@ def test_errors_are_importable_from_the_package_and_track_says_it_restores():
     for name in resilient.errors.__all__:
         assert getattr(resilient, name) is getattr(resilient.errors, name)
     assert "restore it in place from the newest committed" in " ".join(Run.track.__doc__.split())
+
+
+def test_a_heartbeat_store_failure_does_not_crash_the_training_loop(monkeypatch, tmp_path):
+    """The loop announces progress at every step: a store error there (the agent's store gone, one
+    request timing out) killed the run.  The loop goes on; the error is logged once; the newest
+    announcement is published with the next beat once the store answers."""
+    fake_time(monkeypatch)
+    store, log = DictStore(), str(tmp_path / "events.jsonl")
+    cfg = DetectorConfig(interval_s=1.0, dead_after_intervals=2)
+    m = quiet_monitors(store, 2, cfg, ranks=[0], events=EventLog(log))[0]
+    run = Run(None, monitor=m, event_log=log)
+    run.track(counter=0)
+    done = []
+    try:
+        for step in run.steps(5):
+            if step == 2:
+                store.fail = True
+            done.append(step)
+        assert done == [1, 2, 3, 4, 5]
+        errors = [e for e in EventLog(log).read() if e["event"] == "monitor_error"]
+        assert [(e["where"], "store down" in e["error"]) for e in errors] == [("progress", True)]
+        store.fail = False
+        m._beat()
+        step, phase, seq, _, _ = decode_progress(store.d["run/0/progress/0"])
+        assert (step, phase, seq) == (5, "train", m._seq)
+    finally:
+        run.close()

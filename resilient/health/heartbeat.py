@@ -108,6 +108,9 @@ _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
 # (SIGSTOP) or traced (a debugger holds it)
 _NOT_RUNNING = frozenset({"gone", "Z", "X", "x", "T", "t"})
 _PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (a SIGKILLed one tearing down)
+# a store error that repeats (one per interval while the store is down) is logged once, then as a
+# count this often, and with the total when the store answers again
+ERROR_SUMMARY_S = 300.0
 
 
 @atexit.register
@@ -187,6 +190,11 @@ class Monitor:
         self._blocks: dict[int, tuple[int, int]] = {}  # rank -> its node's (first rank, count)
         self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
+        # the newest progress announcement a store error kept from the store: the heartbeat
+        # thread publishes it with its next beat (guarded by the lock)
+        self._unsent_progress: str | None = None
+        self._beat_errors = _ErrorSeries(self, "heartbeat")
+        self._progress_errors = _ErrorSeries(self, "progress")
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
         # (a rank watching the leader) the leader and the monotonic time of its last beat read
         self._leader_beat: tuple[int, float] | None = None
@@ -213,7 +221,7 @@ class Monitor:
                 self.events.write("monitor_error", rank=rank, error=f"verdict waiter: {e!r}")
                 waiter_store = None
         self._beat()
-        self.progress(None, "init")
+        self._publish_progress(self._announce(None, "init"))
         with self._lock:
             self.store.compare_set(self._key_leader, "", "0")
             self.store.append(f"{self.prefix}/joined", f"{rank},")
@@ -233,10 +241,32 @@ class Monitor:
     def progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
         """Announce ``step`` and ``phase``; ``busy_s``: the time this rank computed in its last
         step, without waiting in collectives (what tells a straggler apart in a synchronous job,
-        where every rank's step takes equally long)."""
+        where every rank's step takes equally long).
+
+        The loop calls this at every step: a store error does not reach it (a training run must
+        not die of its monitor's store).  The announcement is kept, and the heartbeat thread
+        publishes the newest one with its next beat; the errors are logged as a series (the
+        first, then a count every ``ERROR_SUMMARY_S``, and the total once the store answers)."""
+        value = self._announce(step, phase, busy_s)
+        try:
+            self._publish_progress(value)
+        except Exception as e:
+            self._progress_errors.failed(e)
+        else:
+            self._progress_errors.ok()
+
+    def _announce(self, step: int | None, phase: str, busy_s: float | None = None) -> str:
         self._seq += 1
         self.phase = phase
-        self._set("progress", encode_progress(step, phase, self._seq, time.monotonic(), busy_s))
+        return encode_progress(step, phase, self._seq, time.monotonic(), busy_s)
+
+    def _publish_progress(self, value: str) -> None:
+        """Write a progress announcement (raises what the store raises); until it is written,
+        it is the one the next beat publishes."""
+        with self._lock:
+            self._unsent_progress = value
+            self._set("progress", value)
+            self._unsent_progress = None
 
     def leaving(self, step: int | None) -> None:
         """Say this rank is being stopped by its launcher (not failing by itself), so that no
@@ -257,7 +287,7 @@ class Monitor:
         done = False
         if announce and not self._stop.is_set() and self._verdict is None:
             try:
-                self.progress(None, "done")
+                self._publish_progress(self._announce(None, "done"))
                 done = True
             except Exception:  # the store may be gone at shutdown
                 pass
@@ -316,7 +346,8 @@ class Monitor:
                 next_beat += interval
                 if next_beat <= now:  # starved past a whole beat: restart the schedule from now
                     next_beat = now + interval
-                if late > interval / 2:
+                if late > interval / 2 and not self._beat_errors.failing:
+                    # (while the store fails, the beats are late because of it: said already)
                     self.events.write(
                         "heartbeat_late", rank=self.rank, phase=self.phase, late_s=round(late, 3)
                     )
@@ -333,9 +364,15 @@ class Monitor:
                 finally:  # a verdict already out is acted on whatever went wrong above
                     self._watch()
             except Exception as e:  # the store going away ends monitoring, not the run
-                self.events.write("monitor_error", rank=self.rank, error=repr(e))
+                # once per interval while the store is down: logged as a series, not each time
+                self._beat_errors.failed(e)
                 if self._stop.wait(interval):
                     return
+                # the wait was this loop's own: not a starved machine, not a late beat
+                next_beat = time.monotonic()
+            else:
+                if beat:
+                    self._beat_errors.ok()
 
     def _await_verdict(self, store: Any) -> None:
         """(the "resilient-verdict" thread) Block on this rank's wake key, which the leader sets
@@ -388,16 +425,23 @@ class Monitor:
 
     def _beat(self) -> None:
         alive = encode_alive(time.monotonic(), time.time())
+        keys, values = [f"{self.prefix}/alive/{self.rank}"], [alive]
         ring = self._ring()
-        if ring is self._ring_sent and (ring is None or not ring.changed()):
-            self._set("alive", alive)
-            return
-        # the ring's summary rides with the beat, in one round trip ("" : no ring here)
-        summary = "" if ring is None else ring.summary()
-        self._ring_sent = ring
-        keys = [f"{self.prefix}/alive/{self.rank}", f"{self.prefix}/ring/{self.rank}"]
+        if ring is not self._ring_sent or (ring is not None and ring.changed()):
+            # the ring's summary rides with the beat, in one round trip ("" : no ring here)
+            keys.append(f"{self.prefix}/ring/{self.rank}")
+            values.append("" if ring is None else ring.summary())
+            self._ring_sent = ring
         with self._lock:
-            self.store.multi_set(keys, [alive, summary])
+            unsent = self._unsent_progress
+            if unsent is not None:  # an announcement a store error kept back (see progress)
+                keys.append(f"{self.prefix}/progress/{self.rank}")
+                values.append(unsent)
+            if len(keys) == 1:
+                self.store.set(keys[0], alive)
+            else:
+                self.store.multi_set(keys, values)
+            self._unsent_progress = None
 
     def _ring(self) -> CollectiveRing | None:
         if self._ring_arg is _PROCESS_RING:
@@ -1047,6 +1091,61 @@ class Monitor:
     def _leader(self) -> int:
         with self._lock:
             return int(self.store.get(self._key_leader).decode())
+
+
+class _ErrorSeries:
+    """Errors of one kind that repeat (a store gone fails every beat, or every step's progress):
+    the first is logged (``monitor_error``), then a count every ``ERROR_SUMMARY_S`` while they go
+    on, and the total (``monitor_recovered``) when a call succeeds again.  One thread each."""
+
+    def __init__(self, monitor: Monitor, where: str) -> None:
+        self.monitor, self.where = monitor, where  # (its event log may be replaced: Run adopts it)
+        self.count = 0  # errors since the last success
+        self._since = 0.0  # when the first of them happened
+        self._logged = 0.0  # when the series was last logged
+        self._unlogged = 0  # errors since then
+
+    @property
+    def failing(self) -> bool:
+        return self.count > 0
+
+    def failed(self, e: BaseException) -> None:
+        now = time.monotonic()
+        self.count += 1
+        if self.count == 1:
+            self._since = self._logged = now
+            self._write("monitor_error", error=repr(e))
+            return
+        self._unlogged += 1
+        if now - self._logged >= ERROR_SUMMARY_S:
+            self._write(
+                "monitor_error",
+                error=repr(e),
+                repeated=self._unlogged,
+                failures=self.count,
+                since_s=round(now - self._since, 3),
+                detail=f"{self.where}: {self._unlogged} more failures in the last "
+                f"{now - self._logged:.0f}s ({self.count} since the first); the latest is shown",
+            )
+            self._logged, self._unlogged = now, 0
+
+    def ok(self) -> None:
+        if not self.count:
+            return
+        now = time.monotonic()
+        self._write(
+            "monitor_recovered",
+            failures=self.count,
+            lasted_s=round(now - self._since, 3),
+            detail=f"{self.where}: the store answers again after {self.count} failures",
+        )
+        self.count, self._unlogged = 0, 0
+
+    def _write(self, event: str, **fields: Any) -> None:
+        try:
+            self.monitor.events.write(event, rank=self.monitor.rank, where=self.where, **fields)
+        except OSError:  # the log is not worth the caller (the training loop, for progress)
+            pass
 
 
 def _verdict_id(finding: Finding) -> str:
