@@ -102,7 +102,7 @@ def run_demo(out: str | Path) -> bool:
     if not ref.succeeded:
         console.print(f"[red]the reference run failed; see {out / 'reference'}/node0.log[/]")
         return False
-    ref_records = read_jsonl(RunPaths(out / "reference").metrics)
+    ref_records = read_jsonl(RunPaths(out / "reference").metrics, "step")
     console.print(
         f"   {STEPS} steps in {time.monotonic() - t0:.0f}s, loss {ref_records[0]['loss']:.3f} -> "
         f"{ref_records[-1]['loss']:.3f}"
@@ -195,7 +195,7 @@ class _Narrator:
             self._poll()
 
     def _poll(self) -> None:
-        records = read_jsonl(self.paths.metrics)
+        records = read_jsonl(self.paths.metrics, "step")
         for r in records[self._seen_records :]:
             if r["step"] % 10 == 0 or r["step"] == 1:
                 self.console.print(
@@ -203,7 +203,7 @@ class _Narrator:
                     f"{r['tokens_per_s']:8.0f} tokens/s"
                 )
         self._seen_records = len(records)
-        events = read_jsonl(self.paths.events)
+        events = read_jsonl(self.paths.events, "event")
         for e in events[self._seen_events :]:
             self._tell(e)
         self._seen_events = len(events)
@@ -297,9 +297,10 @@ def _reshard_and_continue(out: Path, console: Console) -> dict[str, Any]:
         err = (there.stderr or here.stderr)[-2000:]
         console.print(f"[red]continuing failed:[/] {err}")
         return {"ok": False, "error": err}
-    a = lineage(read_jsonl(out / "continued.jsonl"))[0]
+    a = lineage(read_jsonl(out / "continued.jsonl", "step"))[0]
     b = {
-        r["step"]: r["loss"] for r in lineage(read_jsonl(out / "reference" / "continued.jsonl"))[0]
+        r["step"]: r["loss"]
+        for r in lineage(read_jsonl(out / "reference" / "continued.jsonl", "step"))[0]
     }
     rows = [(r["step"], r["loss"], b.get(r["step"])) for r in a]
     worst = max((abs(x - y) / abs(y) for _, x, y in rows if y is not None), default=float("inf"))

@@ -4,13 +4,18 @@ a kill leaves (a cut line), a NaN loss, a damaging fault that damaged nothing, a
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from resilient.chaos import verify
+from resilient.chaos.faults import ChaosHook
 from resilient.chaos.harness import Launch, RunPaths
+from resilient.chaos.jsonl import read_jsonl, records_of_line
 from resilient.chaos.scenario import Expect, parse_scenario
-from resilient.chaos.verify import Check, verify_run
+from resilient.chaos.verify import Check, lineage, verify_run
+from resilient.health.events import EventLog
 
 TRAINER_JOB = """
 [job]
@@ -244,3 +249,112 @@ def test_a_rollback_whose_first_record_shares_the_cut_line_is_still_counted(tmp_
     lost = next(c for c in out.checks if c.name == "steps lost within bound")
     assert lost.ok is False, f"2 steps (5, 6) were lost, the bound is 1: {lost.detail}"
     assert out.measurements["rollbacks"][0]["lost"] == 2
+
+
+# --- jsonl: a cut line whose text ends at a nested object's close -----------------------------
+
+# the reference trainer's metrics record (train._train_step): "layout" is a nested object
+_RECORD = {
+    "step": 7,
+    "loss": 2.5,
+    "aux_loss": 0.01,
+    "lr": 0.001,
+    "grad_norm": 1.0,
+    "tokens_per_s": 1000.0,
+    "wall_time": 1.0,
+    "step_s": 0.1,
+    "optimizer_s": 0.01,
+    "compute_s": 0.05,
+    "layout": {"dp": 2, "ep": 1, "tp": 2, "zero": True},
+    "data_step": 7,
+    "samples": [48, 8],
+    "micro_batches": 1,
+}
+
+
+def _cut_after_layout(record: dict[str, Any]) -> str:
+    line = json.dumps(record)
+    end = line.index("}", line.index('"layout"')) + 1
+    return line[:end]  # a kill (or ENOSPC) cut the write right after the nested object
+
+
+def test_a_record_cut_after_a_nested_object_yields_no_invented_record() -> None:
+    cut = _cut_after_layout(_RECORD)
+    # the cut record is lost; nothing else was ever written on this line
+    assert records_of_line(cut, "step") == [], (
+        f"invented a record from the cut line's nested object: {records_of_line(cut, 'step')}"
+    )
+
+
+def test_the_verifiers_lineage_survives_a_metrics_line_cut_after_a_nested_object(
+    tmp_path: Path,
+) -> None:
+    """The trainer starts the next attempt on a fresh line, so a cut record is a line of its
+    own: its nested 'layout' was returned as a record and lineage() died on it (KeyError)."""
+    path = tmp_path / "metrics.jsonl"
+    rec = lambda s: {**_RECORD, "step": s}  # noqa: E731
+    text = "".join(json.dumps(rec(s)) + "\n" for s in (1, 2, 3))
+    text += _cut_after_layout(rec(4)) + "\n"  # the kill; open_metrics adds the newline
+    text += "".join(json.dumps(rec(s)) + "\n" for s in (3, 4, 5))  # the restart replays
+    path.write_text(text)
+    history, _ = lineage(read_jsonl(path, "step"))
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5]
+
+
+def test_an_event_line_cut_after_its_nested_stacks_yields_no_record(tmp_path: Path) -> None:
+    """Same for the event log: a 'stacks' event cut after its nested stacks dict (its last
+    field) became {thread: text}, and verify_run's e["event"] raised KeyError on it."""
+    line = json.dumps({"event": "stacks", "time": 1.0, "rank": 1, "stacks": {"MainThread": "x"}})
+    path = tmp_path / "events.jsonl"
+    path.write_text(line[:-1] + "\n")  # cut before the outer '}'
+    assert read_jsonl(path, "event") == []
+
+
+# --- a corrupt/truncate fault keeps waiting on (and listing) the checkpointer every step --------
+
+
+class _FailedSaveCheckpointer:
+    """A checkpointer whose pending asynchronous save failed (a storage fault the Run counts
+    under max_failed_saves) and whose catalog listing fails (a storage 'list' fault)."""
+
+    snapshots = None
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.lists = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+        raise OSError("injected: the pending save of step 10 failed")
+
+    def latest_step(self) -> int | None:
+        self.lists += 1
+        raise OSError("injected: list failed")
+
+
+class _Run:
+    def __init__(self) -> None:
+        self.checkpointer = _FailedSaveCheckpointer()
+
+
+def test_a_fired_corrupt_fault_leaves_later_steps_alone(tmp_path: Path) -> None:
+    """Once a corrupt fault has fired (its marker exists), later steps do not touch the
+    checkpointer: it joined the pending save and listed the catalog at every step to the end of
+    the run (every async save synchronous on that rank; a failed save's error, or a listing
+    fault, raised out of the chaos hook into the loop)."""
+    plan = {
+        "marker_dir": str(tmp_path / "faults"),
+        "events": str(tmp_path / "events.jsonl"),
+        "faults": [{"id": "bit-rot", "kind": "corrupt", "rank": 0, "step": 3, "when": "step"}],
+    }
+    hook = ChaosHook(plan, 0, EventLog(plan["events"]))
+    (tmp_path / "faults" / "bit-rot.fired").touch()  # it fired (this attempt or an earlier one)
+    run = _Run()
+    try:
+        hook.at_step(12, run)
+    except OSError as e:
+        pytest.fail(f"a fired corrupt fault raised out of the hook at a later step: {e!r}")
+    assert run.checkpointer.waits == 0 and run.checkpointer.lists == 0, (
+        f"fired fault still joined the save {run.checkpointer.waits}x and listed "
+        f"{run.checkpointer.lists}x"
+    )

@@ -231,9 +231,17 @@ class ChaosHook:
                 raise ChaosError(
                     f"{f['id']}: the run has no memory tier to damage; give the job memory_every"
                 )
+        if self._marker(f["id"]).exists():
+            return  # fired already: later steps leave the checkpointer alone
+        try:
+            committed = target.latest_step()
+        except Exception:  # (a storage fault on the listing: armed still, tried again later)
+            return
+        if committed is None:
+            return  # nothing committed yet: armed still (the pending save is not joined)
         target.wait()  # damage a committed step, not one being written
         if target.latest_step() is None or not self._claim(f):
-            return  # nothing committed yet (armed still), or fired already
+            return
         try:
             detail = damage_newest_checkpoint(target, f["kind"])
         except BaseException:

@@ -397,7 +397,7 @@ class _MetricsTail:
         self.partial = lines.pop()
         for line in lines:
             # a record cut by a kill, or merged with the next attempt's first: what parses
-            for record in records_of_line(line.decode(errors="replace")):
+            for record in records_of_line(line.decode(errors="replace"), "step"):
                 if isinstance(record.get("step"), int):
                     self.step = record["step"]
         return self.step

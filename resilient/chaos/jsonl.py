@@ -16,38 +16,41 @@ from typing import Any
 __all__ = ["read_jsonl", "records_of_line"]
 
 
-def records_of_line(line: str) -> list[dict[str, Any]]:
+def records_of_line(line: str, key: str | None = None) -> list[dict[str, Any]]:
     """The records (JSON objects) one line holds: itself, or, for a record cut by a kill onto
     which the next attempt appended its own, the complete ones of the two; none for a line that
-    holds no complete record."""
+    holds no complete record.  ``key``: what every record of this file has (``step``, ``event``):
+    objects without it are not records (a record cut just after one of its nested objects closed
+    leaves that object parseable at the end of the line: never taken for a record)."""
     line = line.strip()
     if not line:
         return []
-    whole = _object(line)
+    whole = _object(line, key)
     if whole is not None:
         return [whole]
     # the leftmost '{"' after the start whose rest parses: the outermost trailing record (a
     # nested object's '{"' lies further right and parses alone, but is not the record)
     i = line.find('{"', 1)
     while i != -1:
-        tail = _object(line[i:])
+        tail = _object(line[i:], key)
         if tail is not None:
-            head = _object(line[:i])
+            head = _object(line[:i], key)
             return [head, tail] if head is not None else [tail]
         i = line.find('{"', i + 1)
     return []
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record in ``path`` (``[]`` where there is no such file)."""
+def read_jsonl(path: Path, key: str | None = None) -> list[dict[str, Any]]:
+    """Every record in ``path`` (``[]`` where there is no such file); with ``key``, only objects
+    that have it (see :func:`records_of_line`)."""
     if not path.exists():
         return []
-    return [r for line in path.read_text().splitlines() for r in records_of_line(line)]
+    return [r for line in path.read_text().splitlines() for r in records_of_line(line, key)]
 
 
-def _object(text: str) -> dict[str, Any] | None:
+def _object(text: str, key: str | None = None) -> dict[str, Any] | None:
     try:
         x = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
-    return x if isinstance(x, dict) else None
+    return x if isinstance(x, dict) and (key is None or key in x) else None

@@ -106,8 +106,8 @@ def draw_timeline(run_dir: Path, title: str) -> str | None:
     except ImportError:
         return None
     paths = RunPaths(run_dir)
-    records = read_jsonl(paths.metrics)
-    events = read_jsonl(paths.events)
+    records = read_jsonl(paths.metrics, "step")
+    events = read_jsonl(paths.events, "event")
     t0 = min(
         [e["time"] for e in events if e["event"] == "job_start"]
         or [r["wall_time"] for r in records]

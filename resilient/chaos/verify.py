@@ -177,8 +177,8 @@ def verify_run(
     scenario: Scenario, run_dir: Path, launch: Launch, reference: Path | None
 ) -> Outcome:
     paths = RunPaths(run_dir)
-    events = read_jsonl(paths.events)
-    records = read_jsonl(paths.metrics)
+    events = read_jsonl(paths.events, "event")
+    records = read_jsonl(paths.metrics, "step")
     history, rollbacks = lineage(records)
     exp, job = scenario.expect, scenario.job
     checks: list[Check] = []
@@ -229,7 +229,7 @@ def verify_run(
 
     # 2. every fault fired
     fired = {e["id"]: e for e in events if e["event"] == "fault"}
-    for rec in read_jsonl(paths.storage_record):
+    for rec in read_jsonl(paths.storage_record, "rule"):
         fired.setdefault(rec["rule"], {"time": rec["time"], "count": 0})
         fired[rec["rule"]]["count"] = fired[rec["rule"]].get("count", 0) + 1
     # a corrupt or truncate fault fired where it damaged something (its fault_detail event)
@@ -269,7 +269,7 @@ def verify_run(
     # 3. the final state against the fault-free reference
     ref_history: list[dict[str, Any]] = []
     if reference is not None and exp.final_state != "any" and applies:
-        ref_history = lineage(read_jsonl(RunPaths(reference).metrics))[0]
+        ref_history = lineage(read_jsonl(RunPaths(reference).metrics, "step"))[0]
         checks.append(_compare_final(paths, RunPaths(reference), job.steps, exp))
     else:
         checks.append(Check("final state matches the reference", None, "not compared"))
