@@ -963,3 +963,17 @@ def test_a_stale_coordinators_manifest_never_replaces_its_successors_commit_on_s
         a.close()
     b.close()
     _holds_step(url, opts, 2, 2)
+
+
+def test_the_next_commit_of_a_step_collects_its_temporaries(tmp_path):
+    """Temporaries left in a step directory (a publish or a write cut short by a crash) are
+    garbage of the step's next commit: the manifest's too, not only a rank file's."""
+    with Checkpointer(str(tmp_path), job_id="job-A", keep_last=3) as ck:
+        ck.save(1, state(1)).wait()
+        d = tmp_path / "step_00000001"
+        (d / "MANIFEST.json.tmp-0123456789ab").write_bytes(b"{half a manifest")
+        (d / "rank_00000.safetensors.tmp-0123456789ab").write_bytes(b"half a rank file")
+        ck.save(1, state(2)).wait()  # the step saved again (a rollback, then the same step)
+    left = sorted(p.name for p in d.iterdir())  # (after close: the deletions joined)
+    assert "rank_00000.safetensors.tmp-0123456789ab" not in left
+    assert "MANIFEST.json.tmp-0123456789ab" not in left, left

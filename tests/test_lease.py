@@ -283,3 +283,21 @@ def test_a_lease_handed_back_to_the_persister_vouches_only_for_its_own_record(tm
         ck._hand_lease_back()
         assert ck._lease_returned == (lease.token if record == "torn" else None)
         assert ck._lease is None and not lease.held
+
+
+def test_no_heartbeat_file_outlives_its_lease(tmp_path):
+    """A holder's LEASE.beat.<token> whose LEASE.json is gone (a release cut short, an operator
+    who removed a dead job's LEASE.json) was removed by nobody: every acquire removes other
+    holders' heartbeats now, and a release removes its own first."""
+    from resilient.checkpoint.lease import LEASE_NAME
+
+    orphan = tmp_path / (BEAT_PREFIX + "feedfeedfeedfeed")
+    orphan.write_text('{"token": "feedfeedfeedfeed", "beat": 9, "heartbeat_unix_s": 0}')
+    for v in range(2):  # two jobs in a row, each saving, renewing and closing cleanly
+        with Checkpointer(str(tmp_path), job_id=f"job-{v}") as ck:
+            ck.save(v + 1, state(v)).wait()
+            ck._lease.renew()  # (a heartbeat file of its own)
+            assert (tmp_path / (BEAT_PREFIX + ck._lease.token)).exists()
+            assert not orphan.exists()
+    assert not (tmp_path / LEASE_NAME).exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(BEAT_PREFIX)] == []

@@ -474,3 +474,32 @@ def test_a_conditional_publish_whose_answer_was_lost_is_not_a_conflict(s3):
     calls = _lose_first_answer(st, "put_object")
     st.publish_if("s/MANIFEST.json", b"the next one", seen)
     assert st.read("s/MANIFEST.json") == b"the next one"
+
+
+def test_a_client_without_exclusive_writes_still_saves_and_says_so(s3, monkeypatch, caplog):
+    """fsspec and s3fs before 2024.12 know no 'xb' open and pass pipe_file's mode= on to
+    put_object (refused): every S3 save failed.  Such a client writes plainly, said once."""
+    import s3fs
+
+    real_open, real_pipe = s3fs.S3FileSystem._open, s3fs.S3FileSystem._pipe_file
+
+    def old_open(self, path, mode="rb", *a, **kw):
+        if mode not in {"rb", "wb", "ab"}:
+            raise NotImplementedError("File mode not supported")  # fsspec < 2024.12
+        return real_open(self, path, mode, *a, **kw)
+
+    async def old_pipe(self, path, data, chunksize=50 * 2**20, **kwargs):
+        if "mode" in kwargs or "IfMatch" in kwargs:  # an older s3fs or botocore refuses
+            raise TypeError("put_object() got an unexpected keyword argument")
+        return await real_pipe(self, path, data, chunksize=chunksize, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_open", old_open)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", old_pipe)
+    url = f"s3://{s3.new_bucket()}/run"
+    with caplog.at_level("WARNING", logger="resilient.checkpoint.storage"):
+        with Checkpointer(url, storage_options=s3.options, job_id="job-A") as ck:
+            ck.save(1, {"w": torch.arange(100.0)}).wait()
+            ck.save(1, {"w": torch.arange(100.0) * 2}).wait()  # (a manifest there: If-Match)
+            assert ck.steps() == [1] and ck.verify(1).ok
+    said = [r.getMessage() for r in caplog.records if "this client cannot" in r.getMessage()]
+    assert len(said) == 2 and "upgrade fsspec and s3fs to 2024.12" in said[0]

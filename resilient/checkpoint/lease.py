@@ -400,8 +400,7 @@ class WriterLease:
                 raise self._held_by(after, b"")
             self.record, self._lost = mine, None
             self._beats = 0
-            if self.taken_over is not None or current is not None:
-                self._forget_beats()
+            self._forget_beats()  # (earlier holders', and orphans whose LEASE.json is gone)
             self._start_renewing()
             return
 
@@ -506,10 +505,10 @@ class WriterLease:
                 return
             try:
                 _, current = self._read()
+                if self._beats:  # (first: a release cut short leaves no orphan heartbeat)
+                    self.storage.remove(BEAT_PREFIX + self.token)
                 if current is not None and current.token == self.token:
                     self.storage.remove(LEASE_NAME)
-                if self._beats:
-                    self.storage.remove(BEAT_PREFIX + self.token)
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
             self.record = None

@@ -274,6 +274,7 @@ class Storage:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.commit_method = commit_method or _detect_commit_method(self.fs, self.is_local)
         self.retries_done = 0  # how many retries this Storage has made (event log, tests)
+        self._warned: set[str] = set()  # (what this client cannot do, said once)
 
     # --- paths --------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -700,7 +701,7 @@ class Storage:
                     self.fs.rm_file(self.path(rel))
                 leftover[0] = False
             n = 0
-            f = self.fs.open(self.path(rel), "xb" if exclusive_open else "wb")
+            f, created = self._open_for_write(rel, exclusive_open)
             try:
                 with _closing(make_parts()) as stream:
                     for p in stream:
@@ -709,7 +710,7 @@ class Storage:
                     written()
                 f.close()  # (an object store's upload is published here, If-None-Match and all)
             except BaseException:
-                leftover[0] = not self._abandon(f, rel, created=exclusive_open)
+                leftover[0] = not self._abandon(f, rel, created=created)
                 raise
             return n
 
@@ -746,6 +747,29 @@ class Storage:
                 ) from None
 
         return self._call("write", rel, write_once)
+
+    def _open_for_write(self, rel: str, exclusive: bool) -> tuple[Any, bool]:
+        """The file to write, and whether it is exclusive: a client too old for the exclusive
+        mode (fsspec and s3fs before 2024.12) writes plainly, said once."""
+        if exclusive:
+            try:
+                return self.fs.open(self.path(rel), "xb"), True
+            except (ValueError, NotImplementedError, TypeError) as e:
+                self._cannot("write only where nothing is (open mode 'xb')", e)
+        return self.fs.open(self.path(rel), "wb"), False
+
+    def _cannot(self, what: str, e: BaseException) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(
+                "%s: this client cannot %s (%s: %s); writing plainly, so only the lease and the "
+                "generation claims keep a stale writer off committed files; upgrade fsspec and "
+                "s3fs to 2024.12 or later (and botocore with them)",
+                self.display(""),
+                what,
+                type(e).__name__,
+                e,
+            )
 
     def _abandon(self, f: Any, rel: str, *, created: bool) -> bool:
         """A write that failed (part-way, or at its close) publishes nothing of what it wrote;
@@ -859,7 +883,13 @@ class Storage:
                     self.fs.pipe_file(self.path(rel), data, IfMatch=version)
                 else:
                     self.fs.pipe_file(self.path(rel), data, mode="create")
-            except OSError as e:
+            except Exception as e:
+                if _unknown_parameter(e):  # an older s3fs or botocore
+                    self._cannot("publish conditionally (If-Match, If-None-Match)", e)
+                    self.fs.pipe_file(self.path(rel), data)
+                    return
+                if not isinstance(e, OSError):
+                    raise
                 if not isinstance(e, FileExistsError) and not (
                     "pre-condition" in str(e) or "PreconditionFailed" in repr(e) or "412" in str(e)
                 ):
@@ -1125,6 +1155,12 @@ def _pread_into(fd: int, start: int, out: memoryview) -> int:
 # If-None-Match: * with the upload's final request; memory:// and local files create exclusively.
 # Elsewhere a rank file is written plainly, and the generation claim alone keeps writers apart.
 _EXCLUSIVE_OPEN_PROTOCOLS = frozenset({"s3", "s3a", "memory", "file", "local"})
+
+
+def _unknown_parameter(e: BaseException) -> bool:
+    """Whether ``e`` says the client does not know a parameter it was given (``mode`` for an
+    s3fs before 2024.12, ``IfMatch`` for an older botocore)."""
+    return isinstance(e, TypeError) or type(e).__name__ == "ParamValidationError"
 
 
 def _conditional_put_ok(fs: Any) -> bool:

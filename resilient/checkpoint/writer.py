@@ -813,7 +813,7 @@ def publish_commit(
         # later generation's (a successor that took the lease over since the check above may be
         # saving this step again, under a generation past ours: its files are not ours to judge)
         for name in storage.listdir(step_rel) if sweep_step else ():
-            if not name.startswith(MANIFEST_NAME) and name not in summary.files:
+            if name != MANIFEST_NAME and name not in summary.files:
                 if _generation_of(name, default=-1) <= summary.generation:
                     garbage.append(f"{step_rel}/{name}")
         if catalog is not None:  # (the lease kept other writers out since: only this commit)
