@@ -7,6 +7,7 @@ Every check that a flag fits the model and the world runs here, before any proce
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -165,6 +166,21 @@ class TrainConfig:
             raise ConfigError(
                 f"--tp {self.tp} does not divide the expert FFN width {m.expert_ffn_dim}"
             )
+        if self.global_batch < 1:
+            raise ConfigError(f"--global-batch {self.global_batch}: must be >= 1 sequence per step")
+        if self.keep_last < 1:
+            raise ConfigError(
+                f"--keep-last {self.keep_last}: must be >= 1 (the newest committed steps kept)"
+            )
+        for flag, v, ok, what in (
+            ("--lr", self.lr, self.lr > 0, "> 0"),
+            ("min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--warmup-steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0"),
+            ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+            ("grad_clip", self.grad_clip, self.grad_clip >= 0, ">= 0 (0: no clipping)"),
+        ):
+            if not (ok and math.isfinite(v)):  # (NaN passes no comparison: refused here too)
+                raise ConfigError(f"{flag} {v}: must be a finite number {what}")
         if self.global_batch % (self.dp * self.ep):
             raise ConfigError(
                 f"--global-batch {self.global_batch} must be divisible by the {self.dp * self.ep} data "
@@ -199,7 +215,7 @@ class TrainConfig:
                 f"--memory-every {self.memory_every}: must be >= 0 (0 turns the memory tier off)"
             )
         if self.memory_commit_every < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"--memory-commit-every {self.memory_commit_every}: must be >= 0 (1 commits "
                 f"every snapshot, 0 only when a restore, a flush or a durable save needs it)"
             )

@@ -231,9 +231,20 @@ def _train(
                 optim.reset()
             else:
                 optim.state.clear()
+        _check_resumed_config(config, cfg, start)
+        skipped = 0  # consecutive steps whose gradients were not finite
         try:
             for step in run.steps(cfg.steps):
                 record = _train_step(step, cfg, pc, model, optim, loader, autocast, device)
+                skipped = skipped + 1 if "skipped" in record else 0
+                if skipped >= MAX_NON_FINITE_STEPS:
+                    raise DivergedError(
+                        f"step {step}: the gradients were not finite (loss {record['loss']}) "
+                        f"{skipped} steps in a row, and no optimizer step was taken since step "
+                        f"{step - skipped}; the weights stay those of that step and nothing "
+                        f"non-finite was saved — lower --lr, raise --warmup-steps, or resume "
+                        f"from an earlier step"
+                    )
                 run.report_compute(record["compute_s"] + record["optimizer_s"])
                 counters["tokens"] += cfg.global_batch * cfg.model.seq_len
                 losses.append(record["loss"])
@@ -243,6 +254,31 @@ def _train(
             if metrics is not None:
                 metrics.close()
     return {"losses": losses, "start_step": start, "final_step": cfg.steps, "rank": rank}
+
+
+# A step whose gradients are not finite is skipped; this many in a row end the run.
+MAX_NON_FINITE_STEPS = 5
+
+
+class DivergedError(RuntimeError):
+    """Training diverged: the gradients stayed non-finite for MAX_NON_FINITE_STEPS steps."""
+
+
+def _check_resumed_config(restored: dict[str, Any], cfg: TrainConfig, start: int) -> None:
+    """A resumed run reads the samples of each step from (seed, global batch): with either
+    changed, the steps after the restored one read other samples than the run it continues
+    (some twice, some never).  Refused by name."""
+    if start == 0:
+        return
+    for key, flag in (("seed", "--seed"), ("global_batch", "--global-batch")):
+        was, now = restored.get(key), getattr(cfg, key)
+        if was is not None and was != now:
+            raise ConfigError(
+                f"{flag} {now}: the checkpoint this run resumes (step {start} of {cfg.ckpt}) "
+                f"was trained with {flag} {was}; resuming with another would read other "
+                f"samples than the run it continues (some twice, some never) — use {flag} {was}, "
+                f"or start a new run (another --ckpt)"
+            )
 
 
 def open_metrics(path: str) -> Any:
@@ -325,7 +361,11 @@ def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[s
     sync_gradients(model, pc)
     grad_norm = clip_grad_norm(model, cfg.grad_clip, pc)
     t_opt = time.perf_counter()
-    optim.step()
+    # A non-finite gradient (the same global norm on every rank) is never applied: the weights
+    # would be NaN from here on, and every later save would commit them as healthy steps
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optim.step()
     optim.zero_grad(set_to_none=True)
     opt_s = time.perf_counter() - t_opt
     loss = _global_mean(ce.detach(), pc)
@@ -350,6 +390,7 @@ def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[s
         "data_step": served,
         "samples": [(served - 1) * cfg.global_batch, cfg.global_batch],  # [first id, count]
         "micro_batches": n,
+        **({} if finite else {"skipped": "non-finite gradients: the optimizer step was not taken"}),
     }
 
 

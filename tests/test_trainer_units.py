@@ -119,3 +119,97 @@ def test_metrics_are_appended_on_a_fresh_line_after_a_record_a_kill_cut(tmp_path
     with open_metrics(str(tmp_path / "new.jsonl")) as f:  # a new file starts at its start
         f.write('{"step": 1}\n')
     assert (tmp_path / "new.jsonl").read_text() == '{"step": 1}\n'
+
+
+# --- the trainer review: flags refused by name, resumes that would read other samples, and
+# non-finite gradients never applied
+
+
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        ({"memory_commit_every": -1}, "--memory-commit-every"),  # (was a bare ValueError)
+        ({"keep_last": 0}, "--keep-last"),  # (was refused by Run, after the process group)
+        ({"keep_last": -2}, "--keep-last"),
+        ({"global_batch": 0}, "--global-batch"),  # (0 and -8 "divide" every replica count)
+        ({"global_batch": -8}, "--global-batch"),
+        ({"lr": float("nan")}, "--lr"),
+        ({"lr": -1.0}, "--lr"),
+        ({"warmup_steps": -1}, "--warmup-steps"),
+        ({"grad_clip": float("nan")}, "grad_clip"),
+        ({"min_lr_ratio": -0.5}, "min_lr_ratio"),
+    ],
+)
+def test_a_value_no_run_can_use_is_a_config_error(tmp_path, kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainConfig(ckpt=str(tmp_path), save_every=1, **kw)
+
+
+def test_the_command_line_refuses_a_negative_memory_commit_every_with_exit_code_2(capsys):
+    from reference_trainer.__main__ import main
+
+    assert main(["--memory-commit-every", "-1", "--steps", "1"]) == 2
+    assert "--memory-commit-every" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change", [{"global_batch": 4}, {"seed": 5}])
+def test_a_resume_with_another_seed_or_global_batch_is_refused(tmp_path, change):
+    """Sample ids are (step - 1) x global_batch and their windows come from the seed: resumed
+    with --global-batch 4 after 2 steps of 8, step 3 read ids [8, 12), which step 2 had
+    consumed (and said so in its metrics); with another --seed the same ids named other
+    windows.  Refused by name now."""
+    from tests.dist import run_distributed
+    from tests.integration.trainer_runs import run_train
+
+    ckpt = str(tmp_path / "ck")
+    run_distributed(run_train, 1, {"save_every": 2, "ckpt": ckpt, "steps": 2, "global_batch": 8})
+    with pytest.raises(AssertionError) as e:
+        run_distributed(
+            run_train, 1, {"save_every": 2, "ckpt": ckpt, "steps": 4, "global_batch": 8, **change}
+        )
+    flag = "--" + next(iter(change)).replace("_", "-")
+    assert "ConfigError" in str(e.value) and f"was trained with {flag}" in str(e.value)
+
+
+def _train_with_nan_losses(rank, world, kwargs, nan_calls):
+    """The trainer with its cross entropy made NaN at some calls (a bad batch, an overflow)."""
+    import types
+    import warnings
+
+    import torch.nn.functional as F
+
+    import reference_trainer.train as T
+
+    warnings.simplefilter("ignore")
+    calls = {"n": 0}
+
+    def ce(*a, **k):
+        calls["n"] += 1
+        out = F.cross_entropy(*a, **k)
+        return out * float("nan") if calls["n"] in nan_calls else out
+
+    T.F = types.SimpleNamespace(cross_entropy=ce)
+    try:
+        return T.train(TrainConfig(model=preset("tiny"), **kwargs))["losses"]
+    except T.DivergedError as e:
+        return f"diverged: {e}"
+
+
+def test_non_finite_gradients_are_never_applied_nor_committed(tmp_path):
+    """A NaN loss gave a NaN gradient norm (NaN > max_norm is False: no clip), the optimizer
+    stepped with it, every weight became NaN and each later save committed them as a healthy
+    step.  Such a step is skipped now; five in a row end the run with a named error."""
+    import math
+
+    from tests.dist import run_distributed
+    from tests.integration.trainer_runs import gather_checkpoint
+
+    ckpt = str(tmp_path / "ck")
+    kw = {"steps": 3, "save_every": 1, "ckpt": ckpt}
+    losses = run_distributed(_train_with_nan_losses, 1, kw, {2})[0]
+    assert math.isnan(losses[1]) and math.isfinite(losses[2])  # step 2 skipped, 3 trained
+    state = gather_checkpoint(ckpt, 3)
+    assert all(torch.isfinite(v).all() for k, v in state.items() if k.startswith("model."))
+    kw = {"steps": 8, "ckpt": str(tmp_path / "ck2")}
+    out = run_distributed(_train_with_nan_losses, 1, kw, set(range(2, 100)))[0]
+    assert out.startswith("diverged: step 6: the gradients were not finite"), out
