@@ -66,7 +66,7 @@ def load_worker(root: str, mib: int) -> dict:
 
     shapes = cl._shapes(mib << 20)
     url = os.path.join(root, "ckpt")
-    drop = cl._drop_caches()
+    drop = cl.drop_caches()
     cl.run(cl.save_task, 4, url, shapes)
     out = {}
     for label, world in (("same layout, 4 ranks", 4), ("tp=4 -> tp=2, 2 ranks", 2)):
