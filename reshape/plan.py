@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from resilient.checkpoint.format import Manifest, TensorEntry, rank_file_name
+from resilient.checkpoint.format import MAX_WORLD_SIZE, Manifest, TensorEntry, rank_file_name
 from resilient.checkpoint.reader import ReadItem, plan_tensor_reads
 from resilient.checkpoint.writer import WriteItem, assign_writers
 from resilient.errors import LayoutError
@@ -126,7 +126,14 @@ def target_layout(source: Layout, sizes: Mapping[str, int | None]) -> Layout:
             f"--{a} {v!r}: a layout axis size is an int >= 1 (leave the flag out to keep the "
             f"source's size, {source.size(a) if a in source else '?'})"
         )
-    return Layout([(a, n if sizes.get(a) is None else sizes[a]) for a, n in source.axes])
+    axes = [(a, n if sizes.get(a) is None else sizes[a]) for a, n in source.axes]
+    world = math.prod(n for _, n in axes)
+    if world > MAX_WORLD_SIZE:  # (a reader refuses such a checkpoint; a plan listed every rank)
+        raise LayoutError(
+            f"{' x '.join(f'--{a} {n}' for a, n in axes)} = {world} ranks: a checkpoint's layout "
+            f"has at most {MAX_WORLD_SIZE} ranks (readers refuse more); choose smaller sizes"
+        )
+    return Layout(axes)
 
 
 def check_fits(manifest: Manifest, target: Layout) -> None:

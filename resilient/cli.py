@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 app = typer.Typer(
@@ -173,6 +175,14 @@ def preflight(
             checkpoint_url=checkpoint_url,
             storage_options=options,
         )
+        for flag, path in (("--json", json_path), ("--plot", plot_path)):
+            # (checked before the measurements: the report is written after them)
+            parent = os.path.dirname(os.path.abspath(path)) if path else None
+            if parent is not None and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+                raise ValueError(
+                    f"{flag} {path}: its directory {parent} does not exist or is not writable; "
+                    f"create it, or give another path"
+                )
     except ValueError as e:  # a JSONDecodeError is one too
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -180,7 +190,11 @@ def preflight(
     if chaos is not None:  # the chaos harness asked for its hook, by flag, explicitly
         from resilient.chaos.faults import ChaosHook
 
-        hooks.append(ChaosHook.from_file(chaos))
+        try:
+            hooks.append(ChaosHook.from_file(chaos))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            typer.echo(f"error: --chaos {chaos}: not a readable chaos plan ({e})", err=True)
+            raise typer.Exit(2) from None
     # what the ranks --nproc starts need (the report comes back here for --json and --plot)
     argv = ["--budget-s", repr(config.budget_s), "--factor", repr(factor)]
     argv += ["--checkpoint-url", checkpoint_url] if checkpoint_url else []

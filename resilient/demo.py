@@ -377,6 +377,8 @@ def _trainer(args: list[str]) -> subprocess.CompletedProcess:
 def _fresh(out: Path) -> None:
     """Start from an empty ``out``; only ever delete a directory an earlier demo wrote."""
     marker = out / ".resilient-demo"
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a new or empty directory")
     if out.exists() and any(out.iterdir()):
         if not marker.exists():
             raise FileExistsError(

@@ -81,6 +81,7 @@ def parse_args(argv: list[str]) -> Any:
         "new interpreter",
     )
     args = parser.parse_args(argv)
+    _check_torchrun_values(parser, args)
     for flag, value in (
         ("--log-dir", args.log_dir),
         ("--redirects", args.redirects),
@@ -93,6 +94,28 @@ def parse_args(argv: list[str]) -> Any:
                 f"launcher's stdout and stderr); use torchrun for it, or redirect the output"
             )
     return args
+
+
+def _check_torchrun_values(parser: Any, args: Any) -> None:
+    """torchrun's flags take nonsense and fail later with a bare AssertionError or ValueError
+    traceback (``--nproc-per-node 0``, ``--max-restarts -1``, ``--master-port 99999``): refused
+    here, as a usage error naming the flag."""
+    n = str(args.nproc_per_node)
+    if n not in ("auto", "cpu", "gpu", "xpu") and not (n.isdigit() and int(n) >= 1):
+        parser.error(f"--nproc-per-node {n}: a number of processes >= 1, or auto, cpu or gpu")
+    nodes = str(args.nnodes).split(":")
+    if not (
+        1 <= len(nodes) <= 2
+        and all(x.isdigit() and int(x) >= 1 for x in nodes)
+        and int(nodes[0]) <= int(nodes[-1])
+    ):
+        parser.error(f"--nnodes {args.nnodes}: N, or MIN:MAX, with 1 <= MIN <= MAX")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if not args.monitor_interval > 0:
+        parser.error(f"--monitor-interval {args.monitor_interval}: must be > 0 seconds")
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        parser.error(f"--master-port {args.master_port}: a TCP port, 0..65535")
 
 
 def _count(what: str) -> Any:
@@ -261,7 +284,7 @@ def _agent_class() -> Any:
             # no LOCAL_RANK until it is given a rank: a script that picks its device at import
             # fails loudly rather than landing on device 0
             env.pop("LOCAL_RANK", None)
-            proc = subprocess.Popen(self._cmd(0), env=env)
+            proc = subprocess.Popen(self._cmd(0), env=env, start_new_session=True)
             self._spares.append((index, proc))
             log.info("spare %d started (pid %d)", index, proc.pid)
 
@@ -270,7 +293,11 @@ def _agent_class() -> Any:
             self._pending_gen = None
             pids = {}
             for w in worker_group.workers:
-                p = subprocess.Popen(self._cmd(w.local_rank), env=self._env(worker_group, w))
+                # each in a session (a process group) of its own, as torchrun does: stopping it
+                # stops what it started too (a shell wrapper's python, data helpers), not it alone
+                p = subprocess.Popen(
+                    self._cmd(w.local_rank), env=self._env(worker_group, w), start_new_session=True
+                )
                 self._procs[w.local_rank] = p
                 pids[w.local_rank] = p.pid
             if self._injob_possible():
@@ -286,18 +313,14 @@ def _agent_class() -> Any:
         def _kill_all(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
             self._release_spares()
             procs = list(self._procs.values()) + [p for _, p in self._spares]
-            for p in procs:
-                if p.poll() is None:
-                    try:
-                        p.send_signal(sig)
-                    except ProcessLookupError:
-                        pass
+            for p in procs:  # (its group: what it started too, even when it has exited)
+                _signal_group(p, sig)
             deadline = time.monotonic() + timeout
             for p in procs:
                 try:
                     p.wait(max(deadline - time.monotonic(), 0.01))
                 except subprocess.TimeoutExpired:
-                    p.kill()
+                    _signal_group(p, signal.SIGKILL)
                     p.wait()
             self._procs.clear()
             self._spares.clear()
@@ -368,7 +391,14 @@ def _agent_class() -> Any:
             if reason is None:
                 self._take_over(worker_group, failed)
                 return RunResult(state=WorkerState.HEALTHY)
-            log.warning("in-job recovery not possible (%s): restarting the workers", reason)
+            left = getattr(self, "_remaining_restarts", 1)
+            log.warning(
+                "in-job recovery not possible (%s): %s",
+                reason,
+                "restarting the workers"
+                if left > 0
+                else f"no restarts left (--max-restarts {self._worker_group.spec.max_restarts})",
+            )
             failures = {}
             for lr, code in failed.items():
                 w = worker_group.workers[lr]
@@ -449,6 +479,14 @@ def _agent_class() -> Any:
     return _CLASS
 
 
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """Signal ``p``'s process group (``p`` leads it: started with ``start_new_session``)."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):  # nothing left of it
+        pass
+
+
 def launch_main(argv: list[str]) -> int:
     """``resilient launch [torchrun's flags] [--spares K] [--preload MODS] SCRIPT ...``; returns
     the exit code."""
@@ -472,7 +510,11 @@ def launch_main(argv: list[str]) -> int:
             )
     if args.master_port is None:
         args.master_port = 29500
-    config, cmd, cmd_args = config_from_args(args)
+    try:
+        config, cmd, cmd_args = config_from_args(args)
+    except (ValueError, AssertionError) as e:  # (torchrun's own checks: --rdzv-conf, ...)
+        print(f"resilient launch: error: {e or type(e).__name__}", file=sys.stderr)
+        return 2
     if not isinstance(cmd, str):
         raise SystemExit("resilient launch: the entrypoint must be a script or -m MODULE")
     server = None
