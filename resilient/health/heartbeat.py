@@ -621,13 +621,7 @@ class Monitor:
             self._beats[r] = a_mono
         if cached is not None and cached[1] == progress:
             assert old is not None
-            step, phase, progress_t, busy, seq = (
-                old.step,
-                old.phase,
-                old.progress_t,
-                old.busy_s,
-                old.seq,
-            )
+            step, phase, progress_t, busy, seq = _progress_of(old)
         else:
             try:
                 step_b, phase_b, seq_b, p_mono_b, busy_b = progress.split(b"|", 4)
@@ -639,13 +633,7 @@ class Monitor:
             except (ValueError, UnicodeDecodeError):
                 self._note_malformed(r, "progress", progress)
                 if old is not None:
-                    step, phase, progress_t, busy, seq = (
-                        old.step,
-                        old.phase,
-                        old.progress_t,
-                        old.busy_s,
-                        old.seq,
-                    )
+                    step, phase, progress_t, busy, seq = _progress_of(old)
                 else:  # nothing read of it yet: what its monitor says first
                     step, phase, progress_t, busy, seq = None, "init", None, None, None
             else:
@@ -1295,6 +1283,11 @@ def encode_alive(mono: float, wall: float) -> str:
     """``monotonic|wall``: the monotonic time is what the observer maps onto its own clock (exactly,
     when the boot ids say it is the same kernel's); the wall time only serves to report skew."""
     return f"{mono!r}|{wall!r}"
+
+
+def _progress_of(status: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """What a rank's last known status says of its progress: step, phase, time, busy, seq."""
+    return status.step, status.phase, status.progress_t, status.busy_s, status.seq
 
 
 def _finite(text: bytes) -> float:
