@@ -173,7 +173,7 @@ class TrainConfig:
                 f"--keep-last {self.keep_last}: must be >= 1 (the newest committed steps kept)"
             )
         for flag, v, ok, what in (
-            ("--lr", self.lr, self.lr > 0, "> 0"),
+            ("--lr", self.lr, self.lr >= 0, ">= 0 (0: the weights stay as loaded)"),
             ("min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("--warmup-steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0"),
             ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),

@@ -244,7 +244,7 @@ BAD_NUMBERS = {
         "",
         "max_failed_saves: 0: must",
     ),
-    "zero lr": ("", _trainer("lr = 0.0"), "", "job.trainer.lr: 0.0: must be > 0"),
+    "negative lr": ("", _trainer("lr = -0.1"), "", "job.trainer.lr: -0.1: must be >= 0"),
     "nan lr": ("", _trainer("lr = nan"), "", "job.trainer.lr: expected a finite number, found nan"),
     "zero hang_timeout_s": ("", _trainer("hang_timeout_s = 0.0"), "", "hang_timeout_s: 0.0: must"),
     "negative max_steps_lost": (

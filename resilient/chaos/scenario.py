@@ -142,7 +142,7 @@ TRAINER_BOUNDS = {
     "memory_every": (0, False),  # 0: no memory tier
     "memory_commit_every": (0, False),  # 0: committed only when needed
     "warmup_steps": (0, False),
-    "lr": (0, True),
+    "lr": (0, False),  # 0: frozen weights (a check that a start point loads as it was)
     "heartbeat_interval_s": (0, True),
     "hang_timeout_s": (0, True),
     "join_timeout_s": (0, True),
