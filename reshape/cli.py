@@ -17,21 +17,15 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.format import step_dir_name
-from resilient.checkpoint.reader import read_manifest, verify_step
+from resilient.checkpoint.reader import bytes_to_verify, read_manifest, verify_step
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, ResilientError, StorageError
 from resilient.layout import placement_to_json
+from resilient.progress import byte_progress
 
 app = typer.Typer(
     add_completion=False,
@@ -71,22 +65,8 @@ def _errors():
         raise typer.Exit(2) from None
 
 
-@contextmanager
 def _progress(total: int, label: str, enabled: bool):
-    if not enabled:
-        yield lambda n: None
-        return
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        transient=True,
-    ) as prog:
-        task = prog.add_task(label, total=total)
-        yield lambda n: prog.advance(task, n)
+    return byte_progress(total, label, enabled=enabled, console=err)
 
 
 def _resolve(storage: Storage, step: int | None) -> int:
@@ -161,7 +141,7 @@ def verify(url: str, step: int = STEP, as_json: bool = JSON) -> None:
     with _errors():
         storage = Storage(url)
         s = _resolve(storage, step)
-        total = sum(f.size_bytes for f in read_manifest(storage, s).files.values())
+        total = bytes_to_verify(read_manifest(storage, s))
         with _progress(total, f"verifying step {s}", not as_json) as advance:
             report = verify_step(storage, s, progress=advance)
         if as_json:

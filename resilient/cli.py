@@ -38,11 +38,19 @@ def verify(
     Exit codes, as ``reshape verify``: 0 every byte checks; 1 failed verification, or a corrupt or
     unreadable checkpoint (manifest, storage); 2 bad usage (no such step, a bad URL or option)."""
     from resilient import Checkpointer
+    from resilient.checkpoint.reader import bytes_to_verify
     from resilient.errors import CheckpointCorruptError, ResilientError, StorageError
+    from resilient.progress import byte_progress
 
     try:
         with Checkpointer(url) as ck:
-            report = ck.verify(step)
+            s = step if step is not None else ck.latest_step()
+            if s is None:  # (nothing committed: verify says so, by name)
+                report = ck.verify(step)
+            else:
+                total = bytes_to_verify(ck.manifest(s))
+                with byte_progress(total, f"verifying step {s}") as advance:
+                    report = ck.verify(s, progress=advance)
     except (CheckpointCorruptError, StorageError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -488,9 +488,10 @@ class Checkpointer:
     def manifest(self, step: int | None = None) -> Manifest:
         return read_manifest(self.storage, self._resolve_step(step))
 
-    def verify(self, step: int | None = None):
-        """Read every byte of a step and check it; returns a VerifyReport."""
-        return verify_step(self.storage, self._resolve_step(step))
+    def verify(self, step: int | None = None, *, progress: Callable[[int], None] | None = None):
+        """Read every byte of a step and check it; returns a VerifyReport.  ``progress(n)``: n
+        more bytes checked (a progress bar's)."""
+        return verify_step(self.storage, self._resolve_step(step), progress=progress)
 
     # --- save ---------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:

@@ -730,6 +730,14 @@ class VerifyReport:
         return not self.problems
 
 
+def bytes_to_verify(manifest: Manifest) -> int:
+    """How many bytes :func:`verify_step` checksums for ``manifest`` (what its ``progress`` adds
+    up to, for a progress bar's total): every chunk's byte range."""
+    return sum(
+        c.byte_range[1] - c.byte_range[0] for t in manifest.tensors.values() for c in t.chunks
+    )
+
+
 def verify_step(storage: Storage, step: int, *, progress=None) -> VerifyReport:
     """Read every byte of ``step``: manifest, file sizes, safetensors headers, every checksum.
 
