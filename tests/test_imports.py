@@ -11,7 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # package -> the imports of sibling packages it may make (prefix match)
 ALLOWED = {
     "resilient": [],
-    "reshape": ["resilient.layout", "resilient.checkpoint", "resilient.errors"],
+    "reshape": [
+        "resilient.layout",
+        "resilient.checkpoint",
+        "resilient.errors",
+        "resilient.progress",
+    ],
     "reference_trainer": ["resilient", "reshape"],
 }
 PACKAGES = set(ALLOWED)
@@ -24,6 +29,7 @@ LAYERS = {
     "resilient.layout": 0,
     "resilient._lazy": 0,
     "resilient.__version__": 0,
+    "resilient.progress": 0,  # the command lines' progress bar (rich only)
     "resilient.checkpoint": 1,
     "resilient.memory": 2,
     "resilient.health": 3,
