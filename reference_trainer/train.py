@@ -368,7 +368,7 @@ def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[s
         optim.step()
     optim.zero_grad(set_to_none=True)
     opt_s = time.perf_counter() - t_opt
-    loss = _global_mean(ce.detach(), pc)
+    loss, samples = _global_mean_and_samples(ce.detach(), loader.sample_ids(served), pc)
     if device.type == "cuda":
         torch.cuda.synchronize()
     step_s = time.perf_counter() - t_step
@@ -388,7 +388,7 @@ def _train_step(step, cfg, pc, model, optim, loader, autocast, device) -> dict[s
         **{f"{k}_s": v for k, v in comm.items()},
         "layout": {"dp": cfg.dp, "ep": cfg.ep, "tp": cfg.tp, "zero": cfg.zero},
         "data_step": served,
-        "samples": [(served - 1) * cfg.global_batch, cfg.global_batch],  # [first id, count]
+        "samples": samples,  # [[first id, count]] per data replica, as each one served them
         "micro_batches": n,
         **({} if finite else {"skipped": "non-finite gradients: the optimizer step was not taken"}),
     }
@@ -433,13 +433,27 @@ def _loader(cfg: TrainConfig, pc: ParallelContext, tokens: np.ndarray) -> Loader
     )
 
 
-def _global_mean(x: torch.Tensor, pc: ParallelContext) -> float:
-    """Mean over the data replicas (tp ranks hold the same value)."""
-    if pc.dp * pc.ep == 1:
-        return float(x)
-    x = x.clone().float()
-    dist.all_reduce(x, group=pc.dense_dp_group)
-    return float(x) / (pc.dp * pc.ep)
+def _global_mean_and_samples(
+    x: torch.Tensor, ids: list[int], pc: ParallelContext
+) -> tuple[float, list[list[int]]]:
+    """The mean of ``x`` over the data replicas (tp ranks hold the same value), and the samples
+    each replica read this step, ``[first id, count]`` in replica order.
+
+    The samples ride in the loss's all-reduce (no collective of their own): each replica fills
+    its own slots, so the record is what every replica's loader served, not what rank 0's
+    implies; a replica restored to another position shows as a repeated or skipped range.
+    """
+    first, count = (ids[0], len(ids)) if ids else (0, 0)
+    n = pc.dp * pc.ep
+    if n == 1:
+        return float(x), [[first, count]]
+    v = torch.zeros(1 + 2 * n, dtype=torch.float64, device=x.device)  # ids exact to 2**53
+    v[0] = x.float()
+    v[1 + 2 * pc.data_replica] = first
+    v[2 + 2 * pc.data_replica] = count
+    dist.all_reduce(v, group=pc.dense_dp_group)
+    loss = float(v[0].float()) / n
+    return loss, [[int(v[1 + 2 * r]), int(v[2 + 2 * r])] for r in range(n)]
 
 
 class _nullcontext:

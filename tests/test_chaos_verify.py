@@ -358,3 +358,30 @@ def test_a_fired_corrupt_fault_leaves_later_steps_alone(tmp_path: Path) -> None:
         f"fired fault still joined the save {run.checkpointer.waits}x and listed "
         f"{run.checkpointer.lists}x"
     )
+
+
+def _history(samples: list[Any]) -> list[dict[str, Any]]:
+    return [{"step": i, "loss": 1.0, "samples": s} for i, s in enumerate(samples, 1)]
+
+
+def test_samples_are_accounted_per_data_replica_as_each_one_served_them() -> None:
+    """Rank 0's loader position implied the whole global batch: a replica restored to another
+    step than rank 0's went unseen. Each replica's range is checked now."""
+    good = _history([[[0, 4], [4, 4]], [[8, 4], [12, 4]], [[16, 4], [20, 4]]])
+    ok = verify._samples_once(good, 3)
+    assert ok.ok, ok.detail
+    assert ok.detail == "samples 0..23 each once over 3 steps"
+    # replica 1 resumed one step behind replica 0: its step-2 samples read again, step 3's never
+    behind = _history([[[0, 4], [4, 4]], [[8, 4], [12, 4]], [[16, 4], [12, 4]]])
+    bad = verify._samples_once(behind, 3)
+    assert bad.ok is False
+    assert "repeated [((12, 16), (12, 16))]" in bad.detail and "skipped [(20, 24)]" in bad.detail
+    # the one-pair form (one replica, or a job that records the global batch) still reads
+    assert verify._samples_once(_history([[0, 8], [8, 8]]), 2).ok
+
+
+@pytest.mark.parametrize("samples", [[1], "0,8", [[0, 4], [4]], [[0, -4]], [], [[0, True]], None])
+def test_a_malformed_samples_record_fails_the_check_naming_the_step(samples: Any) -> None:
+    out = verify._samples_once(_history([[0, 8], samples]), 2)
+    assert out.ok is False
+    assert f"step 2 records samples {samples!r}: expected [first id, count]" in out.detail

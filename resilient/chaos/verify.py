@@ -852,12 +852,25 @@ def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
     name = "every sample consumed exactly once"
     if not history or "samples" not in history[0]:
         return Check(name, None, "the job records no samples")
-    seen: list[tuple[int, int]] = sorted(
-        (r["samples"][0], r["samples"][0] + r["samples"][1]) for r in history
-    )
+    seen: list[tuple[int, int]] = []
+    for r in history:
+        ranges = _sample_ranges(r.get("samples"))
+        if ranges is None:
+            return Check(
+                name,
+                False,
+                f"step {r.get('step')} records samples {r.get('samples')!r}: expected "
+                "[first id, count] or a list of them (one per data replica)",
+            )
+        seen.extend((a, a + n) for a, n in ranges if n)
+    if not seen:
+        return Check(name, False, f"no sample in {len(history)} steps")
+    seen.sort()
     total = sum(b - a for a, b in seen)
     overlaps = [(p, q) for p, q in zip(seen, seen[1:]) if q[0] < p[1]]
     holes = [(p[1], q[0]) for p, q in zip(seen, seen[1:]) if q[0] > p[1]]
+    if (end := max(b for _, b in seen)) < total:  # as many reads as ids 0..total-1: the rest unread
+        holes.append((end, total))
     covered = seen[0][0] == 0 and not holes and not overlaps
     if steps is not None:
         covered = covered and len(history) == steps
@@ -868,6 +881,26 @@ def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
             f"{total} samples in {len(history)} steps; repeated {overlaps[:3]}, skipped {holes[:3]}",
         )
     return Check(name, True, f"samples 0..{seen[-1][1] - 1} each once over {len(history)} steps")
+
+
+def _sample_ranges(v: Any) -> list[tuple[int, int]] | None:
+    """A step's ``samples`` record as ``(first id, count)`` ranges: one pair, or a list of pairs
+    (one per data replica, as each served them); ``None`` when it is neither."""
+
+    def pair(p: Any) -> tuple[int, int] | None:
+        ok = (
+            isinstance(p, list)
+            and len(p) == 2
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in p)
+        )
+        return (p[0], p[1]) if ok else None
+
+    if (one := pair(v)) is not None:
+        return [one]
+    if not isinstance(v, list) or not v:
+        return None
+    ranges = [pair(p) for p in v]
+    return None if None in ranges else ranges  # type: ignore[return-value]
 
 
 _ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)")

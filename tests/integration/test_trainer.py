@@ -98,6 +98,16 @@ def test_the_memory_tier_does_not_change_training(curves, tmp_path, name):
     assert with_tier == curves[name]
 
 
+def test_each_data_replica_records_the_samples_it_read(tmp_path):
+    """The chaos verifier's exactly-once check reads each replica's own range (gathered in the
+    loss's all-reduce), not the one rank 0's loader position implies."""
+    metrics = tmp_path / "m.jsonl"
+    run = {"steps": 2, "global_batch": 8, "metrics": str(metrics), "ep": 2}
+    run_distributed(run_train, 2, run)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["samples"] for r in records] == [[[0, 4], [4, 4]], [[8, 4], [12, 4]]]
+
+
 def test_resume_in_another_layout_continues_the_curve(tmp_path):
     """The checkpointer reshards on load: (ep2, tp2) for 4 steps, then dp2 with ZeRO-1 to 8."""
     straight = run_distributed(run_train, 4, {"steps": 8, "global_batch": 8, "ep": 2, "tp": 2})[0]
