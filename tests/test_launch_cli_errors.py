@@ -63,6 +63,7 @@ def _no_traceback(text: str) -> None:
         ["--max-restarts", "-1"],  # AssertionError: max_restarts must be >= 0
         ["--monitor-interval", "-1"],  # AssertionError from WorkerSpec.__post_init__
         ["--nnodes", "0"],  # AssertionError: min_nodes must be > 0
+        ["--nnodes", "2", "--standalone"],  # waited for a second node until the rendezvous timeout
     ],
     ids=lambda f: " ".join(f),
 )

@@ -110,6 +110,12 @@ def _check_torchrun_values(parser: Any, args: Any) -> None:
         and int(nodes[0]) <= int(nodes[-1])
     ):
         parser.error(f"--nnodes {args.nnodes}: N, or MIN:MAX, with 1 <= MIN <= MAX")
+    if args.standalone and int(nodes[0]) > 1:  # its rendezvous is on a port no other node knows
+        parser.error(
+            f"--standalone with --nnodes {args.nnodes}: a standalone job is one node, and it would "
+            f"wait for {nodes[0]} nodes until the rendezvous timed out; drop --standalone and give "
+            "every node the same --rdzv-endpoint HOST:PORT and --rdzv-id"
+        )
     if args.max_restarts < 0:
         parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
     if not args.monitor_interval > 0:
