@@ -239,6 +239,33 @@ def test_an_older_runs_snapshot_loses_to_a_later_runs_durable_commit(tmp_path, c
         assert runs[20] == 1, runs  # (sealed or committed, run 1's)
 
 
+@pytest.mark.parametrize("same_job", [False, True], ids=["another-job", "same-job"])
+def test_a_snapshot_loses_to_a_later_durable_commit_by_another_job_without_the_tier(
+    tmp_path, same_job
+):
+    """(a review) A commit made with the tier off records no run, and was never counted against
+    a snapshot: run 1 kept snapshot 20 in memory, another job without the tier resumed from
+    durable 10 and committed 15, and the next run with the tier restored 20, dropping 15.
+    Another job's commit after the snapshot's anchor is never the snapshot's own run's; the same
+    job's is (a save in flight when it was taken), so it is compared as before."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        ck.save(10, {"model": m}).wait()
+        with torch.no_grad():
+            m.weight.fill_(20.0)
+        ck.snapshot(20, {"model": m}).wait()
+    with Checkpointer(str(url), job_id="j" if same_job else "k") as ck:  # the tier off
+        assert ck.load({"model": m}) == 10
+        with torch.no_grad():
+            m.weight.fill_(15.0)
+        ck.save(15, {"model": m}).wait()
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        want = 20 if same_job else 15
+        assert ck.load({"model": fresh}) == want and fresh.weight.eq(float(want)).all()
+
+
 @pytest.mark.parametrize("counted", [True, False], ids=["counted", "uncounted"])
 def test_a_step_staged_by_a_run_older_than_a_later_commit_here_is_not_sealed(
     tmp_path, monkeypatch, counted

@@ -305,6 +305,13 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
                 f"durable step {s} was committed since by a later run of the job (run {later}, "
                 f"this snapshot's is {run}), which did not see it: that run's line is newer"
             )
+        if not later and info.job_id != snap.job_id:
+            # a commit that records no run (the tier off, or its count not written), by another
+            # job: never this snapshot's run, so a later one that did not see it
+            return (
+                f"durable step {s} was committed since by another job ({info.job_id!r}) that did "
+                f"not see it: that job's line is newer"
+            )
     return None
 
 
