@@ -173,6 +173,34 @@ def test_sizes_past_int64_are_refused(tmp_path, change, message):
             read_manifest(Storage(str(tmp_path)), 2)
 
 
+def _rename_w(m, key: bool, chunk: bool) -> None:
+    t = m["tensors"].pop("w")
+    for c in t["chunks"]:
+        c["name"] = "__metadata__" if chunk else c["name"]
+    m["tensors"]["__metadata__" if key else "w"] = t
+
+
+@pytest.mark.parametrize("key,chunk", [(True, False), (False, True), (True, True)])
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused(tmp_path, key, chunk):
+    """(a review) A tensor "__metadata__" replaced the header's metadata: the rank file did not
+    open in safetensors, and verify and convert passed it on."""
+    saved(tmp_path)
+    edit(tmp_path, lambda m: _rename_w(m, key, chunk))
+    with pytest.raises(CheckpointCorruptError, match="a safetensors header's own key"):
+        read_manifest(Storage(str(tmp_path)), 2)
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_never_saved(tmp_path):
+    from resilient.checkpoint.codec import safetensors_header
+
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(ValueError, match="state key '__metadata__' is a safetensors header"):
+            ck.save(1, {"__metadata__": torch.ones(3), "w": torch.ones(2)})
+        assert ck.steps() == []
+    with pytest.raises(ValueError, match="the header's metadata key"):
+        safetensors_header([("__metadata__", "F32", [1], 0, 4)], {})
+
+
 # --- JSON that is deep, or the wrong shape -------------------------------------------------------
 
 

@@ -126,6 +126,11 @@ def safetensors_header(
     """
     header: dict[str, object] = {"__metadata__": metadata}
     for name, code, shape, begin, end in entries:
+        if name == "__metadata__":  # (it would replace the metadata: no reader opens the file)
+            raise ValueError(
+                "a tensor named '__metadata__' cannot be stored in a safetensors file: the name is "
+                "the header's metadata key; rename it"
+            )
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

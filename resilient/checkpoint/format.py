@@ -62,6 +62,8 @@ __all__ = [
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1 manifests are upgraded on read (upgrade_v1)
 MANIFEST_NAME = "MANIFEST.json"
+# A safetensors header's key for its string metadata: never a tensor's name.
+SAFETENSORS_METADATA = "__metadata__"
 DEFAULT_BLOCK_BYTES = 4 << 20
 CODECS = ("none", "zstd", "zstd+bytegroup")
 # The caps a reader holds a checkpoint to (docs/FORMAT.md section 5): none of them limits a real
@@ -450,6 +452,12 @@ class Manifest:
             self._validate_tensor(key, t)
 
     def _validate_tensor(self, key: str, t: TensorEntry) -> None:
+        if key == SAFETENSORS_METADATA or any(c.name == SAFETENSORS_METADATA for c in t.chunks):
+            raise CheckpointCorruptError(
+                f"tensor {key!r} (step {self.step}) is stored under the name "
+                f"{SAFETENSORS_METADATA!r}, which is a safetensors header's own key: no rank file "
+                "with it opens; this checkpoint was not written by resilient"
+            )
         info = dtype_info(t.dtype)
         if len(t.shape) > MAX_NDIM:
             raise CheckpointCorruptError(

@@ -397,6 +397,11 @@ class _Walker:
     def tensor(self, key: str, t: torch.Tensor, inherit: torch.Tensor | None) -> None:
         if key in self.flat.tensors:
             raise ValueError(f"state key {key!r} appears twice; give each tensor a unique name")
+        if key == "__metadata__":
+            raise ValueError(
+                "state key '__metadata__' is a safetensors header's own key, so no rank file "
+                "could hold a tensor of that name; rename it"
+            )
         if self.cache is not None:
             self.flat.tensors[key] = self.cache.describe(key, t, self.layout, self.rank, inherit)
         else:
