@@ -140,6 +140,32 @@ def test_room_is_checked_before_training(tmp_path, monkeypatch):
     ck.close()
 
 
+def test_a_start_refused_for_room_leaves_no_job_directory_but_keeps_snapshots(
+    tmp_path, monkeypatch
+):
+    """(a review) The job's directory made at claim stayed after the refusal: one per refused
+    start, reclaimed only by a run of that job that got going."""
+    root, m = tmp_path / "mem", torch.nn.Linear(256, 256)
+    monkeypatch.setenv("RESILIENT_MEMORY_LIMIT", "100K")
+    ck = Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_root=str(root))
+    with pytest.raises(MemoryTierError, match="needs 1.0 MiB"):
+        ck.check_memory_room({"model": m})
+    ck.close()
+    assert list(root.iterdir()) == []
+    monkeypatch.delenv("RESILIENT_MEMORY_LIMIT")
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_root=str(root)) as ck:
+        ck.snapshot(1, {"model": m}).wait()  # a run that got going, then crashed
+        ck.close_memory()
+    monkeypatch.setenv("RESILIENT_MEMORY_LIMIT", "100K")
+    ck = Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_root=str(root))
+    with pytest.raises(MemoryTierError, match="needs 1.0 MiB"):
+        ck.check_memory_room({"model": m})
+    ck.close()
+    monkeypatch.delenv("RESILIENT_MEMORY_LIMIT")
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, memory_root=str(root)) as ck:
+        assert ck.memory_steps() == [1]  # the snapshot is still there to restore
+
+
 def test_options_are_checked(tmp_path):
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="memory_every must be None"):

@@ -1004,6 +1004,7 @@ class Checkpointer:
                     f"needed); see its error"
                 )
         if error is not None:
+            self.memory.release_if_empty()  # (nothing of this job's is in it yet)
             raise error
         return need
 

@@ -252,6 +252,19 @@ class MemoryPlace:
         if os.path.isdir(self.dir) and not os.path.islink(self.dir):
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    def release_if_empty(self) -> None:
+        """Remove this job's directory if it holds no snapshot (a start refused before its
+        first one: a crashed run's snapshots are left for the next run to restore)."""
+        try:
+            for d in (self.steps, self.staging):
+                if os.path.isdir(d) and not os.path.islink(d):
+                    os.rmdir(d)  # only when empty
+            if not os.path.lexists(self.steps) and not os.path.lexists(self.staging):
+                os.unlink(os.path.join(self.dir, JOB_FILE))
+                os.rmdir(self.dir)
+        except OSError:  # something is in it (or another rank of the node removed it first)
+            pass
+
 
 def memory_place(url: str, root: str | None = None) -> MemoryPlace:
     return MemoryPlace(root or default_root(), url)
