@@ -554,18 +554,25 @@ class Run:
             self._settle(h, final=False)
 
     def _join_save(self, *, final: bool) -> None:
-        h, self._handle = self._handle, None
+        h = self._handle
         if h is None:
             return
         try:
             h.wait()
-        except BaseException:  # settled below, once
+        except Exception:  # settled below, once
             pass
+        # (an interrupt, Ctrl-C, goes on from the wait: the save still runs and stays pending,
+        # for close() to settle once it is over)
+        self._handle = None
         self._settle(h, final=final)
 
     def _settle(self, h: Any, *, final: bool) -> None:
         """Log a finished save; count a failed one, and raise it when it is final, not transient
-        (another job owns the URL), or one too many in a row."""
+        (another job owns the URL), or one too many in a row.  A save still running is not
+        settled: it stays the pending one (its error is None only because it is not over)."""
+        if not h.done():
+            self._handle = h
+            return
         error = h.error
         if error is None:
             self._failed_saves = 0
@@ -575,7 +582,7 @@ class Run:
             return
         try:
             h.wait()  # marks it reported: the checkpointer's next save/wait will not raise it again
-        except BaseException:
+        except Exception:
             pass
         self._failed_saves += 1
         self._save_event(h, error)
@@ -682,6 +689,16 @@ class Run:
             if self.checkpointer is not None and not self._carry:
                 try:
                     self._join_snapshot()
+                    pending = self._handle
+                    if not announce and pending is not None and not pending.done():
+                        log.warning(
+                            "rank %d: waiting for the save of step %d to finish before exiting "
+                            "(interrupt again to abandon it: the newest committed step then "
+                            "stays %s)",
+                            self.rank,
+                            pending.step,
+                            self._committed_step,
+                        )
                     self._join_save(final=announce)
                     self.checkpointer.close()
                 except ResilientError as e:

@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -327,6 +328,54 @@ def test_a_failed_final_save_fails_the_run(tmp_path):
     assert "the final save failed; the newest committed step is step 4" in "\n".join(
         e.value.__notes__
     )
+
+
+def test_ctrl_c_while_a_save_runs_is_not_swallowed_nor_the_save_called_committed(
+    tmp_path, monkeypatch
+):
+    """Ctrl-C while the loop waits for a background save (here step 2's save joining step 1's)
+    ends the run; the save still running is not recorded as committed then, and close() settles
+    it truthfully once it is over.  (The wait swallowed the interrupt: the run trained to the
+    end and logged step 1 as saved, ``committed_at`` None, before it was.)"""
+    from resilient.chaos.faultfs import FaultyFileSystem
+    from resilient.checkpoint.checkpointer import SaveHandle
+
+    gate = threading.Event()
+    maybe_fail = FaultyFileSystem._maybe_fail
+
+    def gated(fs, op, path):  # step 1's files are written once the gate opens
+        if op == "write" and "step_00000001" in path:
+            assert gate.wait(10), "the test never opened the gate"
+        return maybe_fail(fs, op, path)
+
+    wait = SaveHandle.wait
+
+    def interrupted(handle, timeout=None):  # Ctrl-C arrives while the loop waits for a save
+        if not handle.done() and not gate.is_set():
+            raise KeyboardInterrupt
+        return wait(handle, timeout)
+
+    monkeypatch.setattr(FaultyFileSystem, "_maybe_fail", gated)
+    monkeypatch.setattr(SaveHandle, "wait", interrupted)
+    url, options = f"faulty://{tmp_path / 'ck'}", {"target_protocol": "file", "faults": []}
+    events = str(tmp_path / "events.jsonl")
+    run = Run(url, save_every=1, event_log=events, storage_options=options, detect=False)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        with run:
+            run.track(model=torch.nn.Linear(2, 2))
+            try:
+                for step in run.steps(5):
+                    seen.append(step)
+            finally:  # the interrupt reached the loop: nothing is committed yet
+                at_interrupt = (run._committed_step, run._handle and run._handle.step)
+                saves_then = [e for e in EventLog(events).read() if e["event"] == "save"]
+                gate.set()  # the save may finish now; close() waits for it
+    assert seen == [1, 2]
+    assert at_interrupt == (None, 1) and saves_then == []
+    saves = [e for e in EventLog(events).read() if e["event"] == "save"]
+    assert [(e["step"], e["ok"], e["committed_at"] is not None) for e in saves] == [(1, True, True)]
+    assert Checkpointer(str(tmp_path / "ck")).steps() == [1] and run._committed_step == 1
 
 
 class _Handle:
