@@ -19,6 +19,7 @@ import functools
 import gc
 import inspect
 import logging
+import numbers
 import os
 import random
 import signal
@@ -46,6 +47,7 @@ from resilient.errors import (
 )
 from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
 from resilient.health.attach import attempt_key, detect_by_default, start_monitor, take_over
+from resilient.health.detector import check_seconds
 from resilient.health.events import default_event_log
 from resilient.hooks import call as call_hooks
 from resilient.launch import init_process_group, injob_enabled, regroup
@@ -419,6 +421,11 @@ class Run:
             raise RuntimeError(
                 "call run.track(...) before run.steps(...), so there is state to save"
             )
+        if isinstance(total, bool) or not isinstance(total, numbers.Integral) or total < 0:
+            raise ValueError(
+                f"run.steps(total): total must be an int >= 0 (the number of the last step), got "
+                f"{total!r} ({type(total).__name__}); pass the last step's number as an int"
+            )
         first = self.step + 1
         for step in range(first, total + 1):
             self._check_peers()
@@ -784,7 +791,9 @@ def check_run_options(
         )
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
+    if keep_every is not None and (
+        isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1
+    ):
         raise ValueError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
     if (
         isinstance(max_failed_saves, bool)
@@ -803,6 +812,10 @@ def check_run_options(
         )
     if isinstance(hooks, str | bytes) or not isinstance(hooks, Sequence):
         raise ValueError(f"hooks must be a list of hook objects, got {hooks!r}")
+    # (Run's names: the detector's own check would name its fields, interval_s for one)
+    check_seconds("heartbeat_interval_s", heartbeat_interval_s)
+    check_seconds("hang_timeout_s", hang_timeout_s, none_ok=True)
+    check_seconds("join_timeout_s", join_timeout_s)
     return DetectorConfig(
         interval_s=heartbeat_interval_s,
         hang_timeout_s=hang_timeout_s,

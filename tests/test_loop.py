@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -484,6 +485,35 @@ def test_fault_tolerant_rejects_unknown_options_before_any_process_group(monkeyp
     with pytest.raises(ValueError, match="join_timeout_s must be positive"):
         fault_tolerant("/tmp/x", join_timeout_s=0)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        (name, bad)
+        for name in ("heartbeat_interval_s", "join_timeout_s", "hang_timeout_s")
+        for bad in ("1", float("nan"), float("inf"), True, -1.0)
+    ]
+    + [("keep_every", True)],
+)
+def test_bad_option_values_are_refused_naming_the_option(option, value):
+    """A timeout read as text ('1') compared with a number deep in the detector, naming nothing;
+    NaN, infinity and a bool (for a count, True as 1) were taken."""
+    with pytest.raises(ValueError, match=rf"^{option} must be .*, got {re.escape(repr(value))}"):
+        fault_tolerant("/tmp/x", **{option: value})
+    with pytest.raises(ValueError, match=rf"^{option} must be "):
+        Run(None, detect=False, **{option: value})
+
+
+@pytest.mark.parametrize("total", [10.0, "10", True, -1, None])
+def test_steps_refuses_a_total_that_is_not_a_step_number(total):
+    run = Run(None, detect=False)
+    with run:
+        run.track(counter=0)
+        with pytest.raises(
+            ValueError, match=rf"total must be an int >= 0 .*got {re.escape(repr(total))}"
+        ):
+            next(run.steps(total))
 
 
 def test_errors_are_importable_from_the_package_and_track_says_it_restores():

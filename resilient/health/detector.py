@@ -29,6 +29,8 @@ clocks of its own: tested by feeding snapshots.
 
 from __future__ import annotations
 
+import math
+import numbers
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -155,21 +157,16 @@ class DetectorConfig:
     skew_report_s: float = 1.0  # clock skew worth an event in the log
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.dead_after_intervals <= 0:
-            raise ValueError(
-                f"interval_s ({self.interval_s}) and dead_after_intervals "
-                f"({self.dead_after_intervals}) must be positive"
-            )
+        check_seconds("interval_s", self.interval_s)
+        check_seconds("dead_after_intervals", self.dead_after_intervals, unit="intervals")
+        check_seconds("join_timeout_s", self.join_timeout_s)
+        check_seconds("hang_timeout_s", self.hang_timeout_s, none_ok=True)
         for name in ("startup_dead_after_intervals", "running_dead_after_intervals"):
             if getattr(self, name) < self.dead_after_intervals:
                 raise ValueError(
                     f"{name} ({getattr(self, name)}) must be at least dead_after_intervals "
                     f"({self.dead_after_intervals})"
                 )
-        if self.join_timeout_s <= 0:
-            raise ValueError(f"join_timeout_s must be positive, got {self.join_timeout_s}")
-        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
-            raise ValueError(f"hang_timeout_s must be positive or None, got {self.hang_timeout_s}")
         bad = {k: v for k, v in self.phase_budgets_s.items() if not v > 0}
         if bad:
             raise ValueError(f"phase budgets must be positive seconds, got {bad}")
@@ -184,6 +181,25 @@ class DetectorConfig:
         if phase in STARTUP_LIVENESS_PHASES:
             return self.interval_s * self.startup_dead_after_intervals
         return self.dead_timeout_s
+
+
+def check_seconds(name: str, value: Any, *, none_ok: bool = False, unit: str = "seconds") -> None:
+    """Refuse a setting ``name`` that is not a finite real number > 0 (a bool, a string, NaN,
+    infinity; None unless ``none_ok``): a ValueError naming it, what it takes and what it got."""
+    if none_ok and value is None:
+        return
+    if (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return
+    raise ValueError(
+        f"{name} must be positive {unit}: a finite int or float > 0"
+        f"{' (or None)' if none_ok else ''}, got {value!r} ({type(value).__name__}); pass a "
+        f"number (a value read as text, from a config file or the command line: float() it)"
+    )
 
 
 class Detector:
