@@ -248,6 +248,9 @@ class Run:
         self._handle: Any = None  # the newest save, until it is settled (logged, counted)
         self._snap: Any = None  # the newest memory snapshot, until it is settled
         self._failed_snapshots = 0  # consecutive
+        # the last steps() loop completed and its final step is durable: the node's memory is
+        # given back when the run closes (not at the loop's end: another loop may follow)
+        self._completed = False
         self._failing = False
         self._carry = False  # (in-job recovery) the checkpointer goes on to the next generation
         self._rebind = False  # (in-job recovery) the checkpointer came from the previous one
@@ -427,6 +430,7 @@ class Run:
                 f"{total!r} ({type(total).__name__}); pass the last step's number as an int"
             )
         first = self.step + 1
+        self._completed = False
         for step in range(first, total + 1):
             self._check_peers()
             call_hooks(self.hooks, "at_step", step, self)
@@ -522,7 +526,8 @@ class Run:
         warnings.warn(message, SaveFailedWarning, stacklevel=3)
 
     def _release_memory(self) -> None:
-        """The run completed and its final step is durable: give the node's memory back."""
+        """The run completed, its final step is durable, and it closes: give the node's memory
+        back."""
         ckpt = self.checkpointer
         if ckpt is None or ckpt.memory is None:
             return
@@ -539,7 +544,7 @@ class Run:
             return
         self._join_snapshot()
         self._commit_final_durable()
-        self._release_memory()
+        self._completed = True
 
     def _commit_final_durable(self) -> None:
         assert self.checkpointer is not None
@@ -707,6 +712,8 @@ class Run:
                             self._committed_step,
                         )
                     self._join_save(final=announce)
+                    if announce and self._completed:
+                        self._release_memory()
                     self.checkpointer.close()
                 except ResilientError as e:
                     if announce:

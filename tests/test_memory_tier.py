@@ -208,6 +208,24 @@ def test_run_restores_from_memory_and_releases_it_at_the_end(tmp_path):
     assert not os.path.exists(place.dir)  # ... and the memory is given back
 
 
+def test_a_second_loop_of_the_same_run_keeps_the_tier(tmp_path):
+    """(a review) The memory was given back when the first steps() loop completed, so every
+    snapshot of a second loop failed (the checkpointer is closed), a warning each step; it is
+    given back when the run closes."""
+    url, model = str(tmp_path / "ckpt"), _model()
+    place = memory_place(url)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed snapshot warns
+        with Run(url, save_every=100, memory_every=1, detect=False) as run:
+            run.track(model=model)
+            _train(run, model, 3)
+            assert run.checkpointer.steps() == [3] and os.path.isdir(place.dir)
+            _train(run, model, 6)
+            assert sorted(run.checkpointer.memory_steps()) == [5, 6]
+            assert run.checkpointer.steps() == [3, 6]
+    assert not os.path.exists(place.dir)
+
+
 def _uneven_nodes(rank: int, world: int, url: str, roots: list[str]) -> tuple:
     # Two "nodes" (memory roots) with two ranks and one: peer replicas pair the ranks of
     # neighbouring nodes, so the tier turns itself off, with a warning (even nodes: see
