@@ -13,6 +13,7 @@ leaves no committed target.  The result is an ordinary checkpoint.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -42,6 +43,7 @@ from resilient.checkpoint.reader import (
     ReadBatch,
     ReadRing,
     ReadStats,
+    check_file_sizes,
     read_manifest,
     stream_reads,
     watching_retirement,
@@ -52,8 +54,10 @@ from resilient.checkpoint.writer import next_generation, rank_file_metadata
 from resilient.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilientError
 
 __all__ = [
+    "AllocationError",
     "ConvertReport",
     "DestinationExistsError",
+    "allocate",
     "resolve_step",
     "convert",
     "stream_chunks",
@@ -67,6 +71,25 @@ MIN_BATCH_BYTES = 8 << 20
 
 class DestinationExistsError(ResilientError, FileExistsError):
     """The destination already holds a checkpoint and --overwrite was not given."""
+
+
+class AllocationError(ResilientError, MemoryError):
+    """Memory a conversion or export needs (a batch buffer, a whole tensor) could not be had."""
+
+
+def allocate(shape: tuple[int, ...] | int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)``, or an AllocationError naming ``what`` and the bytes it
+    needed (the allocator's RuntimeError says neither which tensor nor what to do)."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+        raise AllocationError(
+            f"{what}: needs {nbytes} bytes ({nbytes / 2**30:.1f} GiB) of memory, and the "
+            f"allocator refused them ({type(e).__name__}: {str(e).strip()[:200]}); free memory or "
+            f"run on a machine with more"
+        ) from None
 
 
 @dataclass
@@ -119,7 +142,10 @@ class StreamBuffers:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.batches = [torch.empty(budget, dtype=torch.uint8) for _ in range(2)]
+        self.batches = [
+            allocate(budget, torch.uint8, "a batch buffer of the conversion (its largest chunk)")
+            for _ in range(2)
+        ]
         self.ring = ReadRing()
 
 
@@ -326,6 +352,10 @@ def _convert(src, dst, sizes, step, overwrite, src_options, dst_options, progres
         manifest = read_manifest(source, step)
         layout = target_layout(manifest.layout, sizes)
         conversion = plan(manifest, layout)  # raises LayoutError before anything is written
+        # buffers are sized from the manifest's chunks: its files must be the size it says first
+        check_file_sizes(
+            source, manifest, {r.chunk.file for c in conversion.chunks for r in c.reads}
+        )
         existing = sorted(step_dirs(destination))
         if existing and not overwrite:
             raise DestinationExistsError(

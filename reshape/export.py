@@ -12,16 +12,21 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from reshape.execute import DestinationExistsError, resolve_step
+from reshape.execute import DestinationExistsError, allocate, resolve_step
 from resilient.checkpoint.codec import safetensors_header
 from resilient.checkpoint.format import DTYPES, Manifest, dtype_info, parse_step_dir
-from resilient.checkpoint.reader import execute_reads, plan_tensor_reads, read_manifest
+from resilient.checkpoint.reader import (
+    check_file_sizes,
+    execute_reads,
+    plan_tensor_reads,
+    read_manifest,
+)
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StateMismatchError
 from resilient.layout import normalize_placement
@@ -30,6 +35,7 @@ __all__ = [
     "ExportReport",
     "byte_batches",
     "check_name_map",
+    "check_source_files",
     "clear_destination",
     "export_hf",
     "parse_size",
@@ -96,6 +102,7 @@ def export_hf(
     out_dtype = {k: dtype or manifest.tensors[k].dtype for k in keys}
     rename = check_name_map(name_map or {}, keys, source.url, step)
     refuse_inside_source(source, dest)
+    check_source_files(source, manifest, keys)
     clear_destination(dest, overwrite)
     items = [(rename.get(k, k), out_dtype[k], manifest.tensors[k].shape) for k in keys]
     back = {rename.get(k, k): k for k in keys}
@@ -180,6 +187,13 @@ def clear_destination(dest: Storage, overwrite: bool, also: tuple[str, ...] = ()
         dest.remove(name)
 
 
+def check_source_files(source: Storage, manifest: Manifest, keys: Iterable[str]) -> None:
+    """The files that hold tensors ``keys`` against the sizes the manifest declares, before any
+    tensor is allocated by the shape the manifest gives it (a damaged manifest's shape would be
+    the allocator's error, not the file's)."""
+    check_file_sizes(source, manifest, {c.file for k in keys for c in manifest.tensors[k].chunks})
+
+
 def read_whole(source: Storage, manifest: Manifest, key: str) -> torch.Tensor:
     """Tensor ``key`` of ``manifest``, assembled whole from its chunks (every block verified)."""
     return read_many(source, manifest, [key])[key]
@@ -191,7 +205,9 @@ def read_many(source: Storage, manifest: Manifest, keys: list[str]) -> dict[str,
     whole, reads = {}, []
     for key in keys:
         t = manifest.tensors[key]
-        whole[key] = torch.empty(t.shape, dtype=dtype_info(t.dtype).torch_dtype)
+        whole[key] = allocate(
+            t.shape, dtype_info(t.dtype).torch_dtype, f"tensor {key!r} of step {manifest.step}"
+        )
         reads += plan_tensor_reads(
             key,
             t,

@@ -418,3 +418,41 @@ def test_convert_over_later_steps_of_the_destination_is_refused(tmp_path):
     with pytest.raises(DestinationExistsError, match=r"later steps \[10\]"):
         convert(str(tmp_path / "src"), str(dst), {"tp": 1, "ep": 1}, step=5, overwrite=True)
     assert Checkpointer(str(dst)).latest_step() == 10 and Checkpointer(str(dst)).steps() == [10]
+
+
+# --- a manifest that declares more than its files hold -------------------------------------------
+def _declare_huge_chunk(tmp_path) -> tuple[str, int]:
+    """A one-tensor checkpoint whose manifest, consistent in itself, declares a 4 TiB chunk in a
+    file of a few hundred bytes: (its URL, the file's real size)."""
+    src = tmp_path / "src"
+    save_world(str(src), 5, [{"model.w": torch.arange(16.0)}], Layout(dp=1))
+    n = 1 << 40
+    path = src / "step_00000005" / "MANIFEST.json"
+    d = json.loads(path.read_text())
+    d["block_bytes"] = 1 << 30
+    d["files"]["rank_00000.safetensors"]["size_bytes"] = 128 + 4 * n
+    t = d["tensors"]["model.w"]
+    t["shape"], c = [n], t["chunks"][0]
+    c["sizes"], c["byte_range"], c["raw_bytes"] = [n], [128, 128 + 4 * n], 4 * n
+    c["checksums"] = [0] * (4 * n >> 30)
+    path.write_text(json.dumps(d))
+    return str(src), (src / "step_00000005" / "rank_00000.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize(
+    "args", [["convert", "--dp", "1"], ["export", "--format", "hf"], ["export", "--format", "dcp"]]
+)
+def test_a_manifest_declaring_more_than_its_file_holds_is_corrupt_before_allocating(tmp_path, args):
+    """Buffers and whole tensors are sized from the manifest: its files are checked against it
+    first (the allocator's raw error for 4 TiB before)."""
+    src, size = _declare_huge_chunk(tmp_path)
+    r = runner.invoke(app, [args[0], src, str(tmp_path / "out"), *args[1:]])
+    assert r.exit_code == 1, r.output
+    assert f"rank_00000.safetensors (step 5) is {size} bytes, but the manifest declares " in (
+        " ".join(r.output.split())
+    ), r.output
+
+
+def test_an_allocation_the_allocator_refuses_is_a_named_error():
+    with pytest.raises(execute.AllocationError, match=r"tensor 'x': needs 4503599627370496 bytes"):
+        execute.allocate((1 << 50,), torch.float32, "tensor 'x'")

@@ -55,8 +55,14 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
 
-from reshape.execute import ConvertReport, DestinationExistsError, resolve_step
-from reshape.export import byte_batches, read_many, read_whole, refuse_inside_source
+from reshape.execute import ConvertReport, DestinationExistsError, allocate, resolve_step
+from reshape.export import (
+    byte_batches,
+    check_source_files,
+    read_many,
+    read_whole,
+    refuse_inside_source,
+)
 from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
 from resilient.checkpoint.format import (
     DTYPES,
@@ -256,6 +262,7 @@ def export_dcp(
             f"values that differ per rank have no place in DCP's one namespace"
         )
     refuse_inside_source(source, Storage(out_dir))
+    check_source_files(source, manifest, manifest.tensors)
     _prepare_out(out_dir, overwrite)
     planner = _StreamingSavePlanner(source, manifest, progress)
     writer = FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1)
@@ -306,8 +313,10 @@ def _verify_export(out_dir: str, manifest: Manifest, crcs: Mapping[str, int]) ->
         size += manifest.tensors[k].nbytes
     for batch in batches:
         state: dict[str, Any] = {
-            k: torch.empty(
-                manifest.tensors[k].shape, dtype=dtype_info(manifest.tensors[k].dtype).torch_dtype
+            k: allocate(
+                manifest.tensors[k].shape,
+                dtype_info(manifest.tensors[k].dtype).torch_dtype,
+                f"reading tensor {k!r} back from {out_dir}",
             )
             for k in batch
         }

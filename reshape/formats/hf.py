@@ -42,6 +42,7 @@ from reshape.export import (
     INDEX_NAME,
     ExportReport,
     byte_batches,
+    check_source_files,
     clear_destination,
     read_many,
     refuse_inside_source,
@@ -392,9 +393,10 @@ def export_reference_hf(
     arch = architecture_for(cfg)
     rules = _rules(cfg, arch)
     refuse_inside_source(source, dest)
-    clear_destination(dest, overwrite, also=(CONFIG_NAME,))
     # the checkpoint tensors the rules read, in order, read in batches of READ_AHEAD bytes
     order = list(dict.fromkeys(k for k, _, _ in rules.values() if k is not None))
+    check_source_files(source, manifest, order)
+    clear_destination(dest, overwrite, also=(CONFIG_NAME,))
     batches = byte_batches(order, lambda k: manifest.tensors[k].nbytes, READ_AHEAD)
     batch_of = {k: i for i, batch in enumerate(batches) for k in batch}
     cache: dict[str, torch.Tensor] = {}

@@ -51,6 +51,7 @@ __all__ = [
     "plan_reads",
     "execute_reads",
     "stream_reads",
+    "check_file_sizes",
     "ReadBatch",
     "ReadRing",
     "read_manifest",
@@ -409,6 +410,29 @@ def execute_reads(
     return out[0]
 
 
+def check_file_sizes(
+    storage: Storage,
+    manifest: Manifest,
+    names: Iterable[str],
+    files: PinnedFiles | None = None,
+) -> None:
+    """Each of the step's files ``names`` against the size the manifest declares for it (one stat
+    a file, through ``files`` where given): a CheckpointCorruptError naming the first that
+    differs.  Whoever sizes memory from the manifest checks first: a manifest's chunk sizes are
+    only as true as its files."""
+    step_rel = step_dir_name(manifest.step)
+    for file in sorted(set(names)):
+        rel = f"{step_rel}/{file}"
+        actual = storage.size(rel) if files is None else files.size(rel)
+        declared = manifest.files[file].size_bytes
+        if actual != declared:
+            raise CheckpointCorruptError(
+                f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the "
+                f"manifest declares {declared}; the file is truncated or was replaced — "
+                f"load an earlier step"
+            )
+
+
 def stream_reads(
     storage: Storage,
     manifest: Manifest,
@@ -462,14 +486,7 @@ def stream_reads(
         for file, file_items in sorted(by_file.items()):
             rel = f"{step_rel}/{file}"
             if file not in sized:
-                actual = storage.size(rel) if files is None else files.size(rel)
-                declared = manifest.files[file].size_bytes
-                if actual != declared:
-                    raise CheckpointCorruptError(
-                        f"{storage.display(rel)} (step {manifest.step}) is {actual} bytes, but the "
-                        f"manifest declares {declared}; the file is truncated or was replaced — "
-                        f"load an earlier step"
-                    )
+                check_file_sizes(storage, manifest, [file], files)
                 sized.add(file)
             staged, file_requests = [], []
             for it in file_items:
