@@ -28,10 +28,11 @@ from resilient.checkpoint.reader import (
     read_manifest,
 )
 from resilient.checkpoint.storage import Storage
-from resilient.errors import StateMismatchError
+from resilient.errors import ResilientError, StateMismatchError
 from resilient.layout import normalize_placement
 
 __all__ = [
+    "ExportOptionError",
     "ExportReport",
     "byte_batches",
     "check_name_map",
@@ -45,7 +46,15 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+# the key of a safetensors header that holds the file's metadata, not a tensor: a tensor of that
+# name is overwritten by the metadata, and the file does not open
+RESERVED_NAME = "__metadata__"
 T = TypeVar("T")
+
+
+class ExportOptionError(ResilientError, ValueError):
+    """An export was asked for something it cannot write: an option's value (``--dtype``,
+    ``--max-shard-size``, ``--name-map``) or an output name."""
 
 
 @dataclass
@@ -124,11 +133,13 @@ def check_name_map(
     name_map: Mapping[str, str], keys: list[str], url: str, step: int
 ) -> dict[str, str]:
     """A user's renaming ({"checkpoint name": "output name"}), checked: every name it renames
-    exists, and no two tensors end up with the same output name."""
+    exists, no two tensors end up with the same output name, and none is named `__metadata__`."""
     if not isinstance(name_map, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) and v for k, v in name_map.items()
     ):
-        raise ValueError("--name-map: expected a JSON object of tensor name -> new name (strings)")
+        raise ExportOptionError(
+            "--name-map: expected a JSON object of tensor name -> new name (strings)"
+        )
     missing = sorted(set(name_map) - set(keys))
     if missing:
         raise StateMismatchError(
@@ -138,8 +149,14 @@ def check_name_map(
     seen: dict[str, str] = {}
     for k in keys:
         out = name_map.get(k, k)
+        if out == RESERVED_NAME:
+            given = f"--name-map gives {k!r} the name" if k in name_map else f"tensor {k!r} has"
+            raise ExportOptionError(
+                f"{given} {RESERVED_NAME!r}, the key safetensors reserves for a file's metadata "
+                f"(the file written would not open); map it to another name"
+            )
         if out in seen:
-            raise ValueError(
+            raise ExportOptionError(
                 f"--name-map gives {seen[out]!r} and {k!r} the same name {out!r}; every output "
                 f"name must be unique"
             )

@@ -456,3 +456,21 @@ def test_a_manifest_declaring_more_than_its_file_holds_is_corrupt_before_allocat
 def test_an_allocation_the_allocator_refuses_is_a_named_error():
     with pytest.raises(execute.AllocationError, match=r"tensor 'x': needs 4503599627370496 bytes"):
         execute.allocate((1 << 50,), torch.float32, "tensor 'x'")
+
+
+def test_a_name_map_to_the_safetensors_metadata_key_is_refused(tmp_path):
+    """`__metadata__` is the safetensors header's key for the file's metadata: a tensor of that
+    name was overwritten by it and the file written did not open."""
+    _saved(tmp_path)
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({"model.w": "__metadata__"}))
+    out = tmp_path / "hf"
+    r = runner.invoke(
+        app,
+        ["export", str(tmp_path / "src"), str(out), "--format", "hf", "--name-map", str(mapping)],
+    )
+    assert r.exit_code == 2, r.output
+    assert "--name-map gives 'model.w' the name '__metadata__', the key safetensors reserves" in (
+        " ".join(r.output.split())
+    ), r.output
+    assert not out.exists() or not list(out.glob("*.safetensors"))  # refused before writing
