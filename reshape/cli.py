@@ -277,7 +277,9 @@ def export(
         "values as non-tensor entries, which dcp.load reads into plain tensors or DTensors on "
         "any mesh (one tensor in memory at a time; read back and checked after writing)",
     ),
-    dtype: str = typer.Option(None, "--dtype", help="hf: cast weights, e.g. bfloat16"),
+    dtype: str = typer.Option(
+        None, "--dtype", help="hf: cast weights to a floating dtype, e.g. bfloat16"
+    ),
     step: int = STEP,
     max_shard_size: str = typer.Option(
         "5GB", "--max-shard-size", help="hf: split files at this size"

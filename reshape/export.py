@@ -35,6 +35,7 @@ __all__ = [
     "ExportOptionError",
     "ExportReport",
     "byte_batches",
+    "check_export_dtype",
     "check_name_map",
     "check_source_files",
     "clear_destination",
@@ -106,8 +107,7 @@ def export_hf(
         raise StateMismatchError(
             f"step {step} of {source.url} has no tensors under 'model.'; nothing to export"
         )
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: one of {sorted(DTYPES)}")
+    check_export_dtype(dtype)
     out_dtype = {k: dtype or manifest.tensors[k].dtype for k in keys}
     rename = check_name_map(name_map or {}, keys, source.url, step)
     refuse_inside_source(source, dest)
@@ -127,6 +127,21 @@ def export_hf(
     }
     dest.write_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
     return ExportReport(step, dest.url, names, len(keys), total, dtype, time.perf_counter() - t0)
+
+
+# what --dtype may cast weights to: the floating dtypes of the format (an integer or bool cast
+# truncates every weight to a few values, silently)
+EXPORT_DTYPES = tuple(sorted(n for n, d in DTYPES.items() if d.torch_dtype.is_floating_point))
+
+
+def check_export_dtype(dtype: str | None) -> None:
+    """``--dtype``: None (keep each tensor's) or one of ``EXPORT_DTYPES``."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        what = "is not floating point" if dtype in DTYPES else "is not a dtype of the format"
+        raise ExportOptionError(
+            f"--dtype {dtype!r} {what}: weights are cast to one of {list(EXPORT_DTYPES)}; pass "
+            f"one of those, or no --dtype to keep each tensor's own"
+        )
 
 
 def check_name_map(

@@ -296,6 +296,29 @@ def test_import_a_mixtral_that_transformers_wrote(tmp_path):
     assert diff.abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bool"])
+def test_export_of_a_reference_checkpoint_refuses_a_dtype_other_than_floating_point(
+    tmp_path, dtype
+):
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    import_hf(str(tmp_path / "m"), str(tmp_path / "ckpt"), sizes={})
+    r = runner.invoke(
+        app,
+        [
+            "export",
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "hf"),
+            "--format",
+            "hf",
+            "--dtype",
+            dtype,
+        ],
+    )
+    assert r.exit_code == 2 and f"--dtype '{dtype}' is not floating point" in r.output, r.output
+    assert not (tmp_path / "hf").exists()
+
+
 def test_import_a_qwen2_moe_only_where_the_trainer_computes_the_same(tmp_path):
     torch.manual_seed(0)
     hf = transformers.Qwen2MoeForCausalLM(_tiny_hf_config("qwen2_moe")).eval()

@@ -474,3 +474,24 @@ def test_a_name_map_to_the_safetensors_metadata_key_is_refused(tmp_path):
         " ".join(r.output.split())
     ), r.output
     assert not out.exists() or not list(out.glob("*.safetensors"))  # refused before writing
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool", "int64", "complex64"])
+def test_export_dtype_other_than_floating_point_is_refused(tmp_path, dtype):
+    """A cast of float weights to an integer or bool dtype wrecked them silently."""
+    _saved(tmp_path)
+    r = runner.invoke(
+        app,
+        ["export", str(tmp_path / "src"), str(tmp_path / "hf"), "--format", "hf", "--dtype", dtype],
+    )
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert f"--dtype '{dtype}' is not" in text and "'bfloat16', 'float16'" in text, r.output
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_casts_to_float8(tmp_path):
+    g = _saved(tmp_path)
+    report = export_hf(str(tmp_path / "src"), str(tmp_path / "hf"), dtype="float8_e4m3fn")
+    t = load_file(str(tmp_path / "hf" / report.files[0]))["model.w"]
+    assert t.dtype == torch.float8_e4m3fn and torch.equal(t, g["model.w"].to(torch.float8_e4m3fn))

@@ -42,6 +42,7 @@ from reshape.export import (
     INDEX_NAME,
     ExportReport,
     byte_batches,
+    check_export_dtype,
     check_source_files,
     clear_destination,
     read_many,
@@ -49,7 +50,7 @@ from reshape.export import (
     write_shards,
 )
 from reshape.formats.reference import check_memory, tensor_bytes, write_checkpoint
-from resilient.checkpoint.format import DTYPES, Manifest, dtype_info
+from resilient.checkpoint.format import Manifest, dtype_info
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointCorruptError, ResilientError, StateMismatchError
@@ -381,8 +382,7 @@ def export_reference_hf(
     manifest = read_manifest(source, step)
     where = f"step {step} of {source.url}"
     cfg = model_config_of(manifest, where, model_config)
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: one of {sorted(DTYPES)}")
+    check_export_dtype(dtype)
     dtypes = {manifest.tensors[k].dtype for k in cfg.tensor_shapes()}
     if dtype is None and len(dtypes) > 1:
         raise StateMismatchError(
