@@ -70,12 +70,12 @@ class ExportReport:
     architecture: str | None = None  # the transformers architecture, or None: our own names
 
 
-def parse_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``1.5GiB``, ``1000`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+def parse_size(text: str, what: str = "size") -> int:
+    """``5GB``, ``500MB``, ``1.5GiB``, ``1000`` -> bytes; ``what`` names the option in errors."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(
-            f"size {text!r}: expected a number with an optional unit such as 5GB or 500MiB"
+        raise ExportOptionError(
+            f"{what} {text!r}: expected a number with an optional unit such as 5GB or 500MiB"
         )
     value, unit = float(m.group(1)), m.group(2).upper().rstrip("B")
     base = 1024 if unit.endswith("I") else 1000

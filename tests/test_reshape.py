@@ -495,3 +495,20 @@ def test_export_casts_to_float8(tmp_path):
     report = export_hf(str(tmp_path / "src"), str(tmp_path / "hf"), dtype="float8_e4m3fn")
     t = load_file(str(tmp_path / "hf" / report.files[0]))["model.w"]
     assert t.dtype == torch.float8_e4m3fn and torch.equal(t, g["model.w"].to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("size", ["1.2.3GB", ".", "1..5MB", "5XB"])
+def test_a_max_shard_size_that_is_not_a_size_names_the_option(tmp_path, size):
+    """`[0-9.]+` took '1.2.3', and float() failed with its own message."""
+    _saved(tmp_path)
+    r = runner.invoke(
+        app,
+        ["export", str(tmp_path / "src"), str(tmp_path / "hf"), "--format", "hf"]
+        + ["--max-shard-size", size],
+    )
+    assert r.exit_code == 2, r.output
+    assert f"--max-shard-size '{size}': expected a number with an optional unit such as 5GB" in (
+        " ".join(r.output.split())
+    ), r.output
+    assert parse_size("1.5GiB") == 3 << 29 and parse_size(".5KB") == 500
+    assert parse_size("2.MB") == 2 * 10**6
