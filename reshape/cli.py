@@ -9,7 +9,6 @@ fit, a missing step, an existing destination).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -300,8 +299,12 @@ def export(
     as_json: bool = JSON,
 ) -> None:
     """Export a step: Hugging Face transformers weights (hf) or a DCP checkpoint (dcp)."""
-    from reshape.export import export_hf, parse_size
-    from reshape.formats.hf import export_reference_hf, is_reference_checkpoint
+    from reshape.export import check_export_dtype, export_bytes, export_hf, parse_size
+    from reshape.formats.hf import (
+        export_reference_hf,
+        is_reference_checkpoint,
+        reference_export_bytes,
+    )
 
     with _errors():
         if fmt not in ("hf", "dcp"):
@@ -329,12 +332,13 @@ def export(
                 f"--name-map: step {s} of {src} is a reference-trainer checkpoint, exported under "
                 f"transformers' own names; --name-map is for other checkpoints"
             )
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-        total = sum(
-            math.prod(t.shape) * itemsize.get(dtype or t.dtype, 4)
-            for k, t in m.tensors.items()
-            if k.startswith("model.")
-        )
+        check_export_dtype(dtype)
+        max_shard_bytes = parse_size(max_shard_size, "--max-shard-size")
+        if reference:
+            config = _json_file(model_config, "--model-config")
+            total = reference_export_bytes(m, f"step {s} of {storage.url}", dtype, config)
+        else:
+            total = export_bytes(m, dtype)
         with _progress(total, f"exporting step {s}", not as_json) as advance:
             if reference:
                 report = export_reference_hf(
@@ -342,9 +346,9 @@ def export(
                     out,
                     step=s,
                     dtype=dtype,
-                    max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
+                    max_shard_bytes=max_shard_bytes,
                     overwrite=overwrite,
-                    model_config=_json_file(model_config, "--model-config"),
+                    model_config=config,
                     progress=advance,
                 )
             else:
@@ -353,7 +357,7 @@ def export(
                     out,
                     step=s,
                     dtype=dtype,
-                    max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
+                    max_shard_bytes=max_shard_bytes,
                     overwrite=overwrite,
                     progress=advance,
                     name_map=_json_file(name_map, "--name-map"),

@@ -39,6 +39,7 @@ __all__ = [
     "check_name_map",
     "check_source_files",
     "clear_destination",
+    "export_bytes",
     "export_hf",
     "parse_size",
     "read_many",
@@ -142,6 +143,16 @@ def check_export_dtype(dtype: str | None) -> None:
             f"--dtype {dtype!r} {what}: weights are cast to one of {list(EXPORT_DTYPES)}; pass "
             f"one of those, or no --dtype to keep each tensor's own"
         )
+
+
+def export_bytes(manifest: Manifest, dtype: str | None = None) -> int:
+    """The tensor bytes ``export_hf`` writes for ``manifest``: every tensor under ``model.``, at
+    the itemsize of ``dtype`` (or its own)."""
+    return sum(
+        math.prod(t.shape) * dtype_info(dtype or t.dtype).itemsize
+        for k, t in manifest.tensors.items()
+        if k.startswith("model.")
+    )
 
 
 def check_name_map(

@@ -319,6 +319,28 @@ def test_export_of_a_reference_checkpoint_refuses_a_dtype_other_than_floating_po
     assert not (tmp_path / "hf").exists()
 
 
+def test_export_progress_of_a_reference_checkpoint_counts_what_is_written(tmp_path, monkeypatch):
+    """Its total was the checkpoint's model tensors: transformers' tensors are cut from them, and
+    some are zeros (Qwen2-MoE's attention biases and shared-expert gate)."""
+    from tests.test_reshape import _recording_progress
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen2MoeForCausalLM(_tiny_hf_config("qwen2_moe"))
+    with torch.no_grad():
+        for layer in hf.model.layers:  # what the trainer computes: no gate, no biases
+            layer.mlp.shared_expert_gate.weight.zero_()
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+    _save(hf, tmp_path / "m")
+    import_hf(str(tmp_path / "m"), str(tmp_path / "ckpt"), sizes={})
+    seen = _recording_progress(monkeypatch)
+    out = tmp_path / "hf"
+    args = ["export", str(tmp_path / "ckpt"), str(out), "--format", "hf", "--dtype", "bfloat16"]
+    assert runner.invoke(app, args).exit_code == 0
+    written = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
+    assert seen["total"] == seen["done"] == written["total_size"]
+
+
 def test_import_a_qwen2_moe_only_where_the_trainer_computes_the_same(tmp_path):
     torch.manual_seed(0)
     hf = transformers.Qwen2MoeForCausalLM(_tiny_hf_config("qwen2_moe")).eval()

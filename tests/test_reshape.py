@@ -1,5 +1,6 @@
 """reshape: the pure plan (no files), conversions between every pair of layouts, export, CLI."""
 
+import contextlib
 import itertools
 import json
 import math
@@ -512,3 +513,33 @@ def test_a_max_shard_size_that_is_not_a_size_names_the_option(tmp_path, size):
     ), r.output
     assert parse_size("1.5GiB") == 3 << 29 and parse_size(".5KB") == 500
     assert parse_size("2.MB") == 2 * 10**6
+
+
+def _recording_progress(monkeypatch) -> dict:
+    import reshape.cli as cli
+
+    seen: dict = {}
+
+    @contextlib.contextmanager
+    def fake(total, label, enabled=True, console=None):
+        seen.update(total=total, done=0)
+
+        def advance(n):
+            seen["done"] += n
+
+        yield advance
+
+    monkeypatch.setattr(cli, "byte_progress", fake)
+    return seen
+
+
+def test_export_progress_counts_the_bytes_of_the_dtype_written(tmp_path, monkeypatch):
+    """The total knew 4 float dtypes (any other counted 4 bytes an element): the bar ended at a
+    quarter for float8."""
+    _saved(tmp_path)
+    seen = _recording_progress(monkeypatch)
+    out = tmp_path / "hf"
+    args = ["export", str(tmp_path / "src"), str(out), "--format", "hf", "--dtype", "float8_e5m2"]
+    assert runner.invoke(app, args).exit_code == 0
+    written = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
+    assert seen["total"] == seen["done"] == written["total_size"] == 64 * 64 + 4 * 8 * 16

@@ -66,6 +66,7 @@ __all__ = [
     "is_reference_checkpoint",
     "model_config_of",
     "recorded_model_config",
+    "reference_export_bytes",
 ]
 
 CONFIG_NAME = "config.json"
@@ -361,6 +362,35 @@ def _rules(cfg: MoEConfig, arch: str) -> dict[str, _Rule]:
     return out
 
 
+def _reference_plan(
+    manifest: Manifest, where: str, dtype: str | None, model_config: Mapping[str, Any] | None
+) -> tuple[MoEConfig, str, str, dict[str, _Rule]]:
+    """What an export of a reference-trainer checkpoint writes: (its model config, the dtype
+    written, the architecture, the rules of every HF tensor)."""
+    cfg = model_config_of(manifest, where, model_config)
+    check_export_dtype(dtype)
+    dtypes = {manifest.tensors[k].dtype for k in cfg.tensor_shapes()}
+    if dtype is None and len(dtypes) > 1:
+        raise StateMismatchError(
+            f"{where} holds model weights in several dtypes {sorted(dtypes)}; pass --dtype"
+        )
+    out_dtype = dtype or dtypes.pop()
+    arch = architecture_for(cfg)
+    return cfg, out_dtype, arch, _rules(cfg, arch)
+
+
+def reference_export_bytes(
+    manifest: Manifest,
+    where: str,
+    dtype: str | None = None,
+    model_config: Mapping[str, Any] | None = None,
+) -> int:
+    """The tensor bytes ``export_reference_hf`` writes for ``manifest`` (what its progress
+    counts): transformers' tensors, some cut from one checkpoint tensor, some zeros."""
+    _, out_dtype, _, rules = _reference_plan(manifest, where, dtype, model_config)
+    return sum(math.prod(shape) for _, _, shape in rules.values()) * dtype_info(out_dtype).itemsize
+
+
 def export_reference_hf(
     src: str,
     out: str,
@@ -381,17 +411,8 @@ def export_reference_hf(
     step = resolve_step(source, step)
     manifest = read_manifest(source, step)
     where = f"step {step} of {source.url}"
-    cfg = model_config_of(manifest, where, model_config)
-    check_export_dtype(dtype)
-    dtypes = {manifest.tensors[k].dtype for k in cfg.tensor_shapes()}
-    if dtype is None and len(dtypes) > 1:
-        raise StateMismatchError(
-            f"{where} holds model weights in several dtypes {sorted(dtypes)}; pass --dtype"
-        )
-    out_dtype = dtype or dtypes.pop()
+    cfg, out_dtype, arch, rules = _reference_plan(manifest, where, dtype, model_config)
     torch_dtype = dtype_info(out_dtype).torch_dtype
-    arch = architecture_for(cfg)
-    rules = _rules(cfg, arch)
     refuse_inside_source(source, dest)
     # the checkpoint tensors the rules read, in order, read in batches of READ_AHEAD bytes
     order = list(dict.fromkeys(k for k, _, _ in rules.values() if k is not None))
