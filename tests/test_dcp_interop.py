@@ -3,6 +3,7 @@ with torch's own dcp.load (plain tensors in one process, DTensors on a 2-rank gl
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import pickle
@@ -22,7 +23,7 @@ from reshape.execute import DestinationExistsError
 from reshape.formats import dcp as dcp_format
 from reshape.formats.dcp import UntrustedPickleError, export_dcp, import_dcp
 from reshape.formats.reference import write_checkpoint
-from resilient import Checkpointer
+from resilient import Checkpointer, Layout
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.storage import Storage
 from resilient.errors import (
@@ -33,6 +34,7 @@ from resilient.errors import (
     StateMismatchError,
 )
 from resilient.layout import Replicate, Shard
+from tests.ckpt_sim import save_world
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -546,3 +548,24 @@ def test_import_unpickles_the_metadata_once(tmp_path, monkeypatch):
     monkeypatch.setattr(FileSystemReader, "read_metadata", counting)
     report = import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
     assert len(calls) == 1 and (report.tensors, report.values) == (1, 1)
+
+
+def test_export_flattens_values_as_dcp_does_and_skips_those_that_clash_with_a_tensor(tmp_path):
+    """dcp.save flattens nested values into dotted keys: {"model": {"w": 7}} next to tensor model.w
+    failed as a StorageError ('duplicated flatten key model.w ... check the directory'), and a
+    nested value that did not clash failed the read-back."""
+    url = str(tmp_path / "src")
+    save_world(url, 5, [{"model.w": torch.arange(6.0)}], Layout(dp=1))
+    path = tmp_path / "src" / "step_00000005" / "MANIFEST.json"
+    d = json.loads(path.read_text())
+    d["extras"] = {"model": {"w": 7}, "model.w": 1, "cfg": {"a": [1, {"b": 2}], "c": [3]}, "x": 4}
+    path.write_text(json.dumps(d))
+    report = export_dcp(url, str(tmp_path / "dcp"))
+    assert report.skipped == [
+        "model: DCP flattens it to the key 'model.w', which a tensor or another value already has",
+        "model.w: a value with the key of a tensor",
+    ]
+    flat = {"cfg.a.0": 1, "cfg.a.1.b": 2, "cfg.c": [3], "x": 4}
+    got = dcp_load_plain(str(tmp_path / "dcp"), {"model.w": torch.arange(6.0)}, flat)
+    assert report.values == 2 and {k: got[k] for k in flat} == flat
+    assert torch.equal(got["model.w"], torch.arange(6.0))

@@ -250,11 +250,24 @@ def export_dcp(
         for k, t in manifest.tensors.items()
     }
     values = 0
+    written: dict[str, Any] = {}  # DCP key -> JSON value, as dcp.save flattens the extras
     for key, value in manifest.extras.items():
-        if key in state:
+        if key in manifest.tensors:
             skipped.append(f"{key}: a value with the key of a tensor")
             continue
-        state[key] = value
+        leaves = _dcp_leaves(key, value)
+        clash = [k for k, _ in leaves if k in state]
+        if clash:
+            skipped.append(
+                f"{key}: DCP flattens it to the key {clash[0]!r}, which a tensor or another value "
+                f"already has"
+            )
+            continue
+        if not leaves:
+            skipped.append(f"{key}: an empty mapping, which DCP stores nothing for")
+            continue
+        for k, v in leaves:
+            state[k] = written[k] = v
         values += 1
     for rank, per_rank in sorted(manifest.rank_extras.items()):
         skipped.append(
@@ -284,7 +297,7 @@ def export_dcp(
             operation="dcp.save",
         ) from inner
     if verify:
-        _verify_export(out_dir, manifest, planner.crcs)
+        _verify_export(out_dir, manifest, planner.crcs, written)
     total = sum(t.nbytes for t in manifest.tensors.values())
     files = sum(1 for n in os.listdir(out_dir) if n.endswith(".distcp"))
     return DcpReport(
@@ -299,9 +312,38 @@ def export_dcp(
     )
 
 
-def _verify_export(out_dir: str, manifest: Manifest, crcs: Mapping[str, int]) -> None:
+def _dcp_leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """A JSON value under ``key`` as ``dcp.save`` flattens it (torch's ``flatten_state_dict``):
+    (dotted key, leaf) for every leaf.  A mapping is walked; a list is walked only where it holds
+    a mapping somewhere inside, else it is a leaf; anything else is a leaf."""
+
+    def terminal(v: Any) -> bool:
+        if isinstance(v, Mapping):
+            return False
+        return not isinstance(v, list) or all(terminal(x) for x in v)
+
+    out: list[tuple[str, Any]] = []
+
+    def walk(path: str, v: Any) -> None:
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                walk(f"{path}.{k}", x)
+        elif terminal(v):
+            out.append((path, v))
+        else:
+            for i, x in enumerate(v):
+                walk(f"{path}.{i}", x)
+
+    walk(key, value)
+    return out
+
+
+def _verify_export(
+    out_dir: str, manifest: Manifest, crcs: Mapping[str, int], values: Mapping[str, Any]
+) -> None:
     """Read the export back with ``dcp.load``, in batches of about VERIFY_BATCH_BYTES, and compare
-    each tensor's CRC-32 with the bytes that were written, and each value."""
+    each tensor's CRC-32 with the bytes that were written, and each value (``values``: DCP key ->
+    the JSON value written there)."""
     keys = sorted(manifest.tensors, key=lambda k: manifest.tensors[k].nbytes)
     batches: list[list[str]] = [[]]
     size = 0
@@ -328,16 +370,15 @@ def _verify_export(out_dir: str, manifest: Manifest, crcs: Mapping[str, int]) ->
                     f"bytes written; the disk or filesystem is damaging writes: check it and run "
                     f"the export again"
                 )
-    value_keys = [k for k in manifest.extras if k not in manifest.tensors]
-    if value_keys:
+    if values:
         raw: dict[str, bytes] = {}
-        _load(out_dir, dict.fromkeys(value_keys), raw)
-        for k in value_keys:
+        _load(out_dir, dict.fromkeys(values), raw)
+        for k, want in values.items():
             got, why = _decode_value(raw.get(k, b""))
-            if why is not None or got != manifest.extras[k]:
+            if why is not None or got != want:
                 raise CheckpointCorruptError(
                     f"value {k!r}: dcp.load reads back {got!r} from {out_dir}, expected "
-                    f"{manifest.extras[k]!r} ({why or 'different'}); run the export again"
+                    f"{want!r} ({why or 'different'}); run the export again"
                 )
 
 
