@@ -482,3 +482,38 @@ def test_a_node_lost_while_the_previous_snapshots_replicas_travel_leaves_a_step_
     for rank, (step, source, w, b, _meta) in enumerate(results):
         assert (step, source) == (1, "memory"), (rank, step, source)
         assert w == [1.0 + rank] * 4 and b == [1.0] * 3, (rank, w, b)
+
+
+def _snapshots_1_2(rank: int, world: int, url: str, base: str) -> str:
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    for step in (1, 2):
+        ck.snapshot(step, _state(rank, world, float(step))).wait()
+        dist.barrier()
+    steps = str(ck.memory.steps)
+    ck.close()
+    return steps
+
+
+def test_a_node_given_the_restored_version_drops_the_other_versions_files(tmp_path):
+    """(a review) A node holding another version of a step fetched only the files its ranks
+    needed and then published the restored manifest over the other version's files of the same
+    names: the node looked current, and a later restore of the step with other needs (an
+    elastic change) read those files (held, by their size), failed the checksums, and every
+    rank fell back to step 1, though node 0 held good copies."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    dirs = run_distributed(_snapshots_1_2, 4, url, base)
+    node1 = _manifests(base, 1, 2)[0]
+    _edit_manifest(node1, commit_seq=json.loads(node1.read_bytes())["commit_seq"] - 1)
+    other = Path(dirs[2]) / "step_00000002" / "rank_00001.safetensors"  # that version's file
+    data = bytearray(other.read_bytes())
+    data[-1] ^= 0xFF
+    other.unlink()
+    other.write_bytes(bytes(data))
+    first = run_distributed(_load_on, 4, url, base, [0, 0, 1, 1], [])
+    assert [r.get("step") for r in first] == [2] * 4, first
+    assert not other.exists()  # not fetched (no rank of node 1 needed it): removed
+    # world 2, rank 0 on node 1: rank 0 reads ranks 0 and 1's files there
+    second = run_distributed(_load_on, 2, url, base, [1, 0], [])
+    assert [(r.get("step"), r.get("source")) for r in second] == [(2, "memory")] * 2, second

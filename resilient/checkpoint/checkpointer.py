@@ -1994,7 +1994,9 @@ class Checkpointer:
             ) from e
         if error is not None:
             raise error
-        if mine != data:  # this node now holds rank 0's version of the step (the read checks it)
+        # this node now holds rank 0's version of the step (the read checks it); where another
+        # version's files could not all be removed, it keeps saying "another version" instead
+        if mine != data and self._replicas.cleared_other_version:
             self.storage.makedirs(step_rel)
             self.storage.publish(rel, data)
         return moved

@@ -120,6 +120,8 @@ class Replicas:
         self, nodes: NodeMap, rank: int, timeout_s: float, spare_dir: str | None = None
     ) -> None:
         self.nodes, self.rank = nodes, rank
+        # (fetch) whether this node's files of another version of the step are gone
+        self.cleared_other_version = True
         # the replica held now, and the file the next one is received into (both mapped)
         self.spare_path = (
             os.path.join(spare_dir, f"replica_{rank:05d}.safetensors") if spare_dir else None
@@ -493,7 +495,36 @@ class Replicas:
                 step_rel,
                 len(transfers),
             )
+        self.cleared_other_version = not stale or self._drop_other_version(
+            storage,
+            step_rel,
+            names,
+            {names[i] for i, _, r in transfers if node_of[r] == node_of[self.rank]},
+        )
         return len(transfers)
+
+    @staticmethod
+    def _drop_other_version(
+        storage: Storage, step_rel: str, names: list[str], received: set[str]
+    ) -> bool:
+        """(a node that held another version of the step) Remove its files of the step that were
+        not just received: of the other version, and no rank of this node needs them now, but
+        once the node publishes the restored manifest they would count as held (by their size)
+        at the next restore of the step.  Whether none is left (every rank of the node does
+        this; a removal another made first is fine)."""
+        clean = True
+        for name in names:
+            if name in received:
+                continue
+            rel = f"{step_rel}/{name}"
+            try:
+                storage.remove(rel)
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                log.warning("cannot remove %s, another version's file: %s", rel, e)
+                clean = False
+        return clean
 
 
 class _Mapped:
