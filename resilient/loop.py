@@ -248,9 +248,10 @@ class Run:
         self._handle: Any = None  # the newest save, until it is settled (logged, counted)
         self._snap: Any = None  # the newest memory snapshot, until it is settled
         self._failed_snapshots = 0  # consecutive
-        # the last steps() loop completed and its final step is durable: the node's memory is
-        # given back when the run closes (not at the loop's end: another loop may follow)
-        self._completed = False
+        # a steps() loop completed and gave the node's memory back: another loop of this run
+        # starts with a new checkpointer (its tier open again)
+        self._released = False
+        self._ckpt_layout: Layout | None = None
         self._failing = False
         self._carry = False  # (in-job recovery) the checkpointer goes on to the next generation
         self._rebind = False  # (in-job recovery) the checkpointer came from the previous one
@@ -312,6 +313,21 @@ class Run:
         self._progress(None, "setup")
         return self.step
 
+    def _make_checkpointer(self, layout: Layout | None) -> None:
+        self._ckpt_layout = layout
+        self.checkpointer = Checkpointer(
+            self.url,
+            layout=layout,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            storage_options=self.storage_options,
+            memory_every=self.memory_every,
+            memory_root=self.memory_root,
+            memory_commit_every=self.memory_commit_every,
+        )
+        if self.checkpointer.memory is not None:
+            self.checkpointer.check_memory_room(self.state)
+
     def _restore(self, layout: Layout | None) -> None:
         if self._rebind:
             # (in-job recovery) the previous generation's checkpointer, joined to the new group
@@ -320,18 +336,7 @@ class Run:
             self._rebind = False
             self.checkpointer.rebind()
         if self.checkpointer is None:
-            self.checkpointer = Checkpointer(
-                self.url,
-                layout=layout or self.layout,
-                keep_last=self.keep_last,
-                keep_every=self.keep_every,
-                storage_options=self.storage_options,
-                memory_every=self.memory_every,
-                memory_root=self.memory_root,
-                memory_commit_every=self.memory_commit_every,
-            )
-        if self.checkpointer.memory is not None:
-            self.checkpointer.check_memory_room(self.state)
+            self._make_checkpointer(layout or self.layout)
         newest, durable, something = self._what_to_restore()
         if not something:
             return
@@ -429,8 +434,14 @@ class Run:
                 f"run.steps(total): total must be an int >= 0 (the number of the last step), got "
                 f"{total!r} ({type(total).__name__}); pass the last step's number as an int"
             )
+        if self._released and total > self.step:
+            # (a second loop) the first one gave the node's memory back; its final step is
+            # durable, and this checkpointer's snapshots continue from it, as after a restart
+            self._released = False
+            done, self.checkpointer = self.checkpointer, None
+            done.close()
+            self._make_checkpointer(self._ckpt_layout)
         first = self.step + 1
-        self._completed = False
         for step in range(first, total + 1):
             self._check_peers()
             call_hooks(self.hooks, "at_step", step, self)
@@ -526,8 +537,7 @@ class Run:
         warnings.warn(message, SaveFailedWarning, stacklevel=3)
 
     def _release_memory(self) -> None:
-        """The run completed, its final step is durable, and it closes: give the node's memory
-        back."""
+        """The run completed and its final step is durable: give the node's memory back."""
         ckpt = self.checkpointer
         if ckpt is None or ckpt.memory is None:
             return
@@ -537,6 +547,7 @@ class Run:
             dist.barrier()  # every rank of the node is done with the tier
         if ckpt.nodes.is_leader(self.rank):  # one rank per node (memory root)
             ckpt.memory.release()
+        self._released = True
 
     def _commit_final(self) -> None:
         """The run completed: make sure its final step is committed before returning."""
@@ -544,7 +555,7 @@ class Run:
             return
         self._join_snapshot()
         self._commit_final_durable()
-        self._completed = True
+        self._release_memory()
 
     def _commit_final_durable(self) -> None:
         assert self.checkpointer is not None
@@ -712,8 +723,6 @@ class Run:
                             self._committed_step,
                         )
                     self._join_save(final=announce)
-                    if announce and self._completed:
-                        self._release_memory()
                     self.checkpointer.close()
                 except ResilientError as e:
                     if announce:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -209,21 +210,61 @@ def test_run_restores_from_memory_and_releases_it_at_the_end(tmp_path):
 
 
 def test_a_second_loop_of_the_same_run_keeps_the_tier(tmp_path):
-    """(a review) The memory was given back when the first steps() loop completed, so every
-    snapshot of a second loop failed (the checkpointer is closed), a warning each step; it is
-    given back when the run closes."""
+    """(a review) The first steps() loop gave the node's memory back, so every snapshot of a
+    second loop failed (its checkpointer closed), a warning each step: a second loop makes a new
+    checkpointer, as a restart would, and its snapshots continue from the durable final step."""
     url, model = str(tmp_path / "ckpt"), _model()
     place = memory_place(url)
+    held = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed snapshot warns
         with Run(url, save_every=100, memory_every=1, detect=False) as run:
             run.track(model=model)
             _train(run, model, 3)
-            assert run.checkpointer.steps() == [3] and os.path.isdir(place.dir)
-            _train(run, model, 6)
-            assert sorted(run.checkpointer.memory_steps()) == [5, 6]
+            assert run.checkpointer.steps() == [3] and not os.path.exists(place.dir)
+            for step in run.steps(6):
+                _bump(model, float(step))
+                if step == 6:
+                    run._join_snapshot()
+                    held = sorted(run.checkpointer.memory_steps())
             assert run.checkpointer.steps() == [3, 6]
-    assert not os.path.exists(place.dir)
+    assert held == [4, 5]
+    assert not os.path.exists(place.dir)  # given back at the end of the second loop too
+    want, fresh = _model(), _model(seed=1)
+    for step in range(1, 7):
+        _bump(want, float(step))
+    with Run(url, memory_every=1, detect=False) as run:
+        assert run.track(model=fresh) == 6
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
+def _two_loops_then_rank_1_fails(rank: int, world: int, url: str, root: str) -> tuple:
+    model = torch.nn.Linear(4, 2)
+    try:
+        with Run(url, save_every=100, memory_every=1, memory_root=root, detect=False) as run:
+            run.track(model=model)
+            for _ in run.steps(2):
+                pass
+            for _ in run.steps(4):
+                pass
+            if rank == 1:
+                raise RuntimeError("the evaluation after the loop failed")
+    except RuntimeError as e:
+        if rank == 1:
+            time.sleep(2)  # the process lives on for a while (its own clean-up)
+        return ("raised", str(e)[:200])
+    return ("ok", run.checkpointer.steps())
+
+
+def test_a_rank_failing_after_the_loops_does_not_fail_the_others(tmp_path):
+    """(a review of the fix above) The memory given back when the run closed, after a barrier
+    of the ranks that closed cleanly: one that failed after the loop never came to it, and the
+    healthy ranks failed ("Connection closed by peer") once it exited."""
+    root = tmp_path / "mem"
+    out = run_distributed(_two_loops_then_rank_1_fails, 2, str(tmp_path / "ckpt"), str(root))
+    assert out[0] == ("ok", [2, 4]), out
+    assert out[1] == ("raised", "the evaluation after the loop failed"), out
+    assert list(root.iterdir()) == []
 
 
 def _uneven_nodes(rank: int, world: int, url: str, roots: list[str]) -> tuple:
