@@ -259,7 +259,7 @@ class MemoryPlace:
             for d in (self.steps, self.staging):
                 if os.path.isdir(d) and not os.path.islink(d):
                     os.rmdir(d)  # only when empty
-            if not os.path.lexists(self.steps) and not os.path.lexists(self.staging):
+            if os.listdir(self.dir) == [JOB_FILE]:  # (anything else there: its record stays)
                 os.unlink(os.path.join(self.dir, JOB_FILE))
                 os.rmdir(self.dir)
         except OSError:  # something is in it (or another rank of the node removed it first)
