@@ -645,3 +645,85 @@ def test_the_flush_leaves_a_successors_commit_of_the_same_step_number(tmp_path, 
     m3 = _model(2)
     assert Checkpointer(str(url)).load({"model": m3}) == 5 and _same(m3, theirs)
     assert flushed is None, flushed
+
+
+# --- a review of the whole job's loss: the memory given back, a zombie trainer, the exit ----------
+
+
+def test_the_memory_is_not_given_back_while_a_persister_holds_its_lock(tmp_path):
+    """(a review) release_memory() after a persister's close that timed out removed the job's
+    directory under the flush still running: the newest step, in neither place."""
+    import fcntl
+
+    from resilient.checkpoint.snapshots import PERSISTER_LOCK, memory_place
+
+    place = memory_place(str(tmp_path / "ckpt"), str(tmp_path / "mem"))
+    place.claim()
+    fd = os.open(os.path.join(place.dir, PERSISTER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (as a running persister holds it)
+    try:
+        assert place.release() is False and os.path.isdir(place.steps)
+    finally:
+        os.close(fd)
+    assert place.release() is True and not os.path.exists(place.dir)
+    with pytest.raises(ResilientError, match="memory directory .* is gone"):
+        link_to_outbox(place.steps, 1, os.path.join(place.dir, OUTBOX, "1-x"))
+    assert not os.path.exists(place.dir)  # (not made again)
+
+
+def test_a_trainer_not_yet_reaped_is_gone_to_the_persister():
+    """(a review) kill(pid, 0) succeeds on a zombie: the flush waited until its parent reaped it
+    (for ever under a parent that does not)."""
+    from resilient.checkpoint.persister import _running
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        _wait_for("the child exits", lambda: _state(child.pid) == "Z")
+        assert not _running(child.pid)
+    finally:
+        child.wait()
+    assert _running(os.getpid())
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_persister_whose_trainer_is_gone_exits_cleanly_with_its_pipe_held_open(tmp_path):
+    """(a review) Its reader thread still blocked in the pipe (a process the trainer forked
+    holds it), the interpreter's shutdown aborted: SIGABRT at every such exit."""
+    from resilient.checkpoint import persister
+
+    job_dir = tmp_path / "mem" / "job-x"
+    job_dir.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    config = {
+        "url": str(tmp_path / "ckpt"),
+        "job_id": "j",
+        "keep_last": 2,
+        "lease_timeout_s": 30,
+        "job_dir": str(job_dir),
+        "outbox": str(job_dir / OUTBOX / "1-x"),
+        "parent_pid": gone.pid,
+        "parent_start": None,
+        "commit_method": "rename",
+    }
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", persister._ENTRY],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(config).encode() + b"\n")
+    proc.stdin.flush()  # and held open
+    try:
+        code = proc.wait(120)
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    assert code == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else code

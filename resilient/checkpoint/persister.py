@@ -68,11 +68,12 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import WriterLease, _gone, _process_start, is_process
+from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
+    PERSISTER_LOCK,
     RUN_SHIFT,
     stale_snapshot,
 )
@@ -92,11 +93,11 @@ log = logging.getLogger(__name__)
 OUTBOX = "outbox"
 # how long a flush waits for the trainer's other ranks to be gone before it seals their snapshot
 _SEAL_WAIT_S = 15.0
-LOCK_NAME = "PERSISTER.lock"
+LOCK_NAME = PERSISTER_LOCK
 LOG_NAME = "persister.log"
 _MAX_MESSAGE = 1 << 20
 # not "-m resilient.checkpoint.persister": the package imports this module before runpy would
-_ENTRY = "import sys; from resilient.checkpoint.persister import main; sys.exit(main())"
+_ENTRY = "from resilient.checkpoint.persister import run; run()"
 
 
 # --- the trainer's side ------------------------------------------------------------------------------
@@ -111,6 +112,12 @@ def link_to_outbox(
     taking them from the copy."""
     name = step_dir_name(step)
     src = os.path.join(steps_dir, name)
+    job_dir = os.path.dirname(os.path.dirname(outbox))  # (<job>/outbox/<trainer>)
+    if not os.path.isdir(job_dir):  # given back: not made again here, by an outbox
+        raise MemoryTierError(
+            f"the job's memory directory {job_dir} is gone (given back, or removed by hand): "
+            "nothing can be persisted from it"
+        )
     os.makedirs(outbox, mode=0o700, exist_ok=True)
     for d in (os.path.dirname(outbox), outbox):
         if os.path.islink(d):
@@ -789,7 +796,7 @@ def _running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _dead(pid)  # (a zombie has exited: its parent has not reaped it yet)
 
 
 def _watch_parent(pid: Any, start: Any, requests: queue.Queue) -> None:
@@ -915,5 +922,19 @@ def main() -> int:
         shutil.rmtree(promoter.outbox, ignore_errors=True)
 
 
+def run() -> None:
+    """The process's entry: ``main()``, then exit at once: the thread reading the trainer's pipe
+    may still block in it (the trainer gone, a process it forked holding the pipe), and the
+    interpreter's shutdown would abort on that read's lock (SIGABRT, a core file)."""
+    try:
+        code = main()
+    except BaseException:
+        logging.exception("the persister failed")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

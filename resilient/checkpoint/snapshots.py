@@ -20,6 +20,7 @@ refused, never adopted or removed.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -246,11 +247,35 @@ class MemoryPlace:
             f"(memory_every=None / --memory-every 0)"
         )
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Give the memory back: remove this job's directory (never anything else: a link in
-        its place is not followed)."""
-        if os.path.isdir(self.dir) and not os.path.islink(self.dir):
-            shutil.rmtree(self.dir, ignore_errors=True)
+        its place is not followed), unless a persister process still holds its lock (a flush
+        that outlived its trainer's wait: its step may be the newest, and it persists from
+        here).  Whether the directory is gone; a kept one is reclaimed by the next run."""
+        if not os.path.isdir(self.dir) or os.path.islink(self.dir):
+            return True
+        try:
+            fd = os.open(os.path.join(self.dir, PERSISTER_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # no persister ever ran here (or the name is not a plain file)
+            fd = None
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    log.warning(
+                        "the memory tier's directory %s is kept: a persister process is still "
+                        "writing a snapshot from it to durable storage (see its %s); the next "
+                        "run of the job reclaims it",
+                        self.dir,
+                        "persister.log",
+                    )
+                    return False
+            shutil.rmtree(self.dir, ignore_errors=True)  # (holding the lock: none starts here)
+            return not os.path.lexists(self.dir)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def release_if_empty(self) -> None:
         """Remove this job's directory if it holds no snapshot (a start refused before its
@@ -277,6 +302,10 @@ def _fmt(n: float) -> str:
         n /= 1024
     return f"{n:.1f} GiB"
 
+
+# The lock a persister process holds on its job's memory directory while it runs
+# (persister.py): the directory is not given back under it.
+PERSISTER_LOCK = "PERSISTER.lock"
 
 # The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
 # the snapshot's state descends from.
