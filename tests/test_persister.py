@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -690,13 +691,12 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def test_a_persister_whose_trainer_is_gone_exits_cleanly_with_its_pipe_held_open(tmp_path):
-    """(a review) Its reader thread still blocked in the pipe (a process the trainer forked
-    holds it), the interpreter's shutdown aborted: SIGABRT at every such exit."""
+def _persister_of_a_gone_trainer(tmp_path: Path, **config: Any) -> tuple[int, bytes]:
+    """A persister process started for a trainer that is already gone, its pipe held open (a
+    process the trainer forked holds it); its exit code and log."""
     from resilient.checkpoint import persister
 
     job_dir = tmp_path / "mem" / "job-x"
-    job_dir.mkdir(parents=True)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     config = {
@@ -709,6 +709,7 @@ def test_a_persister_whose_trainer_is_gone_exits_cleanly_with_its_pipe_held_open
         "parent_pid": gone.pid,
         "parent_start": None,
         "commit_method": "rename",
+        **config,
     }
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(
@@ -718,7 +719,7 @@ def test_a_persister_whose_trainer_is_gone_exits_cleanly_with_its_pipe_held_open
         stderr=subprocess.PIPE,
         env=env,
     )
-    assert proc.stdin is not None
+    assert proc.stdin is not None and proc.stderr is not None
     proc.stdin.write(json.dumps(config).encode() + b"\n")
     proc.stdin.flush()  # and held open
     try:
@@ -726,4 +727,32 @@ def test_a_persister_whose_trainer_is_gone_exits_cleanly_with_its_pipe_held_open
     finally:
         proc.kill()
         proc.stdin.close()
-    assert code == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else code
+    return code, proc.stderr.read()
+
+
+def test_a_persister_whose_trainer_is_gone_exits_cleanly_with_its_pipe_held_open(tmp_path):
+    """(a review) Its reader thread still blocked in the pipe, the interpreter's shutdown
+    aborted: SIGABRT at every such exit."""
+    (tmp_path / "mem" / "job-x").mkdir(parents=True)
+    code, log = _persister_of_a_gone_trainer(tmp_path)
+    assert code == 0, log.decode()[-2000:]
+
+
+def test_a_persister_waiting_for_a_stopped_predecessors_lock_leaves_once_its_trainer_is_gone(
+    tmp_path,
+):
+    """(a review) It waited in flock for ever: a predecessor stopped (SIGSTOP) holding the lock,
+    its own trainer gone, an orphan for good."""
+    import fcntl
+
+    from resilient.checkpoint import persister
+
+    job_dir = tmp_path / "mem" / "job-x"
+    job_dir.mkdir(parents=True)
+    held = os.open(job_dir / persister.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # (the stopped predecessor)
+    try:
+        code, log = _persister_of_a_gone_trainer(tmp_path, orphan_wait_s=0.5)
+    finally:
+        os.close(held)
+    assert code == 0 and b"the lock was not free" in log, log.decode()[-2000:]

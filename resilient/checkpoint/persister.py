@@ -96,6 +96,9 @@ _SEAL_WAIT_S = 15.0
 LOCK_NAME = PERSISTER_LOCK
 LOG_NAME = "persister.log"
 _MAX_MESSAGE = 1 << 20
+# How long a persister whose trainer is gone waits for the lock (a predecessor flushing) before
+# it gives up: its trainer's snapshots stay in memory for the next run.
+_ORPHAN_WAIT_S = 600.0
 # not "-m resilient.checkpoint.persister": the package imports this module before runpy would
 _ENTRY = "from resilient.checkpoint.persister import run; run()"
 
@@ -799,12 +802,27 @@ def _running(pid: int) -> bool:
     return not _dead(pid)  # (a zombie has exited: its parent has not reaped it yet)
 
 
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _parent_alive(pid: Any, start: Any) -> bool:
+    """Whether the trainer is still running (True when it is not known)."""
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return True
+    return _running(pid) and (not start or _process_start(pid) == start)
+
+
 def _watch_parent(pid: Any, start: Any, requests: queue.Queue) -> None:
     """Say the trainer is gone when its process is, even if a process it forked (a data loader's
     worker) still holds the pipe open."""
     if not isinstance(pid, int):
         return
-    while _running(pid) and (not start or _process_start(pid) == start):
+    while _parent_alive(pid, start):
         time.sleep(0.2)
     log.info("the trainer (pid %d) is gone", pid)
     requests.put(None)
@@ -882,7 +900,24 @@ def main() -> int:
         config["url"],
         config.get("parent_pid"),
     )
-    fcntl.flock(lock, fcntl.LOCK_EX)  # a predecessor may still be flushing
+    # a predecessor may still be flushing: wait (to flush this trainer's newest snapshot once it
+    # is done, if this trainer dies meanwhile), but not for ever once the trainer is gone (a
+    # predecessor stopped, holding the lock): its snapshots stay for the next run of the job
+    orphan_wait_s = float(config.get("orphan_wait_s", _ORPHAN_WAIT_S))
+    gone_at = None
+    while not _try_lock(lock):
+        if gone_at is None and not _parent_alive(
+            config.get("parent_pid"), config.get("parent_start")
+        ):
+            gone_at = time.monotonic()
+        if gone_at is not None and time.monotonic() - gone_at > orphan_wait_s:
+            log.warning(
+                "the trainer is gone, and the lock was not free within %.0fs of it: exiting; "
+                "its snapshots stay in memory for the next run of the job",
+                orphan_wait_s,
+            )
+            return 0
+        time.sleep(0.2)
     _reclaim_outboxes(os.path.join(job_dir, OUTBOX))
     requests: queue.Queue = queue.Queue()
 
