@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -428,6 +429,36 @@ def test_import_names_a_damaged_directory(tmp_path):
     (tmp_path / "m" / "config.json").write_text("[1, 2]")
     with pytest.raises(HfFormatError, match="must be a JSON object"):
         import_hf(str(tmp_path / "m"), str(tmp_path / "o"), sizes={})
+    assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+@pytest.mark.parametrize("kind", ["symbolic link", "FIFO"])
+def test_import_reads_only_regular_files_and_follows_no_link(tmp_path, name, kind):
+    """A config or weight file that is a link to a file outside the directory was imported
+    silently; one that is a FIFO hung the import forever (open waited for a writer)."""
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    path = tmp_path / "m" / name
+    writer = None
+    if kind == "FIFO":
+        path.unlink()
+        os.mkfifo(path)
+        # a writer that opens and closes the FIFO at once, for 20 s at most: a reader blocked in
+        # open() (safetensors' open holds the GIL: nothing in this process could free it) gets
+        # EOF, so without the fix this test fails instead of hanging
+        writer = subprocess.Popen(["timeout", "20", "sh", "-c", 'exec 3>"$0"', str(path)])
+    else:
+        path.rename(tmp_path / "elsewhere")
+        path.symlink_to(tmp_path / "elsewhere")
+    what = r"is a symbolic link; an import does not follow links" if kind != "FIFO" else "FIFO"
+    try:
+        with pytest.raises(HfFormatError, match=re.escape(str(path)) + ".* " + what):
+            import_hf(str(tmp_path / "m"), str(tmp_path / "o"), sizes={})
+    finally:
+        if writer is not None:
+            writer.kill()
+            writer.wait()
     assert not os.path.exists(tmp_path / "o")
 
 

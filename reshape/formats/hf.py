@@ -49,7 +49,12 @@ from reshape.export import (
     refuse_inside_source,
     write_shards,
 )
-from reshape.formats.reference import check_memory, tensor_bytes, write_checkpoint
+from reshape.formats.reference import (
+    check_memory,
+    open_source_file,
+    tensor_bytes,
+    write_checkpoint,
+)
 from resilient.checkpoint.format import Manifest, dtype_info
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.storage import Storage
@@ -458,7 +463,7 @@ def export_reference_hf(
 
 def _read_json(path: str, cap: int, what: str) -> Any:
     try:
-        with open(path, "rb") as f:
+        with open_source_file(path, what, HfFormatError) as f:
             data = f.read(cap + 1)
     except OSError as e:
         raise HfFormatError(f"cannot read {what} {path}: {e}") from e
@@ -602,7 +607,7 @@ class _Weights:
         self.root = root
         self._open: tuple[str, Any] | None = None
         index = os.path.join(root, INDEX_NAME)
-        if os.path.exists(index):
+        if os.path.lexists(index):
             data = _read_json(index, _MAX_INDEX_BYTES, "weight index")
             wm = data.get("weight_map")
             if not isinstance(wm, dict) or not all(
@@ -610,7 +615,7 @@ class _Weights:
             ):
                 raise HfFormatError(f"{index}: weight_map must map tensor names to file names")
             self.where = dict(wm)
-        elif os.path.exists(os.path.join(root, "model.safetensors")):
+        elif os.path.lexists(os.path.join(root, "model.safetensors")):
             self.where = {k: "model.safetensors" for k in self._keys("model.safetensors")}
         else:
             raise HfFormatError(
@@ -631,6 +636,13 @@ class _Weights:
 
         if self._open is None or self._open[0] != file:
             path = os.path.join(self.root, file)
+            # safe_open takes a path and follows links: check the shard is a plain file first
+            try:
+                open_source_file(path, "weight file", HfFormatError).close()
+            except FileNotFoundError:
+                raise HfFormatError(
+                    f"{path}: missing (the weights name it); copy the whole directory again"
+                ) from None
             try:
                 self._open = (file, safe_open(path, framework="pt"))
             except (SafetensorError, OSError) as e:

@@ -1,5 +1,5 @@
-"""What the import formats share: the reference trainer's placement table, and writing whole
-tensors as a checkpoint in any layout.
+"""What the import formats share: the reference trainer's placement table, writing whole
+tensors as a checkpoint in any layout, and opening a file of an import's source directory.
 
 ``reshape`` does not import the trainer (the import boundary, ../shared/DESIGN.md section 10), so
 the table of how the reference trainer splits each weight is restated here as part of its
@@ -17,13 +17,15 @@ interrupted import leaves no committed step at the destination.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -31,17 +33,21 @@ from reshape.execute import ConvertReport, DestinationExistsError, convert
 from resilient.checkpoint import Checkpointer, sharded
 from resilient.checkpoint.retention import step_dirs
 from resilient.checkpoint.storage import Storage
-from resilient.errors import StateMismatchError
+from resilient.errors import ResilientError, StateMismatchError
 from resilient.layout import Layout, Shard
 
 __all__ = [
     "LAYOUT_AXES",
     "REFERENCE_PLACEMENTS",
     "check_memory",
+    "open_source_file",
     "reference_placement",
     "tensor_bytes",
     "write_checkpoint",
 ]
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 LAYOUT_AXES = ("dp", "ep", "tp")  # the reference trainer's Layout(dp=, ep=, tp=), in its order
 
@@ -161,3 +167,37 @@ def write_checkpoint(
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(scratch)
+
+
+def open_source_file(path: str, what: str, error: Callable[[str], ResilientError]) -> BinaryIO:
+    """Open ``path``, a file of an import's source directory (a DCP or Hugging Face directory:
+    untrusted input), for reading: never through a symbolic link (nothing below the directory is
+    reached through one, as for a checkpoint), and only a regular file (``O_NONBLOCK``: opening a
+    FIFO does not wait for a writer; a device or directory is refused after ``fstat``).  Anything
+    else raises ``error(message)`` naming the file; a missing file raises FileNotFoundError, for
+    the caller to explain."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise error(
+                f"{what} {path} is a symbolic link; an import does not follow links (one could "
+                f"point anywhere): copy the file itself into the directory"
+            ) from None
+        raise error(f"cannot open {what} {path}: {e}") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO")]
+            kinds += [(stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]
+            kind = next((k for test, k in kinds if test(mode)), "a special file")
+            raise error(
+                f"{what} {path} is {kind}, not a regular file; an import reads only regular "
+                f"files: copy the real file into the directory"
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
