@@ -394,6 +394,19 @@ def _distcp(src: pathlib.Path) -> pathlib.Path:
     return max(src.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
 
+def _link_outside(path: pathlib.Path) -> None:
+    """Move ``path`` out of its directory and leave a symbolic link to it in its place."""
+    outside = path.parent.parent / f"outside{path.name}"
+    path.rename(outside)
+    path.symlink_to(outside)
+
+
+def _fifo(path: pathlib.Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+LINKED = "is a symbolic link; an import does not follow links"
 DAMAGE = {
     "no directory": (
         lambda src: __import__("shutil").rmtree(src),
@@ -425,6 +438,26 @@ DAMAGE = {
         CheckpointCorruptError,
         r"__0_\d+\.distcp: missing",
     ),
+    "linked data file": (
+        lambda src: _link_outside(_distcp(src)),
+        CheckpointCorruptError,
+        r"__0_\d+\.distcp " + LINKED,
+    ),
+    "linked metadata": (
+        lambda src: _link_outside(src / ".metadata"),
+        CheckpointCorruptError,
+        r"\.metadata " + LINKED,
+    ),
+    "data file is a FIFO": (
+        lambda src: _fifo(_distcp(src)),
+        CheckpointCorruptError,
+        r"__0_\d+\.distcp is a FIFO, not a regular file",
+    ),
+    "metadata is a FIFO": (
+        lambda src: _fifo(src / ".metadata"),
+        CheckpointCorruptError,
+        r"\.metadata is a FIFO, not a regular file",
+    ),
 }
 
 
@@ -437,6 +470,25 @@ def test_a_damaged_dcp_directory_raises_a_named_error(tmp_path, damage):
     with pytest.raises(error, match=pattern):
         import_dcp(str(src), str(out), sizes={"tp": 1}, trust_pickle=True)
     assert not out.exists()
+
+
+def test_torchs_reader_opens_no_link_put_there_after_the_checks(tmp_path, monkeypatch):
+    """The checks before dcp.load refuse links, and so do the opens of torch's reader itself: a
+    data file swapped for a link after the checks is not read through it."""
+    src = tmp_path / "dcp"
+    save_dcp(str(src), {"model": {"w": torch.arange(4096.0)}})
+    checked = dcp_format._check_contents
+
+    def check_then_swap(src_dir, metadata):
+        contents = checked(src_dir, metadata)
+        _link_outside(_distcp(src))
+        return contents
+
+    monkeypatch.setattr(dcp_format, "_check_contents", check_then_swap)
+    with pytest.raises(
+        CheckpointCorruptError, match=r"__0_\d+\.distcp: dcp.load failed.*" + LINKED
+    ):
+        import_dcp(str(src), str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
 
 
 HUGE = torch.Size([1 << 40])

@@ -12,7 +12,8 @@ Import: DCP's ``.metadata`` is a pickle, and unpickling an untrusted file can ru
 so an import needs ``trust_pickle=True``; without it nothing is read.  With it, torch's reader
 unpickles the metadata once, and it is checked before anything is allocated (chunks tile each
 tensor exactly; data files are plain names in the directory, regular, long enough for their byte
-ranges; supported dtypes; the state fits in memory).  ``dcp.load`` fills whole tensors, which
+ranges; supported dtypes; the state fits in memory).  No file is opened through a symbolic link or
+as anything but a regular file, by these checks or by torch's reader (``_NoLinksFileSystem``).  ``dcp.load`` fills whole tensors, which
 ``reshape.formats.reference.write_checkpoint`` writes in the requested layout; every tensor is
 then read back and compared bit for bit.  The import holds the whole state in memory (about twice
 that while writing).
@@ -34,7 +35,6 @@ import io
 import json
 import math
 import os
-import stat
 import time
 import warnings
 import zlib
@@ -53,6 +53,7 @@ from torch.distributed.checkpoint import (
     Metadata,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
 
 from reshape.execute import ConvertReport, DestinationExistsError, allocate, resolve_step
@@ -63,7 +64,12 @@ from reshape.export import (
     read_whole,
     refuse_inside_source,
 )
-from reshape.formats.reference import LAYOUT_AXES, reference_placement, write_checkpoint
+from reshape.formats.reference import (
+    LAYOUT_AXES,
+    open_source_file,
+    reference_placement,
+    write_checkpoint,
+)
 from resilient.checkpoint.format import (
     DTYPES,
     Manifest,
@@ -397,12 +403,27 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
         self.raw[read_item.dest_index.fqn] = value.getvalue()
 
 
+class _NoLinksFileSystem(FileSystem):
+    """torch's local FileSystem, whose reads open only regular files, never through a symbolic
+    link (``open_source_file``): what torch's reader opens (``.metadata``, every ``.distcp``) is
+    the file checked, not whatever a link or a FIFO planted under its name gives."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise AssertionError(f"a DCP import only reads; asked to open {path} with {mode!r}")
+        with open_source_file(str(path), "DCP file", CheckpointCorruptError) as f:
+            yield f  # type: ignore[misc]
+
+
 class _NamingReader(FileSystemReader):
     """torch's FileSystemReader, reading file by file so that a failure names its file, and
     unpickling ``.metadata`` once: dcp.load gets the metadata that was checked."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
+        self.fs = _NoLinksFileSystem()
+        self.path = self.fs.init_path(path)
         self.failure: tuple[str, BaseException] | None = None
         self._metadata: Metadata | None = None
 
@@ -537,7 +558,8 @@ def _read_metadata(src_dir: str) -> tuple[_NamingReader, Metadata]:
     if not os.path.isdir(src_dir):
         raise CheckpointNotFoundError(f"{src_dir}: no such directory; check DCP_DIR")
     try:
-        st = os.stat(path)
+        with open_source_file(path, "DCP metadata", CheckpointCorruptError) as f:
+            st = os.fstat(f.fileno())
     except FileNotFoundError:
         ranks = [n for n in os.listdir(src_dir) if n.endswith(METADATA_NAME) and n != METADATA_NAME]
         hint = (
@@ -549,10 +571,10 @@ def _read_metadata(src_dir: str) -> tuple[_NamingReader, Metadata]:
             f"{path}: no such file{hint}; DCP_DIR must be a directory written by "
             f"torch.distributed.checkpoint.save (an interrupted save has no .metadata)"
         ) from None
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METADATA_BYTES:
+    if st.st_size > MAX_METADATA_BYTES:
         raise CheckpointCorruptError(
-            f"{path}: not a regular file of at most {MAX_METADATA_BYTES} bytes "
-            f"({st.st_size} bytes); it is not DCP metadata"
+            f"{path}: {st.st_size} bytes, DCP metadata of at most {MAX_METADATA_BYTES} bytes was "
+            f"expected; it is not DCP metadata"
         )
     reader = _NamingReader(src_dir)
     try:
@@ -591,15 +613,13 @@ def _check_contents(src_dir: str, metadata: Metadata) -> _DcpContents:
         if name not in sizes:
             path = os.path.join(src_dir, name)
             try:
-                st = os.stat(path)
+                with open_source_file(path, "DCP data file", CheckpointCorruptError) as f:
+                    sizes[name] = os.fstat(f.fileno()).st_size
             except FileNotFoundError:
                 raise CheckpointCorruptError(
                     f"{path}: missing (the metadata names it for {fqn!r}); the DCP checkpoint is "
                     f"incomplete: copy the whole directory again"
                 ) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointCorruptError(f"{path}: not a regular file")
-            sizes[name] = st.st_size
         if start + length > sizes[name]:
             raise CheckpointCorruptError(
                 f"{os.path.join(src_dir, name)}: {sizes[name]} bytes, but the metadata puts "
