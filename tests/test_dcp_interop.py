@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import pickle
+import time
 import warnings
 
 import pytest
@@ -35,6 +36,7 @@ from resilient.errors import (
 )
 from resilient.layout import Replicate, Shard
 from tests.ckpt_sim import save_world
+from tests.peak import PeakGrowth
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -370,6 +372,28 @@ def test_import_refuses_keys_with_empty_parts_and_skips_values_nested_too_deep(t
     report = import_dcp(src2, str(tmp_path / "out2"), sizes={"tp": 1}, trust_pickle=True)
     assert [s.split(":")[0] for s in report.skipped] == ["deep"], report.skipped
     assert "nested too deeply" in report.skipped[0]
+
+
+def test_a_value_that_repeats_a_shared_list_is_skipped_before_it_is_expanded(tmp_path):
+    """A pickle keeps shared references: [[[0] * n] * n] * n is a few kilobytes stored (far under
+    the 16 MiB cap) and n**3 elements in JSON; json.dumps expanded it (n = 200: 8 million
+    elements, hundreds of MiB and seconds).  Now it is sized, each shared list once, and
+    skipped, naming the key and the cap."""
+    n = 200
+    a = [0] * n
+    bomb = ((a,) * n,) * n  # (tuples: dcp.save's flatten would walk n**3 list elements itself)
+    src = str(tmp_path / "dcp")
+    save_dcp(src, {"model": {"w": torch.ones(2)}, "x.bomb": bomb, "x.ok": [a] * 4})
+    t0 = time.monotonic()
+    with PeakGrowth() as peak:
+        report = import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
+    took = time.monotonic() - t0
+    assert took < 3 and peak.mib < 100, (took, peak.mib)
+    assert report.skipped == [
+        f"x.bomb: its JSON would take more than {dcp_format.MAX_VALUE_BYTES} bytes (the cap on a "
+        f"value; a pickle can hold one list many times over)"
+    ]
+    assert read_manifest(Storage(str(tmp_path / "out")), 0).extras == {"x.ok": [a] * 4}
 
 
 def test_import_without_trust_reads_and_writes_nothing(tmp_path):

@@ -72,6 +72,7 @@ from reshape.formats.reference import (
 )
 from resilient.checkpoint.format import (
     DTYPES,
+    MAX_JSON_DEPTH,
     Manifest,
     check_json_depth,
     dtype_info,
@@ -380,7 +381,9 @@ def _verify_export(
         raw: dict[str, bytes] = {}
         _load(out_dir, dict.fromkeys(values), raw)
         for k, want in values.items():
-            got, why = _decode_value(raw.get(k, b""))
+            # (the values are the manifest's, whatever their size: the cap is for a value read in)
+            cap = max(MAX_VALUE_BYTES, 2 * len(json.dumps(want)))
+            got, why = _decode_value(raw.get(k, b""), cap)
             if why is not None or got != want:
                 raise CheckpointCorruptError(
                     f"value {k!r}: dcp.load reads back {got!r} from {out_dir}, expected "
@@ -476,16 +479,20 @@ def _load(
         ) from inner
 
 
-def _decode_value(data: bytes) -> tuple[Any, str | None]:
+def _decode_value(data: bytes, max_json_bytes: int = MAX_VALUE_BYTES) -> tuple[Any, str | None]:
     """(value, None) for a non-tensor entry that holds a JSON value, else (None, why).
 
     torch's restricted unpickler (``weights_only=True``) builds plain containers, numbers,
-    strings and tensors only; it refuses any other class or callable, so no code runs."""
+    strings and tensors only; it refuses any other class or callable, so no code runs.  Its value
+    is sized before it is encoded: one whose JSON would pass ``max_json_bytes`` is not a value."""
     try:
         # audited (tests/test_imports.py): the restricted unpickler, never the full one
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         return None, f"not a plain value (torch's restricted unpickler refused it: {str(e)[:120]})"
+    why = _check_json_size(value, max_json_bytes)
+    if why is not None:
+        return None, why
     try:
         decoded = json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError, RecursionError) as e:
@@ -495,6 +502,61 @@ def _decode_value(data: bytes) -> tuple[Any, str | None]:
     except ResilientError as e:
         return None, f"nested too deeply for a checkpoint value ({e})"
     return decoded, None
+
+
+class _NotAValue(Exception):
+    pass
+
+
+def _check_json_size(value: Any, limit: int) -> str | None:
+    """None if ``value``'s JSON takes at most about ``limit`` bytes, else why not.
+
+    A pickle keeps shared references, and so does the restricted unpickler: ``[[[0] * n] * n] * n``
+    is 3n objects in a few kilobytes of pickle, and n**3 elements once ``json.dumps`` writes each
+    reference out (n = 300: 27 million, a gigabyte and half a minute).  So each distinct container
+    is sized once (by id) and counted at every reference to it, and the walk stops as soon as a
+    sum passes ``limit``: it costs about what the pickle holds, not what its JSON would.  Sizes are
+    at least the JSON's (a float as 3 bytes, an int by its bits), so a value within the limit is
+    counted as within it."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(v: Any, depth: int) -> int:
+        if isinstance(v, str):
+            return len(v) + 2
+        if isinstance(v, bool) or v is None:
+            return 4
+        if isinstance(v, int):
+            return int(v.bit_length() * 0.30103) + 1
+        if isinstance(v, float):
+            return 3
+        if not isinstance(v, (list, tuple, dict)):
+            return 0  # not JSON: json.dumps says so
+        if id(v) in sizes:
+            return sizes[id(v)]
+        if id(v) in active:
+            raise _NotAValue("not a JSON value (it contains itself)")
+        if depth > MAX_JSON_DEPTH:
+            raise _NotAValue(f"nested too deeply for a checkpoint value (over {MAX_JSON_DEPTH})")
+        active.add(id(v))
+        n = 2
+        items = v.items() if isinstance(v, dict) else ((None, x) for x in v)
+        for k, x in items:
+            n += 2 + size(x, depth + 1) + (0 if k is None else size(str(k), depth + 1) + 2)
+            if n > limit:
+                raise _NotAValue(
+                    f"its JSON would take more than {limit} bytes (the cap on a value; a pickle "
+                    f"can hold one list many times over)"
+                )
+        active.discard(id(v))
+        sizes[id(v)] = n
+        return n
+
+    try:
+        size(value, 1)
+    except _NotAValue as e:
+        return str(e)
+    return None
 
 
 def _check_tiling(fqn: str, md: TensorStorageMetadata) -> None:
