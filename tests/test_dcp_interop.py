@@ -158,6 +158,54 @@ def test_a_user_leaves_with_dcp_load_into_a_fresh_module(tmp_path):
     assert state["optim.param_groups.0.lr"] == 0.01
 
 
+def test_a_one_cycle_lr_scheduler_goes_out_to_dcp_load_and_back_to_a_resilient_load(tmp_path):
+    """OneCycleLR's state holds a list of dicts (``_schedule_phases``), which dcp.save flattens
+    into indexed keys.  Exported, it loads with plain dcp.load; imported back, the list is one
+    value again, as a save would have it (it came back as flat keys such as
+    ``sched._schedule_phases.0.end_step``, and the load failed: no values for
+    ``sched._schedule_phases``)."""
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+
+    model, opt, sched = fresh()
+    for _ in range(3):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    with Checkpointer(str(tmp_path / "run")) as ck:
+        ck.save(1, {"model": model, "optim": opt, "sched": sched}).wait()
+    export_dcp(str(tmp_path / "run"), str(tmp_path / "dcp"))
+
+    _, _, plain = fresh()
+    state = {"sched": plain.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    plain.load_state_dict(state["sched"])
+    assert plain.state_dict() == sched.state_dict()
+
+    back = str(tmp_path / "back")
+    report = import_dcp(str(tmp_path / "dcp"), back, sizes={"tp": 1}, trust_pickle=True, step=1)
+    assert report.skipped == []
+    extras = read_manifest(Storage(back), 1).extras
+    assert extras["sched._schedule_phases"] == sched.state_dict()["_schedule_phases"]
+    model2, opt2, sched2 = fresh()
+    with Checkpointer(back) as ck:
+        ck.load({"model": model2, "optim": opt2, "sched": sched2}, step=1)
+    assert sched2.state_dict() == sched.state_dict()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert same(model2.weight, model.weight)
+    # the same from a DCP checkpoint that torch wrote from the nested state dicts
+    save_dcp(str(tmp_path / "torch"), {"model": model.state_dict(), "sched": sched.state_dict()})
+    import_dcp(str(tmp_path / "torch"), str(tmp_path / "back2"), sizes={}, trust_pickle=True)
+    extras = read_manifest(Storage(str(tmp_path / "back2")), 0).extras
+    assert {k[len("sched.") :]: v for k, v in extras.items()} == sched.state_dict()
+
+
 def test_export_refuses_a_non_empty_out_and_overwrite_replaces_only_dcp_files(source, tmp_path):
     out = tmp_path / "dcp"
     out.mkdir()

@@ -21,7 +21,9 @@ that while writing).
 Non-tensor entries: DCP's own loader unpickles them with ``torch.load(weights_only=False)``; this
 module never does.  It takes their raw bytes and decodes them with torch's restricted unpickler
 (``weights_only=True``: containers, numbers, strings, tensors; never code), keeps JSON values and
-skips the rest with a note in the report.  A DCP tensor key without a dot (``weight``) is imported
+skips the rest with a note in the report.  A list that ``dcp.save`` flattened into indexed entries
+(one that holds a mapping: OneCycleLR's ``_schedule_phases``) is put back together from the paths
+in the metadata's ``planner_data``, as one value, as a save would store it.  A DCP tensor key without a dot (``weight``) is imported
 as ``dcp.<key>`` (``UNGROUPED``); value keys are kept.  The DCP side is a local directory.  DCP has
 no checksums: a flipped bit in a ``.distcp`` file's tensor bytes cannot be detected; damage to its
 structure is.
@@ -273,8 +275,10 @@ def export_dcp(
         if not leaves:
             skipped.append(f"{key}: an empty mapping, which DCP stores nothing for")
             continue
-        for k, v in leaves:
-            state[k] = written[k] = v
+        written.update(leaves)
+        # the value itself, not its leaves: dcp.save flattens it alike, and keeps each leaf's
+        # path in the metadata's planner_data, from which an import puts the value back together
+        state[key] = value
         values += 1
     for rank, per_rank in sorted(manifest.rank_extras.items()):
         skipped.append(
@@ -854,10 +858,9 @@ def import_dcp(
     groups = {k.partition(".")[0] for k in keys.values()}
     taken = set(keys.values())
     values: dict[str, Any] = {}
-    for fqn in contents.values:
-        value, why = _decode_value(raw.get(fqn, b""))
+    for key, value, why in _nested_values(contents.values, raw, metadata.planner_data):
         if why is None:
-            leaves = dict(_json_leaves(fqn, value))
+            leaves = dict(_json_leaves(key, value))
             bad = [k for k in leaves if k in groups or k in taken or k in values]
             if bad:
                 why = f"its key {bad[0]!r} is taken by a group of tensors, a tensor or a value"
@@ -866,7 +869,7 @@ def import_dcp(
             else:
                 values.update(leaves)
         if why is not None:
-            skipped.append(f"{fqn}: {why}")
+            skipped.append(f"{key}: {why}")
     tensors = {keys[f]: state[f] for f in contents.tensors}
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     report = write_checkpoint(
@@ -899,6 +902,101 @@ def import_dcp(
         renamed=renamed,
         convert=report,
     )
+
+
+def _value_path(fqn: str, planner_data: Any) -> tuple[str, tuple[str | int, ...]]:
+    """(checkpoint key, path inside its value) of the DCP value entry ``fqn``.
+
+    ``dcp.save`` flattens a list that holds a mapping into indexed keys
+    (``sched._schedule_phases.0.end_step``) and keeps each original path in the metadata's
+    ``planner_data`` (``('sched', '_schedule_phases', 0, 'end_step')``).  A checkpoint keeps such
+    a list whole as one value, as a save of the same state would: the key is the path up to its
+    first index, the rest is where the entry sits inside the value.  A path that is missing, or
+    does not spell ``fqn``, leaves the entry under its own key."""
+    path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
+    if (
+        not isinstance(path, (tuple, list))
+        or not path
+        or not all(type(p) in (str, int) for p in path)
+        or ".".join(map(str, path)) != fqn
+    ):
+        return fqn, ()
+    first = next((i for i, p in enumerate(path) if type(p) is int), len(path))
+    if first == 0:
+        return fqn, ()
+    return ".".join(map(str, path[:first])), tuple(path[first:])
+
+
+class _Leaf:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _nest(entries: list[tuple[tuple[str | int, ...], Any]]) -> Any:
+    """The value whose entries are (path inside it, leaf): indices make lists, names mappings;
+    ValueError where the paths do not describe one value."""
+    tree: dict = {}
+    for path, value in entries:
+        node = tree
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"a leaf and a container at {list(path)}")
+        if path[-1] in node:
+            raise ValueError(f"two entries at {list(path)}")
+        node[path[-1]] = _Leaf(value)
+
+    def build(node: Any) -> Any:
+        if isinstance(node, _Leaf):
+            return node.value
+        if all(type(k) is int for k in node):
+            if sorted(node) != list(range(len(node))):
+                raise ValueError(f"list indices {sorted(node)[:8]} are not 0..{len(node) - 1}")
+            return [build(node[i]) for i in range(len(node))]
+        if any(type(k) is int for k in node):
+            raise ValueError(f"list indices and names at one level ({sorted(map(str, node))[:8]})")
+        return {k: build(v) for k, v in node.items()}
+
+    return build(tree)
+
+
+def _nested_values(
+    fqns: list[str], raw: Mapping[str, bytes], planner_data: Any
+) -> Iterator[tuple[str, Any, str | None]]:
+    """(checkpoint key, value, None), or (key, None, why) for what is skipped, for the DCP value
+    entries ``fqns``: each decoded, and the entries of one list that ``dcp.save`` flattened put
+    back together (``_value_path``), so the checkpoint holds the value a save would have."""
+    grouped: dict[str, list[tuple[str, tuple[str | int, ...]]]] = {}
+    for fqn in fqns:
+        key, path = _value_path(fqn, planner_data)
+        grouped.setdefault(key, []).append((fqn, path))
+    for key, members in grouped.items():
+        if len(members) == 1 and not members[0][1]:
+            value, why = _decode_value(raw.get(members[0][0], b""))
+            yield key, value, why
+            continue
+        entries: list[tuple[tuple[str | int, ...], Any]] = []
+        why = None
+        for fqn, path in members:
+            if not path:
+                why = f"DCP stores it both whole ({fqn!r}) and as indexed entries"
+            elif len(path) > MAX_JSON_DEPTH:
+                why = f"nested too deeply for a checkpoint value ({fqn!r})"
+            else:
+                value, bad = _decode_value(raw.get(fqn, b""))
+                why = why or (f"its entry {fqn!r} is {bad}" if bad is not None else None)
+                entries.append((path, value))
+            if why is not None:
+                break
+        if why is None:
+            try:
+                value = _nest(entries)
+                check_json_depth(value, f"value {key!r}")
+            except ValueError as e:
+                why = f"its DCP entries do not form one value: {e}"
+            except ResilientError as e:
+                why = f"nested too deeply for a checkpoint value ({e})"
+        yield (key, None, why) if why is not None else (key, value, None)
 
 
 def _json_leaves(key: str, value: Any) -> Iterator[tuple[str, Any]]:
