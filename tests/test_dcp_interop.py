@@ -682,14 +682,24 @@ def test_export_flattens_values_as_dcp_does_and_skips_those_that_clash_with_a_te
     save_world(url, 5, [{"model.w": torch.arange(6.0)}], Layout(dp=1))
     path = tmp_path / "src" / "step_00000005" / "MANIFEST.json"
     d = json.loads(path.read_text())
-    d["extras"] = {"model": {"w": 7}, "model.w": 1, "cfg": {"a": [1, {"b": 2}], "c": [3]}, "x": 4}
+    d["extras"] = {
+        "model": {"w": 7},
+        "model.w": 1,
+        "cfg": {"a": [1, {"b": 2}], "c": [3]},
+        "x": 4,
+        "y": {"z": 5},
+        "y.z": 6,  # (a value's key that an earlier value flattens to)
+        "twice": {"a.b": 1, "a": {"b": 2}},  # (one value flattening to one key twice)
+    }
     path.write_text(json.dumps(d))
     report = export_dcp(url, str(tmp_path / "dcp"))
     assert report.skipped == [
         "model: DCP flattens it to the key 'model.w', which a tensor or another value already has",
         "model.w: a value with the key of a tensor",
+        "y.z: DCP flattens it to the key 'y.z', which a tensor or another value already has",
+        "twice: DCP flattens it to the key 'twice.a.b' twice",
     ]
-    flat = {"cfg.a.0": 1, "cfg.a.1.b": 2, "cfg.c": [3], "x": 4}
+    flat = {"cfg.a.0": 1, "cfg.a.1.b": 2, "cfg.c": [3], "x": 4, "y.z": 5}
     got = dcp_load_plain(str(tmp_path / "dcp"), {"model.w": torch.arange(6.0)}, flat)
-    assert report.values == 2 and {k: got[k] for k in flat} == flat
+    assert report.values == 3 and {k: got[k] for k in flat} == flat
     assert torch.equal(got["model.w"], torch.arange(6.0))

@@ -260,12 +260,19 @@ def export_dcp(
     }
     values = 0
     written: dict[str, Any] = {}  # DCP key -> JSON value, as dcp.save flattens the extras
+    taken = set(state)  # the DCP keys so far: the tensors', and the values' flattened
     for key, value in manifest.extras.items():
         if key in manifest.tensors:
             skipped.append(f"{key}: a value with the key of a tensor")
             continue
         leaves = _dcp_leaves(key, value)
-        clash = [k for k, _ in leaves if k in state]
+        keys = [k for k, _ in leaves]
+        # (a key twice within the value: {"a.b": 1, "a": {"b": 2}} flattens to a.b twice)
+        twice = [k for k in keys if keys.count(k) > 1]
+        if twice:
+            skipped.append(f"{key}: DCP flattens it to the key {twice[0]!r} twice")
+            continue
+        clash = [k for k in keys if k in taken]
         if clash:
             skipped.append(
                 f"{key}: DCP flattens it to the key {clash[0]!r}, which a tensor or another value "
@@ -276,6 +283,7 @@ def export_dcp(
             skipped.append(f"{key}: an empty mapping, which DCP stores nothing for")
             continue
         written.update(leaves)
+        taken.update(keys)
         # the value itself, not its leaves: dcp.save flattens it alike, and keeps each leaf's
         # path in the metadata's planner_data, from which an import puts the value back together
         state[key] = value
