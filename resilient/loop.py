@@ -313,11 +313,11 @@ class Run:
         self._progress(None, "setup")
         return self.step
 
-    def _make_checkpointer(self, layout: Layout | None) -> None:
-        self._ckpt_layout = layout
+    def _make_checkpointer(self, layout: Layout | None, *, job_id: str | None = None) -> None:
         self.checkpointer = Checkpointer(
             self.url,
             layout=layout,
+            job_id=job_id,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             storage_options=self.storage_options,
@@ -335,8 +335,9 @@ class Run:
             # the spare's new checkpointer's
             self._rebind = False
             self.checkpointer.rebind()
+        self._ckpt_layout = layout or self.layout  # (a second loop's checkpointer's too)
         if self.checkpointer is None:
-            self._make_checkpointer(layout or self.layout)
+            self._make_checkpointer(self._ckpt_layout)
         newest, durable, something = self._what_to_restore()
         if not something:
             return
@@ -440,7 +441,10 @@ class Run:
             self._released = False
             done, self.checkpointer = self.checkpointer, None
             done.close()
-            self._make_checkpointer(self._ckpt_layout)
+            # the same job (a process's own job id is new with every checkpointer), and its
+            # snapshots descend from the final commit, as after a restore
+            self._make_checkpointer(self._ckpt_layout, job_id=done.job_id)
+            self.checkpointer.continue_line_of(done)
         first = self.step + 1
         for step in range(first, total + 1):
             self._check_peers()

@@ -238,6 +238,25 @@ def test_a_second_loop_of_the_same_run_keeps_the_tier(tmp_path):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.state_dict().items())
 
 
+def test_a_crash_in_a_second_loop_restores_its_snapshots(tmp_path):
+    """(a review of the fix above) The second loop's checkpointer had a job id of its own (a
+    process's is new with every checkpointer) and no anchor: its snapshots were "taken before
+    any durable commit" while durable storage held "another job's" step 3, so a restart fell
+    back to durable step 3, losing steps 4 and 5."""
+    url, model = str(tmp_path / "ckpt"), _model()
+    with pytest.raises(RuntimeError, match="crash"):
+        with Run(url, save_every=100, memory_every=1, detect=False) as run:
+            run.track(model=model)
+            _train(run, model, 3)
+            _train(run, model, 9, crash_at=6)
+    want, fresh = _model(), _model(seed=1)
+    for step in range(1, 6):
+        _bump(want, float(step))
+    with Run(url, memory_every=1, detect=False) as run:
+        assert run.track(model=fresh) == 5 and run.checkpointer.last_load.source == "memory"
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
 def _two_loops_then_rank_1_fails(rank: int, world: int, url: str, root: str) -> tuple:
     model = torch.nn.Linear(4, 2)
     try:

@@ -897,6 +897,11 @@ class Checkpointer:
         committer.cleanup()
         self._forget_doomed(committer)
 
+    def continue_line_of(self, other: Checkpointer) -> None:
+        """This checkpointer goes on where ``other`` (closed, of the same job and URL) left off:
+        its next snapshots descend from the durable commit ``other``'s state descended from."""
+        self._anchor = other._anchor
+
     def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
         """A durable commit is what the next snapshots descend from, unless a restore came
         between its save and its commit (an in-job recovery leaves the old group's save running
