@@ -432,16 +432,32 @@ def test_a_value_that_repeats_a_shared_list_is_skipped_before_it_is_expanded(tmp
     bomb = ((a,) * n,) * n  # (tuples: dcp.save's flatten would walk n**3 list elements itself)
     src = str(tmp_path / "dcp")
     save_dcp(src, {"model": {"w": torch.ones(2)}, "x.bomb": bomb, "x.ok": [a] * 4})
-    t0 = time.monotonic()
     with PeakGrowth() as peak:
         report = import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
-    took = time.monotonic() - t0
-    assert took < 3 and peak.mib < 100, (took, peak.mib)
+    assert peak.mib < 100, peak.mib
     assert report.skipped == [
         f"x.bomb: its JSON would take more than {dcp_format.MAX_VALUE_BYTES} bytes (the cap on a "
         f"value; a pickle can hold one list many times over)"
     ]
     assert read_manifest(Storage(str(tmp_path / "out")), 0).extras == {"x.ok": [a] * 4}
+
+
+def test_many_values_under_the_cap_share_one_budget(tmp_path, monkeypatch):
+    """(a review) The cap was per value: six values each just under it, a few KB of pickle
+    apiece, expanded six times over (a 16 KB directory: 1.2 GB and a 90 MB manifest).  All the
+    values of one import share MAX_VALUES_BYTES now; past it the rest are skipped, named."""
+    monkeypatch.setattr(dcp_format, "MAX_VALUES_BYTES", 4 << 20)
+    a = [0] * 1000
+    value = [a] * 500  # about 1.5 MB of JSON, a few KB stored
+    src = str(tmp_path / "dcp")
+    save_dcp(src, {"model": {"w": torch.ones(2)}, **{f"v{i}": value for i in range(5)}})
+    report = import_dcp(src, str(tmp_path / "out"), sizes={"tp": 1}, trust_pickle=True)
+    assert sorted(read_manifest(Storage(str(tmp_path / "out")), 0).extras) == ["v0", "v1"]
+    assert len(report.skipped) == 3
+    assert all(
+        "bytes left of the 4194304 that all values of an import may take together" in why
+        for why in report.skipped
+    ), report.skipped
 
 
 def test_import_without_trust_reads_and_writes_nothing(tmp_path):
@@ -690,6 +706,7 @@ def test_export_flattens_values_as_dcp_does_and_skips_those_that_clash_with_a_te
         "y": {"z": 5},
         "y.z": 6,  # (a value's key that an earlier value flattens to)
         "twice": {"a.b": 1, "a": {"b": 2}},  # (one value flattening to one key twice)
+        "hollow": [{"a": 1}, {}],  # (an empty mapping inside: dcp.save stores nothing for it)
     }
     path.write_text(json.dumps(d))
     report = export_dcp(url, str(tmp_path / "dcp"))
@@ -698,6 +715,8 @@ def test_export_flattens_values_as_dcp_does_and_skips_those_that_clash_with_a_te
         "model.w: a value with the key of a tensor",
         "y.z: DCP flattens it to the key 'y.z', which a tensor or another value already has",
         "twice: DCP flattens it to the key 'twice.a.b' twice",
+        "hollow: it holds an empty mapping, which DCP stores nothing for (it would come back "
+        "without it)",
     ]
     flat = {"cfg.a.0": 1, "cfg.a.1.b": 2, "cfg.c": [3], "x": 4, "y.z": 5}
     got = dcp_load_plain(str(tmp_path / "dcp"), {"model.w": torch.arange(6.0)}, flat)

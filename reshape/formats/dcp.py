@@ -40,6 +40,7 @@ import os
 import time
 import warnings
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,9 @@ METADATA_NAME = ".metadata"  # torch's name for the pickled Metadata of a DCP di
 VERIFY_BATCH = 128 << 20  # bytes an import reads back at once to compare
 UNGROUPED = "dcp"  # the group of imported DCP tensor keys that have no dot
 MAX_VALUE_BYTES = 16 << 20  # a non-tensor entry larger than this is skipped, unread
+# ... and all of an import's values together, as JSON: past it, the rest are skipped (a value
+# under the cap is a few KB of pickle, so many of them would expand many times over)
+MAX_VALUES_BYTES = 64 << 20
 MAX_METADATA_BYTES = 1 << 30  # like MANIFEST.json's cap (docs/FORMAT.md section 5)
 MAX_DIMS = 32
 VERIFY_BATCH_BYTES = 1 << 30  # export: how much is read back per dcp.load call
@@ -268,9 +272,15 @@ def export_dcp(
         leaves = _dcp_leaves(key, value)
         keys = [k for k, _ in leaves]
         # (a key twice within the value: {"a.b": 1, "a": {"b": 2}} flattens to a.b twice)
-        twice = [k for k in keys if keys.count(k) > 1]
+        twice = [k for k, n in Counter(keys).items() if n > 1]
         if twice:
             skipped.append(f"{key}: DCP flattens it to the key {twice[0]!r} twice")
+            continue
+        if leaves and _holds_an_empty_mapping(value):
+            skipped.append(
+                f"{key}: it holds an empty mapping, which DCP stores nothing for (it would come "
+                f"back without it)"
+            )
             continue
         clash = [k for k in keys if k in taken]
         if clash:
@@ -329,6 +339,20 @@ def export_dcp(
         files=files,
         skipped=skipped,
     )
+
+
+def _holds_an_empty_mapping(value: Any) -> bool:
+    """Whether an empty mapping is anywhere in a JSON value (dcp.save's flatten drops it)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            if not v:
+                return True
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return False
 
 
 def _dcp_leaves(key: str, value: Any) -> list[tuple[str, Any]]:
@@ -491,20 +515,41 @@ def _load(
         ) from inner
 
 
-def _decode_value(data: bytes, max_json_bytes: int = MAX_VALUE_BYTES) -> tuple[Any, str | None]:
+class _Budget:
+    """What the values of one import may still take, as JSON (MAX_VALUES_BYTES)."""
+
+    def __init__(self, total: int | None = None) -> None:
+        self.total = self.left = MAX_VALUES_BYTES if total is None else total
+
+
+def _decode_value(
+    data: bytes, max_json_bytes: int = MAX_VALUE_BYTES, budget: _Budget | None = None
+) -> tuple[Any, str | None]:
     """(value, None) for a non-tensor entry that holds a JSON value, else (None, why).
 
     torch's restricted unpickler (``weights_only=True``) builds plain containers, numbers,
     strings and tensors only; it refuses any other class or callable, so no code runs.  Its value
-    is sized before it is encoded: one whose JSON would pass ``max_json_bytes`` is not a value."""
+    is sized before it is encoded: one whose JSON would pass ``max_json_bytes``, or what is left
+    of ``budget`` (the import's values together), is not a value; an accepted one spends it."""
     try:
         # audited (tests/test_imports.py): the restricted unpickler, never the full one
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         return None, f"not a plain value (torch's restricted unpickler refused it: {str(e)[:120]})"
-    why = _check_json_size(value, max_json_bytes)
-    if why is not None:
-        return None, why
+    limit = max_json_bytes if budget is None else min(max_json_bytes, budget.left)
+    try:
+        size = _json_size(value, limit)
+    except _TooLarge as e:
+        if budget is None or budget.left >= max_json_bytes:
+            return None, str(e)
+        return None, (
+            f"its JSON would take more than the {budget.left} bytes left of the {budget.total} "
+            f"that all values of an import may take together"
+        )
+    except _NotAValue as e:
+        return None, str(e)
+    if budget is not None:
+        budget.left -= size
     try:
         decoded = json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError, RecursionError) as e:
@@ -520,8 +565,12 @@ class _NotAValue(Exception):
     pass
 
 
-def _check_json_size(value: Any, limit: int) -> str | None:
-    """None if ``value``'s JSON takes at most about ``limit`` bytes, else why not.
+class _TooLarge(_NotAValue):
+    pass
+
+
+def _json_size(value: Any, limit: int) -> int:
+    """About the bytes of ``value``'s JSON, at least them; _NotAValue past ``limit``.
 
     A pickle keeps shared references, and so does the restricted unpickler: ``[[[0] * n] * n] * n``
     is 3n objects in a few kilobytes of pickle, and n**3 elements once ``json.dumps`` writes each
@@ -556,7 +605,7 @@ def _check_json_size(value: Any, limit: int) -> str | None:
         for k, x in items:
             n += 2 + size(x, depth + 1) + (0 if k is None else size(str(k), depth + 1) + 2)
             if n > limit:
-                raise _NotAValue(
+                raise _TooLarge(
                     f"its JSON would take more than {limit} bytes (the cap on a value; a pickle "
                     f"can hold one list many times over)"
                 )
@@ -564,11 +613,7 @@ def _check_json_size(value: Any, limit: int) -> str | None:
         sizes[id(v)] = n
         return n
 
-    try:
-        size(value, 1)
-    except _NotAValue as e:
-        return str(e)
-    return None
+    return size(value, 1)
 
 
 def _check_tiling(fqn: str, md: TensorStorageMetadata) -> None:
@@ -866,7 +911,8 @@ def import_dcp(
     groups = {k.partition(".")[0] for k in keys.values()}
     taken = set(keys.values())
     values: dict[str, Any] = {}
-    for key, value, why in _nested_values(contents.values, raw, metadata.planner_data):
+    budget = _Budget()
+    for key, value, why in _nested_values(contents.values, raw, metadata.planner_data, budget):
         if why is None:
             leaves = dict(_json_leaves(key, value))
             bad = [k for k in leaves if k in groups or k in taken or k in values]
@@ -969,7 +1015,7 @@ def _nest(entries: list[tuple[tuple[str | int, ...], Any]]) -> Any:
 
 
 def _nested_values(
-    fqns: list[str], raw: Mapping[str, bytes], planner_data: Any
+    fqns: list[str], raw: Mapping[str, bytes], planner_data: Any, budget: _Budget
 ) -> Iterator[tuple[str, Any, str | None]]:
     """(checkpoint key, value, None), or (key, None, why) for what is skipped, for the DCP value
     entries ``fqns``: each decoded, and the entries of one list that ``dcp.save`` flattened put
@@ -980,7 +1026,7 @@ def _nested_values(
         grouped.setdefault(key, []).append((fqn, path))
     for key, members in grouped.items():
         if len(members) == 1 and not members[0][1]:
-            value, why = _decode_value(raw.get(members[0][0], b""))
+            value, why = _decode_value(raw.get(members[0][0], b""), budget=budget)
             yield key, value, why
             continue
         entries: list[tuple[tuple[str | int, ...], Any]] = []
@@ -991,7 +1037,7 @@ def _nested_values(
             elif len(path) > MAX_JSON_DEPTH:
                 why = f"nested too deeply for a checkpoint value ({fqn!r})"
             else:
-                value, bad = _decode_value(raw.get(fqn, b""))
+                value, bad = _decode_value(raw.get(fqn, b""), budget=budget)
                 why = why or (f"its entry {fqn!r} is {bad}" if bad is not None else None)
                 entries.append((path, value))
             if why is not None:
