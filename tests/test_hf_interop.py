@@ -624,3 +624,29 @@ def test_a_hostile_layer_count_is_refused_before_it_is_listed(which):
         env={**os.environ, "PYTHONPATH": root},
     )
     assert p.returncode == 0 and p.stdout.startswith("NAMED"), p.stdout + p.stderr[-2000:]
+
+
+def test_a_hugging_face_hub_cache_snapshot_imports_and_only_its_blobs_are_followed(tmp_path):
+    """(a review) huggingface_hub keeps a downloaded revision as links into the repo's blobs/:
+    refusing every link refused the most common Hugging Face directory there is."""
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    repo = tmp_path / "hub" / "models--x--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(os.listdir(tmp_path / "m"))):
+        (tmp_path / "m" / f).rename(blobs / f"blob{i}")
+        (snapshot / f).symlink_to(f"../../blobs/blob{i}")
+    report = import_hf(str(snapshot), str(tmp_path / "ckpt"), sizes={})
+    cfg = dataclasses.replace(preset("tiny"), **report["model"])
+    hf = hf_logits(str(snapshot))
+    assert (trainer_logits(str(tmp_path / "ckpt"), cfg) - hf).abs().max().item() <= TOL
+    # a link in the snapshot to anything but a blob of its repo is refused as anywhere else
+    config = snapshot / "config.json"
+    target = os.path.realpath(config)
+    config.unlink()
+    shutil.copy(target, tmp_path / "elsewhere.json")
+    config.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(HfFormatError, match="is a symbolic link; an import does not follow"):
+        import_hf(str(snapshot), str(tmp_path / "o"), sizes={})

@@ -461,9 +461,26 @@ def export_reference_hf(
 # --- import --------------------------------------------------------------------------------------
 
 
+def _hub_blob(path: str) -> str:
+    """A file of a Hugging Face hub cache snapshot as the blob it links to, else ``path``.
+
+    ``huggingface_hub`` keeps each file of a downloaded revision as a link,
+    ``<repo>/snapshots/<revision>/<name>`` -> ``../../blobs/<hash>``: the one place an import
+    follows a link, and only to a file directly in that repo's ``blobs/`` (a link anywhere else is
+    refused when the file is opened, as in any directory)."""
+    if not os.path.islink(path):
+        return path
+    revisions = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    if os.path.basename(revisions) != "snapshots":
+        return path
+    blobs = os.path.realpath(os.path.join(os.path.dirname(revisions), "blobs"))
+    target = os.path.realpath(path)
+    return target if os.path.dirname(target) == blobs else path
+
+
 def _read_json(path: str, cap: int, what: str) -> Any:
     try:
-        with open_source_file(path, what, HfFormatError) as f:
+        with open_source_file(_hub_blob(path), what, HfFormatError) as f:
             data = f.read(cap + 1)
     except OSError as e:
         raise HfFormatError(f"cannot read {what} {path}: {e}") from e
@@ -635,7 +652,7 @@ class _Weights:
         from safetensors import SafetensorError, safe_open
 
         if self._open is None or self._open[0] != file:
-            path = os.path.join(self.root, file)
+            path = _hub_blob(os.path.join(self.root, file))
             # safe_open takes a path and follows links: check the shard is a plain file first
             try:
                 open_source_file(path, "weight file", HfFormatError).close()
