@@ -325,8 +325,6 @@ class Run:
             memory_root=self.memory_root,
             memory_commit_every=self.memory_commit_every,
         )
-        if self.checkpointer.memory is not None:
-            self.checkpointer.check_memory_room(self.state)
 
     def _restore(self, layout: Layout | None) -> None:
         if self._rebind:
@@ -338,6 +336,9 @@ class Run:
         self._ckpt_layout = layout or self.layout  # (a second loop's checkpointer's too)
         if self.checkpointer is None:
             self._make_checkpointer(self._ckpt_layout)
+        # (a collective: every rank, the one a previous generation's checkpointer came from too)
+        if self.checkpointer.memory is not None:
+            self.checkpointer.check_memory_room(self.state)
         newest, durable, something = self._what_to_restore()
         if not something:
             return
@@ -445,6 +446,8 @@ class Run:
             # snapshots descend from the final commit, as after a restore
             self._make_checkpointer(self._ckpt_layout, job_id=done.job_id)
             self.checkpointer.continue_line_of(done)
+            if self.checkpointer.memory is not None:
+                self.checkpointer.check_memory_room(self.state)
         first = self.step + 1
         for step in range(first, total + 1):
             self._check_peers()
