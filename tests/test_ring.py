@@ -81,6 +81,68 @@ def test_a_summary_keeps_a_call_still_inside_that_is_older_than_the_last_few():
     assert [(c[0], c[5]) for c in calls][0] == ("barrier", None) and len(calls) == 3
 
 
+def test_threads_calling_collectives_at_once_each_get_their_own_slot():
+    # resilient's replication thread runs gloo collectives while the main thread trains: a call
+    # read the count, and another thread took the same slot and count before it wrote it back
+    import torch.distributed.distributed_c10d as c10d
+
+    from resilient.health.ring import _wrap
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        ring = CollectiveRing(size=64)
+        wrapped = _wrap(ring, "all_reduce", lambda *a, **k: None, c10d.all_reduce)
+        inside, release = threading.Event(), threading.Event()
+
+        def blocking(*args, **kwargs):
+            inside.set()
+            release.wait(60)
+
+        stuck = _wrap(ring, "all_reduce", blocking, c10d.all_reduce)
+        pgs = [object() for _ in range(4)]
+        for k, pg in enumerate(pgs):
+            ring._by_id[id(pg)] = (ring.named(f"g{k}", (0,)), None)
+        main = object()
+        ring._by_id[id(main)] = (ring.named("main", (0,)), None)
+        num_calls, t = 20000, torch.zeros(1)
+
+        def hammer(pg, n):
+            for _ in range(n):
+                wrapped(t, group=pg)
+
+        def hammer_enter(k):
+            g = ring.named(f"e{k}", (0,))
+            for _ in range(num_calls):
+                ring.leave(ring.enter("barrier", g, None))
+
+        threads = [threading.Thread(target=hammer, args=(pg, num_calls)) for pg in pgs]
+        threads += [threading.Thread(target=hammer_enter, args=(k,)) for k in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert ring.count == 6 * num_calls  # no call lost, the count never wound back
+
+        # a thread blocked inside a call shows inside it while others keep calling
+        blocked = threading.Thread(target=stuck, args=(t,), kwargs={"group": main})
+        blocked.start()
+        assert inside.wait(60)
+        side = [threading.Thread(target=hammer, args=(pg, 10)) for pg in pgs]
+        for th in side:
+            th.start()
+        for th in side:
+            th.join()
+        calls = json.loads(ring.summary())["calls"]
+        release.set()
+        blocked.join()
+        assert any(c[1] == "main" and c[5] is None for c in calls), calls
+        assert ring.count == 6 * num_calls + 41
+    finally:
+        release.set()
+        sys.setswitchinterval(interval)
+
+
 def test_rank_lists_pack_and_read_compactly():
     assert pack_ranks(range(0, 4096)) == {"start": 0, "stop": 4096, "step": 1}
     assert unpack_ranks(pack_ranks((1, 3, 5, 7))) == (1, 3, 5, 7)

@@ -8,7 +8,8 @@ default): the operation, the process group, the call's sequence number on that g
 count of wrapped calls on it, which matches across the members as long as they call the same
 collectives in the same order), the bytes this rank contributes, and the monotonic times it
 entered and left (``None`` while inside).  The hot path is two clock reads, two dict lookups and
-one small list; no lock (the GIL orders the writes; a reader copies a slot at a time).
+one small list; no lock (each call takes its index from an ``itertools.count``, atomic under the
+GIL; a reader copies the ring, then a slot at a time).
 
 A group has two names.  Its *key* identifies it: the process group's ``group_name``, which every
 member of the group spells the same way and no other group shares (``"<group_name>:(a, b)"`` for
@@ -56,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import inspect
+import itertools
 import json
 import os
 import time
@@ -117,8 +119,9 @@ COLLECTIVES: dict[str, tuple[str | None, tuple[str, str] | None]] = {
 # batch_isend_irecv and torch.distributed.pipelining.  The ring does not see them.
 _ALWAYS_ASYNC: tuple[str, ...] = ()
 
-# slot fields: [op, GroupInfo, seq, nbytes, entered, left, weakref to an async call's Work]
-_OP, _GROUP, _SEQ, _BYTES, _ENTERED, _LEFT, _WORK = range(7)
+# slot fields: [op, GroupInfo, seq, nbytes, entered, left, weakref to an async call's Work,
+# the call's index since the reset]
+_OP, _GROUP, _SEQ, _BYTES, _ENTERED, _LEFT, _WORK, _INDEX = range(8)
 
 
 def ring_enabled() -> bool:
@@ -154,7 +157,7 @@ class CollectiveRing:
     def reset(self) -> None:
         """Forget every call and group (a new process group: sequence numbers start again)."""
         self._slots: list[list[Any] | None] = [None] * self.size
-        self.count = 0  # calls entered since the reset
+        self._tickets = itertools.count()  # the next call's index (its slot: index % size)
         self._by_id: dict[Any, tuple[GroupInfo, Any]] = {}  # id(pg) or (id(pg), peer) -> group, ref
         self._by_key: dict[str, GroupInfo] = {}  # group key -> its group
         self._published: tuple[int, bool] | None = None
@@ -163,10 +166,13 @@ class CollectiveRing:
     # --- the hot path (the wrappers inline the same steps) ---------------------------------------
     def enter(self, op: str, group: GroupInfo, nbytes: int | None) -> list[Any]:
         group.entered += 1
-        group.used = i = self.count
-        slot = [op, group, group.entered, nbytes, time.monotonic(), None, None]
+        # threads call collectives at once (resilient's replication thread runs gloo calls while
+        # the main thread trains): next() on an itertools.count is one C call, atomic under the
+        # GIL, so each call gets its own slot; reading and then writing back a count lost slots
+        # (a thread inside a call showed in none) and wound the count back
+        group.used = i = next(self._tickets)
+        slot = [op, group, group.entered, nbytes, time.monotonic(), None, None, i]
         self._slots[i % self.size] = slot
-        self.count = i + 1
         return slot
 
     def leave(self, slot: list[Any], work: Any = None) -> None:
@@ -250,12 +256,29 @@ class CollectiveRing:
         return g
 
     # --- what the heartbeat thread reads ---------------------------------------------------------
+    @property
+    def count(self) -> int:
+        """Calls entered since the reset (the newest slot's index + 1: never goes back)."""
+        newest = self._newest(list(self._slots))
+        return 0 if newest is None else newest[_INDEX] + 1
+
+    @staticmethod
+    def _newest(slots: list[list[Any] | None]) -> list[Any] | None:
+        return max((s for s in slots if s is not None), key=_index, default=None)
+
+    def _ordered(self) -> list[list[Any]]:
+        """The slots, oldest first (one copy of the ring: the writers do not wait for readers)."""
+        slots = [s for s in list(self._slots) if s is not None]
+        if not slots:
+            return []
+        slots.sort(key=_index)
+        # a slot written late by a thread preempted between its ticket and its write holds an
+        # index older than the ring's span: not one of the newest calls
+        return [s for s in slots if s[_INDEX] > slots[-1][_INDEX] - self.size]
+
     def calls(self) -> list[list[Any]]:
         """Copies of the slots, oldest first."""
-        n, size = self.count, self.size
-        slots = self._slots
-        order = range(n - size, n) if n > size else range(n)
-        return [list(s) for i in order if (s := slots[i % size]) is not None]
+        return [list(s) for s in self._ordered()]
 
     def changed(self) -> bool:
         """Whether a summary would differ from the last one published (a pending asynchronous
@@ -265,9 +288,10 @@ class CollectiveRing:
     def _mark(self) -> tuple[int, bool]:
         # calls entered, and whether the newest is still inside: what a stuck rank changes when
         # it gets out (a call of another thread that returns out of order waits for the next)
-        n = self.count
-        newest = self._slots[(n - 1) % self.size] if n else None
-        return n, newest is not None and newest[_LEFT] is None
+        newest = self._newest(list(self._slots))
+        if newest is None:
+            return 0, False
+        return newest[_INDEX] + 1, newest[_LEFT] is None
 
     def summary(self, last: int = SUMMARY_CALLS) -> str:
         """The JSON the heartbeat publishes (version 2, described in the module docstring): the
@@ -296,7 +320,7 @@ class CollectiveRing:
         return json.dumps(
             {
                 "v": SUMMARY_VERSION,
-                "n": self.count,
+                "n": mark[0],
                 "t": time.monotonic(),
                 "calls": out,
                 "groups": groups,
@@ -304,6 +328,10 @@ class CollectiveRing:
             },
             separators=(",", ":"),
         )
+
+
+def _index(slot: list[Any]) -> int:
+    return slot[_INDEX]
 
 
 def _recency(g: GroupInfo) -> int:
@@ -375,7 +403,7 @@ def _wrap(ring: CollectiveRing, op: str, fn: Any, reference: Any) -> Any:
     else:
         where = None  # type: ignore[assignment]
 
-    monotonic, tensor = time.monotonic, torch.Tensor
+    monotonic, tensor, take = time.monotonic, torch.Tensor, next
     size = ring.size
     compiling = torch.compiler.is_compiling
 
@@ -394,11 +422,11 @@ def _wrap(ring: CollectiveRing, op: str, fn: Any, reference: Any) -> Any:
         else:
             g = where(args, kwargs, group)
         x = args[size_i] if n > size_i else kwargs.get(size_name)
+        nbytes = x.nbytes if type(x) is tensor else _nbytes(x)
         seq = g.entered = g.entered + 1
-        i = g.used = ring.count
-        slot = [op, g, seq, x.nbytes if type(x) is tensor else _nbytes(x), monotonic(), None, None]
+        i = g.used = take(ring._tickets)  # its own index, atomic: see CollectiveRing.enter
+        slot = [op, g, seq, nbytes, monotonic(), None, None, i]
         ring._slots[i % size] = slot
-        ring.count = i + 1
         result = None
         try:
             result = fn(*args, **kwargs)
