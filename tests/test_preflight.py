@@ -10,12 +10,13 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from resilient.errors import StorageError
+from resilient.errors import PreflightError, StorageError
 from resilient.preflight import PreflightConfig, PreflightReport, run_preflight
 from resilient.preflight import device as dev
 from resilient.preflight import storage as pstorage
@@ -523,6 +524,72 @@ def test_quick_preflight_on_three_ranks():
     assert row["op"] == "all_reduce" and row["size_bytes"] == 1 << 20
     assert row["busbw_bytes_per_s"] == pytest.approx(row["algbw_bytes_per_s"] * 4 / 3)
     assert all(v > 0 for v in r["figures"]["store_round_trip_s"])
+
+
+def _rank_1_stops(rank, world):
+    # rank 1 stops (SIGSTOP: a frozen process) in the middle of the checks; the group's and the
+    # store's timeout are 5 s here (the command's: the budget + GROUP_TIMEOUT_GRACE_S)
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from resilient.preflight import links as links_mod
+    from resilient.preflight import runner
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=5))
+    store.set_timeout(timedelta(seconds=5))
+    runner.ANSWER_WAIT_S = 2.0
+    if rank == 1:
+        store.set("test/pid-1", str(os.getpid()))
+
+        def stop(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP)
+            raise RuntimeError("continued")  # (by rank 0, once it has its answer)
+
+        links_mod.probe_links = stop
+    t0 = time.monotonic()
+    try:
+        run_preflight(PreflightConfig.quick_check(budget_s=1.0))
+        message = None
+    except PreflightError as e:
+        message = str(e)
+    took = time.monotonic() - t0
+    store.set_timeout(timedelta(seconds=60))
+    if rank == 0:
+        os.kill(int(store.get("test/pid-1")), signal.SIGCONT)
+        store.get("test/done-1")  # (the store lives in this process: rank 1 still needs it)
+    else:
+        store.set("test/done-1", "1")
+    return message, took
+
+
+@pytest.mark.distributed
+def test_a_frozen_rank_is_named_after_the_groups_timeout_not_waited_for():
+    (message, took), (other, _) = run_distributed(_rank_1_stops, 2, timeout_s=120)
+    assert message is not None and message.startswith("preflight: rank 1 did not answer: ")
+    assert "expected every rank to take part in every check" in message
+    assert "run preflight again" in message
+    assert took < 60  # 5 s of timeout and 2 s of waiting for answers (the bug: forever)
+    assert other is not None and other.startswith("preflight: rank 1 (")
+    assert "rank 0 names the ranks that did not answer" in other
+
+
+def test_the_commands_group_timeout_follows_the_budget(monkeypatch):
+    from resilient.preflight import runner
+
+    seen = {}
+
+    def init(backend, *, timeout_s, **kwargs):
+        seen["timeout_s"] = timeout_s
+        raise SystemExit(0)  # (not joining any group)
+
+    monkeypatch.setattr("resilient.launch.init_process_group", init)
+    with pytest.raises(SystemExit):
+        runner._as_rank(PreflightConfig(budget_s=3.0), None, None, (), print)
+    # the start-up and some tens of seconds past the budget (it was max(300, 4 x the budget))
+    assert 3.0 < seen["timeout_s"] <= 3.0 + 120
 
 
 @pytest.mark.distributed

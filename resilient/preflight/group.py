@@ -124,6 +124,41 @@ class Group:
                 except Exception:  # a store without delete (or a key never set): harmless
                     pass
 
+    # --- after a collective timed out -----------------------------------------------------------
+    def unanswered(self, wait_s: float) -> list[int]:
+        """(every rank that is still running, after a collective or store read failed) Say so
+        through the store; at rank 0, the ranks that have not said so within ``wait_s`` (a rank
+        stopped, hung or gone never does).  Empty elsewhere."""
+        if self.store is None:
+            return []
+        key = f"{self.prefix}/answer"
+        try:
+            self.store.set(f"{key}/{self.rank}", "1")
+        except Exception:  # the store itself is gone: nothing to tell anyone
+            return []
+        if self.rank != 0:
+            return []
+        missing = list(range(self.world))
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                missing = [r for r in missing if not self.store.check([f"{key}/{r}"])]
+            except Exception:
+                break
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.cleanup(["answer"])
+        return missing
+
+    def timeout_s(self) -> float | None:
+        """The store's timeout (the group's: ``init_process_group`` gives both the same), in
+        seconds; None when the store does not say."""
+        try:
+            return self.store.timeout.total_seconds() if self.store is not None else None
+        except Exception:
+            return None
+
     # --- the store's own latency ----------------------------------------------------------------
     def store_round_trip(self, count: int) -> list[float]:
         """``count`` timed ``get`` round trips to the job's store, in seconds."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from resilient.errors import PreflightError
 from resilient.preflight import collectives as coll
 from resilient.preflight import device as dev
 from resilient.preflight import host, links, storage
@@ -47,6 +48,14 @@ __all__ = ["run_preflight", "preflight_main", "ENV_RESULT"]
 # there and every rank exits 0, and the launching process prints it and sets the exit code
 ENV_RESULT = "RESILIENT_PREFLIGHT_RESULT"
 
+# how long a preflight's process group waits in one collective or store read beyond the budget:
+# the start-up (imports, device checks: ranks join the first collective up to ~30 s apart on a
+# loaded node) and a margin; a frozen rank ended the command only after 300 s, with no report
+GROUP_TIMEOUT_GRACE_S = 60.0
+# after a collective timed out, how long rank 0 waits for the other live ranks to say so (they
+# time out in the same collective, or in the next store read)
+ANSWER_WAIT_S = 10.0
+
 
 def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     """Run the checks on every rank of the default process group (or a world of one without
@@ -55,6 +64,45 @@ def run_preflight(config: PreflightConfig | None = None) -> PreflightReport:
     config = config or PreflightConfig()
     t_start = time.perf_counter()
     group = Group()
+    try:
+        return _run(group, config, t_start)
+    except RuntimeError as e:  # a collective or a store read timed out (or failed): who is gone?
+        if group.store is None:
+            raise
+        _name_the_unanswered(group, e)
+        raise
+
+
+def _name_the_unanswered(group: Group, error: RuntimeError) -> None:
+    """After a collective or store read failed on this rank: every rank that gets here says so
+    through the store, and rank 0 raises a ``PreflightError`` naming the ranks that did not say
+    so within ``ANSWER_WAIT_S`` (stopped, hung, gone); the others raise one pointing at rank 0.
+    Returns (the caller re-raises ``error``) when every rank answered: not a rank that stopped."""
+    missing = group.unanswered(ANSWER_WAIT_S)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    waited = group.timeout_s()
+    within = f" within the group's timeout ({waited:g} s)" if waited is not None else ""
+    if group.rank != 0:
+        raise PreflightError(
+            f"preflight: rank {group.rank} ({group.host}): a collective or store read failed "
+            f"({first}); rank 0 names the ranks that did not answer"
+        ) from error
+    if not missing:
+        return
+    raise PreflightError(
+        f"preflight: {_ranks_phrase(missing)} did not answer: a collective or store read "
+        f"failed on rank 0{within} ({first}) and {_ranks_phrase(missing)} did not report in "
+        f"{ANSWER_WAIT_S:g} s more; expected every rank to take part in every check: look for a "
+        f"stopped, hung or lost process on {'its' if len(missing) == 1 else 'their'} host "
+        f"(or drain the node), then run preflight again"
+    ) from error
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _run(group: Group, config: PreflightConfig, t_start: float) -> PreflightReport:
     timings: dict[str, float] = {}
     skipped: list[str] = []
     cut: list[str] = []
@@ -471,10 +519,19 @@ def _as_rank(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     init_process_group(
-        backend, timeout_s=max(300.0, 4 * config.budget_s), detect=False, hooks=hooks
+        backend, timeout_s=config.budget_s + GROUP_TIMEOUT_GRACE_S, detect=False, hooks=hooks
     )
     try:
         report = run_preflight(config)
+    except PreflightError as e:  # a rank did not answer: a failed check, named by rank 0
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 and os.environ.get(ENV_RESULT):
+            with open(os.environ[ENV_RESULT], "w") as f:
+                json.dump({"error": str(e)}, f)
+        elif rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        # (non-zero: torchrun stops the ranks still running, a stopped one included)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -523,15 +580,23 @@ def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
         f"127.0.0.1:{free_port()}",
     ]
     try:
-        torchrun([*flags, "-m", "resilient.cli", "preflight", *argv])
+        failed = None
+        try:
+            torchrun([*flags, "-m", "resilient.cli", "preflight", *argv])
+        except ChildFailedError as e:
+            failed = e
         with open(result) as f:
             text = f.read()
+        unanswered = json.loads(text).get("error") if text.startswith('{"error"') else None
+        if unanswered is not None:  # rank 0 named the ranks that stopped answering
+            print(f"error: {unanswered}", file=sys.stderr)
+            return 1
+        if failed is not None:
+            print(f"error: a preflight rank failed: {failed}", file=sys.stderr)
+            return 2
         if not text:
             raise ValueError("rank 0 wrote no report")
         report = PreflightReport.from_dict(json.loads(text))
-    except ChildFailedError as e:
-        print(f"error: a preflight rank failed: {e}", file=sys.stderr)
-        return 2
     except ValueError as e:
         print(f"error: the preflight ranks returned no report ({e})", file=sys.stderr)
         return 2
