@@ -117,6 +117,16 @@ def test_link_plan_shrinks_to_the_budget():
     ]
 
 
+def test_the_link_plan_fits_the_slowest_pairs_samples_in_the_budget():
+    # one pair at 1 MiB/s, the other at 1 GB/s: 4 MiB messages took 4 s a sample on it
+    slow = MiB
+    kwargs = dict(world=2, budget_s=0.6, est_bytes_per_s=1e9, message_bytes=4 * MiB)
+    plan = plan_links(**kwargs, slowest_bytes_per_s=slow)
+    assert plan.repeats * plan.sends * plan.message_bytes / slow <= 0.6
+    assert plan.repeats >= 3 and plan.message_bytes >= 64 << 10
+    assert plan_links(**kwargs).message_bytes == 4 * MiB  # (the median alone fits it)
+
+
 def _plan_cost(plan, world, est, sync_s, connect_s):
     matchings_run = len(plan.rounds) // 2
     per_round = plan.sends * plan.message_bytes / est + sync_s + 2e-4

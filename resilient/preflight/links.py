@@ -142,6 +142,7 @@ def plan_links(
     connect_s: float = 0.0,
     repeats: int = 5,
     quick: bool = False,
+    slowest_bytes_per_s: float | None = None,
 ) -> LinkPlan:
     """The plan whose rounds fit ``budget_s`` at the estimated bandwidth, barrier time
     (``sync_s``, every round) and first-contact time (``connect_s``, every new peer): fewer sends
@@ -149,7 +150,9 @@ def plan_links(
     (256 KiB at least), then, past ``SEQUENTIAL_UP_TO`` ranks,
     fewer peers per rank (down to ``MIN_PARTNERS``), then messages down to 64 KiB, then fewer
     repeats (down to 3).  ``quick`` (the start-of-training subset) meets at most
-    ``QUICK_PARTNERS`` peers in a world that large."""
+    ``QUICK_PARTNERS`` peers in a world that large.  ``slowest_bytes_per_s``: the slowest pair's
+    rate (the probe's), priced on one pair of the plan: a link at 1 MiB/s took 4 s a sample of
+    4 MiB, whatever the others' median."""
     concurrent = world > SEQUENTIAL_UP_TO
     est = max(est_bytes_per_s, 1.0)
     overhead = sync_s + _ROUND_S
@@ -164,9 +167,13 @@ def plan_links(
     def rounds_of(p: int) -> int:
         return 2 * matchings_of(p) if concurrent else world * (world - 1)
 
+    slow_extra = 0.0  # per byte, on one pair: its round takes as long as the slow pair
+    if slowest_bytes_per_s is not None and 0 < slowest_bytes_per_s < est:
+        slow_extra = 1 / slowest_bytes_per_s - 1 / est
+
     def cost(m: int, k: int, r: int, p: int) -> float:
         connect = matchings_of(p) * connect_s if concurrent else (world - 1) * connect_s
-        return rounds_of(p) * r * (k * m / est + overhead) + connect
+        return rounds_of(p) * r * (k * m / est + overhead) + r * k * m * slow_extra + connect
 
     m, r = message_bytes, repeats
     sample_s = budget_s / max(rounds_of(partners) * repeats, 1) - overhead
@@ -219,25 +226,32 @@ def _exchange(src: int, dst: int, rank: int, buf: torch.Tensor, ack: torch.Tenso
     return None
 
 
-def probe_links(group: Group, nbytes: int) -> tuple[float, float, float]:
-    """(bytes per second, seconds per barrier, seconds per first contact), the same on every
-    rank.  One tiny message and then one of ``nbytes`` over the pairs of a few matchings (every
-    pair up to ``SEQUENTIAL_UP_TO`` ranks): the bandwidth is the median over them, so that one
-    slow link or rank does not set the sample length of all the others, and the first contact
-    (NCCL builds a communicator per pair) the slowest rank's median; and the slowest rank's median
-    time of a few barriers, what every round of the plan pays."""
+def probe_links(
+    group: Group, nbytes: int, *, budget_s: float | None = None
+) -> tuple[float, float, float, float]:
+    """(bytes per second, seconds per barrier, seconds per first contact, the slowest pair's
+    bytes per second), the same on every rank.  One tiny message, one of ``PROBE_BYTES`` and then one of ``nbytes`` over the pairs of
+    a few matchings (every pair up to ``SEQUENTIAL_UP_TO`` ranks): the bandwidth is the median
+    over them, so that one slow link or rank does not set the sample length of all the others,
+    and the first contact (NCCL builds a communicator per pair) the slowest rank's median; and
+    the slowest rank's median time of a few barriers, what every round of the plan pays; the
+    slowest pair, so that the plan fits one slow link's samples in the budget too.  The
+    ``nbytes`` message is smaller (not below ``PROBE_BYTES``) where, at the slowest pair's rate
+    on the small one, it would take more than a tenth of ``budget_s`` over the pairs (a 4 MiB
+    message on a 1 MiB/s link took 4 s a pair)."""
+    rounds = pair_rounds(group.world, partners=MIN_PARTNERS)
+    small = min(nbytes, PROBE_BYTES)
     buf = torch.zeros(max(nbytes // 4, 1), device=group.device)
     ack = torch.zeros(1, device=group.device)
-    mine, first = [], []
-    for pairs in pair_rounds(group.world, partners=MIN_PARTNERS):
-        group.sync()
-        for src, dst in pairs:
-            took = _exchange(src, dst, group.rank, buf[:1], ack, 1)
-            if took is not None:
-                first.append(took)
-            took = _exchange(src, dst, group.rank, buf, ack, 1)
-            if took is not None:
-                mine.append(buf.numel() * 4 / max(took, 1e-9))
+    first: list[float] = []
+    mine = _probe_rates(group, rounds, buf[: max(small // 4, 1)], ack, first)
+    message = nbytes
+    if budget_s is not None and nbytes > small:
+        (slowest,) = group.agree_min([min(mine) if mine else float("inf")])
+        while message > small and len(rounds) * message / max(slowest, 1.0) > budget_s / 10:
+            message //= 2
+    if message > small:
+        mine = _probe_rates(group, rounds, buf[: max(message // 4, 1)], ack, None)
     syncs = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -246,16 +260,45 @@ def probe_links(group: Group, nbytes: int) -> tuple[float, float, float]:
     rates = [r for r in group.collect(statistics.median(mine) if mine else 0.0) if r > 0]
     med = statistics.median
     sync_s, connect_s = group.agree_max([med(syncs), med(first) if first else 0.0])
-    return (med(rates) if rates else 1e9), sync_s, connect_s
+    (slowest,) = group.agree_min([min(mine) if mine else float("inf")])
+    est = med(rates) if rates else 1e9
+    return est, sync_s, connect_s, min(slowest, est)
+
+
+PROBE_BYTES = 64 << 10  # the first probe's message: 64 ms on a 1 MiB/s link
+
+
+def _probe_rates(
+    group: Group,
+    rounds: list[list[tuple[int, int]]],
+    buf: torch.Tensor,
+    ack: torch.Tensor,
+    first: list[float] | None,
+) -> list[float]:
+    """One send of ``buf`` over every pair of ``rounds``: this rank's rates as a sender (and,
+    into ``first``, its first contacts: one tiny message per pair before)."""
+    mine = []
+    for pairs in rounds:
+        group.sync()
+        for src, dst in pairs:
+            if first is not None:
+                took = _exchange(src, dst, group.rank, buf[:1], ack, 1)
+                if took is not None:
+                    first.append(took)
+            took = _exchange(src, dst, group.rank, buf, ack, 1)
+            if took is not None:
+                mine.append(buf.numel() * 4 / max(took, 1e-9))
+    return mine
 
 
 def run_links(
     group: Group, plan: LinkPlan, *, budget_s: float | None = None
 ) -> tuple[list[list[float | None]] | None, dict[str, int]]:
     """The median bandwidth (bytes/s) from each rank to each peer the plan meets:
-    ``matrix[i][j]`` at rank 0 (None where not met; None elsewhere), and the sends per sample and
-    repeats used.  When the first round over the plan's pairs shows
-    it will not fit ``budget_s``, the rest of the samples are shortened (fewer sends) and, if need
+    ``matrix[i][j]`` at rank 0 (None where not met; None elsewhere), and the sends per sample,
+    repeats and message size used.  When the first round over the plan's pairs shows it will not
+    fit ``budget_s``, the rest of the samples are shortened (fewer sends, then a smaller message,
+    not below ``PROBE_BYTES``: one send of it can be what a slow link cannot fit) and, if need
     be, fewer (not below 3)."""
     n, rank = group.world, group.rank
     rounds, sends, repeats = plan.rounds, plan.sends, plan.repeats
@@ -281,8 +324,15 @@ def run_links(
             (first,) = group.agree_max([time.perf_counter() - t_start])  # the same everywhere
             room = max(budget_s - first, 0.0)
             if first * (repeats - 1) > room:
-                new_sends = max(1, int(sends * room / (first * (repeats - 1))))
+                scale = room / (first * (repeats - 1))  # of each later round's bytes
+                new_sends = max(1, int(sends * scale))
                 per_rep = first * new_sends / sends
+                shrink = sends * scale / new_sends  # below 1: one send is already too much
+                floor = min(buf.numel(), max(PROBE_BYTES // 4, 1))
+                if shrink < 1 and buf.numel() > floor:
+                    numel = max(floor, int(buf.numel() * shrink))
+                    per_rep *= numel / buf.numel()
+                    buf = buf[:numel]
                 sends = new_sends
                 repeats = max(3, min(repeats, 1 + int(room / max(per_rep, 1e-9))))
     # only what was met travels (a thousand ranks' rows are mostly empty)
@@ -295,7 +345,8 @@ def run_links(
             for j, v in got.items():
                 if 0 <= int(j) < n and int(j) != i:
                     matrix[i][int(j)] = float(v)
-    return matrix, {"sends_per_sample": sends, "repeats": repeats}
+    ran = {"sends_per_sample": sends, "repeats": repeats, "message_bytes": buf.numel() * 4}
+    return matrix, ran
 
 
 def confirm_links(
@@ -306,11 +357,14 @@ def confirm_links(
     message_bytes: int,
     sends: int,
     repeats: int = 5,
+    budget_s: float | None = None,
 ) -> tuple[list[list[float | None]] | None, dict[str, int]]:
     """Measure rank 0's ``suspects`` (pairs ``(src, dst)``, the slowest first; None on the other
-    ranks) again, one pair at a time, ``repeats`` samples each, and put the better of the
-    first figure and the best sample in rank 0's ``matrix``.  At most ``CONFIRM_AT_MOST`` pairs.  Returns the matrix (None off rank 0) and
-    how many pairs were measured again."""
+    ranks) again, one pair at a time, ``repeats`` samples each (fewer, never none, where the
+    first round shows they would not fit ``budget_s``: agreed, every rank stops together), and
+    put the better of the first figure and the best sample in rank 0's ``matrix``.  At most
+    ``CONFIRM_AT_MOST`` pairs.  Returns the matrix (None off rank 0) and how many pairs were
+    measured again."""
     pairs = group.share("links-suspects", suspects if group.rank == 0 else None) or []
     pairs = [(int(a), int(b)) for a, b in pairs][:CONFIRM_AT_MOST]
     if not pairs:
@@ -318,12 +372,19 @@ def confirm_links(
     buf = torch.zeros(max(message_bytes // 4, 1), device=group.device)
     ack = torch.zeros(1, device=group.device)
     samples: dict[int, list[float]] = {}
-    for _ in range(repeats):
+    t_start = time.perf_counter()
+    rep = 0
+    while rep < repeats:
         for src, dst in pairs:
             group.sync()
             took = _exchange(src, dst, group.rank, buf, ack, sends)
             if took is not None:
                 samples.setdefault(dst, []).append(buf.numel() * 4 * sends / max(took, 1e-9))
+        rep += 1
+        if budget_s is not None and rep < repeats:
+            (spent,) = group.agree_max([time.perf_counter() - t_start])  # the same everywhere
+            if spent / rep * (rep + 1) > budget_s:
+                break
     row = {str(j): max(v) for j, v in samples.items()}  # load only slows a sample down
     rows = group.gather("links-again", row)
     if rows is not None and matrix is not None:

@@ -153,8 +153,8 @@ def _run(group: Group, config: PreflightConfig, t_start: float) -> PreflightRepo
     if group.world > 1:
         t0 = time.perf_counter()
         message = min((1 << 20) if config.quick else (4 << 20), config.max_bytes)
-        est, sync_s, connect_s = links.probe_links(group, message)
         share = budget * (0.35 if config.quick else 0.2)
+        est, sync_s, connect_s, slowest = links.probe_links(group, message, budget_s=share)
         plan = links.plan_links(
             world=group.world,
             budget_s=share,
@@ -163,14 +163,22 @@ def _run(group: Group, config: PreflightConfig, t_start: float) -> PreflightRepo
             sync_s=sync_s,
             connect_s=connect_s,
             quick=config.quick,
+            slowest_bytes_per_s=slowest,
         )
         cut += plan.cuts
         matrix, ran = links.run_links(group, plan, budget_s=share)
         # a link is named only if it is slow again when measured alone (a burst of load on a
         # busy machine can halve one pair's samples; a slow link stays slow)
         suspects = suspect_links(matrix, config.factor) if matrix is not None else None
+        # what is left of the share (a slow link: one sample of each suspect at least)
+        (spent,) = group.agree_max([time.perf_counter() - t0])
         matrix, again = links.confirm_links(
-            group, matrix, suspects, message_bytes=plan.message_bytes, sends=ran["sends_per_sample"]
+            group,
+            matrix,
+            suspects,
+            message_bytes=ran["message_bytes"],
+            sends=ran["sends_per_sample"],
+            budget_s=max(share - spent, 0.0),
         )
         ran = {**ran, **again}
         if ran["repeats"] < plan.repeats:
@@ -179,8 +187,12 @@ def _run(group: Group, config: PreflightConfig, t_start: float) -> PreflightRepo
                 f"(budget)"
             )
         concurrent = group.world > links.SEQUENTIAL_UP_TO
+        if ran["message_bytes"] < plan.message_bytes:
+            cut.append(
+                f"pairwise links: {human_bytes(ran['message_bytes'])} messages instead of "
+                f"{human_bytes(plan.message_bytes)} after the first round (a slow pair; budget)"
+            )
         link_plan = {
-            "message_bytes": plan.message_bytes,
             **ran,
             "schedule": "disjoint pairs at once" if concurrent else "one pair at a time",
             "peers_per_rank": plan.partners or group.world - 1,  # the fewest any rank met

@@ -97,6 +97,33 @@ def test_preflight_names_a_slow_link(tmp_path):
     assert report["links"]["measured_again"] >= 1  # named only after it was slow again, alone
 
 
+def test_a_very_slow_link_is_named_within_the_budget(tmp_path):
+    # 1 MiB/s: a 4 MiB probe took 4 s a pair and the five samples measured again 20 s more
+    # (used_s 41 s of a 3 s budget); now the messages shrink to what the budget holds
+    plan, events = _plan(
+        tmp_path,
+        {
+            "id": "crawl-0-1",
+            "kind": "delay_link",
+            "rank": 0,
+            "peer": 1,
+            "bytes_per_s": 1 << 20,
+            "when": "init",
+        },
+    )
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "resilient.cli", "preflight", "--nproc", "2", "--budget-s", "3"]
+    cmd += ["--chaos", plan, "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    text = done.stdout + done.stderr
+    assert _fired(events) == [("crawl-0-1", 0)]
+    assert done.returncode == 1, text
+    report = json.loads(out.read_text())
+    assert report["used_s"] < 5 * 3, report["timings_s"]  # a generous bound: the bug took 13x
+    assert ("link", 0, 1) in {(o["kind"], o["src"], o["dst"]) for o in report["outliers"]}
+    assert any(f.startswith("link 0->1: ") for f in report["failures"]), report["failures"]
+
+
 def test_preflight_names_nothing_when_nothing_is_injected(tmp_path):
     # judged at 0.2: under a full test run (four workers on two cores) a healthy link measured
     # 0.24x of the median, alone, twice; the faults above are 12x and 20x
