@@ -450,10 +450,43 @@ def test_the_storage_check_compares_every_block_read_back_not_the_first_only(tmp
         return n
 
     store.read_into = zeroed_tail
-    with pytest.raises(StorageError, match=r"first difference in the block at byte 3145728"):
+    # (the first 4 bytes of a block stamp the rank, 0 here: zeros too)
+    with pytest.raises(StorageError, match=r"at byte 3145732, in the block at byte 3145728\)"):
         pstorage.storage_sample(store, scratch, 0, 4 << 20)
     store.read_into = read_into
     assert pstorage.storage_sample(store, scratch, 0, 4 << 20)["bytes"] == 4 << 20
+    pstorage.remove_scratch(store, scratch)
+
+
+def test_the_storage_check_catches_repeated_parts_and_ignored_offsets(tmp_path):
+    """Every block written was the same random block and the only ranged read was 1 byte at
+    offset 0: a store that writes its first part again and again, or whose ranged reads ignore
+    the offset, passed."""
+    store = pstorage.open_storage(str(tmp_path / "ckpt"), None)
+    scratch = pstorage.scratch_name()
+    pstorage.make_scratch(store, scratch)
+    write_file, read_range = store.write_file, store.read_range
+
+    def first_part_only(rel, parts, **kwargs):
+        parts = list(parts)
+        return write_file(rel, [parts[0]] * len(parts), **kwargs)
+
+    store.write_file = first_part_only
+    with pytest.raises(StorageError, match=r"at byte 1048580, in the block at byte 1048576\)"):
+        pstorage.storage_sample(store, scratch, 3, 4 << 20)  # (bytes 4-7: the block's index)
+    store.write_file = write_file
+
+    def offset_ignored(rel, start, end):
+        return read_range(rel, 0, end - start)
+
+    store.read_range = offset_ignored
+    with pytest.raises(StorageError, match=r"read back 4194304 bytes that differ") as e:
+        pstorage.storage_sample(store, scratch, 3, 4 << 20)
+    at = int(str(e.value).split("first difference at byte ")[1].split(",")[0])
+    assert 3 << 20 < at < 4 << 20  # inside the last block, where the ranged read was
+    assert "do not checkpoint there" in str(e.value)
+    store.read_range = read_range
+    assert pstorage.storage_sample(store, scratch, 3, 4 << 20)["bytes"] == 4 << 20
     pstorage.remove_scratch(store, scratch)
 
 

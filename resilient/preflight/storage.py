@@ -1,8 +1,10 @@
 """The checkpoint URL: write and read throughput and time to first byte, in a scratch directory.
 
-Every rank writes its own file (``rank_NNNNN.bin``, random bytes, flushed and synced as a
-checkpoint's are) into ``<url>/.resilient-preflight-<random>/``, reads it back whole, and times
-a one-byte ranged read (time to first byte: a GET's latency on an object store).  Nothing outside
+Every rank writes its own file (``rank_NNNNN.bin``, random bytes, each 4 KiB stamped with the rank,
+block and offset so that no part repeats another; flushed and synced as a checkpoint's are) into
+``<url>/.resilient-preflight-<random>/``, reads it back whole and in a range inside the last block
+(compared byte for byte), and times a one-byte ranged read (time to first byte: a GET's latency on
+an object store).  Nothing outside
 that scratch directory is touched, and it is removed afterwards, whatever happened.  On a local
 disk the file's pages are dropped from the page cache before the read (``posix_fadvise``), so the
 read comes from the disk rather than from memory.  The figures go through the same fsspec seam the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import struct
 import time
 from typing import Any
 
@@ -58,11 +61,14 @@ def storage_sample(storage: Storage, scratch: str, rank: int, nbytes: int) -> di
     """Write, read back and first-byte-time ``nbytes`` in this rank's scratch file; raises
     ``StorageError`` (naming the URL and the operation) when the storage cannot do it."""
     rel = f"{scratch}/rank_{rank:05d}.bin"
-    data = os.urandom(min(nbytes, 1 << 20))
-    parts = [data] * max(nbytes // len(data), 1)
-    written = sum(len(p) for p in parts)
+    # every block (and every 4 KiB of it) different: a store that writes one part again and
+    # again, or reads every offset as the first, returned the same bytes when the blocks were
+    # one random block repeated (made before the clock starts: generating is no write time)
+    blocks = _blocks(rank, min(nbytes, 1 << 20), max(nbytes // (1 << 20), 1))
+    block = len(blocks[0])
+    written = block * len(blocks)
     t0 = time.perf_counter()
-    storage.write_file(rel, parts, fsync=True)
+    storage.write_file(rel, blocks, fsync=True)
     write_s = time.perf_counter() - t0
     dropped = _drop_cache(storage, rel)
     t0 = time.perf_counter()
@@ -73,12 +79,28 @@ def storage_sample(storage: Storage, scratch: str, rank: int, nbytes: int) -> di
     got = storage.read_into(rel, 0, memoryview(buf))
     read_s = time.perf_counter() - t0
     view = memoryview(buf)
+    # a ranged read inside the last block, not at 0: a store that ignores the offset of a
+    # ranged read (an object store's Range header) returns the file's start there
+    inner = block // 2 + 3 if block > 16 else 0
+    at = written - block + inner
+    ranged = storage.read_range(rel, at, at + min(8192, block - inner))
     # every block, not the first only: a store that loses or zeroes a tail passes that
     bad = next(
-        (at for at in range(0, written, len(data)) if view[at : at + len(data)] != data), None
+        (
+            i * block + _first_difference(view[i * block : (i + 1) * block], b)
+            for i, b in enumerate(blocks)
+            if view[i * block : (i + 1) * block] != b
+        ),
+        None,
     )
-    if got != written or first != data[:1] or bad is not None:
-        where = f" (first difference in the block at byte {bad})" if bad is not None else ""
+    if bad is None and first != blocks[0][:1]:
+        bad = 0
+    if bad is None and (not ranged or ranged != blocks[-1][inner : inner + len(ranged)]):
+        bad = at + _first_difference(ranged, blocks[-1][inner:])
+    if got != written or bad is not None:
+        where = ""
+        if bad is not None:
+            where = f" (first difference at byte {bad}, in the block at byte {bad - bad % block})"
         raise StorageError(
             f"checkpoint URL {storage.display(rel)}: read back {got} bytes that differ from the "
             f"{written} written{where}; the storage returns wrong data: do not checkpoint there",
@@ -93,6 +115,32 @@ def storage_sample(storage: Storage, scratch: str, rank: int, nbytes: int) -> di
         "first_byte_s": first_byte_s,
         "page_cache_dropped": dropped,
     }
+
+
+_STAMP_EVERY = 4096
+
+
+def _blocks(rank: int, size: int, count: int) -> list[bytes]:
+    """``count`` blocks of ``size`` bytes: one random block, each copy stamped every 4 KiB with
+    (rank, block index, offset), so no 4 KiB of the file repeats another."""
+    base = os.urandom(size)
+    out = []
+    for i in range(count):
+        b = bytearray(base)
+        for at in range(0, size - 15, _STAMP_EVERY):
+            b[at : at + 16] = struct.pack("<IIQ", rank, i, at)
+        out.append(bytes(b))
+    return out
+
+
+def _first_difference(got: bytes | memoryview, want: bytes) -> int:
+    """The first offset where ``got`` differs from ``want`` (or where it ends early)."""
+    n = min(len(got), len(want))
+    step = _STAMP_EVERY
+    for start in range(0, n, step):
+        if got[start : start + step] != want[start : start + step]:
+            return next(j for j in range(start, min(start + step, n)) if got[j] != want[j])
+    return n
 
 
 def remove_scratch(storage: Storage, scratch: str, *, created_root: bool = False) -> None:
