@@ -125,6 +125,23 @@ def report(
     raise typer.Exit(0 if result["passed"] else 1)
 
 
+def _check_plot_format(path: str) -> None:
+    """A ValueError when matplotlib (if installed: without it, preflight_main says what to
+    install) cannot write ``path``'s extension."""
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in supported:
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write .{ext} files; expected one of "
+            f"{', '.join('.' + e for e in sorted(supported))}: give a file name ending in one "
+            f"of them (.png, say)"
+        )
+
+
 @app.command()
 def preflight(
     nproc: int = typer.Option(
@@ -191,6 +208,18 @@ def preflight(
                     f"{flag} {path}: its directory {parent} does not exist or is not writable; "
                     f"create it, or give another path"
                 )
+            if path and os.path.isdir(path):
+                raise ValueError(
+                    f"{flag} {path}: is a directory; expected the path of a file to write: give "
+                    f"a file name (in that directory, say)"
+                )
+        if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
+            raise ValueError(
+                f"--json {json_path} and --plot {plot_path}: the same file (the plot would "
+                f"overwrite the report); give two paths"
+            )
+        if plot_path:
+            _check_plot_format(plot_path)
     except ValueError as e:  # a JSONDecodeError is one too
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

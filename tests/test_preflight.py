@@ -375,6 +375,35 @@ def test_bad_usage_exits_2_naming_the_flag(args, message):
     assert out.exit_code == 2 and message in out.output, out.output
 
 
+def test_bad_report_paths_exit_2_before_measuring(tmp_path, monkeypatch):
+    """A --json naming a directory, a --plot format matplotlib cannot write (both failed with a
+    traceback after the measurements), and --json equal to --plot (the plot overwrote the
+    report): refused before any measurement."""
+    pytest.importorskip("matplotlib")
+    from resilient import cli
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before refusing the paths")
+
+    monkeypatch.setattr("resilient.preflight.preflight_main", measured)
+    (tmp_path / "adir").mkdir()
+    same = str(tmp_path / "same.png")
+    cases = [
+        (["--json", str(tmp_path / "adir")], f"--json {tmp_path / 'adir'}: is a directory"),
+        (["--plot", str(tmp_path / "adir")], f"--plot {tmp_path / 'adir'}: is a directory"),
+        (["--plot", str(tmp_path / "p.x")], "matplotlib cannot write .x files; expected one of"),
+        (["--json", same, "--plot", same], "the same file (the plot would overwrite the report)"),
+        (
+            ["--json", same, "--plot", str(tmp_path / "adir" / ".." / "same.png")],
+            "the same file",
+        ),
+    ]
+    for args, message in cases:
+        out = CliRunner().invoke(cli.app, ["preflight", *args])
+        assert out.exit_code == 2 and message in out.output, (args, out.output)
+        assert "Traceback" not in out.output
+
+
 def test_the_command_lists_its_flags():
     from resilient.cli import app
 
