@@ -167,7 +167,10 @@ def preflight(
         None, "--plot", help="Draw bus bandwidth per collective and the link heatmap (PNG)."
     ),
     factor: float = typer.Option(
-        0.7, "--factor", help="Name a rank or link below this fraction of the median."
+        None,
+        "--factor",
+        help="Name a rank or link below this fraction of the median (default 0.7; with --quick "
+        "0.5, as Run(preflight=True)).",
     ),
     quick: bool = typer.Option(
         False, "--quick", help="Only the few-second subset Run(preflight=True) runs."
@@ -196,7 +199,7 @@ def preflight(
             raise ValueError(f"--nproc {nproc}: must be >= 1")
         config = (PreflightConfig.quick_check if quick else PreflightConfig)(
             **({} if budget_s is None else {"budget_s": budget_s}),
-            factor=factor,
+            **({} if factor is None else {"factor": factor}),
             checkpoint_url=checkpoint_url,
             storage_options=options,
         )
@@ -233,7 +236,7 @@ def preflight(
             typer.echo(f"error: --chaos {chaos}: not a readable chaos plan ({e})", err=True)
             raise typer.Exit(2) from None
     # what the ranks --nproc starts need (the report comes back here for --json and --plot)
-    argv = ["--budget-s", repr(config.budget_s), "--factor", repr(factor)]
+    argv = ["--budget-s", repr(config.budget_s), "--factor", repr(config.factor)]
     argv += ["--checkpoint-url", checkpoint_url] if checkpoint_url else []
     argv += ["--storage-options", storage_options] if storage_options else []
     argv += ["--quick"] if quick else []

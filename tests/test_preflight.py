@@ -375,6 +375,35 @@ def test_bad_usage_exits_2_naming_the_flag(args, message):
     assert out.exit_code == 2 and message in out.output, out.output
 
 
+@pytest.mark.parametrize(
+    "args,factor",
+    [
+        ([], 0.7),
+        (["--quick"], 0.5),
+        (["--quick", "--factor", "0.7"], 0.7),
+        (["--factor", "0.3"], 0.3),
+    ],
+)
+def test_the_quick_subset_judges_at_run_preflights_factor(monkeypatch, args, factor):
+    """--quick passed the command's 0.7 into quick_check, over its 0.5: stricter than the
+    Run(preflight=True) subset it says it runs.  Its own factor unless --factor is given."""
+    from resilient import cli
+
+    seen = {}
+
+    def main(config, **kwargs):
+        seen["config"], seen["argv"] = config, kwargs["argv"]
+        return 0
+
+    monkeypatch.setattr("resilient.preflight.preflight_main", main)
+    out = CliRunner().invoke(cli.app, ["preflight", *args])
+    assert out.exit_code == 0, out.output
+    assert seen["config"].factor == factor
+    assert seen["argv"][seen["argv"].index("--factor") + 1] == repr(factor)  # the ranks' too
+    if args == ["--quick"]:
+        assert seen["config"].factor == PreflightConfig.quick_check().factor
+
+
 def test_bad_report_paths_exit_2_before_measuring(tmp_path, monkeypatch):
     """A --json naming a directory, a --plot format matplotlib cannot write (both failed with a
     traceback after the measurements), and --json equal to --plot (the plot overwrote the
