@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import pickle
-import time
 import warnings
 
 import pytest
