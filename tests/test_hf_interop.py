@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import warnings
 
@@ -447,7 +448,9 @@ def test_import_reads_only_regular_files_and_follows_no_link(tmp_path, name, kin
         # a writer that opens and closes the FIFO at once, for 20 s at most: a reader blocked in
         # open() (safetensors' open holds the GIL: nothing in this process could free it) gets
         # EOF, so without the fix this test fails instead of hanging
-        writer = subprocess.Popen(["timeout", "20", "sh", "-c", 'exec 3>"$0"', str(path)])
+        writer = subprocess.Popen(
+            ["timeout", "20", "sh", "-c", 'exec 3>"$0"', str(path)], start_new_session=True
+        )
     else:
         path.rename(tmp_path / "elsewhere")
         path.symlink_to(tmp_path / "elsewhere")
@@ -456,8 +459,8 @@ def test_import_reads_only_regular_files_and_follows_no_link(tmp_path, name, kin
         with pytest.raises(HfFormatError, match=re.escape(str(path)) + ".* " + what):
             import_hf(str(tmp_path / "m"), str(tmp_path / "o"), sizes={})
     finally:
-        if writer is not None:
-            writer.kill()
+        if writer is not None:  # (its group: killing timeout alone left sh blocked in open)
+            os.killpg(writer.pid, signal.SIGKILL)
             writer.wait()
     assert not os.path.exists(tmp_path / "o")
 
