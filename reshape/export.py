@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 
 from reshape.execute import DestinationExistsError, allocate, resolve_step
-from resilient.checkpoint.codec import safetensors_header
+from resilient.checkpoint.codec import SAFETENSORS_METADATA, safetensors_header
 from resilient.checkpoint.format import DTYPES, Manifest, dtype_info, parse_step_dir
 from resilient.checkpoint.reader import (
     check_file_sizes,
@@ -48,9 +48,6 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
-# the key of a safetensors header that holds the file's metadata, not a tensor: a tensor of that
-# name is overwritten by the metadata, and the file does not open
-RESERVED_NAME = "__metadata__"
 T = TypeVar("T")
 
 
@@ -175,10 +172,10 @@ def check_name_map(
     seen: dict[str, str] = {}
     for k in keys:
         out = name_map.get(k, k)
-        if out == RESERVED_NAME:
+        if out == SAFETENSORS_METADATA:
             given = f"--name-map gives {k!r} the name" if k in name_map else f"tensor {k!r} has"
             raise ExportOptionError(
-                f"{given} {RESERVED_NAME!r}, the key safetensors reserves for a file's metadata "
+                f"{given} {SAFETENSORS_METADATA!r}, the key safetensors reserves for a file's metadata "
                 f"(the file written would not open); map it to another name"
             )
         if out in seen:

@@ -115,6 +115,11 @@ def decompress(data: bytes, raw_bytes: int, itemsize: int, bytegroup: bool) -> b
     return out
 
 
+# A safetensors header's key for the file's string metadata: never a tensor's name (a tensor of
+# that name would replace the metadata, and no reader would open the file).
+SAFETENSORS_METADATA = "__metadata__"
+
+
 def safetensors_header(
     entries: Sequence[tuple[str, str, Sequence[int], int, int]], metadata: dict[str, str]
 ) -> bytes:
@@ -124,9 +129,9 @@ def safetensors_header(
     section.  The header is padded with spaces to a multiple of 8 bytes so that the data section
     stays aligned.
     """
-    header: dict[str, object] = {"__metadata__": metadata}
+    header: dict[str, object] = {SAFETENSORS_METADATA: metadata}
     for name, code, shape, begin, end in entries:
-        if name == "__metadata__":  # (it would replace the metadata: no reader opens the file)
+        if name == SAFETENSORS_METADATA:
             raise ValueError(
                 "a tensor named '__metadata__' cannot be stored in a safetensors file: the name is "
                 "the header's metadata key; rename it"

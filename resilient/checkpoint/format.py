@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from resilient.checkpoint.codec import SAFETENSORS_METADATA
 from resilient.errors import CheckpointCorruptError, LayoutError
 from resilient.layout import (
     Layout,
@@ -62,8 +63,6 @@ __all__ = [
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1 manifests are upgraded on read (upgrade_v1)
 MANIFEST_NAME = "MANIFEST.json"
-# A safetensors header's key for its string metadata: never a tensor's name.
-SAFETENSORS_METADATA = "__metadata__"
 DEFAULT_BLOCK_BYTES = 4 << 20
 CODECS = ("none", "zstd", "zstd+bytegroup")
 # The caps a reader holds a checkpoint to (docs/FORMAT.md section 5): none of them limits a real

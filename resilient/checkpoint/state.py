@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from resilient.checkpoint.codec import SAFETENSORS_METADATA
 from resilient.errors import LayoutError, StateMismatchError
 from resilient.layout import (
     AxisPlacement,
@@ -397,7 +398,7 @@ class _Walker:
     def tensor(self, key: str, t: torch.Tensor, inherit: torch.Tensor | None) -> None:
         if key in self.flat.tensors:
             raise ValueError(f"state key {key!r} appears twice; give each tensor a unique name")
-        if key == "__metadata__":
+        if key == SAFETENSORS_METADATA:
             raise ValueError(
                 "state key '__metadata__' is a safetensors header's own key, so no rank file "
                 "could hold a tensor of that name; rename it"
