@@ -1986,7 +1986,7 @@ class Checkpointer:
             # holds files of the same names that are not this version's: they count as absent,
             # and the ones its ranks need come from a node that has them.  (A manifest that does
             # not parse says no version: its node's files count, and the read checks them.)
-            moved = self._replicas.fetch(
+            moved, cleared = self._replicas.fetch(
                 self.storage, step_rel, sizes, need, stale=_other_version(mine, manifest, rel)
             )
         except CheckpointNotFoundError:
@@ -2001,7 +2001,7 @@ class Checkpointer:
             raise error
         # this node now holds rank 0's version of the step (the read checks it); where another
         # version's files could not all be removed, it keeps saying "another version" instead
-        if mine != data and self._replicas.cleared_other_version:
+        if mine != data and cleared:
             self.storage.makedirs(step_rel)
             self.storage.publish(rel, data)
         return moved

@@ -120,8 +120,6 @@ class Replicas:
         self, nodes: NodeMap, rank: int, timeout_s: float, spare_dir: str | None = None
     ) -> None:
         self.nodes, self.rank = nodes, rank
-        # (fetch) whether this node's files of another version of the step are gone
-        self.cleared_other_version = True
         # the replica held now, and the file the next one is received into (both mapped)
         self.spare_path = (
             os.path.join(spare_dir, f"replica_{rank:05d}.safetensors") if spare_dir else None
@@ -418,13 +416,14 @@ class Replicas:
         need: set[str] | None,
         *,
         stale: bool = False,
-    ) -> int:
+    ) -> tuple[int, bool]:
         """Make every file this rank ``need``\\ s present in its node's ``step_rel`` (files: name ->
         size, the manifest's, sorted the same on every rank); ``need`` None: this rank failed
         before it knew (it still takes part, so nobody waits for it).  ``stale``: this node's
         files of the step are another version's (its manifest is not the one restored), so it
         holds none of them.  Returns how many files moved between nodes (the same on every
-        rank).
+        rank), and whether this node holds no file of another version of the step any more (a
+        stale node's files that were not fetched are removed: ``_drop_other_version``).
         Raises CheckpointNotFoundError on every rank when a needed file is on no node, or when a
         rank failed."""
         group, _ = self._groups()
@@ -495,13 +494,13 @@ class Replicas:
                 step_rel,
                 len(transfers),
             )
-        self.cleared_other_version = not stale or self._drop_other_version(
+        cleared = not stale or self._drop_other_version(
             storage,
             step_rel,
             names,
             {names[i] for i, _, r in transfers if node_of[r] == node_of[self.rank]},
         )
-        return len(transfers)
+        return len(transfers), cleared
 
     @staticmethod
     def _drop_other_version(
