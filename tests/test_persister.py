@@ -756,3 +756,37 @@ def test_a_persister_waiting_for_a_stopped_predecessors_lock_leaves_once_its_tra
     finally:
         os.close(held)
     assert code == 0 and b"the lock was not free" in log, log.decode()[-2000:]
+
+
+def test_the_persisters_pipes_are_closed_when_it_is_replaced_and_when_it_closes(tmp_path):
+    """The client's ends of a persister's pipes are closed, not left to the garbage collector
+    (a ResourceWarning per persister, on every run with warnings shown)."""
+    script = textwrap.dedent(
+        """
+        import gc, os, signal, sys, time
+        import torch
+        from resilient import Checkpointer
+        m = torch.nn.Linear(4, 4)
+        with Checkpointer(sys.argv[1], memory_every=1) as ck:
+            ck.save(1, {"model": m}).wait()
+            first = ck.persister_pid
+            os.kill(first, signal.SIGKILL)
+            while ck._persister._gone is None:  # its reader saw it go
+                time.sleep(0.05)
+            ck.snapshot(2, {"model": m}).wait()
+            ck.save(2, {"model": m}).wait()  # a second persister
+            assert ck.persister_pid != first
+        for _ in range(100):  # the second one's reader, after its exit
+            gc.collect()
+            time.sleep(0.02)
+        print("done")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", script, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]
+    assert "ResourceWarning" not in out.stderr, out.stderr[-3000:]

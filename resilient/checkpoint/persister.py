@@ -184,6 +184,7 @@ class PersisterClient:
                     self._proc.kill()  # dying or stuck: make sure it is gone before another starts
                 except OSError:
                     pass
+                _close_quietly(self._proc.stdin)  # its reader closes its stdout
             if self._proc is not None:
                 log.warning(
                     "the persister of %s (pid %d) is gone (%s); starting another",
@@ -242,6 +243,7 @@ class PersisterClient:
             with self._cond:
                 self._replies[rid] = reply
                 self._cond.notify_all()
+        _close_quietly(proc.stdout)
         code = proc.wait()
         with self._cond:
             if self._proc is proc:
@@ -321,9 +323,9 @@ class PersisterClient:
                 **({"lease_returned": lease_returned} if lease_returned else {}),
             }
             proc.stdin.write(json.dumps(goodbye).encode() + b"\n")
-            proc.stdin.close()
         except (BrokenPipeError, OSError):
             pass
+        _close_quietly(proc.stdin)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -753,6 +755,15 @@ def _promoted(
         job_id=job_id,
         created_unix_s=time.time(),
     )
+
+
+def _close_quietly(f: Any) -> None:
+    """Close one end of a pipe to a persister that may already be gone."""
+    if f is not None:
+        try:
+            f.close()
+        except OSError:
+            pass
 
 
 class _Gone(ResilientError):
