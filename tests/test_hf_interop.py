@@ -20,6 +20,7 @@ import transformers
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import reshape.formats.hf as hf_format
 from reference_trainer.config import PRESETS, ConfigError, TrainConfig, preset
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.parallel import PLACEMENTS, ParallelContext
@@ -463,6 +464,37 @@ def test_import_reads_only_regular_files_and_follows_no_link(tmp_path, name, kin
             os.killpg(writer.pid, signal.SIGKILL)
             writer.wait()
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_import_reads_the_weight_file_it_checked_not_one_swapped_in_after(tmp_path, monkeypatch):
+    """safe_open takes a path: a shard swapped for a link (here to a file that is not weights)
+    between the import's check and safe_open's own open was read through the link."""
+    torch.manual_seed(0)
+    _save(transformers.MixtralForCausalLM(_tiny_hf_config("mixtral")), tmp_path / "m")
+    want = import_hf(str(tmp_path / "m"), str(tmp_path / "first"), sizes={})
+    (tmp_path / "outside").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      " + b"not weights")
+    real = hf_format.open_source_file
+    swapped: list[str] = []
+
+    def check_then_swap(path, what, error):
+        f = real(path, what, error)
+        if path.endswith(".safetensors"):  # the checked file moves away, a link takes its name
+            os.rename(path, str(tmp_path / "moved"))
+            os.symlink(tmp_path / "outside", path)
+            swapped.append(path)
+        return f
+
+    monkeypatch.setattr(hf_format, "open_source_file", check_then_swap)
+    got = import_hf(str(tmp_path / "m"), str(tmp_path / "second"), sizes={})
+    assert swapped and got["model"] == want["model"]
+
+    def tensors(out: str) -> dict[str, torch.Tensor]:
+        files = sorted((tmp_path / out).rglob("*.safetensors"))
+        assert files
+        return {f"{f.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+    ta, tb = tensors("first"), tensors("second")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def test_a_checkpoint_without_its_model_config_names_the_option(tmp_path):

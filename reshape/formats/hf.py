@@ -622,7 +622,7 @@ class _Weights:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self._open: tuple[str, Any] | None = None
+        self._open: tuple[str, Any, Any] | None = None  # the shard's name, handle, open file
         index = os.path.join(root, INDEX_NAME)
         if os.path.lexists(index):
             data = _read_json(index, _MAX_INDEX_BYTES, "weight index")
@@ -653,18 +653,29 @@ class _Weights:
 
         if self._open is None or self._open[0] != file:
             path = _hub_blob(os.path.join(self.root, file))
-            # safe_open takes a path and follows links: check the shard is a plain file first
+            # safe_open takes a path and follows links: the shard is opened here as a plain file
+            # (no link, no FIFO), and safe_open is given that open file's /proc/self/fd entry, so
+            # a swap of the path after the check is not what it reads
             try:
-                open_source_file(path, "weight file", HfFormatError).close()
+                held = open_source_file(path, "weight file", HfFormatError)
             except FileNotFoundError:
                 raise HfFormatError(
                     f"{path}: missing (the weights name it); copy the whole directory again"
                 ) from None
+            by_fd = f"/proc/self/fd/{held.fileno()}"
             try:
-                self._open = (file, safe_open(path, framework="pt"))
+                handle = safe_open(by_fd if os.path.exists(by_fd) else path, framework="pt")
             except (SafetensorError, OSError) as e:
+                held.close()
                 raise HfFormatError(f"cannot open {path}: {e}") from e
+            self.close()
+            self._open = (file, handle, held)
         return self._open[1]
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open[2].close()
+            self._open = None
 
     def names(self) -> set[str]:
         return set(self.where)
@@ -818,6 +829,7 @@ def import_hf(
         tensors["model.lm_head.weight"] = tensors["model.embed.weight"].clone()
     else:
         raise HfFormatError(f"{src} has no lm_head.weight and tie_word_embeddings is not set")
+    w.close()
     unused = sorted(w.names() - used - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
     if unused:
