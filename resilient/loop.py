@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ from resilient.errors import (
 )
 from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
 from resilient.health.attach import attempt_key, detect_by_default, start_monitor, take_over
-from resilient.health.detector import check_seconds
+from resilient.health.detector import DEFAULT_PHASE_BUDGETS_S, check_seconds
 from resilient.health.events import default_event_log
 from resilient.hooks import call as call_hooks
 from resilient.launch import init_process_group, injob_enabled, regroup
@@ -785,8 +785,7 @@ class Run:
 def _adopt(monitor: Monitor, config: DetectorConfig, events: EventLog) -> None:
     """Run's settings win over the ones the early monitor started with; its events go to the run's
     log when the run has one."""
-    for name in config.__dataclass_fields__:
-        setattr(monitor.config, name, getattr(config, name))
+    monitor.reconfigure(config)
     if events.path:
         monitor.events = events
 
@@ -839,6 +838,19 @@ def check_run_options(
     check_seconds("heartbeat_interval_s", heartbeat_interval_s)
     check_seconds("hang_timeout_s", hang_timeout_s, none_ok=True)
     check_seconds("join_timeout_s", join_timeout_s)
+    if phase_budgets_s is not None:
+        if not isinstance(phase_budgets_s, Mapping):
+            raise ValueError(
+                f"phase_budgets_s must map phase names to seconds, got {phase_budgets_s!r}"
+            )
+        # the phases the loop announces (a misspelt one would be a budget nothing ever uses)
+        known = (*DEFAULT_PHASE_BUDGETS_S, "first_step", "train")
+        unknown = sorted(str(k) for k in phase_budgets_s if k not in known)
+        if unknown:
+            raise ValueError(
+                f"phase_budgets_s names phases the loop does not go through: {unknown}; its "
+                f"phases are {list(known)}"
+            )
     return DetectorConfig(
         interval_s=heartbeat_interval_s,
         hang_timeout_s=hang_timeout_s,

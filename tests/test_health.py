@@ -2,15 +2,18 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+import resilient.health.heartbeat as heartbeat_module
 from resilient.health import Detector, DetectorConfig, EventLog, Monitor, RankStatus, Verdict
 from resilient.health.clocks import PeerClock
 from resilient.health.detector import Finding
@@ -25,6 +28,7 @@ from resilient.health.heartbeat import (
     process_start,
     process_state,
 )
+from resilient.launch import free_port
 from tests.monitor_fakes import DictStore, fake_time, quiet_monitors
 
 
@@ -69,6 +73,138 @@ def test_start_up_phases_get_a_longer_liveness_timeout():
     assert [f.verdict for f in d.observe(rank1("train", 3.0), now)] == [Verdict.DEAD]
     with pytest.raises(ValueError, match="startup_dead_after_intervals"):
         DetectorConfig(dead_after_intervals=3, startup_dead_after_intervals=2)
+
+
+def test_a_rank_is_judged_on_the_interval_its_heartbeat_says_when_longer():
+    """Ranks take Run's heartbeat interval over the early monitor's one by one: a leader already
+    on 0.25 s judged a rank still beating every 1.5 s on 0.25 s, and declared it DEAD between
+    two of its beats."""
+    d = Detector(DetectorConfig(interval_s=0.25, dead_after_intervals=4))
+    now = 1000.0
+
+    def two(age: float, says: float | None) -> list[RankStatus]:
+        return [
+            RankStatus(0, now, 3, "train", now, "h", 100),
+            RankStatus(1, now - age, 3, "train", now, "h", 101, interval_s=says),
+        ]
+
+    assert d.observe(two(2.0, 1.5), now) == []  # within 4 of its 1.5 s beats
+    out = d.observe(two(6.5, 1.5), now)
+    assert [(f.verdict, f.rank, f.timeout_s) for f in out] == [(Verdict.DEAD, 1, 6.0)]
+    # a shorter interval than the leader's, or none said (an older version): the leader's own
+    assert [f.timeout_s for f in d.observe(two(1.5, 0.05), now)] == [1.0]
+    assert [f.timeout_s for f in d.observe(two(1.5, None), now)] == [1.0]
+
+
+def test_a_heartbeat_says_its_interval_and_one_without_it_still_parses():
+    m = Monitor.__new__(Monitor)  # only the parser, which needs no store
+    m._intervals, m._malformed = {}, set()
+    m.events, m.rank = EventLog(None), 0
+    assert m._parse_alive(1, encode_alive(5.0, 7.0, 1.5).encode()) == (5.0, b"7.0")
+    assert m._intervals[1] == 1.5
+    assert m._parse_alive(2, encode_alive(5.0, 7.0).encode()) == (5.0, b"7.0")
+    assert m._intervals[2] is None
+    for bad in (b"5.0|7.0|nan", b"5.0|7.0|-1.0", b"5.0|7.0|x"):
+        assert m._parse_alive(3, bad) == (5.0, b"7.0") and m._intervals[3] is None
+
+
+def test_a_reconfigured_monitor_beats_on_the_new_interval_at_once(tmp_path):
+    """Run adopts the monitor resilient.launch.init_process_group started: its interval used to
+    be read once, when the heartbeat thread started, so the rank went on beating on the old
+    one while the leader judged it on the new one."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 2, False)
+    m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=30.0), kill_local=False)
+    try:
+        key = "run/0/alive/0"
+        assert _wait(lambda: server.check([key]), 30.0)
+        first = server.get(key)
+        m.reconfigure(DetectorConfig(interval_s=0.1))
+        seen = {first}
+        # (30 s beats: without the change, no second value would come within the bound)
+        assert _wait(lambda: seen.add(server.get(key)) or len(seen) >= 4, 20.0)
+        assert all(v.endswith(b"|0.1") for v in seen - {first})
+    finally:
+        m.close()
+
+
+ADOPTION = """
+import os, sys, time
+rank, port, log, delay = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                  TORCHELASTIC_RUN_ID="adopt", TORCHELASTIC_USE_AGENT_STORE="True",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port, GROUP_RANK="0")
+import torch
+import resilient.launch as launch
+from resilient import Run
+from resilient.health import DetectorConfig
+launch.init_process_group("gloo", detector=DetectorConfig(interval_s=6.0))
+time.sleep(delay)  # rank 1 takes Run's interval late: until then it beats every 6 s
+with Run(None, heartbeat_interval_s=0.5, event_log=log) as run:
+    run.track(x=torch.zeros(1))
+    for step in run.steps(60):
+        time.sleep(0.1)
+print("finished", flush=True)
+"""
+
+
+def test_run_adopting_the_early_monitor_brings_no_false_verdict(tmp_path):
+    """resilient.launch.init_process_group starts a monitor (6 s beats here) that Run adopts with
+    its own settings (0.5 s): a rank still before its Run beat every 6 s while the leader,
+    already in its own, judged it on 0.5 s intervals, and declared it DEAD.  (That the adopted
+    monitor beats on the new interval at once: test_a_reconfigured_monitor_beats_on_...)"""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    log = tmp_path / "events.jsonl"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ADOPTION, str(r), str(port), str(log), str(7.0 * r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    del server
+    verdicts = [e for e in EventLog(str(log)).read() if e["event"] in ("verdict", "exit")]
+    assert [p.returncode for p in procs] == [0, 0] and not verdicts, (outs, verdicts)
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    """Poll for an event (the bound only ends a broken test)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("startup_dead_after_intervals", float("nan")),
+        ("running_dead_after_intervals", float("nan")),
+        ("hang_factor", 0),
+        ("hang_floor_s", -1),
+        ("hang_floor_s", False),
+        ("first_step_budget_s", float("inf")),
+        ("straggler_factor", 1.0),
+        ("straggler_windows", 0),
+        ("window", True),
+        ("phase_budgets_s", {"eval": True}),
+        ("phase_budgets_s", {"eval": "5"}),
+        ("phase_budgets_s", {"eval": float("inf")}),
+        ("phase_budgets_s", {"": 5.0}),
+        ("phase_budgets_s", [("eval", 5.0)]),
+    ],
+)
+def test_detector_settings_that_are_not_numbers_of_their_kind_are_refused(field, value):
+    """NaN multipliers passed the "at least dead_after_intervals" comparison (a rank in start-up
+    would never be DEAD); a budget of True was 1 s, of "5" a bare TypeError."""
+    with pytest.raises(ValueError, match=re.escape(field)):
+        DetectorConfig(**{field: value})
 
 
 def test_a_silent_rank_whose_process_still_runs_gets_the_longer_running_timeout():
@@ -336,10 +472,10 @@ class Sim:
     moment does not fail a test that expects no verdict.  ``ranks``: the ranks that start (the
     others never register)."""
 
-    def __init__(self, tmp_path, world=4, ranks=None, **cfg):
+    def __init__(self, tmp_path, world=4, ranks=None, events_path=None, **cfg):
         self.server = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
         self.port = self.server.port
-        self.events = EventLog(str(tmp_path / "events.jsonl"))
+        self.events = EventLog(events_path or str(tmp_path / "events.jsonl"))
         self.failures: dict[int, list] = {r: [] for r in range(world)}
         cfg = {"interval_s": 0.2, "dead_after_intervals": 5, "hang_floor_s": 2.0, **cfg}
         self.config = DetectorConfig(**cfg)
@@ -396,6 +532,53 @@ def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
         assert all("most recent call first" in e["stacks"] for e in stacks)  # faulthandler's dump
     finally:
         sim.close()
+
+
+def test_a_verdict_is_answered_when_the_event_log_cannot_be_written(tmp_path, monkeypatch):
+    """A full disk: every write of the event log fails (here /dev/full: ENOSPC), and so does the
+    temporary file faulthandler's stack dump needs.  The leader wrote the verdict to the log
+    before killing, every rank its stacks before exiting: the error ended the response, the
+    verdict counted as answered, and nobody killed or exited (the job waited in a collective
+    for its timeout)."""
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_space)
+    sim = Sim(tmp_path, events_path="/dev/full")
+    try:
+        sim.monitors[2].close(announce=False)
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 3)))
+        assert all(sim.failures[r][0].rank == 2 for r in (0, 1, 3))
+        assert sim.events.failed > 0
+    finally:
+        sim.close()
+
+
+def test_a_verdict_is_answered_whatever_fails_in_the_response(tmp_path, monkeypatch):
+    """Anything that raises while a rank answers a verdict (here the stack dump) still ends in
+    the rank's exit, not in a verdict counted as answered that nothing acted on."""
+
+    def broken() -> str:
+        raise RuntimeError("no stacks today")
+
+    monkeypatch.setattr(heartbeat_module, "_stacks", broken)
+    sim = Sim(tmp_path)
+    try:
+        sim.monitors[2].close(announce=False)
+        assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1, 3)))
+        assert all(sim.failures[r][0].rank == 2 for r in (0, 1, 3))
+    finally:
+        sim.close()
+
+
+def test_stacks_are_dumped_without_a_temporary_file(monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_space)
+    text = heartbeat_module._stacks()
+    assert "No space left" in text and "test_stacks_are_dumped_without_a_temporary_file" in text
 
 
 def test_a_starved_heartbeat_of_a_running_process_gets_the_longer_timeout(tmp_path):

@@ -505,6 +505,24 @@ def test_bad_option_values_are_refused_naming_the_option(option, value):
         Run(None, detect=False, **{option: value})
 
 
+@pytest.mark.parametrize(
+    "budgets, says",
+    [
+        ({"evaluation": 5.0}, r"names phases the loop does not go through: \['evaluation'\]"),
+        ({"eval": True}, r"phase_budgets_s\['eval'\] must be positive seconds"),
+        ({"eval": "5"}, r"phase_budgets_s\['eval'\] must be positive seconds"),
+        ([("eval", 5.0)], r"phase_budgets_s must map phase names to seconds"),
+    ],
+)
+def test_phase_budgets_are_checked_like_every_other_timeout(budgets, says):
+    """A misspelt phase was a budget nothing used, True a budget of 1 s, "5" a bare TypeError."""
+    with pytest.raises(ValueError, match=says):
+        fault_tolerant("/tmp/x", phase_budgets_s=budgets)
+    with pytest.raises(ValueError, match=says):
+        Run(None, detect=False, phase_budgets_s=budgets)
+    Run(None, detect=False, phase_budgets_s={"eval": 5, "checkpoint": 30.0, "train": 60})
+
+
 @pytest.mark.parametrize("total", [10.0, "10", True, -1, None])
 def test_steps_refuses_a_total_that_is_not_a_step_number(total):
     run = Run(None, detect=False)

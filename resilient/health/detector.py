@@ -33,7 +33,7 @@ import math
 import numbers
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -88,6 +88,7 @@ class RankStatus:
     pid: int = 0
     busy_s: float | None = None  # compute time of its last step, without collective waits
     seq: int | None = None  # how many progress announcements it made: orders ranks before step 1
+    interval_s: float | None = None  # how often it says it beats (None: not said)
 
 
 @dataclass(frozen=True)
@@ -161,26 +162,56 @@ class DetectorConfig:
         check_seconds("dead_after_intervals", self.dead_after_intervals, unit="intervals")
         check_seconds("join_timeout_s", self.join_timeout_s)
         check_seconds("hang_timeout_s", self.hang_timeout_s, none_ok=True)
+        for name in (
+            "startup_dead_after_intervals",
+            "running_dead_after_intervals",
+            "hang_factor",
+            "straggler_factor",
+        ):
+            check_seconds(name, getattr(self, name), unit="multiples")
+        check_seconds("skew_report_s", self.skew_report_s)
+        for name in ("hang_floor_s", "first_step_budget_s"):  # (0: none of its own)
+            value = getattr(self, name)
+            if isinstance(value, bool) or value != 0:
+                check_seconds(name, value)
+        if self.straggler_factor <= 1:
+            raise ValueError(
+                f"straggler_factor must be > 1 (a rank this many times slower than the median is "
+                f"a straggler), got {self.straggler_factor!r}"
+            )
+        for name in ("straggler_windows", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("startup_dead_after_intervals", "running_dead_after_intervals"):
             if getattr(self, name) < self.dead_after_intervals:
                 raise ValueError(
                     f"{name} ({getattr(self, name)}) must be at least dead_after_intervals "
                     f"({self.dead_after_intervals})"
                 )
-        bad = {k: v for k, v in self.phase_budgets_s.items() if not v > 0}
-        if bad:
-            raise ValueError(f"phase budgets must be positive seconds, got {bad}")
+        if not isinstance(self.phase_budgets_s, Mapping):
+            raise ValueError(
+                f"phase_budgets_s must map phase names to seconds, got {self.phase_budgets_s!r}"
+            )
+        for phase, budget in self.phase_budgets_s.items():
+            if not isinstance(phase, str) or not phase:
+                raise ValueError(f"phase_budgets_s: a phase is named by a string, got {phase!r}")
+            check_seconds(f"phase_budgets_s[{phase!r}]", budget)
         self.phase_budgets_s = {**DEFAULT_PHASE_BUDGETS_S, **self.phase_budgets_s}
 
     @property
     def dead_timeout_s(self) -> float:
         return self.interval_s * self.dead_after_intervals
 
-    def dead_timeout_in(self, phase: str) -> float:
-        """The liveness timeout of a rank in ``phase``."""
+    def dead_timeout_in(self, phase: str, beats_every_s: float | None = None) -> float:
+        """The liveness timeout of a rank in ``phase`` that beats every ``beats_every_s`` (what its
+        heartbeat says; None: this setting's interval), on the longer of the two intervals."""
+        interval = self.interval_s
+        if beats_every_s is not None and beats_every_s > interval:
+            interval = beats_every_s
         if phase in STARTUP_LIVENESS_PHASES:
-            return self.interval_s * self.startup_dead_after_intervals
-        return self.dead_timeout_s
+            return interval * self.startup_dead_after_intervals
+        return interval * self.dead_after_intervals
 
 
 def check_seconds(name: str, value: Any, *, none_ok: bool = False, unit: str = "seconds") -> None:
@@ -325,7 +356,9 @@ class Detector:
                     )
                 continue
             since_alive = now - s.alive_t
-            timeout = c.dead_timeout_in(s.phase)
+            timeout = c.dead_timeout_in(s.phase, s.interval_s)
+            # (a rank that says it beats less often than this setting is judged on its interval)
+            beats = c.interval_s if s.interval_s is None else max(c.interval_s, s.interval_s)
             running = False
             # a look at least half an interval before the timeout, from a window an interval
             # long, so that one of the leader's scans (one per interval) falls into it
@@ -345,7 +378,7 @@ class Detector:
                     continue
                 if self._running is not None and self._running(s):
                     running = True
-                    timeout = max(timeout, c.interval_s * c.running_dead_after_intervals)
+                    timeout = max(timeout, beats * c.running_dead_after_intervals)
             deadline = min(deadline, s.alive_t + timeout)
             if since_alive > timeout:
                 why = (

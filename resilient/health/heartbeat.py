@@ -48,6 +48,7 @@ import atexit
 import dataclasses
 import faulthandler
 import json
+import logging
 import math
 import os
 import signal
@@ -77,6 +78,8 @@ from resilient.health.detector import (
 )
 from resilient.health.events import EventLog
 from resilient.health.ring import CollectiveRing, installed
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Monitor",
@@ -182,6 +185,7 @@ class Monitor:
         self._clocks: dict[int, PeerClock] = {}
         self._cache: dict[int, tuple[bytes, bytes, RankStatus, PeerClock]] = {}
         self._beats: dict[int, float] = {}  # rank -> the monotonic time of its last beat read
+        self._intervals: dict[int, float | None] = {}  # rank -> the interval its beats announce
         self._skew_reported: dict[int, float] = {}
         self._malformed: set[tuple[int | None, str]] = set()  # (rank, key) logged already
         self._key_leader = f"{self.prefix}/leader"
@@ -303,6 +307,16 @@ class Monitor:
                 timeout += self.attribution_wait_s()
             self._thread.join(timeout=timeout)
 
+    def reconfigure(self, config: DetectorConfig) -> None:
+        """Take ``config``'s settings over this monitor's (``Run`` adopting the monitor that
+        ``resilient.launch.init_process_group`` started): the heartbeat thread beats on the new
+        interval from now on, not from its next beat on the old one, and every beat says which
+        interval it keeps, so the leader never judges a rank that has not switched yet on the
+        shorter one."""
+        for name in config.__dataclass_fields__:
+            setattr(self.config, name, getattr(config, name))
+        self._wake.set()
+
     @property
     def closed(self) -> bool:
         return self._stop.is_set()
@@ -320,6 +334,9 @@ class Monitor:
         interval = self.config.interval_s
         next_beat = time.monotonic() + interval
         while True:
+            if self.config.interval_s != interval:  # reconfigured (Run adopting this monitor)
+                interval = self.config.interval_s
+                next_beat = min(next_beat, time.monotonic() + interval)
             wake = next_beat
             deadline = self.detector.next_deadline
             if deadline is not None and deadline + _PAST < wake:
@@ -424,7 +441,7 @@ class Monitor:
             waiter.join(timeout=2.0)
 
     def _beat(self) -> None:
-        alive = encode_alive(time.monotonic(), time.time())
+        alive = encode_alive(time.monotonic(), time.time(), self.config.interval_s)
         keys, values = [f"{self.prefix}/alive/{self.rank}"], [alive]
         ring = self._ring()
         if ring is not self._ring_sent or (ring is not None and ring.changed()):
@@ -476,10 +493,12 @@ class Monitor:
             # rank, then take its place and judge it
             gone = now - self.started_mono > c.join_timeout_s + (distance - 1) * c.dead_timeout_s
         else:
-            # a malformed value is no new heartbeat: the last one read still ages
+            # a malformed value is no new heartbeat: the last one read still ages; on the
+            # leader's own interval where it beats less often than this rank's
+            timeout = c.dead_timeout_in("train", self._intervals.get(leader))
             gone = (
                 self._phase(leader) in GONE_PHASES
-                or now - clock.local(last[1]) > distance * c.dead_timeout_s
+                or now - clock.local(last[1]) > distance * timeout
             )
         if gone:
             with self._lock:
@@ -571,7 +590,7 @@ class Monitor:
             and s.rank in self._info
             and s.alive_t is not None
             and s.phase not in GONE_PHASES
-            and now - s.alive_t <= self.config.dead_timeout_in(s.phase)
+            and now - s.alive_t <= self.config.dead_timeout_in(s.phase, s.interval_s)
         ]
         if not f.pid:
             if f.cause != "never_joined":
@@ -642,19 +661,31 @@ class Monitor:
         host, pid = self._info.get(r, ("", 0, "", ""))[:2]
         beat = self._beats.get(r)
         alive_t = None if beat is None or clock.offset_s is None else clock.local(beat)
-        status = RankStatus(r, alive_t, step, phase, progress_t, host, pid, busy, seq)
+        status = RankStatus(
+            r, alive_t, step, phase, progress_t, host, pid, busy, seq, self._intervals.get(r)
+        )
         self._cache[r] = (alive, progress, status, clock)
         return status
 
     def _parse_alive(self, r: int, raw: bytes) -> tuple[float, bytes] | None:
         """A liveness value's monotonic time and its wall time's text, or None (logged once per
-        rank) when it is not one."""
+        rank) when it is not one.  The interval it says the rank beats at is kept (``_intervals``;
+        a value without one, or with one that is not a positive finite time, keeps none)."""
         mono_b, _, wall_b = raw.partition(b"|")
+        wall_b, bar, interval_b = wall_b.partition(b"|")
         try:
-            return _finite(mono_b), wall_b
+            mono = _finite(mono_b)
         except ValueError:
             self._note_malformed(r, "alive", raw)
             return None
+        interval = None
+        if bar:
+            try:
+                interval = _finite(interval_b)
+            except ValueError:
+                self._note_malformed(r, "alive", raw)
+        self._intervals[r] = interval if interval is not None and interval > 0 else None
+        return mono, wall_b
 
     def _note_malformed(self, r: int | None, what: str, raw: bytes) -> None:
         if (r, what) in self._malformed:
@@ -819,8 +850,16 @@ class Monitor:
         if not raw or self._verdict is not None:
             return
         finding = Finding.from_json(json.loads(raw))
-        self._verdict = finding
-        self._respond(finding)
+        self._verdict = finding  # (answered once: the next pass returns above)
+        try:
+            self._respond(finding)
+        except Exception:
+            # what the response does before the exit (the log, a kill, a dump) failed: this rank
+            # still goes (the launcher restarts the job), unless in-job recovery takes a peer's
+            # failure over; left waiting, it would sit in a collective until its timeout
+            log.exception("answering %s failed", finding)
+            if self.on_peer_failure is None or finding.rank == self.rank:
+                self.on_failure(finding)
 
     def _respond(self, finding: Finding) -> None:
         leader = self.is_leader
@@ -1279,10 +1318,12 @@ def node_label() -> str:
     return os.environ.get("GROUP_RANK", "")
 
 
-def encode_alive(mono: float, wall: float) -> str:
-    """``monotonic|wall``: the monotonic time is what the observer maps onto its own clock (exactly,
-    when the boot ids say it is the same kernel's); the wall time only serves to report skew."""
-    return f"{mono!r}|{wall!r}"
+def encode_alive(mono: float, wall: float, interval_s: float | None = None) -> str:
+    """``monotonic|wall|interval``: the monotonic time is what the observer maps onto its own clock
+    (exactly, when the boot ids say it is the same kernel's); the wall time only serves to report
+    skew; the interval is how often this rank beats, so that the leader never times it out on a
+    shorter one of its own (ranks take ``Run``'s setting over the early monitor's one by one)."""
+    return f"{mono!r}|{wall!r}" + ("" if interval_s is None else f"|{interval_s!r}")
 
 
 def _progress_of(status: Any) -> tuple[Any, Any, Any, Any, Any]:
@@ -1299,7 +1340,7 @@ def _finite(text: bytes) -> float:
 
 
 def decode_alive(raw: bytes) -> tuple[float, float]:
-    mono, wall = raw.split(b"|", 1)
+    mono, wall = raw.split(b"|", 2)[:2]
     return float(mono), float(wall)
 
 
@@ -1420,7 +1461,17 @@ def _short(path: str) -> str:
 
 
 def _stacks() -> str:
-    with tempfile.TemporaryFile("w+") as f:
-        faulthandler.dump_traceback(f, all_threads=True)
-        f.seek(0)
-        return f.read()
+    """Every thread's stack, as faulthandler dumps it; where no temporary file can be made (a
+    full disk), as Python formats it: a verdict's response must not stop here."""
+    try:
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            return f.read()
+    except OSError as e:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"(faulthandler's dump needs a temporary file: {e}; Python's own format)"]
+        for ident, frame in sys._current_frames().items():
+            parts.append(f"Thread {ident:#x} ({names.get(ident, '?')}):")
+            parts.append("".join(traceback.format_stack(frame)).rstrip())
+        return "\n".join(parts)
