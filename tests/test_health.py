@@ -98,7 +98,7 @@ def test_a_rank_is_judged_on_the_interval_its_heartbeat_says_when_longer():
 
 def test_a_heartbeat_says_its_interval_and_one_without_it_still_parses():
     m = Monitor.__new__(Monitor)  # only the parser, which needs no store
-    m._intervals, m._malformed = {}, set()
+    m._intervals, m._interval_text, m._malformed = {}, {}, set()
     m.events, m.rank = EventLog(None), 0
     assert m._parse_alive(1, encode_alive(5.0, 7.0, 1.5).encode()) == (5.0, b"7.0")
     assert m._intervals[1] == 1.5

@@ -186,6 +186,7 @@ class Monitor:
         self._cache: dict[int, tuple[bytes, bytes, RankStatus, PeerClock]] = {}
         self._beats: dict[int, float] = {}  # rank -> the monotonic time of its last beat read
         self._intervals: dict[int, float | None] = {}  # rank -> the interval its beats announce
+        self._interval_text: dict[int, bytes] = {}  # rank -> that interval's text, last read
         self._skew_reported: dict[int, float] = {}
         self._malformed: set[tuple[int | None, str]] = set()  # (rank, key) logged already
         self._key_leader = f"{self.prefix}/leader"
@@ -678,13 +679,15 @@ class Monitor:
         except ValueError:
             self._note_malformed(r, "alive", raw)
             return None
-        interval = None
-        if bar:
-            try:
-                interval = _finite(interval_b)
-            except ValueError:
-                self._note_malformed(r, "alive", raw)
-        self._intervals[r] = interval if interval is not None and interval > 0 else None
+        if self._interval_text.get(r) != interval_b:  # (the same at every beat: parsed once)
+            self._interval_text[r] = interval_b
+            interval = None
+            if bar:
+                try:
+                    interval = _finite(interval_b)
+                except ValueError:
+                    self._note_malformed(r, "alive", raw)
+            self._intervals[r] = interval if interval is not None and interval > 0 else None
         return mono, wall_b
 
     def _note_malformed(self, r: int | None, what: str, raw: bytes) -> None:
