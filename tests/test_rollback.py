@@ -138,3 +138,206 @@ def test_line_of():
     assert line_of([1, 2, 3]) == [3, 2, 1]
     assert line_of([3, 2, 1]) == [1]
     assert line_of([]) == []
+
+
+# --- the line follows what each commit descends from ------------------------------------------
+
+
+def _parent(ck: Checkpointer, step: int) -> dict | None:
+    return ck.manifest(step).extras.get("_resilient_parent")
+
+
+def _rolled_back_past_the_branch(tmp_path) -> None:
+    """100, 200, 250 saved; resume from 100 and save 300: numbered above the abandoned steps."""
+    with Checkpointer(str(tmp_path), keep_last=3) as ck:
+        for s in (100, 200, 250):
+            save(ck, s)
+        ck.load(blank(), step=100)
+        ck.save(300, state(100.0)).wait()  # 100's state, trained on
+
+
+def test_a_save_numbered_above_the_abandoned_branch_still_continues_the_step_it_resumed_from(
+    tmp_path,
+):
+    _rolled_back_past_the_branch(tmp_path)
+    with Checkpointer(str(tmp_path), keep_last=3) as ck:
+        # 100 is 300's parent: kept (the line has 1 newer commit, not keep_last); 250 and 200
+        # are the abandoned branch, not the line
+        assert ck.steps() == [100, 200, 250, 300]
+        assert ck.catalog().line() == [300, 100]
+        c = ck.catalog()
+        assert _parent(ck, 300) == {
+            "step": 100,
+            "commit_seq": c.get(100).commit_seq,
+            "child_commit_seq": c.get(300).commit_seq,
+        }
+        # two more commits on the line: 300, 310, 320 are the newest 3 commits and the line's
+        # newest 3, so the branch point and the abandoned branch go together
+        ck.load(blank())
+        save(ck, 310)
+        assert ck.steps() == [100, 250, 300, 310]
+        save(ck, 320)
+        assert ck.steps() == [300, 310, 320] and ck.catalog().line() == [320, 310, 300]
+
+
+def test_fallback_from_a_save_numbered_above_the_abandoned_branch_goes_to_its_parent(tmp_path):
+    _rolled_back_past_the_branch(tmp_path)
+    f = tmp_path / "step_00000300" / "rank_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-8] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with Checkpointer(str(tmp_path)) as ck:
+        out = blank()
+        with pytest.warns(UserWarning, match="falling back to step 100"):
+            assert ck.load(out, fallback=True) == 100  # never 250, the abandoned state
+        assert out["meta"]["v"] == 100.0 and ck.last_load.skipped_steps == [300]
+
+
+def test_a_restart_after_the_rollback_continues_the_new_line(tmp_path):
+    _rolled_back_past_the_branch(tmp_path)
+    with Checkpointer(str(tmp_path), keep_last=3) as ck:  # auto-resume: the newest commit
+        out = blank()
+        assert ck.load(out) == 300 and out["meta"]["v"] == 100.0
+        save(ck, 400)
+        c = ck.catalog()
+        assert _parent(ck, 400)["step"] == 300
+        assert _parent(ck, 400)["commit_seq"] == c.get(300).commit_seq
+        assert ck.catalog().line() == [400, 300, 100]
+        assert ck.steps() == [100, 250, 300, 400]  # 200 was the oldest of the branch
+
+
+def test_a_fresh_job_records_no_parent_and_its_saves_chain(tmp_path):
+    with Checkpointer(str(tmp_path), keep_last=5) as ck:
+        save(ck, 1)  # no load: it descends from nothing this job knows of
+        save(ck, 2)  # its previous commit
+        assert _parent(ck, 1) is None
+        c = ck.catalog()
+        assert _parent(ck, 2) == {
+            "step": 1,
+            "commit_seq": c.get(1).commit_seq,
+            "child_commit_seq": c.get(2).commit_seq,
+        }
+
+
+def test_commits_that_record_no_parent_keep_the_line_by_number(tmp_path):
+    # manifests of an older release (or of a fresh job): the line as before, by step number
+    _rolled_back_past_the_branch(tmp_path)
+    for s in (100, 200, 250, 300):
+        path = tmp_path / f"step_{s:08d}" / MANIFEST_NAME
+        m = json.loads(path.read_text())
+        m["extras"].pop("_resilient_parent", None)
+        path.write_text(json.dumps(m))
+    with Checkpointer(str(tmp_path), keep_last=3) as ck:
+        assert ck.catalog().line() == [300, 250, 200, 100]
+
+
+def _good(**changes):
+    return {"step": 100, "commit_seq": 1, "child_commit_seq": 4, **changes}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "100:1",  # the memory tier's anchor form, not a parent record
+        {"step": 100, "commit_seq": 1},
+        {**_good(), "extra": 0},
+        _good(step="100"),
+        _good(step=True),
+        _good(step=-1),
+        _good(step=1.0),
+        _good(commit_seq=2**63),
+        _good(child_commit_seq=3),  # made for another commit_seq: copied from elsewhere
+        [100, 1, 4],
+        None,
+    ],
+)
+def test_a_parent_record_that_does_not_check_is_not_recorded(tmp_path, value):
+    # untrusted: anything but the object of integers made for this very commit says nothing
+    from resilient.checkpoint.format import recorded_parent
+
+    assert recorded_parent({"_resilient_parent": value}, 4) is None
+    assert recorded_parent({"_resilient_parent": _good()}, 4) == (100, 1)
+    _rolled_back_past_the_branch(tmp_path)
+    path = tmp_path / "step_00000300" / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    assert m["commit_seq"] == 4 and m["extras"]["_resilient_parent"] == _good()
+    m["extras"]["_resilient_parent"] = value
+    path.write_text(json.dumps(m))
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.catalog().line() == [300, 250, 200, 100]  # no parent; still a commit
+        assert ck.load(blank()) == 300
+
+
+def test_line_of_follows_parents():
+    from resilient.checkpoint.catalog import line_of
+    from resilient.checkpoint.retention import steps_to_delete
+
+    commits = [100, 200, 250, 300]  # commit_seq 1, 2, 3, 4
+    assert line_of(commits, {300: (100, 1)}) == [300, 100]
+    chain = {300: (250, 3), 250: (200, 2), 200: (100, 1)}
+    assert line_of(commits, chain) == [300, 250, 200, 100]
+    # not below and older: says nothing (by number); another version of 100: gone
+    assert line_of(commits, {300: (400, 1)}) == [300, 250, 200, 100]
+    assert line_of(commits, {300: (100, 9)}) == [300, 250, 200, 100]
+    assert line_of(commits, {300: (100, 0)}) == [300]  # gone, and nothing before it
+    assert steps_to_delete(commits, 3, None, {300: (100, 1)}) == []
+    more = {320: (310, 6), 310: (300, 5), 300: (100, 1)}
+    assert steps_to_delete([*commits, 310, 320], 3, None, more, [1, 2, 3, 5, 6, 7]) == [
+        100,
+        200,
+        250,
+    ]
+    assert steps_to_delete(commits, 3, None) == [100]  # without parents: by number
+
+
+def test_a_parent_that_is_gone_places_the_line_where_it_was():
+    from resilient.checkpoint.catalog import Catalog, StepInfo
+
+    def info(step, seq, parent=None):
+        return StepInfo(step, f"step_{step:08d}", "committed", commit_seq=seq, parent=parent)
+
+    # 50 (1), 100 (2, retired), 200 (3), 250 (4); 300 (5) descends from 100
+    c = Catalog(
+        [info(50, 1), info(200, 3, (100, 2)), info(250, 4, (200, 3)), info(300, 5, (100, 2))]
+    )
+    assert c.line() == [300, 50]
+    # a parent numbered at or above its child, or newer than it, says nothing
+    c = Catalog([info(50, 1), info(200, 2), info(150, 3, (200, 2)), info(120, 4, (130, 9))])
+    assert c.line() == [120, 50]
+
+
+def test_the_line_of_many_dangling_parents_takes_linear_time():
+    """A hostile root may hold many commits whose parents are gone: the line's walk only goes
+    back in commit order, never scanning the commits again for each of them."""
+    import time
+
+    from resilient.checkpoint.catalog import Catalog, StepInfo
+
+    n = 50_000
+    c = Catalog(
+        StepInfo(s, f"step_{s:08d}", "committed", commit_seq=s, parent=(1, 0))
+        for s in range(2, n + 2)
+    )
+    t0 = time.monotonic()
+    assert c.line() == [n + 1]
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_save_through_the_persister_records_its_parent_too(tmp_path):
+    # with the memory tier, the persister process commits durable saves from snapshots: the
+    # snapshot's durable anchor becomes the commit's parent
+    from tests.test_memory_tier import _model
+
+    url = str(tmp_path / "ckpt")
+    m = _model()
+    with Checkpointer(url, memory_every=1, keep_last=3) as ck:
+        for s in (100, 200, 250):
+            ck.save(s, {"model": m}).wait()
+        assert ck.persister_pid is not None
+        assert ck.load({"model": m}, step=100) == 100
+        ck.save(300, {"model": m}).wait()
+        assert ck.persister_pid is not None and ck.last_load.source == "durable"
+    with Checkpointer(url) as ck:
+        assert _parent(ck, 300)["step"] == 100
+        assert _parent(ck, 300)["commit_seq"] == ck.catalog().get(100).commit_seq
+        assert ck.catalog().line() == [300, 100] and ck.steps() == [100, 200, 250, 300]

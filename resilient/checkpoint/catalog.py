@@ -14,10 +14,14 @@ newest commit's when it was written (v1 steps read as 0, ordered among themselve
 rollback (``load(state, step=100)`` while 200 and 250 exist, then ``save(150)``), 150 is the newest
 commit, so it is the latest step, and auto-resume picks it, not the abandoned 250.
 
-The *line* is the history the newest commit continues: walking commits from the newest back, each
-step numbered below every step already on the line.  Steps off the line (200 and 250 above) belong
-to an abandoned branch; see :func:`resilient.checkpoint.retention.steps_to_delete` for how long
-they are kept.  Fallback after a failed load walks the line, never into an abandoned branch.
+The *line* is the history the newest commit continues.  A commit records the commit its state
+descends from (its parent: what its job loaded, or that job's previous commit; format.PARENT_KEY),
+and the line follows those links: after the rollback above, ``save(300)`` instead of 150 still
+continues 100, not the abandoned 250.  Where a commit records none (written before parents were
+recorded, a fresh job's first commit), the line goes on as it always did: to the newest older
+commit numbered below every step already on the line.  Steps off the line (200 and 250 above)
+belong to an abandoned branch; see :func:`resilient.checkpoint.retention.steps_to_delete` for how
+long they are kept.  Fallback after a failed load walks the line, never into an abandoned branch.
 
 Parsed manifests are cached per file version (size, mtime, inode or ETag), so listing steps again
 reads only manifests that changed.
@@ -25,10 +29,11 @@ reads only manifests that changed.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +44,7 @@ from resilient.checkpoint.format import (
     ManifestSummary,
     manifest_of_step,
     parse_step_dir,
+    recorded_parent,
     recorded_run,
     step_dir_name,
 )
@@ -71,6 +77,7 @@ class StepInfo:
     files: frozenset[str] = frozenset()  # the rank files its manifest names
     problem: str = ""  # why a damaged step is not a commit
     run: int = 0  # the memory tier's run that made the commit (format.RUN_KEY; 0: none)
+    parent: tuple[int, int] | None = None  # (step, commit_seq) it descends from (PARENT_KEY)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -78,13 +85,46 @@ class StepInfo:
         return (self.commit_seq, self.step)
 
 
-def line_of(commits: Sequence[int]) -> list[int]:
+def line_of(
+    commits: Sequence[int],
+    parents: Mapping[int, tuple[int, int]] | None = None,
+    seqs: Sequence[int] | None = None,
+) -> list[int]:
     """The steps of the current line, newest first, from step numbers in commit order (oldest
-    first): the newest commit, then each older commit numbered below every step taken so far."""
-    out: list[int] = []
-    for s in reversed(commits):
-        if not out or s < out[-1]:
-            out.append(s)
+    first), the parents the commits record (step -> (parent step, parent commit_seq)) and their
+    ``commit_seq`` (default: 1, 2, ... in that order).  The newest commit, then from each step
+    taken: its parent, where that is a commit with that commit_seq, numbered below it and older;
+    where the parent is gone, the newest commit older than it numbered below it (or the end);
+    where none is recorded (or one that is not below and older), the newest older commit
+    numbered below every step taken so far.  Positions only go back: O(n log n) whatever the
+    links say."""
+    if not commits:
+        return []
+    parents = parents or {}
+    seqs = list(seqs) if seqs is not None else list(range(1, len(commits) + 1))
+    orders = list(zip(seqs, commits))
+    where = {s: i for i, s in enumerate(commits)}
+    i = len(commits) - 1
+    out = [commits[i]]
+    while True:
+        s = out[-1]
+        bound, j = s, i - 1
+        link = parents.get(s)
+        if link is not None and link[0] < s and (link[1], link[0]) < orders[i]:
+            p_step, p_seq = link
+            k = where.get(p_step)
+            if k is not None and k < i and seqs[k] == p_seq:
+                i = k
+                out.append(p_step)
+                continue
+            # gone: on from where it stood in commit order, below it
+            bound, j = p_step, bisect.bisect_left(orders, (p_seq, p_step), 0, i) - 1
+        while j >= 0 and commits[j] >= bound:
+            j -= 1
+        if j < 0:
+            break
+        i = j
+        out.append(commits[j])
     return out
 
 
@@ -113,7 +153,11 @@ class Catalog:
 
     def line(self) -> list[int]:
         """The current line, newest first: what ``load`` falls back along."""
-        return line_of(self.commits())
+        return line_of(self.commits(), self.parents(), [i.commit_seq for i in self.committed])
+
+    def parents(self) -> dict[int, tuple[int, int]]:
+        """The parent (step, commit_seq) each committed step records (``line_of`` judges them)."""
+        return {i.step: i.parent for i in self.committed if i.parent is not None}
 
     def next_commit_seq(self) -> int:
         seqs = [i.commit_seq for i in self.infos.values() if i.state != "uncommitted"]
@@ -190,13 +234,20 @@ def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
         job_id=summary.job_id,
         files=summary.files,
         run=summary.run,
+        parent=summary.parent,
     )
 
 
 def summary_of(m: Manifest) -> ManifestSummary:
     """What the catalog keeps of a manifest."""
     return ManifestSummary(
-        m.step, m.commit_seq, m.generation, m.job_id, frozenset(m.files), recorded_run(m.extras)
+        m.step,
+        m.commit_seq,
+        m.generation,
+        m.job_id,
+        frozenset(m.files),
+        recorded_run(m.extras),
+        recorded_parent(m.extras, m.commit_seq),
     )
 
 

@@ -30,12 +30,14 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_INT,
     MAX_MANIFEST_BYTES,
+    PARENT_KEY,
     RUN_KEY,
     ChunkEntry,
     Manifest,
     ManifestEncoder,
     manifest_of_step,
     manifest_summary,
+    parent_record,
     rank_file_name,
     step_dir_name,
     summary_from_line,
@@ -153,6 +155,8 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._error_reported = False
         self._lineage = lineage  # the checkpointer's when this save began (see _advance_anchor)
+        # (a durable save) the commit its state descends from when it began: its parent
+        self._parent: tuple[int, int] | None = None
         self._replica_epoch: int | None = None  # its peer replicas' groups when it began
         # (a sealed memory snapshot) its slot, or why it has none; and (layout, plan, values)
         self._sealed: Any = None
@@ -543,6 +547,7 @@ class Checkpointer:
             self._join_pending()
             data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step, self._lineage)
+        handle._parent = self._anchor  # (the previous save joined: its commit counts)
         if self._replicas is not None:  # its replication uses these groups, not later ones
             handle._replica_epoch = self._replicas.epoch
         handle.stats.stage_s = time.monotonic() - t0
@@ -1240,6 +1245,11 @@ class Checkpointer:
         )
         if self._run is not None:  # (a durable commit of a run with the memory tier)
             manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: self._run})
+        if self._slots is None and handle._parent is not None:
+            # (a durable commit) what it descends from: the line follows it past the steps a
+            # rollback abandoned (catalog.py); the memory tier's commits record none
+            parent = parent_record(handle._parent, seq)
+            manifest = dataclasses.replace(manifest, extras={**manifest.extras, PARENT_KEY: parent})
         # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
         # and values only: once one of a shape passed the readers' full check, the next ones of
         # that shape get the check of those parts (format.check_variable_parts), and its text is

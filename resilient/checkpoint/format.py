@@ -54,6 +54,9 @@ __all__ = [
     "manifest_of_step",
     "ManifestSummary",
     "recorded_run",
+    "recorded_parent",
+    "parent_record",
+    "PARENT_KEY",
     "upgrade_v1",
     "check_json_depth",
     "check_variable_parts",
@@ -78,6 +81,12 @@ MAX_JSON_DEPTH = 64  # nesting of the free-form JSON values (extras)
 # number_this_run; docs/FORMAT.md section 9), and the most runs the tier counts
 RUN_KEY = "_resilient_memory_run"
 MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below 2**62)
+# A durable commit's parent, in its manifest's extras: the commit its state descends from (what
+# its job loaded, or that job's previous commit), which the line follows (docs/FORMAT.md section
+# 5a): {"step": P, "commit_seq": Q, "child_commit_seq": C}, C being the commit's own commit_seq
+# (a manifest copied elsewhere, where it has another, says nothing of that place's commits)
+PARENT_KEY = "_resilient_parent"
+_PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
 
 # ASCII digits only: \d matches any Unicode digit ("step_" + Arabic-Indic digits would be a step)
@@ -825,6 +834,8 @@ class ManifestSummary:
     job_id: str
     files: frozenset[str]
     run: int = 0  # the memory tier's run that made the commit (RUN_KEY; 0: none recorded)
+    # the commit (step, commit_seq) its state descends from (PARENT_KEY); None: not recorded
+    parent: tuple[int, int] | None = None
 
 
 def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
@@ -853,14 +864,36 @@ def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
 
 def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> ManifestSummary:
     """(``manifest_summary``, ``summary_from_line``) The rest of the summary, checked."""
+    commit_seq = _int(d.get("commit_seq"), f"{what}.commit_seq")
     return ManifestSummary(
         step=step,
-        commit_seq=_int(d.get("commit_seq"), f"{what}.commit_seq"),
+        commit_seq=commit_seq,
         generation=_int(d.get("generation"), f"{what}.generation"),
         job_id=_str(d.get("job_id"), f"{what}.job_id"),
         files=frozenset(files),
         run=run,
+        parent=recorded_parent(d.get("extras"), commit_seq),
     )
+
+
+def parent_record(parent: tuple[int, int], commit_seq: int) -> dict[str, int]:
+    """The PARENT_KEY value of a commit numbered ``commit_seq`` descended from ``parent``."""
+    return {"step": parent[0], "commit_seq": parent[1], "child_commit_seq": commit_seq}
+
+
+def recorded_parent(extras: Any, commit_seq: int) -> tuple[int, int] | None:
+    """The commit (step, commit_seq) that a manifest's extras say its state descends from
+    (PARENT_KEY), for a manifest numbered ``commit_seq``; None where they say nothing, or
+    anything but ``parent_record``'s object of integers in [0, 2**63 - 1] made for this
+    ``commit_seq`` (untrusted: read as not recorded, the line's rule without it)."""
+    value = extras.get(PARENT_KEY) if isinstance(extras, Mapping) else None
+    if type(value) is not dict or value.keys() != _PARENT_FIELDS:
+        return None
+    if not all(type(v) is int and 0 <= v <= MAX_INT for v in value.values()):
+        return None
+    if value["child_commit_seq"] != commit_seq:
+        return None
+    return value["step"], value["commit_seq"]
 
 
 def recorded_run(extras: Any) -> int:

@@ -62,9 +62,11 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_RUN,
+    PARENT_KEY,
     RUN_KEY,
     Manifest,
     manifest_of_step,
+    parent_record,
     rank_file_name,
     step_dir_name,
 )
@@ -75,6 +77,7 @@ from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     PERSISTER_LOCK,
     RUN_SHIFT,
+    _parse_anchor,
     stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
@@ -710,7 +713,7 @@ def _state_of(m: Manifest) -> tuple[Any, ...]:
         )
         for k, t in m.tensors.items()
     }
-    extras = {k: v for k, v in m.extras.items() if k not in (ANCHOR_KEY, RUN_KEY)}
+    extras = {k: v for k, v in m.extras.items() if k not in (ANCHOR_KEY, RUN_KEY, PARENT_KEY)}
     rank_extras = {
         r: kept
         for r, values in m.rank_extras.items()
@@ -728,7 +731,9 @@ def _promoted(
     snap: Manifest, names: dict[str, str], generation: int, seq: int, job_id: str
 ) -> Manifest:
     """The durable manifest of a snapshot: its files renamed to the durable generation, this
-    commit's place in the durable commit order, and no memory-tier bookkeeping."""
+    commit's place in the durable commit order, and no memory-tier bookkeeping: the durable commit
+    its state descends from (rank 0's anchor) becomes the commit's parent, which the line follows
+    (catalog.py)."""
     tensors = {
         k: dataclasses.replace(
             t, chunks=tuple(dataclasses.replace(c, file=names[c.file]) for c in t.chunks)
@@ -736,6 +741,11 @@ def _promoted(
         for k, t in snap.tensors.items()
     }
     extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
+    anchor = snap.extras.get(ANCHOR_KEY)  # ("": the job knew of none)
+    # (ASCII only: _parse_anchor's isdigit takes "²", which int() refuses)
+    parsed = _parse_anchor(anchor) if isinstance(anchor, str) and anchor.isascii() else None
+    if parsed is not None:
+        extras[PARENT_KEY] = parent_record(parsed, seq)
     run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)
     if 0 < run < MAX_RUN:
         extras[RUN_KEY] = run

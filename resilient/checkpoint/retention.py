@@ -10,7 +10,7 @@ parse (damaged, see catalog.py) is never counted and never deleted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from resilient.checkpoint.catalog import Catalog, StepInfo, line_of, scan
 from resilient.checkpoint.format import MANIFEST_NAME, parse_step_dir
@@ -21,9 +21,16 @@ __all__ = ["steps_to_delete", "committed_steps", "retire_steps", "delete_dirs", 
 log = logging.getLogger(__name__)
 
 
-def steps_to_delete(commits: Sequence[int], keep_last: int, keep_every: int | None) -> list[int]:
+def steps_to_delete(
+    commits: Sequence[int],
+    keep_last: int,
+    keep_every: int | None,
+    parents: Mapping[int, tuple[int, int]] | None = None,
+    seqs: Sequence[int] | None = None,
+) -> list[int]:
     """Pure: the committed steps retention removes, given step numbers in commit order (oldest
-    commit first; for steps that were never rolled back that is ascending order).
+    commit first; for steps that were never rolled back that is ascending order), the parents
+    the commits record and their commit_seq (see ``line_of``).
 
     Kept: the newest ``keep_last`` commits, whatever their branch; the newest ``keep_last`` steps
     of the current line (so the step a rollback resumed from stays until the new line has
@@ -35,7 +42,7 @@ def steps_to_delete(commits: Sequence[int], keep_last: int, keep_every: int | No
     if not commits:
         return []
     n = max(keep_last, 1)
-    keep = set(commits[-n:]) | set(line_of(commits)[:n])
+    keep = set(commits[-n:]) | set(line_of(commits, parents, seqs)[:n])
     if keep_every:
         keep |= {s for s in commits if s % keep_every == 0}
     return sorted({s for s in commits if s not in keep})
@@ -93,7 +100,8 @@ def retire_steps(
     """
     catalog = catalog or scan(storage)
     doomed = []
-    for step in steps_to_delete(catalog.commits(), keep_last, keep_every):
+    seqs = [i.commit_seq for i in catalog.committed]
+    for step in steps_to_delete(catalog.commits(), keep_last, keep_every, catalog.parents(), seqs):
         info = catalog.get(step)
         storage.remove(f"{info.dir}/{MANIFEST_NAME}")
         doomed.append(info.dir)
