@@ -608,6 +608,14 @@ def test_bad_arguments():
         Checkpointer("faulty:///tmp/x", storage_options=bad)
 
 
+def test_a_job_id_longer_than_readers_accept_is_refused_at_the_start():
+    with pytest.raises(ValueError, match=r"job_id must be a str of at most 1024 characters"):
+        Checkpointer("memory://x", job_id="j" * 1025)
+    with pytest.raises(ValueError, match=r"job_id must be a str .*got 7"):
+        Checkpointer("memory://x", job_id=7)
+    Checkpointer("memory://x", job_id="j" * 1024).close()
+
+
 def test_local_loads_share_the_cores_among_the_ranks_of_a_node(monkeypatch):
     """A local load's reader threads: the process's cores over torchrun's LOCAL_WORLD_SIZE,
     between 1 and READ_THREADS (copying and checksumming are CPU work); a rank pinned to a

@@ -436,3 +436,85 @@ def test_reading_a_manifest_keeps_nothing_of_it_once_the_read_returns(tmp_path):
     kept = [v for k, v in fmt._CHUNKS_MEMO.items() for v in leaves((k, v))]
     assert all(isinstance(v, int) or v is None for v in kept), "an untrusted value is kept"
     assert all(len(n) < 1000 for layout in _REPLICATED for n in layout.names)
+
+
+def _kept_of(root) -> list:
+    """What the listing cache holds of the manifests under ``root``."""
+    from resilient.checkpoint import catalog
+
+    where = Storage(str(root)).location()
+    return [v for k, v in catalog._CACHE.items() if k[0] == where]
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("job_id", "J" * 1_000_000, "manifest.job_id is 1000000 characters long"),
+        ("toolkit_version", "9" * 1_000_000, "manifest.toolkit_version is 1000000 characters"),
+        ("job_id", "J" * 1025, "at most 1024"),
+    ],
+)
+def test_listing_a_hostile_directory_keeps_none_of_its_long_strings(tmp_path, field, value, named):
+    """The listing cache lives as long as the process: a manifest's strings are capped (a job id,
+    a toolkit version: 1024 characters, as in the writer lease), and the message kept for a step
+    that is not a commit is short."""
+    saved(tmp_path, steps=(1, 2, 3))
+    for s in (2, 3):
+        edit(tmp_path, lambda m: m.update({field: value}), step=s)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.steps() == [1] and ck.latest_step() == 1
+        damaged = ck.catalog().damaged()
+        assert [i.step for i in damaged] == [2, 3]
+        assert named in damaged[0].problem and "format v2 allows at most 1024" in damaged[0].problem
+        assert len(damaged[0].problem) <= 2000
+        with pytest.raises(CheckpointCorruptError, match="step 2 .* is not a usable commit"):
+            ck.load(blank(), step=2)
+    kept = _kept_of(tmp_path)
+    assert kept and all(
+        len(v) <= 2000 if isinstance(v, str) else len(v.job_id) <= 1024 for v in kept
+    )
+    edit(tmp_path, lambda m: m.update({field: "j" * 1024}), step=2)  # at the cap: a commit
+    assert Checkpointer(str(tmp_path)).steps() == [1, 2]
+
+
+@pytest.mark.parametrize("digits", [10, 1_000_000])
+def test_a_rank_file_name_with_more_digits_than_a_rank_has_is_refused(tmp_path, digits):
+    saved(tmp_path)
+    name = "rank_" + "0" * digits + ".safetensors"
+
+    def rename(m):
+        m["files"][name] = m["files"].pop("rank_00000.safetensors")
+        for t in m["tensors"].values():
+            for c in t["chunks"]:
+                c["file"] = name
+
+    edit(tmp_path, rename)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.steps() == [1]
+        (problem,) = [i.problem for i in ck.catalog().damaged()]
+        assert "files must be plain names like 'rank_00000.safetensors'" in problem
+        assert len(problem) <= 2000
+    assert all(len(v) <= 2000 for v in _kept_of(tmp_path) if isinstance(v, str))
+
+
+def test_a_manifest_naming_more_files_than_a_job_writes_is_listed_but_not_cached(tmp_path):
+    """A summary is kept only up to 65,536 file names (a rank file per rank of a large job); a
+    manifest naming more (a layout of up to 2**24 ranks may) is read again at every listing."""
+    saved(tmp_path)
+    ranks = (1 << 16) + 1
+
+    def widen(m):
+        m["layout"] = [["dp", ranks]]
+        first = m["files"]["rank_00000.safetensors"]
+        m["files"] = {
+            f"rank_{r:05d}.safetensors": {"rank": r, "size_bytes": 0} for r in range(ranks)
+        }
+        m["files"]["rank_00000.safetensors"] = first
+        m["rank_extras"] = {}
+
+    edit(tmp_path, widen)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.steps() == [1, 2]
+        assert ck.catalog().get(2).files.__len__() == ranks
+    # (the summaries kept of step 2 are of its manifest as saved, before the edit)
+    assert all(len(v.files) == 1 for v in _kept_of(tmp_path))

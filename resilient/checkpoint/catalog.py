@@ -24,7 +24,11 @@ belong to an abandoned branch; see :func:`resilient.checkpoint.retention.steps_t
 long they are kept.  Fallback after a failed load walks the line, never into an abandoned branch.
 
 Parsed manifests are cached per file version (size, mtime, inode or ETag), so listing steps again
-reads only manifests that changed.
+reads only manifests that changed.  The cache outlives any one checkpoint directory, so what it
+keeps of a manifest (untrusted text) is bounded: a summary's strings are capped by the format
+(a job id's length, a rank file's name), a summary naming more files than a real job's manifest is
+not cached, the cache's file names all together are capped, and why a damaged step is not a
+commit is kept only as a short message.
 """
 
 from __future__ import annotations
@@ -177,8 +181,15 @@ class Catalog:
 # (where the root is, manifest path, its file version) -> its summary, or why it is not a commit
 _CACHE: OrderedDict[tuple, ManifestSummary | str] = OrderedDict()
 _CACHE_SIZE = 4096
+# What the cache may keep of untrusted manifests: the file names of one summary (one per rank
+# that wrote a file: a 65,536-rank job's), and of all of them together (tens of MiB at most)
+_CACHE_MAX_FILES = 1 << 16
+_CACHE_FILES_BUDGET = 1 << 18
+_CACHE_MAX_MESSAGE = 2000  # characters of why a damaged step is not a commit
+_cached_files = 0  # the file names the cache holds (under _LOCK)
 _LOCK = threading.Lock()
 _WARNED: set[tuple] = set()
+_WARNED_SIZE = 4096
 
 
 def scan(storage: Storage) -> Catalog:
@@ -211,11 +222,8 @@ def scan(storage: Storage) -> Catalog:
                 )
                 found = summary_of(m)
             except ResilientError as e:
-                found = str(e)
-            with _LOCK:
-                _CACHE[cache_key] = found
-                while len(_CACHE) > _CACHE_SIZE:
-                    _CACHE.popitem(last=False)
+                found = _message(str(e))
+            _remember(cache_key, found)
         if isinstance(found, str):
             infos.append(_damaged(storage, step, name, found, cache_key))
         else:
@@ -263,15 +271,42 @@ def remember_commit(storage: Storage, m: Manifest | ManifestSummary) -> None:
     if key is None:
         return
     summary = m if isinstance(m, ManifestSummary) else summary_of(m)
+    _remember((storage.location(), rel, key), summary)
+
+
+def _message(problem: str) -> str:
+    """Why a step is not a commit, short enough to keep (it may quote the manifest)."""
+    if len(problem) <= _CACHE_MAX_MESSAGE:
+        return problem
+    return problem[: _CACHE_MAX_MESSAGE - 40] + f" ... ({len(problem)} chars)"
+
+
+def _files_of(entry: ManifestSummary | str) -> int:
+    return 0 if isinstance(entry, str) else len(entry.files)
+
+
+def _remember(cache_key: tuple, entry: ManifestSummary | str) -> None:
+    """Cache ``entry`` (a summary, or a damaged step's message), within the cache's bounds."""
+    global _cached_files
+    if _files_of(entry) > _CACHE_MAX_FILES:
+        return  # (read again at the next listing: no real job's manifest is this large)
     with _LOCK:
-        _CACHE[(storage.location(), rel, key)] = summary
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        old = _CACHE.pop(cache_key, None)
+        if old is not None:
+            _cached_files -= _files_of(old)
+        _CACHE[cache_key] = entry
+        _cached_files += _files_of(entry)
+        while len(_CACHE) > _CACHE_SIZE or _cached_files > _CACHE_FILES_BUDGET:
+            _, dropped = _CACHE.popitem(last=False)
+            _cached_files -= _files_of(dropped)
 
 
 def _damaged(storage: Storage, step: int, name: str, problem: str, key: tuple) -> StepInfo:
+    problem = _message(problem)
     with _LOCK:
         first = key not in _WARNED
+        if len(_WARNED) >= _WARNED_SIZE:
+            _WARNED.clear()  # (warned again, at worst: a bound on what a hostile root adds)
         _WARNED.add(key)
     if first:
         log.warning(

@@ -30,6 +30,7 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_INT,
     MAX_MANIFEST_BYTES,
+    MAX_NAME_CHARS,
     PARENT_KEY,
     RUN_KEY,
     ChunkEntry,
@@ -250,6 +251,13 @@ class Checkpointer:
             raise ValueError(f"lease_timeout_s must be positive, got {lease_timeout_s!r}")
         if not commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s must be positive, got {commit_timeout_s!r}")
+        if job_id is not None and (type(job_id) is not str or len(job_id) > MAX_NAME_CHARS):
+            shown = repr(job_id) if len(repr(job_id)) <= 80 else repr(job_id)[:77] + "..."
+            raise ValueError(
+                f"job_id must be a str of at most {MAX_NAME_CHARS} characters (it names this job "
+                f"in the writer lease and in every manifest, where readers refuse longer ones), "
+                f"got {shown}; pass a shorter name"
+            )
         check_memory_options(memory_every, memory_commit_every)
         self.storage = Storage(url, storage_options, retry, commit_method=commit_method)
         self.url = self.storage.url

@@ -88,10 +88,14 @@ MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below
 PARENT_KEY = "_resilient_parent"
 _PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
+# A manifest's job_id and toolkit_version (the writer lease caps its strings alike): listing
+# steps keeps a summary of each manifest, job_id included, for as long as the process lives
+MAX_NAME_CHARS = 1024
 
 # ASCII digits only: \d matches any Unicode digit ("step_" + Arabic-Indic digits would be a step)
 _STEP_RE = re.compile(r"step_([0-9]{8,19})")
-_FILE_RE = re.compile(r"rank_([0-9]{5,})(?:\.g([0-9]{1,18}))?\.safetensors")
+# a rank below MAX_WORLD_SIZE (2**24) has at most 8 digits; rank_file_name pads it to 5
+_FILE_RE = re.compile(r"rank_([0-9]{5,9})(?:\.g([0-9]{1,18}))?\.safetensors")
 _RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # ASCII digits only (str.isdigit takes "²")
 
 
@@ -415,9 +419,9 @@ class Manifest:
             format_version=FORMAT_VERSION,
             step=_int(d["step"], "manifest.step"),
             commit_seq=_int(d["commit_seq"], "manifest.commit_seq"),
-            job_id=_str(d["job_id"], "manifest.job_id"),
+            job_id=_name(d["job_id"], "manifest.job_id"),
             created_unix_s=float(created),
-            toolkit_version=_str(d["toolkit_version"], "manifest.toolkit_version"),
+            toolkit_version=_name(d["toolkit_version"], "manifest.toolkit_version"),
             layout=layout,
             block_bytes=_int(d["block_bytes"], "manifest.block_bytes"),
             checksum="crc32",
@@ -449,7 +453,7 @@ class Manifest:
         for fname, f in self.files.items():
             if not _FILE_RE.fullmatch(fname):
                 raise CheckpointCorruptError(
-                    f"manifest names file {fname!r}; files must be plain names like "
+                    f"manifest names file {_short(fname)}; files must be plain names like "
                     f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
                 )
             if not 0 <= f.rank < self.layout.world_size:
@@ -869,7 +873,7 @@ def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> M
         step=step,
         commit_seq=commit_seq,
         generation=_int(d.get("generation"), f"{what}.generation"),
-        job_id=_str(d.get("job_id"), f"{what}.job_id"),
+        job_id=_name(d.get("job_id"), f"{what}.job_id"),
         files=frozenset(files),
         run=run,
         parent=recorded_parent(d.get("extras"), commit_seq),
@@ -976,6 +980,16 @@ def _short(v: Any) -> str:
 def _str(v: Any, where: str) -> str:
     if not isinstance(v, str):
         raise CheckpointCorruptError(f"{where} must be a string, found {_short(v)}")
+    return v
+
+
+def _name(v: Any, where: str) -> str:
+    """A short string of the manifest's top level (a job id, a toolkit version)."""
+    if len(_str(v, where)) > MAX_NAME_CHARS:
+        raise CheckpointCorruptError(
+            f"{where} is {len(v)} characters long; format v{FORMAT_VERSION} allows at most "
+            f"{MAX_NAME_CHARS} (a job id and a toolkit version are names): {_short(v)}"
+        )
     return v
 
 
