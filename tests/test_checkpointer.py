@@ -608,6 +608,35 @@ def test_bad_arguments():
         Checkpointer("faulty:///tmp/x", storage_options=bad)
 
 
+@pytest.mark.parametrize(
+    "step,found",
+    [("12", "'12' (str)"), (12.0, "12.0 (float)"), (True, "True (bool)"), (-1, "-1 (int)")],
+)
+def test_a_step_that_is_not_an_int_is_refused_by_every_call_that_takes_one(tmp_path, step, found):
+    """load, verify and manifest check the step as save does: '12' is no step (it was "not a
+    committed checkpoint ... committed steps: 12"), 12.0 failed in string formatting, and True
+    loaded step 1."""
+    with Checkpointer(str(tmp_path)) as ck:
+        for s in (1, 12):
+            ck.save(s, {"w": torch.full((4,), float(s))}).wait()
+        state = {"w": torch.zeros(4)}
+        calls = {
+            "save": lambda: ck.save(step, state),
+            "load": lambda: ck.load(state, step=step),
+            "verify": lambda: ck.verify(step),
+            "manifest": lambda: ck.manifest(step),
+        }
+        for call, fn in calls.items():
+            optional = "None (the newest commit) or " if call != "save" else ""
+            with pytest.raises(ValueError) as e:
+                fn()
+            assert str(e.value).startswith(
+                f"{call}(step=...) must be {optional}an int in [0, 2**63 - 1], got {found}; "
+            ), str(e.value)
+        assert torch.equal(state["w"], torch.zeros(4))  # nothing loaded
+        assert ck.load(state, step=12) == 12 and ck.verify(1).ok and ck.manifest(None).step == 12
+
+
 def test_a_job_id_longer_than_readers_accept_is_refused_at_the_start():
     with pytest.raises(ValueError, match=r"job_id must be a str of at most 1024 characters"):
         Checkpointer("memory://x", job_id="j" * 1025)

@@ -212,6 +212,15 @@ def test_latency_injection_slows_but_does_not_break(tmp_path):
     assert took >= 0.1
 
 
+@pytest.mark.parametrize("options", ["anon=True", ["anon"], 3])
+def test_storage_options_that_are_not_a_mapping_are_refused_by_name(options):
+    # (a str reached fsspec, which raised a bare TypeError of its own)
+    with pytest.raises(ValueError, match=r"storage_options must be None or a mapping of fsspec"):
+        Storage("memory://x", options)
+    with pytest.raises(ValueError, match=rf"for 'memory://x' .*got {type(options).__name__} "):
+        Checkpointer("memory://x", storage_options=options)
+
+
 def test_retry_policy_validation():
     with pytest.raises(ValueError, match="max_attempts must be >= 1"):
         RetryPolicy(max_attempts=0)

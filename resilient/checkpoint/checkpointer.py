@@ -146,6 +146,24 @@ class LoadStats:
     newest_memory: int | None = None
 
 
+def _check_step(step: Any, call: str, *, optional: bool = False) -> None:
+    """A step given to ``call`` is an int in [0, 2**63 - 1] (not a bool, a float, a str: a step
+    number that only looks like one, such as '12', names no step; True would be step 1)."""
+    if (optional and step is None) or (type(step) is int and 0 <= step <= MAX_INT):
+        return
+    shown = repr(step) if len(repr(step)) <= 80 else repr(step)[:77] + "..."
+    expected = "None (the newest commit) or an int" if optional else "an int"
+    hint = (
+        "a step is a count from 0 that fits an int64"
+        if type(step) is int
+        else "pass the step number as an int, such as step=int(s)"
+    )
+    raise ValueError(
+        f"{call}(step=...) must be {expected} in [0, 2**63 - 1], got {shown} "
+        f"({type(step).__name__}); {hint}"
+    )
+
+
 class SaveHandle:
     """A save in progress.  ``wait()`` blocks until it is committed and re-raises its failure."""
 
@@ -498,11 +516,13 @@ class Checkpointer:
         return any(is_record_name(name) for name in names)
 
     def manifest(self, step: int | None = None) -> Manifest:
+        _check_step(step, "manifest", optional=True)
         return read_manifest(self.storage, self._resolve_step(step))
 
     def verify(self, step: int | None = None, *, progress: Callable[[int], None] | None = None):
         """Read every byte of a step and check it; returns a VerifyReport.  ``progress(n)``: n
         more bytes checked (a progress bar's)."""
+        _check_step(step, "verify", optional=True)
         return verify_step(self.storage, self._resolve_step(step), progress=progress)
 
     # --- save ---------------------------------------------------------------------------------
@@ -517,8 +537,7 @@ class Checkpointer:
         """save(); with ``defer`` (the memory tier's own, see _defers) the snapshot is sealed
         instead of committed (_seal_snapshot)."""
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
-            raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
+        _check_step(step, "save")
         lean = self._slots is not None
         if not lean:
             self._join_pending()
@@ -684,8 +703,7 @@ class Checkpointer:
                 f"Checkpointer({self.url!r}) has no memory tier; pass memory_every=N to use "
                 f"snapshot()"
             )
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
-            raise ValueError(f"step must be an int in [0, 2**63 - 1], got {step!r}")
+        _check_step(step, "snapshot")
         if step % self.memory_every:
             return None
         return self._take_snapshot(step, state)
@@ -1521,6 +1539,7 @@ class Checkpointer:
         state does not match) is raised by every rank.
         """
         self._check_open()
+        _check_step(step, "load", optional=True)  # (on every rank, before any collective)
         if not self._pending_is_old:
             self._join_pending()
         if self._memory is not None and self._memory._thread is not None:

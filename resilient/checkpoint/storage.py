@@ -21,7 +21,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -247,6 +247,11 @@ class Storage:
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"checkpoint URL must be a non-empty string, got {url!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ValueError(
+                f"storage_options must be None or a mapping of fsspec options for {url!r} (such "
+                f"as {{'anon': True}}), got {type(storage_options).__name__} {storage_options!r:.80}"
+            )
         if commit_method is not None and commit_method not in COMMIT_METHODS:
             raise ValueError(
                 f"commit_method must be one of {COMMIT_METHODS} or None, got {commit_method!r}"
