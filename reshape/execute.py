@@ -37,6 +37,7 @@ from resilient.checkpoint.format import (
     manifest_to_bytes,
     rank_file_name,
     step_dir_name,
+    user_extras,
 )
 from resilient.checkpoint.lease import WriterLease, default_job_id
 from resilient.checkpoint.reader import (
@@ -478,7 +479,7 @@ def _convert_step(
             for k, t in manifest.tensors.items()
         },
         files=files,
-        extras=manifest.extras,
+        extras=user_extras(manifest.extras),  # (not the source's bookkeeping of its commits)
         rank_extras={r: v for r, v in manifest.rank_extras.items() if r < layout.world_size},
         block_bytes=manifest.block_bytes,
         generation=generation,

@@ -543,3 +543,23 @@ def test_export_progress_counts_the_bytes_of_the_dtype_written(tmp_path, monkeyp
     assert runner.invoke(app, args).exit_code == 0
     written = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
     assert seen["total"] == seen["done"] == written["total_size"] == 64 * 64 + 4 * 8 * 16
+
+
+def test_a_converted_or_exported_checkpoint_leaves_the_sources_bookkeeping_out(tmp_path):
+    """A manifest's parent record (as the memory tier's run) says where that commit stands in
+    its own URL's history: convert copied it into another URL's manifest, and the DCP export
+    wrote it as a value of the state."""
+    from reshape.formats.dcp import export_dcp
+    from resilient.checkpoint.format import BOOKKEEPING_KEYS, PARENT_KEY
+
+    src = str(tmp_path / "src")
+    with Checkpointer(src, layout=Layout(dp=1)) as ck:
+        ck.save(1, {"w": torch.ones(4), "lr": 0.5}).wait()
+        ck.save(2, {"w": torch.full((4,), 2.0), "lr": 0.25}).wait()
+    assert PARENT_KEY in Checkpointer(src).manifest(2).extras  # (its parent: step 1)
+    convert(src, str(tmp_path / "dst"), {"dp": 1})
+    out = Checkpointer(str(tmp_path / "dst")).manifest(2).extras
+    assert out == {"lr": 0.25} and not BOOKKEEPING_KEYS & set(out)
+    report = export_dcp(src, str(tmp_path / "dcp"))
+    written = (tmp_path / "dcp" / ".metadata").read_bytes()
+    assert b"_resilient_" not in written and report is not None

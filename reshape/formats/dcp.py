@@ -80,6 +80,7 @@ from resilient.checkpoint.format import (
     check_json_depth,
     dtype_info,
     step_dir_name,
+    user_extras,
 )
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.retention import step_dirs
@@ -265,7 +266,7 @@ def export_dcp(
     values = 0
     written: dict[str, Any] = {}  # DCP key -> JSON value, as dcp.save flattens the extras
     taken = set(state)  # the DCP keys so far: the tensors', and the values' flattened
-    for key, value in manifest.extras.items():
+    for key, value in user_extras(manifest.extras).items():  # (not the commit's bookkeeping)
         if key in manifest.tensors:
             skipped.append(f"{key}: a value with the key of a tensor")
             continue

@@ -57,6 +57,9 @@ __all__ = [
     "recorded_parent",
     "parent_record",
     "PARENT_KEY",
+    "ANCHOR_KEY",
+    "BOOKKEEPING_KEYS",
+    "user_extras",
     "upgrade_v1",
     "check_json_depth",
     "check_variable_parts",
@@ -86,6 +89,12 @@ MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below
 # 5a): {"step": P, "commit_seq": Q, "child_commit_seq": C}, C being the commit's own commit_seq
 # (a manifest copied elsewhere, where it has another, says nothing of that place's commits)
 PARENT_KEY = "_resilient_parent"
+# The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
+# the snapshot's state descends from (snapshots.py)
+ANCHOR_KEY = "_resilient_durable_anchor"
+# The toolkit's own bookkeeping among a manifest's values: about the commit in its place, not
+# the state; a copy elsewhere (reshape convert, an export) leaves them out
+BOOKKEEPING_KEYS = frozenset({RUN_KEY, PARENT_KEY, ANCHOR_KEY})
 _PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
 # A manifest's job_id and toolkit_version (the writer lease caps its strings alike): listing
@@ -1019,3 +1028,8 @@ def _pair(v: Any, where: str) -> tuple[int, int]:
     if len(t) != 2:
         raise CheckpointCorruptError(f"{where} must be [start, end], found {_short(v)}")
     return t[0], t[1]
+
+
+def user_extras(extras: Mapping[str, Any]) -> dict[str, Any]:
+    """A manifest's values without the toolkit's bookkeeping of the commit (BOOKKEEPING_KEYS)."""
+    return {k: v for k, v in extras.items() if k not in BOOKKEEPING_KEYS}

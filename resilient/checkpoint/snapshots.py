@@ -35,7 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 from resilient.checkpoint.catalog import Catalog
-from resilient.checkpoint.format import (
+from resilient.checkpoint.format import (  # (ANCHOR_KEY: what every memory snapshot records)
+    ANCHOR_KEY,
     MAX_RUN,
     Manifest,
 )
@@ -306,10 +307,6 @@ def _fmt(n: float) -> str:
 # The lock a persister process holds on its job's memory directory while it runs
 # (persister.py): the directory is not given back under it.
 PERSISTER_LOCK = "PERSISTER.lock"
-
-# The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
-# the snapshot's state descends from.
-ANCHOR_KEY = "_resilient_durable_anchor"
 
 
 def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
