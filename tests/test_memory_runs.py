@@ -424,3 +424,13 @@ def test_a_later_runs_commit_whose_manifest_cannot_be_read_again_still_outranks(
         assert not fresh.weight.eq(20.0).all()
         monkeypatch.undo()
         assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
+
+
+@pytest.mark.parametrize("anchor", ["²:1", "1:²", "١٢:3", "3:", ":3", "1:2:3", "1_0:2"])
+def test_an_anchor_of_other_digits_records_no_durable_commit(anchor):
+    """str.isdigit takes "²" and Arabic-Indic digits, which int() refuses (a bare ValueError
+    out of a damaged snapshot's manifest): such an anchor names no commit."""
+    from resilient.checkpoint.snapshots import _parse_anchor
+
+    assert _parse_anchor(anchor) is None
+    assert _parse_anchor("12:3") == (12, 3)

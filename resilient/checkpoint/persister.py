@@ -742,8 +742,7 @@ def _promoted(
     }
     extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
     anchor = snap.extras.get(ANCHOR_KEY)  # ("": the job knew of none)
-    # (ASCII only: _parse_anchor's isdigit takes "²", which int() refuses)
-    parsed = _parse_anchor(anchor) if isinstance(anchor, str) and anchor.isascii() else None
+    parsed = _parse_anchor(anchor)
     if parsed is not None:
         extras[PARENT_KEY] = parent_record(parsed, seq)
     run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)

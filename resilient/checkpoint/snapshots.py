@@ -312,7 +312,8 @@ PERSISTER_LOCK = "PERSISTER.lock"
 def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
     if isinstance(anchor, str) and anchor.count(":") == 1:
         a, q = anchor.split(":")
-        if a.isdigit() and q.isdigit() and len(a) < 20 and len(q) < 20:
+        # (ASCII digits: str.isdigit also takes "²", which int() refuses)
+        if a.isascii() and q.isascii() and a.isdigit() and q.isdigit() and len(a) < 20 > len(q):
             return int(a), int(q)
     return None
 
