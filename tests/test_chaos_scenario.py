@@ -309,3 +309,73 @@ def test_a_negative_storage_latency_no_longer_reaches_the_faulty_filesystem(tmp_
     s = _scenario(faults='[[faults]]\nkind = "storage"\nlatency_s = 0.001\n')
     fs = FaultyFileSystem(faults=[harness._storage_rule(f) for f in s.storage_faults])
     assert fs.exists(str(tmp_path))
+
+
+# --- fields that another kind reads, or that the rest of the scenario makes meaningless -------
+
+JOB_30 = TRAINER_JOB.replace("steps = 4\nsave_every = 2", "steps = 30\nsave_every = 5")
+
+
+@pytest.mark.parametrize(
+    "fault, field, kind",
+    [
+        ('kind = "storage"\nerror = "transient"\nstep = 12', "step", "storage"),
+        ('kind = "storage"\nerror = "permanent"\nat_s = 8.0', "at_s", "storage"),
+        ('kind = "storage"\nerror = "permanent"\nrank = 1', "rank", "storage"),
+        ('kind = "kill"\nrank = 1\nstep = 12\nerror = "enospc"', "error", "kill"),
+        ('kind = "kill"\nrank = 1\nstep = 12\nprobability = 0.1', "probability", "kill"),
+        ('kind = "kill"\nrank = 1\nstep = 12\ncount = 3', "count", "kill"),
+        ('kind = "kill"\nrank = 1\nstep = 12\nseconds = 9.0', "seconds", "kill"),
+        ('kind = "kill"\nrank = 1\nstep = 12\nfactor = 3.0', "factor", "kill"),
+        ('kind = "kill_job"\nstep = 12\nseconds = 2.0', "seconds", "kill_job"),
+    ],
+)
+def test_a_fault_field_its_kind_does_not_read_is_refused_naming_field_and_kind(fault, field, kind):
+    """A storage fault with step = 12 fired from the start; a kill fault with probability = 0.1
+    killed every time: the parser accepted fields that the fault's kind never reads."""
+    with pytest.raises(ScenarioError) as e:
+        _scenario(job=JOB_30, faults=f"[[faults]]\n{fault}\n")
+    assert f"faults[0].{field}: a {kind} fault has no {field}; its fields are " in str(e.value)
+
+
+def test_when_save_at_a_step_without_a_save_is_refused():
+    """The hook fires at the first save at or after the step: step 12 with save_every 5 fired
+    during step 15's save, silently."""
+    with pytest.raises(ScenarioError) as e:
+        _scenario(
+            job=JOB_30, faults='[[faults]]\nkind = "kill"\nrank = 1\nstep = 12\nwhen = "save"\n'
+        )
+    assert (
+        "faults[0].step: 12 is not a save step of this job (save_every 5, steps 30: saves at "
+        "5, 10, 15, 20, 25, 30); use one of them, e.g. [10, 15]"
+    ) in str(e.value)
+    for step in (10, 30):  # a save step, and the final step's save
+        _scenario(
+            job=JOB_30,
+            faults=f'[[faults]]\nkind = "stop"\nrank = 1\nstep = {step}\nwhen = "save"\n',
+        )
+    # a harness-side fault never sees a save
+    two = JOB_30.replace("nproc = 2", "nproc = 1\nnodes = 2")
+    with pytest.raises(ScenarioError, match=r"faults\[0\]\.when: 'save': a kill_node fault fires"):
+        _scenario(
+            job=two, faults='[[faults]]\nkind = "kill_node"\nnode = 1\nstep = 10\nwhen = "save"\n'
+        )
+
+
+@pytest.mark.parametrize(
+    "expect, message",
+    [
+        ('final_state = "exact"\nrtol = 0.5', "expect.rtol: a tolerance of final_state 'close'"),
+        ('final_state = "any"\natol = 0.5', "expect.atol: a tolerance of final_state 'close'"),
+        ("moment_rtol = 0.5", "expect.moment_rtol: a tolerance of final_state 'close'"),
+        ('error_contains = "Boom"', "expect.error_contains: the error a failing job must log"),
+        ('final_state = "any"\nloss_rtol = 100.0', "expect.loss_rtol: final_state 'any' runs no"),
+    ],
+)
+def test_expectations_that_contradict_each_other_are_refused(expect, message):
+    with pytest.raises(ScenarioError) as e:
+        _scenario(expect=expect)
+    assert message in str(e.value)
+    # and what they belong with is accepted
+    _scenario(expect='final_state = "close"\nrtol = 0.5\natol = 0.1\nmoment_rtol = 0.5')
+    _scenario(expect='completed = false\nerror_contains = "Boom"\nfinal_state = "any"')

@@ -431,6 +431,16 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     kind = v.typed(t, "kind", str, at, required=True)
     if kind not in KINDS:
         v.fail(at, "kind", f"{kind!r} is not a fault kind; one of {', '.join(KINDS)}")
+    # a field another kind reads would be ignored here, and change what the scenario means
+    for k in t:
+        if k not in FAULT_FIELDS[kind]:
+            v.fail(
+                at,
+                k,
+                f"a {kind} fault has no {k}; its fields are "
+                f"{', '.join(sorted(FAULT_FIELDS[kind]))} (remove {k}, or use the kind it "
+                f"belongs to)",
+            )
     world = job.nproc * job.nodes
     rank = v.typed(t, "rank", int, at, default=None)
     if rank is not None and not 0 <= rank < world:
@@ -455,6 +465,27 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
     steps = job.steps
     if step is not None and (step < 1 or (steps is not None and step > steps)):
         v.fail(at, "step", f"{step} is outside the job's steps 1..{steps}")
+    if when == "save" and (kind not in IN_RANK_KINDS or at_s is not None):
+        v.fail(
+            at,
+            "when",
+            f"'save': a {kind} fault "
+            + ("with at_s fires at a time" if at_s is not None else "fires from the harness")
+            + ", not inside a rank's save; give when = 'step' (or leave it out)",
+        )
+    if when == "save" and step is not None and steps is not None:
+        # the loop's hook runs at durable saves only (not the memory tier's snapshots), and a
+        # step without one would fire at the next save instead
+        every = job.save_every or 0
+        saved = [s for s in range(1, steps + 1) if (every and s % every == 0) or s == steps]
+        if step not in saved:
+            near = [s for s in saved if s > step][:1] + [s for s in saved if s < step][-1:]
+            v.fail(
+                at,
+                "step",
+                f"{step} is not a save step of this job (save_every {every}, steps {steps}: "
+                f"saves at {_shown(saved)}); use one of them, e.g. {sorted(near)}",
+            )
     if kind == "storage":
         error = v.typed(t, "error", str, at, default=None)
         latency = v.at_least(t, "latency_s", at, 0, kind=(int, float))
@@ -555,6 +586,40 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
 
 TIERS = ("durable", "memory")
 
+# the fields each kind of fault reads (every other field is refused: it would be ignored).
+# A node beside a rank fault's rank is still accepted (tests/test_chaos.py holds it harmless:
+# the rank is global, the node unread).
+_TRIGGER = frozenset({"id", "kind", "step", "when", "after", "node"})
+_EXTERNAL = frozenset({"id", "kind", "step", "at_s", "when"})
+FAULT_FIELDS: dict[str, frozenset[str]] = {
+    "kill": _TRIGGER | {"rank", "at_s"},
+    "stop": _TRIGGER | {"rank", "at_s"},
+    "raise": _TRIGGER | {"rank"},
+    "hang": _TRIGGER | {"rank"},
+    "pause": _TRIGGER | {"rank", "seconds"},
+    "slow": _TRIGGER | {"rank", "seconds", "factor", "mode"},
+    "corrupt": _TRIGGER | {"rank", "tier"},
+    "truncate": _TRIGGER | {"rank", "tier"},
+    # (a trigger or after on a skew fault is refused below, with why)
+    "skew": frozenset({"id", "kind", "rank", "node", "seconds", "step", "at_s", "when", "after"}),
+    "kill_node": _EXTERNAL | {"node"},
+    "replace_node": _EXTERNAL | {"node"},
+    "kill_job": _EXTERNAL,
+    "crash_job": _EXTERNAL,
+    "storage": frozenset(
+        {"id", "kind", "error", "op", "path", "probability", "count", "skip", "latency_s"}
+    ),
+}
+assert set(FAULT_FIELDS) == set(KINDS)
+
+
+def _shown(steps: list[int]) -> str:
+    return (
+        ", ".join(map(str, steps))
+        if len(steps) <= 8
+        else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    )
+
 
 def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
     at = ("expect",)
@@ -571,13 +636,37 @@ def _expect(v: _Validator, t: dict[str, Any], job: Job) -> Expect:
         v.fail(
             at, "hang_rank", f"{hang_rank} is not a rank of this {world}-rank job (0..{world - 1})"
         )
+    if final != "close":
+        for k in ("rtol", "atol", "moment_rtol"):
+            if k in t:
+                v.fail(
+                    at,
+                    k,
+                    f"a tolerance of final_state 'close', found with final_state {final!r}, "
+                    f"which ignores it; remove {k} or say final_state = 'close'",
+                )
+    if final == "any" and "loss_rtol" in t:
+        v.fail(
+            at,
+            "loss_rtol",
+            "final_state 'any' runs no reference, so no loss curve is compared; remove "
+            "loss_rtol or say final_state = 'exact' or 'close'",
+        )
+    completed = v.typed(t, "completed", bool, at, default=True)
+    if completed and "error_contains" in t:
+        v.fail(
+            at,
+            "error_contains",
+            "the error a failing job must log, found with completed = true (a job that "
+            "completes is not searched for it); say completed = false or remove error_contains",
+        )
     floats = {}
     for k in ("rtol", "atol", "moment_rtol", "loss_rtol", "detect_within_s", "recover_within_s"):
         x = v.at_least(t, k, at, 0, kind=(int, float))
         if x is not None:
             floats[k] = float(x)
     return Expect(
-        completed=v.typed(t, "completed", bool, at, default=True),
+        completed=completed,
         final_state=final,
         max_steps_lost=v.at_least(t, "max_steps_lost", at, 0),
         verdict=verdict,
