@@ -385,3 +385,177 @@ def test_a_malformed_samples_record_fails_the_check_naming_the_step(samples: Any
     out = verify._samples_once(_history([[0, 8], samples]), 2)
     assert out.ok is False
     assert f"step 2 records samples {samples!r}: expected [first id, count]" in out.detail
+
+
+# --- the second review: wrong runs the verifier called PASSED ---------------------------------
+
+
+def _save(root: Path, steps: tuple[int, ...], extras: dict[str, Any] | None = None) -> None:
+    """A real checkpoint of a tiny state at each step (extras: its non-tensor values)."""
+    from resilient import Checkpointer
+
+    with Checkpointer(str(root / "ckpt")) as ck:
+        for step in steps:
+            state = {"model": {"w": torch.arange(4.0)}, "optim": {"m": torch.ones(4)}}
+            ck.save(step, {**state, **(extras or {})}).wait()
+
+
+def _check(outcome, name: str) -> Check:
+    return next(c for c in outcome.checks if c.name == name)
+
+
+def test_samples_missing_after_the_last_range_fail_the_check() -> None:
+    """The total was counted from the ranges seen, so ids never served after the last range
+    (a replica that served nothing at the last step, or never recorded) went unnoticed."""
+    for last in ([[4, 2], [6, 0]], [[4, 2]]):
+        out = verify._samples_once(_history([[[0, 2], [2, 2]], last]), 2, even=True)
+        assert out.ok is False, last
+        assert "skipped [(6, 8)]" in out.detail
+        assert "steps served other than the global batch of 4: step 2: 2" in out.detail
+    # the scenario's global batch says how many each step serves, even if every step fell short
+    out = verify._samples_once(_history([[0, 2], [2, 2]]), 2, global_batch=4, even=True)
+    assert out.ok is False and "4 samples in 2 steps (expected 8)" in out.detail
+    # and a step that served other ids than the reference's step fails, however they tile
+    ref = _history([[[0, 2], [2, 2]], [[4, 2], [6, 2]]])
+    swapped = _history([[[4, 4]], [[0, 4]]])
+    out = verify._samples_once(swapped, 2, reference=ref, even=True)
+    assert out.ok is False
+    assert (
+        "steps [1, 2] served other samples than the reference's, e.g. step 1: [(4, 8)], "
+        "the reference's [(0, 4)]"
+    ) in out.detail
+    # the same ids split otherwise (a run in another layout) match
+    other_split = _history([[[0, 4]], [[4, 1], [5, 3]]])
+    assert verify._samples_once(other_split, 2, reference=ref, even=True).ok
+
+
+def test_steps_that_record_no_samples_fail_the_check_the_scenario_asks_for(tmp_path) -> None:
+    """Only history[0] was looked at, and a job that recorded no samples made the check n/a."""
+    out = verify._samples_once([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}], 2)
+    assert out.ok is False
+    assert "steps [1, 2] (of 2) record no samples: the scenario expects every sample" in out.detail
+    partly = _history([[0, 8]]) + [{"step": 2, "loss": 1.0}]
+    assert verify._samples_once(partly, 2).ok is False
+    assert verify._samples_once([], 2).ok is False
+
+
+def test_a_damaged_manifest_of_a_committed_step_fails_checkpoints_verify(tmp_path) -> None:
+    """ck.steps() hides a step whose MANIFEST.json was torn after its commit: the check saw
+    the other steps verify and passed."""
+    run = tmp_path / "run"
+    _save(run, (1, 2))
+    manifest = run / "ckpt" / "step_00000001" / "MANIFEST.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    out = verify._verify_checkpoints(RunPaths(run), [])
+    assert out.ok is False
+    assert "steps [2] verify; steps [1] fail; unexpected: [1] (step 1: " in out.detail
+    # the scenario's own durable damage of that step is excused; a memory snapshot's is not
+    damage = {"event": "fault_detail", "id": "rot", "step": 1, "file": "MANIFEST.json"}
+    assert verify._verify_checkpoints(RunPaths(run), [{**damage, "tier": "durable"}]).ok
+    assert verify._verify_checkpoints(RunPaths(run), [{**damage, "tier": "memory"}]).ok is False
+    # nothing left that verifies: a failure, not "does not apply"
+    manifest = run / "ckpt" / "step_00000002" / "MANIFEST.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    every = [{**damage, "tier": "durable", "step": s} for s in (1, 2)]
+    out = verify._verify_checkpoints(RunPaths(run), every)
+    assert out.ok is False and "no step verifies" in out.detail
+
+
+def test_the_final_state_compares_the_non_tensor_values_too(tmp_path) -> None:
+    """Only model.* and optim.* tensors were compared: a final checkpoint whose loader position
+    and token counter were wrong was called bit-identical."""
+    good = {"data": {"next_step": 5}, "train": {"tokens": 2048}, "rng": {"python": "a"}}
+    _save(tmp_path / "ref", (4,), good)
+    exact = Expect(final_state="exact")
+
+    def compare(name: str, extras: dict[str, Any]) -> Check:
+        _save(tmp_path / name, (4,), extras)
+        return verify._compare_final(
+            RunPaths(tmp_path / name), RunPaths(tmp_path / "ref"), 4, exact
+        )
+
+    # the processes' own RNG states differ between honest runs: not compared
+    same = compare("same", {**good, "rng": {"python": "b"}})
+    assert same.ok, same.detail
+    bad = compare("bad", {**good, "data": {"next_step": 1}, "train": {"tokens": 999}})
+    assert bad.ok is False
+    assert "step 4: tensors match, but 2 non-tensor values differ" in bad.detail
+    assert "data.next_step: 1, the reference's 5; train.tokens: 999, the reference's 2048" in (
+        bad.detail
+    )
+    gone = compare("gone", {"data": {"next_step": 5}, "rng": {"python": "a"}})
+    assert gone.ok is False and "train.tokens: '(absent)', the reference's 2048" in gone.detail
+
+
+def test_a_command_job_compares_final_states_of_the_same_step_only(tmp_path) -> None:
+    """A command job (no steps) compared each run's newest step, whatever they were: a run that
+    stopped at step 2 matched a reference at step 4 whose state happened to be the same."""
+    _save(tmp_path / "ref", (2, 4))
+    _save(tmp_path / "run", (2,))
+    out = verify._compare_final(
+        RunPaths(tmp_path / "run"), RunPaths(tmp_path / "ref"), None, Expect(final_state="exact")
+    )
+    assert out.ok is False
+    assert "the run's newest committed step is 2, the reference's 4" in out.detail
+    _save(tmp_path / "run", (4,))
+    same = verify._compare_final(
+        RunPaths(tmp_path / "run"), RunPaths(tmp_path / "ref"), None, Expect(final_state="exact")
+    )
+    assert same.ok, same.detail
+
+
+def test_an_exact_final_state_without_a_reference_fails(tmp_path) -> None:
+    """With no reference recorded, final_state = "exact" was 'not compared' and the run passed."""
+    run = tmp_path / "run"
+    _write_run(run, [5.0, 4.0, 3.0, 2.0])
+    _save(run, (4,))
+    out = verify_run(_scenario(), run, _launch(run), None)
+    final = _check(out, "final state matches the reference")
+    assert final.ok is False and "no fault-free reference run is recorded" in final.detail
+    assert not out.passed
+    # "any" asks for no reference
+    anyway = verify_run(_scenario(expect='final_state = "any"'), run, _launch(run), None)
+    assert _check(anyway, "final state matches the reference").ok is None
+
+
+def test_a_reference_without_step_records_fails_the_loss_curve(tmp_path) -> None:
+    """The loss curve check vanished when the reference had no metrics: a run whose loss was 9x
+    the reference's passed."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _save(ref, (4,))
+    _save(run, (4,))
+    _write_run(run, [9.0, 9.0, 9.0, 9.0])
+    out = verify_run(_scenario(), run, _launch(run), ref)
+    loss = _check(out, "loss curve matches the reference")
+    assert loss.ok is False
+    assert f"the reference run {ref} recorded no step ({ref / 'metrics.jsonl'} is missing" in (
+        loss.detail
+    )
+    # a run without records against a reference with them fails too
+    _write_run(ref, [5.0, 4.0, 3.0, 2.0])
+    (run / "metrics.jsonl").unlink()
+    loss = _check(
+        verify_run(_scenario(), run, _launch(run), ref), "loss curve matches the reference"
+    )
+    assert loss.ok is False and "this run recorded no step" in loss.detail
+
+
+def test_a_reference_whose_files_are_gone_is_not_reused(tmp_path) -> None:
+    """run_reference reused any reference whose run.json said it succeeded, even with its
+    metrics or checkpoints removed since."""
+    from resilient.chaos.harness import reference_complete
+
+    job = _scenario().job  # steps = 4
+    ref = tmp_path / "ref"
+    _write_run(ref, [5.0, 4.0, 3.0, 2.0])
+    _save(ref, (4,))
+    assert reference_complete(job, RunPaths(ref))
+    _write_run(ref, [5.0, 4.0])  # cut short
+    assert not reference_complete(job, RunPaths(ref))
+    (ref / "metrics.jsonl").unlink()
+    assert not reference_complete(job, RunPaths(ref))
+    _write_run(ref, [5.0, 4.0, 3.0, 2.0])
+    import shutil
+
+    shutil.rmtree(ref / "ckpt")
+    assert not reference_complete(job, RunPaths(ref))

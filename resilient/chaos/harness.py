@@ -35,7 +35,7 @@ from typing import Any
 
 from resilient import forkserver
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
-from resilient.chaos.jsonl import records_of_line
+from resilient.chaos.jsonl import read_jsonl, records_of_line
 from resilient.chaos.scenario import COMMAND_PLACEHOLDERS, JOB_KILLS, NODE_KILLS, Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
@@ -125,12 +125,25 @@ def run_reference(job: Job, directory: Path, *, say: Any = print) -> Launch:
         paths = RunPaths(directory)
         if paths.run_json.exists():
             done = Launch.from_json(json.loads(paths.run_json.read_text()))
-            if done.succeeded:
+            if done.succeeded and reference_complete(job, paths):
                 return done
         if directory.exists():
             shutil.rmtree(directory)
         say(f"  reference: the same job without faults -> {directory}")
         return launch_job(job, paths, [])
+
+
+def reference_complete(job: Job, paths: RunPaths) -> bool:
+    """Whether a finished reference still holds what a verification reads: its checkpoints, and
+    (a trainer job) its per-step records up to the final step.  A run.json alone says it
+    succeeded once, not that its files are still there (a metrics file or checkpoint removed
+    since left the loss curve, the samples and the final state unchecked)."""
+    if not paths.ckpt.is_dir():
+        return False
+    if job.steps is None:
+        return True
+    last = max((r["step"] for r in read_jsonl(paths.metrics, "step")), default=None)
+    return last == job.steps
 
 
 def launch_job(

@@ -268,14 +268,45 @@ def verify_run(
     applies = exp.completed and launch.succeeded
     # 3. the final state against the fault-free reference
     ref_history: list[dict[str, Any]] = []
-    if reference is not None and exp.final_state != "any" and applies:
+    compared = exp.final_state != "any" and applies
+    if compared and reference is None:
+        checks.append(
+            Check(
+                "final state matches the reference",
+                False,
+                f"no fault-free reference run is recorded for this run (run.json's reference is "
+                f"null), so nothing vouches for final_state {exp.final_state!r}; run the scenario "
+                f"with `resilient chaos run`, which runs the reference, or say final_state = 'any'",
+            )
+        )
+    elif compared:
         ref_history = lineage(read_jsonl(RunPaths(reference).metrics, "step"))[0]
         checks.append(_compare_final(paths, RunPaths(reference), job.steps, exp))
     else:
         checks.append(Check("final state matches the reference", None, "not compared"))
 
-    # 4. the loss curve
-    if ref_history and history:
+    # 4. the loss curve (a side without records fails it: a job that records none on either
+    # side, a command job's, has no curve to compare)
+    if compared and reference is not None and not (ref_history and history):
+        if ref_history or history or job.trainer is not None:
+            checks.append(
+                Check(
+                    "loss curve matches the reference",
+                    False,
+                    (
+                        f"the reference run {reference} recorded no step ("
+                        f"{RunPaths(reference).metrics} is missing or empty); delete it so the "
+                        f"next run makes it again"
+                    )
+                    if not ref_history
+                    else f"this run recorded no step ({paths.metrics} is missing or empty)",
+                )
+            )
+        else:
+            checks.append(
+                Check("loss curve matches the reference", None, "neither run records metrics")
+            )
+    elif compared and ref_history and history:
         ref_loss = {r["step"]: r["loss"] for r in ref_history}
         tol = (
             exp.loss_rtol
@@ -362,7 +393,15 @@ def verify_run(
 
     # 7. every global sample exactly once in the committed history
     if exp.samples_exactly_once and applies:
-        checks.append(_samples_once(history, job.steps))
+        checks.append(
+            _samples_once(
+                history,
+                job.steps,
+                reference=ref_history or None,
+                global_batch=None if job.trainer is None else job.trainer.get("global_batch"),
+                even=job.trainer is not None,
+            )
+        )
     # "peer": from memory, with files another node held (a replica, or a file of another node's)
     m["restore_sources"] = [
         "peer" if e.get("peer_files") else e.get("source", "durable")
@@ -725,8 +764,21 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
 
     name = "final state matches the reference"
     try:
+        if steps is None:  # a command job: both runs' newest steps, which must be the same
+            ref_step = Checkpointer(str(ref.ckpt)).latest_step()
+            run_step = Checkpointer(str(run.ckpt)).latest_step()
+            if ref_step is None or ref_step != run_step:
+                return Check(
+                    name,
+                    False,
+                    f"the run's newest committed step is {run_step}, the reference's "
+                    f"{ref_step}: the final states of different steps are not comparable "
+                    f"(did the run stop early, or commit a step the reference never reached?)",
+                )
+            steps = run_step
         a = gather_checkpoint(str(ref.ckpt), steps)
         b = gather_checkpoint(str(run.ckpt), steps)
+        extras = _compare_extras(str(ref.ckpt), str(run.ckpt), steps, exp)
     except ResilientError as e:
         return Check(name, False, f"cannot read a final checkpoint: {e}")
     if a.keys() != b.keys():
@@ -757,13 +809,72 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
             False,
             f"step {step}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}{why}",
         )
+    if extras:
+        return Check(
+            name,
+            False,
+            f"step {step}: tensors match, but {len(extras)} non-tensor values differ (loader "
+            f"position, counters, optimizer settings: what a resumed run continues from), e.g. "
+            + "; ".join(extras[:3]),
+        )
     extra = (
         f" (largest relative difference in norm: weights {worst['weights']:.1e}, "
         f"moments {worst['moments']:.1e})"
         if exp.final_state == "close"
         else ""
     )
-    return Check(name, True, f"step {step}: all {len(a)} tensors {what}{extra}")
+    return Check(
+        name, True, f"step {step}: all {len(a)} tensors {what}{extra}, and its other values equal"
+    )
+
+
+# Non-tensor state that legitimately differs between a run and its reference: the processes'
+# RNG states (python's and numpy's are seeded by the OS in each process; the trainer draws from
+# its own seeded generators), measured different on every built-in quick scenario, faults or not.
+_UNCOMPARED_EXTRAS = ("rng.",)
+
+
+def _compare_extras(ref_url: str, run_url: str, step: int, exp: Any) -> list[str]:
+    """The manifest's non-tensor values (the loader position, step and token counters, the
+    optimizer's param_groups, the job's config) that differ at ``step``, as "key: value, the
+    reference's value".  Rank 0's values always; other ranks' own values where both runs had the
+    same layout (another layout has other ranks).  Numbers exactly, floats within rtol in
+    "close"."""
+    from resilient import Checkpointer
+
+    with Checkpointer(ref_url) as ck:
+        ref = ck.manifest(step)
+    with Checkpointer(run_url) as ck:
+        run = ck.manifest(step)
+
+    def kept(d: Any) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if not k.startswith(_UNCOMPARED_EXTRAS)}
+
+    pairs = [("", kept(ref.extras), kept(run.extras))]
+    if ref.layout == run.layout:
+        for r in sorted(set(ref.rank_extras) | set(run.rank_extras)):
+            x, y = kept(ref.rank_extras.get(r, {})), kept(run.rank_extras.get(r, {}))
+            pairs.append((f"rank {r}'s ", x, y))
+    differ = []
+    for who, x, y in pairs:
+        for k in sorted(set(x) | set(y)):
+            missing = "(absent)"
+            a, b = x.get(k, missing), y.get(k, missing)
+            if not _same_value(a, b, exp):
+                differ.append(f"{who}{k}: {b!r}, the reference's {a!r}")
+    return differ
+
+
+def _same_value(a: Any, b: Any, exp: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k], exp) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_value(x, y, exp) for x, y in zip(a, b))
+    if isinstance(a, float) and exp.final_state == "close":
+        return a == b or math.isclose(a, b, rel_tol=exp.rtol)
+    return a == b
 
 
 def _close(k: str, x: Any, y: Any, exp: Any, worst: dict[str, float]) -> bool:
@@ -828,31 +939,71 @@ def _verify_checkpoints(paths: RunPaths, events: list[dict[str, Any]]) -> Check:
     name = "committed checkpoints verify"
     if not paths.ckpt.exists():
         return Check(name, None, "no checkpoints")
-    damaged = {e["step"] for e in events if e["event"] == "fault_detail"}
+    # the durable steps the scenario's own corrupt/truncate faults damaged (a memory-tier
+    # fault's step number says nothing about the durable step of that number)
+    damaged = {
+        e["step"]
+        for e in events
+        if e["event"] == "fault_detail" and e.get("tier", "durable") == "durable"
+    }
     bad, good = [], []
     with Checkpointer(str(paths.ckpt)) as ck:
-        for s in ck.steps():
+        catalog = ck.catalog()
+        for s in catalog.steps():
             try:
                 ok = ck.verify(s).ok
             except ResilientError:
                 ok = False
             (good if ok else bad).append(s)
+    # a step whose manifest was damaged after its commit is no longer listed as committed:
+    # the catalog still has it, as damaged
+    torn = {i.step: i.problem for i in catalog.damaged()}
+    bad = sorted({*bad, *torn})
     unexpected = [s for s in bad if s not in damaged]
     detail = f"steps {good} verify"
     if bad:
         detail += f"; steps {bad} fail" + (
             " (damaged by the scenario itself)" if not unexpected else f"; unexpected: {unexpected}"
         )
+        why = [f"step {s}: {torn[s]}" for s in unexpected if s in torn]
+        if why:
+            detail += f" ({'; '.join(why[:2])})"
     if not good and not bad:
         return Check(name, None, "no committed step")
+    if not good:
+        return Check(
+            name, False, detail + "; no step verifies: nothing committed is left to resume from"
+        )
     return Check(name, not unexpected, detail)
 
 
-def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
+def _samples_once(
+    history: list[dict[str, Any]],
+    steps: int | None,
+    *,
+    reference: list[dict[str, Any]] | None = None,
+    global_batch: int | None = None,
+    even: bool = False,
+) -> Check:
+    """Every global sample consumed exactly once in the committed history: the ids served cover
+    0..total-1 once each, where the total is the steps times the global batch (the scenario's
+    ``global_batch``, else the reference's first step, else the largest step's count) where
+    every step serves a global batch (``even``: a trainer job); and each step served the same
+    ids as the reference's step of that number, where there is a reference."""
     name = "every sample consumed exactly once"
-    if not history or "samples" not in history[0]:
-        return Check(name, None, "the job records no samples")
+    if not history:
+        return Check(name, False, "no step recorded, so no sample either")
+    unrecorded = [r.get("step") for r in history if "samples" not in r]
+    if unrecorded:
+        return Check(
+            name,
+            False,
+            f"steps {unrecorded[:5]} (of {len(history)}) record no samples: the scenario expects "
+            "every sample consumed exactly once, which needs each step's [first id, count] "
+            "records; a job that cannot record them says samples_exactly_once = false",
+        )
     seen: list[tuple[int, int]] = []
+    per_step: dict[int, list[tuple[int, int]]] = {}
     for r in history:
         ranges = _sample_ranges(r.get("samples"))
         if ranges is None:
@@ -862,25 +1013,73 @@ def _samples_once(history: list[dict[str, Any]], steps: int | None) -> Check:
                 f"step {r.get('step')} records samples {r.get('samples')!r}: expected "
                 "[first id, count] or a list of them (one per data replica)",
             )
+        per_step[r["step"]] = _merged([(a, a + n) for a, n in ranges if n])
         seen.extend((a, a + n) for a, n in ranges if n)
     if not seen:
         return Check(name, False, f"no sample in {len(history)} steps")
     seen.sort()
     total = sum(b - a for a, b in seen)
+    problems = []
+    if even:
+        counts = {st: sum(b - a for a, b in v) for st, v in per_step.items()}
+        ref_first = _sample_ranges(reference[0].get("samples")) if reference else None
+        batch = (
+            global_batch
+            or (sum(n for _, n in ref_first) if ref_first else None)
+            or max(counts.values())
+        )
+        short = [(st, n) for st, n in counts.items() if n != batch]
+        if short:
+            problems.append(
+                f"steps served other than the global batch of {batch}: "
+                + ", ".join(f"step {st}: {n}" for st, n in short[:3])
+            )
+        expected = batch * (steps if steps is not None else len(history))
+    else:
+        expected = total
     overlaps = [(p, q) for p, q in zip(seen, seen[1:]) if q[0] < p[1]]
     holes = [(p[1], q[0]) for p, q in zip(seen, seen[1:]) if q[0] > p[1]]
-    if (end := max(b for _, b in seen)) < total:  # as many reads as ids 0..total-1: the rest unread
-        holes.append((end, total))
-    covered = seen[0][0] == 0 and not holes and not overlaps
+    end = max(b for _, b in seen)
+    if seen[0][0] > 0:
+        holes.insert(0, (0, seen[0][0]))
+    if end < max(total, expected):  # ids 0..expected-1 should have been read: the rest unread
+        holes.append((end, max(total, expected)))
+    covered = not holes and not overlaps and total == expected
     if steps is not None:
         covered = covered and len(history) == steps
-    if overlaps or holes or not covered:
+    if reference:
+        ref_steps = {
+            r["step"]: _merged([(a, a + n) for a, n in rs if n])
+            for r in reference
+            if (rs := _sample_ranges(r.get("samples"))) is not None
+        }
+        other = [st for st, ids in per_step.items() if ref_steps.get(st) != ids]
+        if other:
+            st = other[0]
+            problems.append(
+                f"steps {other[:5]} served other samples than the reference's, e.g. step {st}: "
+                f"{per_step[st]}, the reference's {ref_steps.get(st, 'no such step')}"
+            )
+    if overlaps or holes or not covered or problems:
         return Check(
             name,
             False,
-            f"{total} samples in {len(history)} steps; repeated {overlaps[:3]}, skipped {holes[:3]}",
+            f"{total} samples in {len(history)} steps (expected {expected}); repeated "
+            f"{overlaps[:3]}, skipped {holes[:3]}" + "".join(f"; {p}" for p in problems),
         )
-    return Check(name, True, f"samples 0..{seen[-1][1] - 1} each once over {len(history)} steps")
+    return Check(name, True, f"samples 0..{end - 1} each once over {len(history)} steps")
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Half-open id ranges, sorted and joined where they touch: a step's ids however the data
+    replicas split them (a run in another layout splits the same ids otherwise)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _sample_ranges(v: Any) -> list[tuple[int, int]] | None:
