@@ -21,6 +21,7 @@ from resilient.chaos.faults import DAMAGE_KINDS
 from resilient.chaos.harness import Launch, RunPaths
 from resilient.chaos.jsonl import read_jsonl
 from resilient.chaos.scenario import Scenario
+from resilient.checkpoint.format import RUN_KEY
 from resilient.health.detector import STARTUP_LIVENESS_PHASES, DetectorConfig
 
 __all__ = [
@@ -830,8 +831,10 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
 
 # Non-tensor state that legitimately differs between a run and its reference: the processes'
 # RNG states (python's and numpy's are seeded by the OS in each process; the trainer draws from
-# its own seeded generators), measured different on every built-in quick scenario, faults or not.
-_UNCOMPARED_EXTRAS = ("rng.",)
+# its own seeded generators), measured different on every built-in quick scenario, faults or
+# not; and the toolkit's own bookkeeping, not training state (RUN_KEY: which memory-tier run
+# made the commit, 2 after memory-kill-rank's restart, 1 in its reference).
+_UNCOMPARED_EXTRAS = ("rng.", RUN_KEY)
 
 
 def _compare_extras(ref_url: str, run_url: str, step: int, exp: Any) -> list[str]:
