@@ -478,6 +478,11 @@ def test_the_final_state_compares_the_non_tensor_values_too(tmp_path) -> None:
     # run counter after a restart: not compared
     same = compare("same", {**good, "rng": {"python": "b"}, "_resilient_memory_run": 2})
     assert same.ok, same.detail
+    # nor the commit each descends from (a run with a save more, after a restart, than its
+    # reference: its step 4 records step 3 as its parent, the reference's none)
+    _save(tmp_path / "more", (3, 4), good)
+    more = verify._compare_final(RunPaths(tmp_path / "more"), RunPaths(tmp_path / "ref"), 4, exact)
+    assert more.ok, more.detail
     bad = compare("bad", {**good, "data": {"next_step": 1}, "train": {"tokens": 999}})
     assert bad.ok is False
     assert "step 4: tensors match, but 2 non-tensor values differ" in bad.detail

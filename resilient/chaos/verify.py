@@ -21,7 +21,7 @@ from resilient.chaos.faults import DAMAGE_KINDS
 from resilient.chaos.harness import Launch, RunPaths
 from resilient.chaos.jsonl import read_jsonl
 from resilient.chaos.scenario import Scenario
-from resilient.checkpoint.format import RUN_KEY
+from resilient.checkpoint.format import BOOKKEEPING_KEYS
 from resilient.health.detector import STARTUP_LIVENESS_PHASES, DetectorConfig
 
 __all__ = [
@@ -832,9 +832,10 @@ def _compare_final(run: RunPaths, ref: RunPaths, steps: int | None, exp: Any) ->
 # Non-tensor state that legitimately differs between a run and its reference: the processes'
 # RNG states (python's and numpy's are seeded by the OS in each process; the trainer draws from
 # its own seeded generators), measured different on every built-in quick scenario, faults or
-# not; and the toolkit's own bookkeeping, not training state (RUN_KEY: which memory-tier run
-# made the commit, 2 after memory-kill-rank's restart, 1 in its reference).
-_UNCOMPARED_EXTRAS = ("rng.", RUN_KEY)
+# not; and the toolkit's own bookkeeping of each commit, not training state (BOOKKEEPING_KEYS:
+# which memory-tier run made the commit, 2 after memory-kill-rank's restart, 1 in its reference;
+# the commit it descends from, numbered by that run's own commits).
+_UNCOMPARED_EXTRAS = ("rng.", *BOOKKEEPING_KEYS)
 
 
 def _compare_extras(ref_url: str, run_url: str, step: int, exp: Any) -> list[str]:
