@@ -102,7 +102,10 @@ def test_a_good_scenario_parses_with_defaults():
             ("nproc = 4", "nproc = 4\nnodes = 3"),
             "bad.toml:7: job.nodes: 3: localhost jobs take 1 or 2",
         ),
-        (("rank = 1", "rank = 1\nnode = 1"), None),  # a stray node on a rank fault is harmless
+        (
+            ("rank = 1", "rank = 1\nnode = 1"),  # (the rank is global: the node would be unread)
+            "faults[0].node: a kill fault has no node; its fields are",
+        ),
         (
             ("step = 12", 'when = "import"'),
             None,  # a start-up phase is a trigger of its own

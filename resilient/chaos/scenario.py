@@ -587,9 +587,9 @@ def _fault(v: _Validator, t: Any, i: int, job: Job) -> Fault:
 TIERS = ("durable", "memory")
 
 # the fields each kind of fault reads (every other field is refused: it would be ignored).
-# A node beside a rank fault's rank is still accepted (tests/test_chaos.py holds it harmless:
-# the rank is global, the node unread).
-_TRIGGER = frozenset({"id", "kind", "step", "when", "after", "node"})
+# A rank fault takes no node: its rank is global ("rank = 1, node = 1" on two nodes of two
+# ranks would read as node 1's rank 1 and hit rank 1, on node 0).
+_TRIGGER = frozenset({"id", "kind", "step", "when", "after"})
 _EXTERNAL = frozenset({"id", "kind", "step", "at_s", "when"})
 FAULT_FIELDS: dict[str, frozenset[str]] = {
     "kill": _TRIGGER | {"rank", "at_s"},
