@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -169,6 +170,40 @@ def test_run_adopting_the_early_monitor_brings_no_false_verdict(tmp_path):
     del server
     verdicts = [e for e in EventLog(str(log)).read() if e["event"] in ("verdict", "exit")]
     assert [p.returncode for p in procs] == [0, 0] and not verdicts, (outs, verdicts)
+
+
+def test_a_heartbeat_store_that_stops_answering_is_warned_about(tmp_path, caplog):
+    """The agent's store gone: detection is off until it answers again.  That was only an event
+    in the event log, which a job checkpointing to S3 has none of: nothing said a failed rank
+    would now be found by the collective timeout alone."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=2))
+        m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=0.1), kill_local=False)
+        try:
+            assert _wait(lambda: client.check(["run/0/alive/0"]), 30.0)  # (a first beat)
+            with caplog.at_level("WARNING", logger="resilient.health.heartbeat"):
+                server.kill()
+                server.wait()
+                assert _wait(lambda: "the heartbeat store does not answer" in caplog.text, 60.0)
+            assert "failed rank is not detected" in caplog.text
+        finally:
+            m.close(announce=False)
+    finally:
+        server.kill()
+        server.wait()
+
+
+STORE_SERVER = """
+import time
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+print(s.port, flush=True)
+time.sleep(600)
+"""
 
 
 def _wait(cond, timeout_s: float) -> bool:

@@ -1145,9 +1145,26 @@ class _ErrorSeries:
         if self.count == 1:
             self._since = self._logged = now
             self._write("monitor_error", error=repr(e))
+            if self.where == "heartbeat":  # (the progress series fails alike: said once)
+                log.warning(
+                    "rank %d: the heartbeat store does not answer (%r): until it does, a failed "
+                    "rank is not detected (the job waits for its collective timeout instead); "
+                    "is the launcher's agent (torchrun, rank 0's node) still running?",
+                    self.monitor.rank,
+                    e,
+                )
             return
         self._unlogged += 1
         if now - self._logged >= ERROR_SUMMARY_S:
+            if self.where == "heartbeat":
+                log.warning(
+                    "rank %d: the heartbeat store has not answered for %.0fs (%d failures; the "
+                    "latest: %r): failed ranks are still not detected",
+                    self.monitor.rank,
+                    now - self._since,
+                    self.count,
+                    e,
+                )
             self._write(
                 "monitor_error",
                 error=repr(e),
@@ -1163,6 +1180,14 @@ class _ErrorSeries:
         if not self.count:
             return
         now = time.monotonic()
+        if self.where == "heartbeat":
+            log.warning(
+                "rank %d: the heartbeat store answers again after %.1fs (%d failures); failed "
+                "ranks are detected again",
+                self.monitor.rank,
+                now - self._since,
+                self.count,
+            )
         self._write(
             "monitor_recovered",
             failures=self.count,
