@@ -453,12 +453,16 @@ def test_a_damaged_manifest_of_a_committed_step_fails_checkpoints_verify(tmp_pat
     damage = {"event": "fault_detail", "id": "rot", "step": 1, "file": "MANIFEST.json"}
     assert verify._verify_checkpoints(RunPaths(run), [{**damage, "tier": "durable"}]).ok
     assert verify._verify_checkpoints(RunPaths(run), [{**damage, "tier": "memory"}]).ok is False
-    # nothing left that verifies: a failure, not "does not apply"
+    # nothing left that verifies: a failure, not "does not apply", for a run that is to
+    # complete; a scenario that damages every step it saves, to make the job fail, passes
     manifest = run / "ckpt" / "step_00000002" / "MANIFEST.json"
     manifest.write_bytes(manifest.read_bytes()[:40])
     every = [{**damage, "tier": "durable", "step": s} for s in (1, 2)]
     out = verify._verify_checkpoints(RunPaths(run), every)
     assert out.ok is False and "no step verifies" in out.detail
+    out = verify._verify_checkpoints(RunPaths(run), every, completed=False)
+    assert out.ok and "steps [1, 2] fail (damaged by the scenario itself)" in out.detail
+    assert verify._verify_checkpoints(RunPaths(run), every[:1], completed=False).ok is False
 
 
 def test_the_final_state_compares_the_non_tensor_values_too(tmp_path) -> None:

@@ -341,3 +341,31 @@ def test_a_save_through_the_persister_records_its_parent_too(tmp_path):
         assert _parent(ck, 300)["step"] == 100
         assert _parent(ck, 300)["commit_seq"] == ck.catalog().get(100).commit_seq
         assert ck.catalog().line() == [300, 100] and ck.steps() == [100, 200, 250, 300]
+
+
+def test_a_snapshots_anchor_is_not_taken_for_the_parent_of_its_durable_commit(tmp_path):
+    """A snapshot's anchor is the newest durable commit known when it was taken: with a durable
+    save in flight then (step 10), it names the one before (step 5).  Taken for the parent of
+    the snapshot's flush (step 11), it made the line 11 -> 5: step 10 counted as abandoned,
+    retention dropped it, and the next snapshot, anchored at 10, was called stale (chaos
+    memory-corrupt, now and then).  A flush records no parent (the line goes by numbers); a
+    save the trainer hands over records the one it knows exactly."""
+    from resilient.checkpoint.persister import _promoted
+
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, memory_every=1) as ck:
+        ck.snapshot(11, state(11.0)).wait()
+        snap = ck.snapshots.manifest(11)
+    assert snap.extras["_resilient_durable_anchor"] == ""  # (none here: set one by hand)
+    import dataclasses
+
+    snap = dataclasses.replace(snap, extras={**snap.extras, "_resilient_durable_anchor": "5:1"})
+    names = {f: f for f in snap.files}
+    flushed = _promoted(snap, names, 1, 3, "job")
+    assert "_resilient_parent" not in flushed.extras
+    handed = _promoted(snap, names, 1, 3, "job", (10, 2))
+    assert handed.extras["_resilient_parent"] == {
+        "step": 10,
+        "commit_seq": 2,
+        "child_commit_seq": 3,
+    }

@@ -366,6 +366,11 @@ class Checkpointer:
         # snapshot records it, and a snapshot whose durable commit is no longer on the durable
         # line (a rollback, deleted steps, a fresh start at the URL) is never restored.
         self._anchor: tuple[int, int] | None = None
+        # whether _anchor is the very commit the state descends from (a durable load, or this
+        # process's last durable commit): a memory snapshot's anchor is only the newest commit
+        # known when it was taken (a save in flight then is not it), so a durable commit records
+        # its parent (format.PARENT_KEY) only from an exact one
+        self._anchor_exact = False
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
         # (the memory tier across nodes) the newest commit order in any node's memory, agreed
@@ -541,8 +546,10 @@ class Checkpointer:
         lean = self._slots is not None
         if not lean:
             self._join_pending()
+        # (a durable save, the previous one joined: its commit counts) what it descends from
+        parent = self._anchor if self._anchor_exact and not lean else None
         if self._persister_config is not None and self._through_persister(step):
-            return self._save_through_persister(step, state)
+            return self._save_through_persister(step, state, parent)
         t0 = time.monotonic()
         layout = self._layout_for(state)
         flat = flatten_state(state, layout, self.rank, cache=self._described)
@@ -574,7 +581,7 @@ class Checkpointer:
             self._join_pending()
             data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step, self._lineage)
-        handle._parent = self._anchor  # (the previous save joined: its commit counts)
+        handle._parent = parent
         if self._replicas is not None:  # its replication uses these groups, not later ones
             handle._replica_epoch = self._replicas.epoch
         handle.stats.stage_s = time.monotonic() - t0
@@ -757,9 +764,12 @@ class Checkpointer:
             return False
         return True
 
-    def _save_through_persister(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def _save_through_persister(
+        self, step: int, state: Mapping[str, Any], parent: tuple[int, int] | None
+    ) -> SaveHandle:
         """A durable save with the memory tier: the snapshot of ``step`` (the one just taken, or
-        a new one) is committed to the URL by the persister process (persister.py)."""
+        a new one) is committed to the URL by the persister process (persister.py), recording
+        ``parent`` (what its state descends from, where known exactly)."""
         assert self._memory is not None and self.memory is not None
         t0 = time.monotonic()
         snap = self._snap
@@ -768,6 +778,7 @@ class Checkpointer:
         elif snap._sealed_meta is not None:  # sealed (or failed so, on some rank): commit it now
             snap = self._snap = self._memory._commit_sealed(snap)
         handle = SaveHandle(step, self._lineage)
+        handle._parent = parent
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
         self._hand_lease_back()  # (rank 0, if it wrote saves itself: never both at once)
@@ -823,7 +834,7 @@ class Checkpointer:
                 handed = committer.hand_over(old)
                 self._stale_keys, self._last_outcome_key = old[handed:], None
                 try:
-                    reply = self._ask_persister("persist", step, pinned)
+                    reply = self._ask_persister("persist", step, pinned, **_parent_field(handle))
                     self._advance_anchor(handle, step, int(reply["commit_seq"]))
                     handle.stats.bytes_written = int(reply.get("bytes", 0))
                 except BaseException as e:
@@ -917,7 +928,9 @@ class Checkpointer:
                 raise CommitError(
                     "; ".join(f"rank {r['rank']} failed to write: {r['error']}" for r in failed)
                 )
-            reply = self._ask_persister("commit", step, pinned, generation=generation)
+            reply = self._ask_persister(
+                "commit", step, pinned, generation=generation, **_parent_field(handle)
+            )
             self._advance_anchor(handle, step, int(reply["commit_seq"]))
         except BaseException as e:
             self._drop_outbox(step)
@@ -931,14 +944,14 @@ class Checkpointer:
     def continue_line_of(self, other: Checkpointer) -> None:
         """This checkpointer goes on where ``other`` (closed, of the same job and URL) left off:
         its next snapshots descend from the durable commit ``other``'s state descended from."""
-        self._anchor = other._anchor
+        self._anchor, self._anchor_exact = other._anchor, other._anchor_exact
 
     def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
         """A durable commit is what the next snapshots descend from, unless a restore came
         between its save and its commit (an in-job recovery leaves the old group's save running
         while the state is restored, maybe to an older step): then the restore's anchor stands."""
         if handle._lineage == self._lineage:
-            self._anchor = (step, seq)
+            self._anchor, self._anchor_exact = (step, seq), True
 
     def _drop_outbox(self, step: int) -> None:
         """(a node's leader, across nodes) Let go of a step its persister will not copy or
@@ -1596,6 +1609,7 @@ class Checkpointer:
                 stats.sealed = source is not self and s == sealed
                 stats.newest_memory = self._newest_offered
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
+                self._anchor_exact = source is self
                 self._lineage += 1
                 stats.skipped_steps = skipped
                 stats.seconds = time.monotonic() - t0
@@ -2318,6 +2332,11 @@ def _await_outcome(
     if outcome != "ok":
         cls = LeaseError if outcome.startswith("LeaseError: ") else CommitError
         raise cls(f"step {step} was not committed: {outcome}")
+
+
+def _parent_field(handle: SaveHandle) -> dict[str, Any]:
+    """A persister request's ``parent``: the commit the save's state descends from, if known."""
+    return {} if handle._parent is None else {"parent": list(handle._parent)}
 
 
 def _publish_failure(committer: Committer, e: BaseException) -> None:

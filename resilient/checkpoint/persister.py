@@ -32,7 +32,8 @@ and a snapshot newer than the newest durable commit is still written out when th
 
 Messages are JSON lines: the trainer sends the configuration, then ``{"op": "persist", "id": n,
 "step": S}`` (or ``begin``; ``copy`` with ``generation``, ``files`` and ``last``; ``commit`` with
-``generation``) and finally ``{"op": "close"}``; the persister answers ``{"id": n, "ok": true,
+``generation``; ``persist`` and ``commit`` with ``parent``, ``[step, commit_seq]``, where the
+trainer knows what the state descends from) and finally ``{"op": "close"}``; the persister answers ``{"id": n, "ok": true,
 ...}`` (``commit_seq``, ``bytes``, ``seconds``; ``generation`` for ``begin``) or ``{"id": n,
 "ok": false, "type": ..., "error": ...}``.
 """
@@ -60,6 +61,7 @@ from resilient.checkpoint.catalog import StepInfo, scan
 from resilient.checkpoint.codec import block_checksums
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
+    MAX_INT,
     MAX_MANIFEST_BYTES,
     MAX_RUN,
     PARENT_KEY,
@@ -77,7 +79,6 @@ from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     PERSISTER_LOCK,
     RUN_SHIFT,
-    _parse_anchor,
     stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
@@ -426,13 +427,16 @@ class Promoter:
         self.lease.release()  # (not ours any more: only its renewing stops)
         self.lease = self._new_lease()
 
-    def persist(self, step: int, src: str | None = None) -> dict[str, Any]:
+    def persist(
+        self, step: int, src: str | None = None, parent: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
         """Commit the snapshot in ``src`` (default: the outbox entry of ``step``) as durable step
-        ``step``; the outbox entry is removed afterwards, whatever happened."""
+        ``step``; the outbox entry is removed afterwards, whatever happened.  ``parent``: the
+        durable commit its state descends from, as the trainer knows it (none for a flush)."""
         src = src or os.path.join(self.outbox, step_dir_name(step))
         t0 = time.monotonic()
         try:
-            return self._persist(step, src, t0)
+            return self._persist(step, src, t0, parent)
         finally:
             shutil.rmtree(src, ignore_errors=True)
 
@@ -440,11 +444,14 @@ class Promoter:
         """(across nodes) Drop the outbox entry of ``step``."""
         shutil.rmtree(os.path.join(self.outbox, step_dir_name(step)), ignore_errors=True)
 
-    def _persist(self, step: int, src: str, t0: float) -> dict[str, Any]:
+    def _persist(
+        self, step: int, src: str, t0: float, parent: tuple[int, int] | None
+    ) -> dict[str, Any]:
         snap = self._snapshot(step, src)  # read once for both phases
         generation = self.begin(step)["generation"]
         total = self.copy(step, generation, None, src, snap=snap)["bytes"]
-        return {**self.commit(step, generation, src, t0=t0, snap=snap), "bytes": total}
+        commit = self.commit(step, generation, src, t0=t0, snap=snap, parent=parent)
+        return {**commit, "bytes": total}
 
     def _snapshot(self, step: int, src: str) -> Manifest:
         where = f"the memory snapshot of step {step} ({src})"
@@ -519,6 +526,7 @@ class Promoter:
         *,
         t0: float | None = None,
         snap: Manifest | None = None,
+        parent: tuple[int, int] | None = None,
     ) -> dict[str, Any]:
         """Commit the snapshot's manifest at the URL once every file is written there (by this
         persister or, across nodes, by each node's)."""
@@ -542,7 +550,7 @@ class Promoter:
                 )
             total += found
         seq = scan(self.storage).next_commit_seq()
-        manifest = _promoted(snap, names, generation, seq, self.job_id)
+        manifest = _promoted(snap, names, generation, seq, self.job_id, parent)
         garbage = publish_commit(
             self.storage,
             self.lease,
@@ -728,12 +736,19 @@ def _length(c: Any) -> int:
 
 
 def _promoted(
-    snap: Manifest, names: dict[str, str], generation: int, seq: int, job_id: str
+    snap: Manifest,
+    names: dict[str, str],
+    generation: int,
+    seq: int,
+    job_id: str,
+    parent: tuple[int, int] | None = None,
 ) -> Manifest:
     """The durable manifest of a snapshot: its files renamed to the durable generation, this
-    commit's place in the durable commit order, and no memory-tier bookkeeping: the durable commit
-    its state descends from (rank 0's anchor) becomes the commit's parent, which the line follows
-    (catalog.py)."""
+    commit's place in the durable commit order, and no memory-tier bookkeeping.  ``parent``: the
+    durable commit its state descends from where the trainer knows it exactly (the line follows
+    it, catalog.py).  Not the snapshot's anchor: that is the newest durable commit known when the
+    snapshot was taken, and a durable save in flight then is not it, so the line would skip that
+    save's commit (a flush records none: the line goes on by step numbers)."""
     tensors = {
         k: dataclasses.replace(
             t, chunks=tuple(dataclasses.replace(c, file=names[c.file]) for c in t.chunks)
@@ -741,10 +756,8 @@ def _promoted(
         for k, t in snap.tensors.items()
     }
     extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
-    anchor = snap.extras.get(ANCHOR_KEY)  # ("": the job knew of none)
-    parsed = _parse_anchor(anchor)
-    if parsed is not None:
-        extras[PARENT_KEY] = parent_record(parsed, seq)
+    if parent is not None:
+        extras[PARENT_KEY] = parent_record(parent, seq)
     run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)
     if 0 < run < MAX_RUN:
         extras[RUN_KEY] = run
@@ -861,8 +874,9 @@ def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[st
     ``copy`` (every node: its own ranks' files) and ``commit`` (rank 0's node)."""
     if isinstance(msg.get("lease_returned"), str):
         promoter.lease_returned(msg["lease_returned"])
+    parent = _parent_of(msg)
     if op == "persist":
-        return promoter.persist(step)
+        return promoter.persist(step, parent=parent)
     if op == "begin":
         return promoter.begin(step)
     generation, files = msg.get("generation"), msg.get("files")
@@ -873,10 +887,19 @@ def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[st
             if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
                 raise ResilientError(f"copy request without a list of files: {msg!r}")
             return promoter.copy(step, generation, files)
-        return promoter.commit(step, generation)
+        return promoter.commit(step, generation, parent=parent)
     finally:
         if op == "commit" or msg.get("last"):
             promoter.done(step)
+
+
+def _parent_of(msg: dict[str, Any]) -> tuple[int, int] | None:
+    """The ``parent`` of a request ([step, commit_seq] of the commit the state descends from);
+    None where it gives none that is one."""
+    p = msg.get("parent")
+    if isinstance(p, list) and len(p) == 2 and all(type(x) is int and 0 <= x <= MAX_INT for x in p):
+        return p[0], p[1]
+    return None
 
 
 def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
