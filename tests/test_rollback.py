@@ -369,3 +369,21 @@ def test_a_snapshots_anchor_is_not_taken_for_the_parent_of_its_durable_commit(tm
         "commit_seq": 2,
         "child_commit_seq": 3,
     }
+
+
+def test_a_durable_save_after_a_rollback_commits_the_state_given_not_an_older_snapshot(tmp_path):
+    """With the memory tier, save(S) commits the snapshot of S when one was just taken: one
+    taken before a rollback was reused, and durable step 300 held the abandoned state (300),
+    not the one given after the rollback (111), under a parent saying it descends from 100."""
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, memory_every=1) as ck:
+        for s in (100, 200):
+            save(ck, s)
+        ck.snapshot(300, state(300.0)).wait()
+        assert ck.load(blank(), step=100) == 100
+        ck.save(300, state(111.0)).wait()
+    out = blank()
+    with Checkpointer(url) as ck:
+        assert ck.load(out, step=300) == 300 and ck.last_load.source == "durable"
+        assert out["meta"]["v"] == 111.0 and torch.equal(out["w"], torch.full((64,), 111.0))
+        assert _parent(ck, 300)["step"] == 100

@@ -1611,6 +1611,10 @@ class Checkpointer:
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
                 self._anchor_exact = source is self
                 self._lineage += 1
+                # a snapshot taken before this restore holds the state before it: a durable save
+                # of its step number must take a new one, not commit that one (a rollback to 100
+                # and save(300) committed the abandoned state of 300)
+                self._snap = None
                 stats.skipped_steps = skipped
                 stats.seconds = time.monotonic() - t0
                 self.last_load = stats
