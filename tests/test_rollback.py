@@ -387,3 +387,29 @@ def test_a_durable_save_after_a_rollback_commits_the_state_given_not_an_older_sn
         assert ck.load(out, step=300) == 300 and ck.last_load.source == "durable"
         assert out["meta"]["v"] == 111.0 and torch.equal(out["w"], torch.full((64,), 111.0))
         assert _parent(ck, 300)["step"] == 100
+
+
+def test_saving_the_loaded_step_again_keeps_what_it_descends_from(tmp_path):
+    """A rerun that resumes from 40 and saves 40 again replaces that commit: the new one
+    recorded 40 itself for its parent, which says nothing, and the line went by numbers into
+    the abandoned 30 (retention then deleted 10, 40's real parent)."""
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, keep_last=10) as ck:
+        save(ck, 10)
+        save(ck, 30)
+        assert ck.load(blank(), step=10) == 10
+        save(ck, 40)
+        assert ck.catalog().line() == [40, 10]
+    with Checkpointer(url, keep_last=2) as ck:
+        out = blank()
+        assert ck.load(out) == 40
+        ck.save(40, out).wait()
+        assert _parent(ck, 40)["step"] == 10
+        assert ck.catalog().line() == [40, 10] and 10 in ck.steps()
+        save(ck, 41)  # and the next one descends from the new 40
+        assert _parent(ck, 41) == {
+            "step": 40,
+            "commit_seq": ck.catalog().get(40).commit_seq,
+            "child_commit_seq": ck.catalog().get(41).commit_seq,
+        }
+        assert ck.catalog().line() == [41, 40]

@@ -40,6 +40,7 @@ from resilient.checkpoint.format import (
     manifest_summary,
     parent_record,
     rank_file_name,
+    recorded_parent,
     step_dir_name,
     summary_from_line,
     summary_line,
@@ -371,6 +372,7 @@ class Checkpointer:
         # known when it was taken (a save in flight then is not it), so a durable commit records
         # its parent (format.PARENT_KEY) only from an exact one
         self._anchor_exact = False
+        self._anchor_parent: tuple[int, int] | None = None  # the parent _anchor's commit records
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
         # (the memory tier across nodes) the newest commit order in any node's memory, agreed
@@ -546,8 +548,11 @@ class Checkpointer:
         lean = self._slots is not None
         if not lean:
             self._join_pending()
-        # (a durable save, the previous one joined: its commit counts) what it descends from
+        # (a durable save, the previous one joined: its commit counts) what it descends from;
+        # saving the step it loaded again (that commit is replaced), what that one descends from
         parent = self._anchor if self._anchor_exact and not lean else None
+        if parent is not None and parent[0] == step:
+            parent = self._anchor_parent
         if self._persister_config is not None and self._through_persister(step):
             return self._save_through_persister(step, state, parent)
         t0 = time.monotonic()
@@ -945,6 +950,7 @@ class Checkpointer:
         """This checkpointer goes on where ``other`` (closed, of the same job and URL) left off:
         its next snapshots descend from the durable commit ``other``'s state descended from."""
         self._anchor, self._anchor_exact = other._anchor, other._anchor_exact
+        self._anchor_parent = other._anchor_parent
 
     def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
         """A durable commit is what the next snapshots descend from, unless a restore came
@@ -952,6 +958,7 @@ class Checkpointer:
         while the state is restored, maybe to an older step): then the restore's anchor stands."""
         if handle._lineage == self._lineage:
             self._anchor, self._anchor_exact = (step, seq), True
+            self._anchor_parent = handle._parent
 
     def _drop_outbox(self, step: int) -> None:
         """(a node's leader, across nodes) Let go of a step its persister will not copy or
@@ -1610,6 +1617,7 @@ class Checkpointer:
                 stats.newest_memory = self._newest_offered
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
                 self._anchor_exact = source is self
+                self._anchor_parent = pending.parent if source is self else None
                 self._lineage += 1
                 # a snapshot taken before this restore holds the state before it: a durable save
                 # of its step number must take a new one, not commit that one (a rollback to 100
@@ -1984,7 +1992,9 @@ class Checkpointer:
             step, rs.bytes_read, rs.bytes_verified, rs.num_requests, manifest.layout != layout
         )
         stats.peer_files = peer_files
-        return _PendingLoad(flat, scratch, values, stats, in_place)
+        pending = _PendingLoad(flat, scratch, values, stats, in_place)
+        pending.parent = recorded_parent(manifest.extras, manifest.commit_seq)
+        return pending
 
     def _gather_files(
         self,
@@ -2194,6 +2204,7 @@ class _PendingLoad:
     ) -> None:
         self.flat, self.scratch, self.values, self.stats = flat, scratch, values, stats
         self.in_place = in_place
+        self.parent: tuple[int, int] | None = None  # the parent the step's commit records
 
     def apply(self) -> LoadStats:
         if self.in_place is not None:
