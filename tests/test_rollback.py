@@ -363,7 +363,7 @@ def test_a_snapshots_anchor_is_not_taken_for_the_parent_of_its_durable_commit(tm
     names = {f: f for f in snap.files}
     flushed = _promoted(snap, names, 1, 3, "job")
     assert "_resilient_parent" not in flushed.extras
-    handed = _promoted(snap, names, 1, 3, "job", (10, 2))
+    handed = _promoted(snap, names, 1, 3, "job", ((10, 2),))
     assert handed.extras["_resilient_parent"] == {
         "step": 10,
         "commit_seq": 2,
@@ -406,10 +406,48 @@ def test_saving_the_loaded_step_again_keeps_what_it_descends_from(tmp_path):
         ck.save(40, out).wait()
         assert _parent(ck, 40)["step"] == 10
         assert ck.catalog().line() == [40, 10] and 10 in ck.steps()
+        seq10 = ck.catalog().get(10).commit_seq
         save(ck, 41)  # and the next one descends from the new 40
         assert _parent(ck, 41) == {
             "step": 40,
             "commit_seq": ck.catalog().get(40).commit_seq,
             "child_commit_seq": ck.catalog().get(41).commit_seq,
+            "older": [[10, seq10]],  # (what 40 descends from; retired by now)
         }
         assert ck.catalog().line() == [41, 40]
+
+
+def test_a_gone_parent_leaves_the_line_on_what_it_descended_from(tmp_path):
+    """Where a commit's parent is gone (retired, or its manifest damaged), the line went on by
+    step numbers from there, into the abandoned branch the parent had skipped: each commit also
+    records what its parent descends from, and the line goes on through the first of those
+    still there."""
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, keep_last=10) as ck:
+        save(ck, 100)
+        save(ck, 120)  # abandoned by the rollback below
+        assert ck.load(blank(), step=100) == 100
+        for s in (130, 131, 132):
+            save(ck, s)
+        assert ck.catalog().line() == [132, 131, 130, 100]
+        assert _parent(ck, 131)["older"] == [[100, ck.catalog().get(100).commit_seq]]
+    manifest = tmp_path / "ckpt" / "step_00000130" / MANIFEST_NAME
+    manifest.write_bytes(manifest.read_bytes()[:40])  # 130 is no commit any more
+    with Checkpointer(url) as ck:
+        assert ck.catalog().line() == [132, 131, 100]  # (by numbers: 132, 131, 120, 100)
+        # a chain longer than the record keeps: the line still ends where it is all gone
+        from resilient.checkpoint.catalog import line_of
+
+        chain = [(s, s) for s in range(50, 30, -1)]
+        assert line_of([10, 20, 40, 60], {60: chain}, [10, 20, 40, 60]) == [60, 40, 20, 10]
+
+
+def test_a_parent_chain_that_is_not_one_records_nothing():
+    from resilient.checkpoint.format import recorded_chain
+
+    good = {"step": 5, "commit_seq": 2, "child_commit_seq": 9, "older": [[3, 1]]}
+    assert recorded_chain({"_resilient_parent": good}, 9) == ((5, 2), (3, 1))
+    for older in ([[3]], [[3, -1]], [[3, True]], "3:1", [[3, 1]] * 16, [[3, 1.0]], [(3, 1)]):
+        value = {**good, "older": older}
+        assert recorded_chain({"_resilient_parent": value}, 9) == (), older
+    assert recorded_chain({"_resilient_parent": {**good, "extra": 1}}, 9) == ()

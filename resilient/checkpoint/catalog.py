@@ -39,15 +39,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    MAX_OLDER,
     Manifest,
     ManifestSummary,
     manifest_of_step,
     parse_step_dir,
+    recorded_older,
     recorded_parent,
     recorded_run,
     step_dir_name,
@@ -82,6 +84,7 @@ class StepInfo:
     problem: str = ""  # why a damaged step is not a commit
     run: int = 0  # the memory tier's run that made the commit (format.RUN_KEY; 0: none)
     parent: tuple[int, int] | None = None  # (step, commit_seq) it descends from (PARENT_KEY)
+    older: tuple[tuple[int, int], ...] = ()  # what the parent descends from in turn, newest first
 
     @property
     def order(self) -> tuple[int, int]:
@@ -91,17 +94,18 @@ class StepInfo:
 
 def line_of(
     commits: Sequence[int],
-    parents: Mapping[int, tuple[int, int]] | None = None,
+    parents: Mapping[int, Any] | None = None,
     seqs: Sequence[int] | None = None,
 ) -> list[int]:
     """The steps of the current line, newest first, from step numbers in commit order (oldest
-    first), the parents the commits record (step -> (parent step, parent commit_seq)) and their
-    ``commit_seq`` (default: 1, 2, ... in that order).  The newest commit, then from each step
-    taken: its parent, where that is a commit with that commit_seq, numbered below it and older;
-    where the parent is gone, the newest commit older than it numbered below it (or the end);
-    where none is recorded (or one that is not below and older), the newest older commit
-    numbered below every step taken so far.  Positions only go back: O(n log n) whatever the
-    links say."""
+    first), the parents the commits record (step -> (parent step, parent commit_seq), or the
+    chain (parent, what it descends from, ...), newest first) and their ``commit_seq`` (default:
+    1, 2, ... in that order).  The newest commit, then from each step taken: its parent, where
+    that is a commit with that commit_seq, numbered below it and older; where it is gone, the
+    next of the chain that is there; where none is, the newest commit older than the last of the
+    chain numbered below it (or the end); where none is recorded (or one that is not below and
+    older), the newest older commit numbered below every step taken so far.  Positions only go
+    back: O(n log n) whatever the links say."""
     if not commits:
         return []
     parents = parents or {}
@@ -113,16 +117,22 @@ def line_of(
     while True:
         s = out[-1]
         bound, j = s, i - 1
-        link = parents.get(s)
-        if link is not None and link[0] < s and (link[1], link[0]) < orders[i]:
-            p_step, p_seq = link
+        below = orders[i]  # each link of the chain must be below and older than the one before
+        found = gone = None
+        for p_step, p_seq in _chain(parents.get(s)):
+            if not (p_step < below[1] and (p_seq, p_step) < below):
+                break  # (a link that is not: the chain says nothing from there on)
             k = where.get(p_step)
             if k is not None and k < i and seqs[k] == p_seq:
-                i = k
-                out.append(p_step)
-                continue
-            # gone: on from where it stood in commit order, below it
-            bound, j = p_step, bisect.bisect_left(orders, (p_seq, p_step), 0, i) - 1
+                found = k
+                break
+            gone = below = (p_seq, p_step)
+        if found is not None:
+            i = found
+            out.append(commits[found])
+            continue
+        if gone is not None:  # all gone: on from where the last stood in commit order, below it
+            bound, j = gone[1], bisect.bisect_left(orders, gone, 0, i) - 1
         while j >= 0 and commits[j] >= bound:
             j -= 1
         if j < 0:
@@ -130,6 +140,15 @@ def line_of(
         i = j
         out.append(commits[j])
     return out
+
+
+def _chain(link: Any) -> tuple[tuple[int, int], ...]:
+    """A parents value as a chain: one (step, commit_seq), or a sequence of them."""
+    if not link:
+        return ()
+    if isinstance(link[0], int):
+        return (link,)
+    return tuple(link[: 1 + MAX_OLDER])
 
 
 class Catalog:
@@ -161,7 +180,7 @@ class Catalog:
 
     def parents(self) -> dict[int, tuple[int, int]]:
         """The parent (step, commit_seq) each committed step records (``line_of`` judges them)."""
-        return {i.step: i.parent for i in self.committed if i.parent is not None}
+        return {i.step: (i.parent, *i.older) for i in self.committed if i.parent is not None}
 
     def next_commit_seq(self) -> int:
         seqs = [i.commit_seq for i in self.infos.values() if i.state != "uncommitted"]
@@ -243,6 +262,7 @@ def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
         files=summary.files,
         run=summary.run,
         parent=summary.parent,
+        older=summary.older,
     )
 
 
@@ -256,6 +276,7 @@ def summary_of(m: Manifest) -> ManifestSummary:
         frozenset(m.files),
         recorded_run(m.extras),
         recorded_parent(m.extras, m.commit_seq),
+        recorded_older(m.extras, m.commit_seq),
     )
 
 

@@ -40,7 +40,7 @@ from resilient.checkpoint.format import (
     manifest_summary,
     parent_record,
     rank_file_name,
-    recorded_parent,
+    recorded_chain,
     step_dir_name,
     summary_from_line,
     summary_line,
@@ -175,8 +175,9 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._error_reported = False
         self._lineage = lineage  # the checkpointer's when this save began (see _advance_anchor)
-        # (a durable save) the commit its state descends from when it began: its parent
-        self._parent: tuple[int, int] | None = None
+        # (a durable save) the commits its state descends from when it began: its parent, then
+        # what that one descends from, newest first (empty: not known exactly)
+        self._parent: tuple[tuple[int, int], ...] = ()
         self._replica_epoch: int | None = None  # its peer replicas' groups when it began
         # (a sealed memory snapshot) its slot, or why it has none; and (layout, plan, values)
         self._sealed: Any = None
@@ -372,7 +373,8 @@ class Checkpointer:
         # known when it was taken (a save in flight then is not it), so a durable commit records
         # its parent (format.PARENT_KEY) only from an exact one
         self._anchor_exact = False
-        self._anchor_parent: tuple[int, int] | None = None  # the parent _anchor's commit records
+        # what _anchor's commit descends from, as its record says (its parent first)
+        self._anchor_chain: tuple[tuple[int, int], ...] = ()
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
         # (the memory tier across nodes) the newest commit order in any node's memory, agreed
@@ -550,9 +552,11 @@ class Checkpointer:
             self._join_pending()
         # (a durable save, the previous one joined: its commit counts) what it descends from;
         # saving the step it loaded again (that commit is replaced), what that one descends from
-        parent = self._anchor if self._anchor_exact and not lean else None
-        if parent is not None and parent[0] == step:
-            parent = self._anchor_parent
+        parent: tuple[tuple[int, int], ...] = ()
+        if self._anchor_exact and not lean and self._anchor is not None:
+            parent = (self._anchor, *self._anchor_chain)
+            if self._anchor[0] == step:
+                parent = self._anchor_chain
         if self._persister_config is not None and self._through_persister(step):
             return self._save_through_persister(step, state, parent)
         t0 = time.monotonic()
@@ -770,7 +774,7 @@ class Checkpointer:
         return True
 
     def _save_through_persister(
-        self, step: int, state: Mapping[str, Any], parent: tuple[int, int] | None
+        self, step: int, state: Mapping[str, Any], parent: tuple[tuple[int, int], ...]
     ) -> SaveHandle:
         """A durable save with the memory tier: the snapshot of ``step`` (the one just taken, or
         a new one) is committed to the URL by the persister process (persister.py), recording
@@ -950,7 +954,7 @@ class Checkpointer:
         """This checkpointer goes on where ``other`` (closed, of the same job and URL) left off:
         its next snapshots descend from the durable commit ``other``'s state descended from."""
         self._anchor, self._anchor_exact = other._anchor, other._anchor_exact
-        self._anchor_parent = other._anchor_parent
+        self._anchor_chain = other._anchor_chain
 
     def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
         """A durable commit is what the next snapshots descend from, unless a restore came
@@ -958,7 +962,7 @@ class Checkpointer:
         while the state is restored, maybe to an older step): then the restore's anchor stands."""
         if handle._lineage == self._lineage:
             self._anchor, self._anchor_exact = (step, seq), True
-            self._anchor_parent = handle._parent
+            self._anchor_chain = handle._parent
 
     def _drop_outbox(self, step: int) -> None:
         """(a node's leader, across nodes) Let go of a step its persister will not copy or
@@ -1291,7 +1295,7 @@ class Checkpointer:
         )
         if self._run is not None:  # (a durable commit of a run with the memory tier)
             manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: self._run})
-        if self._slots is None and handle._parent is not None:
+        if self._slots is None and handle._parent:
             # (a durable commit) what it descends from: the line follows it past the steps a
             # rollback abandoned (catalog.py); the memory tier's commits record none
             parent = parent_record(handle._parent, seq)
@@ -1617,7 +1621,7 @@ class Checkpointer:
                 stats.newest_memory = self._newest_offered
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
                 self._anchor_exact = source is self
-                self._anchor_parent = pending.parent if source is self else None
+                self._anchor_chain = pending.chain if source is self else ()
                 self._lineage += 1
                 # a snapshot taken before this restore holds the state before it: a durable save
                 # of its step number must take a new one, not commit that one (a rollback to 100
@@ -1993,7 +1997,7 @@ class Checkpointer:
         )
         stats.peer_files = peer_files
         pending = _PendingLoad(flat, scratch, values, stats, in_place)
-        pending.parent = recorded_parent(manifest.extras, manifest.commit_seq)
+        pending.chain = recorded_chain(manifest.extras, manifest.commit_seq)
         return pending
 
     def _gather_files(
@@ -2204,7 +2208,8 @@ class _PendingLoad:
     ) -> None:
         self.flat, self.scratch, self.values, self.stats = flat, scratch, values, stats
         self.in_place = in_place
-        self.parent: tuple[int, int] | None = None  # the parent the step's commit records
+        # what the step's commit records it descends from (its parent first)
+        self.chain: tuple[tuple[int, int], ...] = ()
 
     def apply(self) -> LoadStats:
         if self.in_place is not None:
@@ -2351,7 +2356,7 @@ def _await_outcome(
 
 def _parent_field(handle: SaveHandle) -> dict[str, Any]:
     """A persister request's ``parent``: the commit the save's state descends from, if known."""
-    return {} if handle._parent is None else {"parent": list(handle._parent)}
+    return {"parent": [list(p) for p in handle._parent]} if handle._parent else {}
 
 
 def _publish_failure(committer: Committer, e: BaseException) -> None:

@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,8 @@ __all__ = [
     "ManifestSummary",
     "recorded_run",
     "recorded_parent",
+    "recorded_older",
+    "recorded_chain",
     "parent_record",
     "PARENT_KEY",
     "ANCHOR_KEY",
@@ -96,6 +98,10 @@ ANCHOR_KEY = "_resilient_durable_anchor"
 # the state; a copy elsewhere (reshape convert, an export) leaves them out
 BOOKKEEPING_KEYS = frozenset({RUN_KEY, PARENT_KEY, ANCHOR_KEY})
 _PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
+# ... and, optionally, "older": the commits the parent descends from in turn, newest first, at
+# most MAX_OLDER of them as [step, commit_seq] (the line goes on through them where the parent
+# is gone: retired, or its manifest damaged)
+MAX_OLDER = 15
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # as the safetensors library caps it
 # A manifest's job_id and toolkit_version (the writer lease caps its strings alike): listing
 # steps keeps a summary of each manifest, job_id included, for as long as the process lives
@@ -849,6 +855,7 @@ class ManifestSummary:
     run: int = 0  # the memory tier's run that made the commit (RUN_KEY; 0: none recorded)
     # the commit (step, commit_seq) its state descends from (PARENT_KEY); None: not recorded
     parent: tuple[int, int] | None = None
+    older: tuple[tuple[int, int], ...] = ()  # the commits that one descends from (its "older")
 
 
 def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
@@ -886,27 +893,57 @@ def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> M
         files=frozenset(files),
         run=run,
         parent=recorded_parent(d.get("extras"), commit_seq),
+        older=recorded_older(d.get("extras"), commit_seq),
     )
 
 
-def parent_record(parent: tuple[int, int], commit_seq: int) -> dict[str, int]:
-    """The PARENT_KEY value of a commit numbered ``commit_seq`` descended from ``parent``."""
-    return {"step": parent[0], "commit_seq": parent[1], "child_commit_seq": commit_seq}
+def parent_record(chain: Sequence[tuple[int, int]], commit_seq: int) -> dict[str, Any]:
+    """The PARENT_KEY value of a commit numbered ``commit_seq`` whose state descends from
+    ``chain[0]``, which descends from ``chain[1]``, and so on (at most MAX_OLDER more kept)."""
+    (step, seq), older = chain[0], chain[1 : 1 + MAX_OLDER]
+    record: dict[str, Any] = {"step": step, "commit_seq": seq, "child_commit_seq": commit_seq}
+    if older:
+        record["older"] = [[s, q] for s, q in older]
+    return record
+
+
+def recorded_chain(extras: Any, commit_seq: int) -> tuple[tuple[int, int], ...]:
+    """The PARENT_KEY value's chain (the parent, then what it descends from), empty where
+    it is anything but ``parent_record``'s object of integers in [0, 2**63 - 1] made for this
+    ``commit_seq`` (untrusted: read as not recorded, the line's rule without it)."""
+    value = extras.get(PARENT_KEY) if isinstance(extras, Mapping) else None
+    if type(value) is not dict or not _PARENT_FIELDS <= value.keys() <= _PARENT_FIELDS | {"older"}:
+        return ()
+    if not all(type(value[k]) is int and 0 <= value[k] <= MAX_INT for k in _PARENT_FIELDS):
+        return ()
+    if value["child_commit_seq"] != commit_seq:
+        return ()
+    older = value.get("older", [])
+    if (
+        type(older) is not list
+        or len(older) > MAX_OLDER
+        or not all(
+            type(pair) is list
+            and len(pair) == 2
+            and all(type(v) is int and 0 <= v <= MAX_INT for v in pair)
+            for pair in older
+        )
+    ):
+        return ()
+    return ((value["step"], value["commit_seq"]), *((s, q) for s, q in older))
 
 
 def recorded_parent(extras: Any, commit_seq: int) -> tuple[int, int] | None:
     """The commit (step, commit_seq) that a manifest's extras say its state descends from
-    (PARENT_KEY), for a manifest numbered ``commit_seq``; None where they say nothing, or
-    anything but ``parent_record``'s object of integers in [0, 2**63 - 1] made for this
-    ``commit_seq`` (untrusted: read as not recorded, the line's rule without it)."""
-    value = extras.get(PARENT_KEY) if isinstance(extras, Mapping) else None
-    if type(value) is not dict or value.keys() != _PARENT_FIELDS:
-        return None
-    if not all(type(v) is int and 0 <= v <= MAX_INT for v in value.values()):
-        return None
-    if value["child_commit_seq"] != commit_seq:
-        return None
-    return value["step"], value["commit_seq"]
+    (PARENT_KEY), for a manifest numbered ``commit_seq``; None where they say nothing."""
+    chain = recorded_chain(extras, commit_seq)
+    return chain[0] if chain else None
+
+
+def recorded_older(extras: Any, commit_seq: int) -> tuple[tuple[int, int], ...]:
+    """The commits the parent descends from in turn, as the PARENT_KEY value says (newest
+    first; empty where it says none, or nothing that is one)."""
+    return recorded_chain(extras, commit_seq)[1:]
 
 
 def recorded_run(extras: Any) -> int:

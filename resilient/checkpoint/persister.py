@@ -32,7 +32,7 @@ and a snapshot newer than the newest durable commit is still written out when th
 
 Messages are JSON lines: the trainer sends the configuration, then ``{"op": "persist", "id": n,
 "step": S}`` (or ``begin``; ``copy`` with ``generation``, ``files`` and ``last``; ``commit`` with
-``generation``; ``persist`` and ``commit`` with ``parent``, ``[step, commit_seq]``, where the
+``generation``; ``persist`` and ``commit`` with ``parent``, ``[[step, commit_seq], ...]`` (newest first), where the
 trainer knows what the state descends from) and finally ``{"op": "close"}``; the persister answers ``{"id": n, "ok": true,
 ...}`` (``commit_seq``, ``bytes``, ``seconds``; ``generation`` for ``begin``) or ``{"id": n,
 "ok": false, "type": ..., "error": ...}``.
@@ -63,6 +63,7 @@ from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_INT,
     MAX_MANIFEST_BYTES,
+    MAX_OLDER,
     MAX_RUN,
     PARENT_KEY,
     RUN_KEY,
@@ -428,7 +429,7 @@ class Promoter:
         self.lease = self._new_lease()
 
     def persist(
-        self, step: int, src: str | None = None, parent: tuple[int, int] | None = None
+        self, step: int, src: str | None = None, parent: tuple[tuple[int, int], ...] = ()
     ) -> dict[str, Any]:
         """Commit the snapshot in ``src`` (default: the outbox entry of ``step``) as durable step
         ``step``; the outbox entry is removed afterwards, whatever happened.  ``parent``: the
@@ -445,7 +446,7 @@ class Promoter:
         shutil.rmtree(os.path.join(self.outbox, step_dir_name(step)), ignore_errors=True)
 
     def _persist(
-        self, step: int, src: str, t0: float, parent: tuple[int, int] | None
+        self, step: int, src: str, t0: float, parent: tuple[tuple[int, int], ...]
     ) -> dict[str, Any]:
         snap = self._snapshot(step, src)  # read once for both phases
         generation = self.begin(step)["generation"]
@@ -526,7 +527,7 @@ class Promoter:
         *,
         t0: float | None = None,
         snap: Manifest | None = None,
-        parent: tuple[int, int] | None = None,
+        parent: tuple[tuple[int, int], ...] = (),
     ) -> dict[str, Any]:
         """Commit the snapshot's manifest at the URL once every file is written there (by this
         persister or, across nodes, by each node's)."""
@@ -741,7 +742,7 @@ def _promoted(
     generation: int,
     seq: int,
     job_id: str,
-    parent: tuple[int, int] | None = None,
+    parent: tuple[tuple[int, int], ...] = (),
 ) -> Manifest:
     """The durable manifest of a snapshot: its files renamed to the durable generation, this
     commit's place in the durable commit order, and no memory-tier bookkeeping.  ``parent``: the
@@ -756,7 +757,7 @@ def _promoted(
         for k, t in snap.tensors.items()
     }
     extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
-    if parent is not None:
+    if parent:
         extras[PARENT_KEY] = parent_record(parent, seq)
     run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)
     if 0 < run < MAX_RUN:
@@ -893,13 +894,22 @@ def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[st
             promoter.done(step)
 
 
-def _parent_of(msg: dict[str, Any]) -> tuple[int, int] | None:
-    """The ``parent`` of a request ([step, commit_seq] of the commit the state descends from);
-    None where it gives none that is one."""
+def _parent_of(msg: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The ``parent`` of a request: the commits the state descends from, newest first, as
+    [[step, commit_seq], ...]; empty where it gives none that is one."""
     p = msg.get("parent")
-    if isinstance(p, list) and len(p) == 2 and all(type(x) is int and 0 <= x <= MAX_INT for x in p):
-        return p[0], p[1]
-    return None
+    if (
+        isinstance(p, list)
+        and 0 < len(p) <= 1 + MAX_OLDER
+        and all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(x) is int and 0 <= x <= MAX_INT for x in pair)
+            for pair in p
+        )
+    ):
+        return tuple((s, q) for s, q in p)
+    return ()
 
 
 def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
