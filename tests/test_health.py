@@ -529,12 +529,7 @@ class Sim:
             )
 
     def wait_for(self, cond, timeout=60.0):
-        end = time.time() + timeout
-        while time.time() < end:
-            if cond():
-                return True
-            time.sleep(0.02)
-        return False
+        return _wait(cond, timeout)
 
     def close(self):
         for m in self.monitors.values():

@@ -56,21 +56,26 @@ def test_the_abandoned_branch_ages_out_and_the_line_is_kept(tmp_path):
         assert (tmp_path / "step_00000200").exists() is False
 
 
+def _falls_back(root, damaged: int, to: int) -> None:
+    """Corrupt step ``damaged``: a load with fallback restores ``to`` (the next on the line)."""
+    f = root / f"step_{damaged:08d}" / "rank_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-8] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with Checkpointer(str(root)) as ck:
+        out = blank()
+        with pytest.warns(UserWarning, match=f"falling back to step {to}"):
+            assert ck.load(out, fallback=True) == to
+        assert out["meta"]["v"] == float(to) and ck.last_load.skipped_steps == [damaged]
+
+
 def test_fallback_walks_the_line_never_into_the_abandoned_branch(tmp_path):
     with Checkpointer(str(tmp_path), keep_last=5) as ck:
         for s in (100, 200, 250):
             save(ck, s)
         ck.load(blank(), step=100)
         save(ck, 150)
-    f = tmp_path / "step_00000150" / "rank_00000.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-8] ^= 0xFF
-    f.write_bytes(bytes(data))
-    with Checkpointer(str(tmp_path)) as ck:
-        out = blank()
-        with pytest.warns(UserWarning, match="falling back to step 100"):
-            assert ck.load(out, fallback=True) == 100
-        assert out["meta"]["v"] == 100.0 and ck.last_load.skipped_steps == [150]
+    _falls_back(tmp_path, 150, 100)
 
 
 def test_resaving_an_old_step_makes_it_the_newest_commit(tmp_path):
@@ -182,15 +187,7 @@ def test_a_save_numbered_above_the_abandoned_branch_still_continues_the_step_it_
 
 def test_fallback_from_a_save_numbered_above_the_abandoned_branch_goes_to_its_parent(tmp_path):
     _rolled_back_past_the_branch(tmp_path)
-    f = tmp_path / "step_00000300" / "rank_00000.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-8] ^= 0xFF
-    f.write_bytes(bytes(data))
-    with Checkpointer(str(tmp_path)) as ck:
-        out = blank()
-        with pytest.warns(UserWarning, match="falling back to step 100"):
-            assert ck.load(out, fallback=True) == 100  # never 250, the abandoned state
-        assert out["meta"]["v"] == 100.0 and ck.last_load.skipped_steps == [300]
+    _falls_back(tmp_path, 300, 100)  # never 250, the abandoned state
 
 
 def test_a_restart_after_the_rollback_continues_the_new_line(tmp_path):
