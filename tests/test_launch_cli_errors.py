@@ -64,6 +64,9 @@ def _no_traceback(text: str) -> None:
         ["--monitor-interval", "-1"],  # AssertionError from WorkerSpec.__post_init__
         ["--nnodes", "0"],  # AssertionError: min_nodes must be > 0
         ["--nnodes", "2", "--standalone"],  # waited for a second node until the rendezvous timeout
+        ["--rdzv-backend", "bogus"],  # ValueError: the backend is not registered
+        ["--rdzv-endpoint", "localhost:notaport", "--rdzv-backend", "c10d"],  # ValueError: port
+        ["--rdzv-conf", "join_timeout=abc"],  # ValueError: not a valid integer value
     ],
     ids=lambda f: " ".join(f),
 )

@@ -537,6 +537,19 @@ def launch_main(argv: list[str]) -> int:
             forkserver.stop(server)
 
 
+def _rendezvous_flag(args: Any, message: str) -> str:
+    """The rendezvous flag (and its value) that torch's ``message`` is about; every one given
+    where the message names none of them."""
+    flags = [
+        ("rendezvous backend", f"--rdzv-backend {args.rdzv_backend} (torchrun's backends: c10d, "
+         "static, etcd, etcd-v2)"),
+        ("rendezvous endpoint", f"--rdzv-endpoint {args.rdzv_endpoint}"),
+        ("rendezvous configuration", f"--rdzv-conf {args.rdzv_conf}"),
+    ]  # fmt: skip
+    named = [flag for words, flag in flags if words in message]
+    return named[0] if named else ", ".join(flag for _, flag in flags)
+
+
 def _run_agent(args: Any, config: Any, cmd: str, cmd_args: list[str]) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import (
@@ -549,22 +562,27 @@ def _run_agent(args: Any, config: Any, cmd: str, cmd_args: list[str]) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
 
     spares = args.spares
-    rdzv = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id or str(uuid.uuid4().int),
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **config.rdzv_configs,
-    )
-    master_addr, master_port = _get_addr_and_port(rdzv)
+    try:  # torch's own checks of the rendezvous flags: a usage error, not a traceback
+        rdzv = RendezvousParameters(
+            backend=config.rdzv_backend,
+            endpoint=config.rdzv_endpoint,
+            run_id=config.run_id or str(uuid.uuid4().int),
+            min_nodes=config.min_nodes,
+            max_nodes=config.max_nodes,
+            local_addr=config.local_addr,
+            **config.rdzv_configs,
+        )
+        master_addr, master_port = _get_addr_and_port(rdzv)
+        rdzv_handler = rdzv_registry.get_rendezvous_handler(rdzv)
+    except ValueError as e:
+        print(f"resilient launch: error: {_rendezvous_flag(args, str(e))}: {e}", file=sys.stderr)
+        return 2
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=cmd,
         args=tuple(cmd_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+        rdzv_handler=rdzv_handler,
         max_restarts=config.max_restarts,
         monitor_interval=min(config.monitor_interval, 0.05),
         master_addr=master_addr,
