@@ -220,6 +220,14 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         status = signal.SIGKILL  # a wait status: killed by SIGKILL
     else:
         status = int(json.loads(line)["status"])
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+        # a failed rank's group goes with it (what it started: a data helper, a shell wrapper's
+        # python), as when it is this process's own child: a launcher that replaces it (in-job
+        # recovery) or stops the workers signals this process's group, which does not hold them
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nothing left of it
+            pass
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:

@@ -3,7 +3,10 @@
 Real processes throughout: the launcher (torch.distributed.elastic's rendezvous, store and agent
 loop, with this toolkit's worker policy), two gloo ranks running ``tests/injob_job.py`` under
 ``@fault_tolerant`` with a memory snapshot every step, and a spare.  A rank SIGKILLs itself once
-after a given step; the job must finish with weights bit-identical to a fault-free run's."""
+after a given step; the job must finish with weights bit-identical to a fault-free run's.  Where
+in-job recovery cannot work (a rank that fails before the group formed, or after another
+finished), the launcher says why and falls back to torchrun's policy at once: the spare would
+otherwise wait for a generation that cannot form until its bound (120 s)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 14
 
 
-def launch(tmp: Path, name: str, *flags: str, kill: str | None = None) -> tuple[dict, list[dict]]:
+JOB_VARS = ("INJOB_KILL", "INJOB_HELPER", "INJOB_SPARE_DIE", "INJOB_SPARE_CRASH")
+
+
+def run_job(
+    tmp: Path, name: str, *flags: str, kill: str | None = None, timeout_s: float = 240, **job: str
+) -> tuple[int, str, Path]:
+    """``resilient launch`` of the job on 2 ranks; (exit code, the launcher's stderr, the job's
+    output folder).  ``job``: the job's other variables (``INJOB_HELPER="1"``, ...)."""
     out = tmp / name
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    env.pop("INJOB_KILL", None)
+    for var in JOB_VARS:
+        env.pop(var, None)
+    env.update(job)
     if kill:
         env["INJOB_KILL"] = kill
     cmd = [
@@ -38,15 +51,21 @@ def launch(tmp: Path, name: str, *flags: str, kill: str | None = None) -> tuple[
         start_new_session=True,
     )  # fmt: skip
     try:
-        stdout, stderr = p.communicate(timeout=240)
+        stdout, stderr = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         stdout, stderr = p.communicate()
         raise AssertionError(
-            f"resilient launch did not finish in 240 s:\n{stderr[-6000:]}"
+            f"resilient launch did not finish in {timeout_s:.0f} s:\n{stderr[-6000:]}"
         ) from None
-    assert p.returncode == 0, stdout[-3000:] + stderr[-6000:]
     (out / "launcher.log").write_text(stderr)
+    return p.returncode, stdout[-3000:] + stderr, out
+
+
+def launch(tmp: Path, name: str, *flags: str, **kw: str) -> tuple[dict, list[dict]]:
+    """A job that must succeed: (its OUT.json, its event log)."""
+    rc, log, out = run_job(tmp, name, *flags, **kw)
+    assert rc == 0, log[-9000:]
     with open(out / "ckpt" / "events.jsonl") as f:
         events = [json.loads(line) for line in f if line.strip()]
     with open(out / "out.json") as f:
@@ -83,6 +102,7 @@ def test_killed_rank_is_replaced_by_a_spare_while_the_healthy_rank_stays(tmp_pat
     assert int(restore[-1]["step"]) >= 5
     log = (tmp_path / "injob" / "launcher.log").read_text()
     assert "takes its rank, generation 1" in log
+    assert got["role_ranks"] == ["0", "1"]  # the spare took the rank's ROLE_RANK too
 
 
 @pytest.mark.slow
@@ -120,3 +140,155 @@ def test_spares_flag_is_checked_before_anything_starts():
     )
     assert p.returncode == 2
     assert "--spares" in p.stderr and "whole number" in p.stderr
+
+
+# --- where in-job recovery cannot work: torchrun's policy at once --------------------------------
+# (the 100 s timeouts only bound a stall: the spare would wait 120 s for its generation)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_killed_after_another_finished_falls_back_at_once(tmp_path):
+    """Rank 1 dies after the last collective, once rank 0 has exited 0: no spare can form a group
+    with a rank that is gone, so the launcher applies torchrun's policy (no restarts: fail)."""
+    rc, log, out = run_job(tmp_path, "end", "--spares", "1", kill="1:end:KILL:last", timeout_s=100)
+    assert rc == 1, log[-6000:]
+    assert "in-job recovery not possible (local rank 0 already finished (exit code 0))" in log
+    assert "takes its rank" not in log, log[-6000:]
+    assert "rank 1 (pid" in log and "failed with exit code -9" in log, log[-3000:]
+    assert json.loads((out / "out.json").read_text())["step"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_finishes_while_a_generation_forms_ends_the_recovery(tmp_path):
+    """Rank 1 dies after the last collective, and rank 0 exits 0 once the launcher has given rank
+    1 to the spare: generation 1 can never form, so the launcher stops waiting for it."""
+    rc, log, out = run_job(
+        tmp_path, "end-first", "--spares", "1", kill="1:end:KILL:first", timeout_s=100
+    )
+    assert rc == 1, log[-6000:]
+    assert "takes its rank, generation 1" in log, log[-6000:]
+    assert "(local rank 0 finished (exit code 0) before generation 1 formed)" in log, log[-6000:]
+    # the failure reported is rank 1's own, not the spare's (75, when it gave up on the group)
+    assert "failed with exit code -9" in log and "exit code 75" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_lost_before_the_group_formed_restarts_the_workers(tmp_path, reference):
+    """Rank 1 dies at import, while rank 0 waits in generation 0's rendezvous: a spare cannot
+    join that rendezvous, so the workers restart (and finish bit-identical)."""
+    got, events = launch(
+        tmp_path, "import", "--spares", "1", "--max-restarts", "1", kill="1:import"
+    )
+    assert got["weights"] == reference["weights"]
+    log = (tmp_path / "import" / "launcher.log").read_text()
+    assert "(generation 0 of the group had not formed (0 of 2 ranks))" in log, log[-6000:]
+    assert "takes its rank" not in log and "restarting the workers" in log, log[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_takeover_before_a_restart_does_not_refuse_one_after_it(tmp_path, reference):
+    """Rank 1 is taken over (step 3), fails again at once (step 5: a restart), and is killed once
+    more after the restart (step 8): that is a new process, which no spare has taken over yet."""
+    got, events = launch(
+        tmp_path, "stale", "--spares", "1", "--max-restarts", "1", kill="1:3,1:5,1:8"
+    )
+    assert got["weights"] == reference["weights"]
+    log = (tmp_path / "stale" / "launcher.log").read_text()
+    assert log.count("failed again within") == 1, log[-6000:]
+    assert log.count("restarting the workers") == 1, log[-6000:]
+    assert log.count("takes its rank, generation 1") == 2, log[-6000:]  # before and after
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("preload", [[], ["--preload", "torch"]], ids=["", "preload"])
+def test_a_failed_ranks_children_go_with_it(tmp_path, preload):
+    """A rank's helper (a child in its process group) goes when the rank fails and a spare takes
+    its place, as torchrun's stop of a worker's group takes it: it did not, and outlived the
+    job.  With --preload the rank is forked by the fork server: its stand-in does it."""
+    rc, log, out = run_job(
+        tmp_path, "helper", "--spares", "1", *preload, kill="1:7", INJOB_HELPER="1"
+    )
+    helpers = {int(p.name.split(".")[1]): int(p.name.split(".")[2]) for p in out.glob("helper.*")}
+    try:
+        assert rc == 0, log[-6000:]
+        got = json.loads((out / "out.json").read_text())
+        killed = [h for r, h in helpers.items() if r not in got["pids"]]
+        assert len(killed) == 1 and len(helpers) == 3, (helpers, got["pids"])
+        deadline = time.monotonic() + 10  # (SIGKILL: gone at once; a margin for the reaper)
+        while _alive(killed[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(killed[0]), "the killed rank's helper still runs after the job ended"
+    finally:
+        for pid in helpers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_spare_that_dies_idle_is_replaced(tmp_path, reference):
+    """The spare is killed while it waits for a rank; another starts in its place and takes rank
+    1 when that is killed (step 7): in-job recovery, no restart (there is none to fall back to)."""
+    got, events = launch(tmp_path, "sparedie", "--spares", "1", kill="1:7", INJOB_SPARE_DIE="1")
+    assert got["weights"] == reference["weights"]
+    log = (tmp_path / "sparedie" / "launcher.log").read_text()
+    assert "spare 0 (pid" in log and "exited with -9: starting another" in log, log[-6000:]
+    assert "takes its rank, generation 1" in log, log[-6000:]
+    assert len(pids(events, 0)) == 1  # no restart
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_spare_that_fails_at_import_is_not_started_again(tmp_path):
+    """A script that fails in a spare (at import, before it waits for a rank) would fail in every
+    other spare too: reported once, not started again in a loop."""
+    launch(tmp_path, "sparecrash", "--spares", "1", INJOB_SPARE_CRASH="1")
+    log = (tmp_path / "sparecrash" / "launcher.log").read_text()
+    assert log.count("spare 0 (pid") == 1 and "exited with 1, not replaced (before" in log, log
+    assert "spare 1 (pid" not in log, log[-6000:]
+
+
+_ENV_PROBE = """
+import json, os, sys, time
+if os.environ.get("RESILIENT_SPARE"):
+    names = ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK")
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        json.dump({k: os.environ.get(k) for k in names}, f)
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    sys.exit(0)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.distributed
+def test_a_spare_starts_without_the_launchers_rank(tmp_path):
+    """A spare has no rank until it is given one (README): not the RANK, LOCAL_RANK or ROLE_RANK
+    that the launcher itself was started with (an outer launcher's, a shell's)."""
+    (tmp_path / "w.py").write_text(_ENV_PROBE)
+    probe = tmp_path / "spare.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "5", "LOCAL_RANK": "5", "ROLE_RANK": "5"}
+    p = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "launch", "--nproc-per-node", "1", "--spares", "1",
+         str(tmp_path / "w.py"), str(probe)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(probe.read_text())
+    assert got == {"RANK": None, "LOCAL_RANK": None, "ROLE_RANK": None, "GROUP_RANK": "0"}

@@ -14,8 +14,9 @@ and when one exits with a failure it
 3. starts a new spare in the background.
 
 When that cannot work (no spare is left, the store is not the agent's, a worker fails again before
-the previous recovery formed its group, the group cannot form), it falls back to torchrun's policy:
-stop the workers, rendezvous again and restart them (``--max-restarts``), or fail.
+the previous recovery formed its group, a worker fails before the group's newest generation formed
+or after another finished, the group cannot form), it falls back to torchrun's policy: stop the
+workers, rendezvous again and restart them (``--max-restarts``), or fail.
 
 Several nodes: the spares need the agent's store (torchrun's rendezvous TCPStore, shared with the
 workers).  torch's c10d rendezvous handler publishes that store's address in a round's store only
@@ -47,6 +48,7 @@ __all__ = ["launch_main", "InJobAgent", "parse_args", "share_store_address"]
 SPARES_DEFAULT = 1
 MAX_RECOVERIES_DEFAULT = 10
 REPEAT_WINDOW_S = 30.0  # a rank that fails again this soon after its takeover: restart instead
+MAX_SPARE_REFILLS = 10  # idle spares that died and were started again, per round of workers
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -228,6 +230,7 @@ def _agent_class() -> Any:
             self._procs: dict[int, subprocess.Popen] = {}
             self._spares: list[tuple[int, subprocess.Popen]] = []
             self._next_spare = 0
+            self._spare_refills = 0
             self._client: Any = None
             self._pending_gen: int | None = None  # a recovery whose group has not formed yet
             self.recoveries: list[dict[str, Any]] = []
@@ -262,6 +265,10 @@ def _agent_class() -> Any:
             else:  # not one inherited from an outer launcher: the keys must be what _base says
                 env.pop(ENV_ROUND, None)
             env.pop(ENV_SPARE, None)
+            # torchrun's per-worker variables: a spare has no rank until it is given one, and
+            # must not take the launcher's own (an outer launcher's RANK, say) for it
+            for name in ("RANK", "LOCAL_RANK", "ROLE_RANK"):
+                env.pop(name, None)
             if worker is not None:
                 env.update(
                     RANK=str(worker.global_rank),
@@ -286,10 +293,9 @@ def _agent_class() -> Any:
             index = self._next_spare
             self._next_spare += 1
             env = self._env(wg, None)
+            # no RANK or LOCAL_RANK (_env) until it is given a rank: a script that picks its device
+            # at import fails loudly rather than landing on device 0
             env[ENV_SPARE] = f"{wg.group_rank}:{index}"
-            # no LOCAL_RANK until it is given a rank: a script that picks its device at import
-            # fails loudly rather than landing on device 0
-            env.pop("LOCAL_RANK", None)
             proc = subprocess.Popen(self._cmd(0), env=env, start_new_session=True)
             self._spares.append((index, proc))
             log.info("spare %d started (pid %d)", index, proc.pid)
@@ -297,6 +303,9 @@ def _agent_class() -> Any:
         def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
             self._client = None
             self._pending_gen = None
+            # takeovers and refills of the previous round: its processes are all gone
+            self._taken_over.clear()
+            self._spare_refills = 0
             pids = {}
             for w in worker_group.workers:
                 # each in a session (a process group) of its own, as torchrun does: stopping it
@@ -368,6 +377,9 @@ def _agent_class() -> Any:
         def _assign_key(self, index: int) -> str:
             return f"{self._base()}/assign/{self._worker_group.group_rank}/{index}"
 
+        def _ready_key(self, index: int) -> str:
+            return f"{self._base()}/ready/{self._worker_group.group_rank}/{index}"
+
         def _base(self) -> str:
             """The in-job keys of this round (what ``base_key`` is in its workers)."""
             spec = self._worker_group.spec
@@ -380,11 +392,12 @@ def _agent_class() -> Any:
         def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
             self._check_formed()
             codes = {lr: p.poll() for lr, p in self._procs.items()}
-            for i, p in self._spares:
-                if p.poll() is not None:
-                    log.warning("spare %d (pid %d) exited with %s", i, p.pid, p.returncode)
-            self._spares = [(i, p) for i, p in self._spares if p.poll() is None]
+            self._refill_spares()
             failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+            if not failed and self._pending_gen is not None and 0 in codes.values():
+                self._check_formed()  # (a rank may have formed it and finished since)
+                if self._pending_gen is not None:
+                    return self._unformable(worker_group, codes)
             if not failed:
                 if all(c == 0 for c in codes.values()):
                     self._release_spares()
@@ -397,14 +410,7 @@ def _agent_class() -> Any:
             if reason is None:
                 self._take_over(worker_group, failed)
                 return RunResult(state=WorkerState.HEALTHY)
-            left = getattr(self, "_remaining_restarts", 1)
-            log.warning(
-                "in-job recovery not possible (%s): %s",
-                reason,
-                "restarting the workers"
-                if left > 0
-                else f"no restarts left (--max-restarts {self._worker_group.spec.max_restarts})",
-            )
+            self._log_fallback(reason)
             failures = {}
             for lr, code in failed.items():
                 w = worker_group.workers[lr]
@@ -413,11 +419,92 @@ def _agent_class() -> Any:
                 )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
+        def _unformable(self, worker_group: WorkerGroup, codes: dict[int, int | None]) -> Any:
+            """A worker finished (exit code 0) while the generation of a takeover was forming:
+            that generation can never form (the spare would wait for it until its bound), so
+            the failure that started the recovery goes to torchrun's policy now."""
+            done = min(lr for lr, c in codes.items() if c == 0)
+            rec = self.recoveries[-1]
+            self._log_fallback(
+                f"local rank {done} finished (exit code 0) before generation {rec['gen']} formed"
+            )
+            lr = next(w.local_rank for w in worker_group.workers if w.global_rank == rec["rank"])
+            failure = ProcessFailure(
+                local_rank=lr, pid=rec["old_pid"], exitcode=rec["exitcode"], error_file=""
+            )
+            return RunResult(state=WorkerState.FAILED, failures={rec["rank"]: failure})
+
+        def _log_fallback(self, reason: str) -> None:
+            left = getattr(self, "_remaining_restarts", 1)
+            log.warning(
+                "in-job recovery not possible (%s): %s",
+                reason,
+                "restarting the workers"
+                if left > 0
+                else f"no restarts left (--max-restarts {self._worker_group.spec.max_restarts})",
+            )
+
+        def _refill_spares(self) -> None:
+            """Drop the spares that exited; start another for each that had been waiting for a
+            rank (killed while idle: the OOM killer, an operator), not for one that died on its
+            way there (the script fails without RANK at import, say: it would die again), and at
+            most MAX_SPARE_REFILLS per round."""
+            died = [(i, p) for i, p in self._spares if p.poll() is not None]
+            if not died:
+                return
+            self._spares = [(i, p) for i, p in self._spares if p.poll() is None]
+            for i, p in died:
+                ready = self._spare_was_ready(i)
+                if ready and self._spare_refills < MAX_SPARE_REFILLS:
+                    self._spare_refills += 1
+                    log.warning("spare %d (pid %d) exited with %s: starting another",
+                                i, p.pid, p.returncode)  # fmt: skip
+                    self._start_spare()
+                else:
+                    why = (
+                        f"{MAX_SPARE_REFILLS} spares started again already this round"
+                        if ready
+                        else "before it was ready for a rank: the script fails in a spare, "
+                        "which has no RANK or LOCAL_RANK until it is given one?"
+                    )
+                    log.warning("spare %d (pid %d) exited with %s, not replaced (%s)",
+                                i, p.pid, p.returncode, why)  # fmt: skip
+
+        def _spare_was_ready(self, index: int) -> bool:
+            store = self._store_client(quiet=True)
+            try:
+                return store is not None and bool(store.check([self._ready_key(index)]))
+            except Exception:
+                return False
+
+        def _generation_formed(self) -> str | None:
+            """None when the group's newest generation has formed (every rank marked it), else
+            why not: a rank that fails before then leaves its peers blocked in that
+            generation's rendezvous, which no spare can join."""
+            store = self._store_client(quiet=True)
+            if store is None:
+                return "the agent's store cannot be reached"
+            try:
+                gen = int(store.add(f"{self._base()}/gen", 0))
+                formed = int(store.add(f"{self._base()}/formed/{gen}", 0))
+            except Exception as e:
+                return f"the agent's store cannot be read ({e})"
+            world = self._worker_group.workers[0].world_size
+            if formed < world:
+                return f"generation {gen} of the group had not formed ({formed} of {world} ranks)"
+            return None
+
         def _cannot_recover(self, failed: dict[int, int]) -> str | None:
             if not self._injob_possible():
                 return "in-job recovery is off"
             if self._pending_gen is not None:
                 return f"a worker failed while generation {self._pending_gen} was forming"
+            done = [lr for lr, p in self._procs.items() if p.poll() == 0]
+            if done:  # its peers can no longer form a group with it
+                return f"local rank {done[0]} already finished (exit code 0)"
+            not_formed = self._generation_formed()
+            if not_formed is not None:
+                return not_formed
             if len(self._spares) < len(failed):
                 return f"{len(self._spares)} spare(s) left for {len(failed)} failed worker(s)"
             if len(self.recoveries) >= self.max_recoveries:
@@ -459,9 +546,14 @@ def _agent_class() -> Any:
                 index, spare = self._spares.pop(0)
                 store.set(
                     self._assign_key(index),
-                    json.dumps({"rank": worker.global_rank, "local_rank": local_rank, "gen": gen}),
-                )
+                    json.dumps({"rank": worker.global_rank, "local_rank": local_rank,
+                                "role_rank": worker.role_rank, "gen": gen}),
+                )  # fmt: skip
                 old = self._procs[local_rank]
+                # what the failed rank started (a data helper, a shell wrapper's python) goes with
+                # it, as torchrun's stop of a worker's group does; the checkpointer's persister has
+                # a session of its own and stays
+                _signal_group(old, signal.SIGKILL)
                 self._procs[local_rank] = spare
                 worker.id = spare.pid
                 self._taken_over[local_rank] = t0

@@ -11,6 +11,7 @@ Everything goes through the agent's store (torchrun's, which outlives the worker
 
     resilient/injob/<run id>/<attempt>/gen                     the generation counter
     resilient/injob/<run id>/<attempt>/assign/<node>/<spare>   a spare's rank, or "exit"
+    resilient/injob/<run id>/<attempt>/ready/<node>/<spare>    set once the spare waits for it
     resilient/injob/<run id>/<attempt>/formed/<gen>            ranks that formed that generation
 
 and generation ``g`` forms its group under ``/resilient/attempt_<attempt>/gen_<g>`` (generation 0:
@@ -72,15 +73,21 @@ def store_prefix(attempt: str, gen: int) -> str:
 
 
 def wait_for_rank(store: Any, poll_s: float = 0.01) -> bool:
-    """(a spare) Wait for the agent to hand this process a rank; set RANK, LOCAL_RANK and the
-    generation in the environment and return True, or return False when the agent says the job is
-    over (or went away)."""
+    """(a spare) Wait for the agent to hand this process a rank; set RANK, LOCAL_RANK, ROLE_RANK
+    and the generation in the environment and return True, or return False when the agent says
+    the job is over (or went away)."""
     _warm_up()
     node, index = os.environ[ENV_SPARE].split(":")
     key = f"{base_key()}/assign/{node}/{index}"
     from resilient.forkserver import launcher_pid
 
     parent = launcher_pid()  # (a forked spare's parent is its node's fork server)
+    # from now on, the agent starts another spare if this one dies (not for one that dies on
+    # its way here, at import, say: another would too)
+    try:
+        store.set(f"{base_key()}/ready/{node}/{index}", "1")
+    except Exception:  # the agent's store is gone: the job is over
+        return False
     while True:
         try:
             if store.check([key]):
@@ -95,6 +102,7 @@ def wait_for_rank(store: Any, poll_s: float = 0.01) -> bool:
         return False
     os.environ["RANK"] = str(got["rank"])
     os.environ["LOCAL_RANK"] = str(got["local_rank"])
+    os.environ["ROLE_RANK"] = str(got.get("role_rank", got["rank"]))
     os.environ[ENV_GEN] = str(got["gen"])
     os.environ.pop(ENV_SPARE, None)
     return True
