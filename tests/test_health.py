@@ -602,6 +602,74 @@ def test_a_verdict_is_answered_whatever_fails_in_the_response(tmp_path, monkeypa
         sim.close()
 
 
+def _answer_by_hand(tmp_path, finding, on_failure, in_job=None):
+    """A rank's monitor with its threads stopped, answering ``finding`` on this thread."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    m = Monitor(
+        server,
+        "run/0",
+        1,
+        2,
+        DetectorConfig(interval_s=30.0),
+        events=EventLog(str(tmp_path / "events.jsonl")),
+        on_failure=on_failure,
+        kill_local=False,
+    )
+    m.close()
+    m.on_peer_failure = in_job
+    server.set("run/0/verdict", json.dumps(finding.to_json()))
+    try:
+        m._watch()
+    finally:
+        del server
+
+
+@pytest.mark.parametrize("case", ["taken-over", "group"])
+def test_a_response_that_fails_exits_as_the_response_would_have(tmp_path, monkeypatch, case):
+    """Where the response raised, the rank exited unless in-job recovery held the hook at that
+    moment: a survivor whose loop had just taken a peer's failure over (and unset the hook) was
+    exited, and a whole-group HUNG under in-job recovery was left waiting."""
+    failures: list = []
+    if case == "taken-over":  # the loop takes it over (Run.close unsets the hook) meanwhile
+        finding = Finding(Verdict.DEAD, 0, "h", 1, 5, "train", 1.0, 9.0, "x")
+        holder: dict = {}
+
+        def broken() -> str:
+            holder["m"].on_peer_failure = None
+            raise RuntimeError("boom")
+
+        real_watch = Monitor._watch
+
+        def watch(self):
+            holder["m"] = self
+            return real_watch(self)
+
+        monkeypatch.setattr(Monitor, "_watch", watch)
+        want = 0
+    else:
+        finding = Finding(Verdict.HUNG, None, "", 0, 5, "train", 9.0, 0.1, "group stall")
+
+        def broken() -> str:
+            raise RuntimeError("boom")
+
+        want = 1
+    monkeypatch.setattr(heartbeat_module, "_stacks", broken)
+    _answer_by_hand(tmp_path, finding, failures.append, in_job=lambda f: None)
+    assert len(failures) == want
+
+
+def test_an_on_failure_that_raises_is_called_once(tmp_path):
+    calls: list = []
+
+    def on_failure(f):
+        calls.append(f)
+        raise RuntimeError("cleanup failed")
+
+    finding = Finding(Verdict.DEAD, 0, "h", 1, 5, "train", 1.0, 9.0, "x")
+    _answer_by_hand(tmp_path, finding, on_failure)  # (its error is logged)
+    assert len(calls) == 1
+
+
 def test_stacks_are_dumped_without_a_temporary_file(monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -175,6 +175,7 @@ class Monitor:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by close() and by the verdict's waiter
         self._verdict: Finding | None = None
+        self._failure_called = False  # (this verdict's on_failure was called: _watch)
         self._reported: set[tuple[str, int | None]] = set()
         self.scans = 0
         self.last_scan_s = 0.0
@@ -854,6 +855,9 @@ class Monitor:
             return
         finding = Finding.from_json(json.loads(raw))
         self._verdict = finding  # (answered once: the next pass returns above)
+        # (as _respond decides: the loop may unset the hook meanwhile, taking the failure over)
+        in_job = self.on_peer_failure is not None
+        self._failure_called = False
         try:
             self._respond(finding)
         except Exception:
@@ -861,7 +865,8 @@ class Monitor:
             # still goes (the launcher restarts the job), unless in-job recovery takes a peer's
             # failure over; left waiting, it would sit in a collective until its timeout
             log.exception("answering %s failed", finding)
-            if self.on_peer_failure is None or finding.rank == self.rank:
+            peer = finding.rank is not None and finding.rank != self.rank
+            if not self._failure_called and not (in_job and peer):
                 self.on_failure(finding)
 
     def _respond(self, finding: Finding) -> None:
@@ -924,6 +929,7 @@ class Monitor:
             return  # the loop's in-job recovery took it over (it unset the hook): no exit
         if finding.verdict is Verdict.HUNG and not leader and not awaited:
             self._await_attribution(finding)
+        self._failure_called = True  # (once: a callback that raises is not called again)
         self.on_failure(finding)
 
     def _await_attribution(self, finding: Finding) -> bool:

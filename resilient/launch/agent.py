@@ -454,6 +454,9 @@ def _agent_class() -> Any:
                 return
             self._spares = [(i, p) for i, p in self._spares if p.poll() is None]
             for i, p in died:
+                if p.returncode == 0:  # it said it cannot serve (a backend without in-job recovery)
+                    log.info("spare %d (pid %d) exited: not used", i, p.pid)
+                    continue
                 ready = self._spare_was_ready(i)
                 if ready and self._spare_refills < MAX_SPARE_REFILLS:
                     self._spare_refills += 1
