@@ -448,3 +448,21 @@ def test_a_parent_chain_that_is_not_one_records_nothing():
         value = {**good, "older": older}
         assert recorded_chain({"_resilient_parent": value}, 9) == (), older
     assert recorded_chain({"_resilient_parent": {**good, "extra": 1}}, 9) == ()
+
+
+def test_the_chain_a_commit_records_stays_bounded_through_the_persister_too(tmp_path):
+    """Each save's chain was its anchor's chain and one more: after 16 saves through the
+    persister it was longer than a request may carry, and the parent was dropped."""
+    from resilient.checkpoint.format import MAX_OLDER
+
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, memory_every=1, keep_last=3) as ck:
+        for s in range(1, MAX_OLDER + 6):
+            ck.save(s, state(float(s))).wait()
+        assert ck.persister_pid is not None
+        assert len(ck._anchor_chain) <= MAX_OLDER + 1
+    with Checkpointer(url) as ck:
+        last = MAX_OLDER + 5
+        record = _parent(ck, last)
+        assert record["step"] == last - 1 and len(record["older"]) == MAX_OLDER
+        assert record["older"][0][0] == last - 2

@@ -31,6 +31,7 @@ from resilient.checkpoint.format import (
     MAX_INT,
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
+    MAX_OLDER,
     PARENT_KEY,
     RUN_KEY,
     ChunkEntry,
@@ -557,6 +558,7 @@ class Checkpointer:
             parent = (self._anchor, *self._anchor_chain)
             if self._anchor[0] == step:
                 parent = self._anchor_chain
+            parent = parent[: 1 + MAX_OLDER]  # (what a record keeps: not a chain per save)
         if self._persister_config is not None and self._through_persister(step):
             return self._save_through_persister(step, state, parent)
         t0 = time.monotonic()
