@@ -776,9 +776,11 @@ def test_the_persisters_pipes_are_closed_when_it_is_replaced_and_when_it_closes(
             ck.snapshot(2, {"model": m}).wait()
             ck.save(2, {"model": m}).wait()  # a second persister
             assert ck.persister_pid != first
-        for _ in range(100):  # the second one's reader, after its exit
-            gc.collect()
-            time.sleep(0.02)
+        import threading
+        for t in threading.enumerate():  # the readers, once their persisters exited
+            if t.name == "resilient-persister-replies":
+                t.join(60)
+        gc.collect()
         print("done")
         """
     )
