@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_launch_cli_errors import _alive
+
 JOB = Path(__file__).with_name("injob_job.py")
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 14
@@ -229,14 +231,6 @@ def test_a_failed_ranks_children_go_with_it(tmp_path, preload):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
