@@ -291,7 +291,9 @@ def test_a_parent_that_is_gone_places_the_line_where_it_was():
     from resilient.checkpoint.catalog import Catalog, StepInfo
 
     def info(step, seq, parent=None):
-        return StepInfo(step, f"step_{step:08d}", "committed", commit_seq=seq, parent=parent)
+        return StepInfo(
+            step, f"step_{step:08d}", "committed", commit_seq=seq, chain=(parent,) if parent else ()
+        )
 
     # 50 (1), 100 (2, retired), 200 (3), 250 (4); 300 (5) descends from 100
     c = Catalog(
@@ -312,7 +314,7 @@ def test_the_line_of_many_dangling_parents_takes_linear_time():
 
     n = 50_000
     c = Catalog(
-        StepInfo(s, f"step_{s:08d}", "committed", commit_seq=s, parent=(1, 0))
+        StepInfo(s, f"step_{s:08d}", "committed", commit_seq=s, chain=((1, 0),))
         for s in range(2, n + 2)
     )
     t0 = time.monotonic()

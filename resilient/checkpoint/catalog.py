@@ -49,8 +49,7 @@ from resilient.checkpoint.format import (
     ManifestSummary,
     manifest_of_step,
     parse_step_dir,
-    recorded_older,
-    recorded_parent,
+    recorded_chain,
     recorded_run,
     step_dir_name,
 )
@@ -83,8 +82,8 @@ class StepInfo:
     files: frozenset[str] = frozenset()  # the rank files its manifest names
     problem: str = ""  # why a damaged step is not a commit
     run: int = 0  # the memory tier's run that made the commit (format.RUN_KEY; 0: none)
-    parent: tuple[int, int] | None = None  # (step, commit_seq) it descends from (PARENT_KEY)
-    older: tuple[tuple[int, int], ...] = ()  # what the parent descends from in turn, newest first
+    # the commits (step, commit_seq) it descends from, its parent first (PARENT_KEY)
+    chain: tuple[tuple[int, int], ...] = ()
 
     @property
     def order(self) -> tuple[int, int]:
@@ -178,9 +177,10 @@ class Catalog:
         """The current line, newest first: what ``load`` falls back along."""
         return line_of(self.commits(), self.parents(), [i.commit_seq for i in self.committed])
 
-    def parents(self) -> dict[int, tuple[int, int]]:
-        """The parent (step, commit_seq) each committed step records (``line_of`` judges them)."""
-        return {i.step: (i.parent, *i.older) for i in self.committed if i.parent is not None}
+    def parents(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """What each committed step records it descends from, its parent first (``line_of``
+        judges them)."""
+        return {i.step: i.chain for i in self.committed if i.chain}
 
     def next_commit_seq(self) -> int:
         seqs = [i.commit_seq for i in self.infos.values() if i.state != "uncommitted"]
@@ -261,8 +261,7 @@ def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
         job_id=summary.job_id,
         files=summary.files,
         run=summary.run,
-        parent=summary.parent,
-        older=summary.older,
+        chain=summary.chain,
     )
 
 
@@ -275,8 +274,7 @@ def summary_of(m: Manifest) -> ManifestSummary:
         m.job_id,
         frozenset(m.files),
         recorded_run(m.extras),
-        recorded_parent(m.extras, m.commit_seq),
-        recorded_older(m.extras, m.commit_seq),
+        recorded_chain(m.extras, m.commit_seq),
     )
 
 

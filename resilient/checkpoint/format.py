@@ -55,8 +55,8 @@ __all__ = [
     "ManifestSummary",
     "recorded_run",
     "recorded_parent",
-    "recorded_older",
     "recorded_chain",
+    "chain_of",
     "parent_record",
     "PARENT_KEY",
     "ANCHOR_KEY",
@@ -853,9 +853,9 @@ class ManifestSummary:
     job_id: str
     files: frozenset[str]
     run: int = 0  # the memory tier's run that made the commit (RUN_KEY; 0: none recorded)
-    # the commit (step, commit_seq) its state descends from (PARENT_KEY); None: not recorded
-    parent: tuple[int, int] | None = None
-    older: tuple[tuple[int, int], ...] = ()  # the commits that one descends from (its "older")
+    # the commits (step, commit_seq) its state descends from, its parent first (PARENT_KEY);
+    # empty: not recorded
+    chain: tuple[tuple[int, int], ...] = ()
 
 
 def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
@@ -892,8 +892,7 @@ def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> M
         job_id=_name(d.get("job_id"), f"{what}.job_id"),
         files=frozenset(files),
         run=run,
-        parent=recorded_parent(d.get("extras"), commit_seq),
-        older=recorded_older(d.get("extras"), commit_seq),
+        chain=recorded_chain(d.get("extras"), commit_seq),
     )
 
 
@@ -918,19 +917,25 @@ def recorded_chain(extras: Any, commit_seq: int) -> tuple[tuple[int, int], ...]:
         return ()
     if value["child_commit_seq"] != commit_seq:
         return ()
-    older = value.get("older", [])
-    if (
-        type(older) is not list
-        or len(older) > MAX_OLDER
-        or not all(
-            type(pair) is list
-            and len(pair) == 2
-            and all(type(v) is int and 0 <= v <= MAX_INT for v in pair)
-            for pair in older
-        )
-    ):
+    older = chain_of(value.get("older", []), MAX_OLDER)
+    if older is None:
         return ()
-    return ((value["step"], value["commit_seq"]), *((s, q) for s, q in older))
+    return ((value["step"], value["commit_seq"]), *older)
+
+
+def chain_of(value: Any, most: int) -> tuple[tuple[int, int], ...] | None:
+    """``[[step, commit_seq], ...]`` (JSON, untrusted) as pairs; None where it is anything but a
+    list of at most ``most`` pairs of integers in [0, 2**63 - 1]."""
+    if type(value) is not list or len(value) > most:
+        return None
+    if not all(
+        type(pair) is list
+        and len(pair) == 2
+        and all(type(v) is int and 0 <= v <= MAX_INT for v in pair)
+        for pair in value
+    ):
+        return None
+    return tuple((s, q) for s, q in value)
 
 
 def recorded_parent(extras: Any, commit_seq: int) -> tuple[int, int] | None:
@@ -938,12 +943,6 @@ def recorded_parent(extras: Any, commit_seq: int) -> tuple[int, int] | None:
     (PARENT_KEY), for a manifest numbered ``commit_seq``; None where they say nothing."""
     chain = recorded_chain(extras, commit_seq)
     return chain[0] if chain else None
-
-
-def recorded_older(extras: Any, commit_seq: int) -> tuple[tuple[int, int], ...]:
-    """The commits the parent descends from in turn, as the PARENT_KEY value says (newest
-    first; empty where it says none, or nothing that is one)."""
-    return recorded_chain(extras, commit_seq)[1:]
 
 
 def recorded_run(extras: Any) -> int:

@@ -61,13 +61,13 @@ from resilient.checkpoint.catalog import StepInfo, scan
 from resilient.checkpoint.codec import block_checksums
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
-    MAX_INT,
     MAX_MANIFEST_BYTES,
     MAX_OLDER,
     MAX_RUN,
     PARENT_KEY,
     RUN_KEY,
     Manifest,
+    chain_of,
     manifest_of_step,
     parent_record,
     rank_file_name,
@@ -897,19 +897,7 @@ def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[st
 def _parent_of(msg: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     """The ``parent`` of a request: the commits the state descends from, newest first, as
     [[step, commit_seq], ...]; empty where it gives none that is one."""
-    p = msg.get("parent")
-    if (
-        isinstance(p, list)
-        and 0 < len(p) <= 1 + MAX_OLDER
-        and all(
-            isinstance(pair, list)
-            and len(pair) == 2
-            and all(type(x) is int and 0 <= x <= MAX_INT for x in pair)
-            for pair in p
-        )
-    ):
-        return tuple((s, q) for s, q in p)
-    return ()
+    return chain_of(msg.get("parent"), 1 + MAX_OLDER) or ()
 
 
 def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from resilient.checkpoint.catalog import Catalog, StepInfo, line_of, scan
 from resilient.checkpoint.format import MANIFEST_NAME, parse_step_dir
@@ -25,7 +26,7 @@ def steps_to_delete(
     commits: Sequence[int],
     keep_last: int,
     keep_every: int | None,
-    parents: Mapping[int, tuple[int, int]] | None = None,
+    parents: Mapping[int, Any] | None = None,
     seqs: Sequence[int] | None = None,
 ) -> list[int]:
     """Pure: the committed steps retention removes, given step numbers in commit order (oldest
