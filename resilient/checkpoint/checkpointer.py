@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from resilient.checkpoint.buffers import scratch_for
 from resilient.checkpoint.catalog import Catalog, line_of, scan
-from resilient.checkpoint.format import (
+from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a message)
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
     MAX_INT,
@@ -37,6 +37,7 @@ from resilient.checkpoint.format import (
     ChunkEntry,
     Manifest,
     ManifestEncoder,
+    _short,
     manifest_of_step,
     manifest_summary,
     parent_record,
@@ -153,7 +154,7 @@ def _check_step(step: Any, call: str, *, optional: bool = False) -> None:
     number that only looks like one, such as '12', names no step; True would be step 1)."""
     if (optional and step is None) or (type(step) is int and 0 <= step <= MAX_INT):
         return
-    shown = repr(step) if len(repr(step)) <= 80 else repr(step)[:77] + "..."
+    shown = _short(step)
     expected = "None (the newest commit) or an int" if optional else "an int"
     hint = (
         "a step is a count from 0 that fits an int64"
@@ -273,7 +274,7 @@ class Checkpointer:
         if not commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s must be positive, got {commit_timeout_s!r}")
         if job_id is not None and (type(job_id) is not str or len(job_id) > MAX_NAME_CHARS):
-            shown = repr(job_id) if len(repr(job_id)) <= 80 else repr(job_id)[:77] + "..."
+            shown = _short(job_id)
             raise ValueError(
                 f"job_id must be a str of at most {MAX_NAME_CHARS} characters (it names this job "
                 f"in the writer lease and in every manifest, where readers refuse longer ones), "
