@@ -452,7 +452,7 @@ def _agent_class() -> Any:
             died = [(i, p) for i, p in self._spares if p.poll() is not None]
             if not died:
                 return
-            self._spares = [(i, p) for i, p in self._spares if p.poll() is None]
+            self._spares = [spare for spare in self._spares if spare not in died]
             for i, p in died:
                 if p.returncode == 0:  # it said it cannot serve (a backend without in-job recovery)
                     log.info("spare %d (pid %d) exited: not used", i, p.pid)
