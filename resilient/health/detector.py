@@ -203,12 +203,17 @@ class DetectorConfig:
     def dead_timeout_s(self) -> float:
         return self.interval_s * self.dead_after_intervals
 
+    def interval_of(self, beats_every_s: float | None) -> float:
+        """The interval a rank that says it beats every ``beats_every_s`` is judged on: the
+        longer of that and this setting's (None: this setting's)."""
+        if beats_every_s is not None and beats_every_s > self.interval_s:
+            return beats_every_s
+        return self.interval_s
+
     def dead_timeout_in(self, phase: str, beats_every_s: float | None = None) -> float:
         """The liveness timeout of a rank in ``phase`` that beats every ``beats_every_s`` (what its
-        heartbeat says; None: this setting's interval), on the longer of the two intervals."""
-        interval = self.interval_s
-        if beats_every_s is not None and beats_every_s > interval:
-            interval = beats_every_s
+        heartbeat says), on ``interval_of`` it."""
+        interval = self.interval_of(beats_every_s)
         if phase in STARTUP_LIVENESS_PHASES:
             return interval * self.startup_dead_after_intervals
         return interval * self.dead_after_intervals
@@ -358,7 +363,7 @@ class Detector:
             since_alive = now - s.alive_t
             timeout = c.dead_timeout_in(s.phase, s.interval_s)
             # (a rank that says it beats less often than this setting is judged on its interval)
-            beats = c.interval_s if s.interval_s is None else max(c.interval_s, s.interval_s)
+            beats = c.interval_of(s.interval_s)
             running = False
             # a look at least half an interval before the timeout, from a window an interval
             # long, so that one of the leader's scans (one per interval) falls into it
