@@ -163,6 +163,56 @@ def test_a_rank_killed_after_another_finished_falls_back_at_once(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp_path):
+    """Two nodes (two launchers, one rank each): rank 1 dies once rank 0, on the other node, has
+    exited 0.  Rank 1's agent cannot see that process; rank 0's agent says so in the store, so
+    no spare waits for a generation that cannot form (120 s) before the job fails."""
+    from resilient.launch import free_port
+
+    port = free_port()
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    for var in JOB_VARS:
+        env.pop(var, None)
+    env["INJOB_KILL"] = "1:end:KILL:last"
+    procs = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable, "-m", "resilient.cli", "launch", "--spares", "1", "--nnodes", "2",
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"finished-{port}",
+            str(JOB), str(out / "ckpt"), str(STEPS), str(out / "out.json"),
+        ]  # fmt: skip
+        mem = {"RESILIENT_MEMORY_ROOT": str(tmp_path / f"memory{node}")}
+        procs.append(subprocess.Popen(
+            cmd, env={**env, **mem}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        ))  # fmt: skip
+    try:  # node 0's launcher waits in torchrun's exit barrier for node 1's (up to 300 s)
+        log = procs[1].communicate(timeout=100)[0]
+    except subprocess.TimeoutExpired:
+        log = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    if log is None:
+        raise AssertionError(
+            "node 1's launcher did not finish in 100 s:\n" + procs[1].communicate()[0][-6000:]
+        )
+    logs = [procs[0].communicate()[0], log]
+    assert procs[1].returncode == 1, logs[1][-6000:]
+    # ("... already finished": seen before the takeover; "... finished before generation 1
+    # formed": rank 0's agent said so only once the spare had been given rank 1)
+    said = "a rank on another node" in logs[1] and "finished (exit code 0)" in logs[1]
+    assert said, logs[1][-6000:]
+    assert "failed with exit code -9" in logs[1] and "exit code 75" not in logs[1], logs[1][-3000:]
+    assert json.loads((out / "out.json").read_text())["step"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_rank_that_finishes_while_a_generation_forms_ends_the_recovery(tmp_path):
     """Rank 1 dies after the last collective, and rank 0 exits 0 once the launcher has given rank
     1 to the spare: generation 1 can never form, so the launcher stops waiting for it."""

@@ -15,7 +15,8 @@ and when one exits with a failure it
 
 When that cannot work (no spare is left, the store is not the agent's, a worker fails again before
 the previous recovery formed its group, a worker fails before the group's newest generation formed
-or after another finished, the group cannot form), it falls back to torchrun's policy: stop the
+or after another finished (on any node: each agent marks in the store that one of its workers
+exited 0), the group cannot form), it falls back to torchrun's policy: stop the
 workers, rendezvous again and restart them (``--max-restarts``), or fail.
 
 Several nodes: the spares need the agent's store (torchrun's rendezvous TCPStore, shared with the
@@ -233,6 +234,7 @@ def _agent_class() -> Any:
             self._spare_refills = 0
             self._client: Any = None
             self._pending_gen: int | None = None  # a recovery whose group has not formed yet
+            self._said_finished = False  # this round's "a worker exited 0" is in the store
             self.recoveries: list[dict[str, Any]] = []
 
         # --- processes ------------------------------------------------------------------------
@@ -303,6 +305,7 @@ def _agent_class() -> Any:
         def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
             self._client = None
             self._pending_gen = None
+            self._said_finished = False
             # takeovers and refills of the previous round: its processes are all gone
             self._taken_over.clear()
             self._spare_refills = 0
@@ -392,12 +395,16 @@ def _agent_class() -> Any:
         def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
             self._check_formed()
             codes = {lr: p.poll() for lr, p in self._procs.items()}
+            if 0 in codes.values():
+                self._say_finished()
             self._refill_spares()
             failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
-            if not failed and self._pending_gen is not None and 0 in codes.values():
-                self._check_formed()  # (a rank may have formed it and finished since)
-                if self._pending_gen is not None:
-                    return self._unformable(worker_group, codes)
+            if not failed and self._pending_gen is not None:
+                done = self._finished(codes)
+                if done is not None:
+                    self._check_formed()  # (a rank may have formed it and finished since)
+                    if self._pending_gen is not None:
+                        return self._unformable(worker_group, done)
             if not failed:
                 if all(c == 0 for c in codes.values()):
                     self._release_spares()
@@ -419,20 +426,50 @@ def _agent_class() -> Any:
                 )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
-        def _unformable(self, worker_group: WorkerGroup, codes: dict[int, int | None]) -> Any:
-            """A worker finished (exit code 0) while the generation of a takeover was forming:
-            that generation can never form (the spare would wait for it until its bound), so
-            the failure that started the recovery goes to torchrun's policy now."""
-            done = min(lr for lr, c in codes.items() if c == 0)
+        def _unformable(self, worker_group: WorkerGroup, done: str) -> Any:
+            """A worker finished (exit code 0: ``done`` says which) while the generation of a
+            takeover was forming: that generation can never form (the spare would wait for it
+            until its bound), so the failure that started the recovery goes to torchrun's
+            policy now."""
             rec = self.recoveries[-1]
             self._log_fallback(
-                f"local rank {done} finished (exit code 0) before generation {rec['gen']} formed"
+                f"{done} finished (exit code 0) before generation {rec['gen']} formed"
             )
             lr = next(w.local_rank for w in worker_group.workers if w.global_rank == rec["rank"])
             failure = ProcessFailure(
                 local_rank=lr, pid=rec["old_pid"], exitcode=rec["exitcode"], error_file=""
             )
             return RunResult(state=WorkerState.FAILED, failures={rec["rank"]: failure})
+
+        def _finished_key(self) -> str:
+            return f"{self._base()}/finished"
+
+        def _say_finished(self) -> None:
+            """Tell the other nodes' agents that a worker of this node exited 0: a takeover there
+            could never form its generation with it (they cannot see this node's processes)."""
+            if self._said_finished:
+                return
+            store = self._store_client(quiet=True)
+            try:
+                if store is not None:
+                    store.add(self._finished_key(), 1)
+                    self._said_finished = True
+            except Exception:
+                pass  # tried again at the next poll; the spare's own bound is the last resort
+
+        def _finished(self, codes: dict[int, int | None]) -> str | None:
+            """Which worker of the job has exited 0, if one has: this node's lowest local rank,
+            else "a rank on another node" (its agent says so in the store); None when none."""
+            done = [lr for lr, c in codes.items() if c == 0]
+            if done:
+                return f"local rank {min(done)}"
+            store = self._store_client(quiet=True)
+            try:
+                if store is not None and int(store.add(self._finished_key(), 0)) > 0:
+                    return "a rank on another node"
+            except Exception:
+                pass
+            return None
 
         def _log_fallback(self, reason: str) -> None:
             left = getattr(self, "_remaining_restarts", 1)
@@ -502,9 +539,9 @@ def _agent_class() -> Any:
                 return "in-job recovery is off"
             if self._pending_gen is not None:
                 return f"a worker failed while generation {self._pending_gen} was forming"
-            done = [lr for lr, p in self._procs.items() if p.poll() == 0]
-            if done:  # its peers can no longer form a group with it
-                return f"local rank {done[0]} already finished (exit code 0)"
+            done = self._finished({lr: p.poll() for lr, p in self._procs.items()})
+            if done is not None:  # its peers can no longer form a group with it
+                return f"{done} already finished (exit code 0)"
             not_formed = self._generation_formed()
             if not_formed is not None:
                 return not_formed
