@@ -161,6 +161,19 @@ def test_a_rank_killed_after_another_finished_falls_back_at_once(tmp_path):
     assert json.loads((out / "out.json").read_text())["step"] == STEPS
 
 
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listens on port {port} (the launcher exited with {proc.poll()})")
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp_path):
@@ -189,19 +202,21 @@ def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp
             cmd, env={**env, **mem}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         ))  # fmt: skip
-    try:  # node 0's launcher waits in torchrun's exit barrier for node 1's (up to 300 s)
-        log = procs[1].communicate(timeout=100)[0]
+        if node == 0:  # node 0's launcher hosts the rendezvous store, and outlives node 1's
+            _wait_for_port(port, procs[0])
+    logs = []
+    try:
+        for p in procs:  # node 0's launcher, its workers done, waits in the exit barrier for 1's
+            logs.append(p.communicate(timeout=100)[0])
     except subprocess.TimeoutExpired:
-        log = None
-    finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    if log is None:
         raise AssertionError(
-            "node 1's launcher did not finish in 100 s:\n" + procs[1].communicate()[0][-6000:]
-        )
-    logs = [procs[0].communicate()[0], log]
+            f"node {len(logs)}'s launcher did not finish in 100 s:\n"
+            + procs[len(logs)].communicate()[0][-6000:]
+        ) from None
+    assert procs[0].returncode == 0, logs[0][-6000:]  # (its workers succeeded, as torchrun's)
     assert procs[1].returncode == 1, logs[1][-6000:]
     # ("... already finished": seen before the takeover; "... finished before generation 1
     # formed": rank 0's agent said so only once the spare had been given rank 1)

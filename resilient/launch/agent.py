@@ -391,6 +391,29 @@ def _agent_class() -> Any:
             attempt = attempt_name(rnd if isinstance(rnd, int) else None, restart)
             return base_key(spec.rdzv_handler.get_run_id(), attempt)
 
+        def _invoke_run(self, role: str = "default") -> Any:
+            result = super()._invoke_run(role)
+            if result.is_failed():
+                self._arrive_at_exit_barrier()
+            return result
+
+        def _arrive_at_exit_barrier(self) -> None:
+            """The agents whose workers succeeded wait in torchrun's exit barrier for every other
+            agent, up to ``exit_barrier_timeout`` (300 s); an agent that fails for good (no
+            restarts left) never went there, so they waited out the whole bound before they
+            exited.  Its workers are stopped, so it arrives (without waiting) and they go."""
+            try:
+                from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+                from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+                _barrier_nonblocking(
+                    store=self._store,
+                    world_size=self._worker_group.group_world_size,
+                    key_prefix=_TERMINAL_STATE_SYNC_ID,
+                )
+            except Exception as e:  # (the store's host is gone; another torch's internals)
+                log.info("the exit barrier was not reached: %s", e)
+
         # --- monitoring -----------------------------------------------------------------------
         def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
             self._check_formed()
