@@ -44,6 +44,7 @@ from resilient.errors import (
     PreflightError,
     RankFailureError,
     ResilientError,
+    StateMismatchError,
 )
 from resilient.health import EXIT_RANK_FAILURE, DetectorConfig, EventLog, Monitor
 from resilient.health.attach import attempt_key, detect_by_default, start_monitor, take_over
@@ -342,7 +343,7 @@ class Run:
         newest, durable, something = self._what_to_restore()
         if not something:
             return
-        t0 = time.time()
+        t0, t0_mono = time.time(), time.monotonic()  # (when, for the log; how long, measured)
         try:
             loaded = self.checkpointer.load(self.state, fallback=self.fallback)
         except ResilientError as e:
@@ -359,7 +360,7 @@ class Run:
                 log.warning(message)
                 warnings.warn(message, stacklevel=3)
             return
-        self.step = int(self.state["run"]["step"])
+        self.step = self._restored_loop_step(loaded)
         self.restored_step = loaded
         self._saved_step = self._committed_step = self.step
         if self.rank == 0:
@@ -377,7 +378,7 @@ class Run:
                 rank=0,
                 step=loaded,
                 start=t0,
-                seconds=time.time() - t0,
+                seconds=time.monotonic() - t0_mono,
                 skipped_steps=list(last.skipped_steps) if last else [],
                 resharded=bool(last and last.resharded),
                 source=source,
@@ -388,6 +389,40 @@ class Run:
                 newest_durable=newest,
                 newest_memory=in_memory,
             )
+
+    def _restored_loop_step(self, loaded: int) -> int:
+        """The step the restored state's loop had done (``run.step``): the same as the step it
+        was saved as for every save ``Run`` makes.  A value that is no step number, or one below
+        the step it was loaded from (the loop would train the steps up to that one again and save
+        them over the committed ones, its samples seen twice), is refused; one above it (a
+        checkpoint imported or converted as another step number) resumes after it, said loudly."""
+        value = self.state["run"]["step"]
+        where = f"rank {self.rank}: the value 'run.step' of step {loaded} under {self.url}"
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise StateMismatchError(
+                f"{where} is {shown} ({type(value).__name__}), expected the int step number "
+                f"(in [0, 2**63 - 1]) that Run saved there; the checkpoint is damaged or was not "
+                f"written by Run: move step {loaded}'s directory aside (the step before it is "
+                f"restored then) or start a fresh run (another checkpoint URL)"
+            )
+        if value < loaded:
+            raise StateMismatchError(
+                f"{where} is {value}, expected {loaded} (Run saves each step with its own "
+                f"number): resuming after step {value} would train steps {value + 1}..{loaded} "
+                f"again and save them over the committed ones. The checkpoint is damaged or was "
+                f"edited: move step {loaded}'s directory aside (the step before it is restored "
+                f"then) or start a fresh run (another checkpoint URL)"
+            )
+        if value > loaded:
+            message = (
+                f"{where} is {value}: the state was saved by a loop at step {value} and stored "
+                f"as step {loaded} (imported or converted under another number); resuming after "
+                f"step {value}"
+            )
+            log.warning(message)
+            warnings.warn(message, stacklevel=4)
+        return value
 
     def _what_to_restore(self) -> tuple[int | None, bool, bool]:
         """(the newest durable step this rank found, whether durable storage holds a commit,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from resilient import Checkpointer, Run, SaveFailedWarning, fault_tolerant
-from resilient.errors import LeaseError, StorageError
+from resilient.errors import LeaseError, StateMismatchError, StorageError
 from resilient.health import DetectorConfig, EventLog
 from resilient.health.heartbeat import decode_progress
 from resilient.loop import RNGState
@@ -70,6 +70,62 @@ def test_corrupt_newest_step_falls_back_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="falling back to step 3"):
         _, restored = make_train(str(tmp_path), 6)()
     assert restored == 3
+
+
+def _edit_value(url, step, key, value):
+    """Write ``value`` as the JSON value ``key`` of committed step ``step`` (a hostile or stale
+    checkpoint; the manifest holds no checksum over its values)."""
+    path = os.path.join(url, f"step_{step:08d}", "MANIFEST.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["extras"][key] = value
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize(
+    "value, found",
+    [
+        (True, "is True \\(bool\\)"),
+        (5.0, "is 5.0 \\(float\\)"),
+        ("6", "is '6' \\(str\\)"),
+        (None, "is None \\(NoneType\\)"),
+        (-1, "is -1 \\(int\\)"),
+        (2**70, f"is {2**70} \\(int\\)"),
+    ],
+)
+def test_a_restored_loop_step_that_is_no_step_number_is_refused(tmp_path, value, found):
+    """``run.step`` went through int(): True resumed after step 1 of a step-6 checkpoint, 5.0 and
+    '6' were taken, -1 failed later in a save with a bare ValueError, None with a TypeError, and
+    2**70 ended the loop at once with nothing trained or saved."""
+    url = str(tmp_path)
+    make_train(url, 6)()
+    _edit_value(url, 6, "run.step", value)
+    with pytest.raises(StateMismatchError, match=f"the value 'run.step' of step 6 under .* {found}, "
+                       "expected the int step number"):  # fmt: skip
+        make_train(url, 9)()
+
+
+def test_a_restored_loop_step_below_the_committed_one_is_refused(tmp_path):
+    """A step-6 checkpoint whose loop says step 2 resumed at step 3: steps 3-6 trained again
+    (their samples seen twice) and saved over the committed steps 3 and 6."""
+    url = str(tmp_path)
+    make_train(url, 6)()
+    _edit_value(url, 6, "run.step", 2)
+    with pytest.raises(StateMismatchError, match="'run.step' of step 6 .* is 2, expected 6 .* "
+                       "would train steps 3..6 again"):  # fmt: skip
+        make_train(url, 9)()
+    assert Checkpointer(url).steps() == [3, 6]  # nothing committed was touched
+
+
+def test_a_state_stored_under_a_lower_step_number_resumes_after_its_own_step(tmp_path):
+    """(an import writes step 0 of a state whose loop was at step 6) said, and not refused"""
+    url = str(tmp_path)
+    make_train(url, 6)()
+    _edit_value(url, 6, "run.step", 7)
+    with pytest.warns(UserWarning, match="'run.step' of step 6 .* is 7: .* resuming after step 7"):
+        _, restored = make_train(url, 9)()
+    assert restored == 6 and Checkpointer(url).latest_step() == 9
 
 
 def test_rng_state_round_trips_through_json():
