@@ -65,6 +65,7 @@ STATE_VERSION = 1  # of state_dict(); a new version gets an explicit upgrade in 
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6  # Feistel rounds: 3-4 make a pseudo-random permutation, more mix small domains better
 _GOLDEN = 0x9E3779B97F4A7C15
+_MAX_CURSOR = 2**63 - 1  # samples consumed, epochs laid end to end: an int64, as a step is
 
 
 def _mix64(z: int) -> int:
@@ -301,6 +302,15 @@ class ResumableSampler(Sampler[int]):
                 f"{what}: the saved epoch {epoch} and position {position} are out of range "
                 f"(expected epoch >= 0 and 0 <= position < {self.num_samples}); the state is "
                 f"damaged"
+            )
+        most = _MAX_CURSOR // self.num_samples
+        if epoch > most:
+            # (no run reads 2**63 samples; and from epoch 2**64 on, the order repeats epoch 0's:
+            # the round keys are 64-bit)
+            raise StateMismatchError(
+                f"{what}: the saved epoch {epoch} is beyond any run (expected epoch <= {most}: "
+                f"{self.num_samples} samples an epoch, fewer than 2**63 samples in all); the "
+                f"state is damaged"
             )
         # a position the old global batch reached may leave too short a tail for this one
         self._cursor = self._canonical(epoch * self.num_samples + position)

@@ -335,6 +335,11 @@ def _state(**changes):
         (_state(position=True), "the saved 'position' is True \\(bool\\)"),
         (_state(position=10), "expected epoch >= 0 and 0 <= position < 10"),
         (_state(epoch=-1), "the saved epoch -1 and position 0 are out of range"),
+        (
+            _state(epoch=2**64),
+            f"the saved epoch {2**64} is beyond any run \\(expected epoch <= {(2**63 - 1) // 10}",
+        ),  # fmt: skip
+        (_state(epoch=2**63 // 10 + 1), "is beyond any run"),
         (_state(version=2), "version 2, this sampler reads version 1"),
         ({"epoch": 0, "position": 0}, "the saved state has no \\['num_samples', 'seed'"),
         ([0, 0], "expected the dict that state_dict\\(\\) returns, got list"),
