@@ -30,6 +30,7 @@ from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_nor
 from resilient import Checkpointer, InJobRecovery, Run
 from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.storage import Storage
+from resilient.errors import StateMismatchError
 from resilient.health import DetectorConfig, default_event_log
 from resilient.health.events import EventLog
 from resilient.launch import init_process_group
@@ -232,6 +233,7 @@ def _train(
             else:
                 optim.state.clear()
         _check_resumed_config(config, cfg, start)
+        _check_resumed_position(loader, cfg, start)
         skipped = 0  # consecutive steps whose gradients were not finite
         try:
             for step in run.steps(cfg.steps):
@@ -279,6 +281,20 @@ def _check_resumed_config(restored: dict[str, Any], cfg: TrainConfig, start: int
                 f"samples than the run it continues (some twice, some never) — use {flag} {was}, "
                 f"or start a new run (another --ckpt)"
             )
+
+
+def _check_resumed_position(loader: Loader, cfg: TrainConfig, start: int) -> None:
+    """The loader serves its own position, which every save records as the step after the one
+    saved: another (a stale or edited checkpoint) would serve the samples of other steps than
+    the ones trained next, some twice, some never.  Refused by name."""
+    if loader.next_step != start + 1:
+        raise StateMismatchError(
+            f"the checkpoint this run resumes (step {start} of {cfg.ckpt}) holds the loader "
+            f"position data.next_step {loader.next_step}, expected {start + 1} (the step after "
+            f"the one restored): resuming would serve the samples of step {loader.next_step} at "
+            f"step {start + 1}. The checkpoint is damaged or was edited: resume from another "
+            f"step, or start a new run (another --ckpt)"
+        )
 
 
 def open_metrics(path: str) -> Any:

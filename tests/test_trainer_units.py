@@ -1,5 +1,7 @@
 """The trainer's pieces without processes: config checks, presets, sizing rules, data order."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +10,7 @@ from reference_trainer.config import PRESETS, ConfigError, TrainConfig, preset, 
 from reference_trainer.data import Loader
 from reference_trainer.model import global_shapes
 from reference_trainer.parallel import PLACEMENTS, placement_of, zero_dim
+from resilient.errors import StateMismatchError
 
 
 def test_presets_sizes():
@@ -169,6 +172,41 @@ def test_a_resume_with_another_seed_or_global_batch_is_refused(tmp_path, change)
         )
     flag = "--" + next(iter(change)).replace("_", "-")
     assert "ConfigError" in str(e.value) and f"was trained with {flag}" in str(e.value)
+
+
+@pytest.mark.parametrize("value", [True, 2.7, "5", None, 0, -3, 2**63, [4]])
+def test_a_loader_position_that_is_no_step_number_is_refused(value):
+    """int() took True as step 1, 2.7 as 2, '5' as 5, 0, -3 and 2**63 as they were (other
+    samples than the run's, without a word); None was a bare TypeError."""
+    loader = Loader(np.zeros(100, np.uint8), seq_len=4, global_batch=2, seed=0, replica=0,
+                    num_replicas=1)  # fmt: skip
+    with pytest.raises(StateMismatchError, match="the loader's saved position 'data.next_step' "
+                       f"is {re.escape(repr(value))} .* expected an int step number >= 1"):  # fmt: skip
+        loader.load_state_dict({"next_step": value})
+    assert loader.next_step == 1
+
+
+def test_a_resume_whose_loader_position_is_not_the_next_step_is_refused(tmp_path):
+    """A step-2 checkpoint whose loader says step 1 comes next served step 1's samples again at
+    step 3 (and recorded them as consumed twice); refused by name now."""
+    import json
+
+    from tests.dist import run_distributed
+    from tests.integration.trainer_runs import run_train
+
+    ckpt = str(tmp_path / "ck")
+    run_distributed(run_train, 1, {"save_every": 2, "ckpt": ckpt, "steps": 2, "global_batch": 8})
+    manifest = tmp_path / "ck" / "step_00000002" / "MANIFEST.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["extras"]["data.next_step"] == 3
+    doc["extras"]["data.next_step"] = 1
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(AssertionError) as e:
+        run_distributed(
+            run_train, 1, {"save_every": 2, "ckpt": ckpt, "steps": 4, "global_batch": 8}
+        )
+    assert "StateMismatchError" in str(e.value)
+    assert "holds the loader position data.next_step 1, expected 3" in str(e.value)
 
 
 def _train_with_nan_losses(rank, world, kwargs, nan_calls):
