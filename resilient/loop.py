@@ -108,17 +108,67 @@ class RNGState:
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        version, internal, gauss = sd["python"]
-        random.setstate((version, tuple(_unwords(internal)), gauss))
-        name, keys, pos, has_gauss, cached = sd["numpy"]
-        np.random.set_state(
-            (name, np.array(_unwords(keys), dtype=np.uint32), pos, has_gauss, cached)
-        )
-        torch.set_rng_state(_unb64(sd["torch"]))
-        if sd["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(
-                [_unb64(s) for s in sd["cuda"]][: torch.cuda.device_count()]
+        """Set every generator from ``sd``; a state that is damaged or of another shape is
+        refused by its key (``rng.numpy``) before any generator is set."""
+        if not isinstance(sd, Mapping):
+            raise StateMismatchError(
+                f"the saved RNG states 'rng' are {_short(sd)}, expected the mapping that "
+                f"RNGState.state_dict() returns; the checkpoint is damaged"
             )
+        python = _rng_part(sd, "python", _python_state)
+        numpy_state = _rng_part(sd, "numpy", _numpy_state)
+        torch_state = _rng_part(sd, "torch", _torch_state)
+        cuda = _rng_part(sd, "cuda", lambda v: [_unb64(s) for s in v])
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _rng_part(sd: Mapping[str, Any], source: str, decode: Callable[[Any], Any]) -> Any:
+    """``decode(sd[source])``, checked on a scratch generator; what fails is named."""
+    if source not in sd:
+        raise StateMismatchError(
+            f"the saved RNG states have no 'rng.{source}' (found {sorted(map(str, sd))}); the "
+            f"checkpoint is damaged or was not saved by Run"
+        )
+    value = sd[source]
+    try:
+        return decode(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:  # (binascii's too)
+        raise StateMismatchError(
+            f"the saved RNG state 'rng.{source}' is {_short(value)}, which does not set a "
+            f"{source} generator ({type(e).__name__}: {e}); the checkpoint is damaged: resume "
+            f"from another step or start a fresh run (another checkpoint URL)"
+        ) from None
+
+
+def _python_state(value: Any) -> tuple:
+    version, internal, gauss = value
+    if gauss is not None and (isinstance(gauss, bool) or not isinstance(gauss, float)):
+        raise TypeError(f"the cached gauss value must be None or a float, not {_short(gauss)}")
+    state = (version, tuple(_unwords(internal)), gauss)
+    random.Random().setstate(state)  # raises on a state of the wrong version or size
+    return state
+
+
+def _numpy_state(value: Any) -> tuple:
+    name, keys, pos, has_gauss, cached = value
+    state = (name, np.array(_unwords(keys), dtype=np.uint32), pos, has_gauss, cached)
+    np.random.RandomState().set_state(state)
+    return state
+
+
+def _torch_state(value: Any) -> torch.Tensor:
+    state = _unb64(value)
+    torch.Generator().set_state(state)
+    return state
 
 
 def _words(words: Any) -> str:

@@ -162,6 +162,52 @@ def test_rng_states_saved_as_lists_of_integers_still_load():
     assert (random.random(), np.random.rand()) == a
 
 
+def _damaged_rng(source, value):
+    return {**json.loads(json.dumps(RNGState().state_dict())), source: value}
+
+
+@pytest.mark.parametrize(
+    "source, value, why",
+    [
+        ("python", None, "TypeError: cannot unpack"),
+        ("python", [3, "@@@", None], "Only base64 data is allowed"),
+        ("python", [3, "AAAA", None], "ValueError"),
+        ("python", "gauss", "the cached gauss value must be None or a float, not 'x'"),
+        ("numpy", "x", "ValueError: not enough values to unpack"),
+        ("numpy", ["MT19937", "AAAA", 0, 0, 0.0], "ValueError"),
+        ("torch", "AAAA", "RuntimeError: .* size"),
+        ("torch", 5, "TypeError"),
+        ("cuda", "zz", "Invalid base64"),
+        ("cuda", None, "TypeError"),
+    ],
+)
+def test_a_damaged_rng_state_is_refused_by_its_key_before_any_generator_is_set(source, value, why):
+    """Each was a bare TypeError, ValueError, binascii.Error or RuntimeError from inside
+    random, numpy, base64 or torch, after the generators before it had been set; a python
+    state whose cached gauss value was a string was taken."""
+    if value == "gauss":  # a good state but for its cached gauss value
+        value = [*RNGState().state_dict()["python"][:2], "x"]
+    sd = _damaged_rng(source, value)
+    random.seed(5)
+    before = random.getstate()
+    with pytest.raises(StateMismatchError, match=f"the saved RNG state 'rng.{source}' is .*, "
+                       f"which does not set a {source} generator \\(.*{why}"):  # fmt: skip
+        RNGState().load_state_dict(sd)
+    assert random.getstate() == before  # nothing was set
+    with pytest.raises(StateMismatchError, match="the saved RNG states have no 'rng.numpy'"):
+        RNGState().load_state_dict(
+            {k: v for k, v in _damaged_rng("cuda", []).items() if k != "numpy"}
+        )
+
+
+def test_a_damaged_rng_state_in_a_checkpoint_stops_the_restore_by_name(tmp_path):
+    url = str(tmp_path)
+    make_train(url, 6)()
+    _edit_value(url, 6, "rng.torch", "AAAA")
+    with pytest.raises(StateMismatchError, match="'rng.torch' is 'AAAA', which does not set"):
+        make_train(url, 9)()
+
+
 def _dist_train(rank, world, url, total, preempt_rank_at):
     from resilient import fault_tolerant
 
