@@ -534,6 +534,10 @@ class Run:
             if self.checkpointer.memory is not None:
                 self.checkpointer.check_memory_room(self.state)
         first = self.step + 1
+        if first <= total and self._agree_preempted():
+            # SIGTERM came before the first step (in the restore, the model's build): stop now,
+            # not after a step (a first step can take long, and the grace period is short)
+            self._stop_for_preemption()
         for step in range(first, total + 1):
             self._check_peers()
             call_hooks(self.hooks, "at_step", step, self)

@@ -295,6 +295,34 @@ def test_ranks_agree_on_preemption_and_stop_at_the_same_step(tmp_path):
     assert out == [("done", 20), ("done", 20)]
 
 
+def _preempted_before_the_first_step(url, total, preempt=True):
+    """A run of steps up to ``total`` that gets SIGTERM (a real signal, to this process) after
+    its restore, before its loop's first step; returns the steps it trained and how it ended."""
+    taken = []
+    try:
+        with Run(url, save_every=2, detect=False) as run:
+            run.track(model=torch.nn.Linear(2, 1))
+            if preempt:
+                os.kill(os.getpid(), signal.SIGTERM)
+            for step in run.steps(total):
+                taken.append(step)
+    except SystemExit as e:
+        return taken, e.code
+    return taken, "completed"
+
+
+def test_sigterm_before_the_first_step_stops_there_with_the_newest_state_committed(tmp_path):
+    """A SIGTERM in the restore or the model's build was only looked at after the first step:
+    a step trained (and saved) inside the grace period, however long a first step takes."""
+    url = str(tmp_path)
+    assert _preempted_before_the_first_step(url, 6) == ([], 0)
+    assert Checkpointer(url).steps() == [0]  # a fresh run: its initial state
+    assert _preempted_before_the_first_step(url, 3, preempt=False) == ([1, 2, 3], "completed")
+    assert _preempted_before_the_first_step(url, 6) == ([], 0)
+    assert Checkpointer(url).steps() == [0, 2, 3]  # nothing trained, nothing lost
+    assert _preempted_before_the_first_step(url, 4, preempt=False) == ([4], "completed")
+
+
 SCRIPT = """
 import sys, time, torch
 from resilient import fault_tolerant
