@@ -19,6 +19,7 @@ __all__ = [
     "ScenarioError",
     "MemoryTierError",
     "PreflightError",
+    "FlightRecorderError",
 ]
 
 
@@ -82,3 +83,8 @@ class PreflightError(ResilientError):
     def __init__(self, message: str, *, report: object | None = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class FlightRecorderError(ResilientError, OSError):
+    """PyTorch's flight recorder cannot be dumped safely where it would go (the default dump
+    directory is a link, another user's, or open to others); the message names the path."""

@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from resilient.errors import FlightRecorderError
 from resilient.health import flight_recorder
 from resilient.health.attribution import (
     Call,
@@ -304,6 +306,77 @@ def test_the_flight_recorder_is_dumped_where_torch_would_put_it(tmp_path, monkey
     assert paths == [f"{prefix}0", f"{prefix}1"]
     trace = pickle.loads(open(paths[1], "rb").read())
     assert any(e["profiling_name"].endswith("all_reduce") for e in trace["entries"])
+
+
+def _no_named_dump_file(monkeypatch, tmp_path):
+    """The recorder on, no dump file named by the job, and the temporary directory in tmp_path."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def test_two_jobs_on_one_host_dump_to_files_of_their_own_in_a_private_directory(
+    tmp_path, monkeypatch
+):
+    """torch's default, /tmp/nccl_trace_rank_<rank>, is one name for every job on the host (the
+    second job's dump replaced the first's) in a directory every user can write."""
+    _no_named_dump_file(monkeypatch, tmp_path)
+    paths = {}
+    for job in ("job-a", "job-b"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+        paths[job] = flight_recorder.dump(0)
+        assert paths[job] == flight_recorder.dump_path(0)
+    a, b = paths["job-a"], paths["job-b"]
+    assert a != b and os.path.isfile(a) and os.path.isfile(b)
+    private = tmp_path / f"resilient-fr-{os.getuid()}"
+    for p in (a, b):
+        assert Path(p).parent.parent == private and Path(p).name == "nccl_trace_rank_0"
+        assert Path(p).parent.stat().st_mode & 0o777 == 0o700
+    assert private.stat().st_mode & 0o777 == 0o700
+    assert not (tmp_path / "nccl_trace_rank_0").exists()
+    assert sorted(os.listdir(Path(a).parent)) == ["nccl_trace_rank_0"]  # no temporary left
+
+
+@pytest.mark.parametrize("made", ["link", "open"])
+def test_a_default_dump_directory_someone_else_made_is_refused_not_written_through(
+    tmp_path, monkeypatch, made
+):
+    _no_named_dump_file(monkeypatch, tmp_path)
+    private = tmp_path / f"resilient-fr-{os.getuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if made == "link":  # made first by another user: a link to a directory of the victim's
+        private.symlink_to(elsewhere)
+        found = "found a link"
+    else:
+        private.mkdir()
+        private.chmod(0o777)
+        found = "found open to others (mode 777)"
+    with pytest.raises(FlightRecorderError) as e:
+        flight_recorder.dump(0)
+    assert str(e.value) == (
+        f"flight recorder dump directory {private}: expected a directory of uid {os.getuid()}'s "
+        f"own with mode 700, {found}; remove it, or set TORCH_FR_DUMP_TEMP_FILE to a path in a "
+        f"directory of your own"
+    )
+    assert list(elsewhere.iterdir()) == [] and isinstance(e.value, OSError)
+
+
+def test_a_named_dump_file_is_written_to_a_new_file_never_through_a_link(tmp_path, monkeypatch):
+    """The temporary the dump is renamed from was a predictable name (``<path>.tmp<pid>``) opened
+    through whatever was there: a link made in a shared directory wrote the dump into its
+    target."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
+    prefix = str(tmp_path / "trace_rank_")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", prefix)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, f"{prefix}0.tmp{os.getpid()}")
+    os.symlink(victim, f"{prefix}0")  # replaced, not followed
+    assert flight_recorder.dump(0) == f"{prefix}0"
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(f"{prefix}0") and os.path.getsize(f"{prefix}0") > 0
 
 
 _DUMP_IN_A_FRESH_PROCESS = """
