@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -1122,6 +1123,14 @@ def test_process_state_tells_running_stopped_and_gone_apart_by_pid_and_start_tim
     )
     old = encode_info("h", 7, "b", "1", (2, 2)).encode()  # another version: no start time
     assert (decode_start(old), decode_block(old)) == (None, (2, 2))
+
+
+@pytest.mark.parametrize("pid", ["-1", "-4242", "0", "+7", " 7", "\u0667", "4194305", "9" * 30])
+def test_a_pid_in_a_heartbeat_that_is_not_a_process_id_reads_as_unknown(pid):
+    """The verdict's killer sends SIGKILL to the pid a rank published: os.kill(-1, ...) reaches
+    every process of the user, os.kill(-N, ...) process group N."""
+    assert decode_info(f"{socket.gethostname()}|{pid}|b|n".encode()) == ("", 0, "", "")
+    assert decode_info(b"h|4194304|b|n") == ("h", 4194304, "b", "n")
 
 
 def test_a_kill_checks_the_pid_is_still_the_failed_ranks_process(tmp_path):

@@ -110,6 +110,7 @@ _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
 # process states (process_state) of a rank that is not running: gone, zombie, dead, stopped
 # (SIGSTOP) or traced (a debugger holds it)
 _NOT_RUNNING = frozenset({"gone", "Z", "X", "x", "T", "t"})
+PID_MAX_LIMIT = 1 << 22  # Linux's largest pid_max: a larger "pid" is none
 _PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (a SIGKILLed one tearing down)
 # a store error that repeats (one per interval while the store is down) is logged once, then as a
 # count this often, and with the total when the store answers again
@@ -988,7 +989,7 @@ class Monitor:
                 self._wait_for_stacks({finding.rank})
             except Exception:  # the kill matters more than the stack
                 pass
-        if pid and pid != self.pid:
+        if 0 < pid <= PID_MAX_LIMIT and pid != self.pid:
             # a stopped rank never exits: its agent would never see it fail (torchrun holds
             # the restart 30 s for it; in-job recovery would never give its rank to a spare)
             try:
@@ -1240,6 +1241,10 @@ def decode_info(raw: bytes) -> tuple[str, int, str, str]:
         if len(parts) == 3:  # host|pid|boot: no node
             parts.append("")
         host, pid, boot, node = parts[:4]
+        # a process id, nothing else: the verdict's killer sends SIGKILL to it, and os.kill
+        # reads -1 as every process this user may signal, -N as process group N
+        if not (pid.isascii() and pid.isdigit() and 0 < int(pid) <= PID_MAX_LIMIT):
+            raise ValueError(f"not a process id: {pid!r:.40}")
         return host, int(pid), boot, node
     except (ValueError, UnicodeDecodeError):
         return "", 0, "", ""
