@@ -29,9 +29,9 @@ from resilient.health.attribution import (
     decode_summary,
     format_rank_list,
 )
-from resilient.health.detector import DetectorConfig
+from resilient.health.detector import DetectorConfig, Finding, Verdict
 from resilient.health.events import EventLog
-from resilient.health.heartbeat import Monitor, main_thread_stack
+from resilient.health.heartbeat import MAX_STACK_CHARS, Monitor, main_thread_stack
 from resilient.health.ring import (
     SUMMARY_GROUPS,
     CollectiveRing,
@@ -811,6 +811,58 @@ def test_on_hung_the_leader_logs_which_collective_and_which_rank_never_entered(t
         stop.set()
         for m in monitors.values():
             m.close()
+
+
+@pytest.mark.parametrize(
+    "published",
+    [
+        b"[1]",
+        b'{"stack": 5, "flight_recorder": 7}',
+        b'{"stack": ["a"], "flight_recorder": {"x": 1}}',
+        b"[" * 100_000,
+        b'{"stack": "' + b"x" * (4 << 20) + b'"}',
+        b"\xff\xfe",
+    ],
+)
+def test_a_garbled_stack_in_the_store_costs_that_stack_not_the_attribution(tmp_path, published):
+    """The stack a rank published (a broken rank, another job's value under the key): anything
+    but a stack is no stack, a long one is cut; the comparison of the rings still names rank 1."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    ring0, ring1 = CollectiveRing(), CollectiveRing()
+    world = ring0.named("world [0, 1]", (0, 1))
+    ring0.leave(ring0.enter("all_reduce", world, 8))
+    ring0.enter("all_reduce", world, 8)  # inside #2 for good
+    w1 = ring1.named("world [0, 1]", (0, 1))
+    ring1.leave(ring1.enter("all_reduce", w1, 8))  # left #1, never entered #2
+    server.set("run/0/ring/1", ring1.summary())
+    server.set("run/0/stack/1", published)
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    m = Monitor(
+        server,
+        "run/0",
+        0,
+        2,
+        DetectorConfig(interval_s=0.1, startup_dead_after_intervals=10_000, join_timeout_s=600),
+        events=events,
+        on_failure=lambda f: None,
+        kill_local=False,
+        ring=ring0,
+    )
+    try:
+        finding = Finding(Verdict.HUNG, 1, "h", 0, 3, "train", 9.0, 0.1, "no progress")
+        m._attribute(finding, "loop.py:1 in step", None)
+    finally:
+        m.close()
+    (a,) = [e for e in events.read() if e["event"] == "hang_attribution"]
+    assert "error" not in a, a.get("error")
+    assert a["kind"] == "missing_rank" and a["culprits"] == [1]
+    assert a["summary"].startswith(
+        "rank 0 is in all_reduce #2 on world [0, 1]; rank 1 never entered it: it last left "
+        "all_reduce #1 on world [0, 1]"
+    )
+    stack = a["ranks"]["1"].get("stack")
+    assert stack is None or len(stack) <= MAX_STACK_CHARS + 40
+    assert len(json.dumps(a)) < 64 << 10
 
 
 def test_the_main_thread_stack_is_innermost_first():

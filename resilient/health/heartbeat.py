@@ -92,6 +92,7 @@ __all__ = [
     "decode_progress",
     "local_rank_pid",
     "main_thread_stack",
+    "decode_stack",
     "node_label",
 ]
 
@@ -110,6 +111,11 @@ _LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()  # monitors not closed yet
 # process states (process_state) of a rank that is not running: gone, zombie, dead, stopped
 # (SIGSTOP) or traced (a debugger holds it)
 _NOT_RUNNING = frozenset({"gone", "Z", "X", "x", "T", "t"})
+# a stack another rank published for the hang's record: main_thread_stack's 12 frames are a
+# few KB; a value past these bounds is not one
+MAX_STACK_BYTES = 64 << 10
+MAX_STACK_CHARS = 8 << 10
+MAX_PATH_CHARS = 4096
 PID_MAX_LIMIT = 1 << 22  # Linux's largest pid_max: a larger "pid" is none
 _PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (a SIGKILLed one tearing down)
 # a store error that repeats (one per interval while the store is down) is logged once, then as a
@@ -1090,10 +1096,7 @@ class Monitor:
                 with self._lock:
                     raw = self.store.get(key) if self.store.check([key]) else None
                 if raw is not None:
-                    try:
-                        got[r] = json.loads(raw)
-                    except ValueError:
-                        got[r] = {}
+                    got[r] = decode_stack(raw)
                     todo.remove(r)
             now = time.monotonic()
             if not todo or now > deadline:
@@ -1208,6 +1211,29 @@ class _ErrorSeries:
             self.monitor.events.write(event, rank=self.monitor.rank, where=self.where, **fields)
         except OSError:  # the log is not worth the caller (the training loop, for progress)
             pass
+
+
+def decode_stack(raw: bytes) -> dict[str, str]:
+    """A rank's published stack value (``{"stack": ..., "flight_recorder": path or null}``) as
+    ``{"stack", "flight_recorder"}`` where each is a string; another process wrote it (a broken
+    rank, another job under the key), so anything else is left out: a value over
+    ``MAX_STACK_BYTES`` is not read, a stack over ``MAX_STACK_CHARS`` is cut, and what is not an
+    object of strings is no stack (it cost the whole attribution: ``p.get`` on a list)."""
+    if len(raw) > MAX_STACK_BYTES:
+        return {}
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError):  # (a UnicodeDecodeError is a ValueError)
+        return {}
+    if not isinstance(d, dict):
+        return {}
+    out = {}
+    stack, fr = d.get("stack"), d.get("flight_recorder")
+    if isinstance(stack, str) and stack:
+        out["stack"] = stack if len(stack) <= MAX_STACK_CHARS else stack[:MAX_STACK_CHARS] + " ..."
+    if isinstance(fr, str) and 0 < len(fr) <= MAX_PATH_CHARS:
+        out["flight_recorder"] = fr
+    return out
 
 
 def _verdict_id(finding: Finding) -> str:
