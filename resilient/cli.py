@@ -192,7 +192,13 @@ def preflight(
     from resilient.preflight import PreflightConfig, preflight_main
 
     try:
-        options = json.loads(storage_options) if storage_options else None
+        try:
+            options = json.loads(storage_options) if storage_options else None
+        except (ValueError, RecursionError) as e:
+            raise ValueError(
+                f"--storage-options {storage_options!r:.80}: not JSON ({str(e)[:120]}); expected "
+                f"a JSON object of the filesystem's options, such as '{{\"anon\": true}}'"
+            ) from None
         if options is not None and not isinstance(options, dict):
             raise ValueError(f"--storage-options must be a JSON object, got {storage_options!r}")
         if nproc is not None and nproc < 1:

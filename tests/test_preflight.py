@@ -364,10 +364,14 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
         (["--factor", "1.5"], "--factor 1.5: must be between 0 and 1"),
         (["--budget-s", "0"], "--budget-s 0.0: must be a finite number > 0 of seconds"),
         (["--budget-s", "inf"], "--budget-s inf: must be a finite number > 0 of seconds"),
+        (["--budget-s", "1e300"], "--budget-s 1e+300: must be a finite number > 0 of seconds, "
+         "at most 86400 (a day); the default is 45"),
+        (["--storage-options", "{"], "--storage-options '{': not JSON (Expecting property name"),
+        (["--storage-options", "[" * 100_000], "--storage-options '[[[[[[[[[[[[[[[[[[[[[[[[[[[["),
         (["--storage-options", "[1]"], "--storage-options must be a JSON object"),
         (["--nproc", "0"], "--nproc 0: must be >= 1"),
     ],
-)
+)  # fmt: skip
 def test_bad_usage_exits_2_naming_the_flag(args, message):
     from resilient.cli import app
 

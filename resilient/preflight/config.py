@@ -6,10 +6,11 @@ from dataclasses import dataclass, replace
 
 from resilient.preflight.collectives import OPS
 
-__all__ = ["PreflightConfig", "DEFAULT_BUDGET_S", "QUICK_BUDGET_S"]
+__all__ = ["PreflightConfig", "DEFAULT_BUDGET_S", "QUICK_BUDGET_S", "MAX_BUDGET_S"]
 
 DEFAULT_BUDGET_S = 45.0
 QUICK_BUDGET_S = 5.0
+MAX_BUDGET_S = 86400.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,8 +32,13 @@ class PreflightConfig:
     ops: tuple[str, ...] = OPS
 
     def __post_init__(self) -> None:
-        if not 0 < self.budget_s < float("inf"):
-            raise ValueError(f"--budget-s {self.budget_s}: must be a finite number > 0 of seconds")
+        if not 0 < self.budget_s <= MAX_BUDGET_S:
+            # (the process group's timeout is the budget and a grace: past about 24 days it no
+            # longer fits gloo's milliseconds, an OverflowError from deep in the group's start)
+            raise ValueError(
+                f"--budget-s {self.budget_s}: must be a finite number > 0 of seconds, at most "
+                f"{MAX_BUDGET_S:g} (a day); the default is {DEFAULT_BUDGET_S:g}"
+            )
         if not 0 < self.factor < 1:
             raise ValueError(
                 f"--factor {self.factor}: must be between 0 and 1 (0.7: a figure below 0.7 x the "
