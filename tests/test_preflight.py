@@ -9,8 +9,10 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -679,6 +681,39 @@ def test_a_frozen_rank_is_named_after_the_groups_timeout_not_waited_for():
     assert took < 60  # 5 s of timeout and 2 s of waiting for answers (the bug: forever)
     assert other is not None and other.startswith("preflight: rank 1 (")
     assert "rank 0 names the ranks that did not answer" in other
+
+
+_NEVER_JOINS = """
+import os, sys, time
+from resilient.preflight import PreflightConfig, preflight_main, runner
+if os.environ["RANK"] == "1":
+    time.sleep(600)  # stuck before it ever joins (an import, a shared filesystem)
+runner.GROUP_TIMEOUT_GRACE_S = 3.0  # (the command's is 60 s of start-up)
+sys.exit(preflight_main(PreflightConfig.quick_check(budget_s=1.0)))
+"""
+
+
+@pytest.mark.distributed
+def test_a_rank_that_never_joins_is_named_by_rank_0(tmp_path):
+    """Rank 0 waited out the group's timeout and died of the store's bare DistStoreError."""
+    from resilient.launch import free_port
+
+    script = tmp_path / "never_joins.py"
+    script.write_text(_NEVER_JOINS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--max-restarts", "0", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        "error: preflight: rank 1 never joined the process group within 4 s (the budget and 3 s "
+        "for the start; "
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert "expected all 2 ranks to start preflight" in proc.stderr
+    assert "DistStoreError" not in proc.stderr
 
 
 def test_the_commands_group_timeout_follows_the_budget(monkeypatch):

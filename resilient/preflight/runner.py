@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -525,15 +526,11 @@ def _as_rank(
 ) -> int:
     import torch.distributed as dist
 
-    from resilient.launch import init_process_group
-
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    init_process_group(
-        backend, timeout_s=config.budget_s + GROUP_TIMEOUT_GRACE_S, detect=False, hooks=hooks
-    )
     try:
+        _join(backend, config.budget_s + GROUP_TIMEOUT_GRACE_S, hooks)
         report = run_preflight(config)
     except PreflightError as e:  # a rank did not answer: a failed check, named by rank 0
         rank = int(os.environ.get("RANK", "0"))
@@ -554,6 +551,53 @@ def _as_rank(
             json.dump(report.to_dict(), f)
         return 0
     return _output(report, json_path, plot_path, say)
+
+
+def _join(backend: str, timeout_s: float, hooks: Sequence[Any]) -> None:
+    """Form the group; where a rank never joins it within ``timeout_s``, a ``PreflightError``:
+    rank 0's names the ranks that never came (each rank says so in the launcher's store before
+    it joins), the others' point at rank 0.  It was the store's bare timeout error, naming no
+    rank."""
+    from resilient.health.attach import agent_store, attempt_key
+    from resilient.launch import init_process_group
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    base = f"resilient/preflight/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt_key()}"
+    store = None
+    if world > 1:
+        try:
+            store = agent_store(timeout_s=min(timeout_s, 30.0))
+            if store is not None:
+                store.set(f"{base}/joining/{rank}", socket.gethostname())
+        except Exception:  # (then the error below names no rank)
+            store = None
+    try:
+        init_process_group(backend, timeout_s=timeout_s, detect=False, hooks=hooks)
+    except RuntimeError as e:  # the store's timeout (DistStoreError), a connection refused
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        if rank != 0:
+            raise PreflightError(
+                f"preflight: rank {rank} ({socket.gethostname()}): the process group did not form "
+                f"within {timeout_s:g} s ({first}); rank 0 names the ranks that never joined"
+            ) from e
+        missing = []
+        if store is not None:
+            try:
+                missing = [r for r in range(world) if not store.check([f"{base}/joining/{r}"])]
+            except Exception:
+                missing = []
+        who = (
+            f"{_ranks_phrase(missing)} never joined the process group"
+            if missing
+            else "the process group did not form (which rank is missing is not known here)"
+        )
+        raise PreflightError(
+            f"preflight: {who} within {timeout_s:g} s (the budget and "
+            f"{GROUP_TIMEOUT_GRACE_S:g} s for the start; {first}); expected all {world} ranks "
+            f"to start preflight: look for a rank stuck or slow before it (imports, a shared "
+            f"filesystem, a hook) or a lost process on "
+            f"{'its' if len(missing) == 1 else 'their'} host, then run preflight again"
+        ) from e
 
 
 def _output(report: PreflightReport, json_path: str | None, plot_path: str | None, say) -> int:
