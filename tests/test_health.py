@@ -926,6 +926,18 @@ def test_a_heartbeats_age_is_never_longer_than_the_truth_under_crystal_drift(ppm
     assert worst <= 0.01  # the drift over the offset's window: 6 ms at 100 ppm over 60 s
 
 
+@pytest.mark.parametrize("wall", [b"inf", b"-inf", b"nan", b"1e400", float("inf"), float("nan")])
+@pytest.mark.parametrize("same_kernel", [False, True])
+def test_a_wall_time_that_is_no_time_reports_no_skew(wall, same_kernel):
+    """A broken sender's wall time (inf, nan) is no skew: it read as one "inf s ahead"."""
+    clock = PeerClock(same_kernel=same_kernel)
+    for i in range(3):
+        clock.observe(f"{i}".encode(), 10.0 + i, wall, 10.0 + i, 1000.0 + i)
+    assert clock.skew_s is None and clock.changes == 3
+    clock.observe(b"3", 13.0, b"1003.5", 13.0, 1003.0)  # a real one is reported
+    assert clock.skew_s == pytest.approx(0.5, abs=1e-6)
+
+
 SKEWED_RANK = """
 import os, sys, time
 import torch.distributed as dist

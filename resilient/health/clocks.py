@@ -30,6 +30,7 @@ The sender's wall clock is only used to *report* skew (``skew_s``), from the fre
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 
 __all__ = ["PeerClock", "boot_id", "OFFSET_WINDOW_S"]
@@ -139,10 +140,12 @@ def boot_id() -> str:
 
 
 def _wall(x: float | bytes) -> float | None:
-    """A sender's wall time, or None where its text is not one (it only serves the skew report)."""
-    if isinstance(x, float):
-        return x
-    try:
-        return float(x)
-    except ValueError:
-        return None
+    """A sender's wall time, or None where its text is not one (it only serves the skew report):
+    ``inf`` or ``nan`` from a broken sender made an "inf s ahead" clock_skew event, and a JSON
+    log with Infinity in it."""
+    if not isinstance(x, float):
+        try:
+            x = float(x)
+        except ValueError:
+            return None
+    return x if math.isfinite(x) else None
