@@ -919,6 +919,27 @@ def test_a_malformed_summary_is_a_valueerror_not_a_crash_or_a_huge_allocation(ra
         decode_summary(raw, 1, lambda t: t, 4)
 
 
+def test_a_summary_cannot_unpack_to_more_ranks_than_a_summary_carries():
+    """250 KB of JSON (4096 groups, each a range over a world of 4096) unpacked to 16 million
+    ranks: 800 MB at the leader, per such rank, in the middle of answering a HUNG verdict."""
+    world = 4096
+    groups = {f"g{i}": [{"start": 0, "stop": world, "step": 1}, 1, 1, ""] for i in range(200)}
+    with pytest.raises(ValueError) as e:
+        decode_summary(json.dumps({"v": 2, "groups": groups}), 1, lambda t: t, world)
+    assert str(e.value) == (
+        "rank 1's ring summary, group 'g72': rank range {'start': 0, 'stop': 4096, 'step': 1} "
+        "holds 4096 ranks, more than the 0 left to it (a summary lists at most 72 groups' worth "
+        "of the world's ranks)"
+    )
+    many = {f"g{i}": [list(range(4)), 1, 1, ""] for i in range(73)}  # lists count too
+    with pytest.raises(ValueError, match="group 'g72': 4 ranks, more than the 0 left to it"):
+        decode_summary(json.dumps({"v": 2, "groups": many}), 1, lambda t: t, 4)
+    # what a real summary carries still reads: its groups, each up to the world
+    ok = {f"g{i}": [{"start": 0, "stop": world, "step": 1}, 1, 1, ""] for i in range(72)}
+    ring = decode_summary(json.dumps({"v": 2, "groups": ok}), 1, lambda t: t, world)
+    assert len(ring.groups) == 72 and ring.groups["g71"].ranks == tuple(range(world))
+
+
 @pytest.mark.parametrize(
     "summary, message",
     [

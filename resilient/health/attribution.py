@@ -41,6 +41,7 @@ from typing import Any
 
 from resilient.health.ring import (
     MAX_NAME_CHARS,
+    SUMMARY_CALLS,
     SUMMARY_GROUPS,
     SUMMARY_VERSION,
     format_ranks,
@@ -153,6 +154,11 @@ def decode_summary(
             f"{more!r:.40}): expected integers >= 0"
         )
     groups = {}
+    # a summary's groups are at most SUMMARY_GROUPS and the groups of its calls, each at most the
+    # world: 4096 ranges of the world (250 KB of JSON) unpacked to 16 million ranks
+    members_left = (SUMMARY_GROUPS + SUMMARY_CALLS) * (
+        world_size if world_size is not None else 1 << 20
+    )
     for key, value in raw_groups.items():
         if len(key) > MAX_NAME_CHARS:
             raise ValueError(
@@ -175,7 +181,17 @@ def decode_summary(
                 f"rank {rank}'s ring summary has malformed sequence numbers for group "
                 f"{key!r:.80}: {value!r:.80}"
             )
-        groups[key] = GroupState(unpack_ranks(ranks, world_size), entered, left, label)
+        try:
+            members = unpack_ranks(ranks, world_size, at_most=members_left)
+            if len(members) > members_left:
+                raise ValueError(f"{len(members)} ranks, more than the {members_left} left to it")
+        except ValueError as e:
+            raise ValueError(
+                f"rank {rank}'s ring summary, group {key!r:.80}: {e} (a summary lists at most "
+                f"{SUMMARY_GROUPS + SUMMARY_CALLS} groups' worth of the world's ranks)"
+            ) from None
+        members_left -= len(members)
+        groups[key] = GroupState(members, entered, left, label)
     calls = []
     for item in raw_calls:
         if not isinstance(item, list) or len(item) != 7:

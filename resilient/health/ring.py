@@ -510,9 +510,12 @@ def pack_ranks(ranks: tuple[int, ...] | list[int]) -> list[int] | dict[str, int]
     return r
 
 
-def unpack_ranks(packed: Any, world_size: int | None = None) -> tuple[int, ...]:
+def unpack_ranks(
+    packed: Any, world_size: int | None = None, *, at_most: int | None = None
+) -> tuple[int, ...]:
     """The ranks ``pack_ranks`` packed; ranks of another process's summary are checked (ints,
-    inside ``world_size`` when given, at most a million): anything else is a ValueError."""
+    inside ``world_size`` when given, at most a million, and at most ``at_most`` of them when
+    given, checked before a range is unpacked): anything else is a ValueError."""
     limit = world_size if world_size is not None else 1 << 20
     if isinstance(packed, dict):
         start, stop, step = packed.get("start"), packed.get("stop"), packed.get("step")
@@ -521,6 +524,11 @@ def unpack_ranks(packed: Any, world_size: int | None = None) -> tuple[int, ...]:
         out = range(start, min(stop, limit), step)
         if stop > limit:
             raise ValueError(f"rank range {packed!r:.80} reaches past the world ({limit} ranks)")
+        if at_most is not None and len(out) > at_most:
+            raise ValueError(
+                f"rank range {packed!r:.80} holds {len(out)} ranks, more than the {at_most} "
+                f"left to it"
+            )
         return tuple(out)
     if not isinstance(packed, list) or len(packed) > limit:
         raise ValueError(f"not a list of ranks: {packed!r:.80}")
