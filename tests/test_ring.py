@@ -363,6 +363,30 @@ def test_a_default_dump_directory_someone_else_made_is_refused_not_written_throu
     assert list(elsewhere.iterdir()) == [] and isinstance(e.value, OSError)
 
 
+def test_nccls_own_dump_is_pointed_at_the_jobs_private_directory(tmp_path, monkeypatch):
+    """NCCL's watchdog dumps on a collective's timeout to TORCH_FR_DUMP_TEMP_FILE, else to torch's
+    shared /tmp/nccl_trace_rank_<rank>: init_process_group names the job's private file first."""
+    _no_named_dump_file(monkeypatch, tmp_path)
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "")  # (put back as it was, unset, at the end)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    prefix = flight_recorder.name_for_torch()
+    private = tmp_path / f"resilient-fr-{os.getuid()}"
+    assert (
+        prefix
+        == os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+        == str(Path(flight_recorder.dump_dir()) / "nccl_trace_rank_")
+    )
+    assert Path(prefix).parent.parent == private
+    assert Path(prefix).parent.stat().st_mode & 0o777 == 0o700
+    assert flight_recorder.dump_path(3) == f"{prefix}3"  # this toolkit's dump goes there too
+    assert flight_recorder.name_for_torch() is None  # named now: left as it is
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    assert flight_recorder.name_for_torch() is None  # the recorder off: nothing named
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+
+
 def test_a_named_dump_file_is_written_to_a_new_file_never_through_a_link(tmp_path, monkeypatch):
     """The temporary the dump is renamed from was a predictable name (``<path>.tmp<pid>``) opened
     through whatever was there: a link made in a shared directory wrote the dump into its

@@ -32,7 +32,7 @@ import tempfile
 
 from resilient.errors import FlightRecorderError
 
-__all__ = ["buffer_size", "dump_path", "dump_dir", "dump", "ANALYSE_HINT"]
+__all__ = ["buffer_size", "dump_path", "dump_dir", "dump", "name_for_torch", "ANALYSE_HINT"]
 
 ANALYSE_HINT = "python -m torch.distributed.flight_recorder.fr_trace -d DIR --prefix PREFIX"
 FILE_PREFIX = "nccl_trace_rank_"  # torch's own file name before the rank
@@ -110,6 +110,22 @@ def _own_dir(path: str) -> None:
             f"own with mode 700, found {found}; remove it, or set TORCH_FR_DUMP_TEMP_FILE to a "
             f"path in a directory of your own"
         )
+
+
+def name_for_torch() -> str | None:
+    """Where the job named no dump file and the recorder is on, name this job's private one
+    (``dump_dir()``, made or checked here) in ``TORCH_FR_DUMP_TEMP_FILE``, before a process group
+    is made: NCCL's watchdog dumps on a collective's timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``) to
+    that variable's file, else to torch's shared ``/tmp/nccl_trace_rank_<rank>``.  Returns the
+    prefix named, or None (one named already, the recorder off); raises ``FlightRecorderError``
+    when the private directory is not this user's own."""
+    if buffer_size() <= 0 or _named_prefix() is not None:
+        return None
+    _own_dir(_private_root())
+    _own_dir(dump_dir())
+    prefix = os.path.join(dump_dir(), FILE_PREFIX)
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
+    return prefix
 
 
 def dump(rank: int) -> str | None:

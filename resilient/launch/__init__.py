@@ -23,6 +23,7 @@ wraps the ring's wrappers; ``RESILIENT_COLLECTIVE_RING=0`` leaves torch's functi
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -41,7 +42,8 @@ import torch.distributed as dist
 # recovery frees the broken groups; imported here, before any group exists, the default is None.
 import torch.distributed.nn  # noqa: F401
 
-from resilient.errors import RankFailureError
+from resilient.errors import FlightRecorderError, RankFailureError
+from resilient.health import flight_recorder
 from resilient.health.attach import (
     agent_store,
     attempt_key,
@@ -67,6 +69,8 @@ from resilient.launch.injob import (
     wait_for_generation,
     wait_for_rank,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["init_process_group", "regroup", "restart_count", "free_port", "injob_enabled"]
 
@@ -110,6 +114,11 @@ def init_process_group(
             "spare_takeover", rank=int(os.environ["RANK"]), pid=os.getpid(), generation=generation()
         )
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if "nccl" in backend.lower():  # (its watchdog's dump on a timeout: not torch's shared file)
+        try:
+            flight_recorder.name_for_torch()
+        except FlightRecorderError as e:
+            log.warning("NCCL's own flight recorder dump goes to torch's default file: %s", e)
     monitor = None
     # under torchrun, the monitor watches the rendezvous too: it starts on the agent's store,
     # before the group; where the agent hosts none (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), on the
