@@ -468,3 +468,106 @@ def test_the_chain_a_commit_records_stays_bounded_through_the_persister_too(tmp_
         record = _parent(ck, last)
         assert record["step"] == last - 1 and len(record["older"]) == MAX_OLDER
         assert record["older"][0][0] == last - 2
+
+
+def _rolled_back_then_snapshotted(url: str) -> None:
+    """Saves 100, 200, 250, a rollback to 100, and a snapshot of 260 (100's state trained on):
+    no durable commit since the rollback."""
+    with Checkpointer(url, memory_every=1, keep_last=3) as ck:
+        for s in (100, 200, 250):
+            save(ck, s)
+        assert ck.load(blank(), step=100) == 100
+        ck.snapshot(260, state(100.5)).wait()
+        snap = ck.snapshots.manifest(260)
+        # (no durable save in flight: exact, as of the newest durable commit it knew, 250's)
+        assert snap.extras["_resilient_anchor_exact"] == 3
+        assert snap.extras["_resilient_durable_anchor"] == "100:1"
+
+
+def test_a_flush_after_a_rollback_records_the_step_it_resumed_from(tmp_path):
+    """The trainer closes (or dies) after a rollback with no durable commit since: the persister's
+    flush of snapshot 260 recorded no parent, so the line went 260 -> 250 -> 200 by numbers,
+    retention deleted 100 (the step the job resumed from) and a fallback from 260 went into the
+    abandoned branch."""
+    url = str(tmp_path / "ckpt")
+    _rolled_back_then_snapshotted(url)
+    with Checkpointer(url) as ck:
+        assert ck.steps() == [100, 200, 250, 260]
+        assert ck.catalog().line() == [260, 100]
+        assert _parent(ck, 260)["step"] == 100
+    _falls_back(tmp_path / "ckpt", 260, 100)
+
+
+def test_a_job_restored_from_memory_after_a_rollback_records_the_step_it_resumed_from(
+    tmp_path, monkeypatch
+):
+    """No flush (no persister: in-job recovery's survivors, a trainer whose persister is off):
+    the job restored from snapshot 260 recorded no parent at its first durable commit, and
+    retention kept the abandoned 200 and 250 as the line, deleting 100."""
+    monkeypatch.setenv("RESILIENT_PERSISTER", "0")
+    url = str(tmp_path / "ckpt")
+    _rolled_back_then_snapshotted(url)
+    with Checkpointer(url, memory_every=1, keep_last=3) as ck:
+        out = blank()
+        assert ck.load(out) == 260 and ck.last_load.source == "memory"
+        assert out["meta"]["v"] == 100.5
+        save(ck, 300)
+    with Checkpointer(url) as ck:
+        assert ck.steps() == [100, 200, 250, 300]
+        assert ck.catalog().line() == [300, 100]
+        assert _parent(ck, 300) == {
+            "step": 100,
+            "commit_seq": ck.catalog().get(100).commit_seq,
+            "child_commit_seq": ck.catalog().get(300).commit_seq,
+        }
+
+
+def test_a_snapshot_taken_while_a_durable_save_is_in_flight_has_no_exact_anchor(tmp_path):
+    """Its anchor is the commit before that save, which, once committed, is the state's parent."""
+    root = tmp_path / "ckpt"
+    root.mkdir()  # (faulty:// makes no root: the tier's count of runs goes there first)
+    slow = {"op": "write", "path": "step_00000020/MANIFEST.json", "latency_s": 3.0, "count": 1}
+    opts = {"target_protocol": "file", "record": str(tmp_path / "fired"), "faults": [slow]}
+    with Checkpointer(f"faulty://{root}", storage_options=opts, memory_every=1) as ck:
+        save(ck, 10)
+        handle = ck.save(20, state(20.0))  # its manifest's write waits 3 s
+        ck.snapshot(21, state(21.0)).wait()
+        in_flight = ck.snapshots.manifest(21).extras
+        handle.wait()
+        ck.snapshot(22, state(22.0)).wait()
+        after = ck.snapshots.manifest(22).extras
+    assert in_flight["_resilient_durable_anchor"] == "10:1"
+    assert in_flight["_resilient_anchor_exact"] is False
+    assert after["_resilient_durable_anchor"] == "20:2" and after["_resilient_anchor_exact"] == 2
+
+
+@pytest.mark.parametrize(
+    "exact, anchor, made_since, expected",
+    [
+        (3, "100:1", (), (100, 1)),
+        (3, "100:1", ((260, 4),), None),  # a flush of the snapshot since: the state's commit
+        (3, "100:1", ((270, 4),), (100, 1)),  # a later step's commit: not the state's
+        (False, "100:1", (), None),
+        (True, "100:1", (), None),  # (a bool is no commit_seq)
+        ("3", "100:1", (), None),
+        (-1, "100:1", (), None),
+        (2**63, "100:1", (), None),
+        (0, "100:1", (), None),  # the anchor's commit newer than what its job knew of: no
+        (3, "", (), None),
+    ],
+)
+def test_a_snapshots_exact_anchor_is_taken_only_as_recorded(exact, anchor, made_since, expected):
+    from resilient.checkpoint.catalog import Catalog, StepInfo
+    from resilient.checkpoint.format import Manifest
+    from resilient.checkpoint.snapshots import exact_anchor
+    from resilient.layout import Layout
+
+    def info(s: int, q: int) -> StepInfo:
+        return StepInfo(step=s, dir=f"step_{s:08d}", state="committed", commit_seq=q)
+
+    infos = {s: info(s, q) for s, q in ((100, 1), (200, 2), (250, 3), *made_since)}
+    durable = Catalog(infos.values())
+    extras = {"_resilient_durable_anchor": anchor, "_resilient_anchor_exact": exact}
+    snap = Manifest(step=260, layout=Layout(dp=1), tensors={}, files={}, extras=extras)
+    assert exact_anchor(snap, durable, set(infos)) == expected
+    assert exact_anchor(snap, None, set()) is None  # durable storage not listed: nothing known

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from resilient.checkpoint.buffers import scratch_for
 from resilient.checkpoint.catalog import Catalog, line_of, scan
 from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a message)
+    ANCHOR_EXACT_KEY,
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
     MAX_INT,
@@ -77,6 +78,7 @@ from resilient.checkpoint.snapshots import (
     _fmt,
     _parse_anchor,
     default_root,
+    exact_anchor,
     memory_place,
     number_this_run,
     stale_snapshot,
@@ -375,10 +377,16 @@ class Checkpointer:
         # known when it was taken (a save in flight then is not it), so a durable commit records
         # its parent (format.PARENT_KEY) only from an exact one
         self._anchor_exact = False
+        # (with _anchor_exact) the newest durable commit_seq known when _anchor was set: a commit
+        # above it at or below a snapshot's step was made since (a flush or a save of it)
+        self._anchor_seen = 0
         # what _anchor's commit descends from, as its record says (its parent first)
         self._anchor_chain: tuple[tuple[int, int], ...] = ()
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
+        # (rank 0) the candidates whose anchor is exact: the newest durable commit_seq then
+        self._exact_anchors: dict[int, int] = {}
+        self._durable_seen = 0  # (rank 0) the newest durable commit_seq its last listing saw
         # (the memory tier across nodes) the newest commit order in any node's memory, agreed
         # where the checkpointer is made or carried to a new group, and raised by each load's
         # exchange: rank 0's next commits rank above it
@@ -736,9 +744,16 @@ class Checkpointer:
         if self._persister_config is not None and self.nodes.is_leader(self.rank):
             self._start_persister()  # early: it flushes this snapshot should the trainer die
         anchor = "" if self._anchor is None else f"{self._anchor[0]}:{self._anchor[1]}"
-        self._snap = self._memory._save(
-            step, {**state, ANCHOR_KEY: anchor}, defer=defer and self._memory._defers(step)
-        )
+        # (rank 0's is what the manifest says) a durable save in flight now, once committed, is
+        # what this state descends from, not the anchor: exact only with none
+        pending = self._pending
+        exact = bool(anchor) and self._anchor_exact and (pending is None or pending.done())
+        values = {
+            **state,
+            ANCHOR_KEY: anchor,
+            ANCHOR_EXACT_KEY: self._anchor_seen if exact else False,
+        }
+        self._snap = self._memory._save(step, values, defer=defer and self._memory._defers(step))
         return self._snap
 
     def _persister_client(self) -> PersisterClient:
@@ -957,6 +972,7 @@ class Checkpointer:
         """This checkpointer goes on where ``other`` (closed, of the same job and URL) left off:
         its next snapshots descend from the durable commit ``other``'s state descended from."""
         self._anchor, self._anchor_exact = other._anchor, other._anchor_exact
+        self._anchor_seen = other._anchor_seen
         self._anchor_chain = other._anchor_chain
 
     def _advance_anchor(self, handle: SaveHandle, step: int, seq: int) -> None:
@@ -965,6 +981,7 @@ class Checkpointer:
         while the state is restored, maybe to an older step): then the restore's anchor stands."""
         if handle._lineage == self._lineage:
             self._anchor, self._anchor_exact = (step, seq), True
+            self._anchor_seen = seq  # (the newest commit: this job holds the writer lease)
             self._anchor_chain = handle._parent
 
     def _drop_outbox(self, step: int) -> None:
@@ -1623,7 +1640,12 @@ class Checkpointer:
                 stats.sealed = source is not self and s == sealed
                 stats.newest_memory = self._newest_offered
                 self._anchor = (s, seq) if source is self else self._anchors.get(s, self._anchor)
-                self._anchor_exact = source is self
+                # (a snapshot: exact where it says so; what its anchor descends from is not
+                # carried, so its job's first durable commit records the parent alone)
+                self._anchor_exact = source is self or (
+                    s in self._exact_anchors and self._anchor is not None
+                )
+                self._anchor_seen = self._durable_seen
                 self._anchor_chain = pending.chain if source is self else ()
                 self._lineage += 1
                 # a snapshot taken before this restore holds the state before it: a durable save
@@ -1714,7 +1736,7 @@ class Checkpointer:
         the replicas of the lost node's files)."""
         assert self._memory is not None
         n = _MAX_MEMORY_CANDIDATES
-        row = torch.full((2 + 5 * n,), -1, dtype=torch.int64)
+        row = torch.full((2 + 6 * n,), -1, dtype=torch.int64)
         row[1] = self._node_newest_seq() if self.nodes.is_leader(self.rank) else 0
         try:
             entries = []
@@ -1722,9 +1744,12 @@ class Checkpointer:
                 if seq >= IMPLAUSIBLE_SEQ:
                     continue  # (not offered: see _node_newest_seq)
                 anchor = self._anchors.get(s)
-                entries.append([s, seq, generation, *(anchor if anchor is not None else (-1, -1))])
+                # (exact: the newest durable commit_seq its leader's listing saw, else -1)
+                exact = self._exact_anchors.get(s, -1) if anchor is not None else -1
+                a = anchor if anchor is not None else (-1, -1)
+                entries.append([s, seq, generation, *a, exact])
             if entries:  # (a value beyond int64 raises here, before the collective)
-                row[2 : 2 + 5 * len(entries)] = torch.tensor(entries, dtype=torch.int64).flatten()
+                row[2 : 2 + 6 * len(entries)] = torch.tensor(entries, dtype=torch.int64).flatten()
             row[0] = len(entries)
         except Exception as e:
             log.warning("rank %d: this node's snapshots cannot be offered: %s", self.rank, e)
@@ -1735,15 +1760,16 @@ class Checkpointer:
         # A step's newest version wins: a node that missed a rollback's commits (it was not in
         # the job meanwhile) holds an older one, whose manifest must not be restored nor put over
         # the newer one (both name the same files when their generations agree)
-        best: dict[int, tuple[int, int, tuple[int, int] | None]] = {}
+        best: dict[int, tuple[int, int, tuple[int, int] | None, int]] = {}
         floor = self._memory._seq_floor
         for t in every:
             vals = [int(x) for x in t.tolist()]
             floor = max(floor, vals[1])
             for i in range(min(max(vals[0], 0), n)):
-                s, seq, generation, a_step, a_seq = vals[2 + 5 * i : 7 + 5 * i]
+                s, seq, generation, a_step, a_seq, exact = vals[2 + 6 * i : 8 + 6 * i]
                 if s >= 0 and (s not in best or (seq, generation) > best[s][:2]):
-                    best[s] = (seq, generation, (a_step, a_seq) if a_step >= 0 else None)
+                    anchor = (a_step, a_seq) if a_step >= 0 else None
+                    best[s] = (seq, generation, anchor, exact if anchor is not None else -1)
         # (each node's newest commit, seen again: a node that could not be listed when this
         # checkpointer was made, or has joined since, sets the floor too)
         self._memory._seq_floor = floor
@@ -1752,8 +1778,12 @@ class Checkpointer:
         by_order = sorted(best, key=lambda s: (best[s][0], s))
         out = []
         for s in line_of(by_order):
-            seq, generation, anchor = best[s]
+            seq, generation, anchor, exact = best[s]
             self._anchors[s] = anchor
+            if exact >= 0:
+                self._exact_anchors[s] = max(exact, self._durable_seen)
+            else:
+                self._exact_anchors.pop(s, None)
             out.append((_MEMORY, s, seq, generation))
         return out
 
@@ -1828,6 +1858,7 @@ class Checkpointer:
     ) -> list[tuple[int, int, int, int]]:
         try:
             catalog = self.catalog()
+            self._durable_seen = max(catalog.next_commit_seq() - 1, 0)
             if step is not None:
                 steps = [self._resolve_step(step)]
             else:
@@ -1881,6 +1912,10 @@ class Checkpointer:
                 self._anchors[s] = _parse_anchor(anchor) or (
                     (newest.step, newest.commit_seq) if newest is not None else None
                 )
+                if exact_anchor(snap, durable_catalog, line) is not None:
+                    self._exact_anchors[s] = self._durable_seen
+                else:
+                    self._exact_anchors.pop(s, None)
             return found
         except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
             log.warning(

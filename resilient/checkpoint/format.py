@@ -60,6 +60,7 @@ __all__ = [
     "parent_record",
     "PARENT_KEY",
     "ANCHOR_KEY",
+    "ANCHOR_EXACT_KEY",
     "BOOKKEEPING_KEYS",
     "user_extras",
     "upgrade_v1",
@@ -94,9 +95,15 @@ PARENT_KEY = "_resilient_parent"
 # The value every memory snapshot records: the durable commit ("step:commit_seq", or "" for none)
 # the snapshot's state descends from (snapshots.py)
 ANCHOR_KEY = "_resilient_durable_anchor"
+# (beside it, rank 0's) where no durable save was in flight when the snapshot was taken, the
+# newest durable commit_seq its job knew of when it set the anchor (else False): the anchor is
+# then exactly the commit the state descends from (a save in flight, once committed, would be),
+# and a job restored from the snapshot, and its flush, record it as their parent (PARENT_KEY;
+# snapshots.exact_anchor)
+ANCHOR_EXACT_KEY = "_resilient_anchor_exact"
 # The toolkit's own bookkeeping among a manifest's values: about the commit in its place, not
 # the state; a copy elsewhere (reshape convert, an export) leaves them out
-BOOKKEEPING_KEYS = frozenset({RUN_KEY, PARENT_KEY, ANCHOR_KEY})
+BOOKKEEPING_KEYS = frozenset({RUN_KEY, PARENT_KEY, ANCHOR_KEY, ANCHOR_EXACT_KEY})
 _PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
 # ... and, optionally, "older": the commits the parent descends from in turn, newest first, at
 # most MAX_OLDER of them as [step, commit_seq] (the line goes on through them where the parent

@@ -60,6 +60,8 @@ from typing import Any
 from resilient.checkpoint.catalog import StepInfo, scan
 from resilient.checkpoint.codec import block_checksums
 from resilient.checkpoint.format import (
+    ANCHOR_EXACT_KEY,
+    BOOKKEEPING_KEYS,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_OLDER,
@@ -80,6 +82,7 @@ from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
     PERSISTER_LOCK,
     RUN_SHIFT,
+    exact_anchor,
     stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
@@ -658,7 +661,8 @@ class Promoter:
                 return None
             try:
                 link_to_outbox(self.steps_dir, s, self.outbox)
-                return {"step": s, **self.persist(s)}
+                parent = _flush_parent(snap, durable, line)
+                return {"step": s, **self.persist(s, parent=parent)}
             except (OSError, ResilientError) as e:  # damaged, or retired meanwhile
                 log.warning(
                     "flush: memory step %d was not persisted (%s); trying an older one", s, e
@@ -709,6 +713,15 @@ class Promoter:
             self.lease.release()
 
 
+def _flush_parent(snap: Manifest, durable: Any, line: set[int]) -> tuple[tuple[int, int], ...]:
+    """The parent a flush of ``snap`` records: its anchor where it is exactly the commit the state
+    descends from (snapshots.exact_anchor) and not the step itself (a step loaded and snapshotted
+    again says nothing of what it descends from); else none, and the line goes on by step numbers
+    there."""
+    anchor = exact_anchor(snap, durable, line)
+    return () if anchor is None or anchor[0] == snap.step else (anchor,)
+
+
 def _state_of(m: Manifest) -> tuple[Any, ...]:
     """What a manifest says of the state (not of where its bytes are or who wrote them): every
     tensor with its chunks' checksums, the values, and the layout."""
@@ -722,11 +735,11 @@ def _state_of(m: Manifest) -> tuple[Any, ...]:
         )
         for k, t in m.tensors.items()
     }
-    extras = {k: v for k, v in m.extras.items() if k not in (ANCHOR_KEY, RUN_KEY, PARENT_KEY)}
+    extras = {k: v for k, v in m.extras.items() if k not in BOOKKEEPING_KEYS}
     rank_extras = {
         r: kept
         for r, values in m.rank_extras.items()
-        if (kept := {k: v for k, v in values.items() if k != ANCHOR_KEY})
+        if (kept := {k: v for k, v in values.items() if k not in BOOKKEEPING_KEYS})
     }
     return tensors, extras, rank_extras, m.layout, m.block_bytes
 
@@ -749,14 +762,14 @@ def _promoted(
     durable commit its state descends from where the trainer knows it exactly (the line follows
     it, catalog.py).  Not the snapshot's anchor: that is the newest durable commit known when the
     snapshot was taken, and a durable save in flight then is not it, so the line would skip that
-    save's commit (a flush records none: the line goes on by step numbers)."""
+    save's commit (a flush records it only where the snapshot says it is exact: _flush_parent)."""
     tensors = {
         k: dataclasses.replace(
             t, chunks=tuple(dataclasses.replace(c, file=names[c.file]) for c in t.chunks)
         )
         for k, t in snap.tensors.items()
     }
-    extras = {k: v for k, v in snap.extras.items() if k != ANCHOR_KEY}
+    extras = {k: v for k, v in snap.extras.items() if k not in (ANCHOR_KEY, ANCHOR_EXACT_KEY)}
     if parent:
         extras[PARENT_KEY] = parent_record(parent, seq)
     run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)
@@ -764,7 +777,7 @@ def _promoted(
         extras[RUN_KEY] = run
     rank_extras = {}
     for r, values in snap.rank_extras.items():
-        kept = {k: v for k, v in values.items() if k != ANCHOR_KEY}
+        kept = {k: v for k, v in values.items() if k not in (ANCHOR_KEY, ANCHOR_EXACT_KEY)}
         if kept:
             rank_extras[r] = kept
     return dataclasses.replace(

@@ -36,7 +36,9 @@ from typing import Any
 
 from resilient.checkpoint.catalog import Catalog
 from resilient.checkpoint.format import (  # (ANCHOR_KEY: what every memory snapshot records)
+    ANCHOR_EXACT_KEY,
     ANCHOR_KEY,
+    MAX_INT,
     MAX_RUN,
     Manifest,
 )
@@ -316,6 +318,27 @@ def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
         if a.isascii() and q.isascii() and a.isdigit() and q.isdigit() and len(a) < 20 > len(q):
             return int(a), int(q)
     return None
+
+
+def exact_anchor(snap: Manifest, durable: Catalog | None, line: set[int]) -> tuple[int, int] | None:
+    """The durable commit a snapshot's state descends from exactly, or None: its anchor, where rank
+    0 recorded that no durable save was in flight when the snapshot was taken (ANCHOR_EXACT_KEY:
+    the newest durable commit_seq known when the anchor was set) and the durable line (``line``,
+    steps of ``durable``) holds no commit above that numbered at or below the snapshot's step (a
+    flush or a durable save of the snapshot since: its state's commit, which the line must not
+    skip).  The parent a durable commit of a job restored from the snapshot, or of its flush,
+    records (format.PARENT_KEY)."""
+    seen = snap.extras.get(ANCHOR_EXACT_KEY)
+    if type(seen) is not int or not 0 <= seen <= MAX_INT or durable is None:
+        return None
+    anchor = _parse_anchor(snap.extras.get(ANCHOR_KEY))
+    if anchor is None or anchor[1] > seen:
+        return None
+    for s in line:
+        info = durable.get(s)
+        if info is not None and s <= snap.step and info.commit_seq > seen:
+            return None
+    return anchor
 
 
 def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> str | None:
