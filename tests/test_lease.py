@@ -301,3 +301,38 @@ def test_no_heartbeat_file_outlives_its_lease(tmp_path):
             assert not orphan.exists()
     assert not (tmp_path / LEASE_NAME).exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(BEAT_PREFIX)] == []
+
+
+def _wait_for(path, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert path.exists(), f"{what} never happened"
+
+
+def test_a_writer_that_loses_its_lease_during_retention_retires_no_more_steps(tmp_path):
+    """Retention retired its steps after one lease check: a writer whose lease was taken over
+    while it removed them (slow removals on an object store) went on uncommitting steps its
+    successor keeps.  The lease is checked before each removal of a manifest now."""
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    root = tmp_path / "ck"
+    with Checkpointer(str(root), job_id="J", keep_last=10) as first:
+        for s in (1, 2, 3, 4):
+            first.save(s, state(s)).wait()
+    fired = tmp_path / "fired.jsonl"
+    slow = {"op": "remove", "path": "step_00000001/MANIFEST.json", "latency_s": 2.5, "count": 1}
+    opts = {"target_protocol": "file", "record": str(fired), "faults": [slow]}
+    a = Checkpointer(f"faulty://{root}", storage_options=opts, job_id="J", keep_last=1)
+    saved = a.save(5, state(5))  # its retention drops 1, 2, 3 and 4: the first removal is slow
+    _wait_for(fired, "the removal of step 1's manifest")
+    b = WriterLease(Storage(str(root)), "J", timeout_s=60.0)  # the same job restarted
+    b.acquire()
+    saved.wait()  # (committed; what retention could not do is logged)
+    a.wait()
+    left = sorted(p.parent.name for p in root.glob("step_*/MANIFEST.json"))
+    assert left == [f"step_0000000{s}" for s in (2, 3, 4, 5)]  # (1 went before the takeover)
+    b.check()  # still the successor's
+    a.close()
+    b.release()

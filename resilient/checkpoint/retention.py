@@ -91,10 +91,14 @@ def retire_steps(
     in_progress: int | None = None,
     catalog: Catalog | None = None,
     collect: Callable[[StepInfo], bool] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> list[str]:
     """Uncommit the steps retention drops (their manifests go first, which is quick) and return
     the step directories to delete: those, and directories of saves that never committed (except
-    ``in_progress``, and those ``collect`` declines).  Damaged steps are left alone.
+    ``in_progress``, and those ``collect`` declines).  Damaged steps are left alone.  ``check``
+    (the writer lease's) runs right before each manifest is removed and raises to stop: removals
+    on an object store take a round trip each, and a writer whose lease was taken over while it
+    retired a dozen steps must not go on uncommitting steps its successor keeps.
 
     Readers stop seeing a retired step as soon as this returns; deleting its bytes
     (:func:`delete_dirs`) can happen later, off the critical path.
@@ -104,6 +108,8 @@ def retire_steps(
     seqs = [i.commit_seq for i in catalog.committed]
     for step in steps_to_delete(catalog.commits(), keep_last, keep_every, catalog.parents(), seqs):
         info = catalog.get(step)
+        if check is not None:
+            check()
         storage.remove(f"{info.dir}/{MANIFEST_NAME}")
         doomed.append(info.dir)
     doomed += [

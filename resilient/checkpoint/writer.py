@@ -824,7 +824,13 @@ def publish_commit(
                 ]
             )
         garbage += retire_steps(
-            storage, keep_last, keep_every, in_progress=step, catalog=catalog, collect=collect
+            storage,
+            keep_last,
+            keep_every,
+            in_progress=step,
+            catalog=catalog,
+            collect=collect,
+            check=lease.check,  # (before each removal: a slow one is a window for a takeover)
         )
     except Exception as e:
         log.warning("retention after committing step %d failed: %s", step, e)
