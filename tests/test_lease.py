@@ -336,3 +336,61 @@ def test_a_writer_that_loses_its_lease_during_retention_retires_no_more_steps(tm
     b.check()  # still the successor's
     a.close()
     b.release()
+
+
+def test_a_release_never_removes_the_lease_a_successor_took_meanwhile(tmp_path):
+    """release() read the lease (its own), removed its heartbeat, then removed LEASE.json: a
+    successor of the same job that took the lease over in between lost its lease file, and its
+    next commit failed with a LeaseError (nobody's lease: another job could take it at once)."""
+    import threading
+
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    root = tmp_path / "ck"
+    fired = tmp_path / "fired.jsonl"
+    slow = {"op": "remove", "path": BEAT_PREFIX, "latency_s": 2.0, "count": 1}
+    opts = {"target_protocol": "file", "record": str(fired), "faults": [slow]}
+    a = WriterLease(Storage(f"faulty://{root}", opts), "J", timeout_s=60.0)
+    a.acquire()
+    a.renew()  # (a heartbeat file of its own, removed at the release)
+    releasing = threading.Thread(target=a.release)
+    releasing.start()
+    _wait_for(fired, "the removal of the heartbeat")
+    b = WriterLease(Storage(str(root)), "J", timeout_s=60.0)  # the same job restarted
+    b.acquire()
+    releasing.join(timeout=120)
+    b.check()
+    assert json.loads((root / LEASE).read_text())["token"] == b.token
+    b.release()
+    assert not (root / LEASE).exists()
+
+
+def test_a_writer_that_lost_its_lease_leaves_its_successors_record_alone_at_close(tmp_path):
+    """A release judges LEASE.json by setting it aside (a rename) only while it read its own
+    record there: the record of a successor that took the lease over is never moved, not for a
+    moment (its own check or renewal would find no lease then, and give it up for good)."""
+    from resilient.checkpoint import storage as storage_mod
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    renamed: list[str] = []
+
+    class Recording(storage_mod.LocalOps):
+        def rename(self, src: str, dst: str, *, dir_fd: int) -> None:
+            renamed.append(src)
+            super().rename(src, dst, dir_fd=dir_fd)
+
+    a = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)
+    a.acquire()
+    b = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)  # the same job restarted
+    b.acquire()
+    previous = storage_mod.set_local_ops(Recording())
+    try:
+        a.release()
+    finally:
+        storage_mod.set_local_ops(previous)
+    assert LEASE not in renamed
+    b.check()
+    b.release()
+    assert LEASE in renamed or not (tmp_path / LEASE).exists()

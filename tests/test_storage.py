@@ -512,3 +512,30 @@ def test_a_client_without_exclusive_writes_still_saves_and_says_so(s3, monkeypat
             assert ck.steps() == [1] and ck.verify(1).ok
     said = [r.getMessage() for r in caplog.records if "this client cannot" in r.getMessage()]
     assert len(said) == 2 and "upgrade fsspec and s3fs to 2024.12" in said[0]
+
+
+def test_a_conditional_remove_never_removes_what_another_writer_put_there_since(storage_url):
+    """remove_if (a lease's release) removes a file only while it holds what was judged: on a
+    local disk and S3 a file that another writer put at the name after it was read (here: while
+    it is being judged) stays; memory:// has neither an atomic rename nor a conditional delete
+    (a window of one call, documented)."""
+    url, opts = storage_url
+    st = Storage(url, opts, retry=RetryPolicy(max_attempts=1))
+    st.makedirs("")
+    assert st.remove_if("L.json", lambda data: True, 64) is False  # nothing there
+    st.publish("L.json", b"mine")
+    assert st.remove_if("L.json", lambda data: data == b"theirs", 64) is False
+    assert st.read("L.json") == b"mine"  # (not what was meant: left as it was)
+    assert st.remove_if("L.json", lambda data: data == b"mine", 64) is True
+    assert not st.exists("L.json")
+    if url.startswith("memory://"):
+        return
+
+    def judged_while_a_successor_writes(data: bytes) -> bool:
+        Storage(url, opts).publish("L.json", b"theirs")  # a successor took it over just now
+        return data == b"mine"
+
+    st.publish("L.json", b"mine")
+    st.remove_if("L.json", judged_while_a_successor_writes, 64)
+    assert st.read("L.json") == b"theirs"
+    assert [n for n in st.listdir("") if n.startswith("L.json")] == ["L.json"]  # (nothing aside)

@@ -3,8 +3,9 @@
 Two jobs saving to one URL would damage each other: each would garbage-collect the other's steps in
 progress, and both could write the same step.  So the coordinator of a job takes a lease before its
 first save (``LEASE.json`` at the root: job id, host, pid and a random token), renews it from a
-daemon thread, checks it is still its own before every commit, and removes it at ``close()``.  A
-job that finds another job's lease gets a :class:`~resilient.errors.LeaseError` naming that owner.
+daemon thread, checks it is still its own before every commit, and removes it at ``close()``
+(only while it is its own: ``Storage.remove_if``).  A job that finds another job's lease gets a
+:class:`~resilient.errors.LeaseError` naming that owner.
 
 Only a taker ever writes ``LEASE.json``; the holder's heartbeat is a file of its own,
 ``LEASE.beat.<token>`` (a counter), so a renewal can never write over a takeover: a holder that
@@ -504,15 +505,23 @@ class WriterLease:
                 _HELD.discard(self.token)
                 return
             try:
-                _, current = self._read()
+                # another's record (the lease was lost) is never touched, not even set aside
+                _, current = self._read() if self._lost is None else (None, None)
                 if self._beats:  # (first: a release cut short leaves no orphan heartbeat)
                     self.storage.remove(BEAT_PREFIX + self.token)
                 if current is not None and current.token == self.token:
-                    self.storage.remove(LEASE_NAME)
+                    # judged again and removed as one: a successor of the same job may have
+                    # taken the lease over since the read, and removing by name after a read
+                    # removed the successor's lease
+                    self.storage.remove_if(LEASE_NAME, self._is_ours, _MAX_LEASE_BYTES)
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
             self.record = None
             _HELD.discard(self.token)  # (only now: the file is gone, or left as an orphan)
+
+    def _is_ours(self, data: bytes) -> bool:
+        record = LeaseRecord.from_bytes(data)
+        return record is not None and record.token == self.token
 
     def describe(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "token": self.token, "held": self.held}

@@ -1039,6 +1039,79 @@ class Storage:
 
         self._call("remove", rel, rm)
 
+    def remove_if(self, rel: str, holds: Callable[[bytes], bool], max_bytes: int) -> bool:
+        """Remove the small file ``rel`` only if ``holds(its bytes)``: never a file that another
+        writer put at that name after it was read (a lease its successor took over meanwhile).
+        True when removed; False when it did not hold, or nothing was there.
+
+        Local disks: the file is first renamed aside (atomic), so what is judged is exactly what
+        is removed; a file that does not hold is linked back (unless a new one appeared there
+        meanwhile).  S3: a conditional DELETE (``If-Match`` on the ETag of what was read).
+        Elsewhere (no rename that replaces, no conditional delete): read, then remove, a window
+        of one round trip in which a file put there since is removed too."""
+        if self.is_local:
+            return self._call("remove", rel, lambda: self._remove_local_if(rel, holds, max_bytes))
+        version = self.version_of(rel)  # (the ETag, read before the bytes: a later one differs)
+        if version == "":
+            return False
+        try:
+            data = self.read_small(rel, max_bytes)
+        except StorageError:
+            if not self.exists(rel):
+                return False
+            raise
+        if not holds(data):
+            return False
+        if version is None:
+            self.remove(rel)
+            return True
+
+        def delete() -> bool:
+            bucket, key, _ = self.fs.split_path(self.path(rel))
+            try:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+            except FileNotFoundError:
+                return True  # (an earlier attempt's, its answer lost)
+            except Exception as e:
+                if _unknown_parameter(e):  # an older botocore
+                    self._cannot("remove conditionally (If-Match)", e)
+                    self.fs.rm(self.path(rel))
+                    return True
+                if "pre-condition" in str(e) or "PreconditionFailed" in repr(e) or "412" in str(e):
+                    return False  # replaced since it was read: another writer's now
+                raise
+            self.fs.invalidate_cache(self.path(rel))
+            return True
+
+        return self._call("remove", rel, delete)
+
+    def _remove_local_if(self, rel: str, holds: Callable[[bytes], bool], max_bytes: int) -> bool:
+        d, _, name = rel.rpartition("/")
+        try:
+            dfd = self._dir_fd(d, operation="remove")
+        except FileNotFoundError:
+            return False
+        aside = f"{name}.released-{secrets.token_hex(6)}"
+        try:
+            try:
+                _local_ops.rename(name, aside, dir_fd=dfd)
+            except FileNotFoundError:
+                return False
+            ours = False
+            try:
+                ours = holds(self._pread_all(f"{d}/{aside}" if d else aside, max_bytes))
+            except ResilientError:
+                pass  # (not a regular file, too large: not the file that was meant)
+            finally:
+                if not ours:  # put back; a file that appeared at the name meanwhile stays
+                    _put_back(aside, name, dfd)
+            with contextlib.suppress(FileNotFoundError):
+                _local_ops.unlink(aside, dir_fd=dfd)
+            _local_ops.fsync(dfd)
+            return ours
+        finally:
+            os.close(dfd)
+
     def remove_tree(self, rel: str) -> None:
         if self.is_local:
 
@@ -1194,6 +1267,19 @@ def _detect_commit_method(fs: Any, is_local: bool) -> str | None:
         return "rename"
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "put" if set(protocols) & ATOMIC_PUT_PROTOCOLS else None
+
+
+def _put_back(aside: str, name: str, dir_fd: int) -> None:
+    """Give ``aside`` its name ``name`` again, unless something is at ``name`` now."""
+    try:
+        _local_ops.link(aside, name, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    except OSError:  # not a file (a directory cannot be linked): renamed back, where nothing is
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            _local_ops.rename(aside, name, dir_fd=dir_fd)
 
 
 def _kind_of(name: str, dir_fd: int) -> str:
