@@ -366,6 +366,22 @@ def test_a_release_never_removes_the_lease_a_successor_took_meanwhile(tmp_path):
     assert not (root / LEASE).exists()
 
 
+@pytest.mark.parametrize("what", ["empty", "with a file"])
+def test_a_directory_at_the_lease_name_is_refused_by_name_at_once(tmp_path, what):
+    """A directory named LEASE.json is no lease: it was watched for the lease timeout, then the
+    takeover's rename failed with a bare IsADirectoryError, at every save."""
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    (tmp_path / LEASE).mkdir()
+    if what == "with a file":
+        (tmp_path / LEASE / "x").write_text("x")
+    lease = WriterLease(Storage(str(tmp_path)), "job-me", timeout_s=1.0)
+    with pytest.raises(LeaseError, match=r"LEASE\.json: expected the writer lease .* found a dir"):
+        lease.acquire()
+    assert (tmp_path / LEASE).is_dir() and not lease.held
+
+
 def test_a_writer_that_lost_its_lease_leaves_its_successors_record_alone_at_close(tmp_path):
     """A release judges LEASE.json by setting it aside (a rename) only while it read its own
     record there: the record of a successor that took the lease over is never moved, not for a

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -334,6 +335,8 @@ class WriterLease:
         self.storage.makedirs("")
         while True:
             data, current = self._read()
+            if data is not None and current is None:
+                self._refuse_a_directory()
             if data is None:
                 mine = self._new_record(1)
                 if not self._write(mine, exclusive=True):
@@ -404,6 +407,18 @@ class WriterLease:
             self._forget_beats()  # (earlier holders', and orphans whose LEASE.json is gone)
             self._start_renewing()
             return
+
+    def _refuse_a_directory(self) -> None:
+        """A directory at the lease's name (on a local disk) is no lease: no writer made it, no
+        taker could replace it (after watching it for ``timeout_s``, every save), so say so now."""
+        key = self.storage.stat_key(LEASE_NAME) if self.storage.is_local else None
+        if key is not None and key[-1] == stat.S_IFDIR:
+            raise LeaseError(
+                f"{self.storage.display(LEASE_NAME)}: expected the writer lease of "
+                f"{self.storage.url} (a file of at most {_MAX_LEASE_BYTES} bytes) or nothing, "
+                f"found a directory, which no writer made and none can replace; remove it if no "
+                f"job writes this URL, or use another URL"
+            )
 
     def _take_over(self, previous: LeaseRecord | None) -> LeaseRecord:
         self.taken_over = previous
