@@ -322,12 +322,13 @@ def test_a_writer_that_loses_its_lease_during_retention_retires_no_more_steps(tm
         for s in (1, 2, 3, 4):
             first.save(s, state(s)).wait()
     fired = tmp_path / "fired.jsonl"
-    slow = {"op": "remove", "path": "step_00000001/MANIFEST.json", "latency_s": 2.5, "count": 1}
+    # (the successor takes the lease over while this removal waits: a few milliseconds of 3 s)
+    slow = {"op": "remove", "path": "step_00000001/MANIFEST.json", "latency_s": 3.0, "count": 1}
     opts = {"target_protocol": "file", "record": str(fired), "faults": [slow]}
     a = Checkpointer(f"faulty://{root}", storage_options=opts, job_id="J", keep_last=1)
+    b = WriterLease(Storage(str(root)), "J", timeout_s=60.0)  # the same job restarted
     saved = a.save(5, state(5))  # its retention drops 1, 2, 3 and 4: the first removal is slow
     _wait_for(fired, "the removal of step 1's manifest")
-    b = WriterLease(Storage(str(root)), "J", timeout_s=60.0)  # the same job restarted
     b.acquire()
     saved.wait()  # (committed; what retention could not do is logged)
     a.wait()
