@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -721,3 +723,114 @@ def test_the_manifest_template_writes_the_same_bytes_as_the_manifest_itself(tmp_
     same(dataclasses.replace(m, tensors=marked), ("another shape",))
     assert enc._shape is None
     same(m, None)
+
+
+# A job of the tier that seals steps 1 and 2 (their files at the staging names, with their
+# records), says so, and snapshots step 3 once told to: the first of two jobs on one URL.
+_LIVE_JOB = """
+import sys, torch
+from resilient import Checkpointer
+m = torch.nn.Linear(64, 64)
+ck = Checkpointer(sys.argv[1], memory_every=1, memory_commit_every=0, persister=False)
+for step in (1, 2):
+    with torch.no_grad():
+        m.weight.fill_(float(step))
+    ck.snapshot(step, {"model": m})
+print("sealed", flush=True)
+sys.stdin.readline()
+with torch.no_grad():
+    m.weight.fill_(3.0)
+ck.snapshot(3, {"model": m})
+ck.close_memory()
+print("done", flush=True)
+"""
+
+
+def _listing(d: Path) -> dict[str, tuple[int, int, int]]:
+    return {
+        str(p.relative_to(d)): (p.lstat().st_ino, p.lstat().st_size, p.lstat().st_mtime_ns)
+        for p in sorted(d.rglob("*"))
+    }
+
+
+def test_a_second_job_on_a_live_jobs_memory_is_refused_and_touches_none_of_its_files(tmp_path):
+    """(a review) A second job of the same URL on the same memory root, started while the first
+    runs, got going: its first snapshot removed the live job's staging files ("a crashed run's",
+    it took them for) and its close the rest, and the live job's sealed step was gone."""
+    url = str(tmp_path / "ckpt")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    }
+    live = subprocess.Popen(
+        [sys.executable, "-c", _LIVE_JOB, url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert live.stdout.readline().strip() == "sealed"
+        place = memory_place(url)
+        before = _listing(Path(place.dir))
+        assert "staging/rank_00000.step_2.json" in before
+        m = torch.nn.Linear(64, 64)
+        with pytest.raises(
+            MemoryTierError,
+            match=r"rank 0 of the memory tier's directory .* in "
+            r"use by another live process \(pid \d+",
+        ):
+            second = Checkpointer(url, memory_every=1, memory_commit_every=0, persister=False)
+            second.snapshot(1, {"model": m})  # what a second job that got going does first
+            second.close()
+        assert _listing(Path(place.dir)) == before  # nothing read in place, replaced or removed
+        live.stdin.write("go\n")
+        live.stdin.flush()
+        assert live.stdout.readline().strip() == "done"
+        assert live.wait(timeout=60) == 0
+    finally:
+        if live.poll() is None:
+            live.kill()
+            live.wait()
+    # the first job's newest steps are whole: the next run restores its step 3
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        fresh = torch.nn.Linear(64, 64)
+        assert ck.load({"model": fresh}) == 3 and fresh.weight.eq(3.0).all()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "directory", "fifo"])
+def test_a_rank_lock_that_is_not_a_file_of_the_jobs_is_refused(tmp_path, planted):
+    url = str(tmp_path / "ckpt")
+    place = memory_place(url)
+    os.makedirs(place.staging, mode=0o700)
+    lock = Path(place.staging, "rank_00000.lock")
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's")
+    if planted == "symlink":
+        os.symlink(victim, lock)
+    elif planted == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(
+        MemoryTierError,
+        match=r"rank 0's lock .*rank_00000\.lock of the memory "
+        r"tier",
+    ):
+        Checkpointer(url, memory_every=1)
+    assert victim.read_text() == "someone else's" and os.path.lexists(lock)
+
+
+def test_a_checkpointer_of_the_url_left_open_in_this_process_is_named(tmp_path):
+    url, m = str(tmp_path / "ckpt"), torch.nn.Linear(8, 8)
+    first = Checkpointer(url, memory_every=1, persister=False)
+    first.snapshot(1, {"model": m}).wait()
+    with pytest.raises(
+        MemoryTierError,
+        match=r"another checkpointer of this process .* not "
+        r"closed; expected none: close it",
+    ):
+        Checkpointer(url, memory_every=1, persister=False)
+    del first  # dropped unclosed: its rank lets go once it is collected
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        assert ck.memory_steps() == [1]

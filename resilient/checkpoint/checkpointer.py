@@ -400,6 +400,9 @@ class Checkpointer:
             key = os.path.abspath(self.storage.path()) if self.storage.is_local else self.url
             self.memory = memory_place(key, memory_root)
             self.memory.claim()
+            # (before any file of the tier is touched: a second live process of this rank, of
+            # another job of this URL or this one started twice, is refused, its files left be)
+            hold = self.memory.hold(self.rank)
             self._memory = Checkpointer(
                 self.memory.steps,
                 layout=layout,
@@ -413,7 +416,7 @@ class Checkpointer:
                 lease_timeout_s=lease_timeout_s,
                 _namespace="mem",
             )
-            self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank)
+            self._memory._slots = Slots(self.memory.dir, self.memory.steps, self.rank, hold)
             self._memory._commit_every = memory_commit_every
             self._memory._commit_period = memory_commit_every * memory_every
             if self.nodes.nodes > 1:
@@ -1084,7 +1087,9 @@ class Checkpointer:
                     f"needed); see its error"
                 )
         if error is not None:
-            self.memory.release_if_empty()  # (nothing of this job's is in it yet)
+            slots = self._memory._slots if self._memory is not None else None
+            # (nothing of this job's is in it yet)
+            self.memory.release_if_empty(slots.hold if slots is not None else None)
             raise error
         return need
 

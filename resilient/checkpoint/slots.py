@@ -72,7 +72,7 @@ from resilient.checkpoint.codec import (
 from resilient.checkpoint.format import ChunkEntry, TensorEntry, dtype_info
 from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.seal import RECORD_FORMAT, record_name
-from resilient.checkpoint.snapshots import STAGING_DIR
+from resilient.checkpoint.snapshots import STAGING_DIR, RankHold
 from resilient.checkpoint.state import TensorLeaf
 from resilient.checkpoint.writer import (
     PersistResult,
@@ -168,8 +168,12 @@ class _Slot:
 class Slots:
     """(one rank of the memory tier) Where its snapshots are staged, and which files it reuses."""
 
-    def __init__(self, job_dir: str, steps_dir: str, rank: int) -> None:
+    def __init__(
+        self, job_dir: str, steps_dir: str, rank: int, hold: RankHold | None = None
+    ) -> None:
         self.steps_dir = steps_dir
+        # this process's lock on the rank's files (snapshots.MemoryPlace.hold), let go at close
+        self.hold = hold
         self.rank = rank
         self.staging = os.path.join(job_dir, STAGING_DIR)
         # three names: a snapshot committing, the next one being staged, and the spare.  What a
@@ -585,6 +589,8 @@ class Slots:
                 if name not in kept:
                     with contextlib.suppress(OSError):
                         os.unlink(name)
+        if self.hold is not None:  # (last: its files are let go of; its name goes with it)
+            self.hold.close(remove=True)
 
     @staticmethod
     def _header(plan: WritePlan, step: int | str) -> bytes:

@@ -11,22 +11,28 @@ Layout (docs/FORMAT.md, section 9)::
       job-<16 hex>/                         one job: sha256 of its checkpoint URL (mode 0700)
         JOB.json                            {"url": ..., "created_unix_s": ...}: whose it is
         steps/                              a checkpoint directory (steps, manifests, lease)
+        staging/rank_<R>.lock               held (flock) by the live process of rank R
 
 A job only ever reads, writes or deletes its own ``job-*`` directory: another job's snapshots
 (another URL) are never touched, and a job directory that is not this user's own real directory
 (a link, another owner, writable by others) or whose ``JOB.json`` is not a record of this URL is
-refused, never adopted or removed.
+refused, never adopted or removed.  Each rank holds a lock on its own name in ``staging/`` for
+as long as it uses the tier (``MemoryPlace.hold``): a second job of the same URL on the same
+memory root (whatever its job id), or a rank started twice, is refused there, before it reads,
+replaces or removes any file of the live one's.
 """
 
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -49,6 +55,7 @@ __all__ = [
     "ENV_LIMIT",
     "ENV_ROOT",
     "MemoryPlace",
+    "RankHold",
     "default_root",
     "memory_place",
 ]
@@ -63,6 +70,9 @@ JOB_FILE = "JOB.json"
 STEPS_DIR = "steps"
 STAGING_DIR = "staging"  # rank files being copied, sealed ones and their records (slots.py)
 _MAX_JOB_FILE = 64 << 10
+# How long a rank waits for the previous holder of its lock to let go (a process of the job's
+# previous generation still exiting) before it takes the holder for another live job's
+HOLD_WAIT_S = 3.0
 
 
 def default_root() -> str:
@@ -157,6 +167,79 @@ class MemoryPlace:
                 f"writable directory on a tmpfs (such as /dev/shm), or turn the tier off "
                 f"(memory_every=None)"
             ) from e
+
+    def hold(self, rank: int, wait_s: float = HOLD_WAIT_S) -> RankHold:
+        """Take rank ``rank``'s lock in this job's directory (after ``claim``), before any of its
+        files is touched: the staging names, records and replicas of a rank are made, replaced
+        and removed by name, so a second live process of that rank (another job of this URL on
+        this memory root, or the same rank started twice) would destroy the first one's
+        snapshots.  Raises MemoryTierError naming the holder when another live process has it."""
+        path = os.path.join(self.staging, f"rank_{rank:05d}.lock")
+        me = f"pid {os.getpid()} on {socket.gethostname()}"
+        deadline = time.monotonic() + wait_s
+        collected = False
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:  # (a link or a FIFO planted there: O_NOFOLLOW, or no reader)
+                raise MemoryTierError(
+                    f"cannot open rank {rank}'s lock {path} of the memory tier: {e}; it is not "
+                    f"this job's own: delete it if it is stale, or set {ENV_ROOT} to another "
+                    f"directory"
+                ) from e
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    raise MemoryTierError(
+                        f"rank {rank}'s lock {path} of the memory tier is not a file of this "
+                        f"user's (mode {st.st_mode:o}, uid {st.st_uid}): it is neither used nor "
+                        f"removed; delete it if it is stale, or set {ENV_ROOT} to another "
+                        f"directory"
+                    )
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+                    if holder == me and not collected:
+                        # (this process's own: a checkpointer of this URL dropped unclosed
+                        # lets go once it is collected)
+                        collected = True
+                        os.close(fd)
+                        fd = -1
+                        gc.collect()
+                        continue
+                    if time.monotonic() < deadline:
+                        os.close(fd)
+                        fd = -1
+                        time.sleep(0.05)
+                        continue
+                    if holder == me:
+                        raise MemoryTierError(
+                            f"rank {rank} of the memory tier's directory {self.dir} (checkpoint "
+                            f"URL {self.url!r}) is in use by another checkpointer of this "
+                            f"process ({me}) that was not closed; expected none: close it "
+                            f"(Checkpointer.close) before making another for this URL"
+                        ) from None
+                    raise MemoryTierError(
+                        f"rank {rank} of the memory tier's directory {self.dir} (checkpoint URL "
+                        f"{self.url!r}) is in use by another live process "
+                        f"({holder or 'unknown'}): a second job of this checkpoint URL on this "
+                        f"memory root, or this rank started twice; expected no live holder after "
+                        f"{wait_s:.0f} s. Nothing of that job's was touched: stop it first, or "
+                        f"give this job another checkpoint URL or {ENV_ROOT}"
+                    ) from None
+                if os.path.lexists(path) and os.lstat(path).st_ino != st.st_ino:
+                    os.close(fd)  # (unlinked by a holder that was letting go: take the new one)
+                    fd = -1
+                    continue
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, me.encode(), 0)
+                hold = RankHold(fd, path)
+                fd = -1
+                return hold
+            finally:
+                if fd >= 0:
+                    os.close(fd)
 
     def _check_root(self) -> None:
         """The root holds the job's directory: not a link, not another user's (the owner of a
@@ -280,9 +363,12 @@ class MemoryPlace:
             if fd is not None:
                 os.close(fd)
 
-    def release_if_empty(self) -> None:
+    def release_if_empty(self, hold: RankHold | None = None) -> None:
         """Remove this job's directory if it holds no snapshot (a start refused before its
-        first one: a crashed run's snapshots are left for the next run to restore)."""
+        first one: a crashed run's snapshots are left for the next run to restore); ``hold``,
+        this process's lock, goes first."""
+        if hold is not None:
+            hold.close(remove=True)
         try:
             for d in (self.steps, self.staging):
                 if os.path.isdir(d) and not os.path.islink(d):
@@ -292,6 +378,31 @@ class MemoryPlace:
                 os.rmdir(self.dir)
         except OSError:  # something is in it (or another rank of the node removed it first)
             pass
+
+
+class RankHold:
+    """A rank's lock on its files in the job's directory (``MemoryPlace.hold``), held until
+    ``close`` (or until the process ends: the kernel lets go of a dead process's lock)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+
+    def close(self, remove: bool = False) -> None:
+        """Let go; with ``remove``, its file goes first (while still held: a process that opens
+        the name after that makes a file of its own)."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        try:
+            if remove and os.lstat(self.path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def __del__(self) -> None:  # (a checkpointer dropped unclosed)
+        self.close()
 
 
 def memory_place(url: str, root: str | None = None) -> MemoryPlace:
