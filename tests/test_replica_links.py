@@ -419,3 +419,40 @@ def test_an_address_the_peer_cannot_be_reached_at_is_not_connected_to(host, capl
     record = f"{host} 1 {'00' * 16} another-host-than-{socket.gethostname()}".encode()
     assert links._connect(record, 1.0, 1.0) is None
     assert "an address this host cannot reach it at" in caplog.text
+
+
+def test_a_peer_that_trickles_its_bytes_fails_the_transfer_at_the_links_timeout():
+    """(a review) Each receive call waited at most the link's timeout for *some* bytes, so a
+    peer sending a byte now and then (an overloaded node) held the receive, and every rank in
+    the replication's reduction after it, without end: past the group's timeout, which then
+    broke the group instead of handing the replicas to gloo."""
+    out, into = _pair(timeout_s=0.5)
+    from resilient.checkpoint import links as links_mod
+
+    stop = threading.Event()
+
+    def trickle() -> None:
+        out.sock.sendall(links_mod._HEADER.pack(links_mod._HEADER_MAGIC, 0, 40))
+        for _ in range(40):
+            if stop.wait(0.1):
+                return
+            try:
+                out.sock.sendall(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        assert into.receive_header() == 40
+        with pytest.raises(
+            TimeoutError,
+            match=r"the receiver: \d+ of 40 bytes arrived within "
+            r"0.5 s, the most a transfer may take .* travel through gloo",
+        ):
+            into.receive_into(memoryview(bytearray(40)))
+        assert not into.up
+    finally:
+        stop.set()
+        t.join()
+        out.close()

@@ -94,6 +94,10 @@ class Link:
         self.sock: socket.socket | None = sock
         self.what = what
         self.seq = 0
+        # the most one transfer's bytes may take to arrive, however they trickle in: a peer
+        # that sends a byte now and then would pass every per-call timeout and hold this rank
+        # (and every rank in the replication's reduction after it) past the group's timeout
+        self.timeout_s = timeout_s
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Blocking, with the kernel's timeouts: a whole transfer is one call that lets go of the
         # interpreter (Python's own timeouts poll and wake it at every chunk)
@@ -133,7 +137,13 @@ class Link:
         sock = self._sock()
         try:
             header = bytearray(_HEADER.size)
-            _receive_exactly(sock, memoryview(header))
+            _receive_exactly(
+                sock,
+                memoryview(header),
+                time.monotonic() + self.timeout_s,
+                self.what,
+                self.timeout_s,
+            )
             magic, seq, size = _HEADER.unpack(header)
             if magic != _HEADER_MAGIC or seq != self.seq:
                 raise ConnectionError(
@@ -146,11 +156,14 @@ class Link:
         self.seq += 1
         return None if size == self.NONE else int(size)
 
-    def receive_into(self, into: memoryview) -> None:
-        """The bytes of the transfer whose header came last, exactly ``into.nbytes`` of them."""
+    def receive_into(self, into: memoryview, deadline: float | None = None) -> None:
+        """The bytes of the transfer whose header came last, exactly ``into.nbytes`` of them,
+        by ``deadline`` (time.monotonic; default: ``timeout_s`` from now)."""
         sock = self._sock()
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         try:
-            _receive_exactly(sock, into)
+            _receive_exactly(sock, into, deadline, self.what, self.timeout_s)
         except BaseException:
             self.close()
             raise
@@ -159,9 +172,10 @@ class Link:
         """Read and drop the ``size`` bytes of the transfer whose header came last (a receiver
         that cannot keep them keeps the connection in step)."""
         scratch = memoryview(bytearray(min(size, 1 << 20)))
+        deadline = time.monotonic() + self.timeout_s  # (the whole transfer's, as any receive)
         while size > 0:
             n = min(size, scratch.nbytes)
-            self.receive_into(scratch[:n])
+            self.receive_into(scratch[:n], deadline)
             size -= n
 
     def close(self) -> None:
@@ -216,13 +230,26 @@ class Sender:
 _STOP = object()
 
 
-def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
+def _receive_exactly(
+    sock: socket.socket,
+    view: memoryview,
+    deadline: float | None = None,
+    what: str = "a replica connection",
+    timeout_s: float = 0.0,
+) -> None:
     got, n = 0, view.nbytes
     while got < n:
         k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if not k:
             raise ConnectionError(f"the sender closed the connection after {got} of {n} bytes")
         got += k
+        if got < n and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{what}: {got} of {n} bytes arrived within {timeout_s:g} s, the most a "
+                f"transfer may take (half the replicas' group timeout); expected all of them: "
+                f"the peer sends too slowly (an overloaded node?), so the replicas travel "
+                f"through gloo"
+            )
 
 
 class Links:
