@@ -544,3 +544,25 @@ def test_a_rank_reports_its_chunks_as_the_text_of_its_layout_and_the_checksums(t
     assert all(r[1] == [True] * 6 for r in results)
     assert all(r[3] == {1} for r in results)
     assert all(torch.equal(results[0][2][k], v) for k, v in weights.items())
+
+
+def test_a_directory_at_the_ranks_staging_name_is_named_not_taken_for_a_full_node(tmp_path):
+    """(a review) Every snapshot failed with "cannot make room ...: give the node more shared
+    memory" while a directory sat at the rank's first staging name."""
+    m = torch.nn.Linear(16, 16)
+    with Checkpointer(str(tmp_path / "ckpt"), memory_every=1, persister=False) as ck:
+        planted = Path(ck.memory.staging, "rank_00000.0.safetensors")
+        planted.mkdir()
+        (planted / "someone's").write_text("kept")
+        with pytest.raises(
+            slots_mod.MemoryTierError,
+            match=r"rank 0's staging name .*"
+            r"rank_00000\.0\.safetensors is a directory; expected a rank file of "
+            r"the memory tier or nothing: remove it",
+        ):
+            ck.snapshot(1, {"model": m}).wait()
+        assert (planted / "someone's").read_text() == "kept"
+        planted.joinpath("someone's").unlink()
+        planted.rmdir()
+        ck.snapshot(2, {"model": m}).wait()
+        assert ck.memory_steps() == [2]

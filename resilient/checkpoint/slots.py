@@ -608,8 +608,16 @@ class Slots:
         fd = -1
         try:
             os.makedirs(os.path.dirname(staging), mode=0o700, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(staging)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:  # (not room: nothing frees it but its removal)
+                raise MemoryTierError(
+                    f"rank {self.rank}'s staging name {staging} is a directory; expected a rank "
+                    f"file of the memory tier or nothing: remove it (this rank's snapshots fail "
+                    f"until then; the durable saves still protect the run)"
+                ) from None
             fd = os.open(
                 staging,
                 os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
