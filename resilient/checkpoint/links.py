@@ -25,7 +25,8 @@ Setting up (a collective of the replicas' gloo group):
 
 A transfer is a 24-byte header (magic, a sequence number both ends count, the size, or "nothing
 this time") and the bytes, received straight into the file's pages.  A failure (the peer gone, a
-timeout, a header out of step) closes the connection on that end and is reported in the
+timeout: a transfer's bytes not all in within the link's timeout, half the group's, however they
+trickle in; a header out of step) closes the connection on that end and is reported in the
 replication's reduction: every rank then closes its connections and replicates through gloo for
 the rest of the generation.  A replica lost in that replication is the same loss as through gloo:
 the node keeps the previous step's.
