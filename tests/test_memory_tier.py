@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -796,6 +797,44 @@ def test_a_second_job_on_a_live_jobs_memory_is_refused_and_touches_none_of_its_f
     with Checkpointer(url, memory_every=1, persister=False) as ck:
         fresh = torch.nn.Linear(64, 64)
         assert ck.load({"model": fresh}) == 3 and fresh.weight.eq(3.0).all()
+
+
+# A rank of the tier that forks a child (as a DataLoader's worker is forked) once its
+# checkpointer holds the rank's lock, says the child's pid, and dies; the child lives on.
+_FORKING_RANK = """
+import os, signal, sys, time, torch
+from resilient import Checkpointer
+ck = Checkpointer(sys.argv[1], memory_every=1, persister=False)
+ck.snapshot(1, {"model": torch.nn.Linear(4, 4)})
+pid = os.fork()
+if pid == 0:
+    time.sleep(120)
+    os._exit(0)
+print(pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_child_the_rank_forked_does_not_hold_its_lock_after_it(tmp_path):
+    """A child forked after the checkpointer was made shared the rank lock's open file: alive
+    after the rank died, it held the lock, and the rank's restart was refused as a second live
+    process of that rank."""
+    url = str(tmp_path / "ckpt")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    }
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_RANK, url], stdout=subprocess.PIPE, text=True, env=env
+    )
+    child = int(rank.stdout.readline())
+    try:
+        assert rank.wait(timeout=60) == -9
+        os.kill(child, 0)  # (alive: a sleep of 120 s)
+        with Checkpointer(url, memory_every=1, persister=False) as ck:  # the rank's restart
+            assert ck.load({"model": torch.nn.Linear(4, 4)}) == 1
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("planted", ["symlink", "directory", "fifo"])

@@ -37,6 +37,7 @@ import stat
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -386,6 +387,7 @@ class RankHold:
 
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
+        _HOLDS.add(self)
 
     def close(self, remove: bool = False) -> None:
         """Let go; with ``remove``, its file goes first (while still held: a process that opens
@@ -403,6 +405,29 @@ class RankHold:
 
     def __del__(self) -> None:  # (a checkpointer dropped unclosed)
         self.close()
+
+
+# Every live hold of this process: a fork of it (a DataLoader's worker, forked after the
+# checkpointer was made) lets go of its copies at once (_let_go_in_child)
+_HOLDS: weakref.WeakSet[RankHold] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    """(in a child forked from a process that holds ranks' locks) The child shares each lock's
+    open file, and a lock (flock) lasts while any process has it open: a child that outlived its
+    rank (a DataLoader worker is told of its parent's death only every few seconds) held the
+    rank's lock, and the rank's restart was refused as a second live process.  Closing the
+    child's copy leaves the parent's lock as it is; the child's holds do nothing from then on."""
+    for hold in list(_HOLDS):
+        fd, hold.fd = hold.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def memory_place(url: str, root: str | None = None) -> MemoryPlace:
