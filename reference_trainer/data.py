@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from resilient.checkpoint.format import _short
 from resilient.errors import StateMismatchError
 
 __all__ = ["corpus_files", "load_tokens", "Loader"]
@@ -127,9 +128,8 @@ class Loader:
         step 1, 2.7 as 2 and '5' as 5: samples served again or skipped without a word)."""
         value = sd.get("next_step") if isinstance(sd, Mapping) else sd
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise StateMismatchError(
-                f"the loader's saved position 'data.next_step' is {shown} "
+                f"the loader's saved position 'data.next_step' is {_short(value)} "
                 f"({type(value).__name__}), expected an int step number >= 1 (the step whose "
                 f"batch comes next); the checkpoint is damaged or was not saved by this trainer: "
                 f"resume from another step, or start a new run (another --ckpt)"

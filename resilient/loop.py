@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint.checkpointer import check_memory_options, collective_device
+from resilient.checkpoint.format import _short
 from resilient.checkpoint.worker import join_running
 from resilient.errors import (
     CheckpointNotFoundError,
@@ -124,11 +125,6 @@ class RNGState:
         torch.set_rng_state(torch_state)
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _rng_part(sd: Mapping[str, Any], source: str, decode: Callable[[Any], Any]) -> Any:
@@ -449,9 +445,8 @@ class Run:
         value = self.state["run"]["step"]
         where = f"rank {self.rank}: the value 'run.step' of step {loaded} under {self.url}"
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise StateMismatchError(
-                f"{where} is {shown} ({type(value).__name__}), expected the int step number "
+                f"{where} is {_short(value)} ({type(value).__name__}), expected the int step number "
                 f"(in [0, 2**63 - 1]) that Run saved there; the checkpoint is damaged or was not "
                 f"written by Run: move step {loaded}'s directory aside (the step before it is "
                 f"restored then) or start a fresh run (another checkpoint URL)"
