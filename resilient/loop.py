@@ -506,7 +506,8 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps after the restored one up to ``total``; save, watch and handle SIGTERM
         between them.  When the loop completes, the final step is committed synchronously before
-        this returns (whatever ``save_every`` is)."""
+        this returns (whatever ``save_every`` is); a SIGTERM that came meanwhile stops the run
+        there (SystemExit), as one between steps does."""
         if not self.state:
             raise RuntimeError(
                 "call run.track(...) before run.steps(...), so there is state to save"
@@ -555,6 +556,15 @@ class Run:
             else:
                 self._poll_save()
         self._commit_final()
+        if self._agree_preempted():
+            # SIGTERM came after the last step's check (in the final commit): the run is complete
+            # and committed, and what follows the loop would run into the grace period's SIGKILL;
+            # stop as a preemption does (the next run resumes at the final step, and goes on)
+            if self.rank == 0:
+                log.warning(
+                    "preempted: the final step %d is committed to %s; stopping", self.step, self.url
+                )
+            raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def save(self, *, wait: bool = False) -> None:
         """Save the tracked state at the current step (asynchronously unless ``wait``).

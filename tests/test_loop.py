@@ -323,6 +323,38 @@ def test_sigterm_before_the_first_step_stops_there_with_the_newest_state_committ
     assert _preempted_before_the_first_step(url, 4, preempt=False) == ([4], "completed")
 
 
+class _SigtermInTheFinalSave:
+    """(a hook) SIGTERM to this process while the save of step ``at`` is written."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def during_save(self, step: int, run: Run) -> None:
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_in_the_final_commit_stops_the_run_after_it(tmp_path):
+    """A SIGTERM after the last step's check (in the final commit) was never looked at again:
+    the code after the loop ran on into the grace period's SIGKILL."""
+    url = str(tmp_path)
+    after = []
+    with pytest.raises(SystemExit) as e:
+        with Run(url, save_every=2, detect=False, hooks=[_SigtermInTheFinalSave(4)]) as run:
+            run.track(model=torch.nn.Linear(2, 1))
+            for _ in run.steps(4):
+                pass
+            after.append("after the loop")
+    assert e.value.code == 0 and after == []
+    assert Checkpointer(url).steps() == [2, 4]  # the final step committed
+    # the next run resumes at the final step, and what follows the loop runs there
+    with Run(url, save_every=2, detect=False) as run:
+        run.track(model=torch.nn.Linear(2, 1))
+        assert list(run.steps(4)) == []
+        after.append("after the loop")
+    assert after == ["after the loop"]
+
+
 SCRIPT = """
 import sys, time, torch
 from resilient import fault_tolerant
