@@ -1,6 +1,7 @@
 """Commit order, not step number: rollback, the current line, retention, and v1 checkpoints."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -571,3 +572,32 @@ def test_a_snapshots_exact_anchor_is_taken_only_as_recorded(exact, anchor, made_
     snap = Manifest(step=260, layout=Layout(dp=1), tensors={}, files={}, extras=extras)
     assert exact_anchor(snap, durable, set(infos)) == expected
     assert exact_anchor(snap, None, set()) is None  # durable storage not listed: nothing known
+
+
+def test_a_save_given_up_on_that_commits_later_is_not_skipped_by_the_next_parent(tmp_path):
+    """(a review) The trainer gave up waiting for the persister's commit of step 2 (it goes on in
+    the background, and committed later), and step 4 recorded step 1 as its parent: the line
+    skipped 2, which its state descends from (a fallback from 4 lost it).  A commit above the
+    one a parent was known as of now leaves the parent unrecorded (the line goes by numbers)."""
+    import signal
+    import time
+
+    url = str(tmp_path / "ckpt")
+    with Checkpointer(url, memory_every=1, commit_timeout_s=3) as ck:
+        save(ck, 1)
+        pid = ck.persister_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Exception, match="step 2"):
+                ck.save(2, state(2.0)).wait()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while 2 not in Checkpointer(url).steps() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for s in (3, 4):
+            ck.snapshot(s, state(float(s))).wait()
+        save(ck, 4)
+    with Checkpointer(url) as ck:
+        assert ck.catalog().line() == [4, 2, 1]
+        assert _parent(ck, 4) is None or _parent(ck, 4)["step"] == 2

@@ -182,6 +182,10 @@ class SaveHandle:
         # (a durable save) the commits its state descends from when it began: its parent, then
         # what that one descends from, newest first (empty: not known exactly)
         self._parent: tuple[tuple[int, int], ...] = ()
+        # the newest durable commit_seq known when that parent was set: a commit above it when
+        # this save commits (a save of an earlier process or lineage, or one given up on, that
+        # committed since) may be what the state descends from, so the parent is not recorded
+        self._parent_seen = 0
         self._replica_epoch: int | None = None  # its peer replicas' groups when it began
         # (a sealed memory snapshot) its slot, or why it has none; and (layout, plan, values)
         self._sealed: Any = None
@@ -604,7 +608,7 @@ class Checkpointer:
             self._join_pending()
             data = self._stager.stage(plan, flat.tensors)
         handle = SaveHandle(step, self._lineage)
-        handle._parent = parent
+        handle._parent, handle._parent_seen = parent, self._anchor_seen
         if self._replicas is not None:  # its replication uses these groups, not later ones
             handle._replica_epoch = self._replicas.epoch
         handle.stats.stage_s = time.monotonic() - t0
@@ -808,7 +812,7 @@ class Checkpointer:
         elif snap._sealed_meta is not None:  # sealed (or failed so, on some rank): commit it now
             snap = self._snap = self._memory._commit_sealed(snap)
         handle = SaveHandle(step, self._lineage)
-        handle._parent = parent
+        handle._parent, handle._parent_seen = parent, self._anchor_seen
         handle.stats.stage_s = time.monotonic() - t0
         pinned: dict[str, Any] = {}
         self._hand_lease_back()  # (rank 0, if it wrote saves itself: never both at once)
@@ -1320,9 +1324,11 @@ class Checkpointer:
         )
         if self._run is not None:  # (a durable commit of a run with the memory tier)
             manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: self._run})
-        if self._slots is None and handle._parent:
+        known = catalog.next_commit_seq() <= handle._parent_seen + 1
+        if self._slots is None and handle._parent and known:
             # (a durable commit) what it descends from: the line follows it past the steps a
-            # rollback abandoned (catalog.py); the memory tier's commits record none
+            # rollback abandoned (catalog.py); the memory tier's commits record none; nor does
+            # one with a commit above the one its parent was known as of (_parent_seen)
             parent = parent_record(handle._parent, seq)
             manifest = dataclasses.replace(manifest, extras={**manifest.extras, PARENT_KEY: parent})
         # A memory snapshot's manifest differs from the previous one's in its numbers, checksums
@@ -2399,7 +2405,9 @@ def _await_outcome(
 
 def _parent_field(handle: SaveHandle) -> dict[str, Any]:
     """A persister request's ``parent``: the commit the save's state descends from, if known."""
-    return {"parent": [list(p) for p in handle._parent]} if handle._parent else {}
+    if not handle._parent:
+        return {}
+    return {"parent": [list(p) for p in handle._parent], "parent_seen": handle._parent_seen}
 
 
 def _publish_failure(committer: Committer, e: BaseException) -> None:

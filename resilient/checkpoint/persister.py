@@ -63,6 +63,7 @@ from resilient.checkpoint.format import (
     ANCHOR_EXACT_KEY,
     BOOKKEEPING_KEYS,
     MANIFEST_NAME,
+    MAX_INT,
     MAX_MANIFEST_BYTES,
     MAX_OLDER,
     MAX_RUN,
@@ -432,7 +433,11 @@ class Promoter:
         self.lease = self._new_lease()
 
     def persist(
-        self, step: int, src: str | None = None, parent: tuple[tuple[int, int], ...] = ()
+        self,
+        step: int,
+        src: str | None = None,
+        parent: tuple[tuple[int, int], ...] = (),
+        parent_seen: int | None = None,
     ) -> dict[str, Any]:
         """Commit the snapshot in ``src`` (default: the outbox entry of ``step``) as durable step
         ``step``; the outbox entry is removed afterwards, whatever happened.  ``parent``: the
@@ -440,7 +445,7 @@ class Promoter:
         src = src or os.path.join(self.outbox, step_dir_name(step))
         t0 = time.monotonic()
         try:
-            return self._persist(step, src, t0, parent)
+            return self._persist(step, src, t0, parent, parent_seen)
         finally:
             shutil.rmtree(src, ignore_errors=True)
 
@@ -449,12 +454,19 @@ class Promoter:
         shutil.rmtree(os.path.join(self.outbox, step_dir_name(step)), ignore_errors=True)
 
     def _persist(
-        self, step: int, src: str, t0: float, parent: tuple[tuple[int, int], ...]
+        self,
+        step: int,
+        src: str,
+        t0: float,
+        parent: tuple[tuple[int, int], ...],
+        parent_seen: int | None,
     ) -> dict[str, Any]:
         snap = self._snapshot(step, src)  # read once for both phases
         generation = self.begin(step)["generation"]
         total = self.copy(step, generation, None, src, snap=snap)["bytes"]
-        commit = self.commit(step, generation, src, t0=t0, snap=snap, parent=parent)
+        commit = self.commit(
+            step, generation, src, t0=t0, snap=snap, parent=parent, parent_seen=parent_seen
+        )
         return {**commit, "bytes": total}
 
     def _snapshot(self, step: int, src: str) -> Manifest:
@@ -531,9 +543,13 @@ class Promoter:
         t0: float | None = None,
         snap: Manifest | None = None,
         parent: tuple[tuple[int, int], ...] = (),
+        parent_seen: int | None = None,
     ) -> dict[str, Any]:
         """Commit the snapshot's manifest at the URL once every file is written there (by this
-        persister or, across nodes, by each node's)."""
+        persister or, across nodes, by each node's).  ``parent`` is recorded only where nothing
+        was committed above ``parent_seen`` (the newest commit_seq known when it was set): a
+        commit since (a save of an earlier process, or one given up on) may be what the state
+        descends from."""
         t0 = time.monotonic() if t0 is None else t0
         src = src or os.path.join(self.outbox, step_dir_name(step))
         snap = snap or self._snapshot(step, src)
@@ -554,6 +570,8 @@ class Promoter:
                 )
             total += found
         seq = scan(self.storage).next_commit_seq()
+        if parent_seen is None or seq > parent_seen + 1:
+            parent = ()
         manifest = _promoted(snap, names, generation, seq, self.job_id, parent)
         garbage = publish_commit(
             self.storage,
@@ -661,8 +679,8 @@ class Promoter:
                 return None
             try:
                 link_to_outbox(self.steps_dir, s, self.outbox)
-                parent = _flush_parent(snap, durable, line)
-                return {"step": s, **self.persist(s, parent=parent)}
+                parent, seen = _flush_parent(snap, durable, line)
+                return {"step": s, **self.persist(s, parent=parent, parent_seen=seen)}
             except (OSError, ResilientError) as e:  # damaged, or retired meanwhile
                 log.warning(
                     "flush: memory step %d was not persisted (%s); trying an older one", s, e
@@ -713,13 +731,17 @@ class Promoter:
             self.lease.release()
 
 
-def _flush_parent(snap: Manifest, durable: Any, line: set[int]) -> tuple[tuple[int, int], ...]:
-    """The parent a flush of ``snap`` records: its anchor where it is exactly the commit the state
-    descends from (snapshots.exact_anchor) and not the step itself (a step loaded and snapshotted
-    again says nothing of what it descends from); else none, and the line goes on by step numbers
-    there."""
+def _flush_parent(
+    snap: Manifest, durable: Any, line: set[int]
+) -> tuple[tuple[tuple[int, int], ...], int | None]:
+    """The parent a flush of ``snap`` records, and the newest commit_seq known when it was set:
+    its anchor where it is exactly the commit the state descends from (snapshots.exact_anchor)
+    and not the step itself (a step loaded and snapshotted again says nothing of what it descends
+    from); else none, and the line goes on by step numbers there."""
     anchor = exact_anchor(snap, durable, line)
-    return () if anchor is None or anchor[0] == snap.step else (anchor,)
+    if anchor is None or anchor[0] == snap.step:
+        return (), None
+    return (anchor,), snap.extras.get(ANCHOR_EXACT_KEY)
 
 
 def _state_of(m: Manifest) -> tuple[Any, ...]:
@@ -888,9 +910,9 @@ def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[st
     ``copy`` (every node: its own ranks' files) and ``commit`` (rank 0's node)."""
     if isinstance(msg.get("lease_returned"), str):
         promoter.lease_returned(msg["lease_returned"])
-    parent = _parent_of(msg)
+    parent, seen = _parent_of(msg)
     if op == "persist":
-        return promoter.persist(step, parent=parent)
+        return promoter.persist(step, parent=parent, parent_seen=seen)
     if op == "begin":
         return promoter.begin(step)
     generation, files = msg.get("generation"), msg.get("files")
@@ -901,16 +923,20 @@ def _run(promoter: Promoter, op: str, step: int, msg: dict[str, Any]) -> dict[st
             if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
                 raise ResilientError(f"copy request without a list of files: {msg!r}")
             return promoter.copy(step, generation, files)
-        return promoter.commit(step, generation, parent=parent)
+        return promoter.commit(step, generation, parent=parent, parent_seen=seen)
     finally:
         if op == "commit" or msg.get("last"):
             promoter.done(step)
 
 
-def _parent_of(msg: dict[str, Any]) -> tuple[tuple[int, int], ...]:
-    """The ``parent`` of a request: the commits the state descends from, newest first, as
-    [[step, commit_seq], ...]; empty where it gives none that is one."""
-    return chain_of(msg.get("parent"), 1 + MAX_OLDER) or ()
+def _parent_of(msg: dict[str, Any]) -> tuple[tuple[tuple[int, int], ...], int | None]:
+    """The ``parent`` of a request, the commits the state descends from, newest first, as
+    [[step, commit_seq], ...] (empty where it gives none that is one), and its ``parent_seen``
+    (None where it is no commit_seq)."""
+    seen = msg.get("parent_seen")
+    if type(seen) is not int or not 0 <= seen <= MAX_INT:
+        seen = None
+    return chain_of(msg.get("parent"), 1 + MAX_OLDER) or (), seen
 
 
 def _serve(promoter: Promoter, requests: queue.Queue, out: Any) -> bool:
