@@ -387,6 +387,22 @@ def test_nccls_own_dump_is_pointed_at_the_jobs_private_directory(tmp_path, monke
     assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
 
 
+def test_naming_nccls_dump_file_never_stops_the_job(tmp_path, monkeypatch, caplog):
+    """A temporary directory where the private one cannot be made (full, read-only, a file in the
+    way) raised out of init_process_group: a debugging aid stopped an NCCL job at its start."""
+    from resilient.launch import _name_nccl_dump_file
+
+    _no_named_dump_file(monkeypatch, tmp_path)
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "")  # (put back as it was, unset, at the end)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file"))  # mkdir under it fails
+    with caplog.at_level("WARNING"):
+        _name_nccl_dump_file()
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    assert "NCCL's own flight recorder dump goes to torch's default file" in caplog.text
+
+
 def test_a_named_dump_file_is_written_to_a_new_file_never_through_a_link(tmp_path, monkeypatch):
     """The temporary the dump is renamed from was a predictable name (``<path>.tmp<pid>``) opened
     through whatever was there: a link made in a shared directory wrote the dump into its

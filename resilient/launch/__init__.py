@@ -42,7 +42,7 @@ import torch.distributed as dist
 # recovery frees the broken groups; imported here, before any group exists, the default is None.
 import torch.distributed.nn  # noqa: F401
 
-from resilient.errors import FlightRecorderError, RankFailureError
+from resilient.errors import RankFailureError
 from resilient.health import flight_recorder
 from resilient.health.attach import (
     agent_store,
@@ -115,10 +115,7 @@ def init_process_group(
         )
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if "nccl" in backend.lower():  # (its watchdog's dump on a timeout: not torch's shared file)
-        try:
-            flight_recorder.name_for_torch()
-        except FlightRecorderError as e:
-            log.warning("NCCL's own flight recorder dump goes to torch's default file: %s", e)
+        _name_nccl_dump_file()
     monitor = None
     # under torchrun, the monitor watches the rendezvous too: it starts on the agent's store,
     # before the group; where the agent hosts none (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), on the
@@ -160,6 +157,15 @@ def init_process_group(
         hand_over(monitor)
     if monitor is not None:
         monitor.progress(None, "setup")
+
+
+def _name_nccl_dump_file() -> None:
+    """Point NCCL's own flight recorder dump at the job's private file (flight_recorder): best
+    effort, never in the job's way (a full or read-only temporary directory, one not ours)."""
+    try:
+        flight_recorder.name_for_torch()
+    except OSError as e:  # (FlightRecorderError is one)
+        log.warning("NCCL's own flight recorder dump goes to torch's default file: %s", e)
 
 
 def _gather(store: Any, gen: int, world: int, timeout_s: float) -> None:
