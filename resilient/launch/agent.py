@@ -201,6 +201,10 @@ class InJobAgent:
 _CLASS: Any = None
 
 
+# who finished, where an agent only knows it from the store (_finished)
+ANOTHER_NODE = "a rank on another node"
+
+
 def _agent_class() -> Any:
     global _CLASS
     if _CLASS is not None:
@@ -489,12 +493,22 @@ def _agent_class() -> Any:
             store = self._store_client(quiet=True)
             try:
                 if store is not None and int(store.add(self._finished_key(), 0)) > 0:
-                    return "a rank on another node"
+                    return ANOTHER_NODE
             except Exception:
                 pass
             return None
 
         def _log_fallback(self, reason: str) -> None:
+            if ANOTHER_NODE in reason and getattr(self, "_remaining_restarts", 0) > 0:
+                # that node's agent waits in the exit barrier, not in a rendezvous: a restart
+                # would wait for it until the rendezvous times out, then fail anyway
+                self._remaining_restarts = 0
+                log.warning(
+                    "in-job recovery not possible (%s): not restarting the workers either (that "
+                    "node's workers are done, so no new rendezvous can form)",
+                    reason,
+                )
+                return
             left = getattr(self, "_remaining_restarts", 1)
             log.warning(
                 "in-job recovery not possible (%s): %s",
