@@ -569,3 +569,18 @@ def test_a_reference_whose_files_are_gone_is_not_reused(tmp_path) -> None:
 
     shutil.rmtree(ref / "ckpt")
     assert not reference_complete(job, RunPaths(ref))
+
+
+def test_an_unexpected_restart_says_why_the_launcher_did_not_recover_in_the_job():
+    from resilient.chaos.verify import _fallback_reason
+
+    log = (
+        "rank 3 (pid 9) exited with 1: spare pid 10 takes its rank, generation 1\n"
+        "W1205 agent.py:1] in-job recovery not possible (0 spare(s) left for 1 failed worker(s)):"
+        " restarting the workers\n"
+    )
+    assert _fallback_reason(log) == (
+        "; the launcher: W1205 agent.py:1] in-job recovery not possible (0 spare(s) left for 1 "
+        "failed worker(s)): restarting the workers"
+    )
+    assert _fallback_reason("rank 3 (pid 9) exited with 1\n") == ""

@@ -519,7 +519,8 @@ def verify_run(
             Check(
                 "restarts as expected",
                 m["restarts"] == exp.restarts,
-                f"{m['restarts']} restart(s) of the group (expected {exp.restarts})",
+                f"{m['restarts']} restart(s) of the group (expected {exp.restarts})"
+                + _fallback_reason(log_text),
             )
         )
     failed = sorted({e["step"] for e in events if e["event"] == "save" and e.get("ok") is False})
@@ -1113,6 +1114,15 @@ def _sample_ranges(v: Any) -> list[tuple[int, int]] | None:
 
 _ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)")
 _WRAPPERS = ("ChildFailedError", "SignalException")
+
+
+def _fallback_reason(log: str) -> str:
+    """Why the launcher restarted the workers instead of recovering in the job, as its log says
+    (``resilient launch``'s "in-job recovery not possible (...)"), or ""."""
+    for line in log.splitlines():
+        if "in-job recovery not possible" in line:
+            return f"; the launcher: {line.strip()[:300]}"
+    return ""
 
 
 def _last_error(log: str) -> str:
