@@ -686,7 +686,7 @@ def test_a_frozen_rank_is_named_after_the_groups_timeout_not_waited_for():
 _NEVER_JOINS = """
 import os, sys, time
 from resilient.preflight import PreflightConfig, preflight_main, runner
-if os.environ["RANK"] == "1":
+if os.environ["RANK"] == sys.argv[1]:
     time.sleep(600)  # stuck before it ever joins (an import, a shared filesystem)
 runner.GROUP_TIMEOUT_GRACE_S = 3.0  # (the command's is 60 s of start-up)
 sys.exit(preflight_main(PreflightConfig.quick_check(budget_s=1.0)))
@@ -694,8 +694,10 @@ sys.exit(preflight_main(PreflightConfig.quick_check(budget_s=1.0)))
 
 
 @pytest.mark.distributed
-def test_a_rank_that_never_joins_is_named_by_rank_0(tmp_path):
-    """Rank 0 waited out the group's timeout and died of the store's bare DistStoreError."""
+@pytest.mark.parametrize("stuck", ["1", "0"])
+def test_a_rank_that_never_joins_is_named(tmp_path, stuck):
+    """Rank 0 waited out the group's timeout and died of the store's bare DistStoreError; where
+    rank 0 was the one stuck, nobody said which rank was (the others pointed at rank 0)."""
     from resilient.launch import free_port
 
     script = tmp_path / "never_joins.py"
@@ -703,14 +705,14 @@ def test_a_rank_that_never_joins_is_named_by_rank_0(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--max-restarts", "0", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script)],
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), stuck],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode != 0
     assert (
-        "error: preflight: rank 1 never joined the process group within 4 s (the budget and 3 s "
-        "for the start; "
+        f"error: preflight: rank {stuck} never joined the process group within 4 s (the budget "
+        f"and 3 s for the start; "
     ) in proc.stderr, proc.stderr[-3000:]
     assert "expected all 2 ranks to start preflight" in proc.stderr
     assert "DistStoreError" not in proc.stderr

@@ -533,11 +533,12 @@ def _as_rank(
         _join(backend, config.budget_s + GROUP_TIMEOUT_GRACE_S, hooks)
         report = run_preflight(config)
     except PreflightError as e:  # a rank did not answer: a failed check, named by rank 0
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 and os.environ.get(ENV_RESULT):
+        # (or by the rank that names who never joined: rank 0 may be one of them)
+        speaks = getattr(e, "speaks", int(os.environ.get("RANK", "0")) == 0)
+        if speaks and os.environ.get(ENV_RESULT):
             with open(os.environ[ENV_RESULT], "w") as f:
                 json.dump({"error": str(e)}, f)
-        elif rank == 0:
+        elif speaks:
             print(f"error: {e}", file=sys.stderr)
         # (non-zero: torchrun stops the ranks still running, a stopped one included)
         return 1
@@ -554,17 +555,24 @@ def _as_rank(
 
 
 def _join(backend: str, timeout_s: float, hooks: Sequence[Any]) -> None:
-    """Form the group; where a rank never joins it within ``timeout_s``, a ``PreflightError``:
-    rank 0's names the ranks that never came (each rank says so in the launcher's store before
-    it joins), the others' point at rank 0.  It was the store's bare timeout error, naming no
-    rank."""
+    """Form the group; where a rank never joins it within ``timeout_s``, a ``PreflightError``
+    naming the ranks that never came (each rank says so in the launcher's store before it joins):
+    rank 0's, or, when rank 0 is one of them, the lowest rank that came; the others point at
+    that rank.  It was the store's bare timeout error, naming no rank.  The marks are kept only
+    where every node names the attempt alike (under ``resilient launch``: its rendezvous round;
+    or on one node): torchrun's restart count is each node's own, and a mark of another attempt
+    would vouch for a rank that never came."""
     from resilient.health.attach import agent_store, attempt_key
+    from resilient.health.heartbeat import ENV_ROUND
     from resilient.launch import init_process_group
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     base = f"resilient/preflight/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt_key()}"
+    shared = os.environ.get(ENV_ROUND) is not None or os.environ.get("LOCAL_WORLD_SIZE") == str(
+        world
+    )
     store = None
-    if world > 1:
+    if world > 1 and shared:
         try:
             store = agent_store(timeout_s=min(timeout_s, 30.0))
             if store is not None:
@@ -575,29 +583,34 @@ def _join(backend: str, timeout_s: float, hooks: Sequence[Any]) -> None:
         init_process_group(backend, timeout_s=timeout_s, detect=False, hooks=hooks)
     except RuntimeError as e:  # the store's timeout (DistStoreError), a connection refused
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        if rank != 0:
-            raise PreflightError(
-                f"preflight: rank {rank} ({socket.gethostname()}): the process group did not form "
-                f"within {timeout_s:g} s ({first}); rank 0 names the ranks that never joined"
-            ) from e
-        missing = []
+        came = None
         if store is not None:
             try:
-                missing = [r for r in range(world) if not store.check([f"{base}/joining/{r}"])]
+                came = [r for r in range(world) if store.check([f"{base}/joining/{r}"])]
             except Exception:
-                missing = []
+                came = None
+        namer = 0 if came is None or 0 in came else min(came, default=0)
+        if rank != namer:
+            raise PreflightError(
+                f"preflight: rank {rank} ({socket.gethostname()}): the process group did not form "
+                f"within {timeout_s:g} s ({first}); rank {namer} names the ranks that never "
+                f"joined"
+            ) from e
+        missing = [r for r in range(world) if r not in came] if came is not None else []
         who = (
             f"{_ranks_phrase(missing)} never joined the process group"
             if missing
             else "the process group did not form (which rank is missing is not known here)"
         )
-        raise PreflightError(
+        error = PreflightError(
             f"preflight: {who} within {timeout_s:g} s (the budget and "
             f"{GROUP_TIMEOUT_GRACE_S:g} s for the start; {first}); expected all {world} ranks "
             f"to start preflight: look for a rank stuck or slow before it (imports, a shared "
             f"filesystem, a hook) or a lost process on "
             f"{'its' if len(missing) == 1 else 'their'} host, then run preflight again"
-        ) from e
+        )
+        error.speaks = True  # (this rank says it, rank 0 or not: _as_rank)
+        raise error from e
 
 
 def _output(report: PreflightReport, json_path: str | None, plot_path: str | None, say) -> int:
