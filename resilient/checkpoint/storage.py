@@ -763,6 +763,18 @@ class Storage:
                 self._cannot("write only where nothing is (open mode 'xb')", e)
         return self.fs.open(self.path(rel), "wb"), False
 
+    def _server_cannot(self, what: str, e: BaseException) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(
+                "%s: this server cannot %s (%s: %s); doing it plainly (read, then act: a window "
+                "of one request)",
+                self.display(""),
+                what,
+                type(e).__name__,
+                e,
+            )
+
     def _cannot(self, what: str, e: BaseException) -> None:
         if what not in self._warned:
             self._warned.add(what)
@@ -1077,6 +1089,10 @@ class Storage:
                     self._cannot("remove conditionally (If-Match)", e)
                     self.fs.rm(self.path(rel))
                     return True
+                if _not_implemented(e):  # an S3-compatible server without conditional deletes
+                    self._server_cannot("remove conditionally (If-Match on DELETE)", e)
+                    self.fs.rm(self.path(rel))
+                    return True
                 if "pre-condition" in str(e) or "PreconditionFailed" in repr(e) or "412" in str(e):
                     return False  # replaced since it was read: another writer's now
                 raise
@@ -1239,6 +1255,16 @@ def _unknown_parameter(e: BaseException) -> bool:
     """Whether ``e`` says the client does not know a parameter it was given (``mode`` for an
     s3fs before 2024.12, ``IfMatch`` for an older botocore)."""
     return isinstance(e, TypeError) or type(e).__name__ == "ParamValidationError"
+
+
+def _not_implemented(e: BaseException) -> bool:
+    """Whether ``e`` is a server's refusal of a request's conditional header (S3's 501
+    NotImplemented; s3fs turns it into OSError ENOSYS)."""
+    return (
+        getattr(e, "errno", None) == errno.ENOSYS
+        or "NotImplemented" in repr(e)
+        or "NotImplemented" in str(e)
+    )
 
 
 def _conditional_put_ok(fs: Any) -> bool:
