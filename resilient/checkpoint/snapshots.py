@@ -229,8 +229,10 @@ class MemoryPlace:
                         f"{wait_s:.0f} s. Nothing of that job's was touched: stop it first, or "
                         f"give this job another checkpoint URL or {ENV_ROOT}"
                     ) from None
-                if os.path.lexists(path) and os.lstat(path).st_ino != st.st_ino:
-                    os.close(fd)  # (unlinked by a holder that was letting go: take the new one)
+                if not os.path.lexists(path) or os.lstat(path).st_ino != st.st_ino:
+                    # unlinked by a holder that was letting go: a lock on that file is nobody's
+                    # (a third process may lock a new one at the name): take the name's
+                    os.close(fd)
                     fd = -1
                     continue
                 os.ftruncate(fd, 0)
