@@ -207,10 +207,12 @@ def mutated_copy(base: Path, doc: dict, tmp: str) -> Path:
 
 @pytest.mark.parametrize("codec", [None, "zstd"])
 def test_every_manifest_field_mutated(checkpoints, codec):
-    """Field by field: every position of the manifest, every adversarial value."""
+    """Field by field: every position of the manifest, every adversarial value (with zstd, the
+    positions in the chunk tables: the rest of a manifest reads alike whatever the codec, and
+    the uncompressed run covers it)."""
     base = checkpoints[codec]
     doc0 = json.loads((base / STEP / MANIFEST_NAME).read_text())
-    positions = [p for p, _ in leaves(doc0) if p]
+    positions = [p for p, _ in leaves(doc0) if p and (codec is None or "chunks" in p)]
     assert len(positions) > 40
     peak = Peak()
     outcomes = {"ok": 0, "error": 0}

@@ -176,12 +176,13 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("restarts", ["0", "1"])
-def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp_path, restarts):
+def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp_path):
     """Two nodes (two launchers, one rank each): rank 1 dies once rank 0, on the other node, has
     exited 0.  Rank 1's agent cannot see that process; rank 0's agent says so in the store, so
     no spare waits for a generation that cannot form (120 s) before the job fails; nor does a
-    restart wait for a rendezvous that node 0, its workers done, never joins."""
+    restart (one is left) wait for a rendezvous that node 0, its workers done, never joins; and
+    node 0's launcher does not wait out torchrun's exit barrier (300 s) for node 1's."""
+    restarts = "1"
     from resilient.launch import free_port
 
     port = free_port()
@@ -225,8 +226,7 @@ def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp
     said = "a rank on another node" in logs[1] and "finished (exit code 0)" in logs[1]
     assert said, logs[1][-6000:]
     assert "failed with exit code -9" in logs[1] and "exit code 75" not in logs[1], logs[1][-3000:]
-    if restarts == "1":
-        assert "not restarting the workers either" in logs[1], logs[1][-6000:]
+    assert "not restarting the workers either" in logs[1], logs[1][-6000:]
     assert json.loads((out / "out.json").read_text())["step"] == STEPS
 
 

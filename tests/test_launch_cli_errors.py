@@ -54,28 +54,58 @@ def _no_traceback(text: str) -> None:
 # --- resilient launch: torchrun's flags with nonsense values -----------------------------------
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["--nproc-per-node", "0"],  # AssertionError from WorkerSpec (local_world_size > 0)
-        ["--nproc-per-node", "abc"],  # ValueError: Unsupported nproc_per_node value
-        ["--master-port", "99999"],  # ValueError from the rendezvous endpoint parser
-        ["--max-restarts", "-1"],  # AssertionError: max_restarts must be >= 0
-        ["--monitor-interval", "-1"],  # AssertionError from WorkerSpec.__post_init__
-        ["--nnodes", "0"],  # AssertionError: min_nodes must be > 0
-        ["--nnodes", "2", "--standalone"],  # waited for a second node until the rendezvous timeout
-        ["--rdzv-backend", "bogus"],  # ValueError: the backend is not registered
-        ["--rdzv-endpoint", "localhost:notaport", "--rdzv-backend", "c10d"],  # ValueError: port
-        ["--rdzv-conf", "join_timeout=abc"],  # ValueError: not a valid integer value
-    ],
-    ids=lambda f: " ".join(f),
-)
-def test_launch_rejects_nonsense_flags_with_a_usage_error(tmp_path, flags):
-    (tmp_path / "w.py").write_text("print('worker ran')\n")
-    r = _resilient(["launch", *flags, "--spares", "0", "w.py"], tmp_path)
-    out = r.stdout + r.stderr
+NONSENSE = [
+    ["--nproc-per-node", "0"],  # AssertionError from WorkerSpec (local_world_size > 0)
+    ["--nproc-per-node", "abc"],  # ValueError: Unsupported nproc_per_node value
+    ["--master-port", "99999"],  # ValueError from the rendezvous endpoint parser
+    ["--max-restarts", "-1"],  # AssertionError: max_restarts must be >= 0
+    ["--monitor-interval", "-1"],  # AssertionError from WorkerSpec.__post_init__
+    ["--nnodes", "0"],  # AssertionError: min_nodes must be > 0
+    ["--nnodes", "2", "--standalone"],  # waited for a second node until the rendezvous timeout
+    ["--rdzv-backend", "bogus"],  # ValueError: the backend is not registered
+    ["--rdzv-endpoint", "localhost:notaport", "--rdzv-backend", "c10d"],  # ValueError: port
+    ["--rdzv-conf", "join_timeout=abc"],  # ValueError: not a valid integer value
+]
+
+# Every command line of NONSENSE through the launcher's entry point, in one process (one torch
+# import for all ten): [exit code, what it printed] each.
+_LAUNCH_EACH = """
+import contextlib, io, json, sys
+from resilient.launch.agent import launch_main
+out = []
+for flags in json.loads(sys.argv[1]):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            code = launch_main([*flags, "--spares", "0", "w.py"])
+        except SystemExit as e:
+            code = e.code
+    out.append([code, buf.getvalue()])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def nonsense_launches(tmp_path_factory):
+    import json
+
+    d = tmp_path_factory.mktemp("nonsense")
+    (d / "w.py").write_text("print('worker ran')\n")
+    r = subprocess.run(
+        [sys.executable, "-c", _LAUNCH_EACH, json.dumps(NONSENSE)],
+        cwd=d, env=_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    _no_traceback(r.stderr)  # (what a case logged rather than printed)
+    return {" ".join(f): (code, text) for f, (code, text) in zip(NONSENSE, json.loads(
+        r.stdout.splitlines()[-1]))}  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", NONSENSE, ids=lambda f: " ".join(f))
+def test_launch_rejects_nonsense_flags_with_a_usage_error(nonsense_launches, flags):
+    code, out = nonsense_launches[" ".join(flags)]
     _no_traceback(out)
-    assert r.returncode == 2, f"exit {r.returncode}, expected 2 (bad usage):\n{out[-1500:]}"
+    assert code == 2, f"exit {code}, expected 2 (bad usage):\n{out[-1500:]}"
     assert flags[0] in out, f"the message does not name {flags[0]}:\n{out[-1500:]}"
     assert "worker ran" not in out
 
