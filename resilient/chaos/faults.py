@@ -36,6 +36,7 @@ filesystem (``resilient.chaos.faultfs``), which the harness puts in front of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -233,14 +234,19 @@ class ChaosHook:
                 )
         if self._marker(f["id"]).exists():
             return  # fired already: later steps leave the checkpointer alone
+        # damage a committed step, not one being written: the save in flight is joined first
+        # (left to commit after the fault looked, on a loaded machine, the fault stayed armed,
+        # fired only after a restart had restored the step it was meant to damage, and a job
+        # that must fail completed); its failure is the run's to report (its own handle says it)
+        with contextlib.suppress(Exception):
+            target.wait()
         try:
             committed = target.latest_step()
         except Exception:  # (a storage fault on the listing: armed still, tried again later)
             return
         if committed is None:
-            return  # nothing committed yet: armed still (the pending save is not joined)
-        target.wait()  # damage a committed step, not one being written
-        if target.latest_step() is None or not self._claim(f):
+            return  # nothing committed yet: armed still
+        if not self._claim(f):
             return
         try:
             detail = damage_newest_checkpoint(target, f["kind"])
