@@ -41,6 +41,7 @@ from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a 
     _short,
     manifest_of_step,
     manifest_summary,
+    parent_known,
     parent_record,
     rank_file_name,
     recorded_chain,
@@ -388,8 +389,7 @@ class Checkpointer:
         self._anchor_chain: tuple[tuple[int, int], ...] = ()
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
-        # (rank 0) the candidates whose anchor is exact: the newest durable commit_seq then
-        self._exact_anchors: dict[int, int] = {}
+        self._exact_anchors: set[int] = set()  # (rank 0) the candidates whose anchor is exact
         self._durable_seen = 0  # (rank 0) the newest durable commit_seq its last listing saw
         # (the memory tier across nodes) the newest commit order in any node's memory, agreed
         # where the checkpointer is made or carried to a new group, and raised by each load's
@@ -1324,7 +1324,7 @@ class Checkpointer:
         )
         if self._run is not None:  # (a durable commit of a run with the memory tier)
             manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: self._run})
-        known = catalog.next_commit_seq() <= handle._parent_seen + 1
+        known = parent_known(catalog.next_commit_seq(), handle._parent_seen)
         if self._slots is None and handle._parent and known:
             # (a durable commit) what it descends from: the line follows it past the steps a
             # rollback abandoned (catalog.py); the memory tier's commits record none; nor does
@@ -1755,8 +1755,7 @@ class Checkpointer:
                 if seq >= IMPLAUSIBLE_SEQ:
                     continue  # (not offered: see _node_newest_seq)
                 anchor = self._anchors.get(s)
-                # (exact: the newest durable commit_seq its leader's listing saw, else -1)
-                exact = self._exact_anchors.get(s, -1) if anchor is not None else -1
+                exact = int(anchor is not None and s in self._exact_anchors)
                 a = anchor if anchor is not None else (-1, -1)
                 entries.append([s, seq, generation, *a, exact])
             if entries:  # (a value beyond int64 raises here, before the collective)
@@ -1771,7 +1770,7 @@ class Checkpointer:
         # A step's newest version wins: a node that missed a rollback's commits (it was not in
         # the job meanwhile) holds an older one, whose manifest must not be restored nor put over
         # the newer one (both name the same files when their generations agree)
-        best: dict[int, tuple[int, int, tuple[int, int] | None, int]] = {}
+        best: dict[int, tuple[int, int, tuple[int, int] | None, bool]] = {}
         floor = self._memory._seq_floor
         for t in every:
             vals = [int(x) for x in t.tolist()]
@@ -1780,7 +1779,7 @@ class Checkpointer:
                 s, seq, generation, a_step, a_seq, exact = vals[2 + 6 * i : 8 + 6 * i]
                 if s >= 0 and (s not in best or (seq, generation) > best[s][:2]):
                     anchor = (a_step, a_seq) if a_step >= 0 else None
-                    best[s] = (seq, generation, anchor, exact if anchor is not None else -1)
+                    best[s] = (seq, generation, anchor, anchor is not None and exact == 1)
         # (each node's newest commit, seen again: a node that could not be listed when this
         # checkpointer was made, or has joined since, sets the floor too)
         self._memory._seq_floor = floor
@@ -1791,10 +1790,7 @@ class Checkpointer:
         for s in line_of(by_order):
             seq, generation, anchor, exact = best[s]
             self._anchors[s] = anchor
-            if exact >= 0:
-                self._exact_anchors[s] = max(exact, self._durable_seen)
-            else:
-                self._exact_anchors.pop(s, None)
+            (self._exact_anchors.add if exact else self._exact_anchors.discard)(s)
             out.append((_MEMORY, s, seq, generation))
         return out
 
@@ -1923,10 +1919,8 @@ class Checkpointer:
                 self._anchors[s] = _parse_anchor(anchor) or (
                     (newest.step, newest.commit_seq) if newest is not None else None
                 )
-                if exact_anchor(snap, durable_catalog, line) is not None:
-                    self._exact_anchors[s] = self._durable_seen
-                else:
-                    self._exact_anchors.pop(s, None)
+                exact = exact_anchor(snap, durable_catalog, line) is not None
+                (self._exact_anchors.add if exact else self._exact_anchors.discard)(s)
             return found
         except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
             log.warning(

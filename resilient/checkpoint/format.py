@@ -913,6 +913,14 @@ def parent_record(chain: Sequence[tuple[int, int]], commit_seq: int) -> dict[str
     return record
 
 
+def parent_known(next_commit_seq: int, seen: int | None) -> bool:
+    """Whether a parent set when ``seen`` was the newest commit_seq may be recorded by a commit
+    whose storage now numbers the next one ``next_commit_seq``: not where anything was committed
+    above ``seen`` since (a save of an earlier process or lineage, or one given up on, that
+    committed later: the state may descend from it), nor where ``seen`` is unknown."""
+    return seen is not None and next_commit_seq <= seen + 1
+
+
 def recorded_chain(extras: Any, commit_seq: int) -> tuple[tuple[int, int], ...]:
     """The PARENT_KEY value's chain (the parent, then what it descends from), empty where
     it is anything but ``parent_record``'s object of integers in [0, 2**63 - 1] made for this

@@ -72,6 +72,7 @@ from resilient.checkpoint.format import (
     Manifest,
     chain_of,
     manifest_of_step,
+    parent_known,
     parent_record,
     rank_file_name,
     step_dir_name,
@@ -570,7 +571,7 @@ class Promoter:
                 )
             total += found
         seq = scan(self.storage).next_commit_seq()
-        if parent_seen is None or seq > parent_seen + 1:
+        if not parent_known(seq, parent_seen):
             parent = ()
         manifest = _promoted(snap, names, generation, seq, self.job_id, parent)
         garbage = publish_commit(

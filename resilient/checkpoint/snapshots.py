@@ -24,6 +24,7 @@ replaces or removes any file of the live one's.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import hashlib
@@ -203,17 +204,15 @@ class MemoryPlace:
                     holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
                     if holder == me and not collected:
                         # (this process's own: a checkpointer of this URL dropped unclosed
-                        # lets go once it is collected)
+                        # lets go once it is collected; the finally closes this open first)
                         collected = True
                         os.close(fd)
                         fd = -1
                         gc.collect()
                         continue
                     if time.monotonic() < deadline:
-                        os.close(fd)
-                        fd = -1
                         time.sleep(0.05)
-                        continue
+                        continue  # (the finally closes fd)
                     if holder == me:
                         raise MemoryTierError(
                             f"rank {rank} of the memory tier's directory {self.dir} (checkpoint "
@@ -232,9 +231,7 @@ class MemoryPlace:
                 if not os.path.lexists(path) or os.lstat(path).st_ino != st.st_ino:
                     # unlinked by a holder that was letting go: a lock on that file is nobody's
                     # (a third process may lock a new one at the name): take the name's
-                    os.close(fd)
-                    fd = -1
-                    continue
+                    continue  # (the finally closes fd)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, me.encode(), 0)
                 hold = RankHold(fd, path)
@@ -421,12 +418,8 @@ def _let_go_in_child() -> None:
     rank's lock, and the rank's restart was refused as a second live process.  Closing the
     child's copy leaves the parent's lock as it is; the child's holds do nothing from then on."""
     for hold in list(_HOLDS):
-        fd, hold.fd = hold.fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            hold.close()  # (not remove: the name is the parent's)
 
 
 os.register_at_fork(after_in_child=_let_go_in_child)

@@ -763,30 +763,28 @@ class Storage:
                 self._cannot("write only where nothing is (open mode 'xb')", e)
         return self.fs.open(self.path(rel), "wb"), False
 
-    def _server_cannot(self, what: str, e: BaseException) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(
-                "%s: this server cannot %s (%s: %s); doing it plainly (read, then act: a window "
-                "of one request)",
-                self.display(""),
-                what,
-                type(e).__name__,
-                e,
-            )
-
-    def _cannot(self, what: str, e: BaseException) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(
-                "%s: this client cannot %s (%s: %s); writing plainly, so only the lease and the "
-                "generation claims keep a stale writer off committed files; upgrade fsspec and "
-                "s3fs to 2024.12 or later (and botocore with them)",
-                self.display(""),
-                what,
-                type(e).__name__,
-                e,
-            )
+    def _cannot(self, what: str, e: BaseException, *, server: bool = False) -> None:
+        """Warn once per ``what`` that this client (or, ``server``, the server) cannot do it, so
+        it is done plainly."""
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        consequence = (
+            "doing it plainly (read, then act: a window of one request)"
+            if server
+            else "writing plainly, so only the lease and the generation claims keep a stale "
+            "writer off committed files; upgrade fsspec and s3fs to 2024.12 or later (and "
+            "botocore with them)"
+        )
+        log.warning(
+            "%s: this %s cannot %s (%s: %s); %s",
+            self.display(""),
+            "server" if server else "client",
+            what,
+            type(e).__name__,
+            e,
+            consequence,
+        )
 
     def _abandon(self, f: Any, rel: str, *, created: bool) -> bool:
         """A write that failed (part-way, or at its close) publishes nothing of what it wrote;
@@ -1085,12 +1083,11 @@ class Storage:
             except FileNotFoundError:
                 return True  # (an earlier attempt's, its answer lost)
             except Exception as e:
-                if _unknown_parameter(e):  # an older botocore
-                    self._cannot("remove conditionally (If-Match)", e)
-                    self.fs.rm(self.path(rel))
-                    return True
-                if _not_implemented(e):  # an S3-compatible server without conditional deletes
-                    self._server_cannot("remove conditionally (If-Match on DELETE)", e)
+                # an older botocore, or an S3-compatible server without conditional deletes
+                if _unknown_parameter(e) or _not_implemented(e):
+                    server = not _unknown_parameter(e)
+                    what = "remove conditionally (If-Match" + (" on DELETE)" if server else ")")
+                    self._cannot(what, e, server=server)
                     self.fs.rm(self.path(rel))
                     return True
                 if "pre-condition" in str(e) or "PreconditionFailed" in repr(e) or "412" in str(e):
