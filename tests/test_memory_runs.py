@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -434,3 +435,41 @@ def test_an_anchor_of_other_digits_records_no_durable_commit(anchor):
 
     assert _parse_anchor(anchor) is None
     assert _parse_anchor("12:3") == (12, 3)
+
+
+def test_an_uncounted_runs_snapshot_taken_during_its_own_save_is_restored(tmp_path, monkeypatch):
+    """(a review) Run 1 counted; run 2's count cannot be written (a directory at its name) and
+    its durable saves stay in the trainer (persister off): it takes snapshot 31 while its save of
+    30 is in flight.  Its commit of 30 recorded no run, so run 3 refused 31 as "committed by a run
+    without the memory tier" and restored 30; it records the run its memory numbering uses."""
+    url, m, root = tmp_path / "ckpt", torch.nn.Linear(4, 4), tmp_path / "m"
+    with Checkpointer(str(url), **_kw(root)) as ck:
+        ck.snapshot(1, {"model": m}).wait()
+    (url / MEMORY_RUNS_NAME).unlink()
+    (url / MEMORY_RUNS_NAME).mkdir()
+    gate, real = threading.Event(), ckmod.publish_commit
+
+    def held(storage, lease, manifest, **kw):  # (save 30 commits only once 31 is taken)
+        if manifest.step == 30:
+            assert gate.wait(30)
+        return real(storage, lease, manifest, **kw)
+
+    monkeypatch.setattr(ckmod, "publish_commit", held)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the count's)
+        with Checkpointer(str(url), **_kw(root)) as ck:
+            assert ck._run is None
+            ck.save(10, {"model": m}).wait()
+            with torch.no_grad():
+                m.weight.fill_(30.0)
+            saving = ck.save(30, {"model": m})
+            with torch.no_grad():
+                m.weight.fill_(31.0)
+            ck.snapshot(31, {"model": m}).wait()
+            gate.set()
+            saving.wait()
+            run = ck._memory.catalog().get(31).commit_seq >> RUN_SHIFT
+        with Checkpointer(str(url), **_kw(root)) as ck:
+            assert ck.manifest(30).extras.get("_resilient_memory_run") == run == 1
+            fresh = torch.nn.Linear(4, 4)
+            assert ck.load({"model": fresh}) == 31 and fresh.weight.eq(31.0).all()

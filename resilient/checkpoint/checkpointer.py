@@ -33,6 +33,7 @@ from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a 
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
     MAX_OLDER,
+    MAX_RUN,
     PARENT_KEY,
     RUN_KEY,
     ChunkEntry,
@@ -395,9 +396,13 @@ class Checkpointer:
         # where the checkpointer is made or carried to a new group, and raised by each load's
         # exchange: rank 0's next commits rank above it
         self._seq_floor = 0
-        # (rank 0, memory tier) this run's number (snapshots.number_this_run), which its durable
-        # commits record; None where it could not be counted
+        # (rank 0, memory tier) this run's number (snapshots.number_this_run); None where it could
+        # not be counted
         self._run: int | None = None
+        # (rank 0, memory tier) the run its durable commits record (format.RUN_KEY): this run's,
+        # or where it was not counted the run its commits in memory are numbered as (as the
+        # persister's commits of its snapshots record); 0 for none
+        self._commit_run = 0
         self._newest_offered: int | None = None  # (rank 0) see LoadStats.newest_memory
         if memory_every is not None:
             # a local path is its absolute path: "ckpt" run from two directories is two jobs
@@ -441,6 +446,7 @@ class Checkpointer:
                     if self._run is not None
                     else max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
                 )
+                self._commit_run = self._memory._slots.job_run
                 self._begin_line()
         # Durable saves through the persister process (persister.py) when the tier is on, one per
         # node (its leader's); RESILIENT_PERSISTER=0 asks for the trainer's own thread where the
@@ -1322,8 +1328,9 @@ class Checkpointer:
             validate=False,  # publish_commit checks the bytes it publishes, as readers will
             static_cache=self._static_reports,
         )
-        if self._run is not None:  # (a durable commit of a run with the memory tier)
-            manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: self._run})
+        if 0 < self._commit_run < MAX_RUN:  # (a durable commit of a run with the memory tier)
+            run = self._commit_run
+            manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: run})
         known = parent_known(catalog.next_commit_seq(), handle._parent_seen)
         if self._slots is None and handle._parent and known:
             # (a durable commit) what it descends from: the line follows it past the steps a

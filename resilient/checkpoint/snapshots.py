@@ -501,22 +501,22 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
             )
         if not later and (parsed is not None or info.job_id != snap.job_id):
             # A commit that records no run: the tier off (a later run without it, which did not
-            # see this snapshot: its line is newer), or a run whose count could not be written.
-            # A job id does not tell them apart (torchrun's --rdzv-id, or one store address, is
-            # the same in every run), and only the latter may be this snapshot's own run (a
-            # save in flight when it was taken; then the durable step lacks only the steps
-            # since it): restoring a later run's abandoned predecessor would drop that run's
-            # committed work without a word, so the durable commit wins.  (A snapshot taken
-            # before its job knew of any durable commit, anchor "", is compared with commits
-            # made before its run too: only another job's count against it.)
+            # see this snapshot: its line is newer), whatever its job id (torchrun's --rdzv-id,
+            # or one store address, is the same in every run).  Not this snapshot's own run: one
+            # whose count could not be written records the run its commits in memory are
+            # numbered as (none only where no memory held a run: its snapshots, run 0, are not
+            # compared), so its save in flight when this was taken does not count against it.
+            # (A snapshot taken before its job knew of any durable commit, anchor "", is
+            # compared with commits made before its run too: only another job's count against
+            # it.)
             who = (
                 f"another job ({info.job_id!r})"
                 if info.job_id != snap.job_id
                 else f"a run of this job ({info.job_id!r}) without the memory tier"
             )
             return (
-                f"durable step {s} was committed since by {who} that did not see it, or by a "
-                f"run whose count was not written: that line is newer"
+                f"durable step {s} was committed since by {who} that did not see it: that line "
+                f"is newer"
             )
     return None
 
