@@ -34,7 +34,7 @@ from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.reader import read_manifest
 from resilient.checkpoint.storage import Storage
 from resilient.errors import ResilientError
-from resilient.launch import free_port
+from resilient.launch import MAX_PROCESSES_PER_NODE, free_port
 
 
 def parser() -> argparse.ArgumentParser:
@@ -280,10 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     ) and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else (args.nproc or 1)
     try:
-        if args.nproc is not None and args.nproc < 1:
-            raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
-        if args.spares < 0:
-            raise ConfigError(f"--spares {args.spares}: must be >= 0")
+        most = MAX_PROCESSES_PER_NODE
+        if args.nproc is not None and not 1 <= args.nproc <= most:
+            raise ConfigError(
+                f"--nproc {args.nproc}: expected a number of local ranks from 1 to {most} (this "
+                f"machine's processes); for more ranks, run on several nodes with torchrun or "
+                f"`resilient launch --nnodes`"
+            )
+        if not 0 <= args.spares <= most:
+            raise ConfigError(f"--spares {args.spares}: expected 0 to {most} spare processes")
         if args.spares and args.nproc is None:
             raise ConfigError(
                 f"--spares {args.spares}: spares come with --nproc (or run under "

@@ -189,6 +189,7 @@ def preflight(
     the storage), 2 on bad usage or a crashed rank."""
     import json
 
+    from resilient.launch import MAX_PROCESSES_PER_NODE
     from resilient.preflight import PreflightConfig, preflight_main
 
     try:
@@ -201,8 +202,12 @@ def preflight(
             ) from None
         if options is not None and not isinstance(options, dict):
             raise ValueError(f"--storage-options must be a JSON object, got {storage_options!r}")
-        if nproc is not None and nproc < 1:
-            raise ValueError(f"--nproc {nproc}: must be >= 1")
+        if nproc is not None and not 1 <= nproc <= MAX_PROCESSES_PER_NODE:
+            raise ValueError(
+                f"--nproc {nproc}: expected a number of local ranks from 1 to "
+                f"{MAX_PROCESSES_PER_NODE}; for more ranks, run it under torchrun or `resilient "
+                f"launch` on several nodes"
+            )
         config = (PreflightConfig.quick_check if quick else PreflightConfig)(
             **({} if budget_s is None else {"budget_s": budget_s}),
             **({} if factor is None else {"factor": factor}),

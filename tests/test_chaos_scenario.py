@@ -208,6 +208,12 @@ BAD_NUMBERS = {
         "",
         "job.timeout_s: expected a finite number, found nan",
     ),
+    "too many ranks": (
+        "",
+        TRAINER_JOB.replace("nproc = 2", "nproc = 100000"),
+        "",
+        "job.nproc: 100000: expected at most 4096 ranks per node",
+    ),
     "negative max_restarts": (
         "",
         TRAINER_JOB.replace("nproc = 2", "nproc = 2\nmax_restarts = -1"),

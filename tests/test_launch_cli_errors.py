@@ -57,6 +57,8 @@ def _no_traceback(text: str) -> None:
 NONSENSE = [
     ["--nproc-per-node", "0"],  # AssertionError from WorkerSpec (local_world_size > 0)
     ["--nproc-per-node", "abc"],  # ValueError: Unsupported nproc_per_node value
+    ["--nproc-per-node", "100000"],  # started 100000 workers (forked until memory ran out)
+    ["--spares", "100000"],  # started 100000 spares
     ["--master-port", "99999"],  # ValueError from the rendezvous endpoint parser
     ["--max-restarts", "-1"],  # AssertionError: max_restarts must be >= 0
     ["--monitor-interval", "-1"],  # AssertionError from WorkerSpec.__post_init__
@@ -69,9 +71,16 @@ NONSENSE = [
 
 # Every command line of NONSENSE through the launcher's entry point, in one process (one torch
 # import for all ten): [exit code, what it printed] each.
+# (no agent is ever made here: a case that got past the checks must not start its workers, the
+# 100000 of --nproc-per-node 100000 included)
 _LAUNCH_EACH = """
 import contextlib, io, json, sys
+import resilient.launch.agent as agent
 from resilient.launch.agent import launch_main
+def no_agent(*args, **kwargs):
+    print("worker ran (an agent was made)")
+    raise SystemExit(0)
+agent.InJobAgent = no_agent
 out = []
 for flags in json.loads(sys.argv[1]):
     buf = io.StringIO()

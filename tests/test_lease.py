@@ -411,3 +411,164 @@ def test_a_writer_that_lost_its_lease_leaves_its_successors_record_alone_at_clos
     b.check()
     b.release()
     assert LEASE in renamed or not (tmp_path / LEASE).exists()
+
+
+def _set_aside_names(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(LEASE + ".released-"))
+
+
+def _stalling_release_ops(before=None):
+    """Local ops that hold a release right after it set LEASE.json aside (``set_aside`` is set
+    then), until ``go`` is set; ``before`` runs just before the rename."""
+    import threading
+
+    from resilient.checkpoint import storage as storage_mod
+
+    class Stalling(storage_mod.LocalOps):
+        set_aside, go = threading.Event(), threading.Event()
+
+        def rename(self, src: str, dst: str, *, dir_fd: int) -> None:
+            if src != LEASE:
+                return super().rename(src, dst, dir_fd=dir_fd)
+            if before is not None:
+                before()
+            super().rename(src, dst, dir_fd=dir_fd)
+            self.set_aside.set()
+            assert self.go.wait(60)
+
+    return Stalling()
+
+
+def test_a_release_in_progress_never_makes_a_successor_give_up_its_lease(tmp_path):
+    """A release renames LEASE.json aside to judge it: a successor of the same job that took
+    the lease over just before that rename found no LEASE.json meanwhile, took its lease for
+    lost to nobody, and its job could never commit again.  It puts its record back now."""
+    import threading
+
+    from resilient.checkpoint import storage as storage_mod
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    a = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)
+    a.acquire()
+    b = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)  # the same job restarted
+    ops = _stalling_release_ops(before=b.acquire)  # (after A read its own record there)
+    previous = storage_mod.set_local_ops(ops)
+    releasing = threading.Thread(target=a.release)
+    try:
+        releasing.start()
+        assert ops.set_aside.wait(60)
+        assert not (tmp_path / LEASE).exists() and len(_set_aside_names(tmp_path)) == 1
+        b.check()  # (was: LeaseError, taken over by nobody)
+        b.renew()
+        assert json.loads((tmp_path / LEASE).read_text())["token"] == b.token
+        assert _set_aside_names(tmp_path) == []  # (moved back)
+    finally:
+        ops.go.set()
+        releasing.join(timeout=60)
+        storage_mod.set_local_ops(previous)
+    b.check()
+    assert json.loads((tmp_path / LEASE).read_text())["token"] == b.token
+    assert _set_aside_names(tmp_path) == []
+    b.release()
+    assert not (tmp_path / LEASE).exists()
+
+
+def _release_and_die(root: str, before, go) -> None:
+    """Take the lease, then release it and die right after LEASE.json was set aside (between
+    ``before`` set and ``go`` awaited, someone may take the lease over)."""
+    from resilient.checkpoint import storage as storage_mod
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    class Dying(storage_mod.LocalOps):
+        def rename(self, src: str, dst: str, *, dir_fd: int) -> None:
+            if src != LEASE:
+                return super().rename(src, dst, dir_fd=dir_fd)
+            before.set()
+            go.wait(60)
+            super().rename(src, dst, dir_fd=dir_fd)
+            os._exit(9)
+
+    lease = WriterLease(Storage(root), "J", timeout_s=60.0)
+    lease.acquire()
+    storage_mod.set_local_ops(Dying())
+    lease.release()
+
+
+def test_a_release_cut_short_leaves_a_successors_lease_to_nobody_else(tmp_path):
+    """A release killed between setting LEASE.json aside and putting back a successor's record
+    left no LEASE.json: another job took the lease at once (two writers, each holding it) and
+    the successor gave it up at its next check.  The set-aside record is the lease now."""
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    ctx = mp.get_context("fork")
+    before, go = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_release_and_die, args=(str(tmp_path), before, go))
+    p.start()
+    assert before.wait(60)
+    b = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)  # the same job, again
+    b.acquire()
+    go.set()
+    p.join(60)
+    assert p.exitcode == 9 and not (tmp_path / LEASE).exists()
+    assert len(_set_aside_names(tmp_path)) == 1
+    other = WriterLease(Storage(str(tmp_path)), "K", timeout_s=60.0)
+    with pytest.raises(LeaseError, match=r"being written by job 'J'"):
+        other.acquire(cautious=True)  # (was: took the lease, free)
+    b.check()
+    assert json.loads((tmp_path / LEASE).read_text())["token"] == b.token
+    assert _set_aside_names(tmp_path) == []
+    b.release()
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_a_dead_releasers_own_record_is_swept_but_never_a_live_release(tmp_path):
+    """A release cut short with its own record set aside leaves the lease free, and the file
+    behind: nobody removed it.  The next holder removes it once its releaser is gone (or, on
+    another host, once it is older than the lease timeout), but not the file of a release
+    still in progress."""
+    import threading
+
+    from resilient.checkpoint import storage as storage_mod
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    go.set()
+    p = ctx.Process(target=_release_and_die, args=(str(tmp_path), ctx.Event(), go))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 9
+    [dead] = _set_aside_names(tmp_path)
+    record = json.loads((tmp_path / dead).read_text())
+    record.update(token="0123456789abcdef", machine="elsewhere", host="elsewhere")
+    elsewhere = f"{LEASE}.released-0123456789abcdef-0123456789ab"  # (a releaser on another host)
+    (tmp_path / elsewhere).write_text(json.dumps(record))
+    live = WriterLease(Storage(str(tmp_path)), "L", timeout_s=60.0)
+    live.acquire()  # (a dead holder's lease: taken at once)
+    ops = _stalling_release_ops()
+    previous = storage_mod.set_local_ops(ops)
+    releasing = threading.Thread(target=live.release)
+    try:
+        releasing.start()
+        assert ops.set_aside.wait(60)
+        [in_hand] = [n for n in _set_aside_names(tmp_path) if n not in (dead, elsewhere)]
+        d = WriterLease(Storage(str(tmp_path)), "K", timeout_s=60.0)
+        d.acquire(cautious=True)  # free: the set-aside records are their releasers' own
+        assert _set_aside_names(tmp_path) == sorted([in_hand, elsewhere])
+    finally:
+        ops.go.set()
+        releasing.join(timeout=60)
+        storage_mod.set_local_ops(previous)
+    assert _set_aside_names(tmp_path) == [elsewhere]
+    d.check()
+    d.release()
+    time.sleep(0.3)  # (set aside longer ago than a short lease timeout then)
+    e = WriterLease(Storage(str(tmp_path)), "K", timeout_s=0.2)
+    e.acquire()
+    assert _set_aside_names(tmp_path) == []
+    e.release()
+    assert not (tmp_path / LEASE).exists()

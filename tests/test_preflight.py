@@ -371,12 +371,17 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
         (["--storage-options", "{"], "--storage-options '{': not JSON (Expecting property name"),
         (["--storage-options", "[" * 100_000], "--storage-options '[[[[[[[[[[[[[[[[[[[[[[[[[[[["),
         (["--storage-options", "[1]"], "--storage-options must be a JSON object"),
-        (["--nproc", "0"], "--nproc 0: must be >= 1"),
+        (["--nproc", "0"], "--nproc 0: expected a number of local ranks from 1 to 4096"),
+        (["--nproc", "100000"], "--nproc 100000: expected a number of local ranks from 1 to 4096"),
     ],
 )  # fmt: skip
-def test_bad_usage_exits_2_naming_the_flag(args, message):
+def test_bad_usage_exits_2_naming_the_flag(monkeypatch, args, message):
     from resilient.cli import app
 
+    def measured(*args, **kwargs):  # (--nproc 100000 would start its ranks here)
+        raise AssertionError("measured, not refused")
+
+    monkeypatch.setattr("resilient.preflight.preflight_main", measured)
     out = CliRunner().invoke(app, ["preflight", *args])
     assert out.exit_code == 2 and message in out.output, out.output
 

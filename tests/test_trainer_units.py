@@ -251,3 +251,26 @@ def test_non_finite_gradients_are_never_applied_nor_committed(tmp_path):
     kw = {"steps": 8, "ckpt": str(tmp_path / "ck2")}
     out = run_distributed(_train_with_nan_losses, 1, kw, set(range(2, 100)))[0]
     assert out.startswith("diverged: step 6: the gradients were not finite"), out
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--nproc", "100000"], "--nproc 100000: expected a number of local ranks from 1 to 4096"),
+        (["--nproc", "0"], "--nproc 0: expected a number of local ranks from 1 to 4096"),
+        (["--nproc", "2", "--spares", "100000"], "--spares 100000: expected 0 to 4096 spare"),
+    ],
+)
+def test_the_command_line_refuses_a_number_of_processes_no_machine_runs(
+    monkeypatch, capsys, flags, message
+):
+    """--nproc 100000 went on to start 100000 local ranks (forking until memory or pids ran
+    out): a usage error naming the flag now."""
+    from reference_trainer import __main__ as trainer_main
+
+    def launched(*args, **kwargs):
+        raise AssertionError(f"launched {args}")
+
+    monkeypatch.setattr(trainer_main, "_launch", launched)
+    assert trainer_main.main([*flags, "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err

@@ -78,6 +78,7 @@ from typing import Any
 
 from resilient.chaos.faults import IN_RANK_KINDS, PHASE_TRIGGERS
 from resilient.errors import ScenarioError
+from resilient.launch import MAX_PROCESSES_PER_NODE
 
 __all__ = [
     "Scenario",
@@ -342,6 +343,8 @@ def _job(v: _Validator, t: dict[str, Any]) -> Job:
         at,
     )
     nproc = v.positive(t, "nproc", at, default=4)
+    if nproc > MAX_PROCESSES_PER_NODE:
+        v.fail(at, "nproc", f"{nproc}: expected at most {MAX_PROCESSES_PER_NODE} ranks per node")
     nodes = v.positive(t, "nodes", at, default=1)
     if nodes > 2:
         v.fail(at, "nodes", f"{nodes}: localhost jobs take 1 or 2 torchrun agents")

@@ -26,6 +26,16 @@ A lease file that does not parse is treated like a silent owner (watched, then t
 between two takers are settled by re-reading after writing: a taker that does not find its own
 token afterwards has lost.  On a local disk the first lease is created with ``link()``, which
 fails if the file appeared meanwhile.
+
+A release on a local disk judges ``LEASE.json`` by renaming it aside
+(``LEASE.json.released-<its token>-<hex>``, ``Storage.remove_if``), so for a moment there is no
+``LEASE.json``; and a release cut short there (a crash) leaves it so.  Whoever then finds no
+``LEASE.json`` (a check, a renewal, a taker) first puts back a set-aside record that is not its
+releaser's own, which is all the release would have done with it: that is the record of a
+successor who took the lease over just before the rename, still the lease (``link()``, so never
+over a lease written since; then the set-aside name goes).  A set-aside record that is its releaser's own is released: the
+lease is free.  A holder removes set-aside files older than ``timeout_s`` (or whose releaser is
+gone) at its acquire and release; a younger one may be in a release's hands still.
 """
 
 from __future__ import annotations
@@ -265,6 +275,70 @@ class WriterLease:
             return f"unreadable: {e}".encode(), None
         return data, LeaseRecord.from_bytes(data)
 
+    def _read_settled(self) -> tuple[bytes | None, LeaseRecord | None]:
+        """``_read()``, where a missing lease file that a release set aside (in progress, or
+        cut short) and that was not its releaser's own is put back first (see the module
+        docstring): a successor's record is never taken for "no lease" (its holder would give
+        it up for good, and another job would take the lease while it writes)."""
+        data, current = self._read()
+        if data is not None or not self.storage.is_local:
+            return data, current
+        for _ in range(4):  # (each round: another release set it aside again meanwhile)
+            if not self._put_back_aside():
+                break
+            data, current = self._read()
+            if data is not None:
+                return data, current
+        return self._read()  # (a release may have put it back itself since the first read)
+
+    def _put_back_aside(self) -> bool:
+        """Put back a set-aside lease file that is not its releaser's own record, if there is
+        one; True when one was found (put back now, or by someone else just before)."""
+        for aside in self.storage.set_aside(LEASE_NAME):
+            try:
+                data = self.storage.read_small(aside.rel, _MAX_LEASE_BYTES)
+            except ResilientError:
+                if not self.storage.exists(aside.rel):
+                    return True  # its release ended just now: read LEASE.json again
+                continue  # (not a lease file: left to the sweep)
+            record = LeaseRecord.from_bytes(data)
+            if aside.tag and record is not None and record.token == aside.tag:
+                continue  # its releaser's own record, being removed: released
+            if self.storage.put_back(aside.rel, LEASE_NAME):
+                log.warning(
+                    "%s: put back the writer lease of %s (%s) that a release had set aside",
+                    self.storage.display(aside.rel),
+                    self.storage.url,
+                    record.describe() if record else f"unreadable: {data[:80]!r}",
+                )
+            return True
+        return False
+
+    def _sweep_asides(self) -> None:
+        """(the holder, best effort) Remove lease files that releases cut short left set aside:
+        those set aside over ``timeout_s`` ago, and a releaser's own record whose releaser is
+        gone; never a younger one, which a release may still be judging."""
+        try:
+            for aside in self.storage.set_aside(LEASE_NAME):
+                stale = aside.age_s > self.timeout_s
+                if not stale and aside.tag:
+                    try:
+                        record = LeaseRecord.from_bytes(
+                            self.storage.read_small(aside.rel, _MAX_LEASE_BYTES)
+                        )
+                    except ResilientError:
+                        continue
+                    stale = (
+                        record is not None
+                        and record.token == aside.tag
+                        and (_gone(record) or _this_process(record))
+                    )
+                if stale:
+                    log.info("removing %s, left by a release cut short", aside.rel)
+                    self.storage.remove(aside.rel)
+        except Exception as e:
+            log.info("removing set-aside lease files of %s failed: %s", self.storage.url, e)
+
     def _beat_of(self, record: LeaseRecord | None) -> bytes:
         """The holder's heartbeat file's bytes (empty where there is none, or no valid token)."""
         if record is None or not _TOKEN_RE.fullmatch(record.token):
@@ -334,7 +408,7 @@ class WriterLease:
         watched: tuple[bytes, float] | None = None
         self.storage.makedirs("")
         while True:
-            data, current = self._read()
+            data, current = self._read_settled()
             if data is not None and current is None:
                 self._refuse_a_directory()
             if data is None:
@@ -390,7 +464,7 @@ class WriterLease:
             # settle a race between two takers: whoever's token is there after a moment holds the
             # lease (a taker that read "free" just before our write wrote just after it)
             self.sleep(self.settle_s)
-            data, after = self._read()
+            data, after = self._read_settled()
             if data is not None and after is None:
                 raise self._unconfirmed(data)
             if after is None:
@@ -405,6 +479,7 @@ class WriterLease:
             self.record, self._lost = mine, None
             self._beats = 0
             self._forget_beats()  # (earlier holders', and orphans whose LEASE.json is gone)
+            self._sweep_asides()
             self._start_renewing()
             return
 
@@ -444,7 +519,7 @@ class WriterLease:
         if self.record is None:
             raise LeaseError(f"no writer lease held on {self.storage.url}; acquire it first")
         if self._lost is None:
-            data, current = self._read()
+            data, current = self._read_settled()
             if data is not None and current is None:
                 # a storage failure, not a loss: Run counts it among failed saves (max_failed_saves)
                 # and a persister takes it for a hiccup, as any failed read
@@ -492,7 +567,7 @@ class WriterLease:
         with self._lock:
             if self.record is None or self._lost is not None:
                 return
-            data, current = self._read()
+            data, current = self._read_settled()
             if data is not None and current is None:  # not now: the next renewal looks again
                 log.warning(
                     "renewing the writer lease of %s: the lease file could not be read (%r)",
@@ -521,14 +596,19 @@ class WriterLease:
                 return
             try:
                 # another's record (the lease was lost) is never touched, not even set aside
-                _, current = self._read() if self._lost is None else (None, None)
+                _, current = self._read_settled() if self._lost is None else (None, None)
                 if self._beats:  # (first: a release cut short leaves no orphan heartbeat)
                     self.storage.remove(BEAT_PREFIX + self.token)
                 if current is not None and current.token == self.token:
+                    self._sweep_asides()  # (while it is still the holder)
                     # judged again and removed as one: a successor of the same job may have
                     # taken the lease over since the read, and removing by name after a read
-                    # removed the successor's lease
-                    self.storage.remove_if(LEASE_NAME, self._is_ours, _MAX_LEASE_BYTES)
+                    # removed the successor's lease; set aside under our token, so that who
+                    # finds no LEASE.json meanwhile tells our record (released) from a
+                    # successor's (put back)
+                    self.storage.remove_if(
+                        LEASE_NAME, self._is_ours, _MAX_LEASE_BYTES, tag=self.token
+                    )
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
             self.record = None

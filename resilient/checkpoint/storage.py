@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import posixpath
+import re
 import secrets
 import shutil
 import stat
@@ -49,6 +50,7 @@ __all__ = [
     "ATOMIC_PUT_PROTOCOLS",
     "COMMIT_METHODS",
     "WriteConflict",
+    "SetAside",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,21 @@ class RetryPolicy:
 WRITEBACK_BYTES = 8 << 20
 # An exclusive write that found its name taken compares what is there in pieces this large.
 _COMPARE_BYTES = 64 << 20
+
+
+# a file a local remove_if set aside: ``<name>.released-[<tag>-]<12 hex>`` (the tag: whose release)
+_ASIDE_RE = re.compile(r"\.released-(?:([0-9a-f]{1,64})-)?[0-9a-f]{12}")
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """A file that a local :meth:`Storage.remove_if` renamed aside to judge it, and that is still
+    there: its judging is in progress, or was cut short (a crash between the rename and the
+    removal or the putting back)."""
+
+    rel: str  # where it is now
+    tag: str  # what the remove_if was tagged with (a lease: the releasing lease's token), or ""
+    age_s: float  # since it was set aside (its status change time, on this host's clock)
 
 
 class WriteConflict(StorageError):
@@ -1049,18 +1066,28 @@ class Storage:
 
         self._call("remove", rel, rm)
 
-    def remove_if(self, rel: str, holds: Callable[[bytes], bool], max_bytes: int) -> bool:
+    def remove_if(
+        self, rel: str, holds: Callable[[bytes], bool], max_bytes: int, *, tag: str = ""
+    ) -> bool:
         """Remove the small file ``rel`` only if ``holds(its bytes)``: never a file that another
         writer put at that name after it was read (a lease its successor took over meanwhile).
         True when removed; False when it did not hold, or nothing was there.
 
-        Local disks: the file is first renamed aside (atomic), so what is judged is exactly what
-        is removed; a file that does not hold is linked back (unless a new one appeared there
-        meanwhile).  S3: a conditional DELETE (``If-Match`` on the ETag of what was read).
-        Elsewhere (no rename that replaces, no conditional delete): read, then remove, a window
-        of one round trip in which a file put there since is removed too."""
+        Local disks: the file is first renamed aside (atomic) to ``<name>.released-<tag>-<hex>``,
+        so what is judged is exactly what is removed; a file that does not hold is linked back
+        (unless a new one appeared there meanwhile).  For that moment nothing is at ``rel``:
+        readers that must not take that for "removed" look for :meth:`set_aside` files (the tag
+        says who judges them).  S3: a conditional DELETE (``If-Match`` on the ETag of what was
+        read).  Elsewhere (no rename that replaces, no conditional delete): read, then remove, a
+        window of one round trip in which a file put there since is removed too."""
+        if not re.fullmatch(r"[0-9a-f]{0,64}", tag):
+            raise ValueError(
+                f"remove_if's tag must be at most 64 lowercase hex digits, got {tag!r}"
+            )
         if self.is_local:
-            return self._call("remove", rel, lambda: self._remove_local_if(rel, holds, max_bytes))
+            return self._call(
+                "remove", rel, lambda: self._remove_local_if(rel, holds, max_bytes, tag)
+            )
         version = self.version_of(rel)  # (the ETag, read before the bytes: a later one differs)
         if version == "":
             return False
@@ -1098,13 +1125,15 @@ class Storage:
 
         return self._call("remove", rel, delete)
 
-    def _remove_local_if(self, rel: str, holds: Callable[[bytes], bool], max_bytes: int) -> bool:
+    def _remove_local_if(
+        self, rel: str, holds: Callable[[bytes], bool], max_bytes: int, tag: str
+    ) -> bool:
         d, _, name = rel.rpartition("/")
         try:
             dfd = self._dir_fd(d, operation="remove")
         except FileNotFoundError:
             return False
-        aside = f"{name}.released-{secrets.token_hex(6)}"
+        aside = f"{name}.released-{tag + '-' if tag else ''}{secrets.token_hex(6)}"
         try:
             try:
                 _local_ops.rename(name, aside, dir_fd=dfd)
@@ -1115,6 +1144,8 @@ class Storage:
                 ours = holds(self._pread_all(f"{d}/{aside}" if d else aside, max_bytes))
             except ResilientError:
                 pass  # (not a regular file, too large: not the file that was meant)
+            except FileNotFoundError:
+                pass  # put back already, by a reader that found nothing at the name (put_back)
             finally:
                 if not ours:  # put back; a file that appeared at the name meanwhile stays
                     _put_back(aside, name, dfd)
@@ -1124,6 +1155,59 @@ class Storage:
             return ours
         finally:
             os.close(dfd)
+
+    def set_aside(self, rel: str) -> list[SetAside]:
+        """The files a local :meth:`remove_if` of ``rel`` set aside and that are still there,
+        the most recently set aside first (none elsewhere: no other store sets anything aside)."""
+        if not self.is_local:
+            return []
+        d, _, name = rel.rpartition("/")
+
+        def scan() -> list[SetAside]:
+            try:
+                dfd = self._dir_fd(d, operation="list")
+            except FileNotFoundError:
+                return []
+            found = []
+            try:
+                for entry in os.listdir(dfd):
+                    m = _ASIDE_RE.fullmatch(entry[len(name) :]) if entry.startswith(name) else None
+                    if m is None:
+                        continue
+                    try:  # (a rename changes the status change time, not the modification time)
+                        ctime = os.stat(entry, dir_fd=dfd, follow_symlinks=False).st_ctime
+                    except FileNotFoundError:
+                        continue  # (its judging just ended)
+                    age = time.time() - ctime
+                    found.append(SetAside(f"{d}/{entry}" if d else entry, m.group(1) or "", age))
+            finally:
+                os.close(dfd)
+            return sorted(found, key=lambda a: a.age_s)
+
+        return self._call("list", rel, scan)
+
+    def put_back(self, aside: str, rel: str) -> bool:
+        """Give the set-aside file ``aside`` its name ``rel`` again, only if nothing is at
+        ``rel`` (a link, then the set-aside name goes: its content is safe at ``rel``); False
+        when something is there, or ``aside`` is gone.  A remove_if still judging ``aside``
+        finds it gone and leaves things as they are."""
+        d, _, name = rel.rpartition("/")
+
+        def link() -> bool:
+            dfd = self._dir_fd(d, operation="write")
+            try:
+                _local_ops.link(aside.rpartition("/")[2], name, dir_fd=dfd)
+            except (FileExistsError, FileNotFoundError):
+                return False
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    _local_ops.unlink(aside.rpartition("/")[2], dir_fd=dfd)
+                _local_ops.fsync(dfd)
+                return True
+            finally:
+                os.close(dfd)
+
+        return self._call("put back", rel, link)
 
     def remove_tree(self, rel: str) -> None:
         if self.is_local:
@@ -1296,8 +1380,8 @@ def _put_back(aside: str, name: str, dir_fd: int) -> None:
     """Give ``aside`` its name ``name`` again, unless something is at ``name`` now."""
     try:
         _local_ops.link(aside, name, dir_fd=dir_fd)
-    except FileExistsError:
-        pass
+    except (FileExistsError, FileNotFoundError):
+        pass  # (FileNotFoundError: put back already, Storage.put_back)
     except OSError:  # not a file (a directory cannot be linked): renamed back, where nothing is
         try:
             os.stat(name, dir_fd=dir_fd, follow_symlinks=False)

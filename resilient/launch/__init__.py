@@ -72,7 +72,19 @@ from resilient.launch.injob import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["init_process_group", "regroup", "restart_count", "free_port", "injob_enabled"]
+__all__ = [
+    "init_process_group",
+    "regroup",
+    "restart_count",
+    "free_port",
+    "injob_enabled",
+    "MAX_PROCESSES_PER_NODE",
+]
+
+# The most local processes a launcher starts on one node (ranks, and spares each): far past any
+# machine's accelerators or cores; a typo such as --nproc 100000 would otherwise fork until the
+# machine runs out of memory or pids.  More ranks run on more nodes (--nnodes).
+MAX_PROCESSES_PER_NODE = 4096
 
 
 def init_process_group(

@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilient.health.attach import ENV_ROUND, attempt_name
+from resilient.launch import MAX_PROCESSES_PER_NODE
 from resilient.launch.injob import ENV_GEN, ENV_INJOB, ENV_SPARE, base_key
 
 log = logging.getLogger("resilient.launch")
@@ -104,8 +105,14 @@ def _check_torchrun_values(parser: Any, args: Any) -> None:
     traceback (``--nproc-per-node 0``, ``--max-restarts -1``, ``--master-port 99999``): refused
     here, as a usage error naming the flag."""
     n = str(args.nproc_per_node)
-    if n not in ("auto", "cpu", "gpu", "xpu") and not (n.isdigit() and int(n) >= 1):
-        parser.error(f"--nproc-per-node {n}: a number of processes >= 1, or auto, cpu or gpu")
+    if n not in ("auto", "cpu", "gpu", "xpu") and not (
+        n.isdigit() and 1 <= int(n) <= MAX_PROCESSES_PER_NODE
+    ):
+        parser.error(
+            f"--nproc-per-node {n}: expected a number of processes from 1 to "
+            f"{MAX_PROCESSES_PER_NODE} on this node, or auto, cpu or gpu; for more ranks, run on "
+            f"several nodes (--nnodes)"
+        )
     nodes = str(args.nnodes).split(":")
     if not (
         1 <= len(nodes) <= 2
@@ -127,8 +134,8 @@ def _check_torchrun_values(parser: Any, args: Any) -> None:
         parser.error(f"--master-port {args.master_port}: a TCP port, 0..65535")
 
 
-def _count(what: str) -> Any:
-    """An argparse type: a whole number >= 0 of ``what``."""
+def _count(what: str, most: int | None = None) -> Any:
+    """An argparse type: a whole number >= 0 (and at most ``most``) of ``what``."""
 
     def parse(text: str) -> int:
         import argparse
@@ -139,12 +146,16 @@ def _count(what: str) -> Any:
             value = -1
         if value < 0:
             raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of {what}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a whole number of {what}, at most {most}"
+            )
         return value
 
     return parse
 
 
-_spares = _count("spare processes per node (0 turns in-job recovery off)")
+_spares = _count("spare processes per node (0 turns in-job recovery off)", MAX_PROCESSES_PER_NODE)
 
 
 def share_store_address(handler: Any) -> None:
