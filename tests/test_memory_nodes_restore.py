@@ -24,6 +24,8 @@ from tests.test_memory_nodes import (
     _state,
 )
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real multi-process jobs, seconds each
+
 
 def _manifests(base: str, node: int, step: int) -> list[Path]:
     return list(Path(_root(base, node)).glob(f"job-*/steps/step_{step:08d}/MANIFEST.json"))

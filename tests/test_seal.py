@@ -22,6 +22,8 @@ from resilient import Checkpointer
 from tests.dist import run_distributed
 from tests.test_persister import _alive, _wait_for
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # real multi-process jobs, seconds each
+
 # Snapshots of steps 1-3, each committed but the last: its commit never runs (the memory tier's
 # commit thread sleeps), and the process dies with the copy complete, as when a job is SIGKILLed
 # while the next training step computes.
