@@ -663,6 +663,21 @@ def test_local_loads_share_the_cores_among_the_ranks_of_a_node(monkeypatch):
     assert ckpt_mod._local_read_threads() == 3
 
 
+def test_a_checkpointer_dropped_unclosed_releases_its_writer_lease(tmp_path):
+    """Once collected, as close() would: a new checkpointer of the URL in this process saves at
+    once (the dropped one's renewal thread kept the lease alive: another job's, to the new one)."""
+    import gc
+
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, {"model": torch.nn.Linear(4, 4)}).wait()
+    del ck
+    gc.collect()
+    assert not (tmp_path / "LEASE.json").exists()
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(2, {"model": torch.nn.Linear(4, 4)}).wait()
+        assert ck.steps() == [1, 2]
+
+
 def test_a_checkpointer_does_not_keep_the_tensors_it_saved_alive(tmp_path):
     import gc
     import weakref

@@ -866,7 +866,7 @@ def test_a_checkpointer_of_the_url_left_open_in_this_process_is_named(tmp_path):
     first.snapshot(1, {"model": m}).wait()
     with pytest.raises(
         MemoryTierError,
-        match=r"another checkpointer of this process .* not "
+        match=r"another checkpointer of this process .*, still referenced .* not "
         r"closed; expected none: close it",
     ):
         Checkpointer(url, memory_every=1, persister=False)

@@ -5,6 +5,7 @@ storage lacks."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -294,6 +295,35 @@ def test_a_dead_persister_fails_its_save_and_is_replaced(tmp_path):
         ck.save(2, {"model": m}).wait()
         assert ck.persister_pid not in (None, first)
         assert ck.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("last", ["snapshot", "save in flight"])
+def test_a_checkpointer_dropped_unclosed_lets_go_once_collected(tmp_path, last):
+    """A checkpointer dropped without close() (``del`` in a notebook) lets go once it is
+    collected, as close() would: its persister flushes what durable storage lacks and exits,
+    its rank's lock and its lease in memory go, and a new one of the URL in this process
+    snapshots and saves at once (its persister waited for ever on the dropped one's lock, its
+    snapshot met a live lease).  A save still in flight keeps its checkpointer until it is over."""
+    url, m = str(tmp_path / "ckpt"), _model()
+    ck = Checkpointer(url, memory_every=1)
+    ck.save(1, {"model": m}).wait()
+    _bump(m, 1.0)
+    if last == "snapshot":
+        ck.snapshot(2, {"model": m}).wait()  # newer than durable storage: for the flush
+    else:
+        ck.save(2, {"model": m})
+    want, pid = _weights(m), ck.persister_pid
+    del ck
+    gc.collect()
+    _wait_for("the dropped checkpointer's persister to exit", lambda: not _alive(pid), 30)
+    with Checkpointer(url, memory_every=1) as ck:
+        assert ck.steps() == [1, 2]
+        m2 = _model(1)
+        assert ck.load({"model": m2}) == 2 and _same(m2, want)
+        _bump(m2, 1.0)
+        ck.snapshot(3, {"model": m2}).wait()
+        ck.save(3, {"model": m2}).wait()
+    assert Checkpointer(url).steps() == [1, 2, 3]
 
 
 def test_another_jobs_lease_is_a_lease_error(tmp_path):

@@ -7,11 +7,13 @@ state.py (what a state is), writer.py (save), reader.py (load), retention.py and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -479,6 +481,10 @@ class Checkpointer:
                     # (rank 0's: its flush seals no staged step of a later run than this one)
                     "max_run": self._run,
                 }
+        # (the memory tier's own) goodbyes to persisters that a dropped checkpointer handed it
+        # while its last snapshot was still being committed: see _let_go
+        self._goodbyes: list[tuple[PersisterClient, str | None]] = []
+        self._owner_pid = os.getpid()  # (last: __del__ lets go of a whole one, in this process)
 
     def _persister_unavailable(
         self, storage_options: Any, retry: RetryPolicy | None, compression: str | None
@@ -1131,6 +1137,67 @@ class Checkpointer:
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None
+
+    def __del__(self) -> None:
+        # (not a fork's copy, which shares its parent's persister and lease; nor at the
+        # interpreter's exit, where the persister flushes once its pipe closes and the kernel
+        # lets go of the rank's lock, as when the process is killed)
+        if getattr(self, "_owner_pid", None) != os.getpid() or self._closed:
+            return
+        if sys.is_finalizing():
+            return
+        try:
+            self._let_go()
+        except Exception as e:  # (a finalizer cannot raise: said, as a save's failure is)
+            log.warning("letting go of a checkpointer of %s dropped unclosed: %s", self.url, e)
+
+    def _let_go(self) -> None:
+        """What ``close`` releases, for a checkpointer dropped unclosed and collected (``del``
+        in a notebook, a function that returned without closing it), without waiting for
+        anything: none of its own saves is in flight (a save's background job keeps its
+        checkpointer referenced until it is over).  Its writer lease is released, its rank's lock and files in the
+        memory tier let go, and its persister told goodbye (it flushes the newest snapshot that
+        durable storage lacks, then exits), so that a new checkpointer of the URL in this
+        process starts as after ``close``, instead of meeting a lock, a lease and a persister
+        (which holds the job's lock and the URL's lease) that nothing would ever let go of."""
+        self._closed = True
+        goodbyes, self._goodbyes = self._goodbyes, []
+        try:
+            self._worker.stop()
+            if self._persister is not None:
+                self._hand_lease_back()
+                goodbyes.append((self._persister, self._lease_returned))
+                self._persister, self._lease_returned = None, None
+            if self._lease is not None:
+                lease, self._lease = self._lease, None
+                lease.release()
+            if self._slots is not None:
+                self._slots.close()
+            if self._replicas is not None:
+                self._replicas.close()
+        finally:
+            tier = self._memory if self._memory is not None and not self._memory._closed else None
+            if tier is not None and tier._thread is not None and tier._thread.is_alive():
+                # its last snapshot is still being committed: the persister's flush must not
+                # race that commit, so the tier lets go and says goodbye once it is over (on a
+                # thread of its own; else once it is collected)
+                tier._goodbyes.extend(goodbyes)
+                with contextlib.suppress(Exception):
+                    tier._worker.submit("resilient-ckpt-let-go", tier._let_go_after_pending)
+            else:
+                try:
+                    if tier is not None:
+                        tier._let_go()
+                finally:
+                    for persister, returned in goodbyes:
+                        persister.goodbye(lease_returned=returned)
+
+    def _let_go_after_pending(self) -> None:
+        """(the memory tier's own, a worker's job) ``_let_go`` once the pending snapshot is over."""
+        if self._thread is not None:
+            self._thread.join()
+        if not self._closed:
+            self._let_go()
 
     def _join_pending(self) -> SaveStats | None:
         handle = self._pending

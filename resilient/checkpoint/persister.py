@@ -322,20 +322,9 @@ class PersisterClient:
         snapshot that durable storage lacks, if any), so the job's memory can be given back.
         ``lease_returned``: the token of a lease the trainer took for saves of its own and
         released (the flush may take it anew; see ``Promoter.lease_returned``)."""
-        with self._lock:
-            proc, self._proc = self._proc, None
+        proc = self.goodbye(lease_returned=lease_returned)
         if proc is None:
             return
-        try:
-            assert proc.stdin is not None
-            goodbye = {
-                "op": "close",
-                **({"lease_returned": lease_returned} if lease_returned else {}),
-            }
-            proc.stdin.write(json.dumps(goodbye).encode() + b"\n")
-        except (BrokenPipeError, OSError):
-            pass
-        _close_quietly(proc.stdin)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -347,6 +336,25 @@ class PersisterClient:
                 self.job_dir,
                 LOG_NAME,
             )
+
+    def goodbye(self, *, lease_returned: str | None = None) -> subprocess.Popen | None:
+        """Say goodbye without waiting (``close`` waits): the process flushes, then exits, and
+        its reply reader reaps it.  Returns the process, or None when none was started."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        try:
+            assert proc.stdin is not None
+            goodbye = {
+                "op": "close",
+                **({"lease_returned": lease_returned} if lease_returned else {}),
+            }
+            proc.stdin.write(json.dumps(goodbye).encode() + b"\n")
+        except (BrokenPipeError, OSError):
+            pass
+        _close_quietly(proc.stdin)
+        return proc
 
 
 # --- the persister's side --------------------------------------------------------------------------

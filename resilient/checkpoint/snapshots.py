@@ -217,8 +217,13 @@ class MemoryPlace:
                         raise MemoryTierError(
                             f"rank {rank} of the memory tier's directory {self.dir} (checkpoint "
                             f"URL {self.url!r}) is in use by another checkpointer of this "
-                            f"process ({me}) that was not closed; expected none: close it "
-                            f"(Checkpointer.close) before making another for this URL"
+                            f"process ({me}), still referenced (by a name, such as the one a "
+                            f"notebook cell run again rebinds only once this one is made, or by "
+                            f"the traceback of an exception it raised) or still saving after "
+                            f"{wait_s:.0f} s, and not closed; expected none: close it "
+                            f"(Checkpointer.close) before making another for this URL, or drop "
+                            f"every reference to it (one dropped unclosed lets go once it is "
+                            f"collected)"
                         ) from None
                     raise MemoryTierError(
                         f"rank {rank} of the memory tier's directory {self.dir} (checkpoint URL "
