@@ -664,14 +664,18 @@ def test_local_loads_share_the_cores_among_the_ranks_of_a_node(monkeypatch):
 
 
 def test_a_checkpointer_dropped_unclosed_releases_its_writer_lease(tmp_path):
-    """Once collected, as close() would: a new checkpointer of the URL in this process saves at
+    """Once collected, as close() would (on a thread of its own): a new checkpointer of the URL in this process saves at
     once (the dropped one's renewal thread kept the lease alive: another job's, to the new one)."""
     import gc
+    import time
 
     ck = Checkpointer(str(tmp_path))
     ck.save(1, {"model": torch.nn.Linear(4, 4)}).wait()
     del ck
     gc.collect()
+    deadline = time.monotonic() + 30  # (let go of by a thread of its own: not at once)
+    while (tmp_path / "LEASE.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not (tmp_path / "LEASE.json").exists()
     with Checkpointer(str(tmp_path)) as ck:
         ck.save(2, {"model": torch.nn.Linear(4, 4)}).wait()

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -116,6 +117,35 @@ from resilient.layout import Layout, from_device_mesh
 __all__ = ["Checkpointer", "SaveHandle", "SaveStats", "LoadStats"]
 
 log = logging.getLogger(__name__)
+
+
+# Checkpointers dropped unclosed, collected, and let go of by a thread of their own
+# (Checkpointer.__del__): a collection runs on whichever thread allocates, possibly one in the
+# middle of what letting go takes (a lease's renewal thread holding its lock: a deadlock had the
+# finalizer released the lease there).  SimpleQueue.put may be called from a finalizer; the
+# thread is started with the first checkpointer of the process, not by a finalizer.
+_DROPPED: queue.SimpleQueue[Checkpointer] = queue.SimpleQueue()
+_REAPER: list[threading.Thread] = []
+_REAPER_LOCK = threading.Lock()
+
+
+def _reap_dropped() -> None:
+    while True:
+        ck = _DROPPED.get()
+        try:
+            ck._let_go()
+        except Exception as e:  # (said, as a save's failure is)
+            log.warning("letting go of a checkpointer of %s dropped unclosed: %s", ck.url, e)
+        del ck
+
+
+def _start_reaper() -> None:
+    with _REAPER_LOCK:
+        if not _REAPER or not _REAPER[0].is_alive():  # (a fork's child has no threads)
+            _REAPER[:] = [
+                threading.Thread(target=_reap_dropped, name="resilient-ckpt-reaper", daemon=True)
+            ]
+            _REAPER[0].start()
 
 
 def _version() -> str:
@@ -484,6 +514,7 @@ class Checkpointer:
         # (the memory tier's own) goodbyes to persisters that a dropped checkpointer handed it
         # while its last snapshot was still being committed: see _let_go
         self._goodbyes: list[tuple[PersisterClient, str | None]] = []
+        _start_reaper()
         self._owner_pid = os.getpid()  # (last: __del__ lets go of a whole one, in this process)
 
     def _persister_unavailable(
@@ -1146,10 +1177,7 @@ class Checkpointer:
             return
         if sys.is_finalizing():
             return
-        try:
-            self._let_go()
-        except Exception as e:  # (a finalizer cannot raise: said, as a save's failure is)
-            log.warning("letting go of a checkpointer of %s dropped unclosed: %s", self.url, e)
+        _DROPPED.put(self)  # (kept until the reaper thread has let go of it: _reap_dropped)
 
     def _let_go(self) -> None:
         """What ``close`` releases, for a checkpointer dropped unclosed and collected (``del``
