@@ -473,3 +473,45 @@ def test_an_uncounted_runs_snapshot_taken_during_its_own_save_is_restored(tmp_pa
             assert ck.manifest(30).extras.get("_resilient_memory_run") == run == 1
             fresh = torch.nn.Linear(4, 4)
             assert ck.load({"model": fresh}) == 31 and fresh.weight.eq(31.0).all()
+
+
+def test_an_uncounted_runs_commit_outranks_a_later_numbered_runs_snapshot_it_did_not_see(
+    tmp_path,
+):
+    """(a review) Run 1 on node Y: snapshot 5.  Run 2 on node X: durable 10, snapshot 20.  Run 3
+    back on Y, its count unwritable: its numbering, and so its durable commits' run, is run 1's
+    (the newest Y's memory holds); it restores 10 and commits durable 15.  Run 4 on X restored
+    run 2's 20 over 15 (a commit recording run 1 did not outrank run 2's snapshot); an uncounted
+    run says so in its commits, and one numbered as another run than a snapshot's outranks it."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+
+    def node(name: str) -> Checkpointer:
+        return Checkpointer(str(url), **_kw(tmp_path / name))
+
+    def fill(v: float) -> None:
+        with torch.no_grad():
+            m.weight.fill_(v)
+
+    with node("y") as ck:
+        fill(5.0)
+        ck.snapshot(5, {"model": m}).wait()
+    with node("x") as ck:
+        assert ck._run == 2
+        fill(10.0)
+        ck.save(10, {"model": m}).wait()
+        fill(20.0)
+        ck.snapshot(20, {"model": m}).wait()
+    (url / MEMORY_RUNS_NAME).rename(tmp_path / "count")
+    (url / MEMORY_RUNS_NAME).mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the count's)
+        with node("y") as ck:
+            assert ck._run is None and ck._memory._slots.job_run == 1
+            assert ck.load({"model": m}) == 10
+            fill(15.0)
+            ck.save(15, {"model": m}).wait()
+    (url / MEMORY_RUNS_NAME).rmdir()
+    (tmp_path / "count").rename(url / MEMORY_RUNS_NAME)
+    with node("x") as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()

@@ -51,6 +51,7 @@ from resilient.checkpoint.format import (
     parse_step_dir,
     recorded_chain,
     recorded_run,
+    recorded_uncounted,
     step_dir_name,
 )
 from resilient.checkpoint.storage import Storage
@@ -84,6 +85,7 @@ class StepInfo:
     run: int = 0  # the memory tier's run that made the commit (format.RUN_KEY; 0: none)
     # the commits (step, commit_seq) it descends from, its parent first (PARENT_KEY)
     chain: tuple[tuple[int, int], ...] = ()
+    uncounted: bool = False  # ``run`` is an uncounted run's (format.RUN_UNCOUNTED_KEY)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -262,6 +264,7 @@ def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
         files=summary.files,
         run=summary.run,
         chain=summary.chain,
+        uncounted=summary.uncounted,
     )
 
 
@@ -275,6 +278,7 @@ def summary_of(m: Manifest) -> ManifestSummary:
         frozenset(m.files),
         recorded_run(m.extras),
         recorded_chain(m.extras, m.commit_seq),
+        uncounted=bool(recorded_run(m.extras)) and recorded_uncounted(m.extras),
     )
 
 

@@ -39,6 +39,7 @@ from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a 
     MAX_RUN,
     PARENT_KEY,
     RUN_KEY,
+    RUN_UNCOUNTED_KEY,
     ChunkEntry,
     Manifest,
     ManifestEncoder,
@@ -1424,8 +1425,10 @@ class Checkpointer:
             static_cache=self._static_reports,
         )
         if 0 < self._commit_run < MAX_RUN:  # (a durable commit of a run with the memory tier)
-            run = self._commit_run
-            manifest = dataclasses.replace(manifest, extras={**manifest.extras, RUN_KEY: run})
+            run: dict[str, Any] = {RUN_KEY: self._commit_run}
+            if self._run is None:  # (a number shared with an earlier run: said so)
+                run[RUN_UNCOUNTED_KEY] = True
+            manifest = dataclasses.replace(manifest, extras={**manifest.extras, **run})
         known = parent_known(catalog.next_commit_seq(), handle._parent_seen)
         if self._slots is None and handle._parent and known:
             # (a durable commit) what it descends from: the line follows it past the steps a

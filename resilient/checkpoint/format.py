@@ -54,6 +54,7 @@ __all__ = [
     "manifest_of_step",
     "ManifestSummary",
     "recorded_run",
+    "recorded_uncounted",
     "recorded_parent",
     "recorded_chain",
     "chain_of",
@@ -87,6 +88,9 @@ MAX_JSON_DEPTH = 64  # nesting of the free-form JSON values (extras)
 # number_this_run; docs/FORMAT.md section 9), and the most runs the tier counts
 RUN_KEY = "_resilient_memory_run"
 MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below 2**62)
+# (beside RUN_KEY, true) the run was not counted (number_this_run failed): RUN_KEY is then the
+# run its commits in memory are numbered as, which it shares with an earlier run
+RUN_UNCOUNTED_KEY = "_resilient_memory_run_uncounted"
 # A durable commit's parent, in its manifest's extras: the commit its state descends from (what
 # its job loaded, or that job's previous commit), which the line follows (docs/FORMAT.md section
 # 5a): {"step": P, "commit_seq": Q, "child_commit_seq": C}, C being the commit's own commit_seq
@@ -103,7 +107,7 @@ ANCHOR_KEY = "_resilient_durable_anchor"
 ANCHOR_EXACT_KEY = "_resilient_anchor_exact"
 # The toolkit's own bookkeeping among a manifest's values: about the commit in its place, not
 # the state; a copy elsewhere (reshape convert, an export) leaves them out
-BOOKKEEPING_KEYS = frozenset({RUN_KEY, PARENT_KEY, ANCHOR_KEY, ANCHOR_EXACT_KEY})
+BOOKKEEPING_KEYS = frozenset({RUN_KEY, RUN_UNCOUNTED_KEY, PARENT_KEY, ANCHOR_KEY, ANCHOR_EXACT_KEY})
 _PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
 # ... and, optionally, "older": the commits the parent descends from in turn, newest first, at
 # most MAX_OLDER of them as [step, commit_seq] (the line goes on through them where the parent
@@ -863,6 +867,8 @@ class ManifestSummary:
     # the commits (step, commit_seq) its state descends from, its parent first (PARENT_KEY);
     # empty: not recorded
     chain: tuple[tuple[int, int], ...] = ()
+    # ``run`` is that of a run that was not counted (RUN_UNCOUNTED_KEY): shared with an earlier run
+    uncounted: bool = False
 
 
 def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
@@ -886,10 +892,15 @@ def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
                 f"{where}: manifest names file {f[:200]!r}; files must be plain names like "
                 f"'rank_00000.safetensors' inside the step directory (no paths, no URLs)"
             )
-    return _summary(d, f"{where}: manifest", found, files, recorded_run(d.get("extras")))
+    extras = d.get("extras")
+    return _summary(
+        d, f"{where}: manifest", found, files, recorded_run(extras), recorded_uncounted(extras)
+    )
 
 
-def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> ManifestSummary:
+def _summary(
+    d: dict, what: str, step: int, files: Iterable[str], run: int, uncounted: bool
+) -> ManifestSummary:
     """(``manifest_summary``, ``summary_from_line``) The rest of the summary, checked."""
     commit_seq = _int(d.get("commit_seq"), f"{what}.commit_seq")
     return ManifestSummary(
@@ -900,6 +911,7 @@ def _summary(d: dict, what: str, step: int, files: Iterable[str], run: int) -> M
         files=frozenset(files),
         run=run,
         chain=recorded_chain(d.get("extras"), commit_seq),
+        uncounted=bool(run) and uncounted,
     )
 
 
@@ -966,6 +978,11 @@ def recorded_run(extras: Any) -> int:
     return _run(extras.get(RUN_KEY) if isinstance(extras, Mapping) else None)
 
 
+def recorded_uncounted(extras: Any) -> bool:
+    """Whether a manifest's extras say its run was not counted (RUN_UNCOUNTED_KEY)."""
+    return isinstance(extras, Mapping) and extras.get(RUN_UNCOUNTED_KEY) is True
+
+
 def _run(value: Any) -> int:
     return value if type(value) is int and 0 < value < MAX_RUN else 0
 
@@ -983,6 +1000,7 @@ def summary_line(manifest: Manifest) -> bytes:
             "job_id": manifest.job_id,
             "files": sorted(manifest.files),
             "run": recorded_run(manifest.extras),
+            "uncounted": recorded_uncounted(manifest.extras),
         },
         separators=(",", ":"),
     ).encode()
@@ -1002,7 +1020,8 @@ def summary_from_line(line: bytes, where: str, step: int) -> ManifestSummary:
         isinstance(f, str) and _FILE_RE.fullmatch(f) for f in files
     ):
         raise CheckpointCorruptError(f"{where}: summary.files must be a list of plain file names")
-    return _summary(d, f"{where}: summary", found, files, _run(d.get("run")))
+    run = _run(d.get("run"))
+    return _summary(d, f"{where}: summary", found, files, run, d.get("uncounted") is True)
 
 
 def _reject_constant(name: str) -> Any:

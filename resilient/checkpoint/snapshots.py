@@ -504,6 +504,15 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
                 f"durable step {s} was committed since by a later run of the job (run {later}, "
                 f"this snapshot's is {run}), which did not see it: that run's line is newer"
             )
+        if later and later != run and info.uncounted:
+            # A run that could not be counted records the run its memory numbering uses, an
+            # earlier run's: it numbers all its snapshots so, and a snapshot of a later run than
+            # that is one it never saw (else its numbering would be above it): its line is newer.
+            return (
+                f"durable step {s} was committed since by a run of the job that was not counted "
+                f"(numbered as run {later}, this snapshot's is {run}), which did not see it: "
+                f"that run's line is newer"
+            )
         if not later and (parsed is not None or info.job_id != snap.job_id):
             # A commit that records no run: the tier off (a later run without it, which did not
             # see this snapshot: its line is newer), whatever its job id (torchrun's --rdzv-id,
