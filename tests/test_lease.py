@@ -572,3 +572,37 @@ def test_a_dead_releasers_own_record_is_swept_but_never_a_live_release(tmp_path)
     assert _set_aside_names(tmp_path) == []
     e.release()
     assert not (tmp_path / LEASE).exists()
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["untagged", "successors"])
+def test_a_record_set_aside_longer_ago_than_its_holder_renews_is_not_put_back(tmp_path, tagged):
+    """(a review) A release cut short by a crash (of an earlier version, whose set-aside name
+    carries no token; or a successor's record, whose holder then died too) left a record set
+    aside and no LEASE.json.  Whoever came later put it back, long after: the lease, free, was
+    held again by a holder that had not renewed for longer than its lease timeout, so a new job
+    was refused (cautiously) or watched it for that timeout first.  A record set aside longer
+    ago than its holder renews is no live holder's: it stays aside (for the sweep)."""
+    from resilient.checkpoint.lease import LeaseRecord, WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    record = LeaseRecord(
+        job_id="J",
+        token="0123456789abcdef",
+        host="elsewhere",
+        machine="elsewhere/boot/ns",
+        pid=1,
+        pid_start="1",
+        acquired_unix_s=time.time(),
+        heartbeat_unix_s=time.time(),
+        beat=1,
+        timeout_s=0.2,
+    )
+    tag = "fedcba9876543210-" if tagged else ""
+    (tmp_path / f"{LEASE}.released-{tag}0123456789ab").write_bytes(record.to_bytes())
+    time.sleep(0.5)  # (set aside longer ago than its holder's lease timeout)
+    k = WriterLease(Storage(str(tmp_path)), "K", timeout_s=0.2)
+    k.acquire(cautious=True)  # (was: LeaseError, held by job 'J', put back)
+    assert json.loads((tmp_path / LEASE).read_text())["token"] == k.token
+    assert _set_aside_names(tmp_path) == []  # (swept by the holder)
+    k.release()
+    assert not (tmp_path / LEASE).exists()

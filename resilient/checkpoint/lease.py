@@ -304,6 +304,11 @@ class WriterLease:
             record = LeaseRecord.from_bytes(data)
             if aside.tag and record is not None and record.token == aside.tag:
                 continue  # its releaser's own record, being removed: released
+            if aside.age_s > (record.watch_s(self.timeout_s) if record else self.timeout_s):
+                # set aside longer ago than its holder renews (a renewal puts it back): no live
+                # holder's, but left by a crash (an earlier version's untagged one, a successor
+                # dead since), and the lease is free (the file is left to the sweep)
+                continue
             if self.storage.put_back(aside.rel, LEASE_NAME):
                 log.warning(
                     "%s: put back the writer lease of %s (%s) that a release had set aside",
