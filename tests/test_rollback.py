@@ -1,5 +1,6 @@
 """Commit order, not step number: rollback, the current line, retention, and v1 checkpoints."""
 
+import dataclasses
 import json
 import os
 
@@ -601,3 +602,100 @@ def test_a_save_given_up_on_that_commits_later_is_not_skipped_by_the_next_parent
     with Checkpointer(url) as ck:
         assert ck.catalog().line() == [4, 2, 1]
         assert _parent(ck, 4) is None or _parent(ck, 4)["step"] == 2
+
+
+def _rolled_back_below_the_branch(url: str, persister: bool, then_load: int | None = None) -> None:
+    """Saves 10 and 20, a rollback to 10, snapshots 11 and 12 (numbered below 20), maybe a load
+    of ``then_load`` again, and the job ends with no durable save since (a fault: with the
+    persister, its flush; without, nothing)."""
+    with Checkpointer(url, memory_every=1, persister=persister) as ck:
+        for s in (10, 20):
+            save(ck, s)
+        assert ck.load(blank(), step=10) == 10
+        for s in (11, 12):
+            ck.snapshot(s, state(10.0 + s / 100)).wait()
+        assert ck.snapshots.manifest(12).extras["_resilient_durable_anchor"] == "10:1"
+        if then_load is not None:
+            assert ck.load(blank(), step=then_load) == then_load
+
+
+@pytest.mark.parametrize("persister", [True, False])
+def test_a_fault_after_a_rollback_resumes_the_new_line_not_the_abandoned_branch(
+    tmp_path, persister
+):
+    """After a rollback to 10 (20 committed) and snapshots 11, 12, a fault before any durable
+    save resumed 20, the branch the rollback left: its number is above 12.  Snapshot 12 descends
+    exactly from 10 and nothing was committed since: the flush commits it as a durable save
+    after the rollback would (parent 10, the line skips 20), and a restore from memory takes it."""
+    url = str(tmp_path / "ckpt")
+    _rolled_back_below_the_branch(url, persister)
+    if not persister:  # a restart restores it from memory, and its first save continues it
+        with Checkpointer(url, memory_every=1, persister=False) as ck:
+            out = blank()
+            assert ck.load(out) == 12 and ck.last_load.source == "memory"
+            assert out["meta"]["v"] == 10.12
+            save(ck, 13)
+    with Checkpointer(url) as ck:  # (durable storage alone)
+        top = 12 if persister else 13
+        out = blank()
+        assert ck.load(out) == top and out["meta"]["v"] == float(top if top == 13 else 10.12)
+        assert ck.catalog().line() == [top, 10] and _parent(ck, top)["step"] == 10
+        assert 20 in ck.steps()  # (abandoned, left to age out: never deleted as the line)
+
+
+@pytest.mark.parametrize("persister", [True, False])
+def test_a_load_after_the_snapshots_of_a_rollback_begins_another_line(tmp_path, persister):
+    """A load of 20 again after those snapshots: a fault before the next snapshot resumes 20,
+    not snapshot 12 of the line it left (LINE.json: 12 was taken before that load)."""
+    url = str(tmp_path / "ckpt")
+    _rolled_back_below_the_branch(url, persister, then_load=20)
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        assert ck.load(blank()) == 20
+        assert ck.catalog().line() == [20, 10] and 12 not in ck.steps()
+
+
+def test_the_fallback_from_a_snapshot_of_a_rollback_is_its_anchor_not_the_branch(tmp_path):
+    """Snapshots 11 and 12 of the new line both damaged: the load falls back to 10, the step
+    they descend from, not to 20 on the branch the rollback left."""
+    url = str(tmp_path / "ckpt")
+    _rolled_back_below_the_branch(url, persister=False)
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        for s in (11, 12):
+            d = os.path.join(ck.memory.steps, f"step_{s:08d}")
+            for name in os.listdir(d):
+                if name.endswith(".safetensors"):
+                    with open(os.path.join(d, name), "r+b") as f:
+                        f.seek(-3, os.SEEK_END)
+                        f.write(b"\xff\xfe\xfd")
+        with pytest.warns(UserWarning, match="falling back"):
+            assert ck.load(blank()) == 10
+        assert ck.last_load.source == "durable"
+
+
+@pytest.mark.parametrize(
+    "exact, after, since, anchor_seq, expected",
+    [
+        (2, 0, (), 1, (10, 1)),
+        (2, None, (), 1, None),  # no mark of where the line began
+        (2, 5, (), 1, None),  # taken before rank 0's last load (numbered 5 and below)
+        (False, 0, (), 1, None),  # a durable save in flight when it was taken
+        (2, 0, ((30, 3),), 1, None),  # committed since: that commit is newer
+        (2, 0, (), 9, None),  # the anchor's commit is another (re-saved)
+        (1, 0, (), 1, None),  # it did not know of 20 (seen 1): not a rollback past it
+    ],
+)
+def test_a_snapshot_is_of_a_newer_line_only_as_recorded(exact, after, since, anchor_seq, expected):
+    from resilient.checkpoint.catalog import Catalog, StepInfo
+    from resilient.checkpoint.format import Manifest
+    from resilient.checkpoint.snapshots import newer_line
+    from resilient.layout import Layout
+
+    infos = [
+        StepInfo(step=s, dir=f"step_{s:08d}", state="committed", commit_seq=q)
+        for s, q in ((10, 1), (20, 2), *since)
+    ]
+    extras = {"_resilient_durable_anchor": f"10:{anchor_seq}", "_resilient_anchor_exact": exact}
+    snap = Manifest(step=12, layout=Layout(dp=1), tensors={}, files={}, extras=extras)
+    snap = dataclasses.replace(snap, commit_seq=5)
+    assert newer_line(snap, Catalog(infos), after) == expected
+    assert newer_line(snap, None, after) is None

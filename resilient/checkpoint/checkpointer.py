@@ -55,7 +55,7 @@ from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a 
     summary_line,
 )
 from resilient.checkpoint.lease import WriterLease, _boot_id, default_job_id
-from resilient.checkpoint.persister import PersisterClient, link_to_outbox
+from resilient.checkpoint.persister import PersisterClient, link_to_outbox, state_of
 from resilient.checkpoint.reader import (
     READ_THREADS,
     ReadItem,
@@ -85,7 +85,10 @@ from resilient.checkpoint.snapshots import (
     _parse_anchor,
     default_root,
     exact_anchor,
+    line_start,
+    mark_line_start,
     memory_place,
+    newer_line,
     number_this_run,
     stale_snapshot,
 )
@@ -424,6 +427,12 @@ class Checkpointer:
         self._lineage = 0  # one more at every restore: a save begun before it anchors nothing
         self._anchors: dict[int, tuple[int, int] | None] = {}  # (rank 0) per memory candidate
         self._exact_anchors: set[int] = set()  # (rank 0) the candidates whose anchor is exact
+        # (rank 0) the candidates numbered below the newest durable step that are nonetheless the
+        # job's newest state (snapshots.newer_line: snapshots after a rollback)
+        self._newer_line: set[int] = set()
+        # (rank 0, memory tier) the newest commit order in this node's memory at this load's
+        # start (None: not listed), recorded as where the line begins once the load succeeds
+        self._line_base: int | None = None
         self._durable_seen = 0  # (rank 0) the newest durable commit_seq its last listing saw
         # (the memory tier across nodes) the newest commit order in any node's memory, agreed
         # where the checkpointer is made or carried to a new group, and raised by each load's
@@ -1764,6 +1773,10 @@ class Checkpointer:
                 self._anchor_seen = self._durable_seen
                 self._anchor_chain = pending.chain if source is self else ()
                 self._lineage += 1
+                if self._memory is not None and self.rank == 0 and self.memory is not None:
+                    # only snapshots taken from now on descend from this state: one of the line
+                    # this load left is not taken for a newer line (snapshots.newer_line)
+                    mark_line_start(self.memory.dir, self._line_base)
                 # a snapshot taken before this restore holds the state before it: a durable save
                 # of its step number must take a new one, not commit that one (a rollback to 100
                 # and save(300) committed the abandoned state of 300)
@@ -1821,8 +1834,10 @@ class Checkpointer:
             memory = [
                 c
                 for c in self._memory_of_every_node(memory)
-                if step is not None or c[1] >= newest_durable
+                if step is not None or c[1] >= newest_durable or c[1] in self._newer_line
             ]
+        if self.rank == 0 and step is None and found:
+            found = self._after_newer_line(memory, found, fallback)
         found = memory + found
         self._newest_offered = max((c[1] for c in memory), default=None)
         if self.rank == 0:
@@ -1842,6 +1857,34 @@ class Checkpointer:
         flat = [int(x) for x in buf[1 : 4 * n + 1].tolist()]
         return [tuple(flat[i : i + 4]) for i in range(0, len(flat), 4)]
 
+    def _after_newer_line(
+        self,
+        memory: list[tuple[int, int, int, int]],
+        durable: list[tuple[int, int, int, int]],
+        fallback: bool,
+    ) -> list[tuple[int, int, int, int]]:
+        """(rank 0) The durable steps to fall back to after the memory candidates: where the
+        newest of these is of a newer line than the newest durable step (a rollback, then
+        snapshots: snapshots.newer_line), the line from that snapshot's anchor, never the
+        branch the rollback left."""
+        newest_durable = durable[0][1]
+        newer = [c for c in memory if c[1] < newest_durable and c[1] in self._newer_line]
+        anchor = self._anchors.get(newer[0][1]) if newer else None
+        if anchor is None or memory[0] != newer[0]:  # (a newer-numbered snapshot comes first)
+            return durable
+        try:
+            catalog = self.catalog()
+        except (CheckpointNotFoundError, CheckpointCorruptError, StorageError):
+            return durable
+        line = catalog.line()
+        steps = line[line.index(anchor[0]) :] if anchor[0] in line else [anchor[0]]
+        out = []
+        for s in steps[: (_MAX_FALLBACKS if fallback else 1)]:
+            info = catalog.get(s)
+            if info is not None and info.state == "committed":
+                out.append((_DURABLE, s, info.commit_seq, info.generation))
+        return out
+
     def _memory_of_every_node(
         self, mine: list[tuple[int, int, int, int]]
     ) -> list[tuple[int, int, int, int]]:
@@ -1860,7 +1903,9 @@ class Checkpointer:
                 if seq >= IMPLAUSIBLE_SEQ:
                     continue  # (not offered: see _node_newest_seq)
                 anchor = self._anchors.get(s)
+                # (1: its anchor is exact; 2: of a newer line than the newest durable step's)
                 exact = int(anchor is not None and s in self._exact_anchors)
+                exact |= 2 if anchor is not None and s in self._newer_line else 0
                 a = anchor if anchor is not None else (-1, -1)
                 entries.append([s, seq, generation, *a, exact])
             if entries:  # (a value beyond int64 raises here, before the collective)
@@ -1875,7 +1920,7 @@ class Checkpointer:
         # A step's newest version wins: a node that missed a rollback's commits (it was not in
         # the job meanwhile) holds an older one, whose manifest must not be restored nor put over
         # the newer one (both name the same files when their generations agree)
-        best: dict[int, tuple[int, int, tuple[int, int] | None, bool]] = {}
+        best: dict[int, tuple[int, int, tuple[int, int] | None, int]] = {}
         floor = self._memory._seq_floor
         for t in every:
             vals = [int(x) for x in t.tolist()]
@@ -1884,7 +1929,7 @@ class Checkpointer:
                 s, seq, generation, a_step, a_seq, exact = vals[2 + 6 * i : 8 + 6 * i]
                 if s >= 0 and (s not in best or (seq, generation) > best[s][:2]):
                     anchor = (a_step, a_seq) if a_step >= 0 else None
-                    best[s] = (seq, generation, anchor, anchor is not None and exact == 1)
+                    best[s] = (seq, generation, anchor, exact if anchor is not None else 0)
         # (each node's newest commit, seen again: a node that could not be listed when this
         # checkpointer was made, or has joined since, sets the floor too)
         self._memory._seq_floor = floor
@@ -1892,10 +1937,13 @@ class Checkpointer:
         # numbered below every step taken so far)
         by_order = sorted(best, key=lambda s: (best[s][0], s))
         out = []
+        self._newer_line.clear()
         for s in line_of(by_order):
             seq, generation, anchor, exact = best[s]
             self._anchors[s] = anchor
-            (self._exact_anchors.add if exact else self._exact_anchors.discard)(s)
+            (self._exact_anchors.add if exact & 1 else self._exact_anchors.discard)(s)
+            if exact & 2:
+                self._newer_line.add(s)
             out.append((_MEMORY, s, seq, generation))
         return out
 
@@ -1905,8 +1953,10 @@ class Checkpointer:
         not take the commits of the line a rollback left, numbered above its steps, for its
         own."""
         assert self._memory is not None and self._memory._slots is not None
+        self._line_base = None
         try:
-            self._memory._slots.line_base = newest_plausible_seq(self._memory.catalog())
+            self._line_base = newest_plausible_seq(self._memory.catalog())
+            self._memory._slots.line_base = self._line_base
         except Exception as e:  # (the load says what is wrong with this node's memory)
             log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
 
@@ -2007,11 +2057,29 @@ class Checkpointer:
                     return []
                 durable_catalog, line = None, set()
             found = []
+            after = line_start(self.memory.dir) if self.memory is not None else None
+            self._newer_line.clear()
             for s in catalog.line():
-                if not ((step is None and s >= newest_durable) or s == step):
+                newer = None
+                if step is None and s < newest_durable:
+                    # below the newest durable step: only a snapshot of the line a rollback
+                    # began, with nothing durable committed since (that step is on the branch
+                    # the rollback left)
+                    if after is None or durable_catalog is None:
+                        continue
+                    try:
+                        snap = read_manifest(self._memory.storage, s)
+                    except ResilientError as e:  # (older than what is restored: no matter)
+                        log.info("memory snapshot of step %d is not read: %s", s, e)
+                        continue
+                    newer = newer_line(snap, durable_catalog, after)
+                    if newer is None:
+                        continue
+                elif step is not None and s != step:
                     continue
-                snap = read_manifest(self._memory.storage, s)
-                why = stale_snapshot(snap, durable_catalog, line)
+                else:
+                    snap = read_manifest(self._memory.storage, s)
+                why = None if newer is not None else stale_snapshot(snap, durable_catalog, line)
                 anchor = snap.extras.get(ANCHOR_KEY)
                 if why:
                     log.warning("memory snapshot of step %d is not restored: %s", s, why)
@@ -2024,14 +2092,38 @@ class Checkpointer:
                 self._anchors[s] = _parse_anchor(anchor) or (
                     (newest.step, newest.commit_seq) if newest is not None else None
                 )
-                exact = exact_anchor(snap, durable_catalog, line) is not None
+                exact = newer is not None or exact_anchor(snap, durable_catalog, line) is not None
+                if step is not None and durable_catalog is not None:
+                    own = self._durable_commit_of(snap, durable_catalog)
+                    if own is not None:  # (a rollback to it by name: it is that durable commit)
+                        self._anchors[s], exact = own, True
                 (self._exact_anchors.add if exact else self._exact_anchors.discard)(s)
+                if newer is not None:
+                    self._newer_line.add(s)
             return found
         except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
             log.warning(
                 "the memory tier of %s cannot be read (%s); using durable storage", self.url, e
             )
             return []
+
+    def _durable_commit_of(self, snap: Manifest, durable: Catalog) -> tuple[int, int] | None:
+        """(rank 0, a load of a step by name that both tiers hold) The durable commit of the
+        snapshot's step where it holds the snapshot's state (the persister made it from it): a
+        job restored from the snapshot descends from that commit exactly, not from the snapshot's
+        anchor (the commit before it), nor (anchor "") from the newest durable commit, which
+        after a rollback to it is on the branch it leaves.  None where it cannot be told."""
+        info = durable.get(snap.step)
+        if info is None or info.state != "committed":
+            return None
+        try:
+            held = read_manifest(self.storage, snap.step)
+        except (CheckpointNotFoundError, CheckpointCorruptError, StorageError) as e:
+            log.info("durable step %d cannot be compared with its snapshot: %s", snap.step, e)
+            return None
+        if held.commit_seq != info.commit_seq or state_of(held) != state_of(snap):
+            return None
+        return (snap.step, info.commit_seq)
 
     def _not_found_error(self, step: int | None, _unused: Any) -> CheckpointNotFoundError:
         if step is not None and step in self.memory_steps():

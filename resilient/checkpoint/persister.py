@@ -85,6 +85,8 @@ from resilient.checkpoint.snapshots import (
     PERSISTER_LOCK,
     RUN_SHIFT,
     exact_anchor,
+    line_start,
+    newer_line,
     stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
@@ -665,10 +667,8 @@ class Promoter:
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         line = set(durable.line())
+        after = line_start(self.job_dir)
         for s in snaps.line():
-            if newest is not None and s < newest.step:
-                log.info("flush: nothing newer than durable step %d in memory", newest.step)
-                return None
             try:
                 data = _read_small(
                     os.path.join(self.steps_dir, step_dir_name(s), MANIFEST_NAME),
@@ -678,7 +678,17 @@ class Promoter:
             except (OSError, ResilientError) as e:
                 log.warning("flush: memory step %d is not readable (%s); trying an older one", s, e)
                 continue
-            why = stale_snapshot(snap, durable, line)
+            # below the newest durable step: only a snapshot of the line a rollback began, with
+            # nothing committed durably since (snapshots.newer_line); its flush is the durable
+            # save of it the trainer would have made (its parent the anchor: the line skips the
+            # branch the rollback left)
+            newer = None
+            if newest is not None and s < newest.step:
+                newer = newer_line(snap, durable, after)
+                if newer is None:
+                    log.info("flush: nothing newer than durable step %d in memory", newest.step)
+                    return None
+            why = None if newer is not None else stale_snapshot(snap, durable, line)
             if snap.job_id != self.job_id:  # a later job's trainer took it: not ours to write
                 why = f"it was taken by job {snap.job_id!r}, not by this persister's"
             if why:
@@ -733,7 +743,7 @@ class Promoter:
         except ResilientError as e:
             log.warning("flush: durable step %d cannot be read to compare (%s)", info.step, e)
             return False
-        return _state_of(held) == _state_of(snap)
+        return state_of(held) == state_of(snap)
 
     def close(self) -> None:
         if self.lease.held:
@@ -753,7 +763,7 @@ def _flush_parent(
     return (anchor,), snap.extras.get(ANCHOR_EXACT_KEY)
 
 
-def _state_of(m: Manifest) -> tuple[Any, ...]:
+def state_of(m: Manifest) -> tuple[Any, ...]:
     """What a manifest says of the state (not of where its bytes are or who wrote them): every
     tensor with its chunks' checksums, the values, and the layout."""
     tensors = {

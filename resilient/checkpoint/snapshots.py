@@ -12,6 +12,7 @@ Layout (docs/FORMAT.md, section 9)::
         JOB.json                            {"url": ..., "created_unix_s": ...}: whose it is
         steps/                              a checkpoint directory (steps, manifests, lease)
         staging/rank_<R>.lock               held (flock) by the live process of rank R
+        LINE.json                           where the job's line began at rank 0's last load
 
 A job only ever reads, writes or deletes its own ``job-*`` directory: another job's snapshots
 (another URL) are never touched, and a job directory that is not this user's own real directory
@@ -378,8 +379,10 @@ class MemoryPlace:
             for d in (self.steps, self.staging):
                 if os.path.isdir(d) and not os.path.islink(d):
                     os.rmdir(d)  # only when empty
-            if os.listdir(self.dir) == [JOB_FILE]:  # (anything else there: its record stays)
-                os.unlink(os.path.join(self.dir, JOB_FILE))
+            left = sorted(os.listdir(self.dir))
+            if left in ([JOB_FILE], [JOB_FILE, LINE_FILE]):  # (anything else: its record stays)
+                for name in reversed(left):
+                    os.unlink(os.path.join(self.dir, name))
                 os.rmdir(self.dir)
         except OSError:  # something is in it (or another rank of the node removed it first)
             pass
@@ -474,6 +477,81 @@ def exact_anchor(snap: Manifest, durable: Catalog | None, line: set[int]) -> tup
         info = durable.get(s)
         if info is not None and s <= snap.step and info.commit_seq > seen:
             return None
+    return anchor
+
+
+# (rank 0's node) where the job's line began last: the newest commit order in the node's memory
+# when rank 0 last loaded a step (docs/FORMAT.md, section 9)
+LINE_FILE = "LINE.json"
+LINE_FORMAT = "resilient-line/1"
+_MAX_LINE_FILE = 4 << 10
+
+
+def mark_line_start(job_dir: str, after: int | None) -> None:
+    """(rank 0, after each load) The job's line begins here: only snapshots numbered above
+    ``after`` (taken since this load) descend from what it restored.  None (the node's memory
+    could not be listed) removes the mark: no snapshot is taken for a newer line then."""
+    path = os.path.join(job_dir, LINE_FILE)
+    try:
+        if after is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": LINE_FORMAT, "after": after}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("the memory tier cannot record where this job's line begins (%s): %s", path, e)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # (an older mark would let a snapshot of the line left count)
+
+
+def line_start(job_dir: str) -> int | None:
+    """Where the job's line began at rank 0's last load (``mark_line_start``), or None: no mark,
+    or anything but a regular file of at most 4 KiB holding that record."""
+    try:
+        fd = os.open(os.path.join(job_dir, LINE_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = f.read(_MAX_LINE_FILE + 1)
+            record = json.loads(data) if len(data) <= _MAX_LINE_FILE else None
+        except (OSError, ValueError, RecursionError):
+            return None
+    if not isinstance(record, dict) or record.get("format") != LINE_FORMAT:
+        return None
+    after = record.get("after")
+    return after if type(after) is int and 0 <= after <= MAX_INT else None
+
+
+def newer_line(
+    snap: Manifest, durable: Catalog | None, after: int | None
+) -> tuple[int, int] | None:
+    """The durable commit a snapshot descends from, where the snapshot is the job's newest state
+    although the newest durable step is numbered above it (a rollback to an older step, then
+    snapshots, then a fault before any durable save: the newest durable step is on the branch
+    the rollback left); else None.  So it is only where its anchor is exact (ANCHOR_EXACT_KEY:
+    the newest durable commit_seq its job knew of when the anchor was set, ``seen``), that
+    commit is still committed with that commit_seq, nothing was committed durably above
+    ``seen`` since (no save of this job, or of a later run or another job, that would be newer),
+    and the snapshot was taken since rank 0's last load (its commit order above ``after``, that
+    load's ``line_start``: a load since, say of the newer step again, begins another line)."""
+    if durable is None or after is None or snap.commit_seq <= after:
+        return None
+    seen = snap.extras.get(ANCHOR_EXACT_KEY)
+    if type(seen) is not int or not 0 <= seen <= MAX_INT:
+        return None
+    anchor = _parse_anchor(snap.extras.get(ANCHOR_KEY))
+    if anchor is None or anchor[1] > seen or durable.next_commit_seq() - 1 > seen:
+        return None
+    info = durable.get(anchor[0])
+    if info is None or info.state != "committed" or info.commit_seq != anchor[1]:
+        return None
     return anchor
 
 
