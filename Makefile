@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # The suite runs on this many pytest-xdist workers, a test file per worker (files that share a
 # module's fixtures, such as a chaos reference run, keep them); TEST_WORKERS=0 runs it in one process.
+# Files are handed out in the order tests/conftest.py sorts them (the long ones first), not
+# pytest-xdist's default (the files with the most tests first, which put the real jobs last).
 # Four on two cores: the real jobs of the chaos files wait (for timeouts, verdicts, restarts) as
 # much as they compute, and more files fill those waits (on two cores under load, measured:
 # 976 s with three workers against 1311 s with two; unloaded, 848 s with four against 901 s with
@@ -31,7 +33,7 @@ demo: $(STAMP)
 	$(BIN)/resilient demo --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -7,11 +7,11 @@ import pytest
 
 def pytest_collection_modifyitems(config, items):
     """Files with tests marked ``slow`` first, the integration files (real jobs) first of those;
-    the rest keep their order.  pytest-xdist (``make test``: ``--dist loadfile``) hands files to
-    its workers in this order, so the long files start first and the short ones fill the workers'
-    ends: collected in path order, the integration files came last, and one worker ran its last
-    long file alone while the others had finished (the suite's idle workers at its end cost
-    about a minute on two cores)."""
+    the rest keep their order.  pytest-xdist (``make test``: ``--dist loadfile
+    --no-loadscope-reorder``) hands files to its workers in this order, so the long files start
+    first and the short ones fill the workers' ends.  By default it hands out the files with the
+    most tests first, which put the integration files (a few real jobs each) last, and one
+    worker ran its last long file alone while the others had finished."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
 
     def rank(item: pytest.Item) -> int:
