@@ -5,6 +5,7 @@ more than a few KiB of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,7 +19,15 @@ import torch
 
 from resilient import Checkpointer
 from resilient.checkpoint import checkpointer as ckmod
-from resilient.checkpoint.format import MAX_RUN
+from resilient.checkpoint.catalog import summary_of
+from resilient.checkpoint.format import (
+    MAX_RUN,
+    PARENT_KEY,
+    RUN_KEY,
+    RUN_UNCOUNTED_KEY,
+    user_extras,
+)
+from resilient.checkpoint.persister import _promoted
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import MEMORY_RUNS_NAME, RUN_SHIFT, number_this_run
 from resilient.checkpoint.storage import Storage
@@ -475,18 +484,23 @@ def test_an_uncounted_runs_snapshot_taken_during_its_own_save_is_restored(tmp_pa
             assert ck.load({"model": fresh}) == 31 and fresh.weight.eq(31.0).all()
 
 
+@pytest.mark.parametrize("committed_by", ["trainer", "persister", "flush", "sealed-flush"])
 def test_an_uncounted_runs_commit_outranks_a_later_numbered_runs_snapshot_it_did_not_see(
-    tmp_path,
+    tmp_path, committed_by
 ):
     """(a review) Run 1 on node Y: snapshot 5.  Run 2 on node X: durable 10, snapshot 20.  Run 3
     back on Y, its count unwritable: its numbering, and so its durable commits' run, is run 1's
     (the newest Y's memory holds); it restores 10 and commits durable 15.  Run 4 on X restored
     run 2's 20 over 15 (a commit recording run 1 did not outrank run 2's snapshot); an uncounted
-    run says so in its commits, and one numbered as another run than a snapshot's outranks it."""
+    run says so in its commits, and one numbered as another run than a snapshot's outranks it.
+    (a later review) Whoever writes durable 15: the trainer (persister off), the persister (the
+    save handed over), or the persister's flush of snapshot 15 at close: the persister's commits
+    recorded run 1 without the flag, and run 4 still restored 20."""
     url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
 
-    def node(name: str) -> Checkpointer:
-        return Checkpointer(str(url), **_kw(tmp_path / name))
+    def node(name: str, persister: bool = False, commit_every: int = 1) -> Checkpointer:
+        kw = {**_kw(tmp_path / name), "persister": persister, "memory_commit_every": commit_every}
+        return Checkpointer(str(url), **kw)
 
     def fill(v: float) -> None:
         with torch.no_grad():
@@ -505,13 +519,76 @@ def test_an_uncounted_runs_commit_outranks_a_later_numbered_runs_snapshot_it_did
     (url / MEMORY_RUNS_NAME).mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the count's)
-        with node("y") as ck:
+        sealed = committed_by == "sealed-flush"  # (snapshot 15 sealed only: the flush seals it)
+        with node("y", committed_by != "trainer", 0 if sealed else 1) as ck:
             assert ck._run is None and ck._memory._slots.job_run == 1
             assert ck.load({"model": m}) == 10
             fill(15.0)
-            ck.save(15, {"model": m}).wait()
+            if committed_by.endswith("flush"):  # (durable 15: the goodbye's flush of snapshot 15)
+                ck.snapshot(15, {"model": m}).wait()
+                assert sorted(ck.memory_steps()) == ([5] if sealed else [5, 15])
+            else:
+                ck.save(15, {"model": m}).wait()
+                assert (ck.persister_pid is not None) == (committed_by == "persister")
     (url / MEMORY_RUNS_NAME).rmdir()
     (tmp_path / "count").rename(url / MEMORY_RUNS_NAME)
     with node("x") as ck:
         fresh = torch.nn.Linear(4, 4)
         assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
+        extras = ck.manifest(15).extras
+        assert extras[RUN_KEY] == 1 and extras[RUN_UNCOUNTED_KEY] is True
+
+
+def test_a_counted_run_and_a_run_without_the_tier_record_no_uncounted_flag(tmp_path):
+    """Only an uncounted run's snapshots carry the flag (for the persister's commits of them):
+    a counted run's snapshots and durable commits, through the persister or not, have none,
+    and a run without the tier records no run at all."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    extras = {}
+    with Checkpointer(str(url), **{**_kw(tmp_path / "m"), "persister": True}) as ck:
+        ck.save(1, {"model": m}).wait()
+        assert ck.persister_pid is not None  # (saved by the persister)
+        extras[1] = ck.manifest(1).extras
+        ck.snapshot(2, {"model": m}).wait()
+        assert RUN_UNCOUNTED_KEY not in ck._memory.manifest(2).extras
+    with Checkpointer(str(url), **_kw(tmp_path / "m")) as ck:  # (the trainer's own save)
+        extras[2] = ck.manifest(2).extras  # (the goodbye's flush of snapshot 2)
+        ck.save(3, {"model": m}).wait()
+        extras[3] = ck.manifest(3).extras
+    with Checkpointer(str(url), job_id="j") as ck:
+        ck.save(4, {"model": m}).wait()
+        extras[4] = ck.manifest(4).extras
+    assert [e.get(RUN_KEY) for e in extras.values()] == [1, 1, 2, None]
+    assert not any(RUN_UNCOUNTED_KEY in e for e in extras.values())
+
+
+@pytest.mark.parametrize("flag", [True, "true", 1, 1.0, [True], {"v": True}, None, False], ids=repr)
+def test_the_persister_records_the_uncounted_flag_only_where_a_snapshot_says_true(tmp_path, flag):
+    """A snapshot's flag is copied into the persister's commit only where it is ``true`` and
+    beside a run number (its commit_seq's); any other value, or one in another rank's values,
+    records none, and the snapshot's own bookkeeping is never copied as a user value."""
+    with Checkpointer(str(tmp_path / "ckpt"), **_kw(tmp_path / "m")) as ck:
+        ck.snapshot(3, {"model": torch.nn.Linear(4, 4), "lr": 0.5}).wait()
+        snap = ck._memory.manifest(3)
+    hostile = {
+        RUN_UNCOUNTED_KEY: flag,
+        RUN_KEY: 7,
+        PARENT_KEY: {"step": 1, "commit_seq": 1, "child_commit_seq": 9},
+    }
+    snap = dataclasses.replace(
+        snap,
+        extras={**snap.extras, **hostile},
+        rank_extras={1: {RUN_UNCOUNTED_KEY: True, "lr": 0.25}},
+    )
+    names = {f: f"new-{f}" for f in snap.files}
+    for run in (1, 0):
+        made = _promoted(
+            dataclasses.replace(snap, commit_seq=(run << RUN_SHIFT) + 1), names, 1, 9, "j"
+        )
+        want = {"lr": 0.5, **({RUN_KEY: run} if run else {})}
+        if run and flag is True:
+            want[RUN_UNCOUNTED_KEY] = True
+        assert made.extras == want
+        assert made.rank_extras == {1: {"lr": 0.25}}
+        assert user_extras(made.extras) == {"lr": 0.5}
+        assert summary_of(made).uncounted is (run == 1 and flag is True)

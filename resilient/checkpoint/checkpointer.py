@@ -813,6 +813,10 @@ class Checkpointer:
             ANCHOR_KEY: anchor,
             ANCHOR_EXACT_KEY: self._anchor_seen if exact else False,
         }
+        if self._run is None and 0 < self._commit_run < MAX_RUN:  # (rank 0 only: else 0)
+            # an uncounted run (_commit_run) says so in its snapshots too: the persister's
+            # commits of them (a save handed over, a flush) record it as the trainer's do
+            values[RUN_UNCOUNTED_KEY] = True
         self._snap = self._memory._save(step, values, defer=defer and self._memory._defers(step))
         return self._snap
 

@@ -89,7 +89,8 @@ MAX_JSON_DEPTH = 64  # nesting of the free-form JSON values (extras)
 RUN_KEY = "_resilient_memory_run"
 MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below 2**62)
 # (beside RUN_KEY, true) the run was not counted (number_this_run failed): RUN_KEY is then the
-# run its commits in memory are numbered as, which it shares with an earlier run
+# run its commits in memory are numbered as, which it shares with an earlier run.  Such a run's
+# snapshots carry it too (with no RUN_KEY), for the persister's commits of them to record it
 RUN_UNCOUNTED_KEY = "_resilient_memory_run_uncounted"
 # A durable commit's parent, in its manifest's extras: the commit its state descends from (what
 # its job loaded, or that job's previous commit), which the line follows (docs/FORMAT.md section

@@ -69,19 +69,20 @@ from resilient.checkpoint.format import (
     MAX_RUN,
     PARENT_KEY,
     RUN_KEY,
+    RUN_UNCOUNTED_KEY,
     Manifest,
     chain_of,
     manifest_of_step,
     parent_known,
     parent_record,
     rank_file_name,
+    recorded_uncounted,
     step_dir_name,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
 from resilient.checkpoint.seal import seal_staged
 from resilient.checkpoint.snapshots import (
-    ANCHOR_KEY,
     PERSISTER_LOCK,
     RUN_SHIFT,
     exact_anchor,
@@ -810,15 +811,18 @@ def _promoted(
         )
         for k, t in snap.tensors.items()
     }
-    extras = {k: v for k, v in snap.extras.items() if k not in (ANCHOR_KEY, ANCHOR_EXACT_KEY)}
+    # (the snapshot's bookkeeping is about it, not about this commit: this commit's is set here)
+    extras = {k: v for k, v in snap.extras.items() if k not in BOOKKEEPING_KEYS}
     if parent:
         extras[PARENT_KEY] = parent_record(parent, seq)
     run = snap.commit_seq >> RUN_SHIFT  # (the run that took it: number_this_run)
     if 0 < run < MAX_RUN:
         extras[RUN_KEY] = run
+        if recorded_uncounted(snap.extras):  # (a run that was not counted: its number shared)
+            extras[RUN_UNCOUNTED_KEY] = True
     rank_extras = {}
     for r, values in snap.rank_extras.items():
-        kept = {k: v for k, v in values.items() if k not in (ANCHOR_KEY, ANCHOR_EXACT_KEY)}
+        kept = {k: v for k, v in values.items() if k not in BOOKKEEPING_KEYS}
         if kept:
             rank_extras[r] = kept
     return dataclasses.replace(
