@@ -699,3 +699,25 @@ def test_a_snapshot_is_of_a_newer_line_only_as_recorded(exact, after, since, anc
     snap = dataclasses.replace(snap, commit_seq=5)
     assert newer_line(snap, Catalog(infos), after) == expected
     assert newer_line(snap, None, after) is None
+
+
+@pytest.mark.parametrize("persister", [True, False])
+def test_a_second_fault_before_a_snapshot_still_resumes_the_new_line(
+    tmp_path, monkeypatch, persister
+):
+    """The restart after the fault restores snapshot 12 of the new line and faults again before
+    its first snapshot (a restart loop): the next restart (or that restart's persister's flush)
+    still takes 12, the state it restored, not 20 on the branch the rollback left.  Its load's
+    mark of where the line begins counted 12 itself as taken before it."""
+    url = str(tmp_path / "ckpt")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")  # (one job, restarted)
+    _rolled_back_below_the_branch(url, persister=False)  # (its persister killed with it)
+    with Checkpointer(url, memory_every=1, persister=persister) as ck:
+        assert ck.load(blank()) == 12 and ck.last_load.source == "memory"
+        if persister:  # (started, as by a first snapshot the fault cut short: it flushes)
+            ck._start_persister()
+    with Checkpointer(url, memory_every=None if persister else 1) as ck:
+        out = blank()  # (with the persister: durable storage alone, its flush)
+        assert ck.load(out) == 12 and out["meta"]["v"] == 10.12
+        if persister:
+            assert ck.catalog().line() == [12, 10] and _parent(ck, 12)["step"] == 10

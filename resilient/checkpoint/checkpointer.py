@@ -85,7 +85,7 @@ from resilient.checkpoint.snapshots import (
     _parse_anchor,
     default_root,
     exact_anchor,
-    line_start,
+    line_mark,
     mark_line_start,
     memory_place,
     newer_line,
@@ -1779,8 +1779,12 @@ class Checkpointer:
                 self._lineage += 1
                 if self._memory is not None and self.rank == 0 and self.memory is not None:
                     # only snapshots taken from now on descend from this state: one of the line
-                    # this load left is not taken for a newer line (snapshots.newer_line)
-                    mark_line_start(self.memory.dir, self._line_base)
+                    # this load left is not taken for a newer line (snapshots.newer_line), but
+                    # the snapshot it restored is this state (a fault before the next one
+                    # resumes it again)
+                    mark_line_start(
+                        self.memory.dir, self._line_base, seq if tier == _MEMORY else None
+                    )
                 # a snapshot taken before this restore holds the state before it: a durable save
                 # of its step number must take a new one, not commit that one (a rollback to 100
                 # and save(300) committed the abandoned state of 300)
@@ -2061,7 +2065,9 @@ class Checkpointer:
                     return []
                 durable_catalog, line = None, set()
             found = []
-            after = line_start(self.memory.dir) if self.memory is not None else None
+            after, restored = (
+                line_mark(self.memory.dir) if self.memory is not None else (None, None)
+            )
             self._newer_line.clear()
             for s in catalog.line():
                 newer = None
@@ -2076,7 +2082,7 @@ class Checkpointer:
                     except ResilientError as e:  # (older than what is restored: no matter)
                         log.info("memory snapshot of step %d is not read: %s", s, e)
                         continue
-                    newer = newer_line(snap, durable_catalog, after)
+                    newer = newer_line(snap, durable_catalog, after, restored)
                     if newer is None:
                         continue
                 elif step is not None and s != step:

@@ -86,7 +86,7 @@ from resilient.checkpoint.snapshots import (
     PERSISTER_LOCK,
     RUN_SHIFT,
     exact_anchor,
-    line_start,
+    line_mark,
     newer_line,
     stale_snapshot,
 )
@@ -668,7 +668,7 @@ class Promoter:
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         line = set(durable.line())
-        after = line_start(self.job_dir)
+        after, restored = line_mark(self.job_dir)
         for s in snaps.line():
             try:
                 data = _read_small(
@@ -685,7 +685,7 @@ class Promoter:
             # branch the rollback left)
             newer = None
             if newest is not None and s < newest.step:
-                newer = newer_line(snap, durable, after)
+                newer = newer_line(snap, durable, after, restored)
                 if newer is None:
                     log.info("flush: nothing newer than durable step %d in memory", newest.step)
                     return None

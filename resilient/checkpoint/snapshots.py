@@ -487,10 +487,12 @@ LINE_FORMAT = "resilient-line/1"
 _MAX_LINE_FILE = 4 << 10
 
 
-def mark_line_start(job_dir: str, after: int | None) -> None:
+def mark_line_start(job_dir: str, after: int | None, restored: int | None = None) -> None:
     """(rank 0, after each load) The job's line begins here: only snapshots numbered above
-    ``after`` (taken since this load) descend from what it restored.  None (the node's memory
-    could not be listed) removes the mark: no snapshot is taken for a newer line then."""
+    ``after`` (taken since this load) descend from what it restored, and the snapshot it
+    restored (``restored``: its commit order in memory, where the load restored one) is that
+    state itself.  None (the node's memory could not be listed) removes the mark: no snapshot is
+    taken for a newer line then."""
     path = os.path.join(job_dir, LINE_FILE)
     try:
         if after is None:
@@ -500,7 +502,10 @@ def mark_line_start(job_dir: str, after: int | None) -> None:
         tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": LINE_FORMAT, "after": after}, f)
+            record: dict[str, Any] = {"format": LINE_FORMAT, "after": after}
+            if restored is not None:
+                record["restored"] = restored
+            json.dump(record, f)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("the memory tier cannot record where this job's line begins (%s): %s", path, e)
@@ -511,26 +516,33 @@ def mark_line_start(job_dir: str, after: int | None) -> None:
 def line_start(job_dir: str) -> int | None:
     """Where the job's line began at rank 0's last load (``mark_line_start``), or None: no mark,
     or anything but a regular file of at most 4 KiB holding that record."""
+    return line_mark(job_dir)[0]
+
+
+def line_mark(job_dir: str) -> tuple[int | None, int | None]:
+    """(``line_start``, the commit order of the snapshot rank 0's last load restored, or None)."""
     try:
         fd = os.open(os.path.join(job_dir, LINE_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return None
+        return None, None
     with os.fdopen(fd, "rb") as f:
         try:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None
+                return None, None
             data = f.read(_MAX_LINE_FILE + 1)
             record = json.loads(data) if len(data) <= _MAX_LINE_FILE else None
         except (OSError, ValueError, RecursionError):
-            return None
+            return None, None
     if not isinstance(record, dict) or record.get("format") != LINE_FORMAT:
-        return None
-    after = record.get("after")
-    return after if type(after) is int and 0 <= after <= MAX_INT else None
+        return None, None
+    after, restored = record.get("after"), record.get("restored")
+    if type(after) is not int or not 0 <= after <= MAX_INT:
+        return None, None
+    return after, restored if type(restored) is int and 0 <= restored <= MAX_INT else None
 
 
 def newer_line(
-    snap: Manifest, durable: Catalog | None, after: int | None
+    snap: Manifest, durable: Catalog | None, after: int | None, restored: int | None = None
 ) -> tuple[int, int] | None:
     """The durable commit a snapshot descends from, where the snapshot is the job's newest state
     although the newest durable step is numbered above it (a rollback to an older step, then
@@ -540,8 +552,12 @@ def newer_line(
     commit is still committed with that commit_seq, nothing was committed durably above
     ``seen`` since (no save of this job, or of a later run or another job, that would be newer),
     and the snapshot was taken since rank 0's last load (its commit order above ``after``, that
-    load's ``line_start``: a load since, say of the newer step again, begins another line)."""
-    if durable is None or after is None or snap.commit_seq <= after:
+    load's ``line_start``: a load since, say of the newer step again, begins another line), or
+    is the very snapshot that load restored (``restored``: a fault before the restored job's
+    first snapshot still resumes it)."""
+    if durable is None or after is None:
+        return None
+    if snap.commit_seq <= after and snap.commit_seq != restored:
         return None
     seen = snap.extras.get(ANCHOR_EXACT_KEY)
     if type(seen) is not int or not 0 <= seen <= MAX_INT:
