@@ -519,3 +519,41 @@ def test_a_node_given_the_restored_version_drops_the_other_versions_files(tmp_pa
     # world 2, rank 0 on node 1: rank 0 reads ranks 0 and 1's files there
     second = run_distributed(_load_on, 2, url, base, [1, 0], [])
     assert [(r.get("step"), r.get("source")) for r in second] == [(2, "memory")] * 2, second
+
+
+# --- where the line begins, on every node --------------------------------------------------------
+def _ops(rank: int, world: int, url: str, base: str, roots: list[int], ops: list) -> list:
+    """Rank r's memory root is roots[r]; ("save", s), ("snap", s) and ("load", s or None) in
+    turn; returns each load's (step, source)."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, roots[rank]), persister=False)
+    out = []
+    for op, s in ops:
+        if op == "save":
+            ck.save(s, _state(rank, world, float(s))).wait()
+        elif op == "snap":
+            ck.snapshot(s, _state(rank, world, float(s))).wait()
+            dist.barrier()
+        else:
+            state = _state(rank, world, 0.0)
+            got = ck.load(state, step=s)
+            out.append((got, ck.last_load.source, state["meta"]["value"]))
+    ck.close()
+    return out
+
+
+def test_a_load_after_a_rollbacks_snapshots_begins_another_line_on_every_node(tmp_path):
+    """Job 1, rank 0 on node 1: durable 10 and 20, a rollback to 10, snapshots 11 and 12 (node 1
+    marks where its line began).  Job 2, rank 0 on node 0: a fault resumes 12, then a load of 20
+    by name begins another line.  Job 3 (a fault before any snapshot) resumes 20: node 1's mark,
+    left from job 1, must not make it offer 12 as the job's newest state."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    ops = [("save", 10), ("save", 20), ("load", 10), ("snap", 11), ("snap", 12)]
+    one = run_distributed(_ops, 4, url, base, [1, 1, 0, 0], ops)
+    assert [r[0][0] for r in one] == [10] * 4, one
+    two = run_distributed(_ops, 4, url, base, [0, 0, 1, 1], [("load", None), ("load", 20)])
+    assert [r[0][:2] for r in two] == [(12, "memory")] * 4, two
+    assert [r[1][0] for r in two] == [20] * 4, two
+    three = run_distributed(_ops, 4, url, base, [0, 0, 1, 1], [("load", None)])
+    assert [r[0][0] for r in three] == [20] * 4, three

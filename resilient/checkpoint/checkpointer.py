@@ -1741,6 +1741,9 @@ class Checkpointer:
                 sealed = seal_staged(self.memory.dir, max_run=self._run)
         if self._memory is not None and self.rank == 0:
             self._begin_line()  # (whatever this load restores, what memory holds now is older)
+        elif self._memory is not None and self._memory._replicas is not None:
+            if self.nodes.is_leader(self.rank):  # (every node's leader marks its node's too)
+                self._line_base = self._node_line_base()
         candidates = self._candidates(step, fallback)
         layout = self._layout_for(state)
         skipped: list[int] = []
@@ -1777,14 +1780,22 @@ class Checkpointer:
                 self._anchor_seen = self._durable_seen
                 self._anchor_chain = pending.chain if source is self else ()
                 self._lineage += 1
-                if self._memory is not None and self.rank == 0 and self.memory is not None:
+                across = self._memory is not None and self._memory._replicas is not None
+                if (
+                    self._memory is not None
+                    and self.memory is not None
+                    and (self.rank == 0 or (across and self.nodes.is_leader(self.rank)))
+                ):
                     # only snapshots taken from now on descend from this state: one of the line
                     # this load left is not taken for a newer line (snapshots.newer_line), but
                     # the snapshot it restored is this state (a fault before the next one
-                    # resumes it again)
-                    mark_line_start(
-                        self.memory.dir, self._line_base, seq if tier == _MEMORY else None
-                    )
+                    # resumes it again).  Across nodes, on every node (a node's mark left from
+                    # a run where rank 0 was there would count the line this load left), above
+                    # the newest commit in any node's memory
+                    base = self._line_base
+                    if across and base is not None:
+                        base = max(base, self._memory._seq_floor)
+                    mark_line_start(self.memory.dir, base, seq if tier == _MEMORY else None)
                 # a snapshot taken before this restore holds the state before it: a durable save
                 # of its step number must take a new one, not commit that one (a rollback to 100
                 # and save(300) committed the abandoned state of 300)
@@ -1961,12 +1972,18 @@ class Checkpointer:
         not take the commits of the line a rollback left, numbered above its steps, for its
         own."""
         assert self._memory is not None and self._memory._slots is not None
-        self._line_base = None
-        try:
-            self._line_base = newest_plausible_seq(self._memory.catalog())
+        self._line_base = self._node_line_base()
+        if self._line_base is not None:
             self._memory._slots.line_base = self._line_base
+
+    def _node_line_base(self) -> int | None:
+        """The newest commit order in this node's memory (None: it cannot be listed)."""
+        assert self._memory is not None
+        try:
+            return newest_plausible_seq(self._memory.catalog())
         except Exception as e:  # (the load says what is wrong with this node's memory)
             log.warning("the memory tier of %s cannot be listed: %s", self.url, e)
+            return None
 
     def _node_newest_seq(self) -> int:
         """The newest commit order in this node's memory (0 where it cannot be listed, or where

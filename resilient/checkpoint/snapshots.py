@@ -480,19 +480,19 @@ def exact_anchor(snap: Manifest, durable: Catalog | None, line: set[int]) -> tup
     return anchor
 
 
-# (rank 0's node) where the job's line began last: the newest commit order in the node's memory
-# when rank 0 last loaded a step (docs/FORMAT.md, section 9)
+# (rank 0's node; across nodes, every node's) where the job's line began last: the newest
+# commit order in memory when the job last loaded a step (docs/FORMAT.md, section 9)
 LINE_FILE = "LINE.json"
 LINE_FORMAT = "resilient-line/1"
 _MAX_LINE_FILE = 4 << 10
 
 
 def mark_line_start(job_dir: str, after: int | None, restored: int | None = None) -> None:
-    """(rank 0, after each load) The job's line begins here: only snapshots numbered above
-    ``after`` (taken since this load) descend from what it restored, and the snapshot it
-    restored (``restored``: its commit order in memory, where the load restored one) is that
-    state itself.  None (the node's memory could not be listed) removes the mark: no snapshot is
-    taken for a newer line then."""
+    """(rank 0, and across nodes every node's leader, after each load) The job's line begins
+    here: only snapshots numbered above ``after`` (taken since this load) descend from what it
+    restored, and the snapshot it restored (``restored``: its commit order in memory, where the
+    load restored one) is that state itself.  None (the node's memory could not be listed)
+    removes the mark: no snapshot is taken for a newer line then."""
     path = os.path.join(job_dir, LINE_FILE)
     try:
         if after is None:
