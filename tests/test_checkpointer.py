@@ -682,6 +682,42 @@ def test_a_checkpointer_dropped_unclosed_releases_its_writer_lease(tmp_path):
         assert ck.steps() == [1, 2]
 
 
+def test_a_fork_does_not_let_go_of_its_parents_dropped_checkpointer(tmp_path):
+    """A checkpointer queued to be let go of (dropped, collected) when the process forks is in
+    the child's copy of the queue too: the child's reaper must leave it to the parent (it
+    released the parent's writer lease, which the parent still held)."""
+    import threading
+
+    from resilient.checkpoint import checkpointer as ckpt_mod
+
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, {"model": torch.nn.Linear(4, 4)}).wait()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's checkpointer in the queue, then a marker after it
+        code = 1
+        try:
+            done = threading.Event()
+
+            class Marker:
+                _owner_pid, url = os.getpid(), "marker"
+
+                def _let_go(self):
+                    done.set()
+
+            ckpt_mod._DROPPED.put(ck)
+            ckpt_mod._DROPPED.put(Marker())
+            ckpt_mod._start_reaper()  # (a fork's child has no threads: started anew)
+            code = 0 if done.wait(30) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "LEASE.json").exists()  # still the parent's
+    ck.save(2, {"model": torch.nn.Linear(4, 4)}).wait()
+    ck.close()
+    assert Checkpointer(str(tmp_path)).steps() == [1, 2]
+
+
 def test_a_checkpointer_does_not_keep_the_tensors_it_saved_alive(tmp_path):
     import gc
     import weakref

@@ -136,6 +136,9 @@ _REAPER_LOCK = threading.Lock()
 def _reap_dropped() -> None:
     while True:
         ck = _DROPPED.get()
+        if ck._owner_pid != os.getpid():  # (queued before a fork: its process lets go of it)
+            del ck
+            continue
         try:
             ck._let_go()
         except Exception as e:  # (said, as a save's failure is)
