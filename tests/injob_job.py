@@ -50,11 +50,15 @@ def _claim(name: str) -> bool:
 
 
 def _gone(pid: int, reaped: bool = False) -> bool:
-    """Whether ``pid`` (not this process's child) has exited: a zombie, or (``reaped``) waited for
-    by its parent, the launcher, which then has seen it exit."""
+    """Whether ``pid`` (not this process's child) has exited: a zombie its parent can reap, or
+    (``reaped``) waited for by its parent, the launcher, which then has seen it exit.  (A process
+    whose main thread is a zombie while its other threads still exit cannot be reaped yet: its
+    parent's poll still finds it running, which on a busy machine lasted long enough for the
+    launcher to see this rank's death first.)"""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return not reaped and f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return not reaped and zombie and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except (OSError, IndexError):
         return True
 
