@@ -873,3 +873,22 @@ def test_a_checkpointer_of_the_url_left_open_in_this_process_is_named(tmp_path):
     del first  # dropped unclosed: its rank lets go once it is collected
     with Checkpointer(url, memory_every=1, persister=False) as ck:
         assert ck.memory_steps() == [1]
+
+
+def test_a_new_checkpointer_waits_for_a_slow_letting_go_of_a_dropped_one(tmp_path, monkeypatch):
+    """A checkpointer dropped unclosed is let go of by a thread of its own: a new one of the URL
+    waits for that (its rank's lock), however long it takes (on a busy machine, past the 3 s a
+    lock held by another live checkpointer is waited for; the new one was refused then)."""
+    url, m = str(tmp_path / "ckpt"), torch.nn.Linear(8, 8)
+    let_go = Checkpointer._let_go
+
+    def slow(self):
+        time.sleep(4)  # (past the lock's own 3 s wait)
+        let_go(self)
+
+    monkeypatch.setattr(Checkpointer, "_let_go", slow)
+    first = Checkpointer(url, memory_every=1, persister=False)
+    first.snapshot(1, {"model": m}).wait()
+    del first
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        assert ck.memory_steps() == [1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.checkpoint import snapshots as _snapshots
 from resilient.checkpoint.buffers import scratch_for
 from resilient.checkpoint.catalog import Catalog, line_of, scan
 from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a message)
@@ -146,6 +148,27 @@ def _reap_dropped() -> None:
         del ck
 
 
+def _collect_dropped(timeout_s: float = 60.0) -> None:
+    """A collection, then the letting go of every checkpointer it (or an earlier one) dropped:
+    ``snapshots.collect_dropped``, for a rank's lock this process holds itself.  Bounded: the
+    lock's own wait then says what holds it."""
+    gc.collect()
+    _start_reaper()
+    done = threading.Event()
+    _DROPPED.put(_Marker(done))  # (after every checkpointer queued before it)
+    done.wait(timeout_s)
+
+
+class _Marker:
+    """(the reaper's) Sets ``done`` when its turn comes."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self._owner_pid, self.url, self._done = os.getpid(), "", done
+
+    def _let_go(self) -> None:
+        self._done.set()
+
+
 def _start_reaper() -> None:
     with _REAPER_LOCK:
         if not _REAPER or not _REAPER[0].is_alive():  # (a fork's child has no threads)
@@ -153,6 +176,9 @@ def _start_reaper() -> None:
                 threading.Thread(target=_reap_dropped, name="resilient-ckpt-reaper", daemon=True)
             ]
             _REAPER[0].start()
+
+
+_snapshots.collect_dropped = _collect_dropped
 
 
 def _version() -> str:

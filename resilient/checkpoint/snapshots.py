@@ -209,7 +209,7 @@ class MemoryPlace:
                         collected = True
                         os.close(fd)
                         fd = -1
-                        gc.collect()
+                        collect_dropped()
                         continue
                     if time.monotonic() < deadline:
                         time.sleep(0.05)
@@ -448,6 +448,16 @@ def _fmt(n: float) -> str:
 # The lock a persister process holds on its job's memory directory while it runs
 # (persister.py): the directory is not given back under it.
 PERSISTER_LOCK = "PERSISTER.lock"
+
+
+def _collect() -> None:
+    gc.collect()
+
+
+# What a rank's lock held by this process itself waits for, once (MemoryPlace.hold): a collection,
+# and (set by checkpointer.py) the letting go of the checkpointers it dropped, which a thread of
+# their own does
+collect_dropped: Callable[[], None] = _collect
 
 
 def _parse_anchor(anchor: Any) -> tuple[int, int] | None:
