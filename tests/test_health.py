@@ -1064,7 +1064,15 @@ def test_a_frozen_rank_is_killed_by_a_rank_on_its_own_node(tmp_path, monkeypatch
         for r, freeze in ((2, "1"), (3, "0"))
     }
     try:
-        assert procs[2].wait(timeout=120) == -9  # killed, not left stopped
+        try:
+            code = procs[2].wait(timeout=120)
+        except subprocess.TimeoutExpired:  # (once, under load: say what each side saw)
+            procs[3].kill()
+            raise AssertionError(
+                f"rank 2 was not killed in 120 s; rank 3 said {procs[3].communicate()[0]!r}; "
+                f"events {sim.events.read()[-12:]}; verdicts here {dict(sim.failures)}"
+            ) from None
+        assert code == -9  # killed, not left stopped
         out, _ = procs[3].communicate(timeout=60)
         assert "verdict 2 3" in out
         assert sim.wait_for(lambda: all(sim.failures[r] for r in (0, 1)))
