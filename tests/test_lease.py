@@ -606,3 +606,48 @@ def test_a_record_set_aside_longer_ago_than_its_holder_renews_is_not_put_back(tm
     assert _set_aside_names(tmp_path) == []  # (swept by the holder)
     k.release()
     assert not (tmp_path / LEASE).exists()
+
+
+def test_a_put_back_lease_released_at_once_is_not_put_back_again(tmp_path):
+    """A reader that finds no LEASE.json puts a successor's set-aside record back.  Linked, then
+    unlinked, the set-aside name stayed a moment beside the lease: the successor's release in
+    that moment, then another reader finding no LEASE.json, put the released record back (a free
+    lease held by a holder who had let it go, until its timeout).  One rename now."""
+    import threading
+
+    from resilient.checkpoint import storage as storage_mod
+    from resilient.checkpoint.lease import WriterLease
+    from resilient.checkpoint.storage import Storage
+
+    a = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)
+    a.acquire()
+    b = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)  # the same job restarted
+    stalling = _stalling_release_ops(before=b.acquire)
+
+    class Window(type(stalling)):
+        armed = True
+
+        def unlink(self, name: str, *, dir_fd: int) -> None:
+            if self.armed and name.startswith(LEASE + ".released-"):
+                self.armed = False  # (in the put-back's window: the successor lets go, and a
+                b.release()  # reader of another job finds no LEASE.json)
+                other = WriterLease(Storage(str(tmp_path)), "K", timeout_s=60.0)
+                other._read_settled()
+            super().unlink(name, dir_fd=dir_fd)
+
+    ops = Window()
+    previous = storage_mod.set_local_ops(ops)
+    releasing = threading.Thread(target=a.release)
+    try:
+        releasing.start()
+        assert ops.set_aside.wait(60)
+        # another job's reader finds no LEASE.json: puts b's record back (a's release set it
+        # aside)
+        WriterLease(Storage(str(tmp_path)), "K", timeout_s=60.0)._read_settled()
+    finally:
+        ops.go.set()
+        releasing.join(timeout=60)
+        storage_mod.set_local_ops(previous)
+    assert not b.held
+    assert not (tmp_path / LEASE).exists(), (tmp_path / LEASE).read_text()
+    assert _set_aside_names(tmp_path) == []

@@ -211,11 +211,49 @@ class LocalOps:
     def link(self, src: str, dst: str, *, dir_fd: int) -> None:
         os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
 
+    def rename_noreplace(self, src: str, dst: str, *, dir_fd: int) -> bool:
+        """Rename ``src`` to ``dst`` only where nothing is at ``dst`` (FileExistsError), as one
+        step (Linux's ``renameat2`` with ``RENAME_NOREPLACE``); False where the system or the
+        file system cannot (the caller links, then unlinks: two steps)."""
+        return _renameat2_noreplace(src, dst, dir_fd)
+
     def unlink(self, name: str, *, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
 
     def mkdir(self, name: str, *, dir_fd: int) -> None:
         os.mkdir(name, 0o755, dir_fd=dir_fd)
+
+
+_RENAME_NOREPLACE = 1
+_renameat2: Any = None  # (libc's, looked up once; False where there is none)
+
+
+def _renameat2_noreplace(src: str, dst: str, dir_fd: int) -> bool:
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = False
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            try:
+                f = ctypes.CDLL(None, use_errno=True).renameat2
+            except (AttributeError, OSError):  # (glibc before 2.28, another libc)
+                pass
+            else:
+                f.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+                f.argtypes += [ctypes.c_uint]
+                f.restype = ctypes.c_int
+                _renameat2 = f
+    if _renameat2 is False:
+        return False
+    import ctypes
+
+    if _renameat2(dir_fd, os.fsencode(src), dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # (this file system cannot)
+        return False
+    raise OSError(err, os.strerror(err), dst)
 
 
 _local_ops = LocalOps()
@@ -1196,6 +1234,12 @@ class Storage:
         def link() -> bool:
             dfd = self._dir_fd(d, operation="write")
             try:
+                # one step where the system can: linked, then unlinked, the set-aside name stays
+                # a moment beside the lease, and a release of that lease then leaves it for
+                # another reader to put back (a released lease, held until its timeout)
+                if _local_ops.rename_noreplace(aside.rpartition("/")[2], name, dir_fd=dfd):
+                    _local_ops.fsync(dfd)
+                    return True
                 _local_ops.link(aside.rpartition("/")[2], name, dir_fd=dfd)
             except (FileExistsError, FileNotFoundError):
                 return False
@@ -1377,8 +1421,12 @@ def _detect_commit_method(fs: Any, is_local: bool) -> str | None:
 
 
 def _put_back(aside: str, name: str, dir_fd: int) -> None:
-    """Give ``aside`` its name ``name`` again, unless something is at ``name`` now."""
+    """Give ``aside`` its name ``name`` again, unless something is at ``name`` now (one rename
+    where the system can, see Storage.put_back; else a link, whose set-aside name the caller
+    removes)."""
     try:
+        if _local_ops.rename_noreplace(aside, name, dir_fd=dir_fd):
+            return
         _local_ops.link(aside, name, dir_fd=dir_fd)
     except (FileExistsError, FileNotFoundError):
         pass  # (FileNotFoundError: put back already, Storage.put_back)
