@@ -892,3 +892,29 @@ def test_a_new_checkpointer_waits_for_a_slow_letting_go_of_a_dropped_one(tmp_pat
     del first
     with Checkpointer(url, memory_every=1, persister=False) as ck:
         assert ck.memory_steps() == [1]
+
+
+def test_a_new_checkpointer_still_waits_for_the_lock_after_a_slow_reaper(tmp_path, monkeypatch):
+    """The reaper's turn can come late (a busy machine) and a dropped checkpointer's rank lock go
+    a moment after it (its last snapshot was still being committed: the tier lets go on a
+    thread of its own once that is over): the lock's own wait begins once the reaper's turn came,
+    not before it (its deadline had passed, and the new checkpointer was refused at once)."""
+    import threading
+
+    url, m = str(tmp_path / "ckpt"), torch.nn.Linear(8, 8)
+    let_go = Checkpointer._let_go
+
+    def slow(self):
+        if self._memory is None:  # (the tier's own)
+            let_go(self)
+            return
+        time.sleep(4)  # (the reaper's turn, past the lock's own 3 s wait)
+        # (its last snapshot still being committed: the tier lets go a moment later)
+        threading.Timer(1.0, let_go, (self,)).start()
+
+    monkeypatch.setattr(Checkpointer, "_let_go", slow)
+    first = Checkpointer(url, memory_every=1, persister=False)
+    first.snapshot(1, {"model": m}).wait()
+    del first
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        assert ck.memory_steps() == [1]

@@ -210,6 +210,9 @@ class MemoryPlace:
                         os.close(fd)
                         fd = -1
                         collect_dropped()
+                        # (the lock's own wait begins now: the letting go may end a moment
+                        # after the reaper's turn, which may come past the first deadline)
+                        deadline = time.monotonic() + wait_s
                         continue
                     if time.monotonic() < deadline:
                         time.sleep(0.05)
