@@ -721,3 +721,29 @@ def test_a_second_fault_before_a_snapshot_still_resumes_the_new_line(
         assert ck.load(out) == 12 and out["meta"]["v"] == 10.12
         if persister:
             assert ck.catalog().line() == [12, 10] and _parent(ck, 12)["step"] == 10
+
+
+@pytest.mark.parametrize("planted", ["directory", "fifo", "symlink"])
+def test_a_line_mark_that_is_not_a_regular_file_counts_as_none(tmp_path, planted):
+    """LINE.json planted as a directory (its read raised IsADirectoryError out of the load), a
+    FIFO or a link (to a mark that would count snapshot 12 as of the new line): no mark, so the
+    load resumes 20; nothing is written through the link, and no temporary file is left."""
+    url = str(tmp_path / "ckpt")
+    _rolled_back_below_the_branch(url, persister=False)
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        job = ck.memory.dir
+    mark = os.path.join(job, "LINE.json")
+    os.unlink(mark)
+    victim = tmp_path / "victim"
+    victim.write_text(json.dumps({"format": "resilient-line/1", "after": 0}))
+    before = victim.read_text()
+    if planted == "directory":
+        os.mkdir(mark)
+    elif planted == "fifo":
+        os.mkfifo(mark)
+    else:
+        os.symlink(victim, mark)
+    with Checkpointer(url, memory_every=1, persister=False) as ck:
+        assert ck.load(blank()) == 20 and ck.last_load.source == "durable"
+    assert victim.read_text() == before
+    assert not [n for n in os.listdir(job) if n.startswith("LINE.json.tmp")]

@@ -514,12 +514,17 @@ def mark_line_start(job_dir: str, after: int | None, restored: int | None = None
             return
         tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            record: dict[str, Any] = {"format": LINE_FORMAT, "after": after}
-            if restored is not None:
-                record["restored"] = restored
-            json.dump(record, f)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                record: dict[str, Any] = {"format": LINE_FORMAT, "after": after}
+                if restored is not None:
+                    record["restored"] = restored
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # (else one is left at each load: a full tmpfs, a planted name)
+            raise
     except OSError as e:
         log.warning("the memory tier cannot record where this job's line begins (%s): %s", path, e)
         with contextlib.suppress(OSError):
@@ -538,10 +543,15 @@ def line_mark(job_dir: str) -> tuple[int | None, int | None]:
         fd = os.open(os.path.join(job_dir, LINE_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None, None
+    try:  # (a directory there: fdopen refuses it, so the type is asked first)
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        os.close(fd)
+        return None, None
     with os.fdopen(fd, "rb") as f:
         try:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None, None
             data = f.read(_MAX_LINE_FILE + 1)
             record = json.loads(data) if len(data) <= _MAX_LINE_FILE else None
         except (OSError, ValueError, RecursionError):
