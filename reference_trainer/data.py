@@ -27,7 +27,7 @@ import torch
 from resilient.checkpoint.format import _short
 from resilient.errors import StateMismatchError
 
-__all__ = ["corpus_files", "load_tokens", "Loader"]
+__all__ = ["corpus_files", "corpus_id", "load_tokens", "Loader"]
 
 
 def corpus_files(data: str | None) -> list[Path]:
@@ -54,14 +54,43 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def load_tokens(data: str | None) -> np.ndarray:
-    """All tokens of the corpus as a read-only uint8 array (memory-mapped from the cache)."""
-    files = corpus_files(data)
+def _cache_path(files: list[Path]) -> Path:
     stats = [f.stat() for f in files]
     key = hashlib.sha256(
         json.dumps([[str(f), s.st_size, int(s.st_mtime)] for f, s in zip(files, stats)]).encode()
     ).hexdigest()[:16]
-    cache = _cache_dir() / f"tokens-{key}.u8"
+    return _cache_dir() / f"tokens-{key}.u8"
+
+
+def corpus_id(tokens: np.ndarray) -> str:
+    """What the corpus is, by content: ``"<tokens>:<sha256 of them, 16 hex>"`` (the same text
+    under another path is the same corpus; an edited file is another).  A run records it, and a
+    resumed run must read the same corpus: the windows of every step are drawn from it.  Taken
+    once per token cache (``load_tokens``'s), kept beside it."""
+    where = getattr(tokens, "filename", None)
+    side = Path(where).with_suffix(".id") if where else None
+    if side is not None:
+        try:
+            known = side.read_text().strip()
+            if known.startswith(f"{len(tokens)}:"):
+                return known
+        except OSError:
+            pass
+    ident = f"{len(tokens)}:{hashlib.sha256(tokens).hexdigest()[:16]}"
+    if side is not None:
+        tmp = side.with_suffix(f".id.tmp{os.getpid()}")
+        try:
+            tmp.write_text(ident)
+            os.replace(tmp, side)  # concurrent ranks may race; the content is the same
+        except OSError:
+            pass  # (taken again next time)
+    return ident
+
+
+def load_tokens(data: str | None) -> np.ndarray:
+    """All tokens of the corpus as a read-only uint8 array (memory-mapped from the cache)."""
+    files = corpus_files(data)
+    cache = _cache_path(files)
     if not cache.exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")

@@ -23,12 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference_trainer.config import ConfigError, TrainConfig, sizing_warnings
-from reference_trainer.data import Loader, load_tokens
+from reference_trainer.data import Loader, corpus_id, load_tokens
 from reference_trainer.model import MoETransformer, init_parameters
 from reference_trainer.optim import AdamW
 from reference_trainer.parallel import ParallelContext, ZeroAdamW, clip_grad_norm, sync_gradients
 from resilient import Checkpointer, InJobRecovery, Run
 from resilient.checkpoint.catalog import scan
+from resilient.checkpoint.format import _short
 from resilient.checkpoint.storage import Storage
 from resilient.errors import StateMismatchError
 from resilient.health import DetectorConfig, default_event_log
@@ -198,6 +199,9 @@ def _train(
         "seed": cfg.seed,
         "global_batch": cfg.global_batch,
         "model": dataclasses.asdict(cfg.model),  # what `reshape export --format hf` needs
+        # which corpus (--data) the windows were drawn from, by content: None until restored
+        # (a step saved before it was recorded keeps None), then this run's
+        "corpus": None,
     }
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
@@ -220,6 +224,7 @@ def _train(
         event_log=events,
         hooks=hooks,
         preflight=cfg.preflight,
+        optional_values=("config.corpus",),  # (steps saved before it was recorded lack it)
     )
     recovery.attach(run)
     metrics = open_metrics(cfg.metrics) if cfg.metrics and rank == 0 else None
@@ -233,6 +238,7 @@ def _train(
             else:
                 optim.state.clear()
         _check_resumed_config(config, cfg, start)
+        _check_resumed_corpus(config, cfg, start, corpus_id(tokens))
         _check_resumed_position(loader, cfg, start)
         skipped = 0  # consecutive steps whose gradients were not finite
         try:
@@ -281,6 +287,31 @@ def _check_resumed_config(restored: dict[str, Any], cfg: TrainConfig, start: int
                 f"samples than the run it continues (some twice, some never) — use {flag} {was}, "
                 f"or start a new run (another --ckpt)"
             )
+
+
+def _check_resumed_corpus(config: dict[str, Any], cfg: TrainConfig, start: int, now: str) -> None:
+    """The windows of every step are drawn from the corpus: a run resumed on another one (another
+    --data, or the same path edited) reads other samples than the run it continues.  Refused by
+    name; a step saved before the corpus was recorded resumes with a warning.  Then the config
+    records this run's corpus for its saves."""
+    was = config.get("corpus")
+    data = cfg.data or "(the embedded default: Python's standard library)"
+    if start and was is None:
+        log.warning(
+            "step %d of %s does not record which corpus it was trained on (saved by an older "
+            "trainer): resuming on --data %s, unchecked",
+            start,
+            cfg.ckpt,
+            data,
+        )
+    elif start and was != now:
+        raise ConfigError(
+            f"--data {data}: the checkpoint this run resumes (step {start} of {cfg.ckpt}) was "
+            f"trained on another corpus ({_short(was)} tokens:digest, this one {now}); resuming "
+            f"would draw other samples than the run it continues — give the --data it was "
+            f"trained on, or start a new run (another --ckpt)"
+        )
+    config["corpus"] = now
 
 
 def _check_resumed_position(loader: Loader, cfg: TrainConfig, start: int) -> None:

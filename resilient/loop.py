@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,11 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint import Checkpointer
-from resilient.checkpoint.checkpointer import check_memory_options, collective_device
+from resilient.checkpoint.checkpointer import (
+    _optional_names,
+    check_memory_options,
+    collective_device,
+)
 from resilient.checkpoint.format import _short
 from resilient.checkpoint.worker import join_running
 from resilient.errors import (
@@ -201,9 +205,8 @@ class Run:
     ``Run(checkpoint_url, *, save_every=100, keep_last=3, keep_every=None, max_failed_saves=3,
     heartbeat_interval_s=1.0, hang_timeout_s=None, join_timeout_s=120.0, phase_budgets_s=None,
     storage_options=None, layout=None, monitor=None, detect=None, event_log=None, fallback=True,
-    hooks=(), memory_every=None, memory_root=None, memory_commit_every=1, preflight=False)``; see
-    the README for what
-    each does.  ``preflight=True`` (or a ``resilient.preflight.PreflightConfig``) checks every rank
+    hooks=(), memory_every=None, memory_root=None, memory_commit_every=1, preflight=False,
+    optional_values=())``; see the README for what each does.  ``preflight=True`` (or a ``resilient.preflight.PreflightConfig``) checks every rank
     before training (the quick subset of ``resilient preflight``: store latency, a small
     all-reduce, pairwise links, memory bandwidth, device health; a few seconds) and raises
     ``PreflightError`` naming the failing rank, host or link and its figure.
@@ -232,6 +235,7 @@ class Run:
         memory_root: str | None = None,
         memory_commit_every: int = 1,
         preflight: Any = False,
+        optional_values: Iterable[str] = (),
     ) -> None:
         detector = check_run_options(
             save_every=save_every,
@@ -257,6 +261,8 @@ class Run:
         self.storage_options = storage_options
         self.layout = layout
         self.fallback = fallback
+        # (Checkpointer.load's ``optional``: values an older script's steps lack keep theirs)
+        self.optional_values = _optional_names(optional_values)
         self.hooks = list(hooks)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -391,7 +397,9 @@ class Run:
             return
         t0, t0_mono = time.time(), time.monotonic()  # (when, for the log; how long, measured)
         try:
-            loaded = self.checkpointer.load(self.state, fallback=self.fallback)
+            loaded = self.checkpointer.load(
+                self.state, fallback=self.fallback, optional=self.optional_values
+            )
         except ResilientError as e:
             if durable or isinstance(e, RankFailureError):
                 raise

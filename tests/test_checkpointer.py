@@ -682,6 +682,30 @@ def test_a_checkpointer_dropped_unclosed_releases_its_writer_lease(tmp_path):
         assert ck.steps() == [1, 2]
 
 
+def test_values_named_optional_that_a_step_lacks_keep_their_own(tmp_path):
+    """A training script that records a new value (its corpus, a counter) cannot load the steps
+    its older version saved unless the value is named optional: it keeps its current value
+    there; restored where the step has it; any other missing value is still a mismatch."""
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"w": torch.ones(4), "config": {"seed": 3}}).wait()
+        ck.save(2, {"w": torch.ones(4), "config": {"seed": 3, "corpus": "c2"}}).wait()
+        state = {"w": torch.zeros(4), "config": {"seed": 0, "corpus": None}}
+        with pytest.raises(StateMismatchError, match=r"config\.corpus"):
+            ck.load(state, 1)
+        assert ck.load(state, 1, optional=["config.corpus"]) == 1
+        assert state["config"] == {"seed": 3, "corpus": None} and torch.equal(
+            state["w"], torch.ones(4)
+        )
+        assert ck.load(state, optional=("config.corpus",)) == 2
+        assert state["config"] == {"seed": 3, "corpus": "c2"}
+        state["config"]["new"] = 1
+        with pytest.raises(StateMismatchError, match=r"config\.new"):
+            ck.load(state, 2, optional=("config.corpus",))
+        for bad in ("config.corpus", 5, [b"config.corpus"]):
+            with pytest.raises(TypeError, match="optional must be value names"):
+                ck.load(state, 2, optional=bad)
+
+
 def test_a_fork_does_not_let_go_of_its_parents_dropped_checkpointer(tmp_path):
     """A checkpointer queued to be let go of (dropped, collected) when the process forks is in
     the child's copy of the queue too: the child's reaper must leave it to the parent (it

@@ -174,6 +174,59 @@ def test_a_resume_with_another_seed_or_global_batch_is_refused(tmp_path, change)
     assert "ConfigError" in str(e.value) and f"was trained with {flag}" in str(e.value)
 
 
+def test_a_resume_on_another_corpus_is_refused_and_the_same_text_elsewhere_is_not(
+    tmp_path, monkeypatch
+):
+    """Every step's windows are drawn from the corpus: resumed with another --data (or the same
+    path edited), the run read other samples than the one it continues, without a word.  The
+    checkpoint records the corpus by content now: another is refused by name, the same text
+    under another path resumes."""
+    from tests.dist import run_distributed
+    from tests.integration.trainer_runs import run_train
+
+    monkeypatch.setenv("RESILIENT_CACHE", str(tmp_path / "cache"))
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "copy.txt").write_text(text)
+    (tmp_path / "b.txt").write_text(text.replace("fox", "cat"))
+    ckpt = str(tmp_path / "ck")
+    run = {"save_every": 2, "ckpt": ckpt, "global_batch": 8}
+    run_distributed(run_train, 1, {**run, "steps": 2, "data": str(tmp_path / "a.txt")})
+    with pytest.raises(AssertionError) as e:
+        run_distributed(run_train, 1, {**run, "steps": 4, "data": str(tmp_path / "b.txt")})
+    assert "ConfigError" in str(e.value) and "another corpus" in str(e.value), str(e.value)[-2000:]
+    run_distributed(run_train, 1, {**run, "steps": 4, "data": str(tmp_path / "copy.txt")})
+
+
+def test_a_step_that_records_no_corpus_resumes_with_a_warning(tmp_path, caplog):
+    """A step saved by a trainer before the corpus was recorded lacks the value (loaded as
+    optional: it keeps None): it resumes, said, and the run's own saves record its corpus."""
+    from reference_trainer.train import _check_resumed_corpus
+
+    cfg = TrainConfig(ckpt=str(tmp_path), save_every=1)
+    config = {"corpus": None}
+    with caplog.at_level("WARNING"):
+        _check_resumed_corpus(config, cfg, 4, "100:abc")
+    assert "does not record which corpus" in caplog.text
+    assert config["corpus"] == "100:abc"
+    _check_resumed_corpus(config, cfg, 4, "100:abc")  # (the same: nothing said)
+    with pytest.raises(ConfigError, match="another corpus"):
+        _check_resumed_corpus(config, cfg, 4, "100:abd")
+
+
+def test_the_corpus_id_is_its_content_and_kept_beside_the_token_cache(tmp_path, monkeypatch):
+    from reference_trainer.data import corpus_id, load_tokens
+
+    monkeypatch.setenv("RESILIENT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a.txt").write_text("x" * 500)
+    (tmp_path / "b.txt").write_text("x" * 500)
+    (tmp_path / "c.txt").write_text("x" * 499 + "y")
+    ids = [corpus_id(load_tokens(str(tmp_path / n))) for n in ("a.txt", "b.txt", "c.txt")]
+    assert ids[0] == ids[1] != ids[2] and ids[0].startswith("502:")
+    sides = sorted((tmp_path / "cache").glob("*.id"))
+    assert len(sides) == 3 and {p.read_text() for p in sides} == set(ids)
+
+
 @pytest.mark.parametrize("value", [True, 2.7, "5", None, 0, -3, 2**63, [4]])
 def test_a_loader_position_that_is_no_step_number_is_refused(value):
     """int() took True as step 1, 2.7 as 2, '5' as 5, 0, -3 and 2**63 as they were (other

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -216,6 +216,20 @@ class LoadStats:
     # (memory, rank 0) the newest snapshot this load could restore, on any node (across nodes,
     # rank 0's own node may hold none of them)
     newest_memory: int | None = None
+
+
+def _optional_names(names: Any) -> frozenset[str]:
+    """``load``'s ``optional``: an iterable of value names (not one str, whose letters would be
+    taken for names)."""
+    try:
+        listed = () if isinstance(names, (str, bytes)) else tuple(names)
+    except TypeError:
+        listed = ()
+    if not listed and names or not all(isinstance(n, str) for n in listed):
+        raise TypeError(
+            f"optional must be value names such as ('config.corpus',), got {_short(names)}"
+        )
+    return frozenset(listed)
 
 
 def _check_step(step: Any, call: str, *, optional: bool = False) -> None:
@@ -1728,7 +1742,12 @@ class Checkpointer:
 
     # --- load ---------------------------------------------------------------------------------
     def load(
-        self, state: Mapping[str, Any], step: int | None = None, *, fallback: bool = False
+        self,
+        state: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        fallback: bool = False,
+        optional: Iterable[str] = (),
     ) -> int:
         """Fill ``state`` in place from ``step`` (default: the newest commit); returns the step.
 
@@ -1739,9 +1758,14 @@ class Checkpointer:
         (corrupt bytes, a missing file, a storage error after retries) is skipped, with a warning,
         for the one before it on the current line, by every rank together; any other failure (the
         state does not match) is raised by every rank.
+
+        ``optional``: names of values (``"config.corpus"``, as ``StateMismatchError`` names them)
+        that a step may lack, saved by an older version of the training script: such a value
+        keeps its current one.  Any other value or tensor a step lacks is a mismatch.
         """
         self._check_open()
         _check_step(step, "load", optional=True)  # (on every rank, before any collective)
+        optional = _optional_names(optional)
         if not self._pending_is_old:
             self._join_pending()
         if self._memory is not None and self._memory._thread is not None:
@@ -1783,7 +1807,7 @@ class Checkpointer:
             try:
                 if s < 0:
                     raise self._not_found_error(step, None)
-                pending = source._read_step(state, s, layout, (seq, generation))
+                pending = source._read_step(state, s, layout, (seq, generation), optional)
             except Exception as e:  # every rank must reach the agreement below, whatever failed
                 error = e
             # anything wrong with a snapshot (even a state it does not match: a stale one) falls
@@ -2231,9 +2255,11 @@ class Checkpointer:
         step: int,
         layout: Layout,
         version: tuple[int, int] | None = None,
+        optional: frozenset[str] = frozenset(),
     ) -> _PendingLoad:
         """Read and check every byte this rank needs of ``step`` into scratch memory; the step's
-        manifest must be ``version`` (commit_seq, generation) when given."""
+        manifest must be ``version`` (commit_seq, generation) when given; the values named in
+        ``optional`` that it lacks keep their current ones."""
         peer_files = (
             self._gather_files(state, step, layout, version) if self._replicas is not None else 0
         )
@@ -2260,11 +2286,12 @@ class Checkpointer:
                 else:
                     scratch = scratch_for({k: leaf.local for k, leaf in flat.tensors.items()})
                     rs = execute_reads(self.storage, manifest, items, scratch)
-                missing = [
+                lacks = {
                     k
                     for k in flat.values
                     if k not in manifest.extras and k not in manifest.rank_extras.get(self.rank, {})
-                ]
+                }
+                missing = [k for k in flat.values if k in lacks and k not in optional]
                 if missing:
                     raise StateMismatchError(
                         f"step {step} has no values for {missing[:8]}; it was saved from a "
@@ -2273,6 +2300,8 @@ class Checkpointer:
                 mine = manifest.rank_extras.get(self.rank, {})
                 values = {}
                 for key, current in flat.values.items():
+                    if key in lacks:  # (optional: keeps its current value)
+                        continue
                     value = mine.get(key, manifest.extras.get(key))
                     if isinstance(current, tuple) and isinstance(value, list):
                         value = tuple(value)
