@@ -55,9 +55,13 @@ def _cache_dir() -> Path:
 
 
 def _cache_path(files: list[Path]) -> Path:
+    # (nanoseconds, and the change time, which no one sets: a file rewritten with the same size
+    # in the same second, or with its mtime put back as cp -p does, is not the cached one)
     stats = [f.stat() for f in files]
     key = hashlib.sha256(
-        json.dumps([[str(f), s.st_size, int(s.st_mtime)] for f, s in zip(files, stats)]).encode()
+        json.dumps(
+            [[str(f), s.st_size, s.st_mtime_ns, s.st_ctime_ns] for f, s in zip(files, stats)]
+        ).encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"tokens-{key}.u8"
 
@@ -69,18 +73,23 @@ def corpus_id(tokens: np.ndarray) -> str:
     once per token cache (``load_tokens``'s), kept beside it."""
     where = getattr(tokens, "filename", None)
     side = Path(where).with_suffix(".id") if where else None
+    stamp = ""
     if side is not None:
+        # the id holds for the cache file it was taken of (inode, size, mtime): one rebuilt or
+        # replaced since (other content of the same length) is hashed again
         try:
+            st = os.stat(where)
+            stamp = f" {st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
             known = side.read_text().strip()
-            if known.startswith(f"{len(tokens)}:"):
-                return known
+            if known.startswith(f"{len(tokens)}:") and known.endswith(stamp):
+                return known[: -len(stamp)]
         except OSError:
             pass
     ident = f"{len(tokens)}:{hashlib.sha256(tokens).hexdigest()[:16]}"
-    if side is not None:
+    if side is not None and stamp:
         tmp = side.with_suffix(f".id.tmp{os.getpid()}")
         try:
-            tmp.write_text(ident)
+            tmp.write_text(ident + stamp)
             os.replace(tmp, side)  # concurrent ranks may race; the content is the same
         except OSError:
             pass  # (taken again next time)

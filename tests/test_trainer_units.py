@@ -1,5 +1,6 @@
 """The trainer's pieces without processes: config checks, presets, sizing rules, data order."""
 
+import os
 import re
 
 import numpy as np
@@ -224,7 +225,49 @@ def test_the_corpus_id_is_its_content_and_kept_beside_the_token_cache(tmp_path, 
     ids = [corpus_id(load_tokens(str(tmp_path / n))) for n in ("a.txt", "b.txt", "c.txt")]
     assert ids[0] == ids[1] != ids[2] and ids[0].startswith("502:")
     sides = sorted((tmp_path / "cache").glob("*.id"))
-    assert len(sides) == 3 and {p.read_text() for p in sides} == set(ids)
+    assert len(sides) == 3 and {p.read_text().split()[0] for p in sides} == set(ids)
+
+
+def test_an_edited_corpus_of_the_same_size_and_mtime_second_is_another_corpus(
+    tmp_path, monkeypatch
+):
+    """The token cache was keyed by (path, size, whole seconds of mtime): a file rewritten with
+    the same size within the same second (or with its mtime put back, as cp -p and rsync -t do)
+    reused the stale cache, so the run trained on the old text and its corpus id said nothing."""
+    from reference_trainer.data import corpus_id, load_tokens
+
+    monkeypatch.setenv("RESILIENT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "a.txt"
+    f.write_text("x" * 500)
+    st = f.stat()
+    first = load_tokens(str(f))
+    was = corpus_id(first)
+    f.write_text("y" * 500)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # (the same size, the same mtime)
+    now = load_tokens(str(f))
+    assert bytes(now[:3]) == b"yyy"
+    assert corpus_id(now) != was
+
+
+def test_a_stale_sidecar_does_not_name_a_rebuilt_cache(tmp_path, monkeypatch):
+    """The corpus id beside the token cache was taken on the word of its length alone: a cache
+    rebuilt with other content of the same length (deleted and made again, replaced by another
+    process) kept the id of the old one, and a resume on it was let through."""
+    from reference_trainer.data import corpus_id, load_tokens
+
+    monkeypatch.setenv("RESILIENT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "a.txt"
+    f.write_text("x" * 500)
+    tokens = load_tokens(str(f))
+    was = corpus_id(tokens)
+    cache = tokens.filename
+    del tokens
+    tmp = str(cache) + ".new"
+    with open(tmp, "wb") as out:
+        out.write(b"z" * 502)
+    os.replace(tmp, cache)
+    rebuilt = np.memmap(cache, dtype=np.uint8, mode="r")
+    assert corpus_id(rebuilt) != was
 
 
 @pytest.mark.parametrize("value", [True, 2.7, "5", None, 0, -3, 2**63, [4]])
