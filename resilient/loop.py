@@ -1145,6 +1145,7 @@ def fault_tolerant(
     }
     checked = {k: options[k] for k in _CHECKED if k in options}
     detector = check_run_options(**{**_CHECK_DEFAULTS, **checked})
+    _optional_names(options.get("optional_values", ()))  # (Run's check, before any group)
     event_log = options.get("event_log") or default_event_log(checkpoint_url)
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -730,3 +730,13 @@ def test_a_heartbeat_store_failure_does_not_crash_the_training_loop(monkeypatch,
         assert (step, phase, seq) == (5, "train", m._seq)
     finally:
         run.close()
+
+
+def test_fault_tolerant_refuses_bad_optional_values_before_any_process_group(monkeypatch):
+    """optional_values="config.corpus" (one str, taken letter by letter) was let through by the
+    decorator and refused only by Run, inside the wrapped call, after the process group."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TypeError, match="optional must be value names"):
+        fault_tolerant("/tmp/x", optional_values="config.corpus")
+    fault_tolerant("/tmp/x", optional_values=("config.corpus",))
+    assert not dist.is_initialized()
