@@ -887,11 +887,7 @@ def test_a_new_checkpointer_waits_for_a_slow_letting_go_of_a_dropped_one(tmp_pat
         let_go(self)
 
     monkeypatch.setattr(Checkpointer, "_let_go", slow)
-    first = Checkpointer(url, memory_every=1, persister=False)
-    first.snapshot(1, {"model": m}).wait()
-    del first
-    with Checkpointer(url, memory_every=1, persister=False) as ck:
-        assert ck.memory_steps() == [1]
+    _snapshot_drop_and_open_again(url, m)
 
 
 def test_a_new_checkpointer_still_waits_for_the_lock_after_a_slow_reaper(tmp_path, monkeypatch):
@@ -913,6 +909,12 @@ def test_a_new_checkpointer_still_waits_for_the_lock_after_a_slow_reaper(tmp_pat
         threading.Timer(1.0, let_go, (self,)).start()
 
     monkeypatch.setattr(Checkpointer, "_let_go", slow)
+    _snapshot_drop_and_open_again(url, m)
+
+
+def _snapshot_drop_and_open_again(url: str, m: torch.nn.Module) -> None:
+    """A checkpointer of ``url`` takes snapshot 1 and is dropped unclosed; a new one of the URL
+    restores nothing yet but finds the snapshot (its rank's lock was let go of)."""
     first = Checkpointer(url, memory_every=1, persister=False)
     first.snapshot(1, {"model": m}).wait()
     del first
