@@ -816,7 +816,7 @@ class Run:
         rank finished (False when it is failing, and then a save's failure is logged, not raised
         over the error that ends the run)."""
         if self._carry and self.monitor is not None:
-            self.monitor.on_peer_failure = None  # a late verdict must not abort the next generation
+            self.monitor.hand_over()  # a late verdict neither exits nor aborts the next generation
         try:
             if self.checkpointer is not None and not self._carry:
                 try:

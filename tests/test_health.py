@@ -603,8 +603,9 @@ def test_a_verdict_is_answered_whatever_fails_in_the_response(tmp_path, monkeypa
         sim.close()
 
 
-def _answer_by_hand(tmp_path, finding, on_failure, in_job=None):
-    """A rank's monitor with its threads stopped, answering ``finding`` on this thread."""
+def _answer_by_hand(tmp_path, finding, on_failure, in_job=None, *, handed_over=False):
+    """A rank's monitor with its threads stopped, answering ``finding`` on this thread;
+    ``handed_over``: its loop took the failure over (``Monitor.hand_over``) before."""
     server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     m = Monitor(
         server,
@@ -618,6 +619,8 @@ def _answer_by_hand(tmp_path, finding, on_failure, in_job=None):
     )
     m.close()
     m.on_peer_failure = in_job
+    if handed_over:
+        m.hand_over()
     server.set("run/0/verdict", json.dumps(finding.to_json()))
     try:
         m._watch()
@@ -636,7 +639,7 @@ def test_a_response_that_fails_exits_as_the_response_would_have(tmp_path, monkey
         holder: dict = {}
 
         def broken() -> str:
-            holder["m"].on_peer_failure = None
+            holder["m"].hand_over()
             raise RuntimeError("boom")
 
         real_watch = Monitor._watch
@@ -657,6 +660,22 @@ def test_a_response_that_fails_exits_as_the_response_would_have(tmp_path, monkey
     monkeypatch.setattr(heartbeat_module, "_stacks", broken)
     _answer_by_hand(tmp_path, finding, failures.append, in_job=lambda f: None)
     assert len(failures) == want
+
+
+@pytest.mark.parametrize("verdict", [Verdict.DEAD, Verdict.HUNG])
+def test_a_verdict_read_after_the_loop_took_the_failure_over_exits_no_one(tmp_path, verdict):
+    """On a loaded machine a survivor's collective can fail (the peer was killed) and its loop
+    take the failure over into the next generation before its monitor's thread has even read
+    the verdict: answered then, it exited the survivor (code 75), and the launcher gave up the
+    in-job recovery it was forming for a restart of the whole group.  A verdict about this rank
+    itself still exits it."""
+    peer = Finding(verdict, 0, "h", 1, 5, "train", 1.0, 9.0, "x")
+    failures: list = []
+    _answer_by_hand(tmp_path, peer, failures.append, handed_over=True)
+    assert failures == []
+    own = Finding(Verdict.DEAD, 1, "h", 1, 5, "train", 1.0, 9.0, "x")
+    _answer_by_hand(tmp_path, own, failures.append, handed_over=True)
+    assert [f.rank for f in failures] == [1]
 
 
 def test_an_on_failure_that_raises_is_called_once(tmp_path):

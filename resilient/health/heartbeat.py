@@ -172,6 +172,8 @@ class Monitor:
         self.on_failure = on_failure or self._exit
         # in-job recovery: called (from the monitor's thread) on a verdict about another rank
         self.on_peer_failure: Callable[[Finding], None] | None = None
+        # in-job recovery: the loop took a peer's failure over (``hand_over``)
+        self._handed_over = False
         self.kill_local = kill_local
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.node = node_label()
@@ -291,6 +293,19 @@ class Monitor:
 
     def verdict(self) -> Finding | None:
         return self._verdict
+
+    def hand_over(self) -> None:
+        """(in-job recovery; the loop) This rank's loop took a peer's failure over and goes on to
+        the next generation of the group.  A verdict about that peer that this monitor has not
+        answered yet (its thread may read it only now, on a loaded machine) is still answered
+        (the record, the stacks, a kill this rank is named for) but neither exits the rank nor
+        calls ``on_peer_failure``, which would abort the checkpointer the next generation keeps."""
+        self._handed_over = True
+        self.on_peer_failure = None
+
+    def _in_job(self) -> bool:
+        """Whether a verdict about a peer is in-job recovery's to answer, not an exit."""
+        return self.on_peer_failure is not None or self._handed_over
 
     def close(self, *, announce: bool = True, at_exit: bool = False) -> None:
         """Stop heartbeating.  With ``announce`` (a normal end), say "done" first, so that peers
@@ -862,8 +877,8 @@ class Monitor:
             return
         finding = Finding.from_json(json.loads(raw))
         self._verdict = finding  # (answered once: the next pass returns above)
-        # (as _respond decides: the loop may unset the hook meanwhile, taking the failure over)
-        in_job = self.on_peer_failure is not None
+        # (as _respond decides: the loop may take the failure over meanwhile, see hand_over)
+        in_job = self._in_job()
         self._failure_called = False
         try:
             self._respond(finding)
@@ -879,8 +894,9 @@ class Monitor:
     def _respond(self, finding: Finding) -> None:
         leader = self.is_leader
         # in-job recovery: the loop may take the failure over meanwhile (a collective fails once
-        # the rank is killed below) and unset the hook; it then answers it, not this thread
-        in_job = self.on_peer_failure is not None
+        # the rank is killed below; see hand_over), or have taken it over already, before this
+        # thread read the verdict: it then answers it, not this thread
+        in_job = self._in_job()
         if leader:
             self.events.write("verdict", leader=self.rank, **finding.to_json())
         if finding.verdict is not Verdict.HUNG:
@@ -932,8 +948,8 @@ class Monitor:
             # a spare
             hook(finding)
             return
-        if in_job and finding.rank is not None and finding.rank != self.rank:
-            return  # the loop's in-job recovery took it over (it unset the hook): no exit
+        if (in_job or self._handed_over) and finding.rank is not None and finding.rank != self.rank:
+            return  # the loop's in-job recovery took it over (hand_over): no exit
         if finding.verdict is Verdict.HUNG and not leader and not awaited:
             self._await_attribution(finding)
         self._failure_called = True  # (once: a callback that raises is not called again)
