@@ -27,11 +27,19 @@ EXAMPLE = str(ROOT / "examples" / "fsdp2.py")
 K, N = 3, 6  # stop at step K, resume to step N
 
 
-def launch(tmp: Path, nproc: int | None, *args: str) -> str:
-    """Run the example (``nproc`` torchrun ranks, or one plain process); returns its stdout."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+def launch(tmp: Path, nproc: int | None, *args: str, torchrun: bool = False) -> str:
+    """Run the example (``nproc`` ranks, or one plain process); returns its stdout.  The ranks are
+    started by plain torchrun (``torchrun``), else by ``resilient launch``, which forks them from
+    a process that imported torch once (the same torchrun agent otherwise; torch._dynamo is what
+    AdamW imports when it is made)."""
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    else:
+        preload = "torch.distributed.fsdp,torch.distributed.tensor,torch._dynamo,resilient"
+        launcher = [sys.executable, "-m", "resilient.cli", "launch", "--standalone"]
+        launcher += ["--preload", preload]
     cmd = (
-        [*torchrun, "--nproc-per-node", str(nproc), EXAMPLE] if nproc else [sys.executable, EXAMPLE]
+        [*launcher, "--nproc-per-node", str(nproc), EXAMPLE] if nproc else [sys.executable, EXAMPLE]
     )
     env = {
         **os.environ,
@@ -58,7 +66,10 @@ def runs(tmp_path_factory) -> dict[str, object]:
     ckpt, fresh = str(tmp / "ckpt"), str(tmp / "fresh")
     out = {}
     out["first"] = launch(
-        tmp, 2, "--ckpt", ckpt, "--steps", str(K), "--save-every", "2", "--out", str(tmp / "k.st")
+        tmp,
+        2,
+        *("--ckpt", ckpt, "--steps", str(K), "--save-every", "2", "--out", str(tmp / "k.st")),
+        torchrun=True,  # as the example's docstring runs it
     )
     with Checkpointer(ckpt) as ck:
         out["manifest"] = ck.manifest(K)
