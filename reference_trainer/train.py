@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import json
 import logging
 import math
@@ -193,6 +194,8 @@ def _train(
         generation=generation(),
     )
     loader = _loader(cfg, pc, tokens)
+    corpus = corpus_id(tokens)
+    _check_same_corpus(corpus, cfg, device)
     counters = {"tokens": 0}
     config = {
         "preset": cfg.preset,
@@ -238,7 +241,7 @@ def _train(
             else:
                 optim.state.clear()
         _check_resumed_config(config, cfg, start)
-        _check_resumed_corpus(config, cfg, start, corpus_id(tokens))
+        _check_resumed_corpus(config, cfg, start, corpus)
         _check_resumed_position(loader, cfg, start)
         skipped = 0  # consecutive steps whose gradients were not finite
         try:
@@ -287,6 +290,29 @@ def _check_resumed_config(restored: dict[str, Any], cfg: TrainConfig, start: int
                 f"samples than the run it continues (some twice, some never) — use {flag} {was}, "
                 f"or start a new run (another --ckpt)"
             )
+
+
+def _check_same_corpus(now: str, cfg: TrainConfig, device: Any) -> None:
+    """Every rank reads its own --data (each node its own copy): ranks that read different text
+    train on windows no one asked for (a tensor-parallel group's ranks on different tokens), and
+    only some of them would refuse a resume.  The ranks compare their corpus ids (one
+    all-gather of a 64-bit digest of each) and refuse alike, each naming its own corpus and the
+    ranks that differ from rank 0."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digest = int.from_bytes(hashlib.sha256(now.encode()).digest()[:8], "big", signed=True)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    ids = [int(t.item()) for t in every]
+    others = [r for r, d in enumerate(ids) if d != ids[0]]
+    if others:
+        data = cfg.data or "(the embedded default: Python's standard library)"
+        raise ConfigError(
+            f"--data {data}: the ranks do not read the same corpus: rank(s) {others} read "
+            f"another than rank 0 (this rank, {dist.get_rank()}, reads {now} tokens:digest); "
+            f"every rank draws its windows from the same text — give every node the same --data"
+        )
 
 
 def _check_resumed_corpus(config: dict[str, Any], cfg: TrainConfig, start: int, now: str) -> None:

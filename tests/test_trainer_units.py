@@ -195,6 +195,24 @@ def test_a_resume_on_another_corpus_is_refused(tmp_path, monkeypatch):
     assert "ConfigError" in str(e.value) and "another corpus" in str(e.value), str(e.value)[-2000:]
 
 
+def test_ranks_that_read_different_corpora_all_refuse(tmp_path, monkeypatch):
+    """Each node reads its own copy of --data: with copies that differ, a fresh run trained its
+    ranks on different text without a word, and a resume was refused only by the ranks whose
+    copy differed from the checkpoint's (the others waited for the failure detector).  Every
+    rank refuses alike now, before the first step."""
+    from tests.dist import run_distributed
+    from tests.integration.trainer_runs import refused_config
+
+    monkeypatch.setenv("RESILIENT_CACHE", str(tmp_path / "cache"))
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text(text.replace("fox", "cat"))
+    data = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    got = run_distributed(refused_config, 2, {"steps": 1, "dp": 2, "data_by_rank": data})
+    assert all(isinstance(m, str) and "do not read the same corpus" in m for m in got), got
+    assert "rank(s) [1]" in got[0] and "this rank, 1," in got[1]
+
+
 def test_a_step_that_records_no_corpus_resumes_with_a_warning(tmp_path, caplog):
     """A step saved by a trainer before the corpus was recorded lacks the value (loaded as
     optional: it keeps None): it resumes, said, and the run's own saves record its corpus."""

@@ -19,6 +19,19 @@ def run_train(rank, world, kwargs):
     return out["losses"]
 
 
+def refused_config(rank, world, kwargs):
+    """``run_train`` with ``data_by_rank[rank]`` as this rank's --data; returns the ConfigError's
+    message, or the losses where the run was not refused."""
+    from reference_trainer.config import ConfigError
+
+    kwargs = dict(kwargs)
+    kwargs["data"] = kwargs.pop("data_by_rank")[rank]
+    try:
+        return run_train(rank, world, kwargs)
+    except ConfigError as e:
+        return str(e)
+
+
 def final_weights(rank, world, kwargs):
     """Train, then return the full (gathered) model weights via a world-of-one load of the checkpoint."""
     run_train(rank, world, dict(kwargs))
