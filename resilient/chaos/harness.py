@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reference_trainer import PRELOAD
 from resilient import forkserver
 from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
 from resilient.chaos.jsonl import read_jsonl, records_of_line
@@ -495,8 +494,16 @@ def _command(
     return cmd + flags
 
 
-# what a reference-trainer rank imports, the chaos hook's modules too
-_PRELOAD = ",".join([*PRELOAD, "resilient.chaos.faults", "resilient.chaos.faultfs"])
+# what a reference-trainer rank imports (reference_trainer.PRELOAD), the chaos hook's modules too
+_PRELOAD = ",".join(
+    [
+        "reference_trainer.train",
+        "fsspec.implementations.local",
+        "numpy.random",
+        "resilient.chaos.faults",
+        "resilient.chaos.faultfs",
+    ]
+)
 
 
 def _storage_rule(f: Fault) -> dict[str, Any]:
