@@ -37,7 +37,9 @@ def launch(tmp: Path, nproc: int | None, *args: str, torchrun: bool = False) -> 
     else:
         preload = "torch.distributed.fsdp,torch.distributed.tensor,torch._dynamo,resilient"
         launcher = [sys.executable, "-m", "resilient.cli", "launch", "--standalone"]
-        launcher += ["--preload", preload]
+        # no spare (its default is one): torchrun's policy, and --load-only joins the group with
+        # torch's own init_process_group, which a spare (no RANK until given one) fails in
+        launcher += ["--spares", "0", "--preload", preload]
     cmd = (
         [*launcher, "--nproc-per-node", str(nproc), EXAMPLE] if nproc else [sys.executable, EXAMPLE]
     )
@@ -53,6 +55,8 @@ def launch(tmp: Path, nproc: int | None, *args: str, torchrun: bool = False) -> 
     assert proc.returncode == 0, (
         f"{cmd} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
+    # (a process of the job that failed in a job that succeeded: a spare, say)
+    assert "Traceback" not in proc.stderr, f"{cmd} {args}:\n{proc.stderr[-5000:]}"
     return proc.stdout
 
 
