@@ -628,13 +628,16 @@ def _answer_by_hand(tmp_path, finding, on_failure, in_job=None, *, handed_over=F
         del server
 
 
-@pytest.mark.parametrize("case", ["taken-over", "group"])
+@pytest.mark.parametrize("case", ["taken-over", "taken-over-no-hook-yet", "group"])
 def test_a_response_that_fails_exits_as_the_response_would_have(tmp_path, monkeypatch, case):
     """Where the response raised, the rank exited unless in-job recovery held the hook at that
     moment: a survivor whose loop had just taken a peer's failure over (and unset the hook) was
-    exited, and a whole-group HUNG under in-job recovery was left waiting."""
+    exited, and a whole-group HUNG under in-job recovery was left waiting.  And where the hook
+    was not set yet when the verdict was read (the monitor init_process_group started, before
+    its Run), a hand-over during the response still counted for the response, not for its
+    failure: the survivor was exited."""
     failures: list = []
-    if case == "taken-over":  # the loop takes it over (Run.close unsets the hook) meanwhile
+    if case.startswith("taken-over"):  # the loop takes it over (Run.close: hand_over) meanwhile
         finding = Finding(Verdict.DEAD, 0, "h", 1, 5, "train", 1.0, 9.0, "x")
         holder: dict = {}
 
@@ -658,7 +661,8 @@ def test_a_response_that_fails_exits_as_the_response_would_have(tmp_path, monkey
 
         want = 1
     monkeypatch.setattr(heartbeat_module, "_stacks", broken)
-    _answer_by_hand(tmp_path, finding, failures.append, in_job=lambda f: None)
+    hook = None if case == "taken-over-no-hook-yet" else (lambda f: None)
+    _answer_by_hand(tmp_path, finding, failures.append, in_job=hook)
     assert len(failures) == want
 
 

@@ -888,7 +888,9 @@ class Monitor:
             # failure over; left waiting, it would sit in a collective until its timeout
             log.exception("answering %s failed", finding)
             peer = finding.rank is not None and finding.rank != self.rank
-            if not self._failure_called and not (in_job and peer):
+            # (a hand-over since the verdict was read counts, as in _respond: the hook may have
+            # been unset when it was read, the monitor started before its Run)
+            if not self._failure_called and not ((in_job or self._handed_over) and peer):
                 self.on_failure(finding)
 
     def _respond(self, finding: Finding) -> None:
