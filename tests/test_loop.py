@@ -18,6 +18,7 @@ import torch.distributed as dist
 from resilient import Checkpointer, Run, SaveFailedWarning, fault_tolerant
 from resilient.errors import LeaseError, StateMismatchError, StorageError
 from resilient.health import DetectorConfig, EventLog
+from resilient.health.detector import Finding, Verdict
 from resilient.health.heartbeat import decode_progress
 from resilient.loop import RNGState
 from tests.dist import run_distributed
@@ -730,6 +731,35 @@ def test_a_heartbeat_store_failure_does_not_crash_the_training_loop(monkeypatch,
         assert (step, phase, seq) == (5, "train", m._seq)
     finally:
         run.close()
+
+
+def test_a_verdict_read_after_the_loop_took_a_peers_failure_over_exits_no_one(
+    monkeypatch, tmp_path
+):
+    """In-job recovery: the loop takes a peer's failure over (its collective failed) and its
+    checkpointer goes on to the next generation; a verdict about that peer which the monitor's
+    thread reads only now (a loaded machine) must not exit the survivor (Run.close hands the
+    failure over to the monitor)."""
+    monkeypatch.setenv("RESILIENT_INJOB", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    store, exits = DictStore(), []
+    m = quiet_monitors(store, 2, DetectorConfig(interval_s=30.0), ranks=[1])[1]
+    m.on_failure = exits.append
+    run = Run(str(tmp_path / "ck"), monitor=m)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        with run:
+            run.track(counter=0)
+            for step in run.steps(5):
+                if step == 2:  # what a collective raises when a peer died
+                    raise RuntimeError("gloo: Connection closed by peer")
+    assert run._carry  # (the checkpointer goes on)
+    run.checkpointer.close()
+    store.set(
+        "run/0/verdict",
+        json.dumps(Finding(Verdict.DEAD, 0, "h", 1, 2, "train", 1.0, 9.0, "x").to_json()),
+    )
+    m._watch()
+    assert exits == [] and m.verdict() is not None
 
 
 def test_fault_tolerant_refuses_bad_optional_values_before_any_process_group(monkeypatch):
