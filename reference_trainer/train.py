@@ -311,7 +311,8 @@ def _check_same_corpus(now: str, cfg: TrainConfig, device: Any) -> None:
         raise ConfigError(
             f"--data {data}: the ranks do not read the same corpus: rank(s) {others} read "
             f"another than rank 0 (this rank, {dist.get_rank()}, reads {now} tokens:digest); "
-            f"every rank draws its windows from the same text — give every node the same --data"
+            f"every rank draws its windows from the same text — give every node the same text at "
+            f"--data (the same file, byte for byte)"
         )
 
 

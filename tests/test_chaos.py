@@ -307,6 +307,15 @@ def test_a_command_job_with_in_rank_faults_must_install_the_hook():
     assert parse_scenario('name = "x"\n' + ok, "ok.toml").faults[0].kind == "kill"
 
 
+def test_the_harness_preloads_what_a_trainer_rank_imports():
+    """The harness's fork server list is a copy (resilient imports no sibling package): a module
+    the trainer's ranks import that it lacks would be imported again in every rank."""
+    from reference_trainer import PRELOAD
+    from resilient.chaos.harness import _PRELOAD
+
+    assert set(PRELOAD) <= set(_PRELOAD.split(","))
+
+
 def test_start_up_phase_triggers_fire_through_the_hook_protocol(tmp_path):
     plan = {
         "marker_dir": str(tmp_path / "faults"),
