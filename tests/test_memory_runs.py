@@ -25,6 +25,7 @@ from resilient.checkpoint.format import (
     PARENT_KEY,
     RUN_KEY,
     RUN_UNCOUNTED_KEY,
+    RUNS_SEEN_KEY,
     user_extras,
 )
 from resilient.checkpoint.persister import _promoted
@@ -592,3 +593,48 @@ def test_the_persister_records_the_uncounted_flag_only_where_a_snapshot_says_tru
         assert made.rank_extras == {1: {"lr": 0.25}}
         assert user_extras(made.extras) == {"lr": 0.5}
         assert summary_of(made).uncounted is (run == 1 and flag is True)
+
+
+def test_a_snapshot_taken_before_any_durable_commit_loses_to_a_later_run_without_the_tier(
+    tmp_path,
+):
+    """Run 1 with the tier never committed durably (its snapshots' anchor is "": no durable
+    commit known) and kept snapshot 20; run 2 of the same job without the tier started afresh
+    (it cannot see memory) and committed 15; run 3 with the tier restored run 1's 20 over run 2's
+    newer line.  A commit made without the tier now records the runs counted when it was made
+    (RUNS_SEEN_KEY): one that had seen run 1 begin is newer than run 1's snapshots."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        with torch.no_grad():
+            m.weight.fill_(20.0)
+        ck.snapshot(20, {"model": m}).wait()
+    with Checkpointer(str(url), job_id="j") as ck:  # the tier off: nothing durable to load
+        assert ck.latest_step() is None
+        with torch.no_grad():
+            m.weight.fill_(15.0)
+        ck.save(15, {"model": m}).wait()
+        assert ck.manifest(15).extras[RUNS_SEEN_KEY] == 1
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
+
+
+def test_a_commit_without_the_tier_made_before_a_runs_snapshots_does_not_outrank_them(tmp_path):
+    """The other order: durable 15 by a run without the tier, then a run with the tier that never
+    loads (a fresh start at the URL) snapshots 20: its snapshot is the newer state, and a commit
+    that counted no run (none had begun) is no sign against it."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), job_id="j") as ck:  # the tier off, before any run with it
+        with torch.no_grad():
+            m.weight.fill_(15.0)
+        ck.save(15, {"model": m}).wait()
+        assert RUNS_SEEN_KEY not in ck.manifest(15).extras
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:  # never loads
+        with torch.no_grad():
+            m.weight.fill_(20.0)
+        ck.snapshot(20, {"model": m}).wait()
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()

@@ -51,6 +51,7 @@ from resilient.checkpoint.format import (
     parse_step_dir,
     recorded_chain,
     recorded_run,
+    recorded_runs_seen,
     recorded_uncounted,
     step_dir_name,
 )
@@ -86,6 +87,7 @@ class StepInfo:
     # the commits (step, commit_seq) it descends from, its parent first (PARENT_KEY)
     chain: tuple[tuple[int, int], ...] = ()
     uncounted: bool = False  # ``run`` is an uncounted run's (format.RUN_UNCOUNTED_KEY)
+    runs_seen: int = 0  # (no ``run``) the runs with the tier counted then (format.RUNS_SEEN_KEY)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -265,6 +267,7 @@ def committed_step(name: str, summary: ManifestSummary) -> StepInfo:
         run=summary.run,
         chain=summary.chain,
         uncounted=summary.uncounted,
+        runs_seen=summary.runs_seen,
     )
 
 
@@ -279,6 +282,7 @@ def summary_of(m: Manifest) -> ManifestSummary:
         recorded_run(m.extras),
         recorded_chain(m.extras, m.commit_seq),
         uncounted=bool(recorded_run(m.extras)) and recorded_uncounted(m.extras),
+        runs_seen=0 if recorded_run(m.extras) else recorded_runs_seen(m.extras),
     )
 
 

@@ -42,6 +42,7 @@ from resilient.checkpoint.format import (  # (_short: a value's repr, cut for a 
     PARENT_KEY,
     RUN_KEY,
     RUN_UNCOUNTED_KEY,
+    RUNS_SEEN_KEY,
     ChunkEntry,
     Manifest,
     ManifestEncoder,
@@ -92,6 +93,7 @@ from resilient.checkpoint.snapshots import (
     memory_place,
     newer_line,
     number_this_run,
+    runs_counted,
     stale_snapshot,
 )
 from resilient.checkpoint.state import DescribeCache, FlatState, flatten_state, is_dtensor
@@ -488,6 +490,8 @@ class Checkpointer:
         # or where it was not counted the run its commits in memory are numbered as (as the
         # persister's commits of its snapshots record); 0 for none
         self._commit_run = 0
+        # (rank 0, without the tier) the runs with it counted at the URL, read at the first commit
+        self._runs_seen: int | None = None
         self._newest_offered: int | None = None  # (rank 0) see LoadStats.newest_memory
         if memory_every is not None:
             # a local path is its absolute path: "ckpt" run from two directories is two jobs
@@ -1485,6 +1489,14 @@ class Checkpointer:
             if self._run is None:  # (a number shared with an earlier run: said so)
                 run[RUN_UNCOUNTED_KEY] = True
             manifest = dataclasses.replace(manifest, extras={**manifest.extras, **run})
+        elif self._slots is None and self.memory is None:
+            # (a durable commit without the tier) the runs with it that had begun: their
+            # snapshots are older than this commit, whatever their anchor (snapshots.stale_snapshot)
+            if self._runs_seen is None:
+                self._runs_seen = runs_counted(self.storage)
+            if self._runs_seen:
+                extras = {**manifest.extras, RUNS_SEEN_KEY: self._runs_seen}
+                manifest = dataclasses.replace(manifest, extras=extras)
         known = parent_known(catalog.next_commit_seq(), handle._parent_seen)
         if self._slots is None and handle._parent and known:
             # (a durable commit) what it descends from: the line follows it past the steps a

@@ -92,6 +92,11 @@ MAX_RUN = 1 << 29  # (run << 32, a run's first commit in memory, stays far below
 # run its commits in memory are numbered as, which it shares with an earlier run.  Such a run's
 # snapshots carry it too (with no RUN_KEY), for the persister's commits of them to record it
 RUN_UNCOUNTED_KEY = "_resilient_memory_run_uncounted"
+# (a durable commit of a run without the tier, which records no RUN_KEY) the runs with the tier
+# counted at the URL when it was made: a snapshot of one of those runs is older than the commit
+# even where its anchor is "" (taken before its job knew of any durable commit), which orders
+# nothing
+RUNS_SEEN_KEY = "_resilient_memory_runs_seen"
 # A durable commit's parent, in its manifest's extras: the commit its state descends from (what
 # its job loaded, or that job's previous commit), which the line follows (docs/FORMAT.md section
 # 5a): {"step": P, "commit_seq": Q, "child_commit_seq": C}, C being the commit's own commit_seq
@@ -108,7 +113,9 @@ ANCHOR_KEY = "_resilient_durable_anchor"
 ANCHOR_EXACT_KEY = "_resilient_anchor_exact"
 # The toolkit's own bookkeeping among a manifest's values: about the commit in its place, not
 # the state; a copy elsewhere (reshape convert, an export) leaves them out
-BOOKKEEPING_KEYS = frozenset({RUN_KEY, RUN_UNCOUNTED_KEY, PARENT_KEY, ANCHOR_KEY, ANCHOR_EXACT_KEY})
+BOOKKEEPING_KEYS = frozenset(
+    {RUN_KEY, RUN_UNCOUNTED_KEY, RUNS_SEEN_KEY, PARENT_KEY, ANCHOR_KEY, ANCHOR_EXACT_KEY}
+)
 _PARENT_FIELDS = frozenset({"step", "commit_seq", "child_commit_seq"})
 # ... and, optionally, "older": the commits the parent descends from in turn, newest first, at
 # most MAX_OLDER of them as [step, commit_seq] (the line goes on through them where the parent
@@ -870,6 +877,8 @@ class ManifestSummary:
     chain: tuple[tuple[int, int], ...] = ()
     # ``run`` is that of a run that was not counted (RUN_UNCOUNTED_KEY): shared with an earlier run
     uncounted: bool = False
+    # (no ``run``) the runs with the tier counted when it was made (RUNS_SEEN_KEY); 0: none
+    runs_seen: int = 0
 
 
 def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
@@ -895,12 +904,24 @@ def manifest_summary(data: bytes, where: str, step: int) -> ManifestSummary:
             )
     extras = d.get("extras")
     return _summary(
-        d, f"{where}: manifest", found, files, recorded_run(extras), recorded_uncounted(extras)
+        d,
+        f"{where}: manifest",
+        found,
+        files,
+        recorded_run(extras),
+        recorded_uncounted(extras),
+        recorded_runs_seen(extras),
     )
 
 
 def _summary(
-    d: dict, what: str, step: int, files: Iterable[str], run: int, uncounted: bool
+    d: dict,
+    what: str,
+    step: int,
+    files: Iterable[str],
+    run: int,
+    uncounted: bool,
+    runs_seen: int,
 ) -> ManifestSummary:
     """(``manifest_summary``, ``summary_from_line``) The rest of the summary, checked."""
     commit_seq = _int(d.get("commit_seq"), f"{what}.commit_seq")
@@ -913,6 +934,7 @@ def _summary(
         run=run,
         chain=recorded_chain(d.get("extras"), commit_seq),
         uncounted=bool(run) and uncounted,
+        runs_seen=0 if run else runs_seen,
     )
 
 
@@ -984,6 +1006,12 @@ def recorded_uncounted(extras: Any) -> bool:
     return isinstance(extras, Mapping) and extras.get(RUN_UNCOUNTED_KEY) is True
 
 
+def recorded_runs_seen(extras: Any) -> int:
+    """The runs with the memory tier counted when a commit without it was made (RUNS_SEEN_KEY);
+    0 where its extras record none or anything but a run number."""
+    return _run(extras.get(RUNS_SEEN_KEY) if isinstance(extras, Mapping) else None)
+
+
 def _run(value: Any) -> int:
     return value if type(value) is int and 0 < value < MAX_RUN else 0
 
@@ -1002,6 +1030,7 @@ def summary_line(manifest: Manifest) -> bytes:
             "files": sorted(manifest.files),
             "run": recorded_run(manifest.extras),
             "uncounted": recorded_uncounted(manifest.extras),
+            "runs_seen": recorded_runs_seen(manifest.extras),
         },
         separators=(",", ":"),
     ).encode()
@@ -1022,7 +1051,8 @@ def summary_from_line(line: bytes, where: str, step: int) -> ManifestSummary:
     ):
         raise CheckpointCorruptError(f"{where}: summary.files must be a list of plain file names")
     run = _run(d.get("run"))
-    return _summary(d, f"{where}: summary", found, files, run, d.get("uncounted") is True)
+    uncounted, seen = d.get("uncounted") is True, _run(d.get("runs_seen"))
+    return _summary(d, f"{where}: summary", found, files, run, uncounted, seen)
 
 
 def _reject_constant(name: str) -> Any:

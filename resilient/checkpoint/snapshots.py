@@ -630,7 +630,9 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
                 f"(numbered as run {later}, this snapshot's is {run}), which did not see it: "
                 f"that run's line is newer"
             )
-        if not later and (parsed is not None or info.job_id != snap.job_id):
+        if not later and (
+            parsed is not None or info.job_id != snap.job_id or info.runs_seen >= run
+        ):
             # A commit that records no run: the tier off (a later run without it, which did not
             # see this snapshot: its line is newer), whatever its job id (torchrun's --rdzv-id,
             # or one store address, is the same in every run).  Not this snapshot's own run: one
@@ -639,7 +641,8 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
             # compared), so its save in flight when this was taken does not count against it.
             # (A snapshot taken before its job knew of any durable commit, anchor "", is
             # compared with commits made before its run too: only another job's count against
-            # it.)
+            # it, and one of this job's that records having seen the snapshot's run counted,
+            # RUNS_SEEN_KEY: made after that run began, by a run that could not see its memory.)
             who = (
                 f"another job ({info.job_id!r})"
                 if info.job_id != snap.job_id
@@ -766,6 +769,21 @@ def number_this_run(
         )
         return None
     return run
+
+
+def runs_counted(storage: Storage) -> int:
+    """(a commit without the memory tier) The runs with the tier counted at the URL: 0 where
+    there is no count, or it cannot be read or is damaged (the commit then records none, and
+    orders nothing against a snapshot whose anchor is "", as before there was a count)."""
+    try:
+        data = storage.read_small(MEMORY_RUNS_NAME, _MAX_RUNS_FILE)
+        record = json.loads(data)
+    except (ResilientError, ValueError, RecursionError):
+        return 0
+    if not isinstance(record, dict) or record.get("format") != MEMORY_RUNS_FORMAT:
+        return 0
+    runs = record.get("runs")
+    return runs if type(runs) is int and 0 < runs < MAX_RUN else 0
 
 
 def _refused(e: ResilientError) -> bool:
