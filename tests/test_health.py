@@ -682,6 +682,40 @@ def test_a_verdict_read_after_the_loop_took_the_failure_over_exits_no_one(tmp_pa
     assert [f.rank for f in failures] == [1]
 
 
+def test_a_kill_this_rank_is_named_for_is_done_when_its_loop_took_the_failure_over_first(
+    tmp_path,
+):
+    """The loop took a peer's failure over and closed this rank's monitor before its thread read
+    the verdict (its collective failed for another reason first): the verdict named this rank
+    the failed one's killer, and no one killed it, a frozen rank its agent never saw fail, so the
+    next generation could never form.  The closing monitor answers the verdict it missed."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    failures: list = []
+    try:
+        m = Monitor(
+            server,
+            "run/0",
+            1,
+            3,
+            DetectorConfig(interval_s=30.0),  # (no beat reads the verdict before the close)
+            events=EventLog(str(tmp_path / "events.jsonl")),
+            on_failure=failures.append,
+        )
+        host = socket.gethostname()
+        finding = Finding(Verdict.DEAD, 2, host, victim.pid, 5, "train", 9.0, 9.0, "x", kill_by=1)
+        server.set("run/0/verdict", json.dumps(finding.to_json()))  # (no wake key: unread)
+        m.on_peer_failure = lambda f: None
+        m.hand_over()
+        m.close(announce=False)
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        assert failures == []
+    finally:
+        victim.kill()
+        victim.wait()
+        del server
+
+
 def test_an_on_failure_that_raises_is_called_once(tmp_path):
     calls: list = []
 

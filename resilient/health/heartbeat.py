@@ -330,6 +330,15 @@ class Monitor:
                 # the thread answers it (it ends the process): the attribution's waits first
                 timeout += self.attribution_wait_s()
             self._thread.join(timeout=timeout)
+        if self._handed_over and self._verdict is None and not self._thread.is_alive():
+            # The loop took a peer's failure over (its collective failed) before this monitor's
+            # thread read the verdict, and the thread is stopped now: a verdict already out may
+            # name this rank the failed one's killer.  Answered here (no exit: handed over), or
+            # a frozen rank that no one else kills would never let the next generation form.
+            try:
+                self._watch()
+            except Exception as e:  # the store is gone: the failed rank's agent is too
+                self.events.write("monitor_error", rank=self.rank, error=repr(e))
 
     def reconfigure(self, config: DetectorConfig) -> None:
         """Take ``config``'s settings over this monitor's (``Run`` adopting the monitor that
