@@ -638,3 +638,33 @@ def test_a_commit_without_the_tier_made_before_a_runs_snapshots_does_not_outrank
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
         fresh = torch.nn.Linear(4, 4)
         assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()
+
+
+def test_a_lost_count_never_numbers_a_run_below_the_runs_a_commit_without_the_tier_saw(tmp_path):
+    """Run 1 with the tier (node X) is counted; run 2 without it commits durable 15, which
+    records having seen run 1 counted (RUNS_SEEN_KEY).  The count is lost.  Run 3 with the tier,
+    on node Y (X sat it out), starts afresh at the URL (never loads) and snapshots 20: numbered
+    from the newest durable commit's run alone (15 records none) it was run 1 again, and its
+    snapshot 20, the newest state, was taken for run 1's and lost to 15."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+
+    def checkpointer(root: str) -> Checkpointer:
+        return Checkpointer(str(url), memory_every=1, memory_root=root, persister=False, job_id="j")
+
+    with checkpointer(x):
+        pass
+    with Checkpointer(str(url), job_id="j") as ck:  # the tier off
+        ck.save(15, {"model": m}).wait()
+        assert ck.manifest(15).extras[RUNS_SEEN_KEY] == 1
+    (url / MEMORY_RUNS_NAME).unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the lost count's warning)
+        with checkpointer(y) as ck:  # never loads
+            assert ck._run == 2
+            with torch.no_grad():
+                m.weight.fill_(20.0)
+            ck.snapshot(20, {"model": m}).wait()
+    with checkpointer(y) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()

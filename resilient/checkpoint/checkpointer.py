@@ -2072,18 +2072,20 @@ class Checkpointer:
     def _number_this_run(self) -> int | None:
         """(rank 0, memory tier, where the checkpointer is made: after the nodes agreed the
         floor) This run's number (snapshots.number_this_run), above the runs that the count and
-        any node's memory record (and the newest durable commit, where the count is lost or
+        any node's memory record (and the durable commits, where the count is lost or
         damaged); the floor of its commits."""
         assert self._memory is not None
         seen = max(self._memory._seq_floor, self._node_newest_seq()) >> RUN_SHIFT
 
         def recorded() -> int:  # (a listing: only where the count is lost or damaged)
+            # the runs the durable commits record: each one's own, or (the tier off) the runs it
+            # saw counted, which a run numbered no higher would be taken as older than
             try:
-                newest = self.catalog().newest()
-                return 0 if newest is None else newest.run
+                committed = self.catalog().committed
             except ResilientError as e:  # (the load says what is wrong with durable storage)
                 log.warning("the durable steps of %s cannot be listed: %s", self.url, e)
                 return 0
+            return max((max(i.run, i.runs_seen) for i in committed), default=0)
 
         run = number_this_run(self.storage, seen, recorded)
         if run is not None:

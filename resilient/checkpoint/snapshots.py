@@ -719,8 +719,9 @@ def number_this_run(
     """(rank 0 of a job with the memory tier, where its checkpointer is made) One past the runs
     counted at the durable URL and past ``seen`` (the newest run the nodes' memory records),
     written back before it is returned; where there is no count, or a damaged one, past
-    ``recorded()`` too (the newest durable commit's run: a count lost or damaged never goes back
-    below a run that committed).  None, with a warning, where the count cannot be read (a
+    ``recorded()`` too (the newest run the durable commits record, their own or, the tier off,
+    the runs they saw counted: a count lost or damaged never goes back below a run that
+    committed, nor below one a commit without the tier came after).  None, with a warning, where the count cannot be read (a
     storage error: written from ``seen`` alone, it could go back below a run it missed) or
     written: the run's commits are then ordered as the nodes' memory alone says (README,
     "Across nodes")."""
