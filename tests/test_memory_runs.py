@@ -668,3 +668,26 @@ def test_a_lost_count_never_numbers_a_run_below_the_runs_a_commit_without_the_ti
     with checkpointer(y) as ck:
         fresh = torch.nn.Linear(4, 4)
         assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()
+
+
+@pytest.mark.parametrize("job", ["j", "k"])
+def test_a_rollback_by_name_past_a_commit_without_the_tier_keeps_its_snapshots(tmp_path, job):
+    """Durable 10 and 15 by a run without the tier (this job's, or another job's).  A run with
+    the tier rolls back to 10 by name and snapshots 20, then stops.  Its snapshot is the newest
+    state: 15, which it knew of when it rolled back (ANCHOR_EXACT_KEY), is on the branch it left,
+    not a commit made since that did not see it."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), job_id=job) as ck:  # the tier off
+        for step in (10, 15):
+            with torch.no_grad():
+                m.weight.fill_(float(step))
+            ck.save(step, {"model": m}).wait()
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        assert ck.load({"model": m}, step=10) == 10
+        with torch.no_grad():
+            m.weight.fill_(20.0)
+        ck.snapshot(20, {"model": m}).wait()
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        fresh = torch.nn.Linear(4, 4)
+        assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()

@@ -611,6 +611,11 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
     # commit of a later step (a rollback to this step by name: that run may descend from it).
     parsed = _parse_anchor(anchor)
     after = parsed[1] if parsed is not None else -1
+    seen = snap.extras.get(ANCHOR_EXACT_KEY)
+    if parsed is not None and type(seen) is int and parsed[1] <= seen <= MAX_INT:
+        # nor one its job knew of when it set the anchor (a rollback by name past it: on the
+        # branch the job left, made before this snapshot)
+        after = seen
     for s in sorted(line, reverse=True):
         info = durable.get(s)
         if info is None or info.commit_seq <= after or s > snap.step:
