@@ -312,8 +312,8 @@ class Monitor:
         still finishing do not take the silence for a death; without it the rank just goes quiet,
         as a killed one does (its wake key says "close": the leader does not take its process,
         still tearing down, for a running one with a starved heartbeat)."""
-        done = False
-        if announce and not self._stop.is_set() and self._verdict is None:
+        done, first = False, not self._stop.is_set()
+        if announce and first and self._verdict is None:
             try:
                 self._publish_progress(self._announce(None, "done"))
                 done = True
@@ -330,11 +330,13 @@ class Monitor:
                 # the thread answers it (it ends the process): the attribution's waits first
                 timeout += self.attribution_wait_s()
             self._thread.join(timeout=timeout)
-        if self._handed_over and self._verdict is None and not self._thread.is_alive():
+        missed = self._handed_over and self._verdict is None and first and not at_exit
+        if missed and not self._thread.is_alive():
             # The loop took a peer's failure over (its collective failed) before this monitor's
             # thread read the verdict, and the thread is stopped now: a verdict already out may
             # name this rank the failed one's killer.  Answered here (no exit: handed over), or
             # a frozen rank that no one else kills would never let the next generation form.
+            # (Once, at the close the loop makes: not again at exit, when the store may be gone.)
             try:
                 self._watch()
             except Exception as e:  # the store is gone: the failed rank's agent is too
