@@ -214,6 +214,22 @@ def test_the_count_on_an_object_store(s3, tmp_path, where):
         assert ck.manifest(2).extras["_resilient_memory_run"] == 2
 
 
+def _put(ck: Checkpointer, m: torch.nn.Module, step: int, value: float, *, durable=False) -> None:
+    """``m``'s weights all ``value``, snapshotted (``durable``: saved) as ``step``, waited for."""
+    with torch.no_grad():
+        m.weight.fill_(value)
+    (ck.save if durable else ck.snapshot)(step, {"model": m}).wait()
+
+
+def _restored(ck: Checkpointer) -> tuple[int, float]:
+    """The step ``ck`` loads and the value of the weights it restores (all one value)."""
+    fresh = torch.nn.Linear(4, 4)
+    step = ck.load({"model": fresh})
+    values = fresh.weight.detach().unique()
+    assert len(values) == 1, values
+    return step, float(values[0])
+
+
 def older_then_later_run(tmp_path: Path, commit_every: int) -> Callable[[], Checkpointer]:
     """Run 1 on node X: durable 10, snapshot 20 of weights 20 (committed, or with
     ``commit_every`` 0 sealed only: its commit is whoever needs it).  Run 2 on node Y (X sat it
@@ -264,17 +280,12 @@ def test_a_snapshot_loses_to_a_later_durable_commit_by_another_job_without_the_t
     kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
         ck.save(10, {"model": m}).wait()
-        with torch.no_grad():
-            m.weight.fill_(20.0)
-        ck.snapshot(20, {"model": m}).wait()
+        _put(ck, m, 20, 20.0)
     with Checkpointer(str(url), job_id="j" if same_job else "k") as ck:  # the tier off
         assert ck.load({"model": m}) == 10
-        with torch.no_grad():
-            m.weight.fill_(15.0)
-        ck.save(15, {"model": m}).wait()
+        _put(ck, m, 15, 15.0, durable=True)
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        fresh = torch.nn.Linear(4, 4)
-        assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
+        assert _restored(ck) == (15, 15.0)
 
 
 @pytest.mark.parametrize("counted", [True, False], ids=["counted", "uncounted"])
@@ -606,18 +617,13 @@ def test_a_snapshot_taken_before_any_durable_commit_loses_to_a_later_run_without
     url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
     kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        with torch.no_grad():
-            m.weight.fill_(20.0)
-        ck.snapshot(20, {"model": m}).wait()
+        _put(ck, m, 20, 20.0)
     with Checkpointer(str(url), job_id="j") as ck:  # the tier off: nothing durable to load
         assert ck.latest_step() is None
-        with torch.no_grad():
-            m.weight.fill_(15.0)
-        ck.save(15, {"model": m}).wait()
+        _put(ck, m, 15, 15.0, durable=True)
         assert ck.manifest(15).extras[RUNS_SEEN_KEY] == 1
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        fresh = torch.nn.Linear(4, 4)
-        assert ck.load({"model": fresh}) == 15 and fresh.weight.eq(15.0).all()
+        assert _restored(ck) == (15, 15.0)
 
 
 def test_a_commit_without_the_tier_made_before_a_runs_snapshots_does_not_outrank_them(tmp_path):
@@ -627,17 +633,12 @@ def test_a_commit_without_the_tier_made_before_a_runs_snapshots_does_not_outrank
     url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
     kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
     with Checkpointer(str(url), job_id="j") as ck:  # the tier off, before any run with it
-        with torch.no_grad():
-            m.weight.fill_(15.0)
-        ck.save(15, {"model": m}).wait()
+        _put(ck, m, 15, 15.0, durable=True)
         assert RUNS_SEEN_KEY not in ck.manifest(15).extras
     with Checkpointer(str(url), memory_every=1, **kw) as ck:  # never loads
-        with torch.no_grad():
-            m.weight.fill_(20.0)
-        ck.snapshot(20, {"model": m}).wait()
+        _put(ck, m, 20, 20.0)
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        fresh = torch.nn.Linear(4, 4)
-        assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()
+        assert _restored(ck) == (20, 20.0)
 
 
 def test_a_lost_count_never_numbers_a_run_below_the_runs_a_commit_without_the_tier_saw(tmp_path):
@@ -662,12 +663,9 @@ def test_a_lost_count_never_numbers_a_run_below_the_runs_a_commit_without_the_ti
         warnings.simplefilter("ignore")  # (the lost count's warning)
         with checkpointer(y) as ck:  # never loads
             assert ck._run == 2
-            with torch.no_grad():
-                m.weight.fill_(20.0)
-            ck.snapshot(20, {"model": m}).wait()
+            _put(ck, m, 20, 20.0)
     with checkpointer(y) as ck:
-        fresh = torch.nn.Linear(4, 4)
-        assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()
+        assert _restored(ck) == (20, 20.0)
 
 
 @pytest.mark.parametrize("job", ["j", "k"])
@@ -685,9 +683,6 @@ def test_a_rollback_by_name_past_a_commit_without_the_tier_keeps_its_snapshots(t
             ck.save(step, {"model": m}).wait()
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
         assert ck.load({"model": m}, step=10) == 10
-        with torch.no_grad():
-            m.weight.fill_(20.0)
-        ck.snapshot(20, {"model": m}).wait()
+        _put(ck, m, 20, 20.0)
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        fresh = torch.nn.Linear(4, 4)
-        assert ck.load({"model": fresh}) == 20 and fresh.weight.eq(20.0).all()
+        assert _restored(ck) == (20, 20.0)
