@@ -307,6 +307,9 @@ class Run:
         self._ckpt_layout: Layout | None = None
         self._failing = False
         self._carry = False  # (in-job recovery) the checkpointer goes on to the next generation
+        # (in-job recovery) this rank takes a peer's failure over, with a checkpointer to carry or
+        # none (the loop failed before track, or there is no checkpoint URL)
+        self._in_job_next = False
         self._rebind = False  # (in-job recovery) the checkpointer came from the previous one
         self._install_sigterm()
         if monitor is not None and injob_enabled():
@@ -781,6 +784,7 @@ class Run:
                 # in-job recovery comes next: no wait for a verdict, and a commit that waits
                 # for the dead peer gives up now
                 self.events.write("error", rank=self.rank, error=_describe_exc(exc))
+                self._in_job_next = True
                 if self.monitor is not None:
                     self.monitor.leaving(self.step)  # not to be declared dead meanwhile
                 if self.checkpointer is not None:
@@ -815,8 +819,11 @@ class Run:
         """Wait for pending saves and restore the SIGTERM handler; ``announce``: tell peers this
         rank finished (False when it is failing, and then a save's failure is logged, not raised
         over the error that ends the run)."""
-        if self._carry and self.monitor is not None:
-            self.monitor.hand_over()  # a late verdict neither exits nor aborts the next generation
+        if self._in_job_next and self.monitor is not None:
+            # a late verdict neither exits nor aborts the next generation, and one the monitor's
+            # thread missed is answered at its close (a kill this rank is named for), whether or
+            # not a checkpointer goes on
+            self.monitor.hand_over()
         try:
             if self.checkpointer is not None and not self._carry:
                 try:

@@ -5,6 +5,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from resilient import Checkpointer, Run, SaveFailedWarning, fault_tolerant
 from resilient.errors import LeaseError, StateMismatchError, StorageError
 from resilient.health import DetectorConfig, EventLog
 from resilient.health.detector import Finding, Verdict
-from resilient.health.heartbeat import decode_progress
+from resilient.health.heartbeat import Monitor, decode_progress
 from resilient.loop import RNGState
 from tests.dist import run_distributed
 from tests.monitor_fakes import DictStore, fake_time, quiet_monitors
@@ -760,6 +761,43 @@ def test_a_verdict_read_after_the_loop_took_a_peers_failure_over_exits_no_one(
     )
     m._watch()
     assert exits == [] and m.verdict() is not None
+
+
+def test_a_kill_a_missed_verdict_names_this_rank_for_is_done_with_no_checkpointer_to_carry(
+    monkeypatch, tmp_path
+):
+    """In-job recovery where the loop failed before ``track`` (a model's first collective, DDP's
+    broadcast) or without a checkpoint URL: no checkpointer goes on (``_carry`` is False), and
+    Run.close did not hand the failure over, so the closing monitor left a verdict its thread had
+    not read unanswered: a kill it named this rank for was never done (a frozen rank its agent
+    never sees fail; the next generation never forms)."""
+    monkeypatch.setenv("RESILIENT_INJOB", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    store, exits = DictStore(), []
+    try:
+        m = Monitor(
+            store,
+            "run/0",
+            1,
+            3,
+            DetectorConfig(interval_s=30.0),  # (no beat reads the verdict before the close)
+            ring=None,
+            on_failure=exits.append,
+        )
+        run = Run(str(tmp_path / "ck"), monitor=m)
+        host = socket.gethostname()
+        finding = Finding(Verdict.DEAD, 2, host, victim.pid, 5, "train", 9.0, 9.0, "x", kill_by=1)
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            with run:
+                store.set("run/0/verdict", json.dumps(finding.to_json()))
+                raise RuntimeError("gloo: Connection closed by peer")  # before track
+        assert not run._carry and m.closed
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        assert exits == []
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_fault_tolerant_refuses_bad_optional_values_before_any_process_group(monkeypatch):
