@@ -686,3 +686,28 @@ def test_a_rollback_by_name_past_a_commit_without_the_tier_keeps_its_snapshots(t
         _put(ck, m, 20, 20.0)
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
         assert _restored(ck) == (20, 20.0)
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_snapshot_loses_to_a_later_commit_that_took_a_commit_order_it_knew_of(tmp_path, tier):
+    """As above, and then 15, the branch the rollback left, is deleted by hand: the next commit
+    takes the commit order past the newest one left (10's), at or below the newest the snapshot's
+    job knew of (15's, ANCHOR_EXACT_KEY).  A later run (without the tier, or with it on a node
+    that sat the other out) loads 10 and commits 12 without seeing snapshot 20: its line is the
+    newer one, and 20 was restored over it (its commit_seq taken for one the job knew of)."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), job_id="j") as ck:  # the tier off
+        for step in (10, 15):
+            _put(ck, m, step, float(step), durable=True)
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        assert ck.load({"model": m}, step=10) == 10
+        _put(ck, m, 20, 20.0)
+    (fifteen,) = [p for p in url.iterdir() if p.name.startswith("step") and "15" in p.name]
+    shutil.rmtree(fifteen)  # (by hand)
+    later = {**kw, "memory_root": str(tmp_path / "y"), "memory_every": 1} if tier else {}
+    with Checkpointer(str(url), **{"job_id": "j", **later}) as ck:
+        assert ck.load({"model": m}) == 10
+        _put(ck, m, 12, 12.0, durable=True)
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        assert _restored(ck) == (12, 12.0)

@@ -610,15 +610,22 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
     # commit is no such sign: a durable save in flight while the snapshot was taken.  Nor is a
     # commit of a later step (a rollback to this step by name: that run may descend from it).
     parsed = _parse_anchor(anchor)
-    after = parsed[1] if parsed is not None else -1
+    after = known = parsed[1] if parsed is not None else -1
     seen = snap.extras.get(ANCHOR_EXACT_KEY)
     if parsed is not None and type(seen) is int and parsed[1] <= seen <= MAX_INT:
         # nor one its job knew of when it set the anchor (a rollback by name past it: on the
         # branch the job left, made before this snapshot)
-        after = seen
+        known = seen
     for s in sorted(line, reverse=True):
         info = durable.get(s)
         if info is None or info.commit_seq <= after or s > snap.step:
+            continue
+        if info.commit_seq <= known and not (
+            info.run > run or (not info.run and info.runs_seen >= run)
+        ):
+            # (a commit that records a run counted after this snapshot's began, or having seen
+            # it counted, was made since all the same: the newest commit this job knew of was
+            # deleted by hand, and a later commit took its commit_seq again)
             continue
         later = info.run
         if later > run:
