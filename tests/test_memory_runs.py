@@ -711,3 +711,26 @@ def test_a_snapshot_loses_to_a_later_commit_that_took_a_commit_order_it_knew_of(
         _put(ck, m, 12, 12.0, durable=True)
     with Checkpointer(str(url), memory_every=1, **kw) as ck:
         assert _restored(ck) == (12, 12.0)
+
+
+def test_a_newer_line_loses_to_a_later_commit_that_took_a_commit_order_it_knew_of(tmp_path):
+    """A rollback by name to 10 while 20 is committed, snapshots 11 and 12, a stop: 12 is the
+    job's newest state (a newer line).  Then 20 is deleted by hand, and a later run without the
+    tier loads 10 and commits 14, whose commit_seq is 20's again (the newest its job knew of,
+    ANCHOR_EXACT_KEY): snapshot 12 was still taken for the newer line and restored over 14."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), job_id="j") as ck:  # the tier off
+        for step in (10, 20):
+            _put(ck, m, step, float(step), durable=True)
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        assert ck.load({"model": m}, step=10) == 10
+        _put(ck, m, 11, 11.0)
+        _put(ck, m, 12, 12.0)
+    (twenty,) = [p for p in url.iterdir() if p.name.startswith("step") and "20" in p.name]
+    shutil.rmtree(twenty)  # (by hand)
+    with Checkpointer(str(url), job_id="j") as ck:  # a later run, the tier off
+        assert ck.load({"model": m}) == 10
+        _put(ck, m, 14, 14.0, durable=True)
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        assert _restored(ck) == (14, 14.0)

@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from resilient.checkpoint.catalog import Catalog
+from resilient.checkpoint.catalog import Catalog, StepInfo
 from resilient.checkpoint.format import (  # (ANCHOR_KEY: what every memory snapshot records)
     ANCHOR_EXACT_KEY,
     ANCHOR_KEY,
@@ -591,7 +591,18 @@ def newer_line(
     info = durable.get(anchor[0])
     if info is None or info.state != "committed" or info.commit_seq != anchor[1]:
         return None
+    run = snap.commit_seq >> RUN_SHIFT
+    if run and any(_after_run(i, run) for i in durable.committed):
+        # a commit made since all the same, at or below ``seen`` (the newest commit its job knew
+        # of was deleted by hand, and a later commit took its commit_seq again)
+        return None
     return anchor
+
+
+def _after_run(info: StepInfo, run: int) -> bool:
+    """Whether durable commit ``info`` was made after the memory tier counted run ``run``: it
+    records a later run, or no run and having seen ``run`` counted (format.RUNS_SEEN_KEY)."""
+    return info.run > run or (not info.run and info.runs_seen >= run)
 
 
 def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> str | None:
@@ -620,9 +631,7 @@ def stale_snapshot(snap: Manifest, durable: Catalog | None, line: set[int]) -> s
         info = durable.get(s)
         if info is None or info.commit_seq <= after or s > snap.step:
             continue
-        if info.commit_seq <= known and not (
-            info.run > run or (not info.run and info.runs_seen >= run)
-        ):
+        if info.commit_seq <= known and not _after_run(info, run):
             # (a commit that records a run counted after this snapshot's began, or having seen
             # it counted, was made since all the same: the newest commit this job knew of was
             # deleted by hand, and a later commit took its commit_seq again)
