@@ -1572,13 +1572,19 @@ def test_a_store_that_stays_down_is_logged_once_then_summarised(tmp_path):
         assert wait_for(lambda: any(e["event"] == "monitor_recovered" for e in log.read()))
     finally:
         m.close(announce=False)
-    events = [e for e in log.read() if e["event"] in ("monitor_error", "monitor_recovered")]
+    every = log.read()
+    events = [e for e in every if e["event"] in ("monitor_error", "monitor_recovered")]
     assert [(e["event"], e["where"]) for e in events] == [
         ("monitor_error", "heartbeat"),
         ("monitor_recovered", "heartbeat"),
     ]
     assert events[1]["failures"] > 10
-    assert not [e for e in log.read() if e["event"] == "heartbeat_late"]
+    # none while the store failed (the heartbeat thread writes all three, so the log's order is
+    # theirs); a beat before the failure or after the recovery may be late on a loaded machine,
+    # which is what heartbeat_late is for (under load: the first beat, 20 ms late on 20 ms)
+    start, end = every.index(events[0]), every.index(events[1])
+    late = [e for e in every[start:end] if e["event"] == "heartbeat_late"]
+    assert not late, late
 
 
 def test_a_series_of_store_errors_is_counted_every_few_minutes(clk, tmp_path):
