@@ -556,8 +556,12 @@ def test_a_rank_whose_heartbeat_stops_is_declared_dead_everywhere(tmp_path):
         # its monitor closed itself (its wake key says so): not taken for a starved one
         assert f.timeout_s == pytest.approx(1.0) and "although" not in f.detail
         events = sim.events.read()
-        assert not any(e["event"] == "heartbeat_silent" for e in events)
-        assert any(e["event"] == "verdict" and e["rank"] == 2 for e in events)
+        verdict = next(i for i, e in enumerate(events) if e["event"] == "verdict")
+        assert events[verdict]["rank"] == 2
+        # (before the verdict: the leader's thread writes both, so the log's order is theirs.
+        # After it the leader scans on, as in in-job recovery, and rank 2's "process" is this
+        # one, running: on a loaded machine the next scan came before this read, seen once)
+        assert not any(e["event"] == "heartbeat_silent" for e in events[:verdict])
         stacks = [e for e in events if e["event"] == "stacks"]
         assert {e["rank"] for e in stacks} >= {0, 1, 3}
         assert all("most recent call first" in e["stacks"] for e in stacks)  # faulthandler's dump
