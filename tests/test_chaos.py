@@ -687,6 +687,24 @@ def test_a_restart_is_timed_when_the_first_attempt_never_started():
     assert recovery_starts(rounds) == {("round_4", 0): 9.0, ("round_4", 1): 12.0}
 
 
+def test_a_restart_that_restored_the_last_step_is_timed_to_that_restore():
+    """A node the harness replaced at step 14 of 20 on a loaded machine went down after step 20
+    (its kill came 6 steps late): the restart restored step 20 and trained nothing, and with no
+    step after the restart the recovery went untimed ("no restart to time", the scenario
+    failed).  It ends with the restore of the last step; a restore of an earlier one does not
+    end it (a step must follow)."""
+    from resilient.chaos.verify import _restored_last
+
+    events = [
+        {"event": "restore", "time": 5.0, "step": 20},  # (before the restart)
+        {"event": "restore", "time": 35.0, "step": 19},
+        {"event": "restore", "time": 36.0, "step": 20},
+    ]
+    assert _restored_last(events, 30.0, 20) == 36.0
+    assert _restored_last(events[:2], 30.0, 20) is None
+    assert _restored_last(events, 30.0, None) is None
+
+
 def test_close_final_states_are_compared_in_norm_the_moments_more_loosely(tmp_path):
     """A job that changed its layout is compared in norm: a last-step gradient that went a little
     the other way (a top-k routing near-tie) passes, although one element of a moment is off by

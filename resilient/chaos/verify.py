@@ -141,6 +141,20 @@ def recovery_starts(events: list[dict[str, Any]]) -> dict[tuple[str, int], float
     return attempts
 
 
+def _restored_last(events: list[dict[str, Any]], began: float, steps: int | None) -> float | None:
+    """When the group that started at ``began`` restored the job's last step (a fault the harness
+    fired from outside landed after the job's last step, on a loaded machine): nothing is left to
+    train, so its recovery ends with that restore; else None."""
+    return next(
+        (
+            e["time"]
+            for e in events
+            if e["event"] == "restore" and e["time"] > began and steps and e.get("step") == steps
+        ),
+        None,
+    )
+
+
 def _round(attempt: str) -> int:
     """The rendezvous round of an attempt ``round_<n>`` (0 for a restart count)."""
     return int(attempt[6:]) if attempt.startswith("round_") and attempt[6:].isdigit() else 0
@@ -469,11 +483,12 @@ def verify_run(
     recoveries = []
     for (_, gen), began in sorted(attempts.items(), key=lambda kv: kv[1]):
         first = next((r for r in records if r.get("wall_time", 0) > began), None)
+        end = first["wall_time"] if first is not None else _restored_last(events, began, job.steps)
         c = cause(began)
-        if first is not None and c is not None:
+        if end is not None and c is not None:
             recoveries.append(
                 {
-                    "seconds": round(first["wall_time"] - c, 3),
+                    "seconds": round(end - c, 3),
                     "path": "in-job" if gen > 0 else "restart",
                     "breakdown": recovery_breakdown(events, c),
                 }
