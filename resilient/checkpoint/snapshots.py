@@ -742,10 +742,10 @@ def number_this_run(
     written back before it is returned; where there is no count, or a damaged one, past
     ``recorded()`` too (the newest run the durable commits record, their own or, the tier off,
     the runs they saw counted: a count lost or damaged never goes back below a run that
-    committed, nor below one a commit without the tier came after).  None, with a warning, where the count cannot be read (a
-    storage error: written from ``seen`` alone, it could go back below a run it missed) or
-    written: the run's commits are then ordered as the nodes' memory alone says (README,
-    "Across nodes")."""
+    committed, nor below one a commit without the tier came after).  None, with a warning,
+    where the count cannot be read (a storage error: written from ``seen`` alone, it could go
+    back below a run it missed) or written: the run's commits are then ordered as the nodes'
+    memory alone says (README, "Across nodes")."""
     where = storage.display(MEMORY_RUNS_NAME)
     counted, why = 0, None
     try:
