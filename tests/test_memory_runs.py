@@ -26,6 +26,7 @@ from resilient.checkpoint.format import (
     RUN_KEY,
     RUN_UNCOUNTED_KEY,
     RUNS_SEEN_KEY,
+    step_dir_name,
     user_extras,
 )
 from resilient.checkpoint.persister import _promoted
@@ -688,6 +689,30 @@ def test_a_rollback_by_name_past_a_commit_without_the_tier_keeps_its_snapshots(t
         assert _restored(ck) == (20, 20.0)
 
 
+def _rollback_then_deleted_by_hand(
+    tmp_path: Path, durable: tuple[int, int], snapshots: list[int], later: int, tier: bool
+) -> Checkpointer:
+    """Durable ``durable`` by a run without the tier; a run with it rolls back by name to the
+    first and snapshots ``snapshots``; the second is deleted by hand; a later run (without the
+    tier, or with it on a node that sat the other out) loads and commits ``later``.  Returns the
+    checkpointer of the next run, back on the first node."""
+    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
+    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
+    with Checkpointer(str(url), job_id="j") as ck:  # the tier off
+        for step in durable:
+            _put(ck, m, step, float(step), durable=True)
+    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+        assert ck.load({"model": m}, step=durable[0]) == durable[0]
+        for step in snapshots:
+            _put(ck, m, step, float(step))
+    shutil.rmtree(url / step_dir_name(durable[1]))  # (by hand)
+    other = {**kw, "memory_root": str(tmp_path / "y"), "memory_every": 1} if tier else {}
+    with Checkpointer(str(url), **{"job_id": "j", **other}) as ck:
+        assert ck.load({"model": m}) == durable[0]
+        _put(ck, m, later, float(later), durable=True)
+    return Checkpointer(str(url), memory_every=1, **kw)
+
+
 @pytest.mark.parametrize("tier", [False, True])
 def test_a_snapshot_loses_to_a_later_commit_that_took_a_commit_order_it_knew_of(tmp_path, tier):
     """As above, and then 15, the branch the rollback left, is deleted by hand: the next commit
@@ -695,21 +720,7 @@ def test_a_snapshot_loses_to_a_later_commit_that_took_a_commit_order_it_knew_of(
     job knew of (15's, ANCHOR_EXACT_KEY).  A later run (without the tier, or with it on a node
     that sat the other out) loads 10 and commits 12 without seeing snapshot 20: its line is the
     newer one, and 20 was restored over it (its commit_seq taken for one the job knew of)."""
-    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
-    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
-    with Checkpointer(str(url), job_id="j") as ck:  # the tier off
-        for step in (10, 15):
-            _put(ck, m, step, float(step), durable=True)
-    with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        assert ck.load({"model": m}, step=10) == 10
-        _put(ck, m, 20, 20.0)
-    (fifteen,) = [p for p in url.iterdir() if p.name.startswith("step") and "15" in p.name]
-    shutil.rmtree(fifteen)  # (by hand)
-    later = {**kw, "memory_root": str(tmp_path / "y"), "memory_every": 1} if tier else {}
-    with Checkpointer(str(url), **{"job_id": "j", **later}) as ck:
-        assert ck.load({"model": m}) == 10
-        _put(ck, m, 12, 12.0, durable=True)
-    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+    with _rollback_then_deleted_by_hand(tmp_path, (10, 15), [20], 12, tier) as ck:
         assert _restored(ck) == (12, 12.0)
 
 
@@ -718,19 +729,5 @@ def test_a_newer_line_loses_to_a_later_commit_that_took_a_commit_order_it_knew_o
     job's newest state (a newer line).  Then 20 is deleted by hand, and a later run without the
     tier loads 10 and commits 14, whose commit_seq is 20's again (the newest its job knew of,
     ANCHOR_EXACT_KEY): snapshot 12 was still taken for the newer line and restored over 14."""
-    url, m = tmp_path / "ckpt", torch.nn.Linear(4, 4)
-    kw = {"memory_root": str(tmp_path / "x"), "persister": False, "job_id": "j"}
-    with Checkpointer(str(url), job_id="j") as ck:  # the tier off
-        for step in (10, 20):
-            _put(ck, m, step, float(step), durable=True)
-    with Checkpointer(str(url), memory_every=1, **kw) as ck:
-        assert ck.load({"model": m}, step=10) == 10
-        _put(ck, m, 11, 11.0)
-        _put(ck, m, 12, 12.0)
-    (twenty,) = [p for p in url.iterdir() if p.name.startswith("step") and "20" in p.name]
-    shutil.rmtree(twenty)  # (by hand)
-    with Checkpointer(str(url), job_id="j") as ck:  # a later run, the tier off
-        assert ck.load({"model": m}) == 10
-        _put(ck, m, 14, 14.0, durable=True)
-    with Checkpointer(str(url), memory_every=1, **kw) as ck:
+    with _rollback_then_deleted_by_hand(tmp_path, (10, 20), [11, 12], 14, False) as ck:
         assert _restored(ck) == (14, 14.0)
