@@ -1,5 +1,6 @@
 """Two jobs, one URL: the writer lease keeps a second job from damaging the first."""
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -439,13 +440,32 @@ def _stalling_release_ops(before=None):
     return Stalling()
 
 
+@contextlib.contextmanager
+def _releasing(lease, ops):
+    """``lease`` released on another thread with ``ops`` as the local ops (stalling ones, from
+    ``_stalling_release_ops``), held right after it set LEASE.json aside; on leaving, the release
+    goes on and the ops are put back."""
+    import threading
+
+    from resilient.checkpoint import storage as storage_mod
+
+    previous = storage_mod.set_local_ops(ops)
+    releasing = threading.Thread(target=lease.release)
+    try:
+        releasing.start()
+        assert ops.set_aside.wait(60)
+        yield
+    finally:
+        ops.go.set()
+        releasing.join(timeout=60)
+        storage_mod.set_local_ops(previous)
+
+
 def test_a_release_in_progress_never_makes_a_successor_give_up_its_lease(tmp_path):
     """A release renames LEASE.json aside to judge it: a successor of the same job that took
     the lease over just before that rename found no LEASE.json meanwhile, took its lease for
     lost to nobody, and its job could never commit again.  It puts its record back now."""
-    import threading
 
-    from resilient.checkpoint import storage as storage_mod
     from resilient.checkpoint.lease import WriterLease
     from resilient.checkpoint.storage import Storage
 
@@ -453,20 +473,12 @@ def test_a_release_in_progress_never_makes_a_successor_give_up_its_lease(tmp_pat
     a.acquire()
     b = WriterLease(Storage(str(tmp_path)), "J", timeout_s=60.0)  # the same job restarted
     ops = _stalling_release_ops(before=b.acquire)  # (after A read its own record there)
-    previous = storage_mod.set_local_ops(ops)
-    releasing = threading.Thread(target=a.release)
-    try:
-        releasing.start()
-        assert ops.set_aside.wait(60)
+    with _releasing(a, ops):
         assert not (tmp_path / LEASE).exists() and len(_set_aside_names(tmp_path)) == 1
         b.check()  # (was: LeaseError, taken over by nobody)
         b.renew()
         assert json.loads((tmp_path / LEASE).read_text())["token"] == b.token
         assert _set_aside_names(tmp_path) == []  # (moved back)
-    finally:
-        ops.go.set()
-        releasing.join(timeout=60)
-        storage_mod.set_local_ops(previous)
     b.check()
     assert json.loads((tmp_path / LEASE).read_text())["token"] == b.token
     assert _set_aside_names(tmp_path) == []
@@ -529,9 +541,7 @@ def test_a_dead_releasers_own_record_is_swept_but_never_a_live_release(tmp_path)
     behind: nobody removed it.  The next holder removes it once its releaser is gone (or, on
     another host, once it is older than the lease timeout), but not the file of a release
     still in progress."""
-    import threading
 
-    from resilient.checkpoint import storage as storage_mod
     from resilient.checkpoint.lease import WriterLease
     from resilient.checkpoint.storage import Storage
 
@@ -550,19 +560,11 @@ def test_a_dead_releasers_own_record_is_swept_but_never_a_live_release(tmp_path)
     live = WriterLease(Storage(str(tmp_path)), "L", timeout_s=60.0)
     live.acquire()  # (a dead holder's lease: taken at once)
     ops = _stalling_release_ops()
-    previous = storage_mod.set_local_ops(ops)
-    releasing = threading.Thread(target=live.release)
-    try:
-        releasing.start()
-        assert ops.set_aside.wait(60)
+    with _releasing(live, ops):
         [in_hand] = [n for n in _set_aside_names(tmp_path) if n not in (dead, elsewhere)]
         d = WriterLease(Storage(str(tmp_path)), "K", timeout_s=60.0)
         d.acquire(cautious=True)  # free: the set-aside records are their releasers' own
         assert _set_aside_names(tmp_path) == sorted([in_hand, elsewhere])
-    finally:
-        ops.go.set()
-        releasing.join(timeout=60)
-        storage_mod.set_local_ops(previous)
     assert _set_aside_names(tmp_path) == [elsewhere]
     d.check()
     d.release()
@@ -613,9 +615,7 @@ def test_a_put_back_lease_released_at_once_is_not_put_back_again(tmp_path):
     unlinked, the set-aside name stayed a moment beside the lease: the successor's release in
     that moment, then another reader finding no LEASE.json, put the released record back (a free
     lease held by a holder who had let it go, until its timeout).  One rename now."""
-    import threading
 
-    from resilient.checkpoint import storage as storage_mod
     from resilient.checkpoint.lease import WriterLease
     from resilient.checkpoint.storage import Storage
 
@@ -636,18 +636,10 @@ def test_a_put_back_lease_released_at_once_is_not_put_back_again(tmp_path):
             super().unlink(name, dir_fd=dir_fd)
 
     ops = Window()
-    previous = storage_mod.set_local_ops(ops)
-    releasing = threading.Thread(target=a.release)
-    try:
-        releasing.start()
-        assert ops.set_aside.wait(60)
+    with _releasing(a, ops):
         # another job's reader finds no LEASE.json: puts b's record back (a's release set it
         # aside)
         WriterLease(Storage(str(tmp_path)), "K", timeout_s=60.0)._read_settled()
-    finally:
-        ops.go.set()
-        releasing.join(timeout=60)
-        storage_mod.set_local_ops(previous)
     assert not b.held
     assert not (tmp_path / LEASE).exists(), (tmp_path / LEASE).read_text()
     assert _set_aside_names(tmp_path) == []
