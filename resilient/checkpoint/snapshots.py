@@ -762,13 +762,7 @@ def number_this_run(
             why = f"it cannot be read ({e})"
     if data is not None:
         try:
-            record = json.loads(data)
-            runs = record.get("runs") if isinstance(record, dict) else None
-            if not isinstance(record, dict) or record.get("format") != MEMORY_RUNS_FORMAT:
-                raise ValueError(f"expected a {MEMORY_RUNS_FORMAT!r} record")
-            if type(runs) is not int or not 0 <= runs < MAX_RUN:
-                raise ValueError(f"expected 'runs' an int in [0, {MAX_RUN}), found {runs!r:.40}")
-            counted = runs
+            counted = _parse_count(data)
         except (ValueError, RecursionError) as e:  # (json's errors; nesting beyond its depth)
             why = f"it is not a count of runs: {str(e)[:200]}"
     if why is not None:
@@ -793,19 +787,26 @@ def number_this_run(
     return run
 
 
+def _parse_count(data: bytes) -> int:
+    """The runs a MEMORY_RUNS.json record counts; ValueError (or json's RecursionError) where it
+    is anything but that record."""
+    record = json.loads(data)
+    runs = record.get("runs") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or record.get("format") != MEMORY_RUNS_FORMAT:
+        raise ValueError(f"expected a {MEMORY_RUNS_FORMAT!r} record")
+    if type(runs) is not int or not 0 <= runs < MAX_RUN:
+        raise ValueError(f"expected 'runs' an int in [0, {MAX_RUN}), found {runs!r:.40}")
+    return runs
+
+
 def runs_counted(storage: Storage) -> int:
     """(a commit without the memory tier) The runs with the tier counted at the URL: 0 where
     there is no count, or it cannot be read or is damaged (the commit then records none, and
     orders nothing against a snapshot whose anchor is "", as before there was a count)."""
     try:
-        data = storage.read_small(MEMORY_RUNS_NAME, _MAX_RUNS_FILE)
-        record = json.loads(data)
+        return _parse_count(storage.read_small(MEMORY_RUNS_NAME, _MAX_RUNS_FILE))
     except (ResilientError, ValueError, RecursionError):
         return 0
-    if not isinstance(record, dict) or record.get("format") != MEMORY_RUNS_FORMAT:
-        return 0
-    runs = record.get("runs")
-    return runs if type(runs) is int and 0 < runs < MAX_RUN else 0
 
 
 def _refused(e: ResilientError) -> bool:
