@@ -292,6 +292,11 @@ def _check_resumed_config(restored: dict[str, Any], cfg: TrainConfig, start: int
             )
 
 
+def _data_name(cfg: TrainConfig) -> str:
+    """--data as the refusals name it."""
+    return cfg.data or "(the embedded default: Python's standard library)"
+
+
 def _check_same_corpus(now: str, cfg: TrainConfig, device: Any) -> None:
     """Every rank reads its own --data (each node its own copy): ranks that read different text
     train on windows no one asked for (a tensor-parallel group's ranks on different tokens), and
@@ -307,7 +312,7 @@ def _check_same_corpus(now: str, cfg: TrainConfig, device: Any) -> None:
     ids = [int(t.item()) for t in every]
     others = [r for r, d in enumerate(ids) if d != ids[0]]
     if others:
-        data = cfg.data or "(the embedded default: Python's standard library)"
+        data = _data_name(cfg)
         raise ConfigError(
             f"--data {data}: the ranks do not read the same corpus: rank(s) {others} read "
             f"another than rank 0 (this rank, {dist.get_rank()}, reads {now} tokens:digest); "
@@ -322,7 +327,7 @@ def _check_resumed_corpus(config: dict[str, Any], cfg: TrainConfig, start: int, 
     name; a step saved before the corpus was recorded resumes with a warning.  Then the config
     records this run's corpus for its saves."""
     was = config.get("corpus")
-    data = cfg.data or "(the embedded default: Python's standard library)"
+    data = _data_name(cfg)
     if start and was is None:
         log.warning(
             "step %d of %s does not record which corpus it was trained on (saved by an older "
