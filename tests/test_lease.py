@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import resilient.checkpoint.storage as storage_module
 from resilient import Checkpointer
 from resilient.checkpoint.lease import BEAT_PREFIX
 from resilient.errors import LeaseError, StorageError
@@ -643,3 +644,46 @@ def test_a_put_back_lease_released_at_once_is_not_put_back_again(tmp_path):
     assert not b.held
     assert not (tmp_path / LEASE).exists(), (tmp_path / LEASE).read_text()
     assert _set_aside_names(tmp_path) == []
+
+
+def _counting_reads(storage, monkeypatch) -> list[str]:
+    reads: list[str] = []
+    real = storage.read_small
+    monkeypatch.setattr(storage, "read_small", lambda rel, n: reads.append(rel) or real(rel, n))
+    return reads
+
+
+def test_a_check_reads_the_lease_file_again_only_once_it_was_replaced(tmp_path, monkeypatch):
+    """On a local filesystem a check whose lease file is still the one it last read as its own
+    (the same inode, size and mtime) does not read it again (a memory snapshot checks six times
+    per commit); a takeover, which replaces the file, is seen at the next check all the same."""
+    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=60.0) as ck:
+        ck.save(1, state(1)).wait()
+        assert ck.storage.coherent_stat  # (a local disk)
+        reads = _counting_reads(ck.storage, monkeypatch)
+        for _ in range(5):
+            ck._lease.check()
+        ck.save(2, state(2)).wait()
+        assert reads.count(LEASE) == 0 and ck.steps() == [1, 2]
+        # another owner's record, put in place as every writer of LEASE.json does: replaced
+        other = json.loads((tmp_path / LEASE).read_text())
+        other["token"] = "0" * 16
+        (tmp_path / "next").write_text(json.dumps(other, indent=1))
+        os.replace(tmp_path / "next", tmp_path / LEASE)
+        ck.save(3, state(3))
+        with pytest.raises(LeaseError, match="was taken over"):
+            ck.wait()
+        assert reads.count(LEASE) == 1 and ck.steps() == [1, 2]
+
+
+def test_on_a_network_filesystem_every_check_reads_the_lease_file(tmp_path, monkeypatch):
+    """A stat there may be served from the client's cache for seconds (NFS): only a read says
+    whose the lease is."""
+    monkeypatch.setattr(storage_module, "fs_type", lambda directory: "nfs4")
+    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=60.0) as ck:
+        ck.save(1, state(1)).wait()
+        assert not ck.storage.coherent_stat
+        reads = _counting_reads(ck.storage, monkeypatch)
+        for _ in range(5):
+            ck._lease.check()
+        assert reads.count(LEASE) == 5

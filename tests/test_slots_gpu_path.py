@@ -12,6 +12,7 @@ import torch
 
 import resilient.checkpoint.slots as slots
 from resilient import Checkpointer
+from resilient.checkpoint.storage import fs_type_in
 
 
 @pytest.fixture
@@ -200,12 +201,12 @@ def test_what_is_page_locked_follows_the_filesystem_and_its_mount_points(monkeyp
         "tmpfs /mnt/a\\040b tmpfs rw 0 0\n"
         "tmpfs /dev/shmfoo/x ext4 rw 0 0\n"
     )
-    assert slots._fs_type_in(mounts, "/dev/shm/resilient-0/job") == "tmpfs"
-    assert slots._fs_type_in(mounts, "/dev/shmfoo") == "ext4"  # "/", not /dev/shm
-    assert slots._fs_type_in(mounts, "/mnt/a b/x") == "tmpfs"  # an escaped space
-    assert slots._fs_type_in(mounts, "/mnt/a b/disk/x") == "ext4"  # the longest mount point
-    assert slots._fs_type_in(mounts, "/tmp") == "ext4"
-    assert slots._fs_type_in("", "/tmp") == ""
+    assert fs_type_in(mounts, "/dev/shm/resilient-0/job") == "tmpfs"
+    assert fs_type_in(mounts, "/dev/shmfoo") == "ext4"  # "/", not /dev/shm
+    assert fs_type_in(mounts, "/mnt/a b/x") == "tmpfs"  # an escaped space
+    assert fs_type_in(mounts, "/mnt/a b/disk/x") == "ext4"  # the longest mount point
+    assert fs_type_in(mounts, "/tmp") == "ext4"
+    assert fs_type_in("", "/tmp") == ""
 
 
 def test_the_runtime_libraries_are_found_in_the_maps_whatever_their_path():

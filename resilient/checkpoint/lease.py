@@ -255,6 +255,7 @@ class WriterLease:
         self.record: LeaseRecord | None = None  # ours, while held
         self.taken_over: LeaseRecord | None = None  # whose lease we took, if anyone's
         self._lost: str | None = None
+        self._confirmed: tuple[Any, ...] | None = None  # the stat key of our record last read
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -524,6 +525,15 @@ class WriterLease:
         if self.record is None:
             raise LeaseError(f"no writer lease held on {self.storage.url}; acquire it first")
         if self._lost is None:
+            # Where a stat shows any replacement at once (a local filesystem), the file this
+            # check last read as ours, unchanged since (the same inode, size and mtime: every
+            # writer of LEASE.json replaces it, never writes into it), is still ours; a memory
+            # snapshot checks the lease six times per commit, and each read and parse cost more
+            # than the commit's other file operations
+            key = self.storage.stat_key(LEASE_NAME) if self.storage.coherent_stat else None
+            if key is not None and key == self._confirmed:
+                return
+            self._confirmed = None
             data, current = self._read_settled()
             if data is not None and current is None:
                 # a storage failure, not a loss: Run counts it among failed saves (max_failed_saves)
@@ -531,6 +541,8 @@ class WriterLease:
                 raise self._unconfirmed(data)
             if current is None or current.token != self.token:
                 self._lose(current)
+            elif key is not None and self.storage.stat_key(LEASE_NAME) == key:
+                self._confirmed = key  # (the file read is the one of this key: the same before)
         if self._lost is not None:
             raise LeaseError(
                 f"the writer lease of {self.storage.url} was taken over by {self._lost} while "
@@ -550,6 +562,7 @@ class WriterLease:
         )
 
     def _lose(self, current: LeaseRecord | None) -> None:
+        self._confirmed = None
         self._lost = current.describe() if current else "nobody (the lease file is gone)"
         _HELD.discard(self.token)
 
@@ -616,7 +629,7 @@ class WriterLease:
                     )
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
-            self.record = None
+            self.record, self._confirmed = None, None
             _HELD.discard(self.token)  # (only now: the file is gone, or left as an orphan)
 
     def _is_ours(self, data: bytes) -> bool:

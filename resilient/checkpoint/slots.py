@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import json
 import logging
 import mmap
 import os
-import re
 import stat
 import struct
 import threading
@@ -74,6 +72,7 @@ from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.seal import RECORD_FORMAT, record_name
 from resilient.checkpoint.snapshots import STAGING_DIR, RankHold
 from resilient.checkpoint.state import TensorLeaf
+from resilient.checkpoint.storage import fs_type
 from resilient.checkpoint.writer import (
     PersistResult,
     WritePlan,
@@ -792,38 +791,10 @@ def _pin(slot: _Slot) -> None:
 
 
 _RAM_FS = ("tmpfs", "hugetlbfs", "ramfs")
-_OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts escapes space, tab, newline, backslash
-
-
-@functools.lru_cache(maxsize=64)
-def _fs_type(directory: str) -> str:
-    """The type of the filesystem ``directory`` is on, or "" where that cannot be read."""
-    try:
-        with open("/proc/self/mounts") as f:
-            mounts = f.read()
-    except OSError as e:
-        log.info("cannot read /proc/self/mounts (%s): the tier's files are not page-locked", e)
-        return ""
-    return _fs_type_in(mounts, directory)
-
-
-def _fs_type_in(mounts: str, directory: str) -> str:
-    """The type of the filesystem of the longest mount point above ``directory`` in ``mounts``
-    (/proc/self/mounts' text, whose paths escape space, tab, newline and backslash in octal)."""
-    best, kind = "", ""
-    for line in mounts.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mnt = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[1])
-        under = directory == mnt or directory.startswith(mnt.rstrip("/") + "/")
-        if under and len(mnt) >= len(best):
-            best, kind = mnt, parts[2]
-    return kind
 
 
 def _in_ram(path: str) -> bool:
-    return _fs_type(os.path.dirname(os.path.realpath(path))) in _RAM_FS
+    return fs_type(os.path.dirname(os.path.realpath(path))) in _RAM_FS
 
 
 def _clear_device_error() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import posixpath
@@ -51,6 +52,8 @@ __all__ = [
     "COMMIT_METHODS",
     "WriteConflict",
     "SetAside",
+    "fs_type",
+    "fs_type_in",
 ]
 
 log = logging.getLogger(__name__)
@@ -184,8 +187,42 @@ ATOMIC_PUT_PROTOCOLS = frozenset(
 COMMIT_METHODS = ("rename", "put")
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Local filesystems: a stat of a file there shows a change made by any process at once (a
+# network filesystem's client may serve a cached one for seconds: NFS's attribute cache)
+_COHERENT_FS = frozenset(
+    {"tmpfs", "ramfs", "hugetlbfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs"}
+)
+_OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts escapes space, tab, newline, backslash
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+@functools.lru_cache(maxsize=64)
+def fs_type(directory: str) -> str:
+    """The type of the filesystem ``directory`` (a real path) is on, or "" where that cannot be
+    read."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = f.read()
+    except OSError as e:
+        log.info("cannot read /proc/self/mounts (%s): filesystem types unknown", e)
+        return ""
+    return fs_type_in(mounts, directory)
+
+
+def fs_type_in(mounts: str, directory: str) -> str:
+    """The type of the filesystem of the longest mount point above ``directory`` in ``mounts``
+    (/proc/self/mounts' text, whose paths escape space, tab, newline and backslash in octal)."""
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[1])
+        under = directory == mnt or directory.startswith(mnt.rstrip("/") + "/")
+        if under and len(mnt) >= len(best):
+            best, kind = mnt, parts[2]
+    return kind
 
 
 class LocalOps:
@@ -335,6 +372,13 @@ class Storage:
         self.commit_method = commit_method or _detect_commit_method(self.fs, self.is_local)
         self.retries_done = 0  # how many retries this Storage has made (event log, tests)
         self._warned: set[str] = set()  # (what this client cannot do, said once)
+
+    @functools.cached_property
+    def coherent_stat(self) -> bool:
+        """Whether ``stat_key()`` sees another process's replacement of a file at once: a local
+        filesystem, not a network one whose client caches attributes (NFS).  A lease check may
+        then skip reading a lease file whose key has not changed since it read its own record."""
+        return self.is_local and fs_type(os.path.realpath(self.root or ".")) in _COHERENT_FS
 
     # --- paths --------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
