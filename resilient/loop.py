@@ -604,13 +604,15 @@ class Run:
         is logged and warned about, never raised: durable saves still protect the run."""
         if self.checkpointer is None or self.checkpointer.memory is None:
             return
-        self._progress(self.step, "checkpoint")
+        # (lazy: published by the next heartbeat unless over by then, as a snapshot usually is
+        # within a millisecond; two store round trips at every step were 2% of a small step)
+        self._progress(self.step, "checkpoint", lazy=True)
         self._join_snapshot()
         try:
             self._snap = self.checkpointer.snapshot(self.step, self.state)
         except ResilientError as e:  # it could not even start (the tier's directory is gone, ...)
             self._snapshot_failed(self.step, e)
-        self._progress(self.step, "train", self._busy_s)
+        self._progress(self.step, "train", self._busy_s, lazy=True)
 
     def _poll_snapshot(self) -> None:
         h = self._snap
@@ -769,9 +771,11 @@ class Run:
         where every rank's wall-clock step is as long as the slowest rank's."""
         self._busy_s = float(seconds)
 
-    def _progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
+    def _progress(
+        self, step: int | None, phase: str, busy_s: float | None = None, *, lazy: bool = False
+    ) -> None:
         if self.monitor is not None:
-            self.monitor.progress(step, phase, busy_s)
+            self.monitor.progress(step, phase, busy_s, lazy=lazy)
 
     def __enter__(self) -> Run:
         return self

@@ -613,7 +613,7 @@ class PhaseLog:
         self.config = DetectorConfig()
         self.seen = []
 
-    def progress(self, step, phase, busy_s=None):
+    def progress(self, step, phase, busy_s=None, lazy=False):
         self.seen.append((step, phase))
 
     def verdict(self):

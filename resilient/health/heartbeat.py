@@ -205,9 +205,11 @@ class Monitor:
         self._blocks: dict[int, tuple[int, int]] = {}  # rank -> its node's (first rank, count)
         self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
-        # the newest progress announcement a store error kept from the store: the heartbeat
-        # thread publishes it with its next beat (guarded by the lock)
+        # the newest progress announcement not in the store yet (a store error kept it back, or
+        # it was made ``lazy``): the heartbeat thread publishes it with its next beat (guarded by
+        # _progress_lock, which is never held across a store call)
         self._unsent_progress: str | None = None
+        self._progress_lock = threading.Lock()
         self._beat_errors = _ErrorSeries(self, "heartbeat")
         self._progress_errors = _ErrorSeries(self, "progress")
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
@@ -253,7 +255,9 @@ class Monitor:
         _LIVE.add(self)
 
     # --- what the loop calls ------------------------------------------------------------------
-    def progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
+    def progress(
+        self, step: int | None, phase: str, busy_s: float | None = None, *, lazy: bool = False
+    ) -> None:
         """Announce ``step`` and ``phase``; ``busy_s``: the time this rank computed in its last
         step, without waiting in collectives (what tells a straggler apart in a synchronous job,
         where every rank's step takes equally long).
@@ -261,8 +265,17 @@ class Monitor:
         The loop calls this at every step: a store error does not reach it (a training run must
         not die of its monitor's store).  The announcement is kept, and the heartbeat thread
         publishes the newest one with its next beat; the errors are logged as a series (the
-        first, then a count every ``ERROR_SUMMARY_S``, and the total once the store answers)."""
+        first, then a count every ``ERROR_SUMMARY_S``, and the total once the store answers).
+
+        ``lazy``: only kept, for the next beat (or the next announcement that is not lazy) to
+        publish: no store round trip on the caller's thread.  For the phases around a memory
+        snapshot, a millisecond apart at every step: a phase that lasts is in the store within
+        an interval, with the time it was announced at (what its budget counts from)."""
         value = self._announce(step, phase, busy_s)
+        if lazy:
+            with self._progress_lock:
+                self._unsent_progress = value
+            return
         try:
             self._publish_progress(value)
         except Exception as e:
@@ -279,9 +292,16 @@ class Monitor:
         """Write a progress announcement (raises what the store raises); until it is written,
         it is the one the next beat publishes."""
         with self._lock:
-            self._unsent_progress = value
+            with self._progress_lock:
+                self._unsent_progress = value
             self._set("progress", value)
-            self._unsent_progress = None
+            self._sent_progress(value)
+
+    def _sent_progress(self, value: str) -> None:
+        """``value`` is in the store: nothing is left to send unless a newer one came since."""
+        with self._progress_lock:
+            if self._unsent_progress is value:
+                self._unsent_progress = None
 
     def leaving(self, step: int | None) -> None:
         """Say this rank is being stopped by its launcher (not failing by itself), so that no
@@ -485,15 +505,17 @@ class Monitor:
             values.append("" if ring is None else ring.summary())
             self._ring_sent = ring
         with self._lock:
-            unsent = self._unsent_progress
-            if unsent is not None:  # an announcement a store error kept back (see progress)
+            with self._progress_lock:
+                unsent = self._unsent_progress
+            if unsent is not None:  # kept back by a store error, or lazy (see progress)
                 keys.append(f"{self.prefix}/progress/{self.rank}")
                 values.append(unsent)
             if len(keys) == 1:
                 self.store.set(keys[0], alive)
             else:
                 self.store.multi_set(keys, values)
-            self._unsent_progress = None
+            if unsent is not None:
+                self._sent_progress(unsent)
 
     def _ring(self) -> CollectiveRing | None:
         if self._ring_arg is _PROCESS_RING:
