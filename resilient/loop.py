@@ -604,14 +604,15 @@ class Run:
         is logged and warned about, never raised: durable saves still protect the run."""
         if self.checkpointer is None or self.checkpointer.memory is None:
             return
-        # (lazy: published by the next heartbeat unless over by then, as a snapshot usually is
-        # within a millisecond; two store round trips at every step were 2% of a small step)
-        self._progress(self.step, "checkpoint", lazy=True)
+        # (at once: from now on the rank is judged on this phase's budget, not the step's)
+        self._progress(self.step, "checkpoint")
         self._join_snapshot()
         try:
             self._snap = self.checkpointer.snapshot(self.step, self.state)
         except ResilientError as e:  # it could not even start (the tier's directory is gone, ...)
             self._snapshot_failed(self.step, e)
+        # (lazy: the next heartbeat publishes it unless the next step's announcement comes
+        # first, as it does within a step; one store round trip less at every step)
         self._progress(self.step, "train", self._busy_s, lazy=True)
 
     def _poll_snapshot(self) -> None:

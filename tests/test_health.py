@@ -202,6 +202,34 @@ def test_a_lazy_announcement_waits_for_a_beat_and_never_overwrites_a_newer_one()
         m.close()
 
 
+def test_a_sigterm_while_the_loop_keeps_an_announcement_does_not_deadlock_the_rank():
+    """Run's SIGTERM handler announces "exiting" on the loop's thread, which the signal may
+    interrupt while it holds the lock of the kept announcement (a lazy one): a lock that is not
+    reentrant hung the rank there, silent, until a peer's DEAD verdict or torchrun's SIGKILL."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_IN_ANNOUNCEMENT], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 75, proc.stderr[-2000:]
+
+
+SIGTERM_IN_ANNOUNCEMENT = """
+import os, signal
+import torch.distributed as dist
+from resilient.health import DetectorConfig, Monitor
+server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, 2, False)
+m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=30.0), kill_local=False)
+def handler(signum, frame):  # as Run's, when the rank is failing
+    m.leaving(3)
+    os._exit(75)
+signal.signal(signal.SIGTERM, handler)
+signal.alarm(20)  # (a deadlock ends the process (SIGALRM), not the test run)
+with m._progress_lock:
+    signal.raise_signal(signal.SIGTERM)
+os._exit(1)
+"""
+
+
 def test_a_heartbeat_store_that_stops_answering_is_warned_about(tmp_path, caplog):
     """The agent's store gone: detection is off until it answers again.  That was only an event
     in the event log, which a job checkpointing to S3 has none of: nothing said a failed rank

@@ -657,7 +657,7 @@ def test_a_check_reads_the_lease_file_again_only_once_it_was_replaced(tmp_path, 
     """On a local filesystem a check whose lease file is still the one it last read as its own
     (the same inode, size and mtime) does not read it again (a memory snapshot checks six times
     per commit); a takeover, which replaces the file, is seen at the next check all the same."""
-    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=60.0) as ck:
+    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=3600.0) as ck:
         ck.save(1, state(1)).wait()
         assert ck.storage.coherent_stat  # (a local disk)
         reads = _counting_reads(ck.storage, monkeypatch)
@@ -680,7 +680,7 @@ def test_on_a_network_filesystem_every_check_reads_the_lease_file(tmp_path, monk
     """A stat there may be served from the client's cache for seconds (NFS): only a read says
     whose the lease is."""
     monkeypatch.setattr(storage_module, "fs_type", lambda directory: "nfs4")
-    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=60.0) as ck:
+    with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=3600.0) as ck:
         ck.save(1, state(1)).wait()
         assert not ck.storage.coherent_stat
         reads = _counting_reads(ck.storage, monkeypatch)

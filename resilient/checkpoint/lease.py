@@ -529,7 +529,11 @@ class WriterLease:
             # check last read as ours, unchanged since (the same inode, size and mtime: every
             # writer of LEASE.json replaces it, never writes into it), is still ours; a memory
             # snapshot checks the lease six times per commit, and each read and parse cost more
-            # than the commit's other file operations
+            # than the commit's other file operations.  (Not caught: two replacements within
+            # one tick of the filesystem's clock after that read, the second reusing our
+            # file's freed inode at the same size; a takeover watches a live holder's lease for
+            # lease_timeout_s first, and a kernel with fine-grained timestamps, 6.13 on, gives
+            # each replacement an mtime of its own.)
             key = self.storage.stat_key(LEASE_NAME) if self.storage.coherent_stat else None
             if key is not None and key == self._confirmed:
                 return

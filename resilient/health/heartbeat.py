@@ -207,9 +207,10 @@ class Monitor:
         self._ring_arg = ring
         # the newest progress announcement not in the store yet (a store error kept it back, or
         # it was made ``lazy``): the heartbeat thread publishes it with its next beat (guarded by
-        # _progress_lock, which is never held across a store call)
+        # _progress_lock, never held across a store call; reentrant, as _lock is: Run's SIGTERM
+        # handler announces "exiting" on the loop's thread, which may be holding it)
         self._unsent_progress: str | None = None
-        self._progress_lock = threading.Lock()
+        self._progress_lock = threading.RLock()
         self._beat_errors = _ErrorSeries(self, "heartbeat")
         self._progress_errors = _ErrorSeries(self, "progress")
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
@@ -268,9 +269,11 @@ class Monitor:
         first, then a count every ``ERROR_SUMMARY_S``, and the total once the store answers).
 
         ``lazy``: only kept, for the next beat (or the next announcement that is not lazy) to
-        publish: no store round trip on the caller's thread.  For the phases around a memory
-        snapshot, a millisecond apart at every step: a phase that lasts is in the store within
-        an interval, with the time it was announced at (what its budget counts from)."""
+        publish: no store round trip on the caller's thread.  For a phase whose budget is not
+        longer than the one in the store (the leader judges the rank on the store's phase until
+        the beat: a longer one announced lazily could be judged HUNG on the shorter meanwhile),
+        such as the training step's again right after a memory snapshot; it is in the store
+        within an interval, with the time it was announced at (what its budget counts from)."""
         value = self._announce(step, phase, busy_s)
         if lazy:
             with self._progress_lock:
