@@ -175,25 +175,25 @@ def test_run_adopting_the_early_monitor_brings_no_false_verdict(tmp_path):
 
 
 def test_a_lazy_announcement_waits_for_a_beat_and_never_overwrites_a_newer_one():
-    """The phases around a memory snapshot are announced lazily (two store round trips at every
-    step were 2% of a small step): no store call on the loop's thread; the next beat publishes
-    the newest, with the time it was announced at (what its phase's budget counts from), and a
-    later announcement that is published at once is never overwritten by an older lazy one."""
+    """The training step's phase again right after a memory snapshot is announced lazily: no
+    store call on the loop's thread; the next beat publishes the newest kept announcement, with
+    the time it was announced at (what its phase's budget counts from), and a later announcement
+    that is published at once is never overwritten by an older kept one."""
     server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, 2, False)
     m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=30.0), kill_local=False)
     key, alive = "run/0/progress/0", "run/0/alive/0"
     try:
-        m.progress(7, "train", 0.5)  # published at once
-        assert decode_progress(server.get(key))[:2] == (7, "train")
+        m.progress(7, "checkpoint")  # published at once
+        assert decode_progress(server.get(key))[:2] == (7, "checkpoint")
         t0 = time.monotonic()
-        m.progress(7, "checkpoint", lazy=True)
+        m.progress(7, "train", 0.5, lazy=True)
         t1 = time.monotonic()
-        assert decode_progress(server.get(key))[:2] == (7, "train")  # (no beat for 30 s)
+        assert decode_progress(server.get(key))[:2] == (7, "checkpoint")  # (no beat for 30 s)
         m.reconfigure(DetectorConfig(interval_s=0.1))
-        assert _wait(lambda: decode_progress(server.get(key))[:2] == (7, "checkpoint"), 30.0)
+        assert _wait(lambda: decode_progress(server.get(key))[:2] == (7, "train"), 30.0)
         assert t0 <= decode_progress(server.get(key))[3] <= t1
-        m.progress(8, "checkpoint", lazy=True)
+        m.progress(8, "train", 0.5, lazy=True)
         m.progress(9, "train", 0.5)
         beats = {server.get(alive)}
         assert _wait(lambda: beats.add(server.get(alive)) or len(beats) >= 3, 30.0)
