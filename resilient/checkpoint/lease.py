@@ -527,9 +527,9 @@ class WriterLease:
         if self._lost is None:
             # Where a stat shows any replacement at once (a local filesystem), the file this
             # check last read as ours, unchanged since (the same inode, size and mtime: every
-            # writer of LEASE.json replaces it, never writes into it), is still ours; a memory
-            # snapshot checks the lease six times per commit, and each read and parse cost more
-            # than the commit's other file operations.  (Not caught: two replacements within
+            # writer of LEASE.json replaces it, never writes into it), is still ours: a stat
+            # instead of an open, a read and a parse (a memory snapshot's commit checks the
+            # lease six times).  (Not caught: two replacements within
             # one tick of the filesystem's clock after that read, the second reusing our
             # file's freed inode at the same size; a takeover watches a live holder's lease for
             # lease_timeout_s first, and a kernel with fine-grained timestamps, 6.13 on, gives

@@ -187,14 +187,14 @@ ATOMIC_PUT_PROTOCOLS = frozenset(
 COMMIT_METHODS = ("rename", "put")
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 # Local filesystems: a stat of a file there shows a change made by any process at once (a
 # network filesystem's client may serve a cached one for seconds: NFS's attribute cache)
 _COHERENT_FS = frozenset(
     {"tmpfs", "ramfs", "hugetlbfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs"}
 )
 _OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts escapes space, tab, newline, backslash
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 @functools.lru_cache(maxsize=64)
