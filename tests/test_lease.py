@@ -646,6 +646,17 @@ def test_a_put_back_lease_released_at_once_is_not_put_back_again(tmp_path):
     assert _set_aside_names(tmp_path) == []
 
 
+def _open_files_under(path) -> list[str]:
+    """What this process's descriptors have open under ``path``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(f"{path}/"):
+                out.append(target)
+    return out
+
+
 def _counting_reads(storage, monkeypatch) -> list[str]:
     reads: list[str] = []
     real = storage.read_small
@@ -657,6 +668,11 @@ def test_a_check_reads_the_lease_file_again_only_once_it_was_replaced(tmp_path, 
     """On a local filesystem a check whose lease file is still the one it last read as its own
     (the same inode, size and mtime) does not read it again (a memory snapshot checks six times
     per commit); a takeover, which replaces the file, is seen at the next check all the same."""
+    with Checkpointer(str(tmp_path / "other"), job_id="job-B", lease_timeout_s=3600.0) as ck:
+        ck.save(1, state(1)).wait()
+        assert ck._lease._held_file is not None  # (its record, held open between checks)
+        assert _open_files_under(tmp_path)
+    assert not _open_files_under(tmp_path)  # closed at the release
     with Checkpointer(str(tmp_path), job_id="job-A", lease_timeout_s=3600.0) as ck:
         ck.save(1, state(1)).wait()
         assert ck.storage.coherent_stat  # (a local disk)
@@ -674,6 +690,11 @@ def test_a_check_reads_the_lease_file_again_only_once_it_was_replaced(tmp_path, 
         with pytest.raises(LeaseError, match="was taken over"):
             ck.wait()
         assert reads.count(LEASE) == 1 and ck.steps() == [1, 2]
+        ck.save(4, state(4))  # (lost for good: no file is held any more)
+        with pytest.raises(LeaseError, match="must not commit there any more"):
+            ck.wait()
+        assert ck._lease._held_file is None
+    assert not _open_files_under(tmp_path)  # the file it held is closed
 
 
 def test_on_a_network_filesystem_every_check_reads_the_lease_file(tmp_path, monkeypatch):

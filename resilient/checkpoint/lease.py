@@ -255,7 +255,10 @@ class WriterLease:
         self.record: LeaseRecord | None = None  # ours, while held
         self.taken_over: LeaseRecord | None = None  # whose lease we took, if anyone's
         self._lost: str | None = None
-        self._confirmed: tuple[Any, ...] | None = None  # the stat key of our record last read
+        # our record as the last check read it, held open, and its stat key (see check); the
+        # renewal thread may let go of it (_lose) while a check takes it: under _held_lock
+        self._held_file: tuple[int, tuple[Any, ...]] | None = None
+        self._held_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -526,18 +529,16 @@ class WriterLease:
             raise LeaseError(f"no writer lease held on {self.storage.url}; acquire it first")
         if self._lost is None:
             # Where a stat shows any replacement at once (a local filesystem), the file this
-            # check last read as ours, unchanged since (the same inode, size and mtime: every
-            # writer of LEASE.json replaces it, never writes into it), is still ours: a stat
-            # instead of an open, a read and a parse (a memory snapshot's commit checks the
-            # lease six times).  (Not caught: two replacements within
-            # one tick of the filesystem's clock after that read, the second reusing our
-            # file's freed inode at the same size; a takeover watches a live holder's lease for
-            # lease_timeout_s first, and a kernel with fine-grained timestamps, 6.13 on, gives
-            # each replacement an mtime of its own.)
+            # check last read as ours, still there (the same inode, size and mtime: every writer
+            # of LEASE.json replaces it, never writes into it), is still ours: a stat instead of
+            # an open, a read and a parse (a memory snapshot's commit checks the lease six
+            # times).  That file is held open meanwhile, so that its inode's number cannot be
+            # taken by another record, which a rename over it would otherwise free.
             key = self.storage.stat_key(LEASE_NAME) if self.storage.coherent_stat else None
-            if key is not None and key == self._confirmed:
+            held = self._held_file
+            if key is not None and held is not None and key == held[1]:
                 return
-            self._confirmed = None
+            self._let_go_of_file()
             data, current = self._read_settled()
             if data is not None and current is None:
                 # a storage failure, not a loss: Run counts it among failed saves (max_failed_saves)
@@ -545,8 +546,15 @@ class WriterLease:
                 raise self._unconfirmed(data)
             if current is None or current.token != self.token:
                 self._lose(current)
-            elif key is not None and self.storage.stat_key(LEASE_NAME) == key:
-                self._confirmed = key  # (the file read is the one of this key: the same before)
+            elif key is not None:
+                # (the file read: the one there before the read, with the same key after it)
+                held = self.storage.hold(LEASE_NAME)
+                if held is not None:
+                    with self._held_lock:
+                        if held[1] == key and self._lost is None and self._held_file is None:
+                            self._held_file, held = held, None
+                    if held is not None:
+                        os.close(held[0])
         if self._lost is not None:
             raise LeaseError(
                 f"the writer lease of {self.storage.url} was taken over by {self._lost} while "
@@ -565,9 +573,21 @@ class WriterLease:
             operation="lease check",
         )
 
+    def _let_go_of_file(self) -> None:
+        with self._held_lock:
+            held, self._held_file = self._held_file, None
+        if held is not None:
+            os.close(held[0])
+
+    def __del__(self) -> None:  # (a lease dropped without release(): its descriptor)
+        try:
+            self._let_go_of_file()
+        except Exception:
+            pass
+
     def _lose(self, current: LeaseRecord | None) -> None:
-        self._confirmed = None
         self._lost = current.describe() if current else "nobody (the lease file is gone)"
+        self._let_go_of_file()
         _HELD.discard(self.token)
 
     def _start_renewing(self) -> None:
@@ -633,7 +653,8 @@ class WriterLease:
                     )
             except Exception as e:  # best effort: a stale lease is taken over later
                 log.warning("releasing the writer lease of %s failed: %s", self.storage.url, e)
-            self.record, self._confirmed = None, None
+            self.record = None
+            self._let_go_of_file()
             _HELD.discard(self.token)  # (only now: the file is gone, or left as an orphan)
 
     def _is_ours(self, data: bytes) -> bool:

@@ -610,6 +610,19 @@ class Storage:
             return self.stat_key(rel) is not None
         return self._call("exists", rel, lambda: self.fs.exists(self._fresh(rel)))
 
+    def hold(self, rel: str) -> tuple[int, tuple[Any, ...]] | None:
+        """(a local disk) A descriptor of the regular file at ``rel``, kept open by the caller,
+        and its ``stat_key()``: while it is open, no other file there can have its inode (its
+        number is not reused), so a key that matches it later is this very file.  None where
+        it cannot be opened (or elsewhere than on a local disk)."""
+        if not self.is_local:
+            return None
+        try:
+            fd, st = self._open_regular(rel, "hold")
+        except Exception:
+            return None
+        return fd, (st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IFMT(st.st_mode))
+
     def stat_key(self, rel: str) -> tuple[Any, ...] | None:
         """Something that changes whenever the file at ``rel`` is replaced (size, mtime, inode or
         ETag), or None when nothing is there: the key of a cache of parsed files."""
