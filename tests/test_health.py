@@ -202,31 +202,63 @@ def test_a_lazy_announcement_waits_for_a_beat_and_never_overwrites_a_newer_one()
         m.close()
 
 
-def test_a_sigterm_while_the_loop_keeps_an_announcement_does_not_deadlock_the_rank():
-    """Run's SIGTERM handler announces "exiting" on the loop's thread, which the signal may
-    interrupt while it holds the lock of the kept announcement (a lazy one): a lock that is not
-    reentrant hung the rank there, silent, until a peer's DEAD verdict or torchrun's SIGKILL."""
+def test_a_sigterm_anywhere_in_a_lazy_announcement_does_not_deadlock_the_rank():
+    """Run's SIGTERM handler announces "exiting" on the loop's thread, interrupting whatever it
+    was doing, while the heartbeat thread may be inside a store call holding the monitor's
+    lock.  The first lazy announcements took a lock of their own, which the beat took after
+    the monitor's: a signal at the wrong line hung the rank, silent, until a peer's DEAD verdict
+    or torchrun's SIGKILL.  Here the signal comes at each line of a lazy announcement in turn,
+    each time during a beat's slow store call."""
     proc = subprocess.run(
         [sys.executable, "-c", SIGTERM_IN_ANNOUNCEMENT], capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 75, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "interrupted at 4 lines or more" in proc.stdout, proc.stdout
 
 
 SIGTERM_IN_ANNOUNCEMENT = """
-import os, signal
+import signal, sys, threading, time
 import torch.distributed as dist
 from resilient.health import DetectorConfig, Monitor
 server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
 client = dist.TCPStore("127.0.0.1", server.port, 2, False)
 m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=30.0), kill_local=False)
-def handler(signum, frame):  # as Run's, when the rank is failing
-    m.leaving(3)
-    os._exit(75)
+in_call = threading.Event()
+
+class Slow:  # a store whose beats take a while: the signal comes during one
+    def __getattr__(self, name):
+        return getattr(client, name)
+    def multi_set(self, keys, values):
+        in_call.set()
+        time.sleep(0.3)
+        return client.multi_set(keys, values)
+
+m.store = Slow()
+handled = []
+def handler(signum, frame):  # as Run's when the rank is failing (it then exits)
+    m.leaving(0)
+    handled.append(1)
 signal.signal(signal.SIGTERM, handler)
-signal.alarm(20)  # (a deadlock ends the process (SIGALRM), not the test run)
-with m._progress_lock:
-    signal.raise_signal(signal.SIGTERM)
-os._exit(1)
+signal.alarm(30)  # (a deadlock ends the process with SIGALRM, not the test run)
+code = Monitor.progress.__code__
+for k in range(1, 8):
+    m.progress(k, "train", lazy=True)  # (kept: the beat below publishes it)
+    in_call.clear()
+    beat = threading.Thread(target=m._beat)
+    beat.start()
+    in_call.wait(10)
+    lines = []
+    def local(frame, event, arg):
+        if event == "line":
+            lines.append(frame.f_lineno)
+            if len(lines) == k:
+                signal.raise_signal(signal.SIGTERM)
+        return local
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    m.progress(k, "train", lazy=True)
+    sys.settrace(None)
+    beat.join()
+print(f"interrupted at {len(handled)} lines or more" if len(handled) >= 4 else len(handled))
 """
 
 

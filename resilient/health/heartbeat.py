@@ -205,12 +205,15 @@ class Monitor:
         self._blocks: dict[int, tuple[int, int]] = {}  # rank -> its node's (first rank, count)
         self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
-        # the newest progress announcement not in the store yet (a store error kept it back, or
-        # it was made ``lazy``): the heartbeat thread publishes it with its next beat (guarded by
-        # _progress_lock, never held across a store call; reentrant, as _lock is: Run's SIGTERM
-        # handler announces "exiting" on the loop's thread, which may be holding it)
-        self._unsent_progress: str | None = None
-        self._progress_lock = threading.RLock()
+        # Progress announcements not in the store yet, as (seq, value): one a store error kept
+        # back (under the lock), and the newest lazy one (set without any lock: one reference
+        # stored, so that Run's SIGTERM handler, which announces on the loop's thread, never
+        # waits for a lock the interrupted code holds); the heartbeat thread publishes the newer
+        # of them with its next beat, and only if it is newer than the newest one in the store
+        # (``_sent_seq``, under the lock): never an older one over a newer one
+        self._unsent_progress: tuple[int, str] | None = None
+        self._lazy_progress: tuple[int, str] | None = None
+        self._sent_seq = 0
         self._beat_errors = _ErrorSeries(self, "heartbeat")
         self._progress_errors = _ErrorSeries(self, "progress")
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
@@ -274,37 +277,32 @@ class Monitor:
         the beat: a longer one announced lazily could be judged HUNG on the shorter meanwhile),
         such as the training step's again right after a memory snapshot; it is in the store
         within an interval, with the time it was announced at (what its budget counts from)."""
-        value = self._announce(step, phase, busy_s)
+        announced = self._announce(step, phase, busy_s)
         if lazy:
-            with self._progress_lock:
-                self._unsent_progress = value
+            self._lazy_progress = announced
             return
         try:
-            self._publish_progress(value)
+            self._publish_progress(announced)
         except Exception as e:
             self._progress_errors.failed(e)
         else:
             self._progress_errors.ok()
 
-    def _announce(self, step: int | None, phase: str, busy_s: float | None = None) -> str:
+    def _announce(
+        self, step: int | None, phase: str, busy_s: float | None = None
+    ) -> tuple[int, str]:
         self._seq += 1
         self.phase = phase
-        return encode_progress(step, phase, self._seq, time.monotonic(), busy_s)
+        return self._seq, encode_progress(step, phase, self._seq, time.monotonic(), busy_s)
 
-    def _publish_progress(self, value: str) -> None:
+    def _publish_progress(self, announced: tuple[int, str]) -> None:
         """Write a progress announcement (raises what the store raises); until it is written,
         it is the one the next beat publishes."""
         with self._lock:
-            with self._progress_lock:
-                self._unsent_progress = value
-            self._set("progress", value)
-            self._sent_progress(value)
-
-    def _sent_progress(self, value: str) -> None:
-        """``value`` is in the store: nothing is left to send unless a newer one came since."""
-        with self._progress_lock:
-            if self._unsent_progress is value:
-                self._unsent_progress = None
+            self._unsent_progress = announced
+            self._set("progress", announced[1])
+            self._unsent_progress = None
+            self._sent_seq = max(self._sent_seq, announced[0])
 
     def leaving(self, step: int | None) -> None:
         """Say this rank is being stopped by its launcher (not failing by itself), so that no
@@ -508,17 +506,24 @@ class Monitor:
             values.append("" if ring is None else ring.summary())
             self._ring_sent = ring
         with self._lock:
-            with self._progress_lock:
-                unsent = self._unsent_progress
-            if unsent is not None:  # kept back by a store error, or lazy (see progress)
+            # kept back by a store error, or lazy (see progress): the newer, if newer than the
+            # store's (a lazy one is dropped, not cleared: the loop's thread sets it lock-free)
+            pending = [
+                a
+                for a in (self._unsent_progress, self._lazy_progress)
+                if a is not None and a[0] > self._sent_seq
+            ]
+            newest = max(pending) if pending else None
+            if newest is not None:
                 keys.append(f"{self.prefix}/progress/{self.rank}")
-                values.append(unsent)
+                values.append(newest[1])
             if len(keys) == 1:
                 self.store.set(keys[0], alive)
             else:
                 self.store.multi_set(keys, values)
-            if unsent is not None:
-                self._sent_progress(unsent)
+            if newest is not None:
+                self._sent_seq = newest[0]
+                self._unsent_progress = None  # (no newer one: it was among the pending)
 
     def _ring(self) -> CollectiveRing | None:
         if self._ring_arg is _PROCESS_RING:
