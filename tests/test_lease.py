@@ -668,6 +668,7 @@ def test_a_check_reads_the_lease_file_again_only_once_it_was_replaced(tmp_path, 
     """On a local filesystem a check whose lease file is still the one it last read as its own
     (the same inode, size and mtime) does not read it again (a memory snapshot checks six times
     per commit); a takeover, which replaces the file, is seen at the next check all the same."""
+    monkeypatch.setattr(storage_module, "fs_type", lambda directory: "ext4")  # (whatever /tmp is)
     with Checkpointer(str(tmp_path / "other"), job_id="job-B", lease_timeout_s=3600.0) as ck:
         ck.save(1, state(1)).wait()
         assert ck._lease._held_file is not None  # (its record, held open between checks)

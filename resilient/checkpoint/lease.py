@@ -550,11 +550,18 @@ class WriterLease:
                 # (the file read: the one there before the read, with the same key after it)
                 held = self.storage.hold(LEASE_NAME)
                 if held is not None:
-                    with self._held_lock:
-                        if held[1] == key and self._lost is None and self._held_file is None:
-                            self._held_file, held = held, None
-                    if held is not None:
-                        os.close(held[0])
+                    try:
+                        with self._held_lock:  # (not after a loss or a release meanwhile)
+                            if (
+                                held[1] == key
+                                and self._lost is None
+                                and self.record is not None
+                                and self._held_file is None
+                            ):
+                                self._held_file, held = held, None
+                    finally:
+                        if held is not None:
+                            os.close(held[0])
         if self._lost is not None:
             raise LeaseError(
                 f"the writer lease of {self.storage.url} was taken over by {self._lost} while "
@@ -579,7 +586,7 @@ class WriterLease:
         if held is not None:
             os.close(held[0])
 
-    def __del__(self) -> None:  # (a lease dropped without release(): its descriptor)
+    def __del__(self) -> None:  # (a lease let go of after a check raced its release)
         try:
             self._let_go_of_file()
         except Exception:

@@ -192,7 +192,19 @@ _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 # Local filesystems: a stat of a file there shows a change made by any process at once (a
 # network filesystem's client may serve a cached one for seconds: NFS's attribute cache)
 _COHERENT_FS = frozenset(
-    {"tmpfs", "ramfs", "hugetlbfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs"}
+    {
+        "tmpfs",
+        "ramfs",
+        "hugetlbfs",
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "f2fs",
+        "zfs",
+        "overlay",
+    }
 )
 _OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts escapes space, tab, newline, backslash
 
