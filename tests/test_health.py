@@ -1566,6 +1566,41 @@ def test_a_rank_whose_heartbeat_is_malformed_is_judged_by_its_last_one(clk, tmp_
     assert said == [(None, "joined"), (1, "alive")]
 
 
+def test_a_leader_starved_after_it_woke_on_time_judges_no_heartbeat_by_the_stall(clk, tmp_path):
+    """The leader's loop woke on time, then was starved on its way to the scan (the beat and the
+    store round trips before it each wait for the GIL; seen on a loaded CI machine): every
+    heartbeat, the leader's own among them, aged by the starvation, and the leader declared a
+    rank DEAD (its own rank 0, in a test whose monitors share one process).  A stall measured up
+    to the scan's read is a stall as a missed wake time is: each rank gets an interval from its
+    end to beat; one that does not beat by then is DEAD as before."""
+    store, events = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
+    ms = quiet_monitors(
+        store, 3, DetectorConfig(interval_s=1.0, dead_after_intervals=2), events=events
+    )
+    _elsewhere(store, 1, 2)
+    for m in ms.values():
+        m.progress(1, "train")
+    ms[0]._scan()  # everyone seen alive
+    for m in ms.values():
+        m._beat()
+    ms[0]._woke = clk.t  # (what the loop records when its wait ends, on time)
+    clk.t += 5.0  # starved before the scan: longer than the 2 s liveness timeout
+    ms[0]._scan()
+    assert "run/0/verdict" not in store.d
+    assert ms[0]._stalled == (clk.t - 5.0, clk.t)
+    clk.t += 0.5  # within an interval of the stall's end: ranks 0 and 1 beat, rank 2 does not
+    ms[0]._beat()
+    ms[1]._beat()
+    ms[0]._scan()
+    assert "run/0/verdict" not in store.d
+    clk.t += 0.6  # the interval after the stall is over: rank 2 is DEAD, as it would be anyway
+    ms[0]._beat()
+    ms[1]._beat()
+    ms[0]._scan()
+    verdict = json.loads(store.d["run/0/verdict"])
+    assert (verdict["verdict"], verdict["rank"]) == ("DEAD", 2)
+
+
 def test_a_verdict_is_acted_on_when_the_take_over_check_fails(tmp_path):
     """The take-over check (a read of the leader's heartbeat) raising every interval must not
     keep a rank from reading the verdict that is already out."""

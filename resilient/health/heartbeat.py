@@ -165,6 +165,10 @@ class Monitor:
         # (the leader) when its own loop last missed its wake time, and when it ran again
         # (Detector.observe's ``stalled``)
         self._stalled: tuple[float, float] | None = None
+        # (the leader) when its loop last woke: a scan that reads the heartbeats more than half an
+        # interval later was starved on the way (the beat, the store round trips before the scan,
+        # each a wait for the GIL), and judges them as after a missed wake time
+        self._woke: float | None = None
         # (the leader) rank -> (the heartbeat its silence follows, its process's CPU time at a
         # look, whether the log has said it runs, when that look was): one entry per silence
         self._silent: dict[int, tuple[float, int, bool, float]] = {}
@@ -403,6 +407,7 @@ class Monitor:
             now = time.monotonic()
             if not poked and now - wake > interval / 2:
                 self._stalled = (wake, now)  # starved: so, likely, were the others on this host
+            self._woke = now
             beat = now >= next_beat
             if poked:  # the verdict is in the store (or close() said stop): act on it now
                 self._wake.clear()
@@ -595,6 +600,12 @@ class Monitor:
         # heartbeats are judged as of when they were asked for: a read that the store (or this
         # process) was slow to answer must not age what it returns
         asked = time.monotonic()
+        woke = self._woke
+        if woke is not None and asked - woke > self.config.interval_s / 2:
+            # starved since this loop woke, on time: as much a stall of the machine as a missed
+            # wake time (the leader's own heartbeat, beaten before, had aged with the others')
+            self._stalled = (woke, asked)
+        self._woke = None  # (one look per wake: a scan called outside the loop measures nothing)
         with self._lock:
             values = self.store.multi_get(self._keys) if self._keys else []
         seen, wall = time.monotonic(), time.time()
