@@ -604,16 +604,13 @@ class Run:
         is logged and warned about, never raised: durable saves still protect the run."""
         if self.checkpointer is None or self.checkpointer.memory is None:
             return
-        # (at once: from now on the rank is judged on this phase's budget, not the step's)
         self._progress(self.step, "checkpoint")
         self._join_snapshot()
         try:
             self._snap = self.checkpointer.snapshot(self.step, self.state)
         except ResilientError as e:  # it could not even start (the tier's directory is gone, ...)
             self._snapshot_failed(self.step, e)
-        # (lazy: the next heartbeat publishes it unless the next step's announcement comes
-        # first, as it does within a step; one store round trip less at every step)
-        self._progress(self.step, "train", self._busy_s, lazy=True)
+        self._progress(self.step, "train", self._busy_s)
 
     def _poll_snapshot(self) -> None:
         h = self._snap
@@ -772,11 +769,9 @@ class Run:
         where every rank's wall-clock step is as long as the slowest rank's."""
         self._busy_s = float(seconds)
 
-    def _progress(
-        self, step: int | None, phase: str, busy_s: float | None = None, *, lazy: bool = False
-    ) -> None:
+    def _progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
         if self.monitor is not None:
-            self.monitor.progress(step, phase, busy_s, lazy=lazy)
+            self.monitor.progress(step, phase, busy_s)
 
     def __enter__(self) -> Run:
         return self

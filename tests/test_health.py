@@ -23,7 +23,6 @@ from resilient.health.heartbeat import (
     boot_id,
     decode_block,
     decode_info,
-    decode_progress,
     decode_start,
     encode_alive,
     encode_info,
@@ -172,94 +171,6 @@ def test_run_adopting_the_early_monitor_brings_no_false_verdict(tmp_path):
     del server
     verdicts = [e for e in EventLog(str(log)).read() if e["event"] in ("verdict", "exit")]
     assert [p.returncode for p in procs] == [0, 0] and not verdicts, (outs, verdicts)
-
-
-def test_a_lazy_announcement_waits_for_a_beat_and_never_overwrites_a_newer_one():
-    """The training step's phase again right after a memory snapshot is announced lazily: no
-    store call on the loop's thread; the next beat publishes the newest kept announcement, with
-    the time it was announced at (what its phase's budget counts from), and a later announcement
-    that is published at once is never overwritten by an older kept one."""
-    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", server.port, 2, False)
-    m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=30.0), kill_local=False)
-    key, alive = "run/0/progress/0", "run/0/alive/0"
-    try:
-        m.progress(7, "checkpoint")  # published at once
-        assert decode_progress(server.get(key))[:2] == (7, "checkpoint")
-        t0 = time.monotonic()
-        m.progress(7, "train", 0.5, lazy=True)
-        t1 = time.monotonic()
-        assert decode_progress(server.get(key))[:2] == (7, "checkpoint")  # (no beat for 30 s)
-        m.reconfigure(DetectorConfig(interval_s=0.1))
-        assert _wait(lambda: decode_progress(server.get(key))[:2] == (7, "train"), 30.0)
-        assert t0 <= decode_progress(server.get(key))[3] <= t1
-        m.progress(8, "train", 0.5, lazy=True)
-        m.progress(9, "train", 0.5)
-        beats = {server.get(alive)}
-        assert _wait(lambda: beats.add(server.get(alive)) or len(beats) >= 3, 30.0)
-        assert decode_progress(server.get(key))[:2] == (9, "train")
-    finally:
-        m.close()
-
-
-def test_a_sigterm_anywhere_in_a_lazy_announcement_does_not_deadlock_the_rank():
-    """Run's SIGTERM handler announces "exiting" on the loop's thread, interrupting whatever it
-    was doing, while the heartbeat thread may be inside a store call holding the monitor's
-    lock.  The first lazy announcements took a lock of their own, which the beat took after
-    the monitor's: a signal at the wrong line hung the rank, silent, until a peer's DEAD verdict
-    or torchrun's SIGKILL.  Here the signal comes at each line of a lazy announcement in turn,
-    each time during a beat's slow store call."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SIGTERM_IN_ANNOUNCEMENT], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "interrupted at 4 lines or more" in proc.stdout, proc.stdout
-
-
-SIGTERM_IN_ANNOUNCEMENT = """
-import signal, sys, threading, time
-import torch.distributed as dist
-from resilient.health import DetectorConfig, Monitor
-server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-client = dist.TCPStore("127.0.0.1", server.port, 2, False)
-m = Monitor(client, "run/0", 0, 1, DetectorConfig(interval_s=30.0), kill_local=False)
-in_call = threading.Event()
-
-class Slow:  # a store whose beats take a while: the signal comes during one
-    def __getattr__(self, name):
-        return getattr(client, name)
-    def multi_set(self, keys, values):
-        in_call.set()
-        time.sleep(0.3)
-        return client.multi_set(keys, values)
-
-m.store = Slow()
-handled = []
-def handler(signum, frame):  # as Run's when the rank is failing (it then exits)
-    m.leaving(0)
-    handled.append(1)
-signal.signal(signal.SIGTERM, handler)
-signal.alarm(30)  # (a deadlock ends the process with SIGALRM, not the test run)
-code = Monitor.progress.__code__
-for k in range(1, 8):
-    m.progress(k, "train", lazy=True)  # (kept: the beat below publishes it)
-    in_call.clear()
-    beat = threading.Thread(target=m._beat)
-    beat.start()
-    in_call.wait(10)
-    lines = []
-    def local(frame, event, arg):
-        if event == "line":
-            lines.append(frame.f_lineno)
-            if len(lines) == k:
-                signal.raise_signal(signal.SIGTERM)
-        return local
-    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
-    m.progress(k, "train", lazy=True)
-    sys.settrace(None)
-    beat.join()
-print(f"interrupted at {len(handled)} lines or more" if len(handled) >= 4 else len(handled))
-"""
 
 
 def test_a_heartbeat_store_that_stops_answering_is_warned_about(tmp_path, caplog):

@@ -612,12 +612,9 @@ class PhaseLog:
 
         self.config = DetectorConfig()
         self.seen = []
-        self.lazy = []
 
-    def progress(self, step, phase, busy_s=None, lazy=False):
+    def progress(self, step, phase, busy_s=None):
         self.seen.append((step, phase))
-        if lazy:
-            self.lazy.append((step, phase))
 
     def verdict(self):
         return None
@@ -641,24 +638,6 @@ def test_the_loop_announces_restore_checkpoint_and_commit_phases(tmp_path):
         (4, "commit"),
         (None, "closed"),
     ]
-
-
-def test_a_snapshot_announces_its_phase_at_once_and_the_step_after_it_lazily(tmp_path):
-    """The leader judges a rank on the phase in the store: a snapshot's ``checkpoint`` (a long
-    budget) is published before the snapshot starts, or a slow one would be judged HUNG on the
-    step's budget until the next beat; only the training step's phase again after it waits for
-    the beat (or the next step's announcement): one store round trip less at every step."""
-    mon = PhaseLog()
-    simple_run(str(tmp_path), 4, save_every=0, memory_every=1, monitor=mon)
-    assert [s for s in mon.seen if s[0] in (2, 3)] == [
-        (2, "train"),
-        (2, "checkpoint"),
-        (2, "train"),
-        (3, "train"),
-        (3, "checkpoint"),
-        (3, "train"),
-    ]
-    assert mon.lazy == [(1, "train"), (2, "train"), (3, "train")]
 
 
 def test_fault_tolerant_rejects_unknown_options_before_any_process_group(monkeypatch):

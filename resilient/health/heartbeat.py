@@ -209,15 +209,9 @@ class Monitor:
         self._blocks: dict[int, tuple[int, int]] = {}  # rank -> its node's (first rank, count)
         self._published = False  # (the leader) a verdict is out: it is published once
         self._ring_arg = ring
-        # Progress announcements not in the store yet, as (seq, value): one a store error kept
-        # back (under the lock), and the newest lazy one (set without any lock: one reference
-        # stored, so that Run's SIGTERM handler, which announces on the loop's thread, never
-        # waits for a lock the interrupted code holds); the heartbeat thread publishes the newer
-        # of them with its next beat, and only if it is newer than the newest one in the store
-        # (``_sent_seq``, under the lock): never an older one over a newer one
-        self._unsent_progress: tuple[int, str] | None = None
-        self._lazy_progress: tuple[int, str] | None = None
-        self._sent_seq = 0
+        # the newest progress announcement a store error kept from the store: the heartbeat
+        # thread publishes it with its next beat (guarded by the lock)
+        self._unsent_progress: str | None = None
         self._beat_errors = _ErrorSeries(self, "heartbeat")
         self._progress_errors = _ErrorSeries(self, "progress")
         self._ring_sent: CollectiveRing | None | object = _PROCESS_RING  # nothing published yet
@@ -263,9 +257,7 @@ class Monitor:
         _LIVE.add(self)
 
     # --- what the loop calls ------------------------------------------------------------------
-    def progress(
-        self, step: int | None, phase: str, busy_s: float | None = None, *, lazy: bool = False
-    ) -> None:
+    def progress(self, step: int | None, phase: str, busy_s: float | None = None) -> None:
         """Announce ``step`` and ``phase``; ``busy_s``: the time this rank computed in its last
         step, without waiting in collectives (what tells a straggler apart in a synchronous job,
         where every rank's step takes equally long).
@@ -273,40 +265,27 @@ class Monitor:
         The loop calls this at every step: a store error does not reach it (a training run must
         not die of its monitor's store).  The announcement is kept, and the heartbeat thread
         publishes the newest one with its next beat; the errors are logged as a series (the
-        first, then a count every ``ERROR_SUMMARY_S``, and the total once the store answers).
-
-        ``lazy``: only kept, for the next beat (or the next announcement that is not lazy) to
-        publish: no store round trip on the caller's thread.  For a phase whose budget is not
-        longer than the one in the store (the leader judges the rank on the store's phase until
-        the beat: a longer one announced lazily could be judged HUNG on the shorter meanwhile),
-        such as the training step's again right after a memory snapshot; it is in the store
-        within an interval, with the time it was announced at (what its budget counts from)."""
-        announced = self._announce(step, phase, busy_s)
-        if lazy:
-            self._lazy_progress = announced
-            return
+        first, then a count every ``ERROR_SUMMARY_S``, and the total once the store answers)."""
+        value = self._announce(step, phase, busy_s)
         try:
-            self._publish_progress(announced)
+            self._publish_progress(value)
         except Exception as e:
             self._progress_errors.failed(e)
         else:
             self._progress_errors.ok()
 
-    def _announce(
-        self, step: int | None, phase: str, busy_s: float | None = None
-    ) -> tuple[int, str]:
+    def _announce(self, step: int | None, phase: str, busy_s: float | None = None) -> str:
         self._seq += 1
         self.phase = phase
-        return self._seq, encode_progress(step, phase, self._seq, time.monotonic(), busy_s)
+        return encode_progress(step, phase, self._seq, time.monotonic(), busy_s)
 
-    def _publish_progress(self, announced: tuple[int, str]) -> None:
+    def _publish_progress(self, value: str) -> None:
         """Write a progress announcement (raises what the store raises); until it is written,
         it is the one the next beat publishes."""
         with self._lock:
-            self._unsent_progress = announced
-            self._set("progress", announced[1])
+            self._unsent_progress = value
+            self._set("progress", value)
             self._unsent_progress = None
-            self._sent_seq = max(self._sent_seq, announced[0])
 
     def leaving(self, step: int | None) -> None:
         """Say this rank is being stopped by its launcher (not failing by itself), so that no
@@ -511,24 +490,15 @@ class Monitor:
             values.append("" if ring is None else ring.summary())
             self._ring_sent = ring
         with self._lock:
-            # kept back by a store error, or lazy (see progress): the newer, if newer than the
-            # store's (a lazy one is dropped, not cleared: the loop's thread sets it lock-free)
-            pending = [
-                a
-                for a in (self._unsent_progress, self._lazy_progress)
-                if a is not None and a[0] > self._sent_seq
-            ]
-            newest = max(pending) if pending else None
-            if newest is not None:
+            unsent = self._unsent_progress
+            if unsent is not None:  # an announcement a store error kept back (see progress)
                 keys.append(f"{self.prefix}/progress/{self.rank}")
-                values.append(newest[1])
+                values.append(unsent)
             if len(keys) == 1:
                 self.store.set(keys[0], alive)
             else:
                 self.store.multi_set(keys, values)
-            if newest is not None:
-                self._sent_seq = newest[0]
-                self._unsent_progress = None  # (no newer one: it was among the pending)
+            self._unsent_progress = None
 
     def _ring(self) -> CollectiveRing | None:
         if self._ring_arg is _PROCESS_RING:
