@@ -1418,6 +1418,20 @@ def _elsewhere(store, *ranks):
         store.set(f"run/0/info/{r}", encode_info(f"host{r}", 4000 + r, f"{r:016x}"))
 
 
+def _three_seen_alive(tmp_path):
+    """Three quiet monitors (ranks 1 and 2 on other hosts), interval 1 s, DEAD after 2; every
+    rank has announced a step and the leader has seen them all alive."""
+    store, events = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
+    ms = quiet_monitors(
+        store, 3, DetectorConfig(interval_s=1.0, dead_after_intervals=2), events=events
+    )
+    _elsewhere(store, 1, 2)
+    for m in ms.values():
+        m.progress(1, "train")
+    ms[0]._scan()  # everyone seen alive
+    return store, ms, events
+
+
 @pytest.mark.parametrize(
     "key,value",
     [
@@ -1432,14 +1446,7 @@ def test_a_malformed_heartbeat_of_one_rank_does_not_hide_anothers_death(clk, tmp
     """Rank 1 (an older version, a stray writer) publishes a value that does not parse: it raised
     out of the leader's scan every interval, and no verdict came for any rank, ever.  It is no new
     heartbeat of rank 1 (logged once); rank 2's death is still found."""
-    store, events = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
-    ms = quiet_monitors(
-        store, 3, DetectorConfig(interval_s=1.0, dead_after_intervals=2), events=events
-    )
-    _elsewhere(store, 1, 2)
-    for m in ms.values():
-        m.progress(1, "train")
-    ms[0]._scan()  # everyone seen alive
+    store, ms, events = _three_seen_alive(tmp_path)
     for k in range(1, 4):  # rank 2 died; rank 1 beats, then its key holds the malformed value
         clk.t += 1.0
         ms[0]._beat()
@@ -1484,14 +1491,7 @@ def test_a_leader_starved_after_it_woke_on_time_judges_no_heartbeat_by_the_stall
     rank DEAD (its own rank 0, in a test whose monitors share one process).  A stall measured up
     to the scan's read is a stall as a missed wake time is: each rank gets an interval from its
     end to beat; one that does not beat by then is DEAD as before."""
-    store, events = DictStore(), EventLog(str(tmp_path / "events.jsonl"))
-    ms = quiet_monitors(
-        store, 3, DetectorConfig(interval_s=1.0, dead_after_intervals=2), events=events
-    )
-    _elsewhere(store, 1, 2)
-    for m in ms.values():
-        m.progress(1, "train")
-    ms[0]._scan()  # everyone seen alive
+    store, ms, events = _three_seen_alive(tmp_path)
     for m in ms.values():
         m._beat()
     ms[0]._woke = clk.t  # (what the loop records when its wait ends, on time)
