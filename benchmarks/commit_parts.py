@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, markdown_table  # noqa: E402
-from replica_cpu import _snapshots  # noqa: E402
+from replica_cpu import WARM, _snapshots  # noqa: E402
 
 # (module, owner in it or None for the module itself, function, label)
 _PARTS = [
@@ -71,7 +71,7 @@ def _rank(rank: int, port: int, base: str, args, out) -> None:
     calls: collections.Counter = collections.Counter()
     _instrument(acc, calls)
     _snapshots(rank, port, base, "links", args, out)
-    n = args.snapshots + 20  # (_snapshots' warm-up snapshots run through the parts too)
+    n = args.snapshots + WARM  # (_snapshots' warm-up snapshots run through the parts too)
     out[("parts", rank)] = {k: (v / n, calls[k] / n) for k, v in acc.items()}
 
 

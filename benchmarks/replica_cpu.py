@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, markdown_table, write_results  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+WARM = 20  # snapshots before the measured ones
 
 
 def _threads() -> dict[int, tuple[str, float]]:
@@ -86,9 +87,8 @@ def _snapshots(rank: int, port: int, base: str, mode: str, args, out) -> None:
     g = torch.Generator().manual_seed(rank)
     n = max(1, int(args.mib * (1 << 20) / 4 / 92))
     state = {f"t{i}": torch.randn(n, generator=g) for i in range(92)}
-    warm = 20
-    for step in range(1, args.snapshots + warm + 1):
-        if step == warm + 1:
+    for step in range(1, args.snapshots + WARM + 1):
+        if step == WARM + 1:
             before, c0, t0 = _threads(), time.process_time(), time.perf_counter()
         for t in state.values():
             t.add_(1.0)

@@ -237,6 +237,11 @@ def fs_type_in(mounts: str, directory: str) -> str:
     return kind
 
 
+def _stat_key_of(st: os.stat_result) -> tuple[Any, ...]:
+    """A local file's ``Storage.stat_key()`` from its stat: what changes when it is replaced."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IFMT(st.st_mode))
+
+
 class LocalOps:
     """The system calls that change things on a local disk, in one place.
 
@@ -633,7 +638,7 @@ class Storage:
             fd, st = self._open_regular(rel, "hold")
         except Exception:
             return None
-        return fd, (st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IFMT(st.st_mode))
+        return fd, _stat_key_of(st)
 
     def stat_key(self, rel: str) -> tuple[Any, ...] | None:
         """Something that changes whenever the file at ``rel`` is replaced (size, mtime, inode or
@@ -652,7 +657,7 @@ class Storage:
                     return None
                 finally:
                     os.close(dfd)
-                return (st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IFMT(st.st_mode))
+                return _stat_key_of(st)
 
             return self._call("stat", rel, lstat)
 
