@@ -398,20 +398,45 @@ def _sealed_asked_on_two_nodes(rank, world, url, base):
             persister=False,
             memory_commit_every=0,
         )
-    ck.snapshot(1, _state(rank, world, 1.0)).wait()
-    out = {"memory_steps": ck.memory_steps(), "warned": [str(w.message) for w in caught]}
+    sealed = ck.snapshot(1, _state(rank, world, 1.0)).stats.sealed
+    ck._memory._join_pending()  # (its replica)
+    staging = sorted(p.name for p in (Path(ck.memory.dir) / "staging").iterdir())
+    out = {
+        "memory_steps": ck.memory_steps(),
+        "sealed": sealed,
+        "warned": [str(w.message) for w in caught],
+        "pairs": [n for n in staging if n.startswith("peer_")],
+    }
     ck.close()
     return out
 
 
-def test_sealed_snapshots_asked_across_nodes_are_committed_with_a_warning(tmp_path):
-    """memory_commit_every applies on one node: on two, every snapshot is committed (its
-    replica follows the commit), and the job is told so rather than silently."""
+def test_sealed_snapshots_across_nodes_send_their_pair_to_the_peer(tmp_path):
+    """memory_commit_every=0 on two nodes: every snapshot is sealed (nothing committed) and its
+    file and staged record are kept on the peer node as a pair (seal_nodes.py)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     results = run_distributed(_sealed_asked_on_two_nodes, 2, url, base)
-    assert [r["memory_steps"] for r in results] == [[1], [1]], results
+    for rank, r in enumerate(results):
+        assert r["memory_steps"] == [] and r["sealed"] and not r["warned"], r
+        source = 1 - rank
+        assert r["pairs"] == [
+            f"peer_{source:05d}.step_1.json",
+            f"peer_{source:05d}.step_1.safetensors",
+        ]
+
+
+def test_without_the_replicas_connections_sealed_snapshots_are_committed_with_a_warning(
+    tmp_path, monkeypatch
+):
+    """A sealed snapshot's replica travels over the replicas' own connections only: where they
+    cannot be made (here: not asked for), every snapshot is committed (its replica follows the
+    commit, through gloo), and the job is told so rather than silently."""
+    monkeypatch.setenv("RESILIENT_REPLICA_LINKS", "0")
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_sealed_asked_on_two_nodes, 2, url, base)
     for r in results:
-        assert any("memory_commit_every=0 applies on one node" in w for w in r["warned"]), r
+        assert r["memory_steps"] == [1] and not r["sealed"] and not r["pairs"], r
+        assert any("every memory snapshot is committed" in w for w in r["warned"]), r
 
 
 # --- a node lost while a snapshot's replicas are on their way ---------------------------------

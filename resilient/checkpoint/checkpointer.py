@@ -78,6 +78,7 @@ from resilient.checkpoint.seal import (
     newest_plausible_seq,
     seal_staged,
 )
+from resilient.checkpoint.seal_nodes import has_peer_pairs, seal_across_nodes
 from resilient.checkpoint.slots import STAGING_DIR, Slots, StagedInfo, _Slot
 from resilient.checkpoint.snapshots import (
     ANCHOR_KEY,
@@ -426,6 +427,9 @@ class Checkpointer:
         # (the memory tier's own) memory_commit_every, and every how many steps that is (0:
         # never; else the snapshots of the other steps are sealed: see _defers)
         self._commit_every, self._commit_period = 1, 1
+        # (the memory tier's own, across nodes) whether sealed snapshots can be replicated:
+        # Replicas.sealed_ready, read where a background job was joined (the same on every rank)
+        self._sealed_replicas = False
         # the memory tier across nodes: where each rank is, and peer replicas (replicas.py)
         self.nodes = NodeMap((0,) * self.world_size)
         self._memory_root = memory_root
@@ -444,12 +448,6 @@ class Checkpointer:
             )
             _tell(message)
             memory_every = None
-        if memory_every is not None and self.nodes.nodes > 1 and memory_commit_every != 1:
-            _tell(
-                f"memory_commit_every={memory_commit_every} applies on one node: across this "
-                f"job's {self.nodes.nodes} nodes every memory snapshot is committed, since its "
-                f"peer replica is sent once it commits (README, 'Sealed snapshots')"
-            )
         self.memory_every = memory_every
         self.memory: MemoryPlace | None = None
         self._memory: Checkpointer | None = None
@@ -526,6 +524,14 @@ class Checkpointer:
                     spare_dir=os.path.join(self.memory.dir, STAGING_DIR),
                 )
                 self._agree_memory_floor()
+                self._memory._sealed_replicas = self._memory._replicas.sealed_ready()
+                if memory_commit_every != 1 and not self._memory._sealed_replicas:
+                    _tell(
+                        f"memory_commit_every={memory_commit_every}: the peer replicas' "
+                        f"connections between this job's {self.nodes.nodes} nodes could not be "
+                        f"made, and a sealed snapshot's replica travels only over them: every "
+                        f"memory snapshot is committed (README, 'Sealed snapshots')"
+                    )
             if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
                 self._run = self._number_this_run()
                 # (its staged records say it: a seal numbers a sealed step as the run's, seal.py;
@@ -728,13 +734,14 @@ class Checkpointer:
 
     def _defers(self, step: int) -> bool:
         """(the memory tier's own) Whether the snapshot of ``step`` is sealed rather than
-        committed: decided alike on every rank, by the step (one node, no peer replicas)."""
+        committed: decided alike on every rank, by the step, and across nodes by whether the
+        replicas' connections were up on every rank when the last background job was joined
+        (a sealed snapshot's replica travels over them only: ``Replicas.replicate_sealed``)."""
         period = self._commit_period
         return (
             self._commit_every != 1
             and self._slots is not None
-            and self._replicas is None
-            and self.nodes.nodes == 1
+            and (self._replicas is None or self._sealed_replicas)
             and (period == 0 or step % period != 0)
         )
 
@@ -768,12 +775,21 @@ class Checkpointer:
         except Exception as e:
             error = e
         try:
-            self._join_pending()  # (a committed snapshot before it: its outcome, as save()'s)
+            # (a committed snapshot before it: its outcome, as save()'s; across nodes, the
+            # replication of the sealed one before it)
+            self._join_pending()
         except BaseException:
             if slot is not None:
                 self._slots.settled(slot, False)
             raise
-        if slot is not None and not self._slots.seal(slot, (step, layout, plan, values)):
+        meta = (step, layout, plan, values)
+        across = self._replicas is not None
+        if slot is not None and (
+            slot.record is None if across else not self._slots.seal(slot, meta)
+        ):
+            if across:
+                self._slots.settled(slot, False)
+                slot = None
             error = MemoryTierError(
                 f"the staged record of snapshot {step} on rank {self.rank} could not be written "
                 f"in {self._slots.staging}; the snapshot is not kept"
@@ -791,7 +807,54 @@ class Checkpointer:
             handle._sealed = error
             log.error("memory snapshot of step %d failed on rank %d: %s", step, self.rank, error)
         handle._finish(error)
+        if across:
+            # Its replica goes to the peer node in the background, while the next step trains
+            # (every rank, a failed one too: it tells its peer there is nothing); the slot is
+            # one of the rank's two newest snapshots only once the replica is in, so that the
+            # next snapshot never takes the file of the one before it while this one's
+            # replicas are on their way (a node lost then would leave no step whole)
+            job_handle = SaveHandle(step, self._lineage)
+            job_handle._replica_epoch = self._replicas.epoch  # type: ignore[union-attr]
+            try:
+                job = self._worker.submit(
+                    self._thread_name(step),
+                    self._replicate_sealed,
+                    *(job_handle, slot if error is None else None, meta),
+                )
+            except BaseException:
+                if slot is not None and error is None:
+                    self._slots.seal(slot, meta)
+                raise
+            self._pending, self._thread = job_handle, job
         return handle
+
+    def _replicate_sealed(self, handle: SaveHandle, slot: _Slot | None, meta: tuple) -> None:
+        """(the memory tier's own, across nodes; a background job) Send the sealed snapshot's
+        file and record to the peer node and keep the source's (``Replicas.replicate_sealed``),
+        then keep the slot as one of the rank's two newest snapshots.  Its failure is logged
+        (the snapshot is sealed on this node all the same); its handle never fails, so that a
+        rank's own failure does not decide, for it alone, how later saves go."""
+        assert self._replicas is not None and self._slots is not None
+        step = handle.step
+        data = None
+        try:
+            if slot is not None:
+                data = memoryview(slot.mm)
+            self._replicas.replicate_sealed(
+                self.storage,
+                step,
+                data,
+                None if slot is None else slot.record_text.encode(),
+                epoch=handle._replica_epoch,
+            )
+        except Exception as e:  # sealed here all the same; the replica is a bonus
+            log.warning("replicating sealed snapshot %d to the peer node failed: %s", step, e)
+        finally:
+            if data is not None:
+                data.release()
+            if slot is not None and not self._slots.seal(slot, meta):
+                log.warning("sealed snapshot %d on rank %d is not kept", step, self.rank)
+            handle._finish(None)
 
     def _commit_sealed(self, snap: SaveHandle) -> SaveHandle:
         """(the memory tier's own) Commit the sealed snapshot ``snap`` now, through the usual
@@ -801,6 +864,7 @@ class Checkpointer:
         step = snap.step
         layout, plan, values = snap._sealed_meta
         data = snap._sealed
+        self._join_pending()  # (across nodes: its replication, which keeps the slot after it)
         if isinstance(data, _Slot) and not self._slots.unseal(data):
             data = MemoryTierError(
                 f"the sealed snapshot of step {step} on rank {self.rank} is no longer held"
@@ -1295,6 +1359,8 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
         self._pending, self._thread, self._pending_is_old = None, None, False
+        if self._replicas is not None:  # (the job joined may have seen a connection fail)
+            self._sealed_replicas = self._replicas.sealed_ready()
         # what the last joined save came to: the same on every rank (a commit's outcome is)
         self._last_outcome = None if handle._error is None else _describe(handle._error)
         if handle._error is not None and handle._error_reported:
@@ -1687,6 +1753,7 @@ class Checkpointer:
             # the collectives a new checkpointer's constructor runs next (the spare's)
             self._memory._replicas.regroup()
             self._agree_memory_floor()
+            self._memory._sealed_replicas = self._memory._replicas.sealed_ready()
 
     def _thread_name(self, step: int) -> str:
         """A save's background thread: a memory snapshot's ("resilient-ckpt-snapshot", which
@@ -1787,26 +1854,49 @@ class Checkpointer:
         t0 = time.monotonic()
         self._loads += 1
         sealed: int | None = None
-        if self._memory is not None and self.nodes.nodes == 1:
-            if self._memory._commit_every != 1:
+        across = self._memory is not None and self._memory._replicas is not None
+        if self._memory is not None and (self.nodes.nodes == 1 or across):
+            if self._memory._commit_every != 1 or across:
                 # this process's sealed snapshots are let go first, so that rank 0 may commit
                 # the newest one (in-job recovery keeps this process, and its snapshots, alive);
-                # every rank's, before rank 0 looks
+                # every rank's, before rank 0 (across nodes: every node's leader) looks
                 assert self._memory._slots is not None
                 self._memory._slots.release()
                 if self._snap is not None and self._snap._sealed_meta is not None:
                     self._snap = None  # (let go: a durable save of its step takes a new one)
                 if self._distributed and self.world_size > 1:
                     _barrier()
-            if self.rank == 0:
+            if across:
+                # the newest step every rank sealed, from what every node holds (its own ranks'
+                # and its peer pairs): committed in every node's memory first (seal_nodes.py)
+                assert self.memory is not None and self._memory._replicas is not None
+                sealed = seal_across_nodes(
+                    self.memory.dir,
+                    rank=self.rank,
+                    leader=self.nodes.is_leader(self.rank),
+                    group=self._memory._replicas._groups()[0],
+                    floor=self._memory._seq_floor,
+                    max_run=self._run,
+                )
+            elif self.rank == 0:
                 # a snapshot whose copy every rank finished but whose commit a fault cut short
                 # (or never began: a sealed one) is committed first (seal.py): the fault then
                 # loses at most one step
                 assert self.memory is not None
-                sealed = seal_staged(self.memory.dir, max_run=self._run)
+                if has_peer_pairs(self.memory.dir):  # (sealed on several nodes, one now)
+                    sealed = seal_across_nodes(
+                        self.memory.dir,
+                        rank=0,
+                        leader=True,
+                        group=None,
+                        floor=self._memory._seq_floor,
+                        max_run=self._run,
+                    )
+                else:
+                    sealed = seal_staged(self.memory.dir, max_run=self._run)
         if self._memory is not None and self.rank == 0:
             self._begin_line()  # (whatever this load restores, what memory holds now is older)
-        elif self._memory is not None and self._memory._replicas is not None:
+        elif across:
             if self.nodes.is_leader(self.rank):  # (every node's leader marks its node's too)
                 self._line_base = self._node_line_base()
         candidates = self._candidates(step, fallback)

@@ -81,7 +81,8 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
-from resilient.checkpoint.seal import seal_staged
+from resilient.checkpoint.seal import seal_staged, wait_for_writers
+from resilient.checkpoint.seal_nodes import has_peer_pairs, seal_across_nodes
 from resilient.checkpoint.snapshots import (
     PERSISTER_LOCK,
     RUN_SHIFT,
@@ -659,12 +660,29 @@ class Promoter:
         durable = scan(self.storage)
         newest = durable.newest()
         max_run = self.config.get("max_run")
-        seal_staged(
-            self.job_dir,
-            wait_s=_SEAL_WAIT_S,
-            newer_than=None if newest is None else newest.step,
-            max_run=max_run if type(max_run) is int else None,
-        )
+        newer_than = None if newest is None else newest.step
+        if has_peer_pairs(self.job_dir):
+            # sealed on several nodes: this node may hold every rank's copy (two nodes: its own
+            # ranks' and the peer pairs of the other's); where it does not, the records and
+            # pairs stay for the next run's load, which seals across the nodes
+            wait_for_writers(self.job_dir, _SEAL_WAIT_S, newer_than)
+            seal_across_nodes(
+                self.job_dir,
+                rank=0,
+                leader=True,
+                group=None,
+                floor=0,
+                max_run=max_run if type(max_run) is int else None,
+                newer_than=newer_than,
+                clear=False,
+            )
+        else:
+            seal_staged(
+                self.job_dir,
+                wait_s=_SEAL_WAIT_S,
+                newer_than=newer_than,
+                max_run=max_run if type(max_run) is int else None,
+            )
         mem = Storage(self.steps_dir)
         snaps = scan(mem)
         line = set(durable.line())

@@ -35,7 +35,9 @@ operations: agreement, sizes, readiness, the bytes on the lanes, the outcome).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -51,12 +53,23 @@ import torch.distributed as dist
 
 from resilient.checkpoint.format import rank_file_name
 from resilient.checkpoint.links import Links
+from resilient.checkpoint.seal import _MAX_RECORD
+from resilient.checkpoint.seal_nodes import (
+    PEER_FORMAT,
+    is_peer_name,
+    peer_file_name,
+    peer_record_name,
+)
 from resilient.checkpoint.storage import Storage
 from resilient.errors import CheckpointNotFoundError, ResilientError
 
 __all__ = ["NodeMap", "Replicas", "node_map"]
 
 log = logging.getLogger(__name__)
+
+# the most a sealed snapshot's staged record may take on its way to the peer (its peer pair's
+# record wraps it, and is read back with seal.py's cap)
+MAX_PEER_RECORD = _MAX_RECORD - 4096
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class Replicas:
         self.spare_path = (
             os.path.join(spare_dir, f"replica_{rank:05d}.safetensors") if spare_dir else None
         )
+        self.staging = spare_dir  # (where peer pairs of sealed snapshots are kept: seal_nodes.py)
         if self.spare_path is not None:  # what a crashed run of this rank left
             try:
                 os.unlink(self.spare_path)
@@ -345,20 +359,161 @@ class Replicas:
         elif older is not None:  # the previous step's replica stays where it is, unmapped
             older.close()
 
+    def sealed_ready(self) -> bool:
+        """Whether sealed snapshots can be replicated now (``replicate_sealed``): over this
+        rank's connections, up on every rank (the same on every rank once the replication
+        before is joined: ``failed`` is set on every rank by the reduction that saw it)."""
+        links = self.links
+        return (
+            self.staging is not None
+            and links is not None
+            and links.usable
+            and not links.failed
+            and self.nodes.peer(self.rank) is not None
+        )
+
+    def replicate_sealed(
+        self,
+        storage: Storage,
+        step: int,
+        data: memoryview | None,
+        record: bytes | None,
+        epoch: int | None = None,
+    ) -> bool:
+        """(the snapshot's background thread, every rank, after every sealed snapshot) Send this
+        rank's sealed file of ``step`` and its staged record to the peer (``data``/``record``
+        None: this rank's seal failed; the peer is told there is nothing), keep the source's as
+        a peer pair in the staging directory (seal_nodes.py), and, once one reduction says every
+        rank holds its source's pair of this step and every connection is up, drop the source's
+        older pairs and replicas.  Where the connections are not usable (``sealed_ready``
+        false on every rank alike) nothing is sent.  Returns whether every rank holds its
+        source's pair."""
+        source = self.nodes.source(self.rank)
+        links = self.links  # (before the group: drop_groups() lets go of the group first)
+        group, _ = self._groups(epoch)
+        if source is None or links is None or not links.usable or links.failed:
+            return False
+        assert self.staging is not None
+        staging = Storage(self.staging)
+        sender, into = links.sender, links.into
+        received, links_up, started = 0, 1, 0
+        incoming: _Incoming | None = None
+        nothing = data is None or record is None
+        try:
+            if sender is None or into is None:
+                raise ConnectionError("the replicas' connections are closed")
+            sender.start(None if nothing else memoryview(record))  # type: ignore[arg-type]
+            started += 1
+            sender.start(None if nothing else data)
+            started += 1
+            theirs = None
+            size = into.receive_header()
+            if size is not None and size > MAX_PEER_RECORD:
+                into.drain(size)
+            elif size is not None:
+                buf = bytearray(size)
+                into.receive_into(memoryview(buf))
+                theirs = bytes(buf)
+            size = into.receive_header()
+            if size is not None:
+                spare, self._spare = self._spare, None
+                if spare is not None and spare.size != size:
+                    spare.discard()
+                    spare = None
+                name = peer_file_name(source, step)
+                with _Incoming(staging, name, size, spare=spare, keep=True) as inc:
+                    incoming = inc
+                    try:
+                        if inc.failed is not None or theirs is None:
+                            into.drain(size)  # (no room here, or no record: its bytes go by)
+                            if inc.failed is None:
+                                inc.failed = ValueError("its staged record did not come")
+                        elif size:
+                            into.receive_into(memoryview(inc.tensor.numpy()))
+                    except Exception as e:
+                        inc.failed = e
+                        raise
+                if inc.failed is None and inc.kept is not None and theirs is not None:
+                    received = int(_write_peer_record(self.staging, source, step, inc.kept, theirs))
+        except Exception as e:
+            links_up = 0
+            log.warning(
+                "rank %d: the replicas' connections failed (%s); from now on every snapshot is "
+                "committed and its replica travels through gloo",
+                self.rank,
+                e,
+            )
+        finally:
+            for _ in range(started):
+                failed = sender.wait()  # type: ignore[union-attr]
+                if failed is not None and links_up:
+                    links_up = 0
+                    log.warning(
+                        "rank %d: sending its sealed snapshot failed (%s); from now on every "
+                        "snapshot is committed and its replica travels through gloo",
+                        self.rank,
+                        failed,
+                    )
+            # every rank, whatever happened here (with a peer gone the reduction fails)
+            everyone = torch.tensor([received, links_up], dtype=torch.int64)
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+        if not int(everyone[1].item()):
+            links.failed = True  # on every rank: the next snapshots are committed
+            links.close()
+        if incoming is None:
+            return bool(int(everyone[0].item()))
+        self.reused += incoming.from_spare
+        older, self._held = self._held, incoming.kept
+        if int(everyone[0].item()):
+            self._drop_older(storage, None, source, older, step)
+        elif older is not None:  # the previous step's replica stays where it is, unmapped
+            older.close()
+        return bool(int(everyone[0].item()))
+
     def _drop_older(
-        self, storage: Storage, keep_rel: str, source: int, older: _Mapped | None
+        self,
+        storage: Storage,
+        keep_rel: str | None,
+        source: int,
+        older: _Mapped | None,
+        keep_pair: int | None = None,
     ) -> None:
-        """Remove the replicas of ``source``'s file held for steps other than ``keep_rel``; the
-        one this rank received last (``older``) becomes the spare when it is still there and
-        linked nowhere else."""
+        """Remove the replicas of ``source``'s file held for steps other than ``keep_rel`` (None:
+        every committed step's), and its peer pairs of sealed snapshots but ``keep_pair``'s
+        (record first); the one this rank received last (``older``) becomes the spare when it
+        is still there and linked nowhere else."""
+        pairs = []
+        if self.staging is not None:
+            try:
+                names = os.listdir(self.staging)
+            except OSError:
+                names = []
+            for name in names:
+                found = is_peer_name(name)
+                if found is not None and found[0] == source and found[1] != keep_pair:
+                    pairs.append(name)
+            # records first: no record is left naming a file that is moved or removed
+            for name in sorted(pairs, key=lambda n: not n.endswith(".json")):
+                if name.endswith(".json"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self.staging, name))
         if older is not None:
             if self.spare_path is not None and older.move_to(self.spare_path):
                 self._spare = older
             else:
                 older.close()
+        if self.staging is not None:
+            for name in pairs:
+                if not name.endswith(".json"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self.staging, name))
         # only this rank's source's: the node's other ranks keep (and drop) their own sources'
         theirs = {f"rank_{source:05d}"}
-        for name in storage.listdir(""):
+        try:
+            steps = storage.listdir("")
+        except Exception:  # (no committed step yet)
+            steps = []
+        for name in steps:
             if name == keep_rel or not name.startswith("step_"):
                 continue
             try:
@@ -647,6 +802,30 @@ class _Incoming:
                 pass
         if self.mapped is not None:
             self.mapped.close()
+
+
+def _write_peer_record(staging: str, source: int, step: int, kept: _Mapped, record: bytes) -> bool:
+    """The record of a peer pair just received (``kept``: its file, in place), written whole (a
+    temporary renamed into place) after the file: the source's staged record as it came, and the
+    inode of this node's copy.  Whether it is in place."""
+    head = json.dumps({"format": PEER_FORMAT, "source": source, "step": step, "ino": kept.ino})
+    data = head[:-1].encode() + b', "record": ' + record + b"}"
+    tmp = os.path.join(staging, f"peer_{source:05d}.record.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(staging, peer_record_name(source, step)))
+    except OSError as e:
+        log.warning("cannot keep the peer replica of rank %d's step %d: %s", source, step, e)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+    return True
 
 
 def _present(storage: Storage, rel: str, size: int) -> bool:

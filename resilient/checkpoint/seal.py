@@ -41,6 +41,7 @@ from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.codec import CRC_THREADS, crc32, crc_pool
 from resilient.checkpoint.format import (
     MAX_RUN,
+    Manifest,
     TensorEntry,
     rank_file_name,
     step_dir_name,
@@ -75,6 +76,9 @@ _PARALLEL_BLOCK = 1 << 20
 _PARALLEL_CHUNKS = 1 << 16
 _MAX_RECORD = 64 << 20
 _MAX_WORLD = 1 << 16
+# what every rank's record of one snapshot says alike (one run's ranks: a rank of an earlier run
+# that died later must not fill a gap)
+SHARED_KEYS = ("digest", "job_id", "block_bytes", "layout", "run")
 
 
 def record_name(rank: int, step: int) -> str:
@@ -127,9 +131,7 @@ def seal_staged(
     if not os.path.isdir(staging):
         return None
     try:
-        deadline = time.monotonic() + wait_s
-        while _live_writers(staging, newer_than) and time.monotonic() < deadline:
-            time.sleep(0.2)  # (each look parses the records)
+        wait_for_writers(job_dir, wait_s, newer_than)
         lock = _lock(os.path.join(job_dir, _LOCK), lock_s)
     except Exception as e:
         log.warning("cannot seal staged snapshots in %s: %s: %s", job_dir, type(e).__name__, e)
@@ -161,6 +163,16 @@ def seal_staged(
         return None
     finally:
         os.close(lock)
+
+
+def wait_for_writers(job_dir: str, wait_s: float, newer_than: int | None = None) -> None:
+    """Wait up to ``wait_s`` for the writers of the staged records (of steps after
+    ``newer_than``) at ``job_dir`` to be gone (the persister: the trainer's other ranks are
+    being torn down)."""
+    staging = os.path.join(job_dir, STAGING_DIR)
+    deadline = time.monotonic() + wait_s
+    while _live_writers(staging, newer_than) and time.monotonic() < deadline:
+        time.sleep(0.2)  # (each look parses the records)
 
 
 def newest_plausible_seq(catalog: Catalog) -> int:
@@ -262,6 +274,47 @@ def _read_record(path: str) -> Any:
     return json.loads(data)
 
 
+_COMMITTED = "a commit of it or of a later step got through since its line began"
+
+
+def void_reason(
+    step: int,
+    first: dict[str, Any],
+    catalog: Catalog,
+    committed_run: int,
+    max_run: int | None = None,
+) -> tuple[str | None, int]:
+    """Why the snapshot of ``step`` staged with rank 0's record ``first`` is not to be sealed in
+    the memory that ``catalog`` lists (None: it may be), and the run it is numbered as.
+    ``committed_run``: the newest run that committed there (``newest_plausible_seq >>
+    RUN_SHIFT``); ``max_run``: the sealer's own run, where it knows it."""
+    newest = catalog.newest()
+    after = first.get("after")
+    if type(after) is int and after >= 0:
+        # Its line began after the commit numbered ``after`` (rank 0's load, or its start):
+        # a commit since of this step or a later one is its own commit, got through, or a
+        # newer one's.  A commit made before, of any step, is not: after a rollback (a load
+        # of an older step) the abandoned line's steps are still in memory, numbered above.
+        if any(
+            i.state == "committed" and i.step >= step and after < i.commit_seq < IMPLAUSIBLE_SEQ
+            for i in catalog.infos.values()
+        ):
+            return _COMMITTED, 0
+    elif newest is not None and step <= newest.step:  # (a record of a version without it)
+        return _COMMITTED, 0
+    run = first.get("job_run")
+    if run is None:  # (a record of a version that did not say)
+        run = committed_run
+    elif type(run) is not int or not 0 <= run < MAX_RUN or (max_run and run > max_run):
+        run = 0  # (damaged: staged before any counted run)
+    if run < committed_run:
+        return (
+            f"run {run} of the job staged it, and run {committed_run} committed in this "
+            f"node's memory since without taking it up"
+        ), run
+    return None, run
+
+
 def _seal_newest(
     records: dict[int, dict[int, dict[str, Any]]],
     staging: str,
@@ -273,37 +326,14 @@ def _seal_newest(
 
     if not records:
         return None
-    newest = catalog.newest()
-    # (a commit numbered beyond any run's is a damaged manifest's: it says nothing of runs)
     committed_run = newest_plausible_seq(catalog) >> RUN_SHIFT
     for step in sorted(records, reverse=True):
         by_rank = records[step]
-        after = by_rank[min(by_rank)].get("after")
-        if type(after) is int and after >= 0:
-            # Its line began after the commit numbered ``after`` (rank 0's load, or its start):
-            # a commit since of this step or a later one is its own commit, got through, or a
-            # newer one's.  A commit made before, of any step, is not: after a rollback (a load
-            # of an older step) the abandoned line's steps are still in memory, numbered above.
-            if any(
-                i.state == "committed" and i.step >= step and after < i.commit_seq < IMPLAUSIBLE_SEQ
-                for i in catalog.infos.values()
-            ):
-                return None
-        elif newest is not None and step <= newest.step:  # (a record of a version without it)
+        why, run = void_reason(step, by_rank[min(by_rank)], catalog, committed_run, max_run)
+        if why == _COMMITTED:
             return None  # the commit got through (or a newer one did): nothing to finish
-        run = by_rank[min(by_rank)].get("job_run")
-        if run is None:  # (a record of a version that did not say)
-            run = committed_run
-        elif type(run) is not int or not 0 <= run < MAX_RUN or (max_run and run > max_run):
-            run = 0  # (damaged: staged before any counted run)
-        if run < committed_run:
-            log.warning(
-                "memory snapshot of step %d is not sealed: run %d of the job staged it, and run "
-                "%d committed in this node's memory since without taking it up",
-                step,
-                run,
-                committed_run,
-            )
+        if why is not None:
+            log.warning("memory snapshot of step %d is not sealed: %s", step, why)
             continue
         try:
             seq = max(catalog.next_commit_seq(), (run << RUN_SHIFT) + 1)
@@ -336,21 +366,9 @@ def _seal(
             f"records of ranks {sorted(by_rank)[:8]} were found, the job has {world!r} ranks"
         )
     # one run's ranks (a rank of an earlier run that died later must not fill a gap)
-    for key in ("digest", "job_id", "block_bytes", "layout", "run"):
+    for key in SHARED_KEYS:
         if any(r.get(key) != first.get(key) for r in by_rank.values()):
             raise _Unsealable(f"the ranks' records disagree on {key}")
-    layout = Layout.from_json(first["layout"])
-    tensors = first["tensors"]
-    if not isinstance(tensors, dict):
-        raise _Unsealable("the tensor table is not a mapping")
-    table = {}
-    for k, d in tensors.items():
-        t = TensorEntry.from_json(d, layout, f"staged record tensors[{k!r}]")
-        table[k] = (t.dtype, t.shape, t.placement)
-    plan = SimpleNamespace(tensors=table, digest=first["digest"])
-    block_bytes = first["block_bytes"]
-    if type(block_bytes) is not int or not 4096 <= block_bytes <= 1 << 30:
-        raise _Unsealable(f"block_bytes {block_bytes!r} is out of range")
     step_rel = step_dir_name(step)
     step_dir = os.path.join(mem.path(), step_rel)
     opened: list[tuple[int, str, int]] = []  # (fd, path now, inode)
@@ -363,22 +381,7 @@ def _seal(
             reports.append(_report(rec, rank, fd))
         mem.makedirs(step_rel)
         generation = next_generation(mem, step_rel)
-        for r in reports:
-            name = rank_file_name(r["rank"], generation)
-            r["file"] = name
-            for c in r["chunks"].values():
-                c["file"] = name
-        manifest = build_manifest(
-            step,
-            layout,
-            plan,  # type: ignore[arg-type]
-            reports,
-            block_bytes=block_bytes,
-            generation=generation,
-            version=version,
-            commit_seq=commit_seq,
-            job_id=first["job_id"] if isinstance(first["job_id"], str) else "",
-        )
+        manifest = manifest_of_records(step, first, reports, generation, commit_seq, version)
         for r, (fd, path, ino) in zip(reports, opened, strict=True):
             _move(fd, path, ino, os.path.join(step_dir, r["file"]))
         garbage = publish_commit(
@@ -394,6 +397,47 @@ def _seal(
             os.close(fd)
     with contextlib.suppress(Exception):
         delete_dirs(mem, garbage)
+
+
+def manifest_of_records(
+    step: int,
+    first: dict[str, Any],
+    reports: list[dict[str, Any]],
+    generation: int,
+    commit_seq: int,
+    version: str,
+) -> Manifest:
+    """The manifest of ``step`` committed from its staged records: rank 0's record ``first``
+    (the parts every rank's shares: ``SHARED_KEYS``) and every rank's report (``_report``,
+    in rank order; each report's ``file`` is set here, for ``generation``)."""
+    layout = Layout.from_json(first["layout"])
+    tensors = first["tensors"]
+    if not isinstance(tensors, dict):
+        raise _Unsealable("the tensor table is not a mapping")
+    table = {}
+    for k, d in tensors.items():
+        t = TensorEntry.from_json(d, layout, f"staged record tensors[{k!r}]")
+        table[k] = (t.dtype, t.shape, t.placement)
+    plan = SimpleNamespace(tensors=table, digest=first["digest"])
+    block_bytes = first["block_bytes"]
+    if type(block_bytes) is not int or not 4096 <= block_bytes <= 1 << 30:
+        raise _Unsealable(f"block_bytes {block_bytes!r} is out of range")
+    for r in reports:
+        name = rank_file_name(r["rank"], generation)
+        r["file"] = name
+        for c in r["chunks"].values():
+            c["file"] = name
+    return build_manifest(
+        step,
+        layout,
+        plan,  # type: ignore[arg-type]
+        reports,
+        block_bytes=block_bytes,
+        generation=generation,
+        version=version,
+        commit_seq=commit_seq,
+        job_id=first["job_id"] if isinstance(first["job_id"], str) else "",
+    )
 
 
 def _move(fd: int, path: str, ino: int, dest: str) -> None:

@@ -470,8 +470,12 @@ class Slots:
             self._staged.remove(slot)
             slot.sealed = meta
             self._committed.append(slot)
-            while len(self._committed) > 2:
-                self._retire(self._committed.popleft())
+            while len(self._committed) > 2:  # (across nodes: sealed once its replica is in)
+                old = self._committed.popleft()
+                if self._spare is None:
+                    self._spare = self._take(old)  # (its record goes first)
+                else:
+                    self._retire(old)
             return True
 
     def unseal(self, slot: _Slot) -> bool:

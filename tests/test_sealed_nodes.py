@@ -1,0 +1,244 @@
+"""Sealed snapshots across nodes (seal_nodes.py): every snapshot sealed on its rank and sent, with
+its staged record, to the peer node; the load after a fault commits the newest step every rank
+sealed from what the nodes hold, and restores it.  Nodes are memory roots, as two torchrun agents
+on one host stand for two nodes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient import Checkpointer, Shard, sharded
+from resilient.checkpoint.seal_nodes import _candidates
+from tests.dist import run_distributed
+from tests.test_memory_nodes import _root
+
+
+def _state(rank: int, world: int, value: float) -> dict:
+    # every rank holds its own slice of "w" (16 values, 12 on three ranks), and a replicated "b"
+    n = 12 if world == 3 else 16
+    w = torch.full((n // world,), value + rank, dtype=torch.float32)
+    return {
+        "w": sharded(w, {"dp": Shard(0)}, global_shape=(n,)),
+        "b": torch.full((3,), value, dtype=torch.float32),
+        "meta": {"value": value},
+    }
+
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _open(url: str, base: str, node: int, persister: bool = False) -> Checkpointer:
+    return Checkpointer(
+        url,
+        memory_every=1,
+        memory_root=_root(base, node),
+        persister=persister,
+        memory_commit_every=0,
+    )
+
+
+def _sealed_run(rank: int, world: int, url: str, base: str, per_node: int, steps: list[int]):
+    """Sealed snapshots of ``steps``, then the checkpointer closed (its sealed snapshots left for
+    the next run, as a fault leaves them); what each node's staging directory holds then."""
+    import torch.distributed as dist
+
+    ck = _open(url, base, rank // per_node)
+    for s in steps:
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    ck._memory._join_pending()  # (the last replica)
+    dist.barrier()
+    staging = sorted(p.name for p in (Path(ck.memory.dir) / "staging").iterdir())
+    out = {"memory_steps": ck.memory_steps(), "pairs": [n for n in staging if "peer_" in n]}
+    ck.close()
+    return out
+
+
+def _restore(rank: int, world: int, url: str, base: str, node_of: list[int]) -> dict:
+    ck = _open(url, base, node_of[rank])
+    state = _state(rank, world, 0.0)
+    got = ck.load(state)
+    out = {
+        "step": got,
+        "source": ck.last_load.source,
+        "sealed": ck.last_load.sealed,
+        "w": state["w"].tolist(),
+        "b": state["b"].tolist(),
+    }
+    ck.close()
+    return out
+
+
+def _expected(world: int, step: int) -> list[dict]:
+    return [
+        {
+            "step": step,
+            "source": "memory",
+            "sealed": True,
+            "w": [float(step + r)] * ((12 if world == 3 else 16) // world),
+            "b": [float(step)] * 3,
+        }
+        for r in range(world)
+    ]
+
+
+def test_each_node_keeps_only_its_sources_newest_pair(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    for rank, r in enumerate(results):
+        assert r["memory_steps"] == []  # nothing committed as it was taken
+        sources = (2, 3) if rank < 2 else (0, 1)
+        assert r["pairs"] == [
+            f"peer_{s:05d}.step_3.{ext}" for s in sources for ext in ("json", "safetensors")
+        ], r
+
+
+def test_a_job_run_again_commits_and_restores_the_newest_sealed_step(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+    # every node committed it, and the pairs and records it was sealed from are gone
+    for node in (0, 1):
+        staging = Path(_root(base, node))
+        assert not [p for p in staging.rglob("peer_*")]
+        assert [p.name for p in staging.rglob("rank_*.step_*.json")] == []
+
+
+def test_a_lost_node_is_restored_from_the_pairs_its_peer_holds(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    shutil.rmtree(_root(base, 1))  # node 1 is lost: its replacement's memory is empty
+    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+
+
+def test_after_an_elastic_shrink_the_survivors_restore_the_sealed_step_resharded(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    shutil.rmtree(_root(base, 1))
+    r0, r1 = run_distributed(_restore, 2, url, base, [0, 0])
+    assert (r0["step"], r0["source"], r0["sealed"]) == (3, "memory", True)
+    assert r0["w"] + r1["w"] == [3.0] * 4 + [4.0] * 4 + [5.0] * 4 + [6.0] * 4
+
+
+def _damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # a byte of the last tensor's data: the header still parses
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_own_copy_is_replaced_by_the_peers_verified_one(tmp_path):
+    """Rank 0's own file of step 3 on node 0 no longer matches its record's checksums: node 1's
+    peer pair of it does, so step 3 is sealed all the same and rank 0 reads node 1's copy."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    staging = Path(_root(base, 0))
+    record = next(staging.rglob("rank_00000.step_3.json"))
+    import json
+
+    name = json.loads(record.read_text())["path"]
+    _damage(record.parent / name)
+    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+
+
+def _durable_then_sealed(rank: int, world: int, url: str, base: str) -> None:
+    ck = _open(url, base, rank // 2)
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    ck._memory._join_pending()
+    ck.close()
+
+
+def test_with_both_copies_of_a_rank_damaged_every_rank_falls_back_together(tmp_path):
+    """Node 1 is lost and node 0's pair of rank 2's step 3 is damaged: no node holds rank 2's
+    file whole, step 3 is not sealed (its step 2 pairs went once step 3's were in everywhere),
+    and every rank restores durable step 1 instead, without a hang."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_sealed, 4, url, base)
+    shutil.rmtree(_root(base, 1))
+    _damage(next(Path(_root(base, 0)).rglob("peer_00002.step_3.safetensors")))
+    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(1, "durable", False)] * 4
+    assert [r["b"] for r in results] == [[1.0] * 3] * 4
+
+
+def test_on_three_nodes_a_lost_nodes_records_reach_rank_0_from_the_next_node(tmp_path):
+    """Three nodes of one rank: node 1 is lost, node 0 holds rank 0's file and rank 2's pair, node
+    2 holds rank 2's file and rank 1's pair: rank 0 builds the manifest with rank 1's record from
+    node 2, and every rank restores step 3."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 3, url, base, 1, [1, 2, 3])
+    shutil.rmtree(_root(base, 1))
+    results = run_distributed(_restore, 3, url, base, [0, 1, 2])
+    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(3, "memory", True)] * 3
+    assert [r["b"] for r in results] == [[3.0] * 3] * 3
+
+
+def _seal_fails_on_rank_3_at_step_3(rank: int, world: int, url: str, base: str) -> list:
+    import torch.distributed as dist
+
+    ck = _open(url, base, rank // 2)
+    sealed = []
+    for s in (1, 2, 3):
+        if rank == 3 and s == 3:  # its copy fails (as a full tmpfs does)
+            ck._memory._slots.stage = _raise
+        sealed.append(ck.snapshot(s, _state(rank, world, float(s))).stats.sealed)
+    ck._memory._join_pending()
+    dist.barrier()
+    ck.close()
+    return sealed
+
+
+def _raise(*_a, **_k):
+    raise OSError(28, "No space left on device (the test)")
+
+
+def test_a_seal_that_fails_on_one_rank_leaves_the_step_before_whole_on_every_node(tmp_path):
+    """Rank 3's snapshot of step 3 fails: it sends its peer nothing, so the reduction says not
+    every rank holds its source's pair of step 3 and the step 2 pairs stay; node 1 lost then,
+    the survivors restore step 2 (rank 3's own file of step 3 was never written)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    sealed = run_distributed(_seal_fails_on_rank_3_at_step_3, 4, url, base)
+    assert sealed == [[True] * 3] * 3 + [[True, True, False]]
+    shutil.rmtree(_root(base, 1))
+    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 2)
+
+
+def test_the_candidates_are_the_newest_steps_every_rank_is_offered_for():
+    def offer(copies, rules):
+        return {"copies": copies, "rules": rules}
+
+    offers = [
+        offer([[3, 0, "k", 2], [2, 0, "k", 2], [4, 0, "k", 2]], {"3/k": [5, 1], "2/k": [5, 1]}),
+        offer([[3, 1, "k", 2], [2, 1, "k", 2], [2, 1, "x", 2]], {"4/k": [5, 1]}),
+        None,  # a rank that offers nothing
+        "garbage",
+        offer([[9, 1, "k", 2], ["9", 0, "k", 2], [9, 5, "k", 2], [9, -1, "k", 2]], {"9/k": [0, 0]}),
+        offer([[7, 0, "k", 1 << 40]], {"7/k": [0, 0]}),  # a world beyond any job's
+    ]
+    assert _candidates(offers) == [(3, "k", 2, [5, 1]), (2, "k", 2, [5, 1])]
+
+
+def _snapshot_then_save(rank: int, world: int, url: str, base: str) -> dict:
+    ck = _open(url, base, rank // 2, persister=True)
+    for s in (1, 2):
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    ck.save(2, _state(rank, world, 2.0)).wait()  # commits the sealed step 2 first
+    steps = ck.memory_steps()
+    ck.close()
+    return {"memory_steps": steps, "durable": ck.steps()}
+
+
+def test_a_durable_save_of_a_sealed_step_commits_it_across_nodes(tmp_path):
+    """Through the nodes' persisters: the sealed snapshot of step 2 is committed in memory (its
+    replica following the commit), then every node's persister writes its node's files."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    results = run_distributed(_snapshot_then_save, 4, url, base)
+    assert [r["memory_steps"] for r in results] == [[2]] * 4
+    assert [r["durable"] for r in results] == [[2]] * 4
+    got = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["b"]) for r in got] == [(2, [2.0] * 3)] * 4
+    assert torch.tensor([r["w"][0] for r in got]).tolist() == [2.0, 3.0, 4.0, 5.0]
