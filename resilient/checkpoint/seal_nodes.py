@@ -481,7 +481,10 @@ def _to_rank_0(
             if rank == 0:
                 got.append(item)
                 continue
-            data = json.dumps(item).encode()
+            try:
+                data = json.dumps(item).encode()
+            except (TypeError, ValueError, RecursionError):  # (rank 0 must hear all the same)
+                data = b""
             if len(data) > 2 * _MAX_RECORD:
                 data = b""
             dist.send(torch.tensor([len(data) or -1], dtype=torch.int64), 0, group=group)

@@ -168,9 +168,11 @@ def test_a_replaced_node_restores_its_ranks_from_the_peers_replicas(out):
     lost = next(e for e in events if e["event"] == "fault" and e["kind"] == "replace_node")
     assert next(e for e in events if e["event"] == "node_replaced")["node"] == 1
     restore, why = _restore(report)
-    # node 1 came back with empty memory: its ranks' files came from node 0's replicas, and the
-    # layout is the same (no reshard), so the run is bit-identical to the fault-free one
+    # node 1 came back with empty memory: the load sealed the newest step from node 0's copies
+    # (its own ranks' and node 1's pairs), its ranks' files came from node 0, and the layout is
+    # the same (no reshard), so the run is bit-identical to the fault-free one
     assert restore["source"] == "memory" and not restore["resharded"], why
+    assert restore["sealed"], why
     assert restore["peer_files"] >= 2, why  # at least ranks 2 and 3's files, from node 0's replicas
     assert report["measurements"]["restore_sources"] == ["peer"]
     reached = _reached(report, restore)
