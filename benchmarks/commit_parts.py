@@ -9,7 +9,7 @@ this process only; nothing in the library changes), so a part's figure is the CP
 spent in it, nested parts included: a part is a share of its caller's figure, not an addition to
 it.  Per snapshot, averaged over the run; ``calls`` is calls per snapshot.
 
-    python benchmarks/commit_parts.py [--snapshots 300] [--mib 1.8]
+    python benchmarks/commit_parts.py [--snapshots 300] [--mib 1.8] [--commit-every 0]
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ _PARTS = [
     ("replicas", "Replicas", "replicate", "the replication"),
     ("writer", "Committer", "gather", "gathering the reports (rank 0)"),
     ("writer", "Committer", "report", "sending the report (rank 1)"),
+    # sealed snapshots (--commit-every 0): the copy, its record, and the pair sent to the peer
+    ("slots", "Slots", "stage", "the copy, its checksums and its record (main thread)"),
+    ("checkpointer", "Checkpointer", "_replicate_sealed", "a sealed snapshot's background work"),
+    ("replicas", "Replicas", "replicate_sealed", "the pair sent and the source's received"),
+    ("replicas", None, "_write_peer_record", "the received pair's record"),
+    ("replicas", "Replicas", "_drop_older", "dropping the source's older pair"),
+    ("slots", "Slots", "seal", "keeping the sealed slot"),
 ]
 
 
@@ -82,6 +89,12 @@ def main() -> int:
     p.add_argument("--snapshots", type=int, default=300)
     p.add_argument("--mib", type=float, default=1.8, help="each rank's state")
     p.add_argument("--shm", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument(
+        "--commit-every",
+        type=int,
+        default=1,
+        help="memory_commit_every (0: every snapshot sealed and its pair sent to the other node)",
+    )
     args = p.parse_args()
     from resilient.launch import free_port
 
@@ -93,7 +106,8 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     print(
         f"{machine()}; two processes as two nodes, {args.mib} MiB of fp32 state each (92 "
-        f"tensors), {args.snapshots} committed snapshots back to back, each replicated; thread "
+        f"tensors), {args.snapshots} snapshots back to back (memory_commit_every="
+        f"{args.commit_every}), each replicated; thread "
         f"CPU ms per snapshot in each part (nested parts included in their callers')"
     )
     parts = [label for *_, label in _PARTS]

@@ -82,7 +82,11 @@ def _snapshots(rank: int, port: int, base: str, mode: str, args, out) -> None:
     from resilient import Checkpointer
 
     ck = Checkpointer(
-        f"{base}/ckpt", memory_every=1, memory_root=f"{base}/node{rank}", persister=False
+        f"{base}/ckpt",
+        memory_every=1,
+        memory_root=f"{base}/node{rank}",
+        persister=False,
+        memory_commit_every=getattr(args, "commit_every", 1),
     )
     g = torch.Generator().manual_seed(rank)
     n = max(1, int(args.mib * (1 << 20) / 4 / 92))
@@ -93,6 +97,8 @@ def _snapshots(rank: int, port: int, base: str, mode: str, args, out) -> None:
         for t in state.values():
             t.add_(1.0)
         ck.snapshot(step, state).wait()
+    ck.wait_snapshot()
+    ck._memory._join_pending()  # (a sealed snapshot's replica is in only then)
     after, c1, t1 = _threads(), time.process_time(), time.perf_counter()
     linked = ck._memory._replicas.links
     used = bool(linked is not None and linked.usable and not linked.failed)

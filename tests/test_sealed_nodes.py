@@ -5,7 +5,11 @@ on one host stand for two nodes."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -242,3 +246,216 @@ def test_a_durable_save_of_a_sealed_step_commits_it_across_nodes(tmp_path):
     got = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
     assert [(r["step"], r["b"]) for r in got] == [(2, [2.0] * 3)] * 4
     assert torch.tensor([r["w"][0] for r in got]).tolist() == [2.0, 3.0, 4.0, 5.0]
+
+
+def _sealed_then_closed_with_persisters(rank: int, world: int, url: str, base: str) -> None:
+    ck = _open(url, base, rank // 2, persister=True)
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    ck.close()  # node 0's persister flushes: its node holds every rank's copy of step 3
+
+
+def test_on_two_nodes_the_persisters_flush_seals_the_newest_step_from_its_nodes_copies(tmp_path):
+    """Nothing of step 3 was committed anywhere; node 0's persister, told goodbye, seals it from
+    its own ranks' copies and node 1's pairs, and writes it to durable storage (its files and the
+    pairs' bytes), so the job resumes from it even with every node's memory gone."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_then_closed_with_persisters, 4, url, base)
+    assert Checkpointer(url).steps() == [1, 3]
+    shutil.rmtree(base)
+    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["source"]) for r in results] == [(3, "durable")] * 4
+    assert [r["w"][0] for r in results] == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_losing_node_0_restores_the_sealed_step_from_node_1(tmp_path):
+    """Rank 0's own node is lost: rank 0 holds no copy, node 1's leader sends every record."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    shutil.rmtree(_root(base, 0))
+    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+
+
+def test_a_replaced_peer_file_is_not_taken_for_its_pair(tmp_path):
+    """Node 0's pair file of rank 2 is replaced by a copy of itself (the same bytes, another
+    inode: not the file its record names); node 1 lost, step 3 is not sealed, and every rank
+    restores durable step 1."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_then_sealed, 4, url, base)
+    shutil.rmtree(_root(base, 1))
+    pair = next(Path(_root(base, 0)).rglob("peer_00002.step_3.safetensors"))
+    shutil.copyfile(pair, pair.with_suffix(".copy"))
+    os.replace(pair.with_suffix(".copy"), pair)
+    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["source"]) for r in results] == [(1, "durable")] * 4
+
+
+def _committed_run(rank: int, world: int, url: str, base: str) -> int:
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    got = ck.load(_state(rank, world, 0.0))  # (seals the sealed step 3 and restores it)
+    for s in (4, 5):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    ck.close()
+    return got
+
+
+def test_an_older_lines_sealed_snapshots_never_win_over_later_commits(tmp_path):
+    """Run A seals steps 1-3; run B restores 3 and commits snapshots 4 and 5.  Run A's records
+    and pairs of step 3, put back as they were (an abandoned line's, as a node that did not take
+    part in B's load would still hold them), are vetoed by every node's commits since their line
+    began: run C restores step 5, not the older line's step 3."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    aside = tmp_path / "aside"
+    for node in (0, 1):
+        staging = next(Path(_root(base, node)).glob("job-*")) / "staging"
+        (aside / str(node)).mkdir(parents=True)
+        for p in staging.iterdir():
+            if "step_3" in p.name or p.name.endswith(".safetensors"):
+                os.link(p, aside / str(node) / p.name)  # (the same inodes, as records name)
+    assert run_distributed(_committed_run, 4, url, base) == [3] * 4
+    for node in (0, 1):
+        staging = next(Path(_root(base, node)).glob("job-*")) / "staging"
+        for p in (aside / str(node)).iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                (staging / p.name).unlink()
+            os.link(p, staging / p.name)
+    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(5, "memory", False)] * 4
+    assert [r["b"] for r in results] == [[5.0] * 3] * 4
+
+
+def _durable_save_of_a_sealed_step(rank: int, world: int, url: str, base: str) -> None:
+    import torch.distributed as dist
+
+    ck = _open(url, base, rank // 2, persister=True)
+    for s in (1, 2, 3):
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    # the fault: step 3's commit in memory (for the durable save) gets through on every node,
+    # its committed replicas never arrive (the sealed pairs of step 3 did, as it was sealed)
+    ck._memory._replicas.replicate = lambda *a, **k: None
+    ck.save(3, _state(rank, world, 3.0)).wait()
+    dist.barrier()
+    ck.close()
+
+
+def test_a_commit_whose_replicas_never_arrived_is_completed_from_its_pairs(tmp_path):
+    """A durable save of sealed step 3 commits it in memory, then replicates it as a committed
+    snapshot; node 1 lost before that replica arrives leaves node 0 with step 3 committed
+    (its own ranks' files) and node 1's pairs of step 3: the load links the pairs in (checked
+    against the manifest's checksums), and every rank restores step 3 from memory."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_durable_save_of_a_sealed_step, 4, url, base)
+    shutil.rmtree(_root(base, 1))
+    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["source"]) for r in results] == [(3, "memory")] * 4, results
+    assert [r["w"][0] for r in results] == [3.0, 4.0, 5.0, 6.0]
+
+
+def _k2_commit_4_replica_lost(rank: int, world: int, url: str, base: str) -> list:
+    import torch.distributed as dist
+
+    ck = Checkpointer(
+        url, memory_every=1, memory_root=_root(base, rank // 2), memory_commit_every=2
+    )
+    sealed = [bool(ck.snapshot(s, _state(rank, world, float(s))).stats.sealed) for s in (1, 2, 3)]
+    ck._memory._join_pending()
+    ck._memory._replicas.replicate = lambda *a, **k: None  # step 4's replicas never arrive
+    h = ck.snapshot(4, _state(rank, world, 4.0))
+    sealed.append(bool(h.stats.sealed))
+    h.wait()
+    ck._memory._join_pending()
+    dist.barrier()
+    ck.close()
+    return sealed
+
+
+def test_across_nodes_memory_commit_every_above_1_commits_every_snapshot(tmp_path):
+    """K > 1 is a one-node setting: across nodes a sealed step older than a commit would be
+    vetoed by it (it got through), yet that commit is whole only once its replicas are in.  So
+    every snapshot is committed, and node 1 lost before step 4's replicas arrive restores step 3
+    (its replicas on node 0 stay until step 4's are in everywhere)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    assert run_distributed(_k2_commit_4_replica_lost, 4, url, base) == [[False] * 4] * 4
+    shutil.rmtree(_root(base, 1))
+    got = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
+    assert [(r["step"], r["source"]) for r in got] == [(3, "memory")] * 4, got
+
+
+def test_writing_a_pairs_record_never_opens_what_is_already_there(tmp_path):
+    """The record's temporary is a name of its own, made with O_EXCL: a FIFO (or a link to
+    another file) at any other name in the directory is never opened or written."""
+    from resilient.checkpoint.replicas import _write_peer_record
+
+    os.mkfifo(tmp_path / "peer_00002.record.tmp")
+    (tmp_path / "other").write_bytes(b"x")
+    os.link(tmp_path / "other", tmp_path / "peer_00002.record.tmp-0")
+
+    class Kept:
+        ino = 7
+
+    done: list[bool] = []
+    t = threading.Thread(
+        target=lambda: done.append(_write_peer_record(str(tmp_path), 2, 3, Kept(), b"{}")),
+        daemon=True,
+    )
+    t.start()
+    t.join(30)
+    assert done == [True] and (tmp_path / "other").read_bytes() == b"x"
+    rec = json.loads((tmp_path / "peer_00002.step_3.json").read_text())
+    assert rec == {"format": "resilient-peer-v1", "source": 2, "step": 3, "ino": 7, "record": {}}
+
+
+def _links_break_at_step_2(rank: int, world: int, url: str, base: str) -> list:
+    import torch.distributed as dist
+
+    ck = _open(url, base, rank // 2)
+    reps = ck._memory._replicas
+    real = reps.replicate_sealed
+
+    def breaking(storage, step, *a, **k):
+        out = real(storage, step, *a, **k)
+        if step == 2:
+            reps.links.failed = True  # as the reduction that saw a failure sets it, everywhere
+        return out
+
+    reps.replicate_sealed = breaking
+    sealed = [bool(ck.snapshot(s, _state(rank, world, float(s))).stats.sealed) for s in (1, 2, 3)]
+    ck._memory._join_pending()
+    dist.barrier()
+    steps = ck.memory_steps()
+    ck.close()
+    return [sealed, steps]
+
+
+def test_after_the_connections_break_the_next_snapshot_is_committed(tmp_path):
+    """Snapshot 3 was decided (sealed) before the replication of 2 failed; once that is joined,
+    every rank sees it, and snapshot 3 is committed at once (its replica through gloo)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    out = run_distributed(_links_break_at_step_2, 4, url, base)
+    assert out == [[[True, True, False], [3]]] * 4, out
+
+
+def test_hostile_peer_pairs_are_ignored_without_a_crash(tmp_path):
+    """Peer records that do not parse, nest too deep, say another format or a bool inode, FIFOs
+    and a symbolic link: the seal on one process offers nothing and returns None."""
+    from resilient.checkpoint.seal_nodes import seal_across_nodes
+
+    job = tmp_path / "job"
+    staging = job / "staging"
+    (job / "steps").mkdir(parents=True)
+    staging.mkdir()
+    (staging / "peer_00001.step_3.json").write_text("{" * 5000)
+    (staging / "peer_00002.step_3.json").write_text('{"format": "resilient-peer-v1", "ino": true}')
+    (staging / "peer_00003.step_3.json").write_text(
+        '{"format": "resilient-peer-v1", "ino": 1, "record": {"format": "x", "rank": 3, "step": 3}}'
+    )
+    os.mkfifo(staging / "peer_00000.step_3.json")
+    os.mkfifo(staging / "peer_00004.step_3.safetensors")
+    (staging / "peer_00004.step_3.json").write_text(
+        '{"format": "resilient-peer-v1", "ino": 1, "record": {"format": "resilient-staged-v1",'
+        ' "rank": 4, "step": 3, "world": 5, "ino": 1, "sums": {}, "size": 100}}'
+    )
+    os.symlink("/etc/passwd", staging / "peer_00005.step_3.json")
+    assert seal_across_nodes(str(job), rank=0, leader=True, group=None, floor=0) is None

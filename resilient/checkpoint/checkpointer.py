@@ -525,12 +525,19 @@ class Checkpointer:
                 )
                 self._agree_memory_floor()
                 self._memory._sealed_replicas = self._memory._replicas.sealed_ready()
-                if memory_commit_every != 1 and not self._memory._sealed_replicas:
+                if memory_commit_every > 1:
                     _tell(
-                        f"memory_commit_every={memory_commit_every}: the peer replicas' "
-                        f"connections between this job's {self.nodes.nodes} nodes could not be "
-                        f"made, and a sealed snapshot's replica travels only over them: every "
-                        f"memory snapshot is committed (README, 'Sealed snapshots')"
+                        f"memory_commit_every={memory_commit_every} applies on one node: across "
+                        f"this job's {self.nodes.nodes} nodes it is 0 (every snapshot sealed) or "
+                        f"1, and every memory snapshot is committed (README, 'Sealed snapshots "
+                        f"across nodes')"
+                    )
+                elif memory_commit_every == 0 and not self._memory._sealed_replicas:
+                    _tell(
+                        f"memory_commit_every=0: the peer replicas' connections between this "
+                        f"job's {self.nodes.nodes} nodes could not be made, and a sealed "
+                        f"snapshot's replica travels only over them: every memory snapshot is "
+                        f"committed (README, 'Sealed snapshots across nodes')"
                     )
             if self.rank == 0:  # (it numbers the commits in memory) above every earlier run's
                 self._run = self._number_this_run()
@@ -734,14 +741,17 @@ class Checkpointer:
 
     def _defers(self, step: int) -> bool:
         """(the memory tier's own) Whether the snapshot of ``step`` is sealed rather than
-        committed: decided alike on every rank, by the step, and across nodes by whether the
-        replicas' connections were up on every rank when the last background job was joined
-        (a sealed snapshot's replica travels over them only: ``Replicas.replicate_sealed``)."""
+        committed: decided alike on every rank, by the step, and across nodes (0 only: a sealed
+        step older than a commit is never sealed after it, and a commit waits for its replicas
+        to be whole) by whether the replicas' connections were up on every rank when the last
+        background job was joined (a sealed snapshot's replica travels over them only:
+        ``Replicas.replicate_sealed``; see ``_seal_snapshot`` for the snapshot after they
+        broke)."""
         period = self._commit_period
         return (
             self._commit_every != 1
             and self._slots is not None
-            and (self._replicas is None or self._sealed_replicas)
+            and (self._replicas is None or (self._sealed_replicas and period == 0))
             and (period == 0 or step % period != 0)
         )
 
@@ -807,6 +817,13 @@ class Checkpointer:
             handle._sealed = error
             log.error("memory snapshot of step %d failed on rank %d: %s", step, self.rank, error)
         handle._finish(error)
+        if across and not self._sealed_replicas:
+            # the connections broke while the snapshot before it travelled (the same on every
+            # rank once that one is joined, unlike when this one was decided): committed, so
+            # that its replica goes through gloo, as every later snapshot's
+            if slot is not None and error is None:
+                self._slots.seal(slot, meta)
+            return self._commit_sealed(handle)
         if across:
             # Its replica goes to the peer node in the background, while the next step trains
             # (every rank, a failed one too: it tells its peer there is nothing); the slot is

@@ -810,9 +810,10 @@ def _write_peer_record(staging: str, source: int, step: int, kept: _Mapped, reco
     inode of this node's copy.  Whether it is in place."""
     head = json.dumps({"format": PEER_FORMAT, "source": source, "step": step, "ino": kept.ino})
     data = head[:-1].encode() + b', "record": ' + record + b"}"
-    tmp = os.path.join(staging, f"peer_{source:05d}.record.tmp")
+    # (a name of its own, made here: whatever else is in the directory is never opened)
+    tmp = os.path.join(staging, f"peer_{source:05d}.record.tmp-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data)
             while view:

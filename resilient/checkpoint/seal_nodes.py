@@ -46,13 +46,12 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     manifest_of_step,
     manifest_to_bytes,
     rank_file_name,
@@ -80,6 +79,9 @@ from resilient.checkpoint.seal import (
 from resilient.checkpoint.snapshots import RUN_SHIFT, STAGING_DIR, STEPS_DIR
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import next_generation, publish_commit
+
+if TYPE_CHECKING:  # (torch only where a group is: the persister runs this without it)
+    import torch.distributed as dist
 
 __all__ = [
     "PEER_FORMAT",
@@ -152,7 +154,7 @@ def seal_across_nodes(
     else (the flush, whose next run may still need them) only once a step is sealed."""
     from resilient import __version__ as version
 
-    world = 1 if group is None else dist.get_world_size(group)
+    world = 1 if group is None else _dist().get_world_size(group)
     staging = os.path.join(job_dir, STAGING_DIR)
     mem = Storage(os.path.join(job_dir, STEPS_DIR))
     copies: list[_Copy] = []
@@ -168,12 +170,16 @@ def seal_across_nodes(
             copies = [
                 c for c in _local_copies(staging) if newer_than is None or c.step > newer_than
             ]
+            _complete_commits(mem, catalog, copies)
+            offer = _offer(copies, catalog)
         except Exception as e:  # (offers nothing; takes part all the same)
             log.warning("rank %d: this node's sealed snapshots cannot be listed: %s", rank, e)
-            catalog, copies = None, []
+            catalog, copies, offer = None, [], b""
+    else:
+        offer = b""
     sealed = None
     try:
-        offers = _gather_json(group, world, _offer(copies, catalog))
+        offers = _gather_json(group, world, offer)
         for step, key, snap_world, rules in _candidates(offers):
             sealed = _try(
                 step,
@@ -274,6 +280,55 @@ def _copy_of(step: int, rank: int, rec: dict[str, Any], peer: str | None) -> _Co
     return _Copy(step, rank, rec, key, world, peer, ino)
 
 
+def _complete_commits(mem: Storage, catalog: Catalog, copies: list[_Copy]) -> None:
+    """(a leader) A committed step that lacks the file of a rank this node holds a peer pair of,
+    of that very step, gets it from the pair: a sealed snapshot committed for a durable save is
+    replicated as a committed one after its commit, and a node lost in between leaves only the
+    pairs of its ranks (sent as it was sealed) on the next node.  Each pair is checked against
+    its record's sums and against the size and checksums the step's manifest gives that file,
+    then linked in under the manifest's name; one that differs in anything is left out."""
+    for c in copies:
+        info = catalog.get(c.step)
+        if c.peer is None or info is None or info.state != "committed":
+            continue
+        step_rel = step_dir_name(c.step)
+        fd = -1
+        try:
+            data = mem.read_small(f"{step_rel}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+            manifest = manifest_of_step(data, mem.display(step_rel), c.step)
+            name = rank_file_name(c.rank, manifest.generation)
+            entry = manifest.files.get(name)
+            if entry is None or entry.rank != c.rank or mem.exists(f"{step_rel}/{name}"):
+                continue
+            if entry.size_bytes != c.rec.get("size"):
+                raise ValueError(
+                    f"it has {c.rec.get('size')} bytes, the manifest says {entry.size_bytes}"
+                )
+            want = {
+                ch.name: (list(ch.byte_range), list(ch.checksums))
+                for t in manifest.tensors.values()
+                for ch in t.chunks
+                if ch.file == name
+            }
+            fd = _open_peer(c)
+            report = _report(c.rec, c.rank, fd)
+            got = {
+                k: (list(v.get("byte_range") or ()), list(v["checksums"]))
+                for k, v in report["chunks"].items()
+            }
+            if got != want:
+                raise ValueError("its chunks are not the ones the manifest gives that file")
+            _link(fd, c.peer, c.ino, os.path.join(mem.path(), step_rel, name))
+            log.info("memory step %d: rank %d's file completed from its peer pair", c.step, c.rank)
+        except Exception as e:
+            log.warning(
+                "memory step %d: rank %d's peer pair does not complete it: %s", c.step, c.rank, e
+            )
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
 def _offer(copies: list[_Copy], catalog: Catalog | None) -> bytes:
     """A leader's offer: (step, rank, key, world) of each copy it holds, and the line's rules of
     each step it holds rank 0's record of (``after``, ``job_run``); b"" for none."""
@@ -347,10 +402,9 @@ def _try(
 ) -> int | None:
     """One candidate (every rank): the leaders' vetoes, verified copies and generations
     gathered, then, where it is whole, built on rank 0 and committed on every leader."""
-    world = 1 if group is None else dist.get_world_size(group)
     step_rel = step_dir_name(step)
     # [holds: 1 where this rank's node looked, veto, generation, run, seq, verified ranks...]
-    row = torch.zeros(5 + snap_world, dtype=torch.int64)
+    row = [0] * (5 + snap_world)
     mine: dict[int, _Copy] = {}
     if catalog is not None:
         row[0] = 1
@@ -370,18 +424,18 @@ def _try(
                 try:
                     mem.makedirs(step_rel)
                     row[2] = next_generation(mem, step_rel)
+                    if not 0 <= row[2] < 1 << 62:
+                        raise ValueError(f"generation {row[2]} is out of range")
                 except Exception as e:
                     log.warning("cannot claim a generation of memory step %d: %s", step, e)
                     row[1] = 1
-    rows = [row]
-    if group is not None:
-        rows = [torch.zeros_like(row) for _ in range(world)]
-        dist.all_gather(rows, row, group=group)
-    looked = [r for r in range(world) if int(rows[r][0])]
-    if any(int(rows[r][1]) for r in looked):
+    rows = [row] if group is None else _all_gather_ints(group, row)
+    world = len(rows)
+    looked = [r for r in range(world) if rows[r][0]]
+    if any(rows[r][1] for r in looked):
         return None
     holder: list[int | None] = [
-        next((r for r in looked if int(rows[r][5 + i])), None) for i in range(snap_world)
+        next((r for r in looked if rows[r][5 + i]), None) for i in range(snap_world)
     ]
     if any(h is None for h in holder):
         log.warning(
@@ -391,9 +445,9 @@ def _try(
             holder.index(None),
         )
         return None
-    generation = max(int(rows[r][2]) for r in looked)
-    run = max(int(rows[r][3]) for r in looked)
-    seq = max([floor, *(int(rows[r][4]) for r in looked)]) + 1
+    generation = max(rows[r][2] for r in looked)
+    run = max(rows[r][3] for r in looked)
+    seq = max([floor, *(rows[r][4] for r in looked)]) + 1
     seq = max(seq, (run << RUN_SHIFT) + 1)
     reports = _to_rank_0(holder, mine, rank, group)
     data = b""
@@ -472,6 +526,10 @@ def _to_rank_0(
 ) -> list[dict[str, Any]] | None:
     """(every rank) Each rank's report (and rank 0's record) sent to rank 0 by its holder, in
     rank order; rank 0's list of them, or None where one could not come (elsewhere: None)."""
+    if group is not None:
+        import torch
+
+        dist = _dist()
     got: list[dict[str, Any]] = []
     whole = True
     for r, h in enumerate(holder):
@@ -516,6 +574,9 @@ def _to_rank_0(
 def _broadcast_bytes(group: dist.ProcessGroup | None, data: bytes, rank: int) -> bytes:
     if group is None:
         return data
+    import torch
+
+    dist = _dist()
     size = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(size, 0, group=group)
     n = int(size.item())
@@ -537,6 +598,9 @@ def _gather_json(group: dist.ProcessGroup | None, world: int, data: bytes) -> li
             return [json.loads(data) if data else None]
         except (ValueError, RecursionError):
             return [None]
+    import torch
+
+    dist = _dist()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
@@ -556,6 +620,22 @@ def _gather_json(group: dist.ProcessGroup | None, world: int, data: bytes) -> li
         except (ValueError, RecursionError):
             out.append(None)
     return out
+
+
+def _dist():  # (imported where a group is: see TYPE_CHECKING above)
+    import torch.distributed as dist
+
+    return dist
+
+
+def _all_gather_ints(group: dist.ProcessGroup, row: list[int]) -> list[list[int]]:
+    import torch
+
+    dist = _dist()
+    mine = torch.tensor(row, dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [[int(x) for x in t.tolist()] for t in every]
 
 
 def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> None:
