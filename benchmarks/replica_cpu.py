@@ -4,12 +4,14 @@ through the c10d store.
 
 Two processes on this host stand for two nodes (two memory roots, a gloo group over loopback),
 each snapshotting ``--mib`` of fp32 state (92 tensors, as the tiny preset's) ``--snapshots``
-times back to back, every snapshot committed and replicated to the other.  Each thread's CPU
+times back to back, every snapshot replicated to the other.  Each thread's CPU
 comes from ``/proc/self/task/*/stat`` (clock ticks: the per-snapshot figures are averages over
 the run), so the CPU that gloo's transport thread spends is seen beside the snapshot's own.
 
 - ``links``: the replicas on the tier's own TCP connections (the default).
 - ``gloo``: ``RESILIENT_REPLICA_LINKS=0``: every replication through gloo.
+- ``sealed``: ``memory_commit_every=0``: every snapshot sealed (no commit) and its file and
+  staged record sent to the other node over the links (resilient/checkpoint/seal_nodes.py).
 - ``agreement``: one 8-byte all-reduce between the two processes against the same agreement
   through the store (add, wait, get), ``--agreements`` of each, 2 ms apart; process CPU each.
 
@@ -86,7 +88,8 @@ def _snapshots(rank: int, port: int, base: str, mode: str, args, out) -> None:
         memory_every=1,
         memory_root=f"{base}/node{rank}",
         persister=False,
-        memory_commit_every=getattr(args, "commit_every", 1),
+        # (sealed: every snapshot sealed, its pair sent over the links)
+        memory_commit_every=0 if mode == "sealed" else getattr(args, "commit_every", 1),
     )
     g = torch.Generator().manual_seed(rank)
     n = max(1, int(args.mib * (1 << 20) / 4 / 92))
@@ -159,7 +162,7 @@ def main() -> int:
     from resilient.launch import free_port
 
     out = mp.Manager().dict()
-    runs: dict[str, list[dict[str, float]]] = {"links": [], "gloo": []}
+    runs: dict[str, list[dict[str, float]]] = {"links": [], "gloo": [], "sealed": []}
     for r in range(args.rounds):
         for mode in runs:
             base = tempfile.mkdtemp(dir=args.shm, prefix="replica-cpu-")
@@ -168,7 +171,7 @@ def main() -> int:
             finally:
                 shutil.rmtree(base, ignore_errors=True)
             per, used = out[(mode, 0)]
-            if used != (mode == "links"):
+            if used != (mode != "gloo"):
                 print(f"round {r + 1}, {mode}: the links were {'' if used else 'not '}used")
                 return 1
             runs[mode].append(per)
@@ -178,8 +181,9 @@ def main() -> int:
 
     print(
         f"{machine()}; two processes as two nodes, {args.mib} MiB of fp32 state each (92 "
-        f"tensors), {args.snapshots} committed snapshots back to back, each replicated; rank 0's "
-        f"threads, CPU ms per snapshot (each round's figure)"
+        f"tensors), {args.snapshots} snapshots back to back, each replicated (committed, or "
+        f"sealed with its pair sent over the links); rank 0's threads, CPU ms per snapshot (each "
+        f"round's figure)"
     )
     kinds = sorted(
         {k for rows in runs.values() for per in rows for k in per},
@@ -192,7 +196,17 @@ def main() -> int:
             vals = [per.get(k, 0.0) * 1e3 for per in runs[mode]]
             cells.append(", ".join(f"{v:.2f}" for v in vals))
         table.append([k, *cells])
-    print(markdown_table(["rank 0", "replicas over the links", "through gloo alone"], table))
+    print(
+        markdown_table(
+            [
+                "rank 0",
+                "replicas over the links",
+                "through gloo alone",
+                "sealed, pairs over the links",
+            ],
+            table,
+        )
+    )
     print()
     print(
         f"One agreement between the two processes ({args.agreements}, 2 ms apart), rank 0's "
