@@ -403,9 +403,10 @@ def _try(
     """One candidate (every rank): the leaders' vetoes, verified copies and generations
     gathered, then, where it is whole, built on rank 0 and committed on every leader."""
     step_rel = step_dir_name(step)
-    # [holds: 1 where this rank's node looked, veto, generation, run, seq, verified ranks...]
+    # [1 where this rank's node looked, veto, generation, run, seq, its verified copies (ranks)]
     row = [0] * (5 + snap_world)
     mine: dict[int, _Copy] = {}
+    held: list[_Copy] = []
     if catalog is not None:
         row[0] = 1
         committed_run = newest_plausible_seq(catalog) >> RUN_SHIFT
@@ -417,10 +418,8 @@ def _try(
         else:
             row[3] = run
             row[4] = newest_plausible_seq(catalog)
-            mine = _verify(step, key, copies, staging, mem)
-            for r in mine:
-                row[5 + r] = 1
-            if mine:
+            held = [c for c in copies if c.step == step and c.key == key]
+            if held:
                 try:
                     mem.makedirs(step_rel)
                     row[2] = next_generation(mem, step_rel)
@@ -429,6 +428,12 @@ def _try(
                 except Exception as e:
                     log.warning("cannot claim a generation of memory step %d: %s", step, e)
                     row[1] = 1
+                    held = []
+            # first its own ranks' copies only: each node checks its own, and a peer pair is
+            # checked only where its rank's own node could not offer a whole copy
+            mine = _verify(step, [c for c in held if c.peer is None], staging, mem)
+            for r in mine:
+                row[5 + r] = 1
     rows = [row] if group is None else _all_gather_ints(group, row)
     world = len(rows)
     looked = [r for r in range(world) if rows[r][0]]
@@ -437,6 +442,16 @@ def _try(
     holder: list[int | None] = [
         next((r for r in looked if rows[r][5 + i]), None) for i in range(snap_world)
     ]
+    missing = {i for i, h in enumerate(holder) if h is None}
+    if missing:  # (a lost node's ranks, or a damaged own copy: the peer pairs of them)
+        extra = _verify(
+            step, [c for c in held if c.peer is not None and c.rank in missing], staging, mem
+        )
+        mine.update(extra)
+        bits = [int(i in extra) for i in range(snap_world)]
+        every = [bits] if group is None else _all_gather_ints(group, bits)
+        for i in missing:
+            holder[i] = next((r for r in range(world) if every[r][i]), None)
     if any(h is None for h in holder):
         log.warning(
             "memory snapshot of step %d is not sealed: no node holds a whole copy of rank %d's "
@@ -473,15 +488,13 @@ def _try(
     return step
 
 
-def _verify(
-    step: int, key: str, copies: list[_Copy], staging: str, mem: Storage
-) -> dict[int, _Copy]:
-    """rank -> a copy of ``step`` this node holds whole (its file open, checksummed against its
-    record's sums), this node's own rank's first."""
+def _verify(step: int, copies: list[_Copy], staging: str, mem: Storage) -> dict[int, _Copy]:
+    """rank -> a copy of ``step`` among ``copies`` this node holds whole (its file open,
+    checksummed against its record's sums)."""
     out: dict[int, _Copy] = {}
     step_dir = os.path.join(mem.path(), step_dir_name(step))
-    for c in sorted(copies, key=lambda c: c.peer is not None):
-        if c.step != step or c.key != key or c.rank in out:
+    for c in copies:
+        if c.rank in out:
             continue
         try:
             if c.peer is None:
