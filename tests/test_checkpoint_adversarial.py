@@ -724,3 +724,19 @@ def test_a_manifests_summary_line_round_trips_and_is_checked():
     ):
         with pytest.raises(CheckpointCorruptError):
             summary_from_line(bad, "where", 7)
+
+
+def _job_id_in_a_group(rank: int, world: int) -> str:
+    os.environ.pop("WORLD_SIZE", None)  # (init_process_group(rank=, world_size=) sets none)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    return default_job_id()
+
+
+def test_every_rank_of_a_group_initialized_without_world_size_gets_one_job_id():
+    """A job that calls init_process_group(rank=..., world_size=...) with only MASTER_ADDR and
+    MASTER_PORT in its environment: every rank's default job id is the group's, not a fresh one
+    per process (a sealed snapshot's staged records must agree on it to be sealed)."""
+    from tests.dist import run_distributed
+
+    ids = run_distributed(_job_id_in_a_group, 2)
+    assert ids[0] == ids[1] and ids[0].startswith("pg@"), ids

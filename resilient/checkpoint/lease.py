@@ -47,6 +47,7 @@ import re
 import secrets
 import socket
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -84,9 +85,28 @@ def default_job_id() -> str:
         return f"torchrun:{run_id}"
     if run_id:
         return f"torchrun:{run_id}@{where}"
-    if where and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if where and _world_size() > 1:
         return f"pg@{where}"
     return f"process:{uuid.uuid4().hex[:12]}"
+
+
+def _world_size() -> int:
+    """The job's world size: the environment's (env:// launchers), else the default process
+    group's where one is initialized (``init_process_group(rank=..., world_size=...)`` with only
+    MASTER_ADDR and MASTER_PORT set: every rank must still get the same id, or the memory tier's
+    staged records of one snapshot disagree and are never sealed).  torch.distributed is looked
+    up, not imported: the persister runs this module without torch."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            world = max(world, dist.get_world_size())
+    except Exception:  # (a group being torn down)
+        pass
+    return world
 
 
 def _host_local(addr: str) -> bool:
