@@ -98,6 +98,7 @@ PEER_FORMAT = "resilient-peer-v1"
 _PEER_RE = re.compile(r"^peer_(\d{5,9})\.step_(\d{1,19})\.(json|safetensors)$")
 _MAX_OFFER = 8 << 20  # the bytes of one leader's offer
 _CANDIDATES = 3  # the newest steps tried, one collective round each
+_PAIRS_PER_SOURCE = 2
 
 
 def peer_record_name(source: int, step: int) -> str:
@@ -232,11 +233,17 @@ def _local_copies(staging: str) -> list[_Copy]:
             copy = _copy_of(step, r, rec, None)
             if copy is not None:
                 out.append(copy)
-    for name in sorted(os.listdir(staging)):
+    # (a source's pairs are at most two steps, the newest: older names are left unread, so a
+    # directory of many stale records costs neither time nor memory here)
+    newest: dict[int, list[int]] = {}
+    for name in os.listdir(staging):
         found = is_peer_name(name)
-        if found is None or not name.endswith(".json"):
-            continue
-        source, step = found
+        if found is not None and name.endswith(".json"):
+            newest.setdefault(found[0], []).append(found[1])
+    for source in sorted(newest):
+        newest[source] = sorted(newest[source], reverse=True)[:_PAIRS_PER_SOURCE]
+    for source, step in ((s, t) for s in sorted(newest) for t in newest[s]):
+        name = peer_record_name(source, step)
         path = os.path.join(staging, name)
         try:
             wrap = _read_record(path)
@@ -480,12 +487,18 @@ def _try(
     data = _broadcast_bytes(group, data, rank)
     if not data:
         return None
+    done = 1
     if mine:
         try:
             _commit(step, data, mine, mem)
-        except Exception as e:  # (the restore fetches what this node lacks from the others)
+        except Exception as e:
             log.warning("committing sealed memory step %d on this node failed: %s", step, e)
-    return step
+            done = 0
+    # Sealed only where every node that holds copies committed it: else the caller must not
+    # count it (the flush keeps the records and pairs then, for the next run's load)
+    if group is not None:
+        done = min(row[0] for row in _all_gather_ints(group, [done]))
+    return step if done else None
 
 
 def _verify(step: int, copies: list[_Copy], staging: str, mem: Storage) -> dict[int, _Copy]:
