@@ -85,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         help="commit one memory snapshot in N as it is taken; the others are sealed by their "
         "staged records and committed when a restore, a flush or a durable save needs them "
-        "(one node; 0: only then; default 1: every snapshot)",
+        "(0: only then, and across nodes each is sent to the peer node as it is sealed; N > 1 "
+        "applies on one node; default 1: every snapshot)",
     )
     p.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
     p.add_argument(

@@ -320,11 +320,14 @@ class Checkpointer:
     ``step`` is a multiple of ``N`` (the two newest are kept), and ``load()`` restores the newest
     step of either tier, memory first, falling back to durable storage when a snapshot is missing
     or damaged.  ``save()`` keeps its meaning: a durable commit to ``url``.
-    ``memory_commit_every=K`` (on one node): only one snapshot in ``K`` is committed as
-    it is taken (0: none); the others are *sealed*: each rank's copy and its staged record (with
-    every chunk's checksums) are all there is: no handshake, no manifest, no background work.  A restore after a
-    fault, the persister's flush and a durable save of the step commit a sealed snapshot when
-    they need it (seal.py), so a fault still loses at most one step.
+    ``memory_commit_every=K``: only one snapshot in ``K`` is committed as it is taken (0:
+    none); the others are *sealed*: each rank's copy and its staged record (with every chunk's
+    checksums) are all there is: no handshake, no manifest.  A restore after a fault, the
+    persister's flush and a durable save of the step commit a sealed snapshot when they need it
+    (seal.py), so a fault still loses at most one step.  Across nodes K is 0 or 1 (K > 1
+    commits every snapshot there): a sealed snapshot's file and record are sent to the peer
+    node in the background, and a load commits the newest step every rank sealed from what the
+    nodes hold (seal_nodes.py).
     """
 
     def __init__(
