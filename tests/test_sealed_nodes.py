@@ -89,21 +89,15 @@ def _expected(world: int, step: int) -> list[dict]:
     ]
 
 
-def test_each_node_keeps_only_its_sources_newest_pair(tmp_path):
-    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    results = run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
-    for rank, r in enumerate(results):
-        assert r["memory_steps"] == []  # nothing committed as it was taken
-        sources = (2, 3) if rank < 2 else (0, 1)
-        assert r["pairs"] == [
-            f"peer_{s:05d}.step_3.{ext}" for s in sources for ext in ("json", "safetensors")
-        ], r
-
-
 def test_a_job_run_again_commits_and_restores_the_newest_sealed_step(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
-    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+    results = run_distributed(_sealed_run, 2, url, base, 1, [1, 2, 3])
+    for rank, r in enumerate(results):
+        assert r["memory_steps"] == []  # nothing committed as it was taken
+        # each node keeps its source's newest pair only
+        source = 1 - rank
+        assert r["pairs"] == [f"peer_{source:05d}.step_3.{e}" for e in ("json", "safetensors")]
+    assert run_distributed(_restore, 2, url, base, [0, 1]) == _expected(2, 3)
     # every node committed it, and the pairs and records it was sealed from are gone
     for node in (0, 1):
         staging = Path(_root(base, node))
@@ -113,18 +107,18 @@ def test_a_job_run_again_commits_and_restores_the_newest_sealed_step(tmp_path):
 
 def test_a_lost_node_is_restored_from_the_pairs_its_peer_holds(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    run_distributed(_sealed_run, 2, url, base, 1, [1, 2, 3])
     shutil.rmtree(_root(base, 1))  # node 1 is lost: its replacement's memory is empty
-    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+    assert run_distributed(_restore, 2, url, base, [0, 1]) == _expected(2, 3)
 
 
 def test_after_an_elastic_shrink_the_survivors_restore_the_sealed_step_resharded(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    run_distributed(_sealed_run, 2, url, base, 1, [1, 2, 3])
     shutil.rmtree(_root(base, 1))
-    r0, r1 = run_distributed(_restore, 2, url, base, [0, 0])
+    (r0,) = run_distributed(_restore, 1, url, base, [0])  # (node 0 alone: its rank 0 seals)
     assert (r0["step"], r0["source"], r0["sealed"]) == (3, "memory", True)
-    assert r0["w"] + r1["w"] == [3.0] * 4 + [4.0] * 4 + [5.0] * 4 + [6.0] * 4
+    assert r0["w"] == [3.0] * 8 + [4.0] * 8
 
 
 def _damage(path: Path) -> None:
@@ -137,18 +131,18 @@ def test_a_damaged_own_copy_is_replaced_by_the_peers_verified_one(tmp_path):
     """Rank 0's own file of step 3 on node 0 no longer matches its record's checksums: node 1's
     peer pair of it does, so step 3 is sealed all the same and rank 0 reads node 1's copy."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    run_distributed(_sealed_run, 2, url, base, 1, [1, 2, 3])
     staging = Path(_root(base, 0))
     record = next(staging.rglob("rank_00000.step_3.json"))
     import json
 
     name = json.loads(record.read_text())["path"]
     _damage(record.parent / name)
-    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+    assert run_distributed(_restore, 2, url, base, [0, 1]) == _expected(2, 3)
 
 
 def _durable_then_sealed(rank: int, world: int, url: str, base: str) -> None:
-    ck = _open(url, base, rank // 2)
+    ck = _open(url, base, rank * 2 // world)
     ck.save(1, _state(rank, world, 1.0)).wait()
     for s in (2, 3):
         assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
@@ -157,16 +151,16 @@ def _durable_then_sealed(rank: int, world: int, url: str, base: str) -> None:
 
 
 def test_with_both_copies_of_a_rank_damaged_every_rank_falls_back_together(tmp_path):
-    """Node 1 is lost and node 0's pair of rank 2's step 3 is damaged: no node holds rank 2's
+    """Node 1 is lost and node 0's pair of rank 1's step 3 is damaged: no node holds rank 1's
     file whole, step 3 is not sealed (its step 2 pairs went once step 3's were in everywhere),
     and every rank restores durable step 1 instead, without a hang."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_durable_then_sealed, 4, url, base)
+    run_distributed(_durable_then_sealed, 2, url, base)
     shutil.rmtree(_root(base, 1))
-    _damage(next(Path(_root(base, 0)).rglob("peer_00002.step_3.safetensors")))
-    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(1, "durable", False)] * 4
-    assert [r["b"] for r in results] == [[1.0] * 3] * 4
+    _damage(next(Path(_root(base, 0)).rglob("peer_00001.step_3.safetensors")))
+    results = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(1, "durable", False)] * 2
+    assert [r["b"] for r in results] == [[1.0] * 3] * 2
 
 
 def test_on_three_nodes_a_lost_nodes_records_reach_rank_0_from_the_next_node(tmp_path):
@@ -184,7 +178,7 @@ def test_on_three_nodes_a_lost_nodes_records_reach_rank_0_from_the_next_node(tmp
 def _seal_fails_on_rank_3_at_step_3(rank: int, world: int, url: str, base: str) -> list:
     import torch.distributed as dist
 
-    ck = _open(url, base, rank // 2)
+    ck = _open(url, base, rank * 2 // world)
     sealed = []
     for s in (1, 2, 3):
         if rank == 3 and s == 3:  # its copy fails (as a full tmpfs does)
@@ -201,9 +195,10 @@ def _raise(*_a, **_k):
 
 
 def test_a_seal_that_fails_on_one_rank_leaves_the_step_before_whole_on_every_node(tmp_path):
-    """Rank 3's snapshot of step 3 fails: it sends its peer nothing, so the reduction says not
-    every rank holds its source's pair of step 3 and the step 2 pairs stay; node 1 lost then,
-    the survivors restore step 2 (rank 3's own file of step 3 was never written)."""
+    """Two ranks a node.  Rank 3's snapshot of step 3 fails: it sends its peer (rank 1) nothing,
+    while rank 2's pair of step 3 reaches rank 0; the reduction says not every rank holds its
+    source's pair of step 3, so rank 0 keeps rank 2's pair of step 2 too.  Node 1 lost then,
+    node 0 holds step 2 whole and restores it (rank 3's file of step 3 was never written)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     sealed = run_distributed(_seal_fails_on_rank_3_at_step_3, 4, url, base)
     assert sealed == [[True] * 3] * 3 + [[True, True, False]]
@@ -227,7 +222,7 @@ def test_the_candidates_are_the_newest_steps_every_rank_is_offered_for():
 
 
 def _snapshot_then_save(rank: int, world: int, url: str, base: str) -> dict:
-    ck = _open(url, base, rank // 2, persister=True)
+    ck = _open(url, base, rank * 2 // world, persister=True)
     for s in (1, 2):
         assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
     ck.save(2, _state(rank, world, 2.0)).wait()  # commits the sealed step 2 first
@@ -240,16 +235,16 @@ def test_a_durable_save_of_a_sealed_step_commits_it_across_nodes(tmp_path):
     """Through the nodes' persisters: the sealed snapshot of step 2 is committed in memory (its
     replica following the commit), then every node's persister writes its node's files."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    results = run_distributed(_snapshot_then_save, 4, url, base)
-    assert [r["memory_steps"] for r in results] == [[2]] * 4
-    assert [r["durable"] for r in results] == [[2]] * 4
-    got = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["b"]) for r in got] == [(2, [2.0] * 3)] * 4
-    assert torch.tensor([r["w"][0] for r in got]).tolist() == [2.0, 3.0, 4.0, 5.0]
+    results = run_distributed(_snapshot_then_save, 2, url, base)
+    assert [r["memory_steps"] for r in results] == [[2]] * 2
+    assert [r["durable"] for r in results] == [[2]] * 2
+    got = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["b"]) for r in got] == [(2, [2.0] * 3)] * 2
+    assert torch.tensor([r["w"][0] for r in got]).tolist() == [2.0, 3.0]
 
 
 def _sealed_then_closed_with_persisters(rank: int, world: int, url: str, base: str) -> None:
-    ck = _open(url, base, rank // 2, persister=True)
+    ck = _open(url, base, rank * 2 // world, persister=True)
     ck.save(1, _state(rank, world, 1.0)).wait()
     for s in (2, 3):
         assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
@@ -261,38 +256,40 @@ def test_on_two_nodes_the_persisters_flush_seals_the_newest_step_from_its_nodes_
     its own ranks' copies and node 1's pairs, and writes it to durable storage (its files and the
     pairs' bytes), so the job resumes from it even with every node's memory gone."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_then_closed_with_persisters, 4, url, base)
+    run_distributed(_sealed_then_closed_with_persisters, 2, url, base)
     assert Checkpointer(url).steps() == [1, 3]
     shutil.rmtree(base)
-    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["source"]) for r in results] == [(3, "durable")] * 4
-    assert [r["w"][0] for r in results] == [3.0, 4.0, 5.0, 6.0]
+    results = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["source"]) for r in results] == [(3, "durable")] * 2
+    assert [r["w"][0] for r in results] == [3.0, 4.0]
 
 
 def test_losing_node_0_restores_the_sealed_step_from_node_1(tmp_path):
     """Rank 0's own node is lost: rank 0 holds no copy, node 1's leader sends every record."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    run_distributed(_sealed_run, 2, url, base, 1, [1, 2, 3])
     shutil.rmtree(_root(base, 0))
-    assert run_distributed(_restore, 4, url, base, [0, 0, 1, 1]) == _expected(4, 3)
+    assert run_distributed(_restore, 2, url, base, [0, 1]) == _expected(2, 3)
 
 
 def test_a_replaced_peer_file_is_not_taken_for_its_pair(tmp_path):
-    """Node 0's pair file of rank 2 is replaced by a copy of itself (the same bytes, another
+    """Node 0's pair file of rank 1 is replaced by a copy of itself (the same bytes, another
     inode: not the file its record names); node 1 lost, step 3 is not sealed, and every rank
     restores durable step 1."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_durable_then_sealed, 4, url, base)
+    run_distributed(_durable_then_sealed, 2, url, base)
     shutil.rmtree(_root(base, 1))
-    pair = next(Path(_root(base, 0)).rglob("peer_00002.step_3.safetensors"))
+    pair = next(Path(_root(base, 0)).rglob("peer_00001.step_3.safetensors"))
     shutil.copyfile(pair, pair.with_suffix(".copy"))
     os.replace(pair.with_suffix(".copy"), pair)
-    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["source"]) for r in results] == [(1, "durable")] * 4
+    results = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["source"]) for r in results] == [(1, "durable")] * 2
 
 
 def _committed_run(rank: int, world: int, url: str, base: str) -> int:
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank // 2), persister=False)
+    ck = Checkpointer(
+        url, memory_every=1, memory_root=_root(base, rank * 2 // world), persister=False
+    )
     got = ck.load(_state(rank, world, 0.0))  # (seals the sealed step 3 and restores it)
     for s in (4, 5):
         ck.snapshot(s, _state(rank, world, float(s))).wait()
@@ -306,7 +303,7 @@ def test_an_older_lines_sealed_snapshots_never_win_over_later_commits(tmp_path):
     part in B's load would still hold them), are vetoed by every node's commits since their line
     began: run C restores step 5, not the older line's step 3."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_sealed_run, 4, url, base, 2, [1, 2, 3])
+    run_distributed(_sealed_run, 2, url, base, 1, [1, 2, 3])
     aside = tmp_path / "aside"
     for node in (0, 1):
         staging = next(Path(_root(base, node)).glob("job-*")) / "staging"
@@ -314,22 +311,22 @@ def test_an_older_lines_sealed_snapshots_never_win_over_later_commits(tmp_path):
         for p in staging.iterdir():
             if "step_3" in p.name or p.name.endswith(".safetensors"):
                 os.link(p, aside / str(node) / p.name)  # (the same inodes, as records name)
-    assert run_distributed(_committed_run, 4, url, base) == [3] * 4
+    assert run_distributed(_committed_run, 2, url, base) == [3] * 2
     for node in (0, 1):
         staging = next(Path(_root(base, node)).glob("job-*")) / "staging"
         for p in (aside / str(node)).iterdir():
             with contextlib.suppress(FileNotFoundError):
                 (staging / p.name).unlink()
             os.link(p, staging / p.name)
-    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(5, "memory", False)] * 4
-    assert [r["b"] for r in results] == [[5.0] * 3] * 4
+    results = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["source"], r["sealed"]) for r in results] == [(5, "memory", False)] * 2
+    assert [r["b"] for r in results] == [[5.0] * 3] * 2
 
 
 def _durable_save_of_a_sealed_step(rank: int, world: int, url: str, base: str) -> None:
     import torch.distributed as dist
 
-    ck = _open(url, base, rank // 2, persister=True)
+    ck = _open(url, base, rank * 2 // world, persister=True)
     for s in (1, 2, 3):
         assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
     # the fault: step 3's commit in memory (for the durable save) gets through on every node,
@@ -346,18 +343,18 @@ def test_a_commit_whose_replicas_never_arrived_is_completed_from_its_pairs(tmp_p
     (its own ranks' files) and node 1's pairs of step 3: the load links the pairs in (checked
     against the manifest's checksums), and every rank restores step 3 from memory."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_durable_save_of_a_sealed_step, 4, url, base)
+    run_distributed(_durable_save_of_a_sealed_step, 2, url, base)
     shutil.rmtree(_root(base, 1))
-    results = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["source"]) for r in results] == [(3, "memory")] * 4, results
-    assert [r["w"][0] for r in results] == [3.0, 4.0, 5.0, 6.0]
+    results = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["source"]) for r in results] == [(3, "memory")] * 2, results
+    assert [r["w"][0] for r in results] == [3.0, 4.0]
 
 
 def _k2_commit_4_replica_lost(rank: int, world: int, url: str, base: str) -> list:
     import torch.distributed as dist
 
     ck = Checkpointer(
-        url, memory_every=1, memory_root=_root(base, rank // 2), memory_commit_every=2
+        url, memory_every=1, memory_root=_root(base, rank * 2 // world), memory_commit_every=2
     )
     sealed = [bool(ck.snapshot(s, _state(rank, world, float(s))).stats.sealed) for s in (1, 2, 3)]
     ck._memory._join_pending()
@@ -377,10 +374,10 @@ def test_across_nodes_memory_commit_every_above_1_commits_every_snapshot(tmp_pat
     every snapshot is committed, and node 1 lost before step 4's replicas arrive restores step 3
     (its replicas on node 0 stay until step 4's are in everywhere)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    assert run_distributed(_k2_commit_4_replica_lost, 4, url, base) == [[False] * 4] * 4
+    assert run_distributed(_k2_commit_4_replica_lost, 2, url, base) == [[False] * 4] * 2
     shutil.rmtree(_root(base, 1))
-    got = run_distributed(_restore, 4, url, base, [0, 0, 1, 1])
-    assert [(r["step"], r["source"]) for r in got] == [(3, "memory")] * 4, got
+    got = run_distributed(_restore, 2, url, base, [0, 1])
+    assert [(r["step"], r["source"]) for r in got] == [(3, "memory")] * 2, got
 
 
 def test_writing_a_pairs_record_never_opens_what_is_already_there(tmp_path):
@@ -410,7 +407,7 @@ def test_writing_a_pairs_record_never_opens_what_is_already_there(tmp_path):
 def _links_break_at_step_2(rank: int, world: int, url: str, base: str) -> list:
     import torch.distributed as dist
 
-    ck = _open(url, base, rank // 2)
+    ck = _open(url, base, rank * 2 // world)
     reps = ck._memory._replicas
     real = reps.replicate_sealed
 
@@ -433,8 +430,8 @@ def test_after_the_connections_break_the_next_snapshot_is_committed(tmp_path):
     """Snapshot 3 was decided (sealed) before the replication of 2 failed; once that is joined,
     every rank sees it, and snapshot 3 is committed at once (its replica through gloo)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    out = run_distributed(_links_break_at_step_2, 4, url, base)
-    assert out == [[[True, True, False], [3]]] * 4, out
+    out = run_distributed(_links_break_at_step_2, 2, url, base)
+    assert out == [[[True, True, False], [3]]] * 2, out
 
 
 def test_hostile_peer_pairs_are_ignored_without_a_crash(tmp_path):
