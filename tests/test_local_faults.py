@@ -3,6 +3,7 @@ a wrapper filesystem: whatever fails, nothing committed is lost and nothing brok
 
 import errno
 import os
+import stat
 import threading
 
 import pytest
@@ -52,7 +53,10 @@ class FailingOps(LocalOps):
         return super().write(fd, data)
 
     def fsync(self, fd):
-        name = self._names.get(fd, "<directory>")
+        # a directory's descriptor is opened with os.open, not here: its number may be one a
+        # file opened here had before it was closed, so it is told by what it is, not by number
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        name = "<directory>" if is_dir else self._names.get(fd, "<unknown>")
         if self._hit("fsync", name):
             raise self._fail(name)
         super().fsync(fd)

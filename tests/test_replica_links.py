@@ -34,6 +34,10 @@ def _snapshots(rank, world, url, base, steps, before=None) -> dict:
             before(rank, ck, step)
         ck.snapshot(step, _state(rank, world, float(step))).wait()
         dist.barrier()  # every replica of the step is in (or failed) before the next
+    # (a snapshot's handle is done before its thread deletes the step its commit retired: every
+    # rank's thread is over before any rank lists its node's steps)
+    ck._memory._join_pending()
+    dist.barrier()
     links = _links(ck)
     out = {
         # transfers made on each connection, None where it is not up
