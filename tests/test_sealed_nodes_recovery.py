@@ -25,8 +25,9 @@ def _regroup(rank: int, world: int, port: int) -> None:
     )
 
 
-def _injob(rank: int, world: int, url: str, base: str, port: int, join: bool) -> dict:
-    """Sealed snapshots 1-3, then in-job recovery's survivors: abort, a new group, rebind, load."""
+def _sealed_then_aborted(rank: int, world: int, url: str, base: str, port: int, join: bool):
+    """Sealed snapshots 1-3 (the last one's replication joined or not), then the group broken
+    and formed again: in-job recovery's part up to the carrying over of the checkpointer."""
     ck = _open(url, base, rank * 2 // world)
     for s in (1, 2, 3):
         assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
@@ -34,12 +35,22 @@ def _injob(rank: int, world: int, url: str, base: str, port: int, join: bool) ->
         ck._memory._join_pending()
     ck.abort()
     _regroup(rank, world, port)
-    ck.rebind()
+    return ck
+
+
+def _load_and_close(ck, rank: int, world: int) -> dict:
     state = _state(rank, world, 0.0)
     got = ck.load(state)
     out = {"step": got, "source": ck.last_load.source, "b": state["b"].tolist()}
     ck.close()
     return out
+
+
+def _injob(rank: int, world: int, url: str, base: str, port: int, join: bool) -> dict:
+    """In-job recovery's survivors: rebind, load."""
+    ck = _sealed_then_aborted(rank, world, url, base, port, join)
+    ck.rebind()
+    return _load_and_close(ck, rank, world)
 
 
 @pytest.mark.parametrize("join", [True, False])
@@ -54,12 +65,7 @@ def test_injob_survivors_restore_the_newest_sealed_step(tmp_path, join):
 def _injob_spare(rank: int, world: int, url: str, base: str, port: int, spare: int) -> dict:
     """As _injob, rank ``spare``'s process replaced by a spare: a new checkpointer on its node
     (the old one's sealed snapshots left as a dead process leaves them: released)."""
-    ck = _open(url, base, rank * 2 // world)
-    for s in (1, 2, 3):
-        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
-    ck._memory._join_pending()
-    ck.abort()
-    _regroup(rank, world, port)
+    ck = _sealed_then_aborted(rank, world, url, base, port, True)
     if rank == spare:
         import gc
 
@@ -70,11 +76,7 @@ def _injob_spare(rank: int, world: int, url: str, base: str, port: int, spare: i
         ck = _open(url, base, rank * 2 // world)
     else:
         ck.rebind()
-    state = _state(rank, world, 0.0)
-    got = ck.load(state)
-    out = {"step": got, "source": ck.last_load.source, "b": state["b"].tolist()}
-    ck.close()
-    return out
+    return _load_and_close(ck, rank, world)
 
 
 @pytest.mark.parametrize("spare", [0, 1])

@@ -771,9 +771,10 @@ class Checkpointer:
     ) -> SaveHandle:
         """(the memory tier's own) A snapshot sealed by its staged record: the copy into the rank
         file (from the GPU too: ``gpu``), the checksums of every chunk (a large tensor's as it is
-        copied) and the record that carries them, on the caller's thread; no handshake, no
-        background work.  What a failure leaves (no file, no record)
-        is this rank's alone: the step is then not restorable, the one before it is."""
+        copied) and the record that carries them, on the caller's thread; no handshake (across
+        nodes, the file and record go to the peer node in the background: _replicate_sealed).
+        What a failure leaves (no file, no record) is this rank's alone: the step is then not
+        restorable, the one before it is."""
         assert self._slots is not None
         values = dict(flat.values)
         handle = SaveHandle(step, self._lineage)

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint.format import rank_file_name
-from resilient.checkpoint.links import Links
+from resilient.checkpoint.links import Links, Sender
 from resilient.checkpoint.seal import _MAX_RECORD
 from resilient.checkpoint.seal_nodes import (
     PEER_FORMAT,
@@ -67,6 +67,9 @@ __all__ = ["NodeMap", "Replicas", "node_map"]
 
 log = logging.getLogger(__name__)
 
+# what happens once a replication saw a connection fail (on every rank alike)
+_GLOO_AFTER = "from now on the replicas travel through gloo"
+_SEALED_AFTER = "from now on every snapshot is committed and its replica travels through gloo"
 # the most a sealed snapshot's staged record may take on its way to the peer (its peer pair's
 # record wraps it, and is read back with seal.py's cap)
 MAX_PEER_RECORD = _MAX_RECORD - 4096
@@ -235,10 +238,7 @@ class Replicas:
             r.wait()
         name = rank_file_name(source, generation)
         size = int(theirs.item())
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.size != size:
-            spare.discard()
-            spare = None
+        spare = self._take_spare(size)
         received = 0
         try:
             with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as incoming:
@@ -308,10 +308,7 @@ class Replicas:
             started = True
             size = into.receive_header()
             if size is not None:
-                spare, self._spare = self._spare, None
-                if spare is not None and spare.size != size:
-                    spare.discard()
-                    spare = None
+                spare = self._take_spare(size)
                 name = rank_file_name(source, generation)
                 with _Incoming(storage, f"{step_rel}/{name}", size, spare=spare, keep=True) as inc:
                     incoming = inc
@@ -333,31 +330,26 @@ class Replicas:
                 e,
             )
         finally:
-            if started:
-                assert sender is not None
-                failed = sender.wait()
-                if failed is not None:
-                    links_up = 0
-                    log.warning(
-                        "rank %d: sending its replica failed (%s); from now on the replicas "
-                        "travel through gloo",
-                        self.rank,
-                        failed,
-                    )
-            # every rank, whatever happened here (with a peer gone the reduction fails)
-            everyone = torch.tensor([received, links_up], dtype=torch.int64)
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
-        if not int(everyone[1].item()):
-            links.failed = True  # on every rank: the next replications go through gloo
-            links.close()
+            every_rank = self._agree_linked(
+                group, links, sender, int(started), received, links_up, "its replica", _GLOO_AFTER
+            )
         if incoming is None:
             return  # nothing came from the source: the replica held stays as it is
         self.reused += incoming.from_spare
         older, self._held = self._held, incoming.kept
-        if int(everyone[0].item()):
+        if every_rank:
             self._drop_older(storage, step_rel, source, older)
         elif older is not None:  # the previous step's replica stays where it is, unmapped
             older.close()
+
+    def _take_spare(self, size: int) -> _Mapped | None:
+        """The spare, to receive a replica of ``size`` bytes into (none held: one of another
+        size is removed)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.size != size:
+            spare.discard()
+            spare = None
+        return spare
 
     def sealed_ready(self) -> bool:
         """Whether sealed snapshots can be replicated now (``replicate_sealed``): over this
@@ -416,10 +408,7 @@ class Replicas:
                 theirs = bytes(buf)
             size = into.receive_header()
             if size is not None:
-                spare, self._spare = self._spare, None
-                if spare is not None and spare.size != size:
-                    spare.discard()
-                    spare = None
+                spare = self._take_spare(size)
                 name = peer_file_name(source, step)
                 with _Incoming(staging, name, size, spare=spare, keep=True) as inc:
                     incoming = inc
@@ -444,30 +433,52 @@ class Replicas:
                 e,
             )
         finally:
-            for _ in range(started):
-                failed = sender.wait()  # type: ignore[union-attr]
-                if failed is not None and links_up:
-                    links_up = 0
-                    log.warning(
-                        "rank %d: sending its sealed snapshot failed (%s); from now on every "
-                        "snapshot is committed and its replica travels through gloo",
-                        self.rank,
-                        failed,
-                    )
-            # every rank, whatever happened here (with a peer gone the reduction fails)
-            everyone = torch.tensor([received, links_up], dtype=torch.int64)
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
-        if not int(everyone[1].item()):
-            links.failed = True  # on every rank: the next snapshots are committed
-            links.close()
+            every_rank = self._agree_linked(
+                group,
+                links,
+                sender,
+                started,
+                received,
+                links_up,
+                "its sealed snapshot",
+                _SEALED_AFTER,
+            )
         if incoming is None:
-            return bool(int(everyone[0].item()))
+            return every_rank
         self.reused += incoming.from_spare
         older, self._held = self._held, incoming.kept
-        if int(everyone[0].item()):
+        if every_rank:
             self._drop_older(storage, None, source, older, step)
         elif older is not None:  # the previous step's replica stays where it is, unmapped
             older.close()
+        return every_rank
+
+    def _agree_linked(
+        self,
+        group: dist.ProcessGroup,
+        links: Links,
+        sender: Sender | None,
+        started: int,
+        received: int,
+        links_up: int,
+        what: str,
+        after: str,
+    ) -> bool:
+        """(every rank, whatever happened in its transfers: with a peer gone the reduction
+        fails) The outcome of this rank's ``started`` sends, then one reduction: whether every
+        rank holds its source's file (returned) and every connection is up (else the links
+        fail on every rank, and ``after`` says what happens from now on)."""
+        for _ in range(started):
+            assert sender is not None
+            failed = sender.wait()
+            if failed is not None and links_up:
+                links_up = 0
+                log.warning("rank %d: sending %s failed (%s); %s", self.rank, what, failed, after)
+        everyone = torch.tensor([received, links_up], dtype=torch.int64)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+        if not int(everyone[1].item()):
+            links.failed = True  # on every rank alike
+            links.close()
         return bool(int(everyone[0].item()))
 
     def _drop_older(
