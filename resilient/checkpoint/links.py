@@ -191,12 +191,17 @@ class Link:
 
 class Sender:
     """A thread of the link's own that sends its transfers (both directions of a pair move at
-    once, and a thread started per transfer costs more than handing one over)."""
+    once, and a thread started per transfer costs more than handing one over).  Every
+    ``start`` gets exactly one outcome for ``wait``: its transfer's, or, once ``stop`` was
+    called, a ConnectionError at once (the connection was closed, possibly on another thread,
+    between a caller's taking this sender and its start: its thread no longer sends)."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(
             target=self._run, name="resilient-replica-send", daemon=True
         )
@@ -215,17 +220,24 @@ class Sender:
                 self._done.put(None)
 
     def start(self, data: memoryview | None) -> None:
-        self._work.put(data)
+        with self._lock:
+            if not self._stopped:
+                self._work.put(data)
+                return
+        self._done.put(ConnectionError(f"{self.link.what} is closed"))
 
     def wait(self) -> BaseException | None:
-        """The outcome of the transfer started last: None, or what it raised."""
+        """The outcome of the oldest transfer started and not waited for yet: None, or what it
+        raised."""
         return self._done.get()
 
     def stop(self) -> None:
-        """End the thread (after the transfer in flight); a transfer started after this, or
-        waited for, fails instead of waiting for a thread that is gone."""
-        self._work.put(_STOP)
-        self._done.put(ConnectionError(f"{self.link.what} is closed"))
+        """End the thread (after the transfers started before this, each of which still gets
+        its outcome); a transfer started after this fails at once."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._work.put(_STOP)
 
 
 _STOP = object()
