@@ -472,9 +472,9 @@ class Slots:
             self._committed.append(slot)
             while len(self._committed) > 2:  # (across nodes: sealed once its replica is in)
                 old = self._committed.popleft()
-                if self._spare is None:
+                if self._spare is None and old.sealed is not None:
                     self._spare = self._take(old)  # (its record goes first)
-                else:
+                else:  # (a committed one's file stays in its step for retention to delete)
                     self._retire(old)
             return True
 
