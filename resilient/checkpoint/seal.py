@@ -441,18 +441,47 @@ def manifest_of_records(
 
 
 def _move(fd: int, path: str, ino: int, dest: str) -> None:
-    """Give the open file ``fd`` (inode ``ino``, at ``path``) the name ``dest``: linked by its
-    descriptor, so that whatever was put at ``path`` meanwhile is never the one moved."""
-    try:
-        os.link(f"/proc/self/fd/{fd}", dest, follow_symlinks=True)
-    except OSError:  # no /proc: by name, checked after
-        os.replace(path, dest)
-        if os.lstat(dest).st_ino != ino:
-            raise _Unsealable(f"{path} was replaced while it was being sealed") from None
-        return
+    """Give the open file ``fd`` (inode ``ino``, at ``path``) the name ``dest`` instead of
+    ``path`` (``link_open_file``, then ``path`` unlinked where it is still that file)."""
+    link_open_file(fd, path, ino, dest)
     with contextlib.suppress(OSError):
         if os.lstat(path).st_ino == ino:
             os.unlink(path)
+
+
+def link_open_file(fd: int, path: str, ino: int, dest: str) -> None:
+    """Give the open file ``fd`` (inode ``ino``, at ``path``) the name ``dest`` too: linked by
+    its descriptor, so that whatever was put at ``path`` meanwhile is never the one linked (by
+    name where /proc cannot link it, checked after)."""
+    try:
+        os.link(f"/proc/self/fd/{fd}", dest, follow_symlinks=True)
+    except OSError:
+        os.link(path, dest)
+        if os.lstat(dest).st_ino != ino:
+            os.unlink(dest)
+            raise _Unsealable(f"{path} was replaced while it was being sealed") from None
+
+
+def open_record_file(path: str, ino: int, size: int, step: int) -> int | None:
+    """``path`` opened (without following a link or blocking on a FIFO) where it is the file a
+    record names, inode ``ino``; None where it is another file or cannot be opened.  The file
+    must then have the record's ``size`` and ``step`` in its header (_Unsealable otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != ino:
+            os.close(fd)
+            return None
+        if st.st_size != size:
+            raise _Unsealable(f"{path} has {st.st_size} bytes, its record says {size}")
+        _check_header_step(fd, size, step, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open_staged(
@@ -479,22 +508,9 @@ def _open_staged(
             if n.startswith(prefix) and n.endswith(".safetensors")
         ]
     for path in places:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_ino == ino:
-            if st.st_size != size:
-                os.close(fd)
-                raise _Unsealable(f"{path} has {st.st_size} bytes, its record says {size}")
-            try:
-                _check_header_step(fd, size, step, path)
-            except BaseException:
-                os.close(fd)
-                raise
+        fd = open_record_file(path, ino, size, step)
+        if fd is not None:
             return fd, path
-        os.close(fd)
     raise _Unsealable(f"rank {rank}'s staged file (inode {ino}) is gone")
 
 

@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import re
-import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,15 +64,16 @@ from resilient.checkpoint.seal import (
     RECORD_FORMAT,
     SHARED_KEYS,
     NodeLocal,
-    _check_header_step,
     _lock,
     _move,
     _open_staged,
     _read_record,
     _records,
     _report,
+    link_open_file,
     manifest_of_records,
     newest_plausible_seq,
+    open_record_file,
     void_reason,
 )
 from resilient.checkpoint.snapshots import RUN_SHIFT, STAGING_DIR, STEPS_DIR
@@ -325,7 +325,7 @@ def _complete_commits(mem: Storage, catalog: Catalog, copies: list[_Copy]) -> No
             }
             if got != want:
                 raise ValueError("its chunks are not the ones the manifest gives that file")
-            _link(fd, c.peer, c.ino, os.path.join(mem.path(), step_rel, name))
+            link_open_file(fd, c.peer, c.ino, os.path.join(mem.path(), step_rel, name))
             log.info("memory step %d: rank %d's file completed from its peer pair", c.step, c.rank)
         except Exception as e:
             log.warning(
@@ -533,17 +533,9 @@ def _open_peer(c: _Copy) -> int:
     size = c.rec.get("size")
     if type(size) is not int or size < 8:
         raise ValueError("its record has no size")
-    fd = os.open(c.peer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_ino != c.ino:
-            raise ValueError(f"{c.peer} is not the file its record names")
-        if st.st_size != size:
-            raise ValueError(f"{c.peer} has {st.st_size} bytes, its record says {size}")
-        _check_header_step(fd, size, c.step, c.peer)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd = open_record_file(c.peer, c.ino, size, c.step)
+    if fd is None:
+        raise ValueError(f"{c.peer} is not the file its record names")
     return fd
 
 
@@ -678,7 +670,7 @@ def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> Non
         if c.peer is None:
             _move(c.fd, c.path, c.ino, dest)
         else:
-            _link(c.fd, c.path, c.ino, dest)
+            link_open_file(c.fd, c.path, c.ino, dest)
     garbage = publish_commit(
         mem,
         NodeLocal(),
@@ -690,17 +682,6 @@ def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> Non
     )
     with contextlib.suppress(Exception):
         delete_dirs(mem, garbage)
-
-
-def _link(fd: int, path: str, ino: int, dest: str) -> None:
-    """Give the open peer replica ``fd`` the name ``dest`` too (its pair is cleared after)."""
-    try:
-        os.link(f"/proc/self/fd/{fd}", dest, follow_symlinks=True)
-    except OSError:  # no /proc: by name, checked after
-        os.link(path, dest)
-        if os.lstat(dest).st_ino != ino:
-            os.unlink(dest)
-            raise ValueError(f"{path} was replaced while it was being sealed") from None
 
 
 def _clear(staging: str) -> None:
