@@ -350,11 +350,17 @@ def test_a_commit_whose_replicas_never_arrived_is_completed_from_its_pairs(tmp_p
     assert [r["w"][0] for r in results] == [3.0, 4.0]
 
 
-def _k2_commit_4_replica_lost(rank: int, world: int, url: str, base: str) -> list:
+def _k2_commit_4_replica_lost(
+    rank: int, world: int, url: str, base: str, persister: bool = False
+) -> list:
     import torch.distributed as dist
 
     ck = Checkpointer(
-        url, memory_every=1, memory_root=_root(base, rank * 2 // world), memory_commit_every=2
+        url,
+        memory_every=1,
+        memory_root=_root(base, rank * 2 // world),
+        memory_commit_every=2,
+        persister=persister,  # (with one, the close's flush writes step 4: test_joint_flush.py)
     )
     sealed = [bool(ck.snapshot(s, _state(rank, world, float(s))).stats.sealed) for s in (1, 2, 3)]
     ck._memory._join_pending()

@@ -581,6 +581,10 @@ class Checkpointer:
                     # the flush when the trainer dies: rank 0's node's (across nodes, it holds
                     # the newest snapshot whole only with two nodes: its files and the replicas)
                     "flush": self.nodes.node_of[self.rank] == self.nodes.node_of[0],
+                    # (on three nodes or more no node holds every file: the other nodes'
+                    # persisters write theirs where rank 0's asks, joint_flush.py)
+                    "nodes": self.nodes.nodes,
+                    "node_ranks": list(self.nodes.ranks_of(self.nodes.node_of[self.rank])),
                     # (rank 0's: its flush seals no staged step of a later run than this one)
                     "max_run": self._run,
                 }

@@ -26,9 +26,10 @@ and a snapshot newer than the newest durable commit is still written out when th
 * Across nodes there is one persister per node, its lowest rank's.  Each leader links its node's
   ranks' files of the snapshot into its outbox; rank 0's persister takes the lease and picks the
   generation (``begin``), every node's persister checks and writes its node's files (``copy``),
-  and rank 0's commits once every node has reported over the store (``commit``).  Only rank 0's
-  node's persister flushes when the trainer dies (its node holds the newest snapshot whole when
-  there are two nodes: its own files and the peer replicas).
+  and rank 0's commits once every node has reported over the store (``commit``).  When the
+  trainer dies, rank 0's node's persister flushes; with three nodes or more no node holds the
+  snapshot whole, and the other nodes' persisters write their files where it asks, through the
+  URL (joint_flush.py).
 
 Messages are JSON lines: the trainer sends the configuration, then ``{"op": "persist", "id": n,
 "step": S}`` (or ``begin``; ``copy`` with ``generation``, ``files`` and ``last``; ``commit`` with
@@ -78,6 +79,13 @@ from resilient.checkpoint.format import (
     rank_file_name,
     recorded_uncounted,
     step_dir_name,
+)
+from resilient.checkpoint.joint_flush import (
+    JOIN_WAIT_S,
+    FilesMissing,
+    held_files,
+    join_flush,
+    persist_jointly,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
@@ -716,9 +724,16 @@ class Promoter:
             if newest is not None and s == newest.step and not self._supersedes(newest, snap):
                 return None
             try:
-                link_to_outbox(self.steps_dir, s, self.outbox)
                 parent, seen = _flush_parent(snap, durable, line)
+                held = held_files(self.steps_dir, s, snap)
+                if len(held) < len(snap.files) and self.config.get("nodes", 1) > 1:
+                    # across nodes (three or more): the other nodes' persisters write the rest
+                    return {"step": s, **self._persist_jointly(s, snap, held, parent, seen)}
+                link_to_outbox(self.steps_dir, s, self.outbox)
                 return {"step": s, **self.persist(s, parent=parent, parent_seen=seen)}
+            except FilesMissing as e:
+                log.warning("flush: %s", e)
+                return None
             except (OSError, ResilientError) as e:  # damaged, or retired meanwhile
                 log.warning(
                     "flush: memory step %d was not persisted (%s); trying an older one", s, e
@@ -726,6 +741,24 @@ class Promoter:
                 continue
         log.info("flush: no snapshot in memory to persist")
         return None
+
+    def _persist_jointly(
+        self,
+        step: int,
+        snap: Manifest,
+        held: set[str],
+        parent: tuple[tuple[int, int], ...],
+        parent_seen: int | None,
+    ) -> dict[str, Any]:
+        """(joint_flush.py) Commit ``step`` with this node's files, the other nodes' persisters
+        writing theirs."""
+        ranks = {snap.files[f].rank for f in held}
+        src = link_to_outbox(self.steps_dir, step, self.outbox, ranks)
+        try:
+            wait_s = float(self.config.get("join_wait_s", JOIN_WAIT_S))
+            return persist_jointly(self, step, src, held, parent, parent_seen, wait_s)
+        finally:
+            shutil.rmtree(src, ignore_errors=True)
 
     def _supersedes(self, info: StepInfo, snap: Manifest) -> bool:
         """Whether a snapshot of the same step number as the newest durable commit ``info`` is
@@ -1063,7 +1096,9 @@ def main() -> int:
             log.info("closed by the trainer; flushing what durable storage lacks, if anything")
         else:
             log.info("the trainer is gone without a goodbye: flushing the newest snapshot")
-        if not config.get("flush", True):  # across nodes, rank 0's node's persister flushes
+        if not config.get("flush", True):  # across nodes, rank 0's node's persister flushes;
+            if config.get("nodes", 1) > 1:  # the others write their files where it asks
+                join_flush(promoter, float(config.get("join_wait_s", JOIN_WAIT_S)))
             return 0
         try:
             done = promoter.flush()
