@@ -27,7 +27,8 @@ info = {"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("PROBE_X")
         "pid": os.getpid(), "ppid": os.getppid(), "rand": random.random(), "name": __name__,
         "rank": os.environ.get("RANK"), "argv0": sys.argv[0], "path0": sys.path[0],
         "file": __file__, "spec": __spec__ is None, "launcher": launcher_pid(),
-        "cpus": sorted(os.sched_getaffinity(0)), "nice": os.nice(0)}
+        "cpus": sorted(os.sched_getaffinity(0)), "nice": os.nice(0),
+        "sock": os.environ.get("RESILIENT_FORKSERVER")}
 with open(os.path.join(out, f"probe-{os.getpid()}.json"), "w") as f:
     json.dump(info, f)
 print("hello from the probe", flush=True)
@@ -410,3 +411,72 @@ def test_ranks_run_on_when_their_launcher_has_gone(where):
     _wait_for(lambda: len(list((where / "out").glob("finished-*"))) == 2, timeout_s=60)
     stand_ins = {int(p) for p in (where / "out" / "stand_ins").read_text().split()}
     assert not {p["ppid"] for p in _probes(where)} & stand_ins  # forked ranks, not stand-ins
+
+
+def _torchrun(where: Path, mode: str, *, omp: str | None = "1") -> subprocess.Popen:
+    """A torchrun job of two probes under the fork server's host; ``omp``: its OMP_NUM_THREADS
+    (None: not set)."""
+    cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "json", "--"]
+    cmd += ["torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    cmd += ["-m", "resilient.forkserver", "run", "-m", "probe", *mode.split()]
+    env = {k: v for k, v in _env(where).items() if k != "OMP_NUM_THREADS"}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    proc = subprocess.Popen(
+        cmd,
+        cwd=where / "wd",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _started.append(proc.pid)
+    return proc
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("omp", ["1", None])
+def test_under_torchrun_the_server_is_forked_from_the_launcher_where_torch_may_be(where, omp):
+    """With OMP_NUM_THREADS set (torchrun passes it on as it is), the host imports torch once,
+    forks the server from itself and runs torchrun in-process: the server is the launcher's
+    child with the launcher's command line, the ranks are its children, and it leaves with the
+    launcher, its directory with it.  Without it, a new interpreter serves (its own command line)
+    and torchrun is exec'd: the pools libraries size at import are sized as the workers' are."""
+    proc = _torchrun(where, "sleep", omp=omp)
+    _wait_for(lambda: len(list((where / "out").glob("ready-*"))) == 2, timeout_s=120)
+    infos = _probes(where)
+    server = infos[0]["ppid"]
+    assert {i["ppid"] for i in infos} == {server} and sorted(i["rank"] for i in infos) == ["0", "1"]
+    assert int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+    forked = "resilient.forkserver serve" not in _cmdline(server)
+    assert forked == (omp is not None), _cmdline(server)
+    assert _cmdline(proc.pid).split()[1:3] == (
+        ["-m", "resilient.forkserver"] if forked else ["-m", "torch.distributed.run"]
+    )
+    root = Path(infos[0]["sock"]).parent
+    from resilient.forkserver import sweep
+
+    sweep(str(root.parent))  # (another job's start): a live server's directory stays
+    assert root.exists()
+    for i in infos:
+        os.kill(i["pid"], signal.SIGTERM)
+    proc.communicate(timeout=120)
+    _wait_for(lambda: _gone(server), timeout_s=30)
+    _wait_for(lambda: not root.exists(), timeout_s=30)  # the server removed it, leaving
+
+
+@pytest.mark.distributed
+def test_a_rank_forked_under_torchrun_exits_as_an_interpreter_would(where):
+    """A rank of the forked server leaves through the host's stack, up to the interpreter: its
+    exit code, its traceback, its atexit; the launcher's code never runs in it."""
+    proc = _torchrun(where, "raise")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert err.count("RuntimeError: boom in the probe") >= 2  # each rank's traceback
+    infos = _probes(where)
+    assert len(infos) == 2
+    for i in infos:
+        assert (where / "out" / f"atexit-{i['pid']}").exists()
+    assert out.count("hello from the probe") == 2
