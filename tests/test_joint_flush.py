@@ -6,6 +6,7 @@ others write their own ranks' files.  Nodes are memory roots, as in test_memory_
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from resilient import Checkpointer
-from resilient.checkpoint.joint_flush import FLUSH_NAME, _parse
+from resilient.checkpoint.joint_flush import FLUSH_NAME, _parse, _read_record
+from resilient.checkpoint.storage import Storage
 from tests.dist import run_distributed
 from tests.test_memory_nodes import _root
 from tests.test_sealed_nodes import _state
@@ -64,7 +66,7 @@ def test_on_three_nodes_the_persisters_flush_the_newest_snapshot_together(tmp_pa
     # no node holds every rank file of step 3: its own rank's and one replica
     assert all(sum(n.startswith("rank_") for n in g["held"]) == 2 for g in got), got
     assert _await_steps(url, [1, 3]) == [1, 3], _persister_logs(base)
-    assert not (tmp_path / "ckpt" / FLUSH_NAME).exists()  # the invitation is gone
+    assert _parse((tmp_path / "ckpt" / FLUSH_NAME).read_bytes())["done"]  # the flush's word
     shutil.rmtree(base)  # every node's memory gone: the job runs again elsewhere
     results = run_distributed(_restore, 3, url, base)
     assert [(r["step"], r["source"]) for r in results] == [(3, "durable")] * 3
@@ -112,7 +114,7 @@ def test_a_file_no_node_holds_leaves_the_snapshot_in_memory(tmp_path):
         log = _persister_logs(base)
     assert "is not flushed: 1 of its 3 files never reached" in log, log
     assert Checkpointer(url).steps() == [1]
-    assert not (tmp_path / "ckpt" / FLUSH_NAME).exists()
+    assert _parse((tmp_path / "ckpt" / FLUSH_NAME).read_bytes())["done"]
 
 
 def test_on_two_nodes_a_step_whose_replicas_never_arrived_is_flushed_with_the_other_node(
@@ -134,38 +136,240 @@ def test_on_two_nodes_a_step_whose_replicas_never_arrived_is_flushed_with_the_ot
     ]
 
 
+def _rolled_back_then_closed(rank: int, world: int, url: str, base: str) -> None:
+    """Durable saves 10 and 20, a rollback to 10, snapshots 11 and 12 (numbered below 20), then
+    the job ends with no durable save since (tests/test_rollback.py, on three nodes)."""
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    ck._persister_config["join_wait_s"] = 20.0
+    for s in (10, 20):
+        ck.save(s, _state(rank, world, float(s))).wait()
+    assert ck.load(_state(rank, world, 0.0), step=10) == 10
+    for s in (11, 12):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    ck.close()
+
+
+def test_on_three_nodes_a_flush_after_a_rollback_commits_the_new_line(tmp_path):
+    """The joiners wait for their newest state to be judged, not for durable storage to reach
+    its step number (20 is above 12 here, and is the line the rollback left)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_rolled_back_then_closed, 3, url, base)
+    assert _await_steps(url, [10, 12, 20]) == [10, 12, 20], _persister_logs(base)[-5000:]
+    shutil.rmtree(base)
+    results = run_distributed(_restore, 3, url, base)
+    assert [(r["step"], r["w"][0]) for r in results] == [(12, 12.0), (12, 13.0), (12, 14.0)]
+
+
+JOB = "torchrun:joint-flush"  # (torchrun's run id: one job id across restarts of one run)
+
+
+def _died(rank: int, world: int, url: str, base: str, node_0: str) -> None:
+    """Durable step 1, snapshots 2 and 3, then every worker dies (no close: a torchrun
+    teardown); node 0 ``"new-host"``: rank 0 comes back on a new host (its memory empty);
+    ``"no-persister"``: node 0's persister was killed first (no flush, no done record)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    ck = Checkpointer(
+        url, memory_every=1, memory_root=_root(base, rank), persister=True, job_id=JOB
+    )
+    ck._persister_config["join_wait_s"] = 60.0
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    dist.barrier()
+    if rank == 0 and node_0 == "new-host":
+        shutil.rmtree(Path(ck.memory.dir) / "steps")
+    if rank == 0 and node_0 == "no-persister":
+        os.kill(ck._persister.pid, signal.SIGKILL)
+        ck._persister._proc.wait()
+    dist.barrier()
+
+
+def _restarted_and_saved(rank: int, world: int, url: str, base: str) -> dict:
+    ck = Checkpointer(
+        url, memory_every=1, memory_root=_root(base, rank), persister=True, job_id=JOB
+    )
+    got = ck.load(_state(rank, world, 0.0))
+    t = time.monotonic()
+    ck.save(4, _state(rank, world, 4.0)).wait()
+    took = time.monotonic() - t
+    ck.close()
+    return {"loaded": got, "save_s": took}
+
+
+@pytest.mark.parametrize("node_0", ["same-hosts", "new-host", "no-persister"])
+def test_a_restart_is_not_held_up_by_its_predecessors_joiners(tmp_path, node_0):
+    """torchrun restarts the workers at once: the predecessor's persisters flush (or join) while
+    the new ones wait for their node's lock; a joiner stops once a successor waits (the job runs
+    again on its node, from its memory), and so does the committer's wait for files, so the
+    restarted job's first durable save never waits out join_wait_s (60 s here)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_died, 3, url, base, node_0)
+    results = run_distributed(_restarted_and_saved, 3, url, base)
+    assert max(r["save_s"] for r in results) < 30.0, (results, _persister_logs(base)[-6000:])
+    assert {r["loaded"] for r in results} == {3}  # (node 0's ranks' files from the replicas)
+    assert 4 in Checkpointer(url).steps()
+
+
+def _closed_timed(rank: int, world: int, url: str, base: str, wipe_node_0: bool) -> float:
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    ck._persister_config["join_wait_s"] = 60.0
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    dist.barrier()
+    if rank == 0 and wipe_node_0:
+        shutil.rmtree(Path(ck.memory.dir) / "steps")
+    dist.barrier()
+    t = time.monotonic()
+    ck.close()
+    return time.monotonic() - t
+
+
+@pytest.mark.parametrize("wipe_node_0", [False, True], ids=["whole-on-node-0", "node-0-empty"])
+def test_on_two_nodes_a_close_does_not_wait_for_what_cannot_come(tmp_path, wipe_node_0):
+    """Node 0 holds the newest snapshot whole, or nothing at all: its persister asks no one, and
+    its done record ends node 1's wait at once (the close waits for its persister)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    took = run_distributed(_closed_timed, 2, url, base, wipe_node_0)
+    assert max(took) < 30.0, (took, _persister_logs(base)[-3000:])
+    assert Checkpointer(url).steps() == ([1] if wipe_node_0 else [1, 3])
+
+
+_SLOW_SITE = str(Path(__file__).parent / "slow_persister_site")
+
+
+def _slow_storage_close(rank: int, world: int, url: str, base: str) -> None:
+    import os
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([_SLOW_SITE, os.environ.get("PYTHONPATH", "")])
+    os.environ["SLOW_PERSISTER_WRITE_S"] = "4"  # each rank file's upload: 4 s (a large file)
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    ck._persister_config["join_wait_s"] = 3.0  # (scaled with it: uploads longer than the wait)
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    ck.close()
+
+
+def test_uploads_longer_than_the_wait_neither_fail_the_flush_nor_go_twice(tmp_path):
+    """join_wait_s bounds how long a node waits for the others' next file, not their uploads:
+    every node's own file takes longer than it, and the flush still commits, with no replica
+    written (no node was lost)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_slow_storage_close, 3, url, base, timeout_s=300)
+    assert _await_steps(url, [1, 3], timeout_s=60) == [1, 3], _persister_logs(base)[-4000:]
+    assert "writing the replica this node holds" not in _persister_logs(base)
+
+
+def _foreign_invitation_run(rank: int, world: int, url: str, base: str) -> None:
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    ck._persister_config["join_wait_s"] = 4.0
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    dist.barrier()
+    if rank == 0:  # no flush of its own: the invitation below is the only one
+        shutil.rmtree(Path(ck.memory.dir) / "steps")
+        (Path(url) / FLUSH_NAME).write_text(json.dumps(_invitation(ck.job_id, manifest="0" * 64)))
+    dist.barrier()
+    ck.close()
+
+
+def _invitation(job_id: str = "j", **fields) -> dict:
+    return {
+        "format": 1,
+        "job_id": job_id,
+        "id": "0123456789abcdef",
+        "done": False,
+        "step": 3,
+        "generation": 5,
+        "manifest": "a" * 64,
+        "seen": [],
+        **fields,
+    }
+
+
+def test_an_invitation_for_another_state_of_the_step_is_not_served(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_foreign_invitation_run, 3, url, base)
+    step3 = tmp_path / "ckpt" / "step_00000003"
+    written = sorted(p.name for p in step3.iterdir()) if step3.exists() else []
+    assert not [n for n in written if n.startswith("rank_")], written
+    assert "is not the one invited" in _persister_logs(base)
+
+
+def _closed_with_planted_record(rank: int, world: int, url: str, base: str) -> None:
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    ck._persister_config["join_wait_s"] = 20.0
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    dist.barrier()
+    if rank == 0:  # someone else's bucket: a FLUSH.json is already there
+        (Path(url) / FLUSH_NAME).write_bytes(b"[" * 4000)
+    dist.barrier()
+    ck.close()
+
+
+def test_a_planted_record_nested_too_deep_does_not_stop_the_flush(tmp_path):
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_closed_with_planted_record, 3, url, base)
+    assert _await_steps(url, [1, 3]) == [1, 3], _persister_logs(base)[-3000:]
+    assert "RecursionError" not in _persister_logs(base)
+
+
 @pytest.mark.parametrize(
     "text",
     [
         b"",
         b"[]",
+        b"[" * 4000,
         b'{"format": 1}',
-        b'{"format": 1, "job_id": "j", "step": -1, "generation": 0, "manifest": "'
-        + b"0" * 64
-        + b'", "id": "0123456789abcdef"}',
-        b'{"format": 1, "job_id": "j", "step": 3, "generation": true, "manifest": "'
-        + b"0" * 64
-        + b'", "id": "0123456789abcdef"}',
-        b'{"format": 1, "job_id": "j", "step": 3, "generation": 1, "manifest": "../x", '
-        b'"id": "0123456789abcdef"}',
-        b'{"format": 1, "job_id": "j", "step": 3, "generation": 1, "manifest": "'
-        + b"0" * 64
-        + b'", "id": "../../etc"}',
+        b'{"format": 1, "step": ' + b"9" * 4000 + b"}",
+        json.dumps(_invitation(step=-1)).encode(),
+        json.dumps(_invitation(step=10**30)).encode(),
+        json.dumps(_invitation(generation=True)).encode(),
+        json.dumps(_invitation(manifest="../x")).encode(),
+        json.dumps(_invitation(id="../../etc")).encode(),
+        json.dumps(_invitation(done=None)).encode(),
+        json.dumps(_invitation(seen=["a" * 63])).encode(),
+        json.dumps(_invitation(seen=["a" * 64] * 17)).encode(),
+        json.dumps(_invitation(done=True, seen="a" * 64)).encode(),
+        b'{"format": 1, "job_id": "\xff\xfe"}',
     ],
 )
-def test_a_hostile_invitation_is_ignored(text):
+def test_a_hostile_record_is_ignored(text):
     assert _parse(text) is None
 
 
-def test_a_well_formed_invitation_is_read():
-    text = json.dumps(
-        {
-            "format": 1,
-            "job_id": "j",
-            "step": 3,
-            "generation": 2,
-            "manifest": "a" * 64,
-            "id": "0123456789abcdef",
-        }
-    ).encode()
-    assert _parse(text)["generation"] == 2
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "huge", "dir"])
+def test_a_record_that_is_no_file_to_read_is_ignored_at_once(tmp_path, kind, caplog):
+    storage = Storage(str(tmp_path))
+    target = tmp_path / FLUSH_NAME
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_text(json.dumps(_invitation()))
+        target.symlink_to(tmp_path / "elsewhere")
+    elif kind == "huge":
+        with open(target, "wb") as f:
+            f.truncate(10 << 30)  # sparse: 10 GiB
+    else:
+        target.mkdir()
+    assert _read_record(storage, set()) is None
+
+
+def test_well_formed_records_are_read():
+    assert _parse(json.dumps(_invitation()).encode())["generation"] == 5
+    done = _parse(json.dumps(_invitation(done=True, step=None, seen=["b" * 64])).encode())
+    assert done["seen"] == ["b" * 64]

@@ -1,34 +1,43 @@
 """The persisters' flush across nodes: a snapshot no one node holds whole, written out together.
 
 Across nodes the memory tier's committed snapshot of a step is spread: each node holds its own
-ranks' files and its source node's replicas, so on three nodes or more no node holds every file.
-When the whole job dies, the newest snapshot must still reach durable storage (the job may run
-again elsewhere, where none of this memory is), and there is no process group left to say who
-writes what: the persisters talk through the checkpoint URL itself, as the durable saves'
-``begin``/``copy``/``commit`` do through the trainer.
+ranks' files and its source node's replicas, so on three nodes or more no node holds every file
+(and on two, none does where the newest replicas never arrived).  When the whole job dies, the
+newest snapshot must still reach durable storage (the job may run again elsewhere, where none of
+this memory is), and there is no process group left to say who writes what: the persisters talk
+through the checkpoint URL itself, as the durable saves' ``begin``/``copy``/``commit`` do through
+the trainer.  ``FLUSH.json`` at the URL's root carries one record (FORMAT.md section 9):
 
 * Rank 0's node's persister (the *committer*) picks the snapshot to flush as always; where its
   node lacks some of its files it takes the lease and the step's next generation (``begin``),
-  publishes an *invitation* at ``FLUSH.json`` in the URL's root (the job, the step, the
-  generation, the SHA-256 of its copy of the step's manifest and a random id), writes the files
-  its node holds, waits for the rest to appear at the URL with their sizes, and commits (the
-  usual commit: every file's size checked again).  The invitation goes once the commit is made or
-  given up on.
-* Every other node's persister (a *joiner*), once its trainer is gone, reads the invitation until
-  durable storage holds its newest committed snapshot or its wait is over.  It serves an
-  invitation that names a step its memory holds under the very same manifest: it checks each of
-  its own ranks' files against the manifest's checksums and writes it under the invitation's
-  generation, exclusively (never over a file that is there, unless it holds these very bytes).
-  It never commits, and takes no lease.
+  publishes an *invitation* (the step, the generation, the SHA-256 of its copy of the step's
+  manifest, a random id), writes the files it holds, waits for the rest to appear at the URL with
+  their sizes (for as long again as it has seen no new file), and commits (the usual commit:
+  every file's size checked again).  Whatever its flush came to, it then publishes a *done*
+  record naming the manifests of the snapshots its node holds (``seen``).
+* Every other node's persister (a *joiner*), once its trainer is gone, takes its node's newest
+  committed snapshot as its *target* and reads the record until a done record names the target
+  among those seen (the committer has flushed or judged that very state) or a done record comes
+  that was not there when it began (a flush ended without it: rank 0's node lacks it), until a
+  successor
+  persister waits for its node's lock (the job runs again here: it restores from this memory), or
+  for ``join_wait_s`` (rank 0's node gone).  Meanwhile it serves an invitation that names a step
+  its memory holds under the very same manifest: it checks each of its own ranks' files against
+  the manifest's checksums and writes it under the invitation's generation, exclusively (never
+  over a file that is there, unless it holds these very bytes), then the replicas it holds of
+  files still missing once their own node had as long again (a lost node's ranks).  It never
+  commits, and takes no lease.
 
-The invitation is untrusted input: it is read with a size cap and checked field by field; all it
-can make a joiner do is write that joiner's own, checked bytes of a step it holds, under a
-generation number, where nothing is yet.  An invitation left by a committer that died is served
-at most once per joiner: its files are of a generation that is never committed.
+The record is untrusted input: read with a size cap and checked field by field; all it can make a
+joiner do is write that joiner's own, checked bytes of a step it holds, under a generation number,
+where nothing is yet.  An invitation left by a committer that died is served at most once per
+joiner: its files are of a generation that is never committed.  A stale done record ends a joiner
+only where it names the joiner's own newest state, which was then judged already.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,14 +66,26 @@ if TYPE_CHECKING:  # (persister.py imports this module)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FLUSH_NAME", "FilesMissing", "held_files", "join_flush", "persist_jointly"]
+__all__ = [
+    "FLUSH_NAME",
+    "WAITING_PREFIX",
+    "FilesMissing",
+    "held_files",
+    "join_flush",
+    "persist_jointly",
+    "publish_done",
+]
 
 FLUSH_NAME = "FLUSH.json"
 _FORMAT = 1
 _MAX_INVITATION = 4096
-# how long a joiner waits for an invitation, and a committer for the other nodes' files
+# how long a joiner waits for its target to be judged, and a committer for a new file to appear
 JOIN_WAIT_S = 60.0
+# ... and, once a successor persister waits for its node's lock, a committer for a new file
+_SUCCESSOR_WAIT_S = 5.0
 _POLL_S = 0.5
+_MAX_SEEN = 16  # the done record's manifests: the newest the committer's memory holds
+WAITING_PREFIX = "persister.waiting."  # <job>/persister.waiting.<pid>: a successor at the lock
 
 
 def held_files(steps_dir: str, step: int, snap: Manifest) -> set[str]:
@@ -89,19 +110,21 @@ def persist_jointly(
     wait_s: float,
 ) -> dict[str, Any]:
     """(the committer) Commit the snapshot of ``step`` linked into ``src`` (the files of
-    ``held``, and its manifest) with the other nodes' persisters writing the rest."""
+    ``held``, and its manifest) with the other nodes' persisters writing the rest.  The done
+    record comes after, from the flush (publish_done)."""
     t0 = time.monotonic()
     storage = promoter.storage
     snap = promoter._snapshot(step, src)
     generation = promoter.begin(step)["generation"]
-    token = secrets.token_hex(8)
     invitation = {
         "format": _FORMAT,
         "job_id": promoter.job_id,
+        "id": secrets.token_hex(8),
+        "done": False,
         "step": step,
         "generation": generation,
         "manifest": _digest(os.path.join(src, MANIFEST_NAME)),
-        "id": token,
+        "seen": [],
     }
     storage.publish(FLUSH_NAME, json.dumps(invitation).encode())
     log.info(
@@ -113,22 +136,62 @@ def persist_jointly(
         len(snap.files),
         storage.display(FLUSH_NAME),
     )
+    _write_held(promoter, step, generation, src, snap, held)
+    _await_files(promoter, step, generation, snap, wait_s)
+    return promoter.commit(
+        step, generation, src, t0=t0, snap=snap, parent=parent, parent_seen=parent_seen
+    )
+
+
+def publish_done(promoter: Promoter) -> None:
+    """(the committer, at the end of every flush across nodes) Say what was judged: the
+    manifests of the snapshots this node's memory holds, newest first."""
+    seen: list[str] = []
     try:
-        _write_held(promoter, step, generation, src, snap, held, t0 + wait_s)
-        _await_files(storage, step, generation, snap, t0 + wait_s)
-        return promoter.commit(
-            step, generation, src, t0=t0, snap=snap, parent=parent, parent_seen=parent_seen
-        )
-    finally:
-        try:
-            storage.remove_if(
-                FLUSH_NAME,
-                lambda data: (_parse(data) or {}).get("id") == token,
-                _MAX_INVITATION,
-                tag=token,
-            )
-        except Exception as e:  # (a joiner serves it at most once; its wait ends)
-            log.warning("could not remove the flush invitation %s: %s", FLUSH_NAME, e)
+        for s in sorted(scan(Storage(promoter.steps_dir)).line(), reverse=True)[:_MAX_SEEN]:
+            with contextlib.suppress(OSError, ResilientError):
+                seen.append(_manifest_digest(promoter.steps_dir, s))
+    except ResilientError as e:
+        log.warning("flush across nodes: cannot list this node's memory (%s)", e)
+    done = {
+        "format": _FORMAT,
+        "job_id": promoter.job_id,
+        "id": secrets.token_hex(8),
+        "done": True,
+        "step": None,
+        "generation": None,
+        "manifest": None,
+        "seen": seen,
+    }
+    try:
+        promoter.storage.publish(FLUSH_NAME, json.dumps(done).encode())
+    except Exception as e:  # (the joiners wait out their time)
+        log.warning("flush across nodes: could not publish %s: %s", FLUSH_NAME, e)
+
+
+def _manifest_digest(steps_dir: str, step: int) -> str:
+    return _digest(os.path.join(steps_dir, step_dir_name(step), MANIFEST_NAME))
+
+
+def successor_waiting(job_dir: str) -> bool:
+    """Whether another persister of the job waits for this node's lock (a restarted trainer's:
+    the job runs again on this node, and restores from its memory)."""
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return False
+    me = os.getpid()
+    for name in names:
+        pid = name[len(WAITING_PREFIX) :] if name.startswith(WAITING_PREFIX) else ""
+        if pid.isdigit() and len(pid) < 10 and int(pid) != me:
+            try:
+                os.kill(int(pid), 0)
+                return True
+            except ProcessLookupError:
+                continue
+            except OSError:
+                return True
+    return False
 
 
 def _write_held(
@@ -138,7 +201,6 @@ def _write_held(
     src: str,
     snap: Manifest,
     held: set[str],
-    deadline: float,
 ) -> int:
     """Write this node's own ranks' files of ``held``, then the replicas it holds of the files
     still missing at the URL once their own node had as long again (a node that is gone: its
@@ -157,7 +219,7 @@ def _write_held(
         rel = f"{step_rel}/{rank_file_name(entry.rank, generation)}"
         return not _there(promoter.storage, rel, entry.size_bytes)
 
-    grace = min(deadline, time.monotonic() + (time.monotonic() - t) + 1.0)
+    grace = time.monotonic() + (time.monotonic() - t) + 1.0
     while any(absent(f) for f in others) and time.monotonic() < grace:
         time.sleep(_POLL_S)
     for f in others:
@@ -178,22 +240,29 @@ class FilesMissing(CommitError):
 
 
 def _await_files(
-    storage: Storage, step: int, generation: int, snap: Manifest, deadline: float
+    promoter: Promoter, step: int, generation: int, snap: Manifest, wait_s: float
 ) -> None:
-    """Until every file of ``snap`` is at the URL under ``generation`` with its size."""
+    """Until every file of ``snap`` is at the URL under ``generation`` with its size, for as long
+    as new ones keep coming: ``wait_s`` since the last one (a few seconds once a successor
+    persister waits for this node's lock: the job runs again, and restores from memory)."""
+    storage = promoter.storage
     step_rel = step_dir_name(step)
     want = {rank_file_name(e.rank, generation): e.size_bytes for e in snap.files.values()}
+    last = time.monotonic()
     while True:
         for name in [n for n, size in want.items() if _there(storage, f"{step_rel}/{n}", size)]:
             del want[name]  # (there: not asked for again)
+            last = time.monotonic()
         if not want:
             return
-        if time.monotonic() > deadline:
+        idle = time.monotonic() - last
+        limit = _SUCCESSOR_WAIT_S if successor_waiting(promoter.job_dir) else wait_s
+        if idle > limit:
             raise FilesMissing(
                 f"step {step} is not flushed: {len(want)} of its {len(snap.files)} files never "
-                f"reached {storage.display(step_rel)} (the first: {min(want)}); the nodes that "
-                f"hold them did not write them out (gone, or their memory with them), so the "
-                f"snapshot stays in memory for the next run of the job"
+                f"reached {storage.display(step_rel)} (the first: {min(want)}; none came for "
+                f"{idle:.0f}s); the nodes that hold them did not write them out (gone, or their "
+                f"memory with them), so the snapshot stays in memory for the next run of the job"
             )
         time.sleep(_POLL_S)
 
@@ -206,26 +275,32 @@ def _there(storage: Storage, rel: str, size: int) -> bool:
 
 
 def _parse(data: bytes) -> dict[str, Any] | None:
-    """An invitation's fields, checked; None for anything else."""
+    """A record's fields, checked; None for anything else."""
     try:
         got = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # (not JSON; nested too deep for the parser)
         return None
     if not isinstance(got, dict) or got.get("format") != _FORMAT:
         return None
+    if not isinstance(got.get("job_id"), str) or not _hex(got.get("id"), 16):
+        return None
+    seen = got.get("seen")
+    if not isinstance(seen, list) or len(seen) > _MAX_SEEN or not all(_hex(d, 64) for d in seen):
+        return None
+    if got.get("done") is True:
+        return got
+    if got.get("done") is not False:
+        return None
     step, generation = got.get("step"), got.get("generation")
     ints = all(type(v) is int and 0 <= v <= MAX_INT for v in (step, generation))
-    strings = (
-        isinstance(got.get("job_id"), str)
-        and isinstance(got.get("id"), str)
-        and re.fullmatch(r"[0-9a-f]{16}", got["id"]) is not None
-        and isinstance(got.get("manifest"), str)
-        and re.fullmatch(r"[0-9a-f]{64}", got["manifest"]) is not None
-    )
-    return got if ints and strings else None
+    return got if ints and _hex(got.get("manifest"), 64) else None
 
 
-def _read_invitation(storage: Storage, warned: set[str]) -> dict[str, Any] | None:
+def _hex(value: Any, n: int) -> bool:
+    return isinstance(value, str) and re.fullmatch(f"[0-9a-f]{{{n}}}", value) is not None
+
+
+def _read_record(storage: Storage, warned: set[bytes]) -> dict[str, Any] | None:
     try:
         data = storage.read_small(FLUSH_NAME, _MAX_INVITATION)
     except Exception:  # (none there, or too large: read again at the next poll)
@@ -233,47 +308,63 @@ def _read_invitation(storage: Storage, warned: set[str]) -> dict[str, Any] | Non
     got = _parse(data)
     if got is None and data not in warned:
         warned.add(data)
-        log.warning("%s is not a flush invitation; ignored", storage.display(FLUSH_NAME))
+        log.warning("%s is not a flush record; ignored", storage.display(FLUSH_NAME))
     return got
 
 
 def join_flush(promoter: Promoter, wait_s: float) -> int:
-    """(a joiner) Serve the committer's invitations until durable storage holds this node's
-    newest committed snapshot, or for ``wait_s``; returns how many bytes it wrote."""
+    """(a joiner) Serve the committer's invitations until a done record names this node's
+    newest committed snapshot, a successor persister waits for this node's lock, or ``wait_s``
+    is over; returns how many bytes it wrote."""
+    try:
+        line = scan(Storage(promoter.steps_dir)).line()
+        target = _manifest_digest(promoter.steps_dir, max(line)) if line else None
+    except (OSError, ResilientError) as e:
+        log.warning("flush across nodes: cannot read this node's newest snapshot (%s)", e)
+        return 0
+    if target is None:
+        log.info("flush across nodes: no snapshot in this node's memory")
+        return 0
     deadline = time.monotonic() + wait_s
-    mem = Storage(promoter.steps_dir)
     served: set[str] = set()
-    warned: set[str] = set()
+    warned: set[bytes] = set()
     written = 0
+    first: str | None = ""  # the record there when this joiner began (None: none)
     while True:
-        invitation = _read_invitation(promoter.storage, warned)
-        if (
-            invitation is not None
-            and invitation["id"] not in served
-            and invitation["job_id"] == promoter.job_id
-        ):
-            served.add(invitation["id"])
-            try:
-                written += _serve(promoter, invitation)
-            except (OSError, ResilientError) as e:
-                log.warning(
-                    "flush across nodes: step %d's files were not written: %s",
-                    invitation["step"],
-                    e,
+        record = _read_record(promoter.storage, warned)
+        if first == "":
+            first = None if record is None else record["id"]
+        if record is not None and record["job_id"] == promoter.job_id:
+            if record["done"] and target in record["seen"]:
+                log.info("flush across nodes: rank 0's node judged this node's newest snapshot")
+                return written
+            if record["done"] and record["id"] != first:
+                # a flush ended since this one began, and its node lacks this snapshot (its
+                # memory gone, a new host): nothing asks for it now
+                log.info(
+                    "flush across nodes: rank 0's node flushed without this node's newest "
+                    "snapshot (step %d); it stays in memory for the next run of the job",
+                    max(line),
                 )
-        try:
-            line = scan(mem).line()
-            newest = scan(promoter.storage).newest()
-        except ResilientError as e:
-            log.warning("flush across nodes: cannot list what is held (%s); done", e)
-            return written
-        if not line or (newest is not None and newest.step >= max(line)):
-            log.info("flush across nodes: durable storage holds this node's newest snapshot")
+                return written
+            if not record["done"] and record["id"] not in served:
+                served.add(record["id"])
+                try:
+                    written += _serve(promoter, record)
+                except Exception as e:  # (a damaged or retired step: the committer says so)
+                    log.warning(
+                        "flush across nodes: step %d's files were not written: %s: %s",
+                        record["step"],
+                        type(e).__name__,
+                        e,
+                    )
+        if successor_waiting(promoter.job_dir):
+            log.info("flush across nodes: the job runs again on this node; done")
             return written
         if time.monotonic() > deadline:
             log.info(
-                "flush across nodes: no invitation for this node's newest snapshot (step %d) "
-                "within %.0fs; it stays in memory for the next run of the job",
+                "flush across nodes: rank 0's node did not judge this node's newest snapshot "
+                "(step %d) within %.0fs; it stays in memory for the next run of the job",
                 max(line),
                 wait_s,
             )
@@ -308,8 +399,7 @@ def _serve(promoter: Promoter, invitation: dict[str, Any]) -> int:
     )
     try:
         snap = promoter._snapshot(step, src)  # (the copy linked: what its files are checked by)
-        deadline = time.monotonic() + float(promoter.config.get("join_wait_s", JOIN_WAIT_S))
-        written = _write_held(promoter, step, generation, src, snap, held, deadline)
+        written = _write_held(promoter, step, generation, src, snap, held)
         log.info(
             "flush across nodes: wrote %d bytes of step %d under generation %d",
             written,

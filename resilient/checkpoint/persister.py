@@ -82,10 +82,12 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.joint_flush import (
     JOIN_WAIT_S,
+    WAITING_PREFIX,
     FilesMissing,
     held_files,
     join_flush,
     persist_jointly,
+    publish_done,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
@@ -653,6 +655,15 @@ class Promoter:
         return size
 
     def flush(self) -> dict[str, Any] | None:
+        """``_flush``; across nodes, the done record the other nodes' persisters wait for comes
+        after it, whatever it came to (joint_flush.py)."""
+        try:
+            return self._flush()
+        finally:
+            if self.config.get("nodes", 1) > 1:
+                publish_done(self)
+
+    def _flush(self) -> dict[str, Any] | None:
         """Persist the newest restorable snapshot newer than the newest durable commit, if any
         (first committing, in memory, a snapshot every rank staged whose commit was cut short).
 
@@ -945,6 +956,24 @@ def _running(pid: int) -> bool:
     return not _dead(pid)  # (a zombie has exited: its parent has not reaped it yet)
 
 
+def _mark_waiting(job_dir: str) -> str:
+    """``<job>/persister.waiting.<pid>``: this persister waits for the lock."""
+    path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    except OSError as e:  # (a predecessor joining a flush waits out its time)
+        log.warning("could not mark this persister as waiting (%s): %s", path, e)
+    return path
+
+
+def _unlink_quietly(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _try_lock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1059,7 +1088,10 @@ def main() -> int:
     # predecessor stopped, holding the lock): its snapshots stay for the next run of the job
     orphan_wait_s = float(config.get("orphan_wait_s", _ORPHAN_WAIT_S))
     gone_at = None
-    while not _try_lock(lock):
+    waiting = None  # (a predecessor joining a flush across nodes stops waiting for one: see
+    while not _try_lock(lock):  # joint_flush.successor_waiting)
+        if waiting is None:
+            waiting = _mark_waiting(job_dir)
         if gone_at is None and not _parent_alive(
             config.get("parent_pid"), config.get("parent_start")
         ):
@@ -1070,8 +1102,10 @@ def main() -> int:
                 "its snapshots stay in memory for the next run of the job",
                 orphan_wait_s,
             )
+            _unlink_quietly(waiting)
             return 0
         time.sleep(0.2)
+    _unlink_quietly(waiting)
     _reclaim_outboxes(os.path.join(job_dir, OUTBOX))
     requests: queue.Queue = queue.Queue()
 
