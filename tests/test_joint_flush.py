@@ -23,18 +23,52 @@ from tests.test_sealed_nodes import _state
 pytestmark = [pytest.mark.distributed]
 
 
-def _committed_then_closed(rank: int, world: int, url: str, base: str, steps: list[int]) -> dict:
-    """Durable step 1, then committed snapshots of ``steps``, then close: each node's persister
-    is told goodbye and flushes (rank 0's) or joins (the others')."""
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in steps:
-        ck.snapshot(s, _state(rank, world, float(s))).wait()
-    held = sorted(
-        p.name for p in (Path(ck.memory.dir) / "steps" / f"step_{steps[-1]:08d}").iterdir()
+def _job(
+    rank: int,
+    world: int,
+    url: str,
+    base: str,
+    then: str = "",
+    wait_s: float = 20.0,
+    job_id: str | None = None,
+    close: bool = True,
+) -> dict:
+    """Durable step 1, committed snapshots 2 and 3 on nodes of one rank each, then ``then``
+    before the close (``close`` False: none, every worker dies as in a torchrun teardown):
+    ``lost:1,2`` those nodes' memory is gone; ``wipe-0`` node 0's memory is gone (rank 0 on a
+    new host); ``kill-persister-0`` node 0's persister is killed; ``foreign`` an invitation for
+    step 3 of another state is at the URL (node 0's memory gone); ``planted`` a record nested
+    too deep is at the URL.  Returns what the close took and the files its node holds of step 3."""
+    import signal
+
+    import torch.distributed as dist
+
+    ck = Checkpointer(
+        url, memory_every=1, memory_root=_root(base, rank), persister=True, job_id=job_id
     )
-    ck.close()
-    return {"held": held}
+    ck._persister_config["join_wait_s"] = wait_s
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    held = sorted(p.name for p in (Path(ck.memory.dir) / "steps" / "step_00000003").iterdir())
+    dist.barrier()
+    steps = Path(ck.memory.dir) / "steps"
+    if then.startswith("lost:") and rank in [int(r) for r in then[5:].split(",")]:
+        shutil.rmtree(steps)
+    if rank == 0 and then in ("wipe-0", "foreign"):
+        shutil.rmtree(steps)
+    if rank == 0 and then == "foreign":
+        (Path(url) / FLUSH_NAME).write_text(json.dumps(_invitation(ck.job_id, manifest="0" * 64)))
+    if rank == 0 and then == "planted":  # someone else's bucket: a FLUSH.json is already there
+        (Path(url) / FLUSH_NAME).write_bytes(b"[" * 4000)
+    if rank == 0 and then == "kill-persister-0":
+        os.kill(ck._persister.pid, signal.SIGKILL)
+        ck._persister._proc.wait()
+    dist.barrier()
+    t = time.monotonic()
+    if close:
+        ck.close()
+    return {"held": held, "close_s": time.monotonic() - t}
 
 
 def _restore(rank: int, world: int, url: str, base: str) -> dict:
@@ -62,7 +96,7 @@ def _persister_logs(base: str) -> str:
 
 def test_on_three_nodes_the_persisters_flush_the_newest_snapshot_together(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    got = run_distributed(_committed_then_closed, 3, url, base, [2, 3])
+    got = run_distributed(_job, 3, url, base)
     # no node holds every rank file of step 3: its own rank's and one replica
     assert all(sum(n.startswith("rank_") for n in g["held"]) == 2 for g in got), got
     assert _await_steps(url, [1, 3]) == [1, 3], _persister_logs(base)
@@ -73,28 +107,11 @@ def test_on_three_nodes_the_persisters_flush_the_newest_snapshot_together(tmp_pa
     assert [r["w"][0] for r in results] == [3.0, 4.0, 5.0]
 
 
-def _lost_nodes_run(rank: int, world: int, url: str, base: str, lost: list[int]) -> None:
-    """As _committed_then_closed, but the memory of the nodes ``lost`` is gone before the flush
-    (their persisters find nothing to write)."""
-    import torch.distributed as dist
-
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
-    ck._persister_config["join_wait_s"] = 5.0  # (how long the persisters wait for each other)
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in (2, 3):
-        ck.snapshot(s, _state(rank, world, float(s))).wait()
-    dist.barrier()
-    if rank in lost:
-        shutil.rmtree(Path(ck.memory.dir) / "steps")
-    dist.barrier()
-    ck.close()
-
-
 def test_a_lost_nodes_files_are_flushed_from_their_replicas(tmp_path):
     """Node 1's memory is gone: node 2, which holds rank 1's replica, writes it once rank 1's
     own node has not."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_lost_nodes_run, 3, url, base, [1])
+    run_distributed(_job, 3, url, base, "lost:1", 5.0)
     assert _await_steps(url, [1, 3]) == [1, 3], _persister_logs(base)
     assert "writing the replica this node holds" in _persister_logs(base)
     shutil.rmtree(base)
@@ -106,7 +123,7 @@ def test_a_file_no_node_holds_leaves_the_snapshot_in_memory(tmp_path):
     """Nodes 1 and 2's memory is gone, and with it every copy of rank 1's file: step 3 is not
     committed (durable storage stays at step 1) and the invitation goes."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_lost_nodes_run, 3, url, base, [1, 2])
+    run_distributed(_job, 3, url, base, "lost:1,2", 5.0)
     log = ""
     deadline = time.monotonic() + 120
     while "is not flushed" not in log and time.monotonic() < deadline:
@@ -163,31 +180,6 @@ def test_on_three_nodes_a_flush_after_a_rollback_commits_the_new_line(tmp_path):
 JOB = "torchrun:joint-flush"  # (torchrun's run id: one job id across restarts of one run)
 
 
-def _died(rank: int, world: int, url: str, base: str, node_0: str) -> None:
-    """Durable step 1, snapshots 2 and 3, then every worker dies (no close: a torchrun
-    teardown); node 0 ``"new-host"``: rank 0 comes back on a new host (its memory empty);
-    ``"no-persister"``: node 0's persister was killed first (no flush, no done record)."""
-    import os
-    import signal
-
-    import torch.distributed as dist
-
-    ck = Checkpointer(
-        url, memory_every=1, memory_root=_root(base, rank), persister=True, job_id=JOB
-    )
-    ck._persister_config["join_wait_s"] = 60.0
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in (2, 3):
-        ck.snapshot(s, _state(rank, world, float(s))).wait()
-    dist.barrier()
-    if rank == 0 and node_0 == "new-host":
-        shutil.rmtree(Path(ck.memory.dir) / "steps")
-    if rank == 0 and node_0 == "no-persister":
-        os.kill(ck._persister.pid, signal.SIGKILL)
-        ck._persister._proc.wait()
-    dist.barrier()
-
-
 def _restarted_and_saved(rank: int, world: int, url: str, base: str) -> dict:
     ck = Checkpointer(
         url, memory_every=1, memory_root=_root(base, rank), persister=True, job_id=JOB
@@ -200,35 +192,20 @@ def _restarted_and_saved(rank: int, world: int, url: str, base: str) -> dict:
     return {"loaded": got, "save_s": took}
 
 
-@pytest.mark.parametrize("node_0", ["same-hosts", "new-host", "no-persister"])
+@pytest.mark.parametrize(
+    "node_0", ["", "wipe-0", "kill-persister-0"], ids=["same-hosts", "new-host", "no-persister"]
+)
 def test_a_restart_is_not_held_up_by_its_predecessors_joiners(tmp_path, node_0):
     """torchrun restarts the workers at once: the predecessor's persisters flush (or join) while
     the new ones wait for their node's lock; a joiner stops once a successor waits (the job runs
     again on its node, from its memory), and so does the committer's wait for files, so the
     restarted job's first durable save never waits out join_wait_s (60 s here)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_died, 3, url, base, node_0)
+    run_distributed(_job, 3, url, base, node_0, 60.0, JOB, False)
     results = run_distributed(_restarted_and_saved, 3, url, base)
     assert max(r["save_s"] for r in results) < 30.0, (results, _persister_logs(base)[-6000:])
     assert {r["loaded"] for r in results} == {3}  # (node 0's ranks' files from the replicas)
     assert 4 in Checkpointer(url).steps()
-
-
-def _closed_timed(rank: int, world: int, url: str, base: str, wipe_node_0: bool) -> float:
-    import torch.distributed as dist
-
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
-    ck._persister_config["join_wait_s"] = 60.0
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in (2, 3):
-        ck.snapshot(s, _state(rank, world, float(s))).wait()
-    dist.barrier()
-    if rank == 0 and wipe_node_0:
-        shutil.rmtree(Path(ck.memory.dir) / "steps")
-    dist.barrier()
-    t = time.monotonic()
-    ck.close()
-    return time.monotonic() - t
 
 
 @pytest.mark.parametrize("wipe_node_0", [False, True], ids=["whole-on-node-0", "node-0-empty"])
@@ -236,7 +213,8 @@ def test_on_two_nodes_a_close_does_not_wait_for_what_cannot_come(tmp_path, wipe_
     """Node 0 holds the newest snapshot whole, or nothing at all: its persister asks no one, and
     its done record ends node 1's wait at once (the close waits for its persister)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    took = run_distributed(_closed_timed, 2, url, base, wipe_node_0)
+    got = run_distributed(_job, 2, url, base, "wipe-0" if wipe_node_0 else "", 60.0)
+    took = [g["close_s"] for g in got]
     assert max(took) < 30.0, (took, _persister_logs(base)[-3000:])
     assert Checkpointer(url).steps() == ([1] if wipe_node_0 else [1, 3])
 
@@ -267,22 +245,6 @@ def test_uploads_longer_than_the_wait_neither_fail_the_flush_nor_go_twice(tmp_pa
     assert "writing the replica this node holds" not in _persister_logs(base)
 
 
-def _foreign_invitation_run(rank: int, world: int, url: str, base: str) -> None:
-    import torch.distributed as dist
-
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
-    ck._persister_config["join_wait_s"] = 4.0
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in (2, 3):
-        ck.snapshot(s, _state(rank, world, float(s))).wait()
-    dist.barrier()
-    if rank == 0:  # no flush of its own: the invitation below is the only one
-        shutil.rmtree(Path(ck.memory.dir) / "steps")
-        (Path(url) / FLUSH_NAME).write_text(json.dumps(_invitation(ck.job_id, manifest="0" * 64)))
-    dist.barrier()
-    ck.close()
-
-
 def _invitation(job_id: str = "j", **fields) -> dict:
     return {
         "format": 1,
@@ -299,31 +261,16 @@ def _invitation(job_id: str = "j", **fields) -> dict:
 
 def test_an_invitation_for_another_state_of_the_step_is_not_served(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_foreign_invitation_run, 3, url, base)
+    run_distributed(_job, 3, url, base, "foreign", 4.0)
     step3 = tmp_path / "ckpt" / "step_00000003"
     written = sorted(p.name for p in step3.iterdir()) if step3.exists() else []
     assert not [n for n in written if n.startswith("rank_")], written
     assert "is not the one invited" in _persister_logs(base)
 
 
-def _closed_with_planted_record(rank: int, world: int, url: str, base: str) -> None:
-    import torch.distributed as dist
-
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
-    ck._persister_config["join_wait_s"] = 20.0
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in (2, 3):
-        ck.snapshot(s, _state(rank, world, float(s))).wait()
-    dist.barrier()
-    if rank == 0:  # someone else's bucket: a FLUSH.json is already there
-        (Path(url) / FLUSH_NAME).write_bytes(b"[" * 4000)
-    dist.barrier()
-    ck.close()
-
-
 def test_a_planted_record_nested_too_deep_does_not_stop_the_flush(tmp_path):
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
-    run_distributed(_closed_with_planted_record, 3, url, base)
+    run_distributed(_job, 3, url, base, "planted")
     assert _await_steps(url, [1, 3]) == [1, 3], _persister_logs(base)[-3000:]
     assert "RecursionError" not in _persister_logs(base)
 

@@ -18,8 +18,8 @@ the trainer.  ``FLUSH.json`` at the URL's root carries one record (FORMAT.md sec
 * Every other node's persister (a *joiner*), once its trainer is gone, takes its node's newest
   committed snapshot as its *target* and reads the record until a done record names the target
   among those seen (the committer has flushed or judged that very state) or a done record comes
-  that was not there when it began (a flush ended without it: rank 0's node lacks it), until a
-  successor
+  that was not there when its persister started (a flush ended without it: rank 0's node lacks
+  it), until a successor
   persister waits for its node's lock (the job runs again here: it restores from this memory), or
   for ``join_wait_s`` (rank 0's node gone).  Meanwhile it serves an invitation that names a step
   its memory holds under the very same manifest: it checks each of its own ranks' files against
@@ -312,10 +312,17 @@ def _read_record(storage: Storage, warned: set[bytes]) -> dict[str, Any] | None:
     return got
 
 
-def join_flush(promoter: Promoter, wait_s: float) -> int:
+def record_id(storage: Storage) -> str | None:
+    """The id of the record at the URL now (None: none, or not one): a joiner's baseline, read
+    when its persister starts, while its trainer lives (no flush of this trainer's yet)."""
+    return (_read_record(storage, set()) or {}).get("id")
+
+
+def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
     """(a joiner) Serve the committer's invitations until a done record names this node's
-    newest committed snapshot, a successor persister waits for this node's lock, or ``wait_s``
-    is over; returns how many bytes it wrote."""
+    newest committed snapshot or is not ``baseline`` (record_id: one published since this
+    persister started, by a flush that ended without this snapshot), a successor persister
+    waits for this node's lock, or ``wait_s`` is over; returns how many bytes it wrote."""
     try:
         line = scan(Storage(promoter.steps_dir)).line()
         target = _manifest_digest(promoter.steps_dir, max(line)) if line else None
@@ -329,16 +336,13 @@ def join_flush(promoter: Promoter, wait_s: float) -> int:
     served: set[str] = set()
     warned: set[bytes] = set()
     written = 0
-    first: str | None = ""  # the record there when this joiner began (None: none)
     while True:
         record = _read_record(promoter.storage, warned)
-        if first == "":
-            first = None if record is None else record["id"]
         if record is not None and record["job_id"] == promoter.job_id:
             if record["done"] and target in record["seen"]:
                 log.info("flush across nodes: rank 0's node judged this node's newest snapshot")
                 return written
-            if record["done"] and record["id"] != first:
+            if record["done"] and record["id"] != baseline:
                 # a flush ended since this one began, and its node lacks this snapshot (its
                 # memory gone, a new host): nothing asks for it now
                 log.info(

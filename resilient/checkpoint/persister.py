@@ -88,6 +88,7 @@ from resilient.checkpoint.joint_flush import (
     join_flush,
     persist_jointly,
     publish_done,
+    record_id,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
@@ -1125,6 +1126,15 @@ def main() -> int:
         daemon=True,
     ).start()
     promoter = Promoter(config)
+    # (across nodes, not rank 0's node) the flush record there before this trainer's flush: read
+    # beside the requests (a slow store must not hold up the first save's copy)
+    baseline: list[str | None] = []
+    if not config.get("flush", True) and config.get("nodes", 1) > 1:
+        threading.Thread(
+            target=lambda: baseline.append(record_id(promoter.storage)),
+            name="flush-baseline",
+            daemon=True,
+        ).start()
     try:
         if _serve(promoter, requests, out):
             log.info("closed by the trainer; flushing what durable storage lacks, if anything")
@@ -1132,7 +1142,8 @@ def main() -> int:
             log.info("the trainer is gone without a goodbye: flushing the newest snapshot")
         if not config.get("flush", True):  # across nodes, rank 0's node's persister flushes;
             if config.get("nodes", 1) > 1:  # the others write their files where it asks
-                join_flush(promoter, float(config.get("join_wait_s", JOIN_WAIT_S)))
+                wait_s = float(config.get("join_wait_s", JOIN_WAIT_S))
+                join_flush(promoter, wait_s, baseline[0] if baseline else None)
             return 0
         try:
             done = promoter.flush()
