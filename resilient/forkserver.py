@@ -692,8 +692,10 @@ def _start_forked(root: str, path: str, preload: list[str]) -> _Forked:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-    _write(os.path.join(root, "server.pid"), str(pid))
+    # the start time first: a sweep that finds the pid without it judges by the command line,
+    # which a forked server's does not name
     _write(os.path.join(root, "server.start"), _start_time(pid) or "")
+    _write(os.path.join(root, "server.pid"), str(pid))
     os.environ[ENV] = path
     return _Forked(pid)
 
@@ -767,10 +769,9 @@ def host(preload: list[str], launcher: list[str]) -> int:
 
         start(preload, fork=True)
         sys.argv = [launcher[0], *launcher[1:]]
-        try:
-            runpy.run_module(launcher[0], run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        # (its SystemExit goes up to the interpreter as it is: a message is printed, as for the
+        # exec'd launcher)
+        runpy.run_module(launcher[0], run_name="__main__", alter_sys=True)
         return 0
     start(preload)
     sys.stdout.flush()

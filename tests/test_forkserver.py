@@ -480,3 +480,27 @@ def test_a_rank_forked_under_torchrun_exits_as_an_interpreter_would(where):
     for i in infos:
         assert (where / "out" / f"atexit-{i['pid']}").exists()
     assert out.count("hello from the probe") == 2
+
+
+def _env_plain(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env.update({k: v for k, v in extra.items() if v is not None})
+    return env
+
+
+@pytest.mark.parametrize("omp", [None, "1"], ids=["exec", "in-process"])
+def test_a_launchers_exit_message_is_printed_whether_exec_d_or_in_process(tmp_path, omp):
+    """``raise SystemExit("message")`` in the launcher (resilient launch does so for a
+    non-script entrypoint, --run-path) prints the message and exits 1, exec'd or in-process (a
+    review: host() had turned it into ``return 1``, the message lost)."""
+    script = tmp_path / "s.py"
+    script.write_text("print('hi')\n")
+    env = _env_plain(OMP_NUM_THREADS=omp)
+    if omp is None:
+        env.pop("OMP_NUM_THREADS", None)
+    cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "json", "--"]
+    cmd += ["resilient.cli", "launch", "--nproc-per-node", "1", "--run-path", str(script)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 1
+    assert "the entrypoint must be a script or -m MODULE" in p.stderr, p.stderr[-2000:]

@@ -8,13 +8,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from resilient import Checkpointer
-from resilient.checkpoint.joint_flush import FLUSH_NAME, _parse, _read_record
+from resilient.checkpoint.joint_flush import (
+    FLUSH_NAME,
+    WAITING_PREFIX,
+    _parse,
+    _read_record,
+    join_flush,
+    mark_waiting,
+    publish_done,
+    record_id,
+    seen_now,
+    successor_waiting,
+)
 from resilient.checkpoint.storage import Storage
 from tests.dist import run_distributed
 from tests.test_memory_nodes import _root
@@ -320,3 +333,151 @@ def test_well_formed_records_are_read():
     assert _parse(json.dumps(_invitation()).encode())["generation"] == 5
     done = _parse(json.dumps(_invitation(done=True, step=None, seen=["b" * 64])).encode())
     assert done["seen"] == ["b" * 64]
+
+
+# --- from a second review ------------------------------------------------------------------------
+
+
+def _live_sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_waiting_marker_of_another_process_is_no_successor(tmp_path):
+    """A persister SIGKILLed while it waited leaves its marker; once its pid is reused (here: a
+    process that never wrote it) the marker must not end every later joiner at once."""
+    unrelated = _live_sleeper()
+    try:
+        (tmp_path / f"{WAITING_PREFIX}{unrelated.pid}").write_text("12345")
+        assert not successor_waiting(str(tmp_path))
+        (tmp_path / f"{WAITING_PREFIX}{unrelated.pid}").write_text("")
+        assert not successor_waiting(str(tmp_path))
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_a_waiting_marker_of_a_zombie_is_no_successor_and_a_live_one_is(tmp_path):
+    from resilient.checkpoint.lease import _process_start
+
+    z = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{z.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    live = _live_sleeper()
+    try:
+        (tmp_path / f"{WAITING_PREFIX}{z.pid}").write_text(str(_process_start(z.pid)))
+        assert not successor_waiting(str(tmp_path))
+        (tmp_path / f"{WAITING_PREFIX}{live.pid}").write_text(str(_process_start(live.pid)))
+        assert successor_waiting(str(tmp_path))  # (the control: this is what a marker says)
+        (tmp_path / f"{WAITING_PREFIX}{live.pid}").unlink()
+        mark_waiting(str(tmp_path))  # this process's own is never a successor's...
+        assert not successor_waiting(str(tmp_path))
+        assert not (tmp_path / f"{WAITING_PREFIX}{z.pid}").exists()  # ...and a dead one goes
+    finally:
+        z.wait()
+        live.kill()
+        live.wait()
+
+
+class _Promoter:
+    """What join_flush and publish_done read of a Promoter: a node's memory and the URL."""
+
+    def __init__(self, memory_dir: str, url: str, job_id: str) -> None:
+        self.job_dir, self.steps_dir = memory_dir, os.path.join(memory_dir, "steps")
+        self.storage, self.job_id, self.config = Storage(url), job_id, {}
+
+
+def test_a_done_record_names_only_what_the_flush_found_when_it_began(tmp_path):
+    """A restart's trainer snapshots step 4 into the node's memory while its predecessor's flush
+    still uploads: the predecessor's done record must not name step 4 (judged by no flush), or
+    the successor's joiners would stop at it without serving their own committer."""
+    import torch
+
+    url, mem = str(tmp_path / "ckpt"), str(tmp_path / "mem")
+    ck = Checkpointer(url, memory_every=1, memory_root=mem, persister=False)
+    ck.snapshot(3, {"w": torch.ones(4)}).wait()
+    p = _Promoter(ck.memory.dir, url, ck.job_id)
+    seen = seen_now(p)  # the predecessor's flush begins, with step 3 its newest
+    ck.snapshot(4, {"w": torch.ones(4) * 4}).wait()  # the successor's, meanwhile
+    publish_done(p, seen)
+    baseline = record_id(p.storage)  # (the successor's persister starts after it)
+    t = time.monotonic()
+    join_flush(p, 3.0, baseline)  # the successor dies, step 4 its newest: nothing judged it
+    took = time.monotonic() - t
+    ck.close()
+    assert took > 2.5, took
+
+
+def test_a_done_record_published_after_the_joiners_persister_started_ends_its_wait(tmp_path):
+    import torch
+
+    url, mem = str(tmp_path / "ckpt"), str(tmp_path / "mem")
+    ck = Checkpointer(url, memory_every=1, memory_root=mem, persister=False)
+    ck.snapshot(3, {"w": torch.ones(4)}).wait()
+    p = _Promoter(ck.memory.dir, url, ck.job_id)
+    baseline = record_id(p.storage)  # none yet: this joiner's persister starts
+    publish_done(p, [])  # rank 0's node, its memory gone, flushed nothing (before this read)
+    t = time.monotonic()
+    join_flush(p, 30.0, baseline)
+    ck.close()
+    assert time.monotonic() - t < 10.0
+
+
+def _two_nodes_newest_replica_lost_then_node_1_lost(rank, world, url, base):
+    """Snapshots 2 and 3 committed and replicated (node 0 holds step 3 whole), step 4's
+    replicas never arrive, then node 1's memory is lost before the close's flush."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    ck._persister_config["join_wait_s"] = 3.0
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    ck._memory._join_pending()
+    ck._memory._replicas.replicate = lambda *a, **k: None  # step 4's replicas never arrive
+    ck.snapshot(4, _state(rank, world, 4.0)).wait()
+    ck._memory._join_pending()
+    dist.barrier()
+    held = {}
+    for s in (3, 4):
+        d = Path(ck.memory.dir) / "steps" / f"step_{s:08d}"
+        held[s] = sorted(n.name for n in d.iterdir()) if d.exists() else []
+    if rank == 1:
+        shutil.rmtree(Path(ck.memory.dir) / "steps")  # node 1 lost (its memory with it)
+    dist.barrier()
+    ck.close()
+    return held
+
+
+def test_a_failed_joint_flush_falls_back_to_an_older_snapshot_held_whole(tmp_path):
+    """Step 4 cannot be flushed (rank 1's file is nowhere now), but node 0 holds step 3 whole:
+    it becomes durable, as a flush always fell back to an older snapshot."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    held = run_distributed(_two_nodes_newest_replica_lost_then_node_1_lost, 2, url, base)
+    assert sum(n.startswith("rank_") for n in held[0][3]) == 2, held  # step 3 whole on node 0
+    assert sum(n.startswith("rank_") for n in held[0][4]) == 1, held  # step 4: rank 0's only
+    assert _await_steps(url, [1, 3], timeout_s=60) == [1, 3], _persister_logs(base)[-4000:]
+
+
+def _two_nodes_slow_flush_close(rank, world, url, base):
+    import torch.distributed as dist
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([_SLOW_SITE, os.environ.get("PYTHONPATH", "")])
+    os.environ["SLOW_PERSISTER_WRITE_S"] = "6"  # each rank file's upload: 6 s
+    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=True)
+    for s in (2, 3):
+        ck.snapshot(s, _state(rank, world, float(s))).wait()
+    dist.barrier()
+    t = time.monotonic()
+    ck.close()
+    return time.monotonic() - t
+
+
+def test_on_two_nodes_node_1s_close_does_not_wait_for_node_0s_upload(tmp_path):
+    """Node 0 holds step 3 whole: its done record comes before its upload, so node 1's persister
+    (nothing to write) and close are done at once."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    took = run_distributed(_two_nodes_slow_flush_close, 2, url, base, timeout_s=300)
+    assert took[0] > 10.0, took  # node 0 uploads two 6 s files
+    assert took[1] < 8.0, took

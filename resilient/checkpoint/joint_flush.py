@@ -73,7 +73,9 @@ __all__ = [
     "held_files",
     "join_flush",
     "persist_jointly",
+    "mark_waiting",
     "publish_done",
+    "seen_now",
 ]
 
 FLUSH_NAME = "FLUSH.json"
@@ -143,16 +145,22 @@ def persist_jointly(
     )
 
 
-def publish_done(promoter: Promoter) -> None:
-    """(the committer, at the end of every flush across nodes) Say what was judged: the
-    manifests of the snapshots this node's memory holds, newest first."""
+def seen_now(promoter: Promoter) -> list[str]:
+    """The manifests of the snapshots this node's memory holds, newest first: what a flush that
+    begins now judges (taken at its start: a restarted trainer's later snapshots are not)."""
     seen: list[str] = []
     try:
-        for s in sorted(scan(Storage(promoter.steps_dir)).line(), reverse=True)[:_MAX_SEEN]:
+        for s in scan(Storage(promoter.steps_dir)).line()[:_MAX_SEEN]:
             with contextlib.suppress(OSError, ResilientError):
                 seen.append(_manifest_digest(promoter.steps_dir, s))
     except ResilientError as e:
         log.warning("flush across nodes: cannot list this node's memory (%s)", e)
+    return seen
+
+
+def publish_done(promoter: Promoter, seen: list[str]) -> None:
+    """(the committer, once its flush needs no other node: before a flush it makes alone, or at
+    its end) Say what it judged: ``seen`` (seen_now, at the flush's start)."""
     done = {
         "format": _FORMAT,
         "job_id": promoter.job_id,
@@ -175,23 +183,57 @@ def _manifest_digest(steps_dir: str, step: int) -> str:
 
 def successor_waiting(job_dir: str) -> bool:
     """Whether another persister of the job waits for this node's lock (a restarted trainer's:
-    the job runs again on this node, and restores from its memory)."""
+    the job runs again on this node, and restores from its memory): a marker (mark_waiting)
+    whose process is that very process (its start time), alive and not a zombie."""
     try:
         names = os.listdir(job_dir)
     except OSError:
         return False
-    me = os.getpid()
     for name in names:
         pid = name[len(WAITING_PREFIX) :] if name.startswith(WAITING_PREFIX) else ""
-        if pid.isdigit() and len(pid) < 10 and int(pid) != me:
-            try:
-                os.kill(int(pid), 0)
-                return True
-            except ProcessLookupError:
-                continue
-            except OSError:
-                return True
+        if not (pid.isdigit() and len(pid) < 10) or int(pid) == os.getpid():
+            continue
+        if _marker_live(os.path.join(job_dir, name), int(pid)):
+            return True
     return False
+
+
+def _marker_live(path: str, pid: int) -> bool:
+    from resilient.checkpoint.lease import _process_start
+
+    try:
+        with open(path, "rb") as f:
+            start = f.read(64).decode(errors="replace").strip()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and bool(start) and str(_process_start(pid)) == start
+
+
+def mark_waiting(job_dir: str) -> str:
+    """``<job>/persister.waiting.<pid>``, holding this process's start time: this persister
+    waits for the node's lock.  Markers whose process is gone are removed first."""
+    from resilient.checkpoint.lease import _process_start
+
+    with contextlib.suppress(OSError):
+        for name in os.listdir(job_dir):
+            pid = name[len(WAITING_PREFIX) :] if name.startswith(WAITING_PREFIX) else ""
+            if (
+                pid.isdigit()
+                and len(pid) < 10
+                and not _marker_live(os.path.join(job_dir, name), int(pid))
+            ):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(job_dir, name))
+    path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(_process_start(os.getpid())))
+    except OSError as e:  # (a predecessor joining a flush waits out its time)
+        log.warning("could not mark this persister as waiting (%s): %s", path, e)
+    return path
 
 
 def _write_held(
@@ -325,7 +367,7 @@ def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
     waits for this node's lock, or ``wait_s`` is over; returns how many bytes it wrote."""
     try:
         line = scan(Storage(promoter.steps_dir)).line()
-        target = _manifest_digest(promoter.steps_dir, max(line)) if line else None
+        target = _manifest_digest(promoter.steps_dir, line[0]) if line else None
     except (OSError, ResilientError) as e:
         log.warning("flush across nodes: cannot read this node's newest snapshot (%s)", e)
         return 0
@@ -348,7 +390,7 @@ def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
                 log.info(
                     "flush across nodes: rank 0's node flushed without this node's newest "
                     "snapshot (step %d); it stays in memory for the next run of the job",
-                    max(line),
+                    line[0],
                 )
                 return written
             if not record["done"] and record["id"] not in served:
@@ -369,7 +411,7 @@ def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
             log.info(
                 "flush across nodes: rank 0's node did not judge this node's newest snapshot "
                 "(step %d) within %.0fs; it stays in memory for the next run of the job",
-                max(line),
+                line[0],
                 wait_s,
             )
             return written

@@ -82,13 +82,14 @@ from resilient.checkpoint.format import (
 )
 from resilient.checkpoint.joint_flush import (
     JOIN_WAIT_S,
-    WAITING_PREFIX,
     FilesMissing,
     held_files,
     join_flush,
+    mark_waiting,
     persist_jointly,
     publish_done,
     record_id,
+    seen_now,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
@@ -395,6 +396,7 @@ class Promoter:
         self.lease = self._new_lease()
         self._take_from: str | None = None  # the trainer's released lease (lease_returned)
         self._flushing = False
+        self._seen: list[str] | None = None  # (across nodes) what the flush judges: _announce
         self._sweep = Sweep()  # as the Checkpointer's
 
     def _new_lease(self) -> WriterLease:
@@ -658,11 +660,18 @@ class Promoter:
     def flush(self) -> dict[str, Any] | None:
         """``_flush``; across nodes, the done record the other nodes' persisters wait for comes
         after it, whatever it came to (joint_flush.py)."""
+        across = self.config.get("nodes", 1) > 1
+        self._seen = seen_now(self) if across else None
         try:
             return self._flush()
         finally:
-            if self.config.get("nodes", 1) > 1:
-                publish_done(self)
+            self._announce()
+
+    def _announce(self) -> None:
+        """(across nodes) The done record, once: the other nodes' persisters are not needed."""
+        if self._seen is not None:
+            seen, self._seen = self._seen, None
+            publish_done(self, seen)
 
     def _flush(self) -> dict[str, Any] | None:
         """Persist the newest restorable snapshot newer than the newest durable commit, if any
@@ -707,6 +716,7 @@ class Promoter:
         snaps = scan(mem)
         line = set(durable.line())
         after, restored = line_mark(self.job_dir)
+        joint_failed = False
         for s in snaps.line():
             try:
                 data = _read_small(
@@ -739,13 +749,18 @@ class Promoter:
                 parent, seen = _flush_parent(snap, durable, line)
                 held = held_files(self.steps_dir, s, snap)
                 if len(held) < len(snap.files) and self.config.get("nodes", 1) > 1:
+                    if joint_failed:  # (the other nodes did not write theirs just now)
+                        log.warning("flush: memory step %d is not whole on this node", s)
+                        continue
                     # across nodes (three or more): the other nodes' persisters write the rest
                     return {"step": s, **self._persist_jointly(s, snap, held, parent, seen)}
+                self._announce()  # (whole here: the other nodes' persisters may go)
                 link_to_outbox(self.steps_dir, s, self.outbox)
                 return {"step": s, **self.persist(s, parent=parent, parent_seen=seen)}
-            except FilesMissing as e:
-                log.warning("flush: %s", e)
-                return None
+            except FilesMissing as e:  # an older step this node holds whole may still go
+                log.warning("flush: %s; trying an older one held whole here", e)
+                joint_failed = True
+                continue
             except (OSError, ResilientError) as e:  # damaged, or retired meanwhile
                 log.warning(
                     "flush: memory step %d was not persisted (%s); trying an older one", s, e
@@ -957,16 +972,6 @@ def _running(pid: int) -> bool:
     return not _dead(pid)  # (a zombie has exited: its parent has not reaped it yet)
 
 
-def _mark_waiting(job_dir: str) -> str:
-    """``<job>/persister.waiting.<pid>``: this persister waits for the lock."""
-    path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
-    except OSError as e:  # (a predecessor joining a flush waits out its time)
-        log.warning("could not mark this persister as waiting (%s): %s", path, e)
-    return path
-
-
 def _unlink_quietly(path: str | None) -> None:
     if path is not None:
         try:
@@ -1092,7 +1097,7 @@ def main() -> int:
     waiting = None  # (a predecessor joining a flush across nodes stops waiting for one: see
     while not _try_lock(lock):  # joint_flush.successor_waiting)
         if waiting is None:
-            waiting = _mark_waiting(job_dir)
+            waiting = mark_waiting(job_dir)
         if gone_at is None and not _parent_alive(
             config.get("parent_pid"), config.get("parent_start")
         ):
