@@ -659,7 +659,8 @@ class Promoter:
 
     def flush(self) -> dict[str, Any] | None:
         """``_flush``; across nodes, the done record the other nodes' persisters wait for comes
-        after it, whatever it came to (joint_flush.py)."""
+        once none of them is needed: before a flush this node makes alone, or after the flush,
+        whatever it came to (joint_flush.py)."""
         across = self.config.get("nodes", 1) > 1
         self._seen = seen_now(self) if across else None
         try:
