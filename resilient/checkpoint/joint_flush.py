@@ -57,9 +57,11 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
+from resilient.checkpoint.lease import _process_start
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import CommitError
 from resilient.errors import ResilientError
+from resilient.forkserver import _zombie
 
 if TYPE_CHECKING:  # (persister.py imports this module)
     from resilient.checkpoint.persister import Promoter
@@ -185,52 +187,40 @@ def successor_waiting(job_dir: str) -> bool:
     """Whether another persister of the job waits for this node's lock (a restarted trainer's:
     the job runs again on this node, and restores from its memory): a marker (mark_waiting)
     whose process is that very process (its start time), alive and not a zombie."""
+    return any(pid != os.getpid() and _marker_live(path, pid) for path, pid in _markers(job_dir))
+
+
+def _markers(job_dir: str) -> list[tuple[str, int]]:
+    """The waiting markers in ``job_dir``: (path, pid)."""
     try:
         names = os.listdir(job_dir)
     except OSError:
-        return False
-    for name in names:
-        pid = name[len(WAITING_PREFIX) :] if name.startswith(WAITING_PREFIX) else ""
-        if not (pid.isdigit() and len(pid) < 10) or int(pid) == os.getpid():
-            continue
-        if _marker_live(os.path.join(job_dir, name), int(pid)):
-            return True
-    return False
+        return []
+    pids = [(n, n[len(WAITING_PREFIX) :]) for n in names if n.startswith(WAITING_PREFIX)]
+    return [(os.path.join(job_dir, n), int(p)) for n, p in pids if p.isdigit() and len(p) < 10]
 
 
 def _marker_live(path: str, pid: int) -> bool:
-    from resilient.checkpoint.lease import _process_start
-
     try:
         with open(path, "rb") as f:
             start = f.read(64).decode(errors="replace").strip()
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return state != "Z" and bool(start) and str(_process_start(pid)) == start
+    return bool(start) and _process_start(pid) == start and not _zombie(pid)
 
 
 def mark_waiting(job_dir: str) -> str:
     """``<job>/persister.waiting.<pid>``, holding this process's start time: this persister
     waits for the node's lock.  Markers whose process is gone are removed first."""
-    from resilient.checkpoint.lease import _process_start
-
-    with contextlib.suppress(OSError):
-        for name in os.listdir(job_dir):
-            pid = name[len(WAITING_PREFIX) :] if name.startswith(WAITING_PREFIX) else ""
-            if (
-                pid.isdigit()
-                and len(pid) < 10
-                and not _marker_live(os.path.join(job_dir, name), int(pid))
-            ):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(job_dir, name))
+    for old, pid in _markers(job_dir):
+        if not _marker_live(old, pid):
+            with contextlib.suppress(OSError):
+                os.unlink(old)
     path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(str(_process_start(os.getpid())))
+            f.write(_process_start(os.getpid()))
     except OSError as e:  # (a predecessor joining a flush waits out its time)
         log.warning("could not mark this persister as waiting (%s): %s", path, e)
     return path

@@ -399,6 +399,11 @@ class Promoter:
         self._seen: list[str] | None = None  # (across nodes) what the flush judges: _announce
         self._sweep = Sweep()  # as the Checkpointer's
 
+    @property
+    def across_nodes(self) -> bool:
+        """Whether the trainer's job is on several nodes (a persister on each)."""
+        return self.config.get("nodes", 1) > 1
+
     def _new_lease(self) -> WriterLease:
         return WriterLease(self.storage, self.job_id, timeout_s=self.config["lease_timeout_s"])
 
@@ -661,8 +666,7 @@ class Promoter:
         """``_flush``; across nodes, the done record the other nodes' persisters wait for comes
         once none of them is needed: before a flush this node makes alone, or after the flush,
         whatever it came to (joint_flush.py)."""
-        across = self.config.get("nodes", 1) > 1
-        self._seen = seen_now(self) if across else None
+        self._seen = seen_now(self) if self.across_nodes else None
         try:
             return self._flush()
         finally:
@@ -749,7 +753,7 @@ class Promoter:
             try:
                 parent, seen = _flush_parent(snap, durable, line)
                 held = held_files(self.steps_dir, s, snap)
-                if len(held) < len(snap.files) and self.config.get("nodes", 1) > 1:
+                if len(held) < len(snap.files) and self.across_nodes:
                     if joint_failed:  # (the other nodes did not write theirs just now)
                         log.warning("flush: memory step %d is not whole on this node", s)
                         continue
@@ -1135,7 +1139,7 @@ def main() -> int:
     # (across nodes, not rank 0's node) the flush record there before this trainer's flush: read
     # beside the requests (a slow store must not hold up the first save's copy)
     baseline: list[str | None] = []
-    if not config.get("flush", True) and config.get("nodes", 1) > 1:
+    if not config.get("flush", True) and promoter.across_nodes:
         threading.Thread(
             target=lambda: baseline.append(record_id(promoter.storage)),
             name="flush-baseline",
@@ -1147,7 +1151,7 @@ def main() -> int:
         else:
             log.info("the trainer is gone without a goodbye: flushing the newest snapshot")
         if not config.get("flush", True):  # across nodes, rank 0's node's persister flushes;
-            if config.get("nodes", 1) > 1:  # the others write their files where it asks
+            if promoter.across_nodes:  # the others write their files where it asks
                 wait_s = float(config.get("join_wait_s", JOIN_WAIT_S))
                 join_flush(promoter, wait_s, baseline[0] if baseline else None)
             return 0
