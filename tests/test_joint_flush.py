@@ -67,9 +67,9 @@ def _job(
     dist.barrier()
     steps = Path(ck.memory.dir) / "steps"
     if then.startswith("lost:") and rank in [int(r) for r in then[5:].split(",")]:
-        shutil.rmtree(steps)
+        _wipe(steps)
     if rank == 0 and then in ("wipe-0", "foreign"):
-        shutil.rmtree(steps)
+        _wipe(steps)
     if rank == 0 and then == "foreign":
         (Path(url) / FLUSH_NAME).write_text(json.dumps(_invitation(ck.job_id, manifest="0" * 64)))
     if rank == 0 and then == "planted":  # someone else's bucket: a FLUSH.json is already there
@@ -82,6 +82,15 @@ def _job(
     if close:
         ck.close()
     return {"held": held, "close_s": time.monotonic() - t}
+
+
+def _wipe(steps: Path) -> None:
+    """A node's memory gone: its steps' directory removed (the tier's own thread may still be
+    retiring an old step in it meanwhile)."""
+    deadline = time.monotonic() + 30
+    while steps.exists():
+        shutil.rmtree(steps, ignore_errors=True)
+        assert time.monotonic() < deadline, f"{steps} cannot be removed"
 
 
 def _restore(rank: int, world: int, url: str, base: str) -> dict:
@@ -444,7 +453,7 @@ def _two_nodes_newest_replica_lost_then_node_1_lost(rank, world, url, base):
         d = Path(ck.memory.dir) / "steps" / f"step_{s:08d}"
         held[s] = sorted(n.name for n in d.iterdir()) if d.exists() else []
     if rank == 1:
-        shutil.rmtree(Path(ck.memory.dir) / "steps")  # node 1 lost (its memory with it)
+        _wipe(Path(ck.memory.dir) / "steps")  # node 1 lost (its memory with it)
     dist.barrier()
     ck.close()
     return held
