@@ -57,11 +57,10 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import _process_start
+from resilient.checkpoint.lease import _dead, _process_start
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.writer import CommitError
 from resilient.errors import ResilientError
-from resilient.forkserver import _zombie
 
 if TYPE_CHECKING:  # (persister.py imports this module)
     from resilient.checkpoint.persister import Promoter
@@ -206,7 +205,7 @@ def _marker_live(path: str, pid: int) -> bool:
             start = f.read(64).decode(errors="replace").strip()
     except OSError:
         return False
-    return bool(start) and _process_start(pid) == start and not _zombie(pid)
+    return bool(start) and _process_start(pid) == start and not _dead(pid)
 
 
 def mark_waiting(job_dir: str) -> str:
