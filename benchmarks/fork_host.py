@@ -10,8 +10,12 @@ time of ``resilient chaos run`` and the CPU (user + sys) of every process it sta
 ``atexit`` hook would miss it), in all and for the launcher, the server and the ranks (all but the
 harness, the workers' stand-ins and the persister).
 
+With ``--trainer`` each round runs ``python -m reference_trainer --nproc 2`` instead (the tiny
+preset, 2 data-parallel ranks, 8 steps, a save every 4): ``resilient launch --preload`` forking
+the server from the launcher itself, against a tree where it starts a new interpreter.
+
 Usage: ``python benchmarks/fork_host.py --other /path/to/other/tree [--rounds 3]
-[--scenario memory-kill-rank]``
+[--scenario memory-kill-rank | --trainer]``
 """
 
 from __future__ import annotations
@@ -46,11 +50,16 @@ def _table() -> dict[int, tuple[int, float, str]]:
     return out
 
 
-def _run(tree: Path, scenario: str, tmp: Path) -> dict:
+def _run(tree: Path, scenario: str | None, tmp: Path) -> dict:
+    """One run of ``scenario`` (None: the trainer's ``--nproc 2``) from ``tree``."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
-    path = tree / "resilient" / "chaos" / "scenarios" / f"{scenario}.toml"
-    cmd = [sys.executable, "-m", "resilient.cli", "chaos", "run", str(path), "--out", str(out)]
+    if scenario is None:
+        cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "2", "--dp", "2"]
+        cmd += ["--steps", "8", "--save-every", "4", "--ckpt", str(out / "ckpt")]
+    else:
+        path = tree / "resilient" / "chaos" / "scenarios" / f"{scenario}.toml"
+        cmd = [sys.executable, "-m", "resilient.cli", "chaos", "run", str(path), "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -85,19 +94,22 @@ def main() -> None:
     ap.add_argument("--other", required=True, help="the other tree (a git worktree)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scenario", default="memory-kill-rank")
+    ap.add_argument("--trainer", action="store_true", help="the trainer's --nproc 2 instead")
     args = ap.parse_args()
+    job = None if args.trainer else args.scenario
     trees = {"this tree": HERE, "other": Path(args.other).resolve()}
     got: dict[str, list[dict]] = {k: [] for k in trees}
     with tempfile.TemporaryDirectory() as d:
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for name in order:
-                got[name].append(_run(trees[name], args.scenario, Path(d)))
+                got[name].append(_run(trees[name], job, Path(d)))
                 g = got[name][-1]
                 print(f"round {r + 1} {name}: wall {g['wall']:.1f} s, CPU {g['cpu']:.1f} s "
                       f"(launcher, server, ranks {g['host']:.1f} s)", flush=True)  # fmt: skip
     print(
-        f"\n| tree | wall s (median) | CPU s (median) | launcher, server and ranks: CPU s | {args.scenario} |"
+        f"\n| tree | wall s (median) | CPU s (median) | launcher, server and ranks: CPU s "
+        f"| {job or 'reference_trainer --nproc 2'} |"
     )
     print("|---|---|---|---|---|")
     for name, rows in got.items():

@@ -272,7 +272,10 @@ def config_from(args: argparse.Namespace, world_size: int | None) -> TrainConfig
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, program: bool = False) -> int:
+    """``program``: called as the program (``python -m reference_trainer``), with nothing above
+    it that catches an exception: the launcher of ``--nproc`` may fork the ranks' server from
+    this process (``resilient.launch.agent.launch_main``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     # a worker of torchrun / resilient launch, or a spare of resilient launch (no rank yet)
@@ -300,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None and not under_launcher:
-        return _launch(args.nproc, args.max_restarts, _without_launcher_flags(argv), args.spares)
+        rest = _without_launcher_flags(argv)
+        return _launch(args.nproc, args.max_restarts, rest, args.spares, program=program)
     if not under_launcher:  # a world of one, in this process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -354,7 +358,9 @@ def _without_launcher_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> int:
+def _launch(
+    nproc: int, max_restarts: int, rest: list[str], spares: int = 0, *, program: bool = False
+) -> int:
     import signal
 
     from reference_trainer import PRELOAD
@@ -377,7 +383,7 @@ def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> 
     # the ranks fork from a server that has imported torch and the trainer once (not every rank
     # at every restart): resilient/forkserver.py
     flags += ["--preload", ",".join(PRELOAD)]
-    code = launch_main([*flags, "-m", "reference_trainer", *rest])
+    code = launch_main([*flags, "-m", "reference_trainer", *rest], program=program)
     if code == 128 + signal.SIGTERM:
         # Preemption: the launcher forwarded SIGTERM and waited for the ranks, which saved the
         # current step and exited cleanly (resilient.Run); the job stops successfully.
@@ -392,4 +398,4 @@ def _launch(nproc: int, max_restarts: int, rest: list[str], spares: int = 0) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(program=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import typer
 
@@ -291,6 +292,16 @@ def launch(ctx: typer.Context) -> None:
 
 
 def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["launch"] and argv[1:2] and argv[1] not in ("-h", "--help"):
+        # the launcher straight from here, not under typer's and click's handlers: the ranks of
+        # --preload may fork from this process and leave through this stack (launch_main)
+        from resilient.launch.agent import launch_main
+
+        args = argv[1:]
+        if "--" in args:
+            args.remove("--")  # (as click's parser takes it out of the command's arguments)
+        sys.exit(launch_main(args, program=True))
     app()
 
 

@@ -609,8 +609,10 @@ def enabled() -> bool:
 def start(preload: list[str] | tuple[str, ...], *, fork: bool = False):
     """Start a server for this process's workers (it exits when this process does, or on
     SIGTERM), and put its socket in this process's environment; returns its ``Popen``.
-    ``fork``: the server is this process, forked (single-threaded: see ``host``), not a new
-    interpreter; its ranks leave through the caller's stack (``host``'s, up to the interpreter)."""
+    ``fork``: the server is this process, forked (``fork_ready``), not a new interpreter; its
+    ranks leave through the caller's stack up to the interpreter, so the caller is the program's
+    entry and nothing on its stack may catch what a rank raises (``host``; ``resilient launch``
+    and ``python -m reference_trainer --nproc`` as their own programs)."""
     import subprocess
     import tempfile
 
@@ -680,6 +682,7 @@ def _start_forked(root: str, path: str, preload: list[str]) -> _Forked:
         me, code = os.getpid(), 1
         try:
             os.setsid()  # (as start_new_session: a signal to the launcher's group is not its)
+            _default_handlers()
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.close(null)
@@ -698,6 +701,20 @@ def _start_forked(root: str, path: str, preload: list[str]) -> _Forked:
     _write(os.path.join(root, "server.pid"), str(pid))
     os.environ[ENV] = path
     return _Forked(pid)
+
+
+def _default_handlers() -> None:
+    """The signal handlers the caller installed, back to what a new interpreter starts with
+    (an ignored signal stays ignored, as across an exec)."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+            if sig == signal.SIGINT and handler is not signal.SIG_IGN:
+                signal.signal(sig, signal.default_int_handler)
+            elif callable(handler):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
 
 
 def _start_time(pid: int) -> str | None:
@@ -764,7 +781,7 @@ def host(preload: list[str], launcher: list[str]) -> int:
     request, as always), and the launcher, which imports torch too, runs here, in-process, with
     them already imported.  That is one interpreter's ``import torch`` less per job (about
     1.5 s of CPU).  Otherwise the server is a new interpreter and the launcher is exec'd."""
-    if _fork_ready(launcher):
+    if any(launcher[: len(t)] == t for t in _TORCH_LAUNCHERS) and fork_ready():
         import runpy
 
         start(preload, fork=True)
@@ -783,21 +800,24 @@ def host(preload: list[str], launcher: list[str]) -> int:
 _TORCH_LAUNCHERS = (["torch.distributed.run"], ["resilient.cli", "launch"])
 
 
-def _fork_ready(launcher: list[str]) -> bool:
-    """Whether ``host`` imports torch here and forks the server (see there): a launcher that
-    imports torch itself (torchrun, ``resilient launch``), ``OMP_NUM_THREADS`` set, and, once
-    torch is imported, this process still one thread."""
-    if not any(launcher[: len(t)] == t for t in _TORCH_LAUNCHERS):
-        return False
-    if not os.environ.get("OMP_NUM_THREADS", "").isdigit():
+def fork_ready() -> bool:
+    """Whether this process may be forked into a fork server whose ranks come out as a new
+    interpreter's would (``host``, and ``resilient launch`` as its own program): torch imported
+    here under the ``OMP_NUM_THREADS`` the workers get (torchrun passes it on as it is; set after
+    torch's import it was not read: torch's pool is then sized by the cores), and this process
+    still one thread (a pool a library started at import would not be in a forked child)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not threads.isdigit():
         return False
     try:
-        import torch  # noqa: F401
+        import torch
     except Exception:
         return False
     try:
+        if torch.get_num_threads() != max(1, int(threads)):
+            return False
         return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
+    except (OSError, RuntimeError):
         return False
 
 

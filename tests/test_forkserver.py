@@ -413,13 +413,22 @@ def test_ranks_run_on_when_their_launcher_has_gone(where):
     assert not {p["ppid"] for p in _probes(where)} & stand_ins  # forked ranks, not stand-ins
 
 
-def _torchrun(where: Path, mode: str, *, omp: str | None = "1") -> subprocess.Popen:
-    """A torchrun job of two probes under the fork server's host; ``omp``: its OMP_NUM_THREADS
-    (None: not set)."""
-    cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "json", "--"]
-    cmd += ["torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0"]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
-    cmd += ["-m", "resilient.forkserver", "run", "-m", "probe", *mode.split()]
+def _torchrun(
+    where: Path, mode: str, *, omp: str | None = "1", launcher: str = "host"
+) -> subprocess.Popen:
+    """A job of two probes: torchrun under the fork server's host (``launcher="host"``), or
+    ``resilient launch --preload`` as its own program (``"launch"``); ``omp``: its
+    OMP_NUM_THREADS (None: not set)."""
+    if launcher == "host":
+        cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "json", "--"]
+        cmd += ["torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+        cmd += ["-m", "resilient.forkserver", "run", "-m", "probe", *mode.split()]
+    else:
+        cmd = [sys.executable, "-m", "resilient.cli", "launch", "--preload", "json"]
+        cmd += ["--nproc-per-node", "2", "--max-restarts", "0", "--spares", "0"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "probe"]
+        cmd += mode.split()
     env = {k: v for k, v in _env(where).items() if k != "OMP_NUM_THREADS"}
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
@@ -437,14 +446,17 @@ def _torchrun(where: Path, mode: str, *, omp: str | None = "1") -> subprocess.Po
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["host", "launch"])
 @pytest.mark.parametrize("omp", ["1", None])
-def test_under_torchrun_the_server_is_forked_from_the_launcher_where_torch_may_be(where, omp):
+def test_the_server_is_forked_from_the_launcher_where_torch_may_be(where, omp, launcher):
     """With OMP_NUM_THREADS set (torchrun passes it on as it is), the host imports torch once,
-    forks the server from itself and runs torchrun in-process: the server is the launcher's
-    child with the launcher's command line, the ranks are its children, and it leaves with the
-    launcher, its directory with it.  Without it, a new interpreter serves (its own command line)
-    and torchrun is exec'd: the pools libraries size at import are sized as the workers' are."""
-    proc = _torchrun(where, "sleep", omp=omp)
+    forks the server from itself and runs torchrun in-process (``resilient launch --preload``,
+    its own program, has torch imported already: it forks it from itself): the server is the
+    launcher's child with the launcher's command line, the ranks are its children, and it
+    leaves with the launcher, its directory with it.  Without it, a new interpreter serves (its
+    own command line) and torchrun is exec'd: the pools libraries size at import are sized as
+    the workers' are."""
+    proc = _torchrun(where, "sleep", omp=omp, launcher=launcher)
     _wait_for(lambda: len(list((where / "out").glob("ready-*"))) == 2, timeout_s=120)
     infos = _probes(where)
     server = infos[0]["ppid"]
@@ -452,9 +464,12 @@ def test_under_torchrun_the_server_is_forked_from_the_launcher_where_torch_may_b
     assert int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
     forked = "resilient.forkserver serve" not in _cmdline(server)
     assert forked == (omp is not None), _cmdline(server)
-    assert _cmdline(proc.pid).split()[1:3] == (
-        ["-m", "resilient.forkserver"] if forked else ["-m", "torch.distributed.run"]
-    )
+    if launcher == "launch":
+        assert _cmdline(proc.pid).split()[1:4] == ["-m", "resilient.cli", "launch"]
+    else:
+        assert _cmdline(proc.pid).split()[1:3] == (
+            ["-m", "resilient.forkserver"] if forked else ["-m", "torch.distributed.run"]
+        )
     root = Path(infos[0]["sock"]).parent
     from resilient.forkserver import sweep
 
@@ -468,10 +483,13 @@ def test_under_torchrun_the_server_is_forked_from_the_launcher_where_torch_may_b
 
 
 @pytest.mark.distributed
-def test_a_rank_forked_under_torchrun_exits_as_an_interpreter_would(where):
-    """A rank of the forked server leaves through the host's stack, up to the interpreter: its
-    exit code, its traceback, its atexit; the launcher's code never runs in it."""
-    proc = _torchrun(where, "raise")
+@pytest.mark.parametrize("launcher", ["host", "launch"])
+def test_a_rank_of_a_forked_server_exits_as_an_interpreter_would(where, launcher):
+    """A rank of the forked server leaves through the launcher's stack (the host's, or
+    ``resilient launch``'s), up to the interpreter: its exit code, its traceback, its atexit;
+    the launcher's code never runs in it (``resilient launch`` starts the launcher before typer,
+    so that typer's and click's handlers are not on that stack)."""
+    proc = _torchrun(where, "raise", launcher=launcher)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert err.count("RuntimeError: boom in the probe") >= 2  # each rank's traceback

@@ -673,9 +673,12 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def launch_main(argv: list[str]) -> int:
+def launch_main(argv: list[str], *, program: bool = False) -> int:
     """``resilient launch [torchrun's flags] [--spares K] [--preload MODS] SCRIPT ...``; returns
-    the exit code."""
+    the exit code.  ``program``: the caller is the program's entry (``resilient launch``, ``python
+    -m reference_trainer --nproc``) and nothing on its stack catches an exception, so the fork
+    server of ``--preload`` may be this process, forked (``forkserver.fork_ready``), and not a new
+    interpreter importing torch again: its ranks leave through this stack."""
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
     from resilient import forkserver
@@ -709,7 +712,7 @@ def launch_main(argv: list[str]) -> int:
         # torchrun's "-u [-m] SCRIPT ARGS": the same, through the fork server's stand-in
         unbuffered, rest = cmd_args[:1], cmd_args[1:]
         cmd_args = [*unbuffered, "-m", "resilient.forkserver", "run", *rest]
-        server = forkserver.start(preload)
+        server = forkserver.start(preload, fork=program and forkserver.fork_ready())
     try:
         return _run_agent(args, config, cmd, cmd_args)
     finally:
