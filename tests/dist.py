@@ -82,6 +82,15 @@ class _PortTaken(Exception):
     pass
 
 
+def _take(rank: int, status: str, payload: Any, results: dict, errors: list[str]) -> bool:
+    """One rank's report into ``results`` or ``errors``; whether it found the port taken."""
+    if status == "ok":
+        results[rank] = pickle.loads(payload)
+        return False
+    errors.append(f"--- rank {rank} ---\n{payload}")
+    return status == "port-taken"
+
+
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
     port = free_port()
     queue = _CTX.Queue()
@@ -117,13 +126,15 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                         f"timed out after {timeout_s}s with {len(results)} of {world_size} ranks done"
                     )
                 continue
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            elif status == "port-taken":
-                port_taken = True
-                errors.append(f"--- rank {rank} ---\n{payload}")
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
+            port_taken |= _take(rank, status, payload, results, errors)
+        # the other ranks' reports too, for a few seconds: a rank that failed to connect may
+        # have met another job's store on the port rank 0 found taken (then rank 0 says so)
+        settle = time.monotonic() + 3.0
+        while errors and time.monotonic() < settle and any(p.is_alive() for p in procs):
+            try:
+                port_taken |= _take(*queue.get(timeout=0.2), results, errors)
+            except queue_mod.Empty:
+                pass
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
