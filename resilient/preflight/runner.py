@@ -632,6 +632,7 @@ def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from resilient import forkserver
     from resilient.launch import free_port
 
     fd, result = tempfile.mkstemp(prefix="resilient-preflight-", suffix=".json")
@@ -648,10 +649,18 @@ def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
     ]
+    rank = ["-m", "resilient.cli", "preflight", *argv]
+    server = None
+    if forkserver.enabled():
+        # the ranks fork from one server that imported torch and the checks once, not each its
+        # own interpreter (resilient/forkserver.py; a new interpreter, not this process: a rank
+        # leaving through this stack would run this function's cleanup)
+        server = forkserver.start(["torch", "resilient.cli", "resilient.preflight.runner"])
+        rank = ["-m", "resilient.forkserver", "run", *rank]
     try:
         failed = None
         try:
-            torchrun([*flags, "-m", "resilient.cli", "preflight", *argv])
+            torchrun([*flags, *rank])
         except ChildFailedError as e:
             failed = e
         with open(result) as f:
@@ -670,6 +679,8 @@ def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
         print(f"error: the preflight ranks returned no report ({e})", file=sys.stderr)
         return 2
     finally:
+        if server is not None:
+            forkserver.stop(server)
         os.environ.pop(ENV_RESULT, None)
         os.unlink(result)
     return _output(report, json_path, plot_path, say)
