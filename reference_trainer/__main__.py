@@ -29,6 +29,16 @@ import json
 import os
 import sys
 
+if (
+    __name__ == "__main__"
+    and any(a == "--nproc" or a.startswith("--nproc=") for a in sys.argv[1:])
+    and "LOCAL_RANK" not in os.environ
+    and "RESILIENT_SPARE" not in os.environ
+):
+    # the launcher's ranks get one thread each (_launch); set before torch's import, so that this
+    # process's pool is sized alike and its ranks' server may be forked from it (fork_ready)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from reference_trainer.config import ConfigError, ModelConfig, TrainConfig, preset
 from resilient.checkpoint.catalog import scan
 from resilient.checkpoint.reader import read_manifest

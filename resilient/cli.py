@@ -293,14 +293,14 @@ def launch(ctx: typer.Context) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if argv[:1] == ["launch"] and argv[1:2] and argv[1] not in ("-h", "--help"):
+    args = argv[1:]
+    if "--" in args:
+        args.remove("--")  # (as click's parser takes it out of the command's arguments)
+    if argv[:1] == ["launch"] and args[:1] and args[0] not in ("-h", "--help"):
         # the launcher straight from here, not under typer's and click's handlers: the ranks of
         # --preload may fork from this process and leave through this stack (launch_main)
         from resilient.launch.agent import launch_main
 
-        args = argv[1:]
-        if "--" in args:
-            args.remove("--")  # (as click's parser takes it out of the command's arguments)
         sys.exit(launch_main(args, program=True))
     app()
 

@@ -352,8 +352,26 @@ def _child(
     if "torch" in sys.modules and threads.isdigit():
         sys.modules["torch"].set_num_threads(max(1, int(threads)))
     sys.path[1:] = [p for p in request["path"] if isinstance(p, str)]
+    sys.excepthook = _rank_excepthook
     _run_target(list(request["target"]), list(request["args"]))
     raise SystemExit(0)
+
+
+def _rank_excepthook(etype, value, tb) -> None:
+    """A forked rank's uncaught exception as ``python -m`` prints it: from the frame that runs
+    the rank's module on, without the server's and its launcher's frames above it."""
+    t = tb
+    while t is not None and t.tb_frame.f_code is not _run_target.__code__:
+        t = t.tb_next
+    if t is not None and t.tb_next is not None:
+        tb = t.tb_next
+        while tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(
+            "<frozen importlib"
+        ):  # (a script's: python shows its own frame first)
+            tb = tb.tb_next
+        if isinstance(value, BaseException):  # (printed from its own __traceback__)
+            value = value.with_traceback(tb)
+    sys.__excepthook__(etype, value, tb)
 
 
 def _take_placement(request: dict) -> None:
@@ -683,6 +701,7 @@ def _start_forked(root: str, path: str, preload: list[str]) -> _Forked:
         try:
             os.setsid()  # (as start_new_session: a signal to the launcher's group is not its)
             _default_handlers()
+            _close_inherited()
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.close(null)
@@ -701,6 +720,23 @@ def _start_forked(root: str, path: str, preload: list[str]) -> _Forked:
     _write(os.path.join(root, "server.pid"), str(pid))
     os.environ[ENV] = path
     return _Forked(pid)
+
+
+def _close_inherited() -> None:
+    """Close the descriptors above 2 this process would pass on to a program it started (the
+    inheritable ones: a supervisor's pipe, a lock file given to the launcher): a new interpreter
+    as server (``Popen``'s close_fds) never had them, and a rank outliving its launcher would
+    hold them open.  Python's own are not inheritable, and stay with what owns them."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                os.close(fd)
+        except OSError:
+            pass  # (the listing's own descriptor, closed by now)
 
 
 def _default_handlers() -> None:
@@ -804,10 +840,14 @@ def fork_ready() -> bool:
     """Whether this process may be forked into a fork server whose ranks come out as a new
     interpreter's would (``host``, and ``resilient launch`` as its own program): torch imported
     here under the ``OMP_NUM_THREADS`` the workers get (torchrun passes it on as it is; set after
-    torch's import it was not read: torch's pool is then sized by the cores), and this process
-    still one thread (a pool a library started at import would not be in a forked child)."""
+    torch's import it was not read: torch's pool is then sized by the cores); this process
+    still one thread (a pool a library started at import would not be in a forked child),
+    started with no interpreter option a worker's ``python -u`` lacks (``-O``, ``-W``, ``-X``:
+    a forked rank would keep them), and no GPU runtime touched here (a CUDA driver initialised
+    before a fork is unusable in the child: torch.cuda.is_available() does it; on ROCm, not
+    verified, never)."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if not threads.isdigit():
+    if not threads.isdigit() or not _plain_interpreter():
         return False
     try:
         import torch
@@ -816,9 +856,36 @@ def fork_ready() -> bool:
     try:
         if torch.get_num_threads() != max(1, int(threads)):
             return False
+        if torch.version.hip is not None or torch.cuda.is_initialized():
+            return False
+        with open("/proc/self/maps") as f:
+            if _gpu_driver_loaded(f.read()):
+                return False
         return len(os.listdir("/proc/self/task")) == 1
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError, AttributeError):
         return False
+
+
+def _plain_interpreter() -> bool:
+    """Whether this interpreter's command line has no option before its module or script
+    other than ``-u`` (what torchrun gives its workers; an option from the environment, such as
+    PYTHONOPTIMIZE, the workers get alike)."""
+    for arg in getattr(sys, "orig_argv", [])[1:]:
+        if arg in ("-m", "-c") or not arg.startswith("-"):
+            return True
+        if arg != "-u":
+            return False
+    return True
+
+
+def _gpu_driver_loaded(maps: str) -> bool:
+    """Whether a GPU driver library is mapped (``/proc/self/maps``): CUDA's libcuda is loaded
+    at the runtime's first call (torch.cuda.is_available(), device_count()), not at import."""
+    return any(
+        os.path.basename(line.split()[-1]).startswith("libcuda.so")
+        for line in maps.splitlines()
+        if "/" in line
+    )
 
 
 def is_stand_in(pid: int) -> bool:

@@ -173,3 +173,36 @@ def test_trainer_on_the_gpu_with_the_memory_tier_resumes_where_it_stopped(tmp_pa
         e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "restore"
     ]
     assert len(restores) == 1 and restores[0]["step"] == 4, restores
+
+
+CUDA_PROBE = """
+import json, os, sys, torch
+try:
+    got = float(torch.ones(1, device="cuda").sum().item())
+except Exception as e:
+    got = repr(e)
+with open(os.path.join(sys.argv[1], f"rank-{os.getpid()}.json"), "w") as f:
+    json.dump({"cuda": got}, f)
+"""
+
+
+def test_ranks_forked_from_a_launcher_that_counted_the_gpus_can_use_them(tmp_path):
+    """``resilient launch --preload torch --nproc-per-node gpu``: torchrun counts the GPUs in the
+    launcher (torch.cuda.is_available(), which initialises the driver and "poisons fork"), so
+    the server is not forked from it (``fork_ready``): every rank can use CUDA."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "probe.py").write_text(CUDA_PROBE)
+    (tmp_path / "out").mkdir()
+    cmd = [sys.executable, "-m", "resilient.cli", "launch", "--preload", "torch"]
+    cmd += ["--nproc-per-node", "gpu", "--max-restarts", "0", "--spares", "0", "--standalone"]
+    cmd += [str(tmp_path / "probe.py"), str(tmp_path / "out")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    reports = [json.loads(r.read_text()) for r in (tmp_path / "out").glob("rank-*.json")]
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(reports) == torch.cuda.device_count(), reports
+    assert all(r["cuda"] == 1.0 for r in reports), reports

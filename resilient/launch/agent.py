@@ -712,7 +712,10 @@ def launch_main(argv: list[str], *, program: bool = False) -> int:
         # torchrun's "-u [-m] SCRIPT ARGS": the same, through the fork server's stand-in
         unbuffered, rest = cmd_args[:1], cmd_args[1:]
         cmd_args = [*unbuffered, "-m", "resilient.forkserver", "run", *rest]
-        server = forkserver.start(preload, fork=program and forkserver.fork_ready())
+        # (under another server, the host's: its launcher runs in-process, under runpy's
+        # restoring context managers, which a rank must not unwind through)
+        fork = program and forkserver.ENV not in os.environ and forkserver.fork_ready()
+        server = forkserver.start(preload, fork=fork)
     try:
         return _run_agent(args, config, cmd, cmd_args)
     finally:
