@@ -141,6 +141,13 @@ def _run_target(target: list[str], args: list[str]) -> None:
             pass
 
     path = os.path.abspath(target[0])  # a script's __file__ is absolute (python >= 3.9)
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:  # as python says it (exit 2), not an importlib traceback
+        print(f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
     sys.path[0] = os.path.dirname(path)
     sys.argv = [target[0], *args]
     loader = ScriptLoader("__main__", path)
@@ -365,9 +372,9 @@ def _rank_excepthook(etype, value, tb) -> None:
         t = t.tb_next
     if t is not None and t.tb_next is not None:
         tb = t.tb_next
-        while tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(
+        while tb is not None and tb.tb_frame.f_code.co_filename.startswith(
             "<frozen importlib"
-        ):  # (a script's: python shows its own frame first)
+        ):  # (a script's: python shows its own frame first; none for a SyntaxError)
             tb = tb.tb_next
         if isinstance(value, BaseException):  # (printed from its own __traceback__)
             value = value.with_traceback(tb)
@@ -536,15 +543,13 @@ def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     try:
         pid = os.fork()
-        if pid == 0:
-            others = [r.conn for r in ranks.values() if r.conn is not None]
-            _child(request, fds, [listener, conn, *others], me, stand_in)
     except OSError as e:  # no fork (a process limit, memory): the stand-in starts it itself
         print(f"resilient.forkserver: fork: {e}", file=sys.stderr)
         pid = None
-    finally:
-        if os.getpid() == me:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+    if pid == 0:  # the rank: leaves by its own exception, up to the interpreter
+        others = [r.conn for r in ranks.values() if r.conn is not None]
+        _child(request, fds, [listener, conn, *others], me, stand_in)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     for fd in fds:
         os.close(fd)
     if pid is None:
@@ -731,12 +736,18 @@ def _close_inherited() -> None:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:
         return
-    for fd in fds:
-        try:
-            if fd > 2 and os.get_inheritable(fd):
-                os.close(fd)
-        except OSError:
-            pass  # (the listing's own descriptor, closed by now)
+    null = os.open(os.devnull, os.O_RDWR)  # (not inheritable)
+    try:
+        for fd in fds:
+            try:
+                if fd > 2 and fd != null and os.get_inheritable(fd):
+                    # released, but the number stays taken: a launcher object that owns it
+                    # closes /dev/null later, not a descriptor the server or a rank reused it for
+                    os.dup2(null, fd, inheritable=False)
+            except OSError:
+                pass  # (the listing's own descriptor, closed by now)
+    finally:
+        os.close(null)
 
 
 def _default_handlers() -> None:
@@ -881,11 +892,13 @@ def _plain_interpreter() -> bool:
 def _gpu_driver_loaded(maps: str) -> bool:
     """Whether a GPU driver library is mapped (``/proc/self/maps``): CUDA's libcuda is loaded
     at the runtime's first call (torch.cuda.is_available(), device_count()), not at import."""
-    return any(
-        os.path.basename(line.split()[-1]).startswith("libcuda.so")
-        for line in maps.splitlines()
-        if "/" in line
-    )
+    for line in maps.splitlines():
+        fields = line.split(None, 5)  # the path is the sixth field, spaces and all
+        if len(fields) == 6 and fields[5].startswith("/"):
+            path = fields[5].removesuffix(" (deleted)")
+            if os.path.basename(path).startswith("libcuda.so"):
+                return True
+    return False
 
 
 def is_stand_in(pid: int) -> bool:

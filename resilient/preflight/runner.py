@@ -655,7 +655,7 @@ def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
         # the ranks fork from one server that imported torch and the checks once, not each its
         # own interpreter (resilient/forkserver.py; a new interpreter, not this process: a rank
         # leaving through this stack would run this function's cleanup)
-        server = forkserver.start(["torch", "resilient.cli", "resilient.preflight.runner"])
+        server = forkserver.start(["torch", "typer", "resilient.preflight.runner"])
         rank = ["-m", "resilient.forkserver", "run", *rank]
     try:
         failed = None
