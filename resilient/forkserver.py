@@ -728,10 +728,11 @@ def _start_forked(root: str, path: str, preload: list[str]) -> _Forked:
 
 
 def _close_inherited() -> None:
-    """Close the descriptors above 2 this process would pass on to a program it started (the
-    inheritable ones: a supervisor's pipe, a lock file given to the launcher): a new interpreter
-    as server (``Popen``'s close_fds) never had them, and a rank outliving its launcher would
-    hold them open.  Python's own are not inheritable, and stay with what owns them."""
+    """Let go of the descriptors above 2 this process would pass on to a program it started
+    (the inheritable ones: a supervisor's pipe, a lock file given to the launcher): a new
+    interpreter as server (``Popen``'s close_fds) never had them, and a rank outliving its
+    launcher would hold them open.  Each number stays taken, on /dev/null (a launcher object
+    that owns one closes it later).  Python's own are not inheritable, and stay as they are."""
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:

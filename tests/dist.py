@@ -130,11 +130,12 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
         # the other ranks' reports too, for a few seconds: a rank that failed to connect may
         # have met another job's store on the port rank 0 found taken (then rank 0 says so)
         settle = time.monotonic() + 3.0
-        while errors and time.monotonic() < settle and any(p.is_alive() for p in procs):
+        while errors and time.monotonic() < settle:
             try:
                 port_taken |= _take(*queue.get(timeout=0.2), results, errors)
             except queue_mod.Empty:
-                pass
+                if not any(p.is_alive() for p in procs):
+                    break  # (what they put before they exited has come by now)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
