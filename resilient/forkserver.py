@@ -60,6 +60,8 @@ __all__ = [
 ENV = "RESILIENT_FORKSERVER"  # the server's socket, in the workers' environment
 _PREFIX = "resilient-forkserver-"
 ENV_SWITCH = "RESILIENT_FORK_RANKS"  # "0": launchers start every rank the usual way
+# a worker that stands in for a rank: ``python [-u] *STAND_IN -m MODULE | SCRIPT ...``
+STAND_IN = ("-m", "resilient.forkserver", "run")
 ENV_STAND_IN = "RESILIENT_FORKSERVER_STAND_IN"  # in a forked rank: its stand-in's pid
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)  # fmt: skip
@@ -909,12 +911,8 @@ def is_stand_in(pid: int) -> bool:
             cmdline = f.read().split(b"\0")
     except OSError:
         return False
-    return cmdline[1:4] == [b"-m", b"resilient.forkserver", b"run"] or cmdline[1:5] == [
-        b"-u",
-        b"-m",
-        b"resilient.forkserver",
-        b"run",
-    ]
+    words = [w.encode() for w in STAND_IN]
+    return cmdline[1:4] == words or cmdline[1:5] == [b"-u", *words]
 
 
 def rank_pid(pid: int) -> int | None:

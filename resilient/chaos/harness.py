@@ -477,9 +477,7 @@ def _command(
         }
         assert set(subs) == set(COMMAND_PLACEHOLDERS), "keep scenario.COMMAND_PLACEHOLDERS in step"
         return cmd + [c.format(**subs) for c in job.command]
-    flags = ["-m", "resilient.forkserver", "run", "-m", "reference_trainer"]
-    if not forked:
-        flags = ["-m", "reference_trainer"]
+    flags = [*(forkserver.STAND_IN if forked else ()), "-m", "reference_trainer"]
     for k, v in job.trainer.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):

@@ -711,7 +711,7 @@ def launch_main(argv: list[str], *, program: bool = False) -> int:
     if preload and not args.no_python and cmd == sys.executable and forkserver.enabled():
         # torchrun's "-u [-m] SCRIPT ARGS": the same, through the fork server's stand-in
         unbuffered, rest = cmd_args[:1], cmd_args[1:]
-        cmd_args = [*unbuffered, "-m", "resilient.forkserver", "run", *rest]
+        cmd_args = [*unbuffered, *forkserver.STAND_IN, *rest]
         # (under another server, the host's: its launcher runs in-process, under runpy's
         # restoring context managers, which a rank must not unwind through)
         fork = program and forkserver.ENV not in os.environ and forkserver.fork_ready()

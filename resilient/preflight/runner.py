@@ -656,7 +656,7 @@ def _launch(nproc: int, argv: Sequence[str], json_path, plot_path, say) -> int:
         # own interpreter (resilient/forkserver.py; a new interpreter, not this process: a rank
         # leaving through this stack would run this function's cleanup)
         server = forkserver.start(["torch", "typer", "resilient.preflight.runner"])
-        rank = ["-m", "resilient.forkserver", "run", *rank]
+        rank = [*forkserver.STAND_IN, *rank]
     try:
         failed = None
         try:
