@@ -67,6 +67,8 @@ NONSENSE = [
     ["--rdzv-backend", "bogus"],  # ValueError: the backend is not registered
     ["--rdzv-endpoint", "localhost:notaport", "--rdzv-backend", "c10d"],  # ValueError: port
     ["--rdzv-conf", "join_timeout=abc"],  # ValueError: not a valid integer value
+    ["--finish-timeout", "-1"],  # a bound in the past: every worker killed at the first exit
+    ["--finish-timeout", "nan"],  # compared false with everything: never (or always) fired
 ]
 
 # Every command line of NONSENSE through the launcher's entry point, in one process (one torch

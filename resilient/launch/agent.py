@@ -45,11 +45,19 @@ from resilient.launch.injob import ENV_GEN, ENV_INJOB, ENV_SPARE, base_key
 
 log = logging.getLogger("resilient.launch")
 
-__all__ = ["launch_main", "InJobAgent", "parse_args", "share_store_address"]
+__all__ = [
+    "launch_main",
+    "InJobAgent",
+    "describe_process",
+    "parse_args",
+    "share_store_address",
+]
 
 SPARES_DEFAULT = 1
 MAX_RECOVERIES_DEFAULT = 10
 REPEAT_WINDOW_S = 30.0  # a rank that fails again this soon after its takeover: restart instead
+FINISH_TIMEOUT_DEFAULT = 300.0  # torchrun's exit barrier waits as long for the other nodes
+STORE_POLL_S = 1.0  # how often an agent with workers still running asks whether another finished
 MAX_SPARE_REFILLS = 10  # idle spares that died and were started again, per round of workers
 
 
@@ -83,6 +91,17 @@ def parse_args(argv: list[str]) -> Any:
         "(libraries: torch, your model code; not the training script itself): about 1.5 s of "
         "CPU less per worker and restart (resilient/forkserver.py); default: every worker a "
         "new interpreter",
+    )
+    parser.add_argument(
+        "--finish-timeout",
+        type=_seconds,
+        default=FINISH_TIMEOUT_DEFAULT,
+        metavar="SECONDS",
+        help="once a worker of the job has finished (exit code 0, on any node), a worker still "
+        "running this much later is named, with its state, and killed: a failure, so torchrun's "
+        "policy restarts the workers (they resume from the last checkpoint) or fails the job; "
+        "torchrun would wait for it forever (a rank frozen or hung in its teardown after the "
+        f"last step); 0 waits forever (default {FINISH_TIMEOUT_DEFAULT:.0f})",
     )
     args = parser.parse_args(argv)
     _check_torchrun_values(parser, args)
@@ -156,6 +175,20 @@ def _count(what: str, most: int | None = None) -> Any:
 
 
 _spares = _count("spare processes per node (0 turns in-job recovery off)", MAX_PROCESSES_PER_NODE)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0")
+    return value
 
 
 def share_store_address(handler: Any) -> None:
@@ -236,12 +269,16 @@ def _agent_class() -> Any:
             spares: int,
             *,
             max_recoveries: int = MAX_RECOVERIES_DEFAULT,
+            finish_timeout: float = FINISH_TIMEOUT_DEFAULT,
             exit_barrier_timeout: float = 300,
         ) -> None:
             super().__init__(spec, exit_barrier_timeout)
             share_store_address(spec.rdzv_handler)
             self.spares_wanted = spares
             self.max_recoveries = max_recoveries
+            self.finish_timeout = finish_timeout
+            self._done: tuple[float, str] | None = None  # when a worker first finished, and which
+            self._store_asked = 0.0  # when the store was last asked whether another node's did
             self._taken_over: dict[int, float] = {}  # local rank -> when a spare took it
             self._procs: dict[int, subprocess.Popen] = {}
             self._spares: list[tuple[int, subprocess.Popen]] = []
@@ -321,6 +358,7 @@ def _agent_class() -> Any:
             self._client = None
             self._pending_gen = None
             self._said_finished = False
+            self._done = None
             # takeovers and refills of the previous round: its processes are all gone
             self._taken_over.clear()
             self._spare_refills = 0
@@ -450,7 +488,9 @@ def _agent_class() -> Any:
                         state=WorkerState.SUCCEEDED,
                         return_values={w.global_rank: None for w in worker_group.workers},
                     )
-                return RunResult(state=WorkerState.HEALTHY)
+                return self._past_finish(worker_group, codes) or RunResult(
+                    state=WorkerState.HEALTHY
+                )
             reason = self._cannot_recover(failed)
             if reason is None:
                 self._take_over(worker_group, failed)
@@ -479,6 +519,60 @@ def _agent_class() -> Any:
             )
             return RunResult(state=WorkerState.FAILED, failures={rec["rank"]: failure})
 
+        def _past_finish(self, worker_group: WorkerGroup, codes: dict[int, int | None]) -> Any:
+            """Workers still running ``finish_timeout`` after a worker of the job finished (exit
+            code 0, here or on another node): named with their state and killed, a failure for
+            torchrun's policy (restart: they resume from the last checkpoint; or fail).  torchrun
+            waits for such a worker forever: a rank frozen after its last step, or hung in its
+            teardown (a process group's destroy, a non-daemon thread), keeps the job from ending
+            although its work is done."""
+            if not self.finish_timeout or self._pending_gen is not None:
+                return None
+            now = time.monotonic()
+            if self._done is None:
+                done = [lr for lr, c in codes.items() if c == 0]
+                if done:
+                    self._done = (now, f"local rank {min(done)}")
+                elif now - self._store_asked >= STORE_POLL_S:
+                    self._store_asked = now
+                    if self._finished_elsewhere():
+                        self._done = (now, ANOTHER_NODE)
+                return None
+            since, what = self._done
+            if now - since < self.finish_timeout:
+                return None
+            failures = {}
+            for lr, code in sorted(codes.items()):
+                if code is not None:
+                    continue
+                w, p = worker_group.workers[lr], self._procs[lr]
+                log.error(
+                    "rank %d (local rank %d, pid %d) is still running %.0fs after %s finished "
+                    "(exit code 0), past --finish-timeout %gs; %s. Killing it: the job's other "
+                    "ranks are done, so it cannot be waiting for them",
+                    w.global_rank,
+                    lr,
+                    p.pid,
+                    now - since,
+                    what,
+                    self.finish_timeout,
+                    describe_process(p.pid),
+                )
+                _signal_group(p, signal.SIGKILL)
+                try:
+                    p.wait(10)  # (a process in an uninterruptible wait dies when it leaves it)
+                except subprocess.TimeoutExpired:
+                    pass
+                code = p.returncode if p.returncode is not None else -signal.SIGKILL
+                failures[w.global_rank] = ProcessFailure(
+                    local_rank=lr, pid=p.pid, exitcode=code, error_file=""
+                )
+            reason = f"{what} finished (exit code 0) {now - since:.0f}s before"
+            if what != ANOTHER_NODE and self._finished_elsewhere():
+                reason += f", and {ANOTHER_NODE}"  # (so no restart: that node joins none)
+            self._log_fallback(reason)
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+
         def _finished_key(self) -> str:
             return f"{self._base()}/finished"
 
@@ -501,13 +595,16 @@ def _agent_class() -> Any:
             done = [lr for lr, c in codes.items() if c == 0]
             if done:
                 return f"local rank {min(done)}"
+            return ANOTHER_NODE if self._finished_elsewhere() else None
+
+        def _finished_elsewhere(self) -> bool:
+            """Whether another node's agent said in the store that a worker of its finished."""
             store = self._store_client(quiet=True)
             try:
-                if store is not None and int(store.add(self._finished_key(), 0)) > 0:
-                    return ANOTHER_NODE
+                said = int(store.add(self._finished_key(), 0)) if store is not None else 0
             except Exception:
-                pass
-            return None
+                return False
+            return said > (1 if self._said_finished else 0)
 
         def _log_fallback(self, reason: str) -> None:
             if ANOTHER_NODE in reason and getattr(self, "_remaining_restarts", 0) > 0:
@@ -665,6 +762,49 @@ def _agent_class() -> Any:
     return _CLASS
 
 
+_STATES = {
+    "R": "running",
+    "S": "sleeping (waiting on a lock, a socket, a timer)",
+    "D": "in an uninterruptible wait (disk or driver I/O)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped by a debugger",
+    "Z": "exited, not yet reaped",
+}
+
+
+def describe_process(pid: int) -> str:
+    """What ``/proc`` says worker ``pid`` is doing (the rank a fork server's stand-in stands
+    for): its state, its threads' states, and the kernel wait of its main thread."""
+    from resilient import forkserver
+
+    rank = forkserver.rank_pid(pid) or pid
+    who = f"process {rank}" + (f" (forked for stand-in {pid})" if rank != pid else "")
+    try:
+        threads = []
+        for tid in sorted(os.listdir(f"/proc/{rank}/task"), key=int):
+            with open(f"/proc/{rank}/task/{tid}/stat") as f:
+                threads.append(f.read().rsplit(")", 1)[1].split()[0])
+    except (OSError, IndexError, ValueError) as e:
+        return f"{who}: its state cannot be read ({e})"
+    main = threads[0] if threads else "?"
+    text = f"{who} is {_STATES.get(main, f'in state {main}')}"
+    if len(threads) > 1:
+        counts = {s: threads.count(s) for s in sorted(set(threads))}
+        text += (
+            f", {len(threads)} threads ("
+            + ", ".join(f"{n} {_STATES.get(s, s).split(' (')[0]}" for s, n in counts.items())
+            + ")"
+        )
+    try:
+        with open(f"/proc/{rank}/wchan") as f:
+            wchan = f.read().strip()
+        if wchan and wchan != "0":
+            text += f", main thread's kernel wait: {wchan}"
+    except OSError:
+        pass
+    return text
+
+
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
     """Signal ``p``'s process group (``p`` leads it: started with ``start_new_session``)."""
     try:
@@ -775,7 +915,9 @@ def _run_agent(args: Any, config: Any, cmd: str, cmd_args: list[str]) -> int:
         master_port=master_port,
         local_addr=config.local_addr,
     )
-    agent = InJobAgent(spec, spares, max_recoveries=args.max_recoveries)
+    agent = InJobAgent(
+        spec, spares, max_recoveries=args.max_recoveries, finish_timeout=args.finish_timeout
+    )
     # as torchrun's process context does: a signal to the launcher becomes a SignalException in
     # the agent's loop, which stops the workers with that signal (SIGTERM: a preemption save)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):

@@ -1,0 +1,189 @@
+"""``resilient launch --finish-timeout``: a worker still running that long after a worker of the job
+finished (exit code 0) is named, with what /proc says it is doing, and killed; torchrun's policy
+takes it from there (a restart, or the job fails).  Before it, a rank frozen (SIGSTOP) or hung
+after its last step kept the job from ending forever, its peers done and its checkpoint committed
+(torchrun waits for every worker; seen in the chaos suite as a job that only the harness's timeout
+ended).  The workers here are plain Python (no process group): the launcher is what is tested."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.launch import free_port
+from resilient.launch.agent import describe_process
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# RANK 1 of the first attempt stays behind in the way argv[1] says; every other worker leaves at
+# once (exit code 0).  Each start leaves a file: start-<rank>-<restart>.
+_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+
+import pytest
+mode, out = sys.argv[1], Path(sys.argv[2])
+rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+(out / f"start-{rank}-{restart}").write_text(str(os.getpid()))
+if rank == 1 and restart == 0:
+    if mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "hang":
+        time.sleep(3600)
+    elif mode == "flag":
+        while not (out / "go").exists():
+            time.sleep(0.02)
+"""
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _launch(tmp: Path, mode: str, *flags: str) -> subprocess.Popen:
+    (tmp / "w.py").write_text(_WORKER)
+    return subprocess.Popen(
+        [sys.executable, "-m", "resilient.cli", "launch", "--spares", "0", *flags,
+         str(tmp / "w.py"), mode, str(tmp)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _finish(p: subprocess.Popen, timeout: float = 120) -> str:
+    try:
+        return p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(
+            f"the launcher did not end in {timeout} s:\n" + p.communicate()[0][-4000:]
+        ) from None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_rank_hung_after_its_peers_finished_is_killed_and_the_restart_ends_the_job(tmp_path):
+    p = _launch(tmp_path, "hang", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                "1", "--finish-timeout", "1")  # fmt: skip
+    log = _finish(p)
+    assert p.returncode == 0, log[-4000:]
+    hung = int((tmp_path / "start-1-0").read_text())
+    assert "rank 1 (local rank 1, pid " in log and "past --finish-timeout 1s" in log, log[-4000:]
+    assert "local rank 0 finished (exit code 0)" in log and "is sleeping" in log, log[-4000:]
+    assert (tmp_path / "start-1-1").exists(), "the workers were not restarted"
+    assert _gone(hung)
+
+
+@pytest.mark.parametrize("preload", ["", "json"], ids=["worker", "forked-rank"])
+def test_a_frozen_rank_with_no_restart_left_fails_the_job_by_name_and_is_not_left_behind(
+    tmp_path, preload
+):
+    """With ``--preload`` the worker is a fork server's stand-in: the rank it stands for is the
+    one described (the stand-in itself only waits) and killed."""
+    p = _launch(tmp_path, "stop", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                "0", "--finish-timeout", "1", "--preload", preload)  # fmt: skip
+    log = _finish(p)
+    assert p.returncode == 1, log[-4000:]
+    frozen = int((tmp_path / "start-1-0").read_text())
+    assert f"process {frozen} " in log and "is stopped (SIGSTOP)" in log, log[-4000:]
+    assert ("forked for stand-in" in log) == bool(preload), log[-4000:]
+    assert re.search(r"rank 1 \(pid \d+\) failed with exit code -9", log), log[-4000:]
+    assert not (tmp_path / "start-1-1").exists()
+    assert _gone(frozen), "the frozen rank was left behind"
+
+
+def test_finish_timeout_0_waits_for_the_last_rank_as_torchrun_does(tmp_path):
+    p = _launch(tmp_path, "flag", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                "1", "--finish-timeout", "0")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "start-0-0").exists() or not (tmp_path / "start-1-0").exists():
+        assert p.poll() is None and time.monotonic() < deadline, _finish(p)[-4000:]
+        time.sleep(0.05)
+    time.sleep(3)  # rank 0 has long finished: a 1 s bound would have killed rank 1 by now
+    assert p.poll() is None, _finish(p)[-4000:]
+    (tmp_path / "go").touch()
+    log = _finish(p)
+    assert p.returncode == 0 and "finish-timeout" not in log, log[-4000:]
+    assert not (tmp_path / "start-1-1").exists()
+
+
+def test_a_rank_hung_after_a_rank_on_another_node_finished_fails_its_node_without_a_restart(
+    tmp_path,
+):
+    """Two agents, a rank each: rank 0's node finishes and waits in torchrun's exit barrier;
+    rank 1's agent learns it from the store, kills its rank after the bound, and does not restart
+    (that node would never join a new rendezvous), so both launchers end."""
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        d = tmp_path / f"node{node}"
+        d.mkdir()
+        procs.append(_launch(
+            d, "hang", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", f"finish-{port}", "--finish-timeout", "1",
+        ))  # fmt: skip
+    logs = [_finish(p) for p in procs]
+    hung = next(i for i in (0, 1) if (tmp_path / f"node{i}" / "start-1-0").exists())
+    assert procs[1 - hung].returncode == 0, logs[1 - hung][-4000:]
+    assert procs[hung].returncode == 1, logs[hung][-4000:]
+    assert "after a rank on another node finished (exit code 0)" in logs[hung], logs[hung][-4000:]
+    assert "not restarting the workers either" in logs[hung], logs[hung][-4000:]
+    assert not (tmp_path / f"node{hung}" / "start-1-1").exists()
+
+
+def test_describe_process_says_stopped_sleeping_or_gone():
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while "sleeping" not in describe_process(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert describe_process(p.pid).startswith(
+            f"process {p.pid} is sleeping (waiting on a lock, a socket, a timer)"
+        )
+        os.kill(p.pid, signal.SIGSTOP)
+        while "stopped" not in describe_process(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert describe_process(p.pid).startswith(f"process {p.pid} is stopped (SIGSTOP)")
+    finally:
+        p.kill()
+        p.wait()
+    assert describe_process(p.pid) == (
+        f"process {p.pid}: its state cannot be read ([Errno 2] No such file or directory: "
+        f"'/proc/{p.pid}/task')"
+    )
+
+
+def test_describe_process_counts_threads_by_state():
+    threads = 3
+    code = (
+        "import threading, time\n"
+        + "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n" * (threads - 1)
+        + "print('ok', flush=True)\ntime.sleep(60)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ok"
+        deadline = time.monotonic() + 10
+        while f"{threads} threads ({threads} sleeping)" not in describe_process(p.pid):
+            assert time.monotonic() < deadline, describe_process(p.pid)
+            time.sleep(0.01)
+    finally:
+        p.kill()
+        p.wait()
