@@ -37,6 +37,10 @@ if rank == 1 and restart == 0:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "hang":
         time.sleep(3600)
+    elif mode == "busy":  # working on alone (an export) for a few bounds' time, then done
+        t = time.monotonic()
+        while time.monotonic() - t < 4:
+            pass
     elif mode == "flag":
         while not (out / "go").exists():
             time.sleep(0.02)
@@ -84,7 +88,9 @@ def test_a_rank_hung_after_its_peers_finished_is_killed_and_the_restart_ends_the
     log = _finish(p)
     assert p.returncode == 0, log[-4000:]
     hung = int((tmp_path / "start-1-0").read_text())
-    assert "rank 1 (local rank 1, pid " in log and "past --finish-timeout 1s" in log, log[-4000:]
+    assert "rank 1 (local rank 1, pid " in log and "--finish-timeout 1s); process" in log, log[
+        -4000:
+    ]
     assert "local rank 0 finished (exit code 0)" in log and "is sleeping" in log, log[-4000:]
     assert (tmp_path / "start-1-1").exists(), "the workers were not restarted"
     assert _gone(hung)
@@ -106,6 +112,15 @@ def test_a_frozen_rank_with_no_restart_left_fails_the_job_by_name_and_is_not_lef
     assert re.search(r"rank 1 \(pid \d+\) failed with exit code -9", log), log[-4000:]
     assert not (tmp_path / "start-1-1").exists()
     assert _gone(frozen), "the frozen rank was left behind"
+
+
+def test_a_rank_still_working_after_its_peers_finished_is_left_to_finish(tmp_path):
+    p = _launch(tmp_path, "busy", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                "1", "--finish-timeout", "1")  # fmt: skip
+    log = _finish(p)
+    assert p.returncode == 0, log[-4000:]
+    assert "and working (" in log and "left alone" in log, log[-4000:]
+    assert "Killing it" not in log and not (tmp_path / "start-1-1").exists(), log[-4000:]
 
 
 def test_finish_timeout_0_waits_for_the_last_rank_as_torchrun_does(tmp_path):

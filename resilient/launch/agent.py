@@ -48,6 +48,7 @@ log = logging.getLogger("resilient.launch")
 __all__ = [
     "launch_main",
     "InJobAgent",
+    "cpu_seconds",
     "describe_process",
     "parse_args",
     "share_store_address",
@@ -58,6 +59,7 @@ MAX_RECOVERIES_DEFAULT = 10
 REPEAT_WINDOW_S = 30.0  # a rank that fails again this soon after its takeover: restart instead
 FINISH_TIMEOUT_DEFAULT = 300.0  # torchrun's exit barrier waits as long for the other nodes
 STORE_POLL_S = 1.0  # how often an agent with workers still running asks whether another finished
+BUSY_SHARE = 0.05  # a worker past --finish-timeout using this share of a core is working: kept
 MAX_SPARE_REFILLS = 10  # idle spares that died and were started again, per round of workers
 
 
@@ -278,6 +280,7 @@ def _agent_class() -> Any:
             self.max_recoveries = max_recoveries
             self.finish_timeout = finish_timeout
             self._done: tuple[float, str] | None = None  # when a worker first finished, and which
+            self._window: tuple[float, dict[int, float]] = (0.0, {})  # since when, CPU seconds
             self._store_asked = 0.0  # when the store was last asked whether another node's did
             self._taken_over: dict[int, float] = {}  # local rank -> when a spare took it
             self._procs: dict[int, subprocess.Popen] = {}
@@ -521,14 +524,18 @@ def _agent_class() -> Any:
 
         def _past_finish(self, worker_group: WorkerGroup, codes: dict[int, int | None]) -> Any:
             """Workers still running ``finish_timeout`` after a worker of the job finished (exit
-            code 0, here or on another node): named with their state and killed, a failure for
-            torchrun's policy (restart: they resume from the last checkpoint; or fail).  torchrun
-            waits for such a worker forever: a rank frozen after its last step, or hung in its
-            teardown (a process group's destroy, a non-daemon thread), keeps the job from ending
-            although its work is done."""
+            code 0, here or on another node), and idle over that time (under ``BUSY_SHARE`` of
+            a core: frozen, or waiting on something that will not come), are named with their
+            state and killed, a failure for torchrun's policy (restart: they resume from the last
+            checkpoint; or fail).  torchrun waits for such a worker forever: a rank frozen after
+            its last step, or hung in its teardown (a process group's destroy, a non-daemon
+            thread), keeps the job from ending although its work is done.  A worker that is
+            still computing (rank 0's export after the others left) is left alone and looked at
+            again after another ``finish_timeout``."""
             if not self.finish_timeout or self._pending_gen is not None:
                 return None
             now = time.monotonic()
+            running = [lr for lr, c in sorted(codes.items()) if c is None]
             if self._done is None:
                 done = [lr for lr, c in codes.items() if c == 0]
                 if done:
@@ -537,27 +544,39 @@ def _agent_class() -> Any:
                     self._store_asked = now
                     if self._finished_elsewhere():
                         self._done = (now, ANOTHER_NODE)
+                if self._done is not None:
+                    self._window = (now, {lr: cpu_seconds(self._procs[lr].pid) for lr in running})
+                return None
+            start, cpu0 = self._window
+            if now - start < self.finish_timeout:
                 return None
             since, what = self._done
-            if now - since < self.finish_timeout:
+            cpu1 = {lr: cpu_seconds(self._procs[lr].pid) for lr in running}
+            self._window = (now, cpu1)
+            share = {lr: (cpu1[lr] - cpu0.get(lr, 0.0)) / (now - start) for lr in running}
+            for lr in running:
+                if share[lr] >= BUSY_SHARE:
+                    log.warning(
+                        "rank %d (local rank %d, pid %d) is still running %.0fs after %s finished "
+                        "(exit code 0), and working (%.0f%% of a core over the last %.0fs): "
+                        "left alone, looked at again in %gs (--finish-timeout)",
+                        worker_group.workers[lr].global_rank, lr, self._procs[lr].pid,
+                        now - since, what, 100 * share[lr], now - start, self.finish_timeout,
+                    )  # fmt: skip
+            stuck = [lr for lr in running if share[lr] < BUSY_SHARE]
+            if not stuck:
                 return None
             failures = {}
-            for lr, code in sorted(codes.items()):
-                if code is not None:
-                    continue
+            for lr in stuck:
                 w, p = worker_group.workers[lr], self._procs[lr]
                 log.error(
                     "rank %d (local rank %d, pid %d) is still running %.0fs after %s finished "
-                    "(exit code 0), past --finish-timeout %gs; %s. Killing it: the job's other "
-                    "ranks are done, so it cannot be waiting for them",
-                    w.global_rank,
-                    lr,
-                    p.pid,
-                    now - since,
-                    what,
-                    self.finish_timeout,
-                    describe_process(p.pid),
-                )
+                    "(exit code 0), idle (%.1f%% of a core over the last %.0fs, --finish-timeout "
+                    "%gs); %s. Killing it: the job's other ranks are done, so it cannot be "
+                    "waiting for them",
+                    w.global_rank, lr, p.pid, now - since, what, 100 * share[lr], now - start,
+                    self.finish_timeout, describe_process(p.pid),
+                )  # fmt: skip
                 _signal_group(p, signal.SIGKILL)
                 try:
                     p.wait(10)  # (a process in an uninterruptible wait dies when it leaves it)
@@ -772,12 +791,27 @@ _STATES = {
 }
 
 
+def _rank_of(pid: int) -> int:
+    """The process that does worker ``pid``'s work: the rank a fork server's stand-in stands for."""
+    from resilient import forkserver
+
+    return forkserver.rank_pid(pid) or pid
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time worker ``pid``'s rank has used (all its threads); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{_rank_of(pid)}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def describe_process(pid: int) -> str:
     """What ``/proc`` says worker ``pid`` is doing (the rank a fork server's stand-in stands
     for): its state, its threads' states, and the kernel wait of its main thread."""
-    from resilient import forkserver
-
-    rank = forkserver.rank_pid(pid) or pid
+    rank = _rank_of(pid)
     who = f"process {rank}" + (f" (forked for stand-in {pid})" if rank != pid else "")
     try:
         threads = []
