@@ -22,28 +22,41 @@ from resilient.launch.agent import describe_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# RANK 1 of the first attempt stays behind in the way argv[1] says; every other worker leaves at
-# once (exit code 0).  Each start leaves a file: start-<rank>-<restart>.
+# RANK 1 of the first attempt stays behind in the way argv[1] says (every rank but 0, for
+# "hang-others"); every other worker leaves at once (exit code 0), rank 0 noting when.  Each
+# start leaves a file: start-<rank>-<restart>.
 _WORKER = """
-import os, signal, sys, time
+import os, signal, subprocess, sys, time
 from pathlib import Path
-
-import pytest
 mode, out = sys.argv[1], Path(sys.argv[2])
 rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 (out / f"start-{rank}-{restart}").write_text(str(os.getpid()))
-if rank == 1 and restart == 0:
+if rank == 0:
+    (out / "rank0-left").write_text(repr(time.time()))
+elif restart == 0 and (rank == 1 or mode == "hang-others"):
     if mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif mode == "hang":
+    elif mode in ("hang", "hang-others"):
         time.sleep(3600)
     elif mode == "busy":  # working on alone (an export) for a few bounds' time, then done
+        t = time.monotonic()
+        while time.monotonic() - t < 4:
+            pass
+    elif mode == "child-busy":  # the same work in a child process, the rank waiting for it
+        code = "import time\\nt = time.monotonic()\\nwhile time.monotonic() - t < 4: pass\\n"
+        subprocess.run([sys.executable, "-c", code], check=True)
+    elif mode == "late-busy":  # idle (an upload) for most of the bound, then computing
+        while not (out / "rank0-left").exists():
+            time.sleep(0.01)
+        t0 = float((out / "rank0-left").read_text())
+        time.sleep(max(0.0, t0 + float(sys.argv[3]) - time.time()))
         t = time.monotonic()
         while time.monotonic() - t < 4:
             pass
     elif mode == "flag":
         while not (out / "go").exists():
             time.sleep(0.02)
+    (out / f"done-{rank}").write_text("1")
 """
 
 
@@ -54,11 +67,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(tmp: Path, mode: str, *flags: str) -> subprocess.Popen:
+def _launch(tmp: Path, mode: str, *flags: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     (tmp / "w.py").write_text(_WORKER)
     return subprocess.Popen(
         [sys.executable, "-m", "resilient.cli", "launch", "--spares", "0", *flags,
-         str(tmp / "w.py"), mode, str(tmp)],
+         str(tmp / "w.py"), mode, str(tmp), *extra],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
@@ -114,13 +127,29 @@ def test_a_frozen_rank_with_no_restart_left_fails_the_job_by_name_and_is_not_lef
     assert _gone(frozen), "the frozen rank was left behind"
 
 
-def test_a_rank_still_working_after_its_peers_finished_is_left_to_finish(tmp_path):
-    p = _launch(tmp_path, "busy", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+@pytest.mark.parametrize("mode", ["busy", "child-busy"], ids=["itself", "in-a-child"])
+def test_a_rank_still_working_after_its_peers_finished_is_left_to_finish(tmp_path, mode):
+    """Computing on alone, in its own process or in a child it waits for (a subprocess export,
+    a shell wrapper's python): working, not idle."""
+    p = _launch(tmp_path, mode, "--standalone", "--nproc-per-node", "2", "--max-restarts",
                 "1", "--finish-timeout", "1")  # fmt: skip
     log = _finish(p)
-    assert p.returncode == 0, log[-4000:]
-    assert "and working (" in log and "left alone" in log, log[-4000:]
+    assert p.returncode == 0 and (tmp_path / "done-1").exists(), log[-4000:]
+    assert "and working: left alone" in log, log[-4000:]
     assert "Killing it" not in log and not (tmp_path / "start-1-1").exists(), log[-4000:]
+
+
+def test_a_rank_that_starts_computing_as_the_bound_ends_is_not_killed(tmp_path):
+    """Idle for most of the bound, then working when it ends: the bound counts idle seconds
+    up to the last one, not an average over the window (which killed it, "idle" and "running"
+    in one line)."""
+    bound = 6.0
+    p = _launch(tmp_path, "late-busy", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "0", "--finish-timeout", str(bound),
+                extra=(str(bound - 0.25),))  # fmt: skip
+    log = _finish(p)
+    assert p.returncode == 0 and (tmp_path / "done-1").exists(), log[-4000:]
+    assert "Killing it" not in log, log[-4000:]
 
 
 def test_finish_timeout_0_waits_for_the_last_rank_as_torchrun_does(tmp_path):
@@ -138,29 +167,55 @@ def test_finish_timeout_0_waits_for_the_last_rank_as_torchrun_does(tmp_path):
     assert not (tmp_path / "start-1-1").exists()
 
 
+def _two_nodes(tmp: Path, mode: str, nproc: int) -> tuple[list[subprocess.Popen], list[str]]:
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        d = tmp / f"node{node}"
+        d.mkdir()
+        procs.append(_launch(
+            d, mode, "--nnodes", "2", "--nproc-per-node", str(nproc), "--max-restarts", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", f"finish-{port}", "--finish-timeout", "1",
+        ))  # fmt: skip
+    return procs, [_finish(p) for p in procs]
+
+
 def test_a_rank_hung_after_a_rank_on_another_node_finished_fails_its_node_without_a_restart(
     tmp_path,
 ):
     """Two agents, a rank each: rank 0's node finishes and waits in torchrun's exit barrier;
     rank 1's agent learns it from the store, kills its rank after the bound, and does not restart
     (that node would never join a new rendezvous), so both launchers end."""
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        d = tmp_path / f"node{node}"
-        d.mkdir()
-        procs.append(_launch(
-            d, "hang", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", f"finish-{port}", "--finish-timeout", "1",
-        ))  # fmt: skip
-    logs = [_finish(p) for p in procs]
+    procs, logs = _two_nodes(tmp_path, "hang", 1)
     hung = next(i for i in (0, 1) if (tmp_path / f"node{i}" / "start-1-0").exists())
     assert procs[1 - hung].returncode == 0, logs[1 - hung][-4000:]
     assert procs[hung].returncode == 1, logs[hung][-4000:]
     assert "after a rank on another node finished (exit code 0)" in logs[hung], logs[hung][-4000:]
     assert "not restarting the workers either" in logs[hung], logs[hung][-4000:]
     assert not (tmp_path / f"node{hung}" / "start-1-1").exists()
+
+
+def test_nodes_that_each_kill_a_rank_left_behind_restart_together(tmp_path):
+    """Two agents, two ranks each, rank 0 finished and every other rank hung: both nodes kill
+    theirs, and neither finished whole, so both restart (one taking the other's finished rank for
+    a node in the exit barrier would fail alone while the other waited in a rendezvous)."""
+    procs, logs = _two_nodes(tmp_path, "hang-others", 2)
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0 and "Killing it" in log, log[-4000:]
+        assert "restarting the workers" in log, log[-4000:]
+    for rank in range(4):
+        assert any((tmp_path / f"node{i}" / f"start-{rank}-1").exists() for i in (0, 1))
+
+
+def test_several_ranks_left_behind_are_each_killed_and_named(tmp_path):
+    p = _launch(tmp_path, "hang-others", "--standalone", "--nproc-per-node", "3",
+                "--max-restarts", "0", "--finish-timeout", "1")  # fmt: skip
+    log = _finish(p)
+    assert p.returncode == 1 and log.count("Killing it") == 2, log[-4000:]
+    for rank in (1, 2):
+        assert f"rank {rank} (local rank {rank}, pid " in log, log[-4000:]
+        assert re.search(rf"rank {rank} \(pid \d+\) failed with exit code -9", log), log[-4000:]
 
 
 def test_describe_process_says_stopped_sleeping_or_gone():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -48,10 +49,10 @@ log = logging.getLogger("resilient.launch")
 __all__ = [
     "launch_main",
     "InJobAgent",
-    "cpu_seconds",
     "describe_process",
     "parse_args",
     "share_store_address",
+    "tree_usage",
 ]
 
 SPARES_DEFAULT = 1
@@ -59,7 +60,7 @@ MAX_RECOVERIES_DEFAULT = 10
 REPEAT_WINDOW_S = 30.0  # a rank that fails again this soon after its takeover: restart instead
 FINISH_TIMEOUT_DEFAULT = 300.0  # torchrun's exit barrier waits as long for the other nodes
 STORE_POLL_S = 1.0  # how often an agent with workers still running asks whether another finished
-BUSY_SHARE = 0.05  # a worker past --finish-timeout using this share of a core is working: kept
+BUSY_SHARE = 0.05  # a worker using this share of a core in a second (or on a CPU) is working
 MAX_SPARE_REFILLS = 10  # idle spares that died and were started again, per round of workers
 
 
@@ -274,13 +275,19 @@ def _agent_class() -> Any:
             finish_timeout: float = FINISH_TIMEOUT_DEFAULT,
             exit_barrier_timeout: float = 300,
         ) -> None:
-            super().__init__(spec, exit_barrier_timeout)
+            # a node whose workers finished waits in torchrun's exit barrier for the others: at
+            # least as long as their agents take to kill a worker left behind
+            super().__init__(spec, max(exit_barrier_timeout, finish_timeout + 30))
             share_store_address(spec.rdzv_handler)
             self.spares_wanted = spares
             self.max_recoveries = max_recoveries
             self.finish_timeout = finish_timeout
             self._done: tuple[float, str] | None = None  # when a worker first finished, and which
-            self._window: tuple[float, dict[int, float]] = (0.0, {})  # since when, CPU seconds
+            # the workers' last (time, {local rank: (CPU seconds, on a CPU)}), when last busy,
+            # when last warned of as still working
+            self._sample: tuple[float, dict[int, tuple[float, bool]]] = (0.0, {})
+            self._busy_at: dict[int, float] = {}
+            self._warned: dict[int, float] = {}
             self._store_asked = 0.0  # when the store was last asked whether another node's did
             self._taken_over: dict[int, float] = {}  # local rank -> when a spare took it
             self._procs: dict[int, subprocess.Popen] = {}
@@ -487,6 +494,7 @@ def _agent_class() -> Any:
             if not failed:
                 if all(c == 0 for c in codes.values()):
                     self._release_spares()
+                    self._say_succeeded()
                     return RunResult(
                         state=WorkerState.SUCCEEDED,
                         return_values={w.global_rank: None for w in worker_group.workers},
@@ -523,15 +531,15 @@ def _agent_class() -> Any:
             return RunResult(state=WorkerState.FAILED, failures={rec["rank"]: failure})
 
         def _past_finish(self, worker_group: WorkerGroup, codes: dict[int, int | None]) -> Any:
-            """Workers still running ``finish_timeout`` after a worker of the job finished (exit
-            code 0, here or on another node), and idle over that time (under ``BUSY_SHARE`` of
-            a core: frozen, or waiting on something that will not come), are named with their
-            state and killed, a failure for torchrun's policy (restart: they resume from the last
-            checkpoint; or fail).  torchrun waits for such a worker forever: a rank frozen after
-            its last step, or hung in its teardown (a process group's destroy, a non-daemon
-            thread), keeps the job from ending although its work is done.  A worker that is
-            still computing (rank 0's export after the others left) is left alone and looked at
-            again after another ``finish_timeout``."""
+            """Workers idle for ``finish_timeout`` since a worker of the job finished (exit code
+            0, here or on another node) are named with their state and killed, a failure for
+            torchrun's policy (restart: they resume from the last checkpoint; or fail).  torchrun
+            waits for such a worker forever: a rank frozen after its last step, or hung in its
+            teardown (a process group's destroy, a non-daemon thread), keeps the job from ending
+            although its work is done.  Idle: every second, the worker's process and its
+            descendants used under ``BUSY_SHARE`` of a core and none was running.  A worker
+            still computing (rank 0's export after the others left, in its own process or a
+            child) is left alone, with a warning once a bound."""
             if not self.finish_timeout or self._pending_gen is not None:
                 return None
             now = time.monotonic()
@@ -545,25 +553,35 @@ def _agent_class() -> Any:
                     if self._finished_elsewhere():
                         self._done = (now, ANOTHER_NODE)
                 if self._done is not None:
-                    self._window = (now, {lr: cpu_seconds(self._procs[lr].pid) for lr in running})
+                    self._sample = (now, self._usage(running))
+                    self._busy_at = {}
                 return None
-            start, cpu0 = self._window
-            if now - start < self.finish_timeout:
+            last, before = self._sample
+            if now - last < STORE_POLL_S:
                 return None
+            usage = self._usage(running)
+            self._sample = (now, usage)
             since, what = self._done
-            cpu1 = {lr: cpu_seconds(self._procs[lr].pid) for lr in running}
-            self._window = (now, cpu1)
-            share = {lr: (cpu1[lr] - cpu0.get(lr, 0.0)) / (now - start) for lr in running}
+            stuck = []
             for lr in running:
-                if share[lr] >= BUSY_SHARE:
+                cpu, on_cpu = usage[lr]
+                if on_cpu or cpu - before.get(lr, (cpu, False))[0] >= BUSY_SHARE * (now - last):
+                    self._busy_at[lr] = now
+                idle_since = max(since, self._busy_at.get(lr, since))
+                if now - idle_since >= self.finish_timeout:
+                    stuck.append(lr)
+                elif (
+                    now - since >= self.finish_timeout
+                    and now - self._warned.get(lr, -math.inf) >= self.finish_timeout
+                ):
+                    self._warned[lr] = now
                     log.warning(
-                        "rank %d (local rank %d, pid %d) is still running %.0fs after %s finished "
-                        "(exit code 0), and working (%.0f%% of a core over the last %.0fs): "
-                        "left alone, looked at again in %gs (--finish-timeout)",
+                        "rank %d (local rank %d, pid %d) is still running %.0fs after %s "
+                        "finished (exit code 0), and working: left alone while it works "
+                        "(--finish-timeout %gs: killed once it has done nothing for that long)",
                         worker_group.workers[lr].global_rank, lr, self._procs[lr].pid,
-                        now - since, what, 100 * share[lr], now - start, self.finish_timeout,
+                        now - since, what, self.finish_timeout,
                     )  # fmt: skip
-            stuck = [lr for lr in running if share[lr] < BUSY_SHARE]
             if not stuck:
                 return None
             failures = {}
@@ -571,10 +589,11 @@ def _agent_class() -> Any:
                 w, p = worker_group.workers[lr], self._procs[lr]
                 log.error(
                     "rank %d (local rank %d, pid %d) is still running %.0fs after %s finished "
-                    "(exit code 0), idle (%.1f%% of a core over the last %.0fs, --finish-timeout "
-                    "%gs); %s. Killing it: the job's other ranks are done, so it cannot be "
-                    "waiting for them",
-                    w.global_rank, lr, p.pid, now - since, what, 100 * share[lr], now - start,
+                    "(exit code 0) and has done nothing for the last %.0fs (under %.0f%% of a "
+                    "core, its child processes included; --finish-timeout %gs); %s. Killing it: "
+                    "otherwise the job waits for it forever",
+                    w.global_rank, lr, p.pid, now - since, what,
+                    now - max(since, self._busy_at.get(lr, since)), 100 * BUSY_SHARE,
                     self.finish_timeout, describe_process(p.pid),
                 )  # fmt: skip
                 _signal_group(p, signal.SIGKILL)
@@ -586,11 +605,38 @@ def _agent_class() -> Any:
                 failures[w.global_rank] = ProcessFailure(
                     local_rank=lr, pid=p.pid, exitcode=code, error_file=""
                 )
-            reason = f"{what} finished (exit code 0) {now - since:.0f}s before"
-            if what != ANOTHER_NODE and self._finished_elsewhere():
-                reason += f", and {ANOTHER_NODE}"  # (so no restart: that node joins none)
-            self._log_fallback(reason)
+            # a restart needs every node in a new rendezvous: not one whose workers all finished
+            # (its agent waits in the exit barrier); a node that restarts its own joins
+            self._log_fallback(
+                f"{what} finished (exit code 0) {now - since:.0f}s before",
+                no_rendezvous=self._succeeded_elsewhere(),
+            )
             return RunResult(state=WorkerState.FAILED, failures=failures)
+
+        def _usage(self, running: list[int]) -> dict[int, tuple[float, bool]]:
+            """Each running worker's (CPU seconds, whether a process of it is on a CPU now):
+            its rank's process and the rank's descendants (``tree_usage``)."""
+            return tree_usage({lr: self._procs[lr].pid for lr in running})
+
+        def _succeeded_key(self) -> str:
+            return f"{self._base()}/succeeded"
+
+        def _say_succeeded(self) -> None:
+            """Tell the other agents that every worker of this node finished: this agent goes to
+            torchrun's exit barrier, never to another rendezvous."""
+            store = self._store_client(quiet=True)
+            try:
+                if store is not None:
+                    store.add(self._succeeded_key(), 1)
+            except Exception:
+                pass
+
+        def _succeeded_elsewhere(self) -> bool:
+            store = self._store_client(quiet=True)
+            try:
+                return store is not None and int(store.add(self._succeeded_key(), 0)) > 0
+            except Exception:
+                return False
 
         def _finished_key(self) -> str:
             return f"{self._base()}/finished"
@@ -625,8 +671,13 @@ def _agent_class() -> Any:
                 return False
             return said > (1 if self._said_finished else 0)
 
-        def _log_fallback(self, reason: str) -> None:
-            if ANOTHER_NODE in reason and getattr(self, "_remaining_restarts", 0) > 0:
+        def _log_fallback(self, reason: str, no_rendezvous: bool | None = None) -> None:
+            """Log why the workers are restarted (or not, with none left); ``no_rendezvous``:
+            another node joins no new rendezvous, so none is tried (default: the reason says a
+            rank on another node finished)."""
+            if no_rendezvous is None:
+                no_rendezvous = ANOTHER_NODE in reason
+            if no_rendezvous and getattr(self, "_remaining_restarts", 0) > 0:
                 # that node's agent waits in the exit barrier, not in a rendezvous: a restart
                 # would wait for it until the rendezvous times out, then fail anyway
                 self._remaining_restarts = 0
@@ -798,14 +849,39 @@ def _rank_of(pid: int) -> int:
     return forkserver.rank_pid(pid) or pid
 
 
-def cpu_seconds(pid: int) -> float:
-    """The CPU time worker ``pid``'s rank has used (all its threads); 0 when it cannot be read."""
-    try:
-        with open(f"/proc/{_rank_of(pid)}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+def tree_usage(workers: dict[int, int]) -> dict[int, tuple[float, bool]]:
+    """For each ``key: worker pid``, (the CPU seconds its rank and the rank's descendants have
+    used, whether one of them is on a CPU now), from one pass over ``/proc``.  A worker's work
+    may run in a child (a script's export subprocess, a shell wrapper's python); a descendant
+    that has exited is counted in its parent's children's time once reaped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stat: dict[int, tuple[int, float, bool]] = {}  # pid -> (ppid, CPU seconds, running)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+            stat[int(name)] = (int(fields[1]), cpu, fields[0] == "R")
+        except (OSError, IndexError, ValueError):
+            continue  # (gone meanwhile)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in stat.items():
+        children.setdefault(ppid, []).append(pid)
+    out = {}
+    for key, pid in workers.items():
+        cpu, running, todo, seen = 0.0, False, [_rank_of(pid)], set()
+        while todo:
+            p = todo.pop()
+            if p in seen or p not in stat:
+                continue
+            seen.add(p)
+            cpu += stat[p][1]
+            running |= stat[p][2]
+            todo += children.get(p, [])
+        out[key] = (cpu, running)
+    return out
 
 
 def describe_process(pid: int) -> str:
