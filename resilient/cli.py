@@ -283,7 +283,12 @@ def launch(ctx: typer.Context) -> None:
         typer.echo(
             "usage: resilient launch [torchrun's flags] [--spares K] SCRIPT|-m MODULE [ARGS]\n\n"
             + (launch.__doc__ or "")
-            + "\n\ntorchrun's flags: see `torchrun --help`."
+            + "\n\nIts own flags, with torchrun's (see `torchrun --help`):\n"
+            "  --spares K            spare processes per node (default 1; 0: restarts only)\n"
+            "  --max-recoveries N    in-job recoveries per node before a restart (default 10)\n"
+            "  --preload MOD[,MOD]   start the workers from a fork server that imported these\n"
+            "  --finish-timeout S    kill a worker idle this long after another finished\n"
+            "                        (default 300; 0: wait for it forever, as torchrun does)"
         )
         raise typer.Exit(0 if args else 2)
     from resilient.launch.agent import launch_main

@@ -257,3 +257,13 @@ def test_describe_process_counts_threads_by_state():
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_launchers_help_names_its_own_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "resilient.cli", "launch", "--help"],
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for flag in ("--spares", "--max-recoveries", "--preload", "--finish-timeout"):
+        assert flag in out.stdout, out.stdout

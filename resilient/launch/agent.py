@@ -100,11 +100,12 @@ def parse_args(argv: list[str]) -> Any:
         type=_seconds,
         default=FINISH_TIMEOUT_DEFAULT,
         metavar="SECONDS",
-        help="once a worker of the job has finished (exit code 0, on any node), a worker still "
-        "running this much later is named, with its state, and killed: a failure, so torchrun's "
-        "policy restarts the workers (they resume from the last checkpoint) or fails the job; "
-        "torchrun would wait for it forever (a rank frozen or hung in its teardown after the "
-        f"last step); 0 waits forever (default {FINISH_TIMEOUT_DEFAULT:.0f})",
+        help="once a worker of the job has finished (exit code 0, on any node), a worker that "
+        "has done nothing (its process and its children: under 5%% of a core) for this long is "
+        "named, with its state, and killed: a failure, so torchrun's policy restarts the workers "
+        "(they resume from the last checkpoint) or fails the job; torchrun would wait for it "
+        "forever (a rank frozen or hung in its teardown after the last step); 0 waits forever "
+        f"(default {FINISH_TIMEOUT_DEFAULT:.0f})",
     )
     args = parser.parse_args(argv)
     _check_torchrun_values(parser, args)
@@ -183,7 +184,6 @@ _spares = _count("spare processes per node (0 turns in-job recovery off)", MAX_P
 def _seconds(text: str) -> float:
     """An argparse type: a finite number of seconds >= 0."""
     import argparse
-    import math
 
     try:
         value = float(text)
