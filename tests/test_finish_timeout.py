@@ -33,10 +33,15 @@ rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_CO
 (out / f"start-{rank}-{restart}").write_text(str(os.getpid()))
 if rank == 0:
     (out / "rank0-left").write_text(repr(time.time()))
-elif restart == 0 and (rank == 1 or mode == "hang-others"):
+elif mode == "hang-others":  # the first time this rank number runs (torch's restart for a
+    # node that joins a new round keeps the other nodes' restart count)
+    if not (out / f"hung-{rank}").exists():
+        (out / f"hung-{rank}").touch()
+        time.sleep(3600)
+elif restart == 0 and rank == 1:
     if mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif mode in ("hang", "hang-others"):
+    elif mode == "hang":
         time.sleep(3600)
     elif mode == "busy":  # working on alone (an export) for a few bounds' time, then done
         t = time.monotonic()
@@ -56,7 +61,7 @@ elif restart == 0 and (rank == 1 or mode == "hang-others"):
     elif mode == "flag":
         while not (out / "go").exists():
             time.sleep(0.02)
-    (out / f"done-{rank}").write_text("1")
+(out / f"done-{rank}").write_text("1")
 """
 
 
@@ -167,12 +172,15 @@ def test_finish_timeout_0_waits_for_the_last_rank_as_torchrun_does(tmp_path):
     assert not (tmp_path / "start-1-1").exists()
 
 
-def _two_nodes(tmp: Path, mode: str, nproc: int) -> tuple[list[subprocess.Popen], list[str]]:
+def _two_nodes(
+    tmp: Path, mode: str, nproc: int, shared: bool = False
+) -> tuple[list[subprocess.Popen], list[str]]:
+    """Two agents of one job; each node's files in ``tmp/node<i>``, or both in ``tmp``."""
     port = free_port()
     procs = []
     for node in (0, 1):
-        d = tmp / f"node{node}"
-        d.mkdir()
+        d = tmp if shared else tmp / f"node{node}"
+        d.mkdir(exist_ok=True)
         procs.append(_launch(
             d, mode, "--nnodes", "2", "--nproc-per-node", str(nproc), "--max-restarts", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -196,16 +204,18 @@ def test_a_rank_hung_after_a_rank_on_another_node_finished_fails_its_node_withou
     assert not (tmp_path / f"node{hung}" / "start-1-1").exists()
 
 
-def test_nodes_that_each_kill_a_rank_left_behind_restart_together(tmp_path):
-    """Two agents, two ranks each, rank 0 finished and every other rank hung: both nodes kill
-    theirs, and neither finished whole, so both restart (one taking the other's finished rank for
-    a node in the exit barrier would fail alone while the other waited in a rendezvous)."""
-    procs, logs = _two_nodes(tmp_path, "hang-others", 2)
+def test_nodes_that_each_have_a_rank_left_behind_restart_together(tmp_path):
+    """Two agents, two ranks each, rank 0 finished and every other rank hung (once): neither
+    node finished whole, so neither gives up its restart (a node taking the other's finished
+    rank for a node in the exit barrier would fail alone while the other waited in a new
+    rendezvous); both end 0, every rank finished in the next round."""
+    procs, logs = _two_nodes(tmp_path, "hang-others", 2, shared=True)
     for p, log in zip(procs, logs):
-        assert p.returncode == 0 and "Killing it" in log, log[-4000:]
-        assert "restarting the workers" in log, log[-4000:]
+        assert p.returncode == 0, log[-4000:]
+        assert "not restarting the workers" not in log, log[-4000:]
+    assert any("Killing it" in log for log in logs), logs[0][-3000:] + logs[1][-3000:]
     for rank in range(4):
-        assert any((tmp_path / f"node{i}" / f"start-{rank}-1").exists() for i in (0, 1))
+        assert (tmp_path / f"done-{rank}").exists(), rank
 
 
 def test_several_ranks_left_behind_are_each_killed_and_named(tmp_path):
