@@ -554,7 +554,7 @@ def _agent_class() -> Any:
                         self._done = (now, ANOTHER_NODE)
                 if self._done is not None:
                     self._sample = (now, self._usage(running))
-                    self._busy_at = {}
+                    self._busy_at, self._warned = {}, {}
                 return None
             last, before = self._sample
             if now - last < STORE_POLL_S:
