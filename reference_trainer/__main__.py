@@ -26,6 +26,7 @@ gc.disable()
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -68,6 +69,14 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="with --nproc: hot spare processes; K > 0: a spare takes a failed rank over and the "
         "healthy ranks stay alive (in-job recovery); 0: a failure restarts the workers",
+    )
+    p.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=None,
+        help="with --nproc: once a rank has finished, kill one that has done nothing for this "
+        "many seconds (a rank frozen or hung after its last step; resilient launch's default "
+        "300; 0: wait for it forever)",
     )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
@@ -308,13 +317,30 @@ def main(argv: list[str] | None = None, *, program: bool = False) -> int:
                 f"--spares {args.spares}: spares come with --nproc (or run under "
                 f"`resilient launch --spares K`)"
             )
+        if args.finish_timeout is not None:
+            if not (math.isfinite(args.finish_timeout) and args.finish_timeout >= 0):
+                raise ConfigError(
+                    f"--finish-timeout {args.finish_timeout}: expected a number of seconds >= 0"
+                )
+            if args.nproc is None:
+                raise ConfigError(
+                    f"--finish-timeout {args.finish_timeout:g}: it comes with --nproc (or run "
+                    "under `resilient launch --finish-timeout S`)"
+                )
         cfg = config_from(args, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None and not under_launcher:
         rest = _without_launcher_flags(argv)
-        return _launch(args.nproc, args.max_restarts, rest, args.spares, program=program)
+        return _launch(
+            args.nproc,
+            args.max_restarts,
+            rest,
+            args.spares,
+            program=program,
+            finish_timeout=args.finish_timeout,
+        )
     if not under_launcher:  # a world of one, in this process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -353,23 +379,32 @@ def main(argv: list[str] | None = None, *, program: bool = False) -> int:
     return 0
 
 
+_LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--spares", "--finish-timeout")
+
+
 def _without_launcher_flags(argv: list[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts", "--spares"):
+        if a in _LAUNCHER_FLAGS:
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=", "--spares=")):
+        if a.startswith(tuple(f"{f}=" for f in _LAUNCHER_FLAGS)):
             continue
         out.append(a)
     return out
 
 
 def _launch(
-    nproc: int, max_restarts: int, rest: list[str], spares: int = 0, *, program: bool = False
+    nproc: int,
+    max_restarts: int,
+    rest: list[str],
+    spares: int = 0,
+    *,
+    program: bool = False,
+    finish_timeout: float | None = None,
 ) -> int:
     import signal
 
@@ -390,6 +425,8 @@ def _launch(
         "--spares",
         str(spares),
     ]
+    if finish_timeout is not None:
+        flags += ["--finish-timeout", repr(finish_timeout)]
     # the ranks fork from a server that has imported torch and the trainer once (not every rank
     # at every restart): resilient/forkserver.py
     flags += ["--preload", ",".join(PRELOAD)]

@@ -369,6 +369,9 @@ def test_non_finite_gradients_are_never_applied_nor_committed(tmp_path):
         (["--nproc", "100000"], "--nproc 100000: expected a number of local ranks from 1 to 4096"),
         (["--nproc", "0"], "--nproc 0: expected a number of local ranks from 1 to 4096"),
         (["--nproc", "2", "--spares", "100000"], "--spares 100000: expected 0 to 4096 spare"),
+        (["--nproc", "2", "--finish-timeout", "-1"], "--finish-timeout -1.0: expected a number"),
+        (["--nproc", "2", "--finish-timeout", "nan"], "--finish-timeout nan: expected a number"),
+        (["--finish-timeout", "5"], "--finish-timeout 5: it comes with --nproc"),
     ],
 )
 def test_the_command_line_refuses_a_number_of_processes_no_machine_runs(
@@ -384,3 +387,21 @@ def test_the_command_line_refuses_a_number_of_processes_no_machine_runs(
     monkeypatch.setattr(trainer_main, "_launch", launched)
     assert trainer_main.main([*flags, "--steps", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_finish_timeout_goes_to_the_launcher_not_to_the_ranks(monkeypatch):
+    """``--nproc N --finish-timeout S``: resilient launch's flag, taken out of the ranks' own."""
+    from reference_trainer import __main__ as trainer_main
+    from resilient.launch import agent
+
+    seen = []
+    monkeypatch.setattr(agent, "launch_main", lambda argv, **kw: seen.append(argv) or 0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (_launch sets it where unset: undone after)
+    assert (
+        trainer_main.main(["--nproc", "2", "--dp", "2", "--finish-timeout", "7.5", "--steps", "1"])
+        == 0
+    )
+    (argv,) = seen
+    launcher, ranks = argv[: argv.index("-m")], argv[argv.index("-m") :]
+    assert launcher[launcher.index("--finish-timeout") + 1] == "7.5"
+    assert "--finish-timeout" not in ranks and ranks[:2] == ["-m", "reference_trainer"]
