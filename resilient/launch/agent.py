@@ -408,6 +408,8 @@ def _agent_class() -> Any:
 
         def _release_spares(self) -> None:
             """Tell the idle spares the job needs no more of them."""
+            if not self._spares:
+                return
             store = self._store_client(quiet=True)
             for index, p in self._spares:
                 if store is not None and p.poll() is None:
@@ -426,6 +428,13 @@ def _agent_class() -> Any:
 
         # --- the store ------------------------------------------------------------------------
         def _store_client(self, quiet: bool = False) -> Any:
+            """A client of the workers' store (the spares' and generations' keys).  Only where
+            in-job recovery is on: otherwise that store is rank 0's own, gone once rank 0 has
+            exited, and each try to reach it would block the monitor for the connect timeout."""
+            if not self._injob_possible():
+                if quiet:
+                    return None
+                raise RuntimeError("in-job recovery is off: the workers' store is not the agent's")
             if self._client is None:
                 wg = self._worker_group
                 try:
@@ -565,7 +574,9 @@ def _agent_class() -> Any:
             stuck = []
             for lr in running:
                 cpu, on_cpu = usage[lr]
-                if on_cpu or cpu - before.get(lr, (cpu, False))[0] >= BUSY_SHARE * (now - last):
+                used = cpu - before.get(lr, (cpu, False))[0]
+                # (less than before: a process of it left, its time with it: no telling)
+                if on_cpu or used < 0 or used >= BUSY_SHARE * (now - last):
                     self._busy_at[lr] = now
                 idle_since = max(since, self._busy_at.get(lr, since))
                 if now - idle_since >= self.finish_timeout:
@@ -624,20 +635,20 @@ def _agent_class() -> Any:
         def _say_succeeded(self) -> None:
             """Tell the other agents that every worker of this node finished: this agent goes to
             torchrun's exit barrier, never to another rendezvous."""
-            store = self._store_client(quiet=True)
             try:
-                if store is not None:
-                    store.add(self._succeeded_key(), 1)
+                self._store.add(self._succeeded_key(), 1)
             except Exception:
                 pass
 
         def _succeeded_elsewhere(self) -> bool:
-            store = self._store_client(quiet=True)
             try:
-                return store is not None and int(store.add(self._succeeded_key(), 0)) > 0
+                return int(self._store.add(self._succeeded_key(), 0)) > 0
             except Exception:
                 return False
 
+        # The agents' "a worker finished" and "every worker finished" marks are in the round's
+        # rendezvous store (``self._store``, as torchrun's exit barrier is), which every agent
+        # holds a client of already, whether or not the workers share it.
         def _finished_key(self) -> str:
             return f"{self._base()}/finished"
 
@@ -646,11 +657,9 @@ def _agent_class() -> Any:
             could never form its generation with it (they cannot see this node's processes)."""
             if self._said_finished:
                 return
-            store = self._store_client(quiet=True)
             try:
-                if store is not None:
-                    store.add(self._finished_key(), 1)
-                    self._said_finished = True
+                self._store.add(self._finished_key(), 1)
+                self._said_finished = True
             except Exception:
                 pass  # tried again at the next poll; the spare's own bound is the last resort
 
@@ -664,9 +673,8 @@ def _agent_class() -> Any:
 
         def _finished_elsewhere(self) -> bool:
             """Whether another node's agent said in the store that a worker of its finished."""
-            store = self._store_client(quiet=True)
             try:
-                said = int(store.add(self._finished_key(), 0)) if store is not None else 0
+                said = int(self._store.add(self._finished_key(), 0))
             except Exception:
                 return False
             return said > (1 if self._said_finished else 0)
@@ -850,12 +858,14 @@ def _rank_of(pid: int) -> int:
 
 
 def tree_usage(workers: dict[int, int]) -> dict[int, tuple[float, bool]]:
-    """For each ``key: worker pid``, (the CPU seconds its rank and the rank's descendants have
-    used, whether one of them is on a CPU now), from one pass over ``/proc``.  A worker's work
-    may run in a child (a script's export subprocess, a shell wrapper's python); a descendant
-    that has exited is counted in its parent's children's time once reaped."""
+    """For each ``key: worker pid``, (the CPU seconds its rank, the rank's descendants and the
+    rest of its session have used, whether one of them is on a CPU now), from one pass over
+    ``/proc``.  A worker's work may run in a child (a script's export subprocess, a shell
+    wrapper's python, a shell's background job); a descendant that has exited is counted in its
+    parent's children's time once reaped (one reaped by init is not: the total drops)."""
     tick = os.sysconf("SC_CLK_TCK")
     stat: dict[int, tuple[int, float, bool]] = {}  # pid -> (ppid, CPU seconds, running)
+    sessions: dict[int, list[int]] = {}  # session id -> its processes
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -864,6 +874,7 @@ def tree_usage(workers: dict[int, int]) -> dict[int, tuple[float, bool]]:
                 fields = f.read().rsplit(")", 1)[1].split()
             cpu = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
             stat[int(name)] = (int(fields[1]), cpu, fields[0] == "R")
+            sessions.setdefault(int(fields[3]), []).append(int(name))
         except (OSError, IndexError, ValueError):
             continue  # (gone meanwhile)
     children: dict[int, list[int]] = {}
@@ -871,7 +882,12 @@ def tree_usage(workers: dict[int, int]) -> dict[int, tuple[float, bool]]:
         children.setdefault(ppid, []).append(pid)
     out = {}
     for key, pid in workers.items():
-        cpu, running, todo, seen = 0.0, False, [_rank_of(pid)], set()
+        # the rank and what it started: its descendants, and what is left of its session (a
+        # worker's, and a forked rank's, is its own), where a shell's background job goes when
+        # the shell exits
+        rank = _rank_of(pid)
+        todo = [rank, *sessions.get(rank, ()), *(sessions.get(pid, ()) if pid != rank else ())]
+        cpu, running, seen = 0.0, False, set()
         while todo:
             p = todo.pop()
             if p in seen or p not in stat:
