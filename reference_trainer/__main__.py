@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m reference_trainer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # no abbreviations: with --nproc the launcher's own flags are taken out of the ranks'
+        # by their full names, and a rank given an abbreviated one refused it (every rank, 2)
+        allow_abbrev=False,
     )
     p.add_argument(
         "--nproc",

@@ -405,3 +405,16 @@ def test_the_finish_timeout_goes_to_the_launcher_not_to_the_ranks(monkeypatch):
     launcher, ranks = argv[: argv.index("-m")], argv[argv.index("-m") :]
     assert launcher[launcher.index("--finish-timeout") + 1] == "7.5"
     assert "--finish-timeout" not in ranks and ranks[:2] == ["-m", "reference_trainer"]
+
+
+@pytest.mark.parametrize("flag", ["--finish", "--spare", "--max-r"])
+def test_the_launchers_flags_are_not_taken_abbreviated(monkeypatch, capsys, flag):
+    """``--spare 1`` with ``--nproc`` reached the launcher as ``--spares``, but the ranks' flags
+    keep all but the full names: every rank refused it ("comes with --nproc") and exited 2."""
+    from reference_trainer import __main__ as trainer_main
+
+    monkeypatch.setattr(trainer_main, "_launch", lambda *a, **kw: 0)
+    with pytest.raises(SystemExit) as e:
+        trainer_main.main(["--nproc", "2", "--dp", "2", flag, "1", "--steps", "1"])
+    assert e.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
