@@ -209,6 +209,10 @@ def _stage_fails_on_rank_1(rank: int, world: int, url: str) -> tuple:
             outcomes.append(type(e).__name__)
     steps = ck.memory_steps()
     ck.close()
+    # rank 0's process hosts the group's store here (torchrun's agent does in a job): it must
+    # not exit while rank 1 still reads step 4's commit from it (rank 1 then reported that
+    # commit failed, "Failed to recv": a flake under load)
+    torch.distributed.barrier()
     return outcomes, steps
 
 
