@@ -83,6 +83,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Monitor",
+    "proc_stat",
     "EXIT_RANK_FAILURE",
     "encode_info",
     "decode_info",
@@ -1341,7 +1342,7 @@ def decode_start(raw: bytes) -> int | None:
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None
     where that cannot be read (no such process, no /proc)."""
-    stat = _proc_stat(f"/proc/{pid}/stat")
+    stat = proc_stat(f"/proc/{pid}/stat")
     return None if stat is None else int(stat[19])
 
 
@@ -1350,7 +1351,7 @@ def process_state(pid: int, start: int) -> str | None:
     ``"gone"`` when no process with that pid and start time exists, None when /proc cannot say."""
     if not Path("/proc/self/stat").exists():
         return None
-    stat = _proc_stat(f"/proc/{pid}/stat")
+    stat = proc_stat(f"/proc/{pid}/stat")
     if stat is None or int(stat[19]) != start:
         return "gone"
     return stat[0]
@@ -1367,7 +1368,7 @@ def process_activity(
     cgroup freezer, not starved)."""
     if not Path("/proc/self/stat").exists():
         return None
-    stat = _proc_stat(f"/proc/{pid}/stat")
+    stat = proc_stat(f"/proc/{pid}/stat")
     if stat is None or int(stat[19]) != start:
         return "gone", None
     cpu = int(stat[11]) + int(stat[12])  # utime + stime
@@ -1380,7 +1381,7 @@ def process_activity(
     except OSError:
         return "stopped", cpu  # its threads are going: it is exiting
     for task in tasks:
-        t = _proc_stat(str(task / "stat"))
+        t = proc_stat(str(task / "stat"))
         if t is not None and t[0] == "R":
             return "running", cpu
     return "idle", cpu
@@ -1398,13 +1399,13 @@ def process_running(
 def process_cpu(pid: int, start: int) -> int | None:
     """The CPU time process ``pid`` (the one with that start time) used so far, in clock ticks;
     None when it is gone or /proc cannot say (one read: not its threads)."""
-    stat = _proc_stat(f"/proc/{pid}/stat")
+    stat = proc_stat(f"/proc/{pid}/stat")
     if stat is None or int(stat[19]) != start:
         return None
     return int(stat[11]) + int(stat[12])
 
 
-def _proc_stat(path: str) -> list[str] | None:
+def proc_stat(path: str) -> list[str] | None:
     """A ``/proc/.../stat`` file's fields from the state on (the command name, which may hold
     spaces, parentheses or bytes that are not UTF-8, cut off)."""
     try:

@@ -554,14 +554,13 @@ def _agent_class() -> Any:
             now = time.monotonic()
             running = [lr for lr, c in sorted(codes.items()) if c is None]
             if self._done is None:
-                done = [lr for lr, c in codes.items() if c == 0]
-                if done:
-                    self._done = (now, f"local rank {min(done)}")
-                elif now - self._store_asked >= STORE_POLL_S:
+                if 0 not in codes.values():  # (the store asked once a second, not every poll)
+                    if now - self._store_asked < STORE_POLL_S:
+                        return None
                     self._store_asked = now
-                    if self._finished_elsewhere():
-                        self._done = (now, ANOTHER_NODE)
-                if self._done is not None:
+                what = self._finished(codes)
+                if what is not None:
+                    self._done = (now, what)
                     self._sample = (now, self._usage(running))
                     self._busy_at, self._warned = {}, {}
                 return None
@@ -863,20 +862,18 @@ def tree_usage(workers: dict[int, int]) -> dict[int, tuple[float, bool]]:
     ``/proc``.  A worker's work may run in a child (a script's export subprocess, a shell
     wrapper's python, a shell's background job); a descendant that has exited is counted in its
     parent's children's time once reaped (one reaped by init is not: the total drops)."""
+    from resilient.health.heartbeat import proc_stat
+
     tick = os.sysconf("SC_CLK_TCK")
     stat: dict[int, tuple[int, float, bool]] = {}  # pid -> (ppid, CPU seconds, running)
     sessions: dict[int, list[int]] = {}  # session id -> its processes
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            cpu = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
-            stat[int(name)] = (int(fields[1]), cpu, fields[0] == "R")
-            sessions.setdefault(int(fields[3]), []).append(int(name))
-        except (OSError, IndexError, ValueError):
-            continue  # (gone meanwhile)
+        fields = proc_stat(f"/proc/{name}/stat") if name.isdigit() else None
+        if fields is None:
+            continue  # (not a process, or gone meanwhile)
+        cpu = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+        stat[int(name)] = (int(fields[1]), cpu, fields[0] == "R")
+        sessions.setdefault(int(fields[3]), []).append(int(name))
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in stat.items():
         children.setdefault(ppid, []).append(pid)
@@ -903,15 +900,16 @@ def tree_usage(workers: dict[int, int]) -> dict[int, tuple[float, bool]]:
 def describe_process(pid: int) -> str:
     """What ``/proc`` says worker ``pid`` is doing (the rank a fork server's stand-in stands
     for): its state, its threads' states, and the kernel wait of its main thread."""
+    from resilient.health.heartbeat import proc_stat
+
     rank = _rank_of(pid)
     who = f"process {rank}" + (f" (forked for stand-in {pid})" if rank != pid else "")
     try:
-        threads = []
-        for tid in sorted(os.listdir(f"/proc/{rank}/task"), key=int):
-            with open(f"/proc/{rank}/task/{tid}/stat") as f:
-                threads.append(f.read().rsplit(")", 1)[1].split()[0])
-    except (OSError, IndexError, ValueError) as e:
+        tids = sorted(os.listdir(f"/proc/{rank}/task"), key=int)
+    except OSError as e:
         return f"{who}: its state cannot be read ({e})"
+    stats = [proc_stat(f"/proc/{rank}/task/{tid}/stat") for tid in tids]
+    threads = [fields[0] for fields in stats if fields is not None]
     main = threads[0] if threads else "?"
     text = f"{who} is {_STATES.get(main, f'in state {main}')}"
     if len(threads) > 1:
