@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.test_finish_timeout import _env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # argv: a JSON {rank: behaviour}, the output dir.  A behaviour happens the first time its rank
@@ -47,13 +49,6 @@ if what and not (out / f"did-{rank}").exists():
             time.sleep(0.05)
 (out / f"done-{rank}").write_text("1")
 """
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "FATAL", **extra}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
 
 
 def _launch(tmp: Path, plan: dict, *flags: str, env: dict | None = None) -> subprocess.Popen:
