@@ -17,6 +17,10 @@ module as ``__main__`` the way ``python -m`` would.  It stays out of torchrun's 
   exit code, or killed by the same signal).  When it is killed itself (torchrun's SIGKILL), the
   server kills the rank.  With no server in the environment, or one that cannot be reached, it
   runs the module itself: the same rank, started the slow way.
+* A program that starts many jobs (the chaos harness) can start their launchers the same way:
+  :func:`start_launchers` starts a server that forks launchers, and a job's command is the
+  stand-in, ``run -m LAUNCHER ...`` (``host`` included), so that a launcher costs no
+  ``import torch`` either.
 
 The rank is the server's child, so a tool that looks for a worker by its environment
 (``/proc/PID/environ`` keeps what a process was exec'd with, the server's) finds the stand-in
@@ -42,6 +46,10 @@ import socket
 import struct
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 __all__ = [
     "ENV",
@@ -331,11 +339,19 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _child(
-    request: dict, fds: list[int], close: list[socket.socket], server: int, stand_in: int
+    request: dict,
+    fds: list[int],
+    close: list[socket.socket],
+    server: int,
+    stand_in: int,
+    launchers: bool = False,
 ) -> None:
     """In the forked rank: become the process ``python -m MODULE`` (or ``python SCRIPT``) would
     have started, and leave the way it would (an exception or ``SystemExit`` up to the
-    interpreter, which then waits for threads, runs ``atexit`` and finalizes)."""
+    interpreter, which then waits for threads, runs ``atexit`` and finalizes).  From a server
+    for launchers (``launchers``) the child is a launcher, not a rank: nothing in its
+    environment names a server or a stand-in, so that its workers find their launcher as their
+    parent and it starts a server of its own for them."""
     _die_with(server)
     for s in close:
         s.close()
@@ -349,7 +365,11 @@ def _child(
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # what came meanwhile lands now
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ[ENV_STAND_IN] = str(stand_in)  # its launcher's child (see launcher_pid)
+    if launchers:
+        os.environ.pop(ENV, None)
+        os.environ.pop(ENV_STAND_IN, None)
+    else:
+        os.environ[ENV_STAND_IN] = str(stand_in)  # its launcher's child (see launcher_pid)
     os.chdir(request["cwd"])
     _take_placement(request)
     if request.get("unbuffered"):
@@ -429,9 +449,10 @@ def _die_with(server: int) -> None:
         os._exit(1)
 
 
-def serve(path: str, preload: list[str], parent: int) -> int:
+def serve(path: str, preload: list[str], parent: int, *, launchers: bool = False) -> int:
     """Fork a rank for every worker that asks (``preload`` imported first, in the first
-    worker's environment), until ``parent`` exits; then wait for the ranks still running."""
+    worker's environment), until ``parent`` exits; then wait for the ranks still running.
+    ``launchers``: what it forks are launchers (see :func:`start_launchers`)."""
     me = os.getpid()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
@@ -460,9 +481,9 @@ def serve(path: str, preload: list[str], parent: int) -> int:
                     if got is None:
                         continue
                     if not loaded:  # at the first worker, not before: see _preload
-                        _preload(preload, got[1])
+                        _preload(preload, got[1], launchers)
                         loaded = True
-                    _fork(*got, listener, ranks, pids_dir, me)
+                    _fork(*got, listener, ranks, pids_dir, me, launchers)
                 _reap(ranks, pids_dir)
             except Exception as e:
                 if os.getpid() != me:
@@ -496,7 +517,7 @@ class _Rank:
         self.conn, self.stand_in = conn, stand_in
 
 
-def _preload(preload: list[str], request: dict) -> None:
+def _preload(preload: list[str], request: dict, launchers: bool = False) -> None:
     """Import ``preload`` in the first worker's environment (its ``OMP_NUM_THREADS``, which
     torchrun sets for its workers, sizes the thread pools libraries make at import).  Done when
     the first worker asks, not when the server starts: the launcher starts the server before its
@@ -510,7 +531,9 @@ def _preload(preload: list[str], request: dict) -> None:
         os.environ.update({k: v for k, v in env.items() if isinstance(v, str)})
     target = request.get("target")
     for name in preload:
-        if target == ["-m", name]:  # it would run here, as itself, then again in every rank
+        if target == ["-m", name] and not launchers:
+            # it would run here, as itself, then again in every rank (a launcher module does
+            # nothing at its import: torchrun, resilient.cli)
             print(f"resilient.forkserver: not preloading {name}: it is what the ranks run",
                   file=sys.stderr)  # fmt: skip
             continue
@@ -538,7 +561,7 @@ def _accept(listener: socket.socket) -> tuple[socket.socket, dict, list[int], in
     return conn, request, fds, struct.unpack("3i", creds)[0]
 
 
-def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me) -> None:
+def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me, launchers) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     # a signal the stand-in forwards before the rank has its own dispositions waits for them
@@ -550,7 +573,7 @@ def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me) -> None:
         pid = None
     if pid == 0:  # the rank: leaves by its own exception, up to the interpreter
         others = [r.conn for r in ranks.values() if r.conn is not None]
-        _child(request, fds, [listener, conn, *others], me, stand_in)
+        _child(request, fds, [listener, conn, *others], me, stand_in, launchers)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     for fd in fds:
         os.close(fd)
@@ -653,6 +676,31 @@ def start(preload: list[str] | tuple[str, ...], *, fork: bool = False):
     _write(os.path.join(root, "server.pid"), str(server.pid))
     os.environ[ENV] = path
     return server
+
+
+def start_launchers(preload: list[str] | tuple[str, ...]) -> tuple[subprocess.Popen, str]:
+    """Start a server that forks *launchers* (``torch.distributed.run``, ``resilient launch``,
+    ``host`` in front of either) for a program that starts many jobs, one after another or side
+    by side (the chaos harness): ``import torch`` once for all of them, not once per launcher.
+    Returns the server and its socket; this process's environment is left as it is: a job's
+    command is ``python -m resilient.forkserver run -m LAUNCHER ...`` with ``RESILIENT_FORKSERVER``
+    set to the socket in *its* environment.  A launcher forked so is in a session of its own,
+    its workers' parent as usual; the process the program started is its stand-in (signals
+    forwarded, its exit status taken, killed with it: see :func:`rank_pid` to find the launcher
+    from it).  The server exits when this process does (or on SIGTERM: :func:`stop`), once the
+    launchers it forked have ended."""
+    import subprocess
+    import tempfile
+
+    sweep(tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix=_PREFIX)
+    path = os.path.join(root, "sock")
+    cmd = [sys.executable, "-m", "resilient.forkserver", "serve", path, str(os.getpid())]
+    server = subprocess.Popen(
+        [*cmd, ",".join(preload), "--launchers"], stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    _write(os.path.join(root, "server.pid"), str(server.pid))
+    return server, path
 
 
 class _Forked:
@@ -952,11 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
         return _stand_in(argv[1:3], argv[3:])
     if argv[:1] == ["run"] and len(argv) >= 2 and not argv[1].startswith("-"):
         return _stand_in(argv[1:2], argv[2:])
-    if argv[:1] == ["serve"] and len(argv) == 4:
+    if argv[:1] == ["serve"] and len(argv) in (4, 5) and argv[4:] in ([], ["--launchers"]):
         path, parent, preload = argv[1], int(argv[2]), [m for m in argv[3].split(",") if m]
         me = os.getpid()
         try:
-            return serve(path, preload, parent)
+            return serve(path, preload, parent, launchers=argv[4:] == ["--launchers"])
         finally:
             if os.getpid() == me:  # not in a rank leaving through here
                 import shutil

@@ -482,12 +482,21 @@ def _parents() -> dict[int, list[int]]:
 
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (torchrun starts its workers in their own sessions, so
-    a process group kill would miss them)."""
-    children, out, todo = _parents(), [], [pid]
+    a process group kill would miss them); below a stand-in (resilient/forkserver.py), the
+    process a fork server started for it too, with its own: a launcher the harness started
+    from its server for launchers is not its stand-in's child."""
+    from resilient.forkserver import is_stand_in, rank_pid
+
+    children, out, todo, seen = _parents(), [], [pid], set()
     while todo:
         p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
         out.append(p)
         todo += children.get(p, [])
+        if is_stand_in(p) and (forked := rank_pid(p)) not in (None, p):
+            todo.append(forked)
     return out
 
 

@@ -286,6 +286,7 @@ def _attempt(
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents: list[subprocess.Popen] = []
     logs = []
+    launchers = _launcher_server()
 
     def start(node: int, mode: str) -> subprocess.Popen:
         """An agent for ``node`` (a replacement too: the same command, the node's memory root)."""
@@ -296,8 +297,12 @@ def _attempt(
             "RESILIENT_MEMORY_ROOT": str(memory[node]),
             **{k: v.replace("{run_dir}", str(paths.root)) for k, v in job.env.items()},
         }
+        cmd = cmds[node]
+        if launchers is not None:  # the agent forked from this process's server for launchers
+            node_env[forkserver.ENV] = launchers
+            cmd = [cmd[0], *forkserver.STAND_IN, *cmd[1:]]
         return subprocess.Popen(
-            cmds[node], env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     try:
@@ -502,6 +507,23 @@ _PRELOAD = ",".join(
         "resilient.chaos.faultfs",
     ]
 )
+# what a job's launcher imports (either launcher; `host` forks the ranks' server from it, which
+# then has the ranks' modules imported already)
+_LAUNCHER_PRELOAD = ["torch.distributed.run", "resilient.cli", "resilient.launch.agent"]
+_launchers: tuple[subprocess.Popen, str] | None = None
+
+
+def _launcher_server() -> str | None:
+    """The socket of this process's server for launchers (``forkserver.start_launchers``: a
+    chaos suite's agents fork from it, one ``import torch`` for all of them), started at the
+    first job; None where launchers start ranks the usual way (``RESILIENT_FORK_RANKS=0``), so
+    that such a job is started as plain torchrun starts it.  It exits with this process."""
+    global _launchers
+    if not forkserver.enabled():
+        return None
+    if _launchers is None or _launchers[0].poll() is not None:
+        _launchers = forkserver.start_launchers([*_LAUNCHER_PRELOAD, *_PRELOAD.split(",")])
+    return _launchers[1]
 
 
 def _storage_rule(f: Fault) -> dict[str, Any]:
