@@ -184,12 +184,17 @@ def _module_file(name: str) -> str:
 
 def _run_itself(path: str | None, target: list[str], args: list[str]) -> int:
     """The slow way, in this process (no server, or one that could not fork): this process is
-    the rank (what rank_pid says of it)."""
+    the rank (what rank_pid says of it).  A launcher's stand-in (a server for launchers, or
+    none left to tell) lets go of the server's socket, as a forked launcher does."""
     if path:
+        root = os.path.dirname(path)
         try:
-            _write(os.path.join(os.path.dirname(path), "pids", str(os.getpid())), str(os.getpid()))
+            _write(os.path.join(root, "pids", str(os.getpid())), str(os.getpid()))
         except OSError:
             pass  # no server directory: rank_pid takes it for the rank anyway
+        if not os.path.isdir(root) or os.path.exists(os.path.join(root, "launchers")):
+            os.environ.pop(ENV, None)
+            os.environ.pop(ENV_STAND_IN, None)
     _run_target(target, args)
     return 0
 
@@ -465,6 +470,7 @@ def serve(path: str, preload: list[str], parent: int, *, launchers: bool = False
     os.rename(path + ".tmp", path)  # workers connect once it listens, and wait for their pids
     ranks: dict[int, _Rank] = {}
     loaded = False
+    settings = (start_settings(dict(os.environ)), os.getcwd())  # (launchers: see _same_start)
     try:
         while not stopping and os.getppid() == parent:
             open_ = {r.conn: pid for pid, r in ranks.items() if r.conn is not None}
@@ -479,6 +485,9 @@ def serve(path: str, preload: list[str], parent: int, *, launchers: bool = False
                         continue
                     got = _accept(listener)
                     if got is None:
+                        continue
+                    if launchers and not _same_start(got[1], settings):
+                        _refuse(got[0], got[2])  # its stand-in runs the launcher itself
                         continue
                     if not loaded:  # at the first worker, not before: see _preload
                         _preload(preload, got[1], launchers)
@@ -508,6 +517,25 @@ def serve(path: str, preload: list[str], parent: int, *, launchers: bool = False
         _reap(ranks, pids_dir)
         time.sleep(0.1)
     return 0
+
+
+def _same_start(request: dict, settings: tuple[dict[str, str], str]) -> bool:
+    """Whether a launcher started as ``request`` asks would start as this server did: the same
+    start settings in its environment, in the same working directory."""
+    env = request.get("env")
+    if not isinstance(env, dict):
+        return False
+    return (start_settings(env), request.get("cwd")) == settings
+
+
+def _refuse(conn: socket.socket, fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.sendall(json.dumps({"pid": None}).encode() + b"\n")
+    except OSError:
+        pass
+    conn.close()
 
 
 class _Rank:
@@ -562,6 +590,11 @@ def _accept(listener: socket.socket) -> tuple[socket.socket, dict, list[int], in
 
 
 def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me, launchers) -> None:
+    if not _peek(conn):  # its stand-in is gone already (killed while the preload ran)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     # a signal the stand-in forwards before the rank has its own dispositions waits for them
@@ -578,11 +611,7 @@ def _fork(conn, request, fds, stand_in, listener, ranks, pids_dir, me, launchers
     for fd in fds:
         os.close(fd)
     if pid is None:
-        try:
-            conn.sendall(json.dumps({"pid": None}).encode() + b"\n")
-        except OSError:
-            pass
-        conn.close()
+        _refuse(conn, [])
         return
     ranks[pid] = _Rank(conn, stand_in)
     try:
@@ -678,7 +707,11 @@ def start(preload: list[str] | tuple[str, ...], *, fork: bool = False):
     return server
 
 
-def start_launchers(preload: list[str] | tuple[str, ...]) -> tuple[subprocess.Popen, str]:
+def start_launchers(
+    preload: list[str] | tuple[str, ...],
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> tuple[subprocess.Popen, str]:
     """Start a server that forks *launchers* (``torch.distributed.run``, ``resilient launch``,
     ``host`` in front of either) for a program that starts many jobs, one after another or side
     by side (the chaos harness): ``import torch`` once for all of them, not once per launcher.
@@ -688,19 +721,51 @@ def start_launchers(preload: list[str] | tuple[str, ...]) -> tuple[subprocess.Po
     its workers' parent as usual; the process the program started is its stand-in (signals
     forwarded, its exit status taken, killed with it: see :func:`rank_pid` to find the launcher
     from it).  The server exits when this process does (or on SIGTERM: :func:`stop`), once the
-    launchers it forked have ended."""
+    launchers it forked have ended.
+
+    The server is a new interpreter started with ``env`` (the jobs' environment: the interpreter
+    is set up from its ``PYTHON*`` variables) in ``cwd`` (the jobs' working directory; default
+    this process's), and forks
+    only for a job whose environment agrees with ``env`` on everything that a launcher's
+    modules or the interpreter read once, at their start (:func:`start_settings`), and whose
+    working directory is the same; any other job's stand-in runs its launcher itself (a
+    program that starts jobs of several such settings starts a server for each).  Its output
+    goes nowhere: a launcher has its stand-in's streams, and a server that outlives a killed
+    program must not hold the program's output open."""
     import subprocess
     import tempfile
 
     sweep(tempfile.gettempdir())
     root = tempfile.mkdtemp(prefix=_PREFIX)
     path = os.path.join(root, "sock")
+    _write(os.path.join(root, "launchers"), "")  # (what a stand-in that runs itself looks at)
     cmd = [sys.executable, "-m", "resilient.forkserver", "serve", path, str(os.getpid())]
     server = subprocess.Popen(
-        [*cmd, ",".join(preload), "--launchers"], stdin=subprocess.DEVNULL, start_new_session=True
+        [*cmd, ",".join(preload), "--launchers"],
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     _write(os.path.join(root, "server.pid"), str(server.pid))
     return server, path
+
+
+# what the interpreter and a launcher's modules read from the environment once, at their start:
+# the interpreter's settings; torch's (TORCH_DISTRIBUTED_DEBUG, ...), torchrun's LOGLEVEL; the
+# sizes of the thread pools numpy's and torch's libraries make at import; the loader's
+_START_PREFIXES = (
+    "PYTHON", "TORCH", "LOGLEVEL", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "BLIS_", "KMP_", "GOMP_",
+    "NCCL_", "GLOO_", "CUDA_", "HIP_", "ROCR_", "HSA_", "LD_", "MALLOC_",
+)  # fmt: skip
+
+
+def start_settings(env: dict[str, str]) -> dict[str, str]:
+    """The part of ``env`` a server for launchers must share with a job to fork its launcher
+    (:func:`start_launchers`)."""
+    return {k: v for k, v in env.items() if k.startswith(_START_PREFIXES)}
 
 
 class _Forked:

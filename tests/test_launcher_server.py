@@ -24,11 +24,17 @@ __all__ = ["where"]  # (a fixture, from test_forkserver.py)
 
 
 @pytest.fixture
-def launchers():
-    server, path = start_launchers(["torch.distributed.run", "resilient.cli"])
-    assert ENV not in os.environ or os.environ[ENV] != path  # this process's own is not set
+def launchers(where):
+    """A server for launchers started with the jobs' environment (``_job``'s): it forks them."""
+    preload = ["torch.distributed.run", "resilient.cli"]
+    server, path = start_launchers(preload, _job_env(where), cwd=str(where / "wd"))
+    assert os.environ.get(ENV) != path  # this process's environment is left as it was
     yield server, path
     stop(server)
+
+
+def _job_env(where: Path) -> dict[str, str]:
+    return _env(where, OMP_NUM_THREADS="1")
 
 
 def _ppid(pid: int) -> int:
@@ -57,7 +63,7 @@ def _job(where: Path, path: str, mode: str, launcher: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         cmd,
         cwd=where / "wd",
-        env=_env(where, OMP_NUM_THREADS="1", **{ENV: path}),
+        env={**_job_env(where), ENV: path},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -111,10 +117,11 @@ def test_a_launcher_forked_from_the_server_runs_its_job_as_torchrun_would(
     assert "RuntimeError: boom in the probe" in err
 
 
-def test_chaos_harness_jobs_are_launched_from_its_launcher_server(tmp_path, monkeypatch):
+def test_chaos_harness_jobs_are_launched_from_its_launcher_server(tmp_path):
     """A chaos job's agent is forked from the harness's server for launchers: a worker's parent
     (torchrun's agent) has the server's command line, and the server is a child of this
-    process."""
+    process.  A job whose environment sets what is read at a start (its ``job.env``: LOGLEVEL
+    here) gets a server of its own, started with it."""
     from resilient.chaos import harness
     from resilient.chaos.runner import run_scenario
 
@@ -125,24 +132,30 @@ def test_chaos_harness_jobs_are_launched_from_its_launcher_server(tmp_path, monk
             ppid = os.getppid()
             with open(os.path.join(sys.argv[1], "parent.txt"), "w") as f:
                 f.write(open(f"/proc/{ppid}/cmdline", "rb").read().replace(b"\\0", b" ").decode())
+                f.write("|" + os.environ.get("LOGLEVEL", "-"))
             """
         )
     )
-    (tmp_path / "s.toml").write_text(
-        textwrap.dedent(
-            f"""
-            name = "parent"
-            [job]
-            nproc = 1
-            max_restarts = 0
-            timeout_s = 120
-            command = ["{tmp_path / "parent.py"}", "{{run_dir}}"]
-            [expect]
-            final_state = "any"
-            """
+    servers = {}
+    for name, env in (("plain", ""), ("loglevel", '[job.env]\nLOGLEVEL = "ERROR"')):
+        (tmp_path / f"{name}.toml").write_text(
+            textwrap.dedent(
+                f"""
+                name = "{name}"
+                [job]
+                nproc = 1
+                max_restarts = 0
+                timeout_s = 120
+                command = ["{tmp_path / "parent.py"}", "{{run_dir}}"]
+                """
+            )
+            + env
+            + '\n[expect]\nfinal_state = "any"\n'
         )
-    )
-    run_scenario(tmp_path / "s.toml", tmp_path / "out", say=lambda *_: None)
-    parent = (tmp_path / "out" / "parent" / "parent.txt").read_text()
-    assert "resilient.forkserver serve" in parent and "--launchers" in parent, parent
-    assert harness._launchers is not None and _ppid(harness._launchers[0].pid) == os.getpid()
+        run_scenario(tmp_path / f"{name}.toml", tmp_path / "out", say=lambda *_: None)
+        parent, level = (tmp_path / "out" / name / "parent.txt").read_text().split("|")
+        assert "resilient.forkserver serve" in parent and "--launchers" in parent, parent
+        assert level == ("ERROR" if env else os.environ.get("LOGLEVEL", "-"))
+        servers[name] = parent
+        assert os.getpid() in {_ppid(s.pid) for s, _path in harness._launchers.values()}
+    assert servers["plain"] != servers["loglevel"]  # (each server's socket is in its command line)

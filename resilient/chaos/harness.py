@@ -286,7 +286,6 @@ def _attempt(
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents: list[subprocess.Popen] = []
     logs = []
-    launchers = _launcher_server()
 
     def start(node: int, mode: str) -> subprocess.Popen:
         """An agent for ``node`` (a replacement too: the same command, the node's memory root)."""
@@ -298,6 +297,7 @@ def _attempt(
             **{k: v.replace("{run_dir}", str(paths.root)) for k, v in job.env.items()},
         }
         cmd = cmds[node]
+        launchers = _launcher_server(node_env)
         if launchers is not None:  # the agent forked from this process's server for launchers
             node_env[forkserver.ENV] = launchers
             cmd = [cmd[0], *forkserver.STAND_IN, *cmd[1:]]
@@ -510,20 +510,24 @@ _PRELOAD = ",".join(
 # what a job's launcher imports (either launcher; `host` forks the ranks' server from it, which
 # then has the ranks' modules imported already)
 _LAUNCHER_PRELOAD = ["torch.distributed.run", "resilient.cli", "resilient.launch.agent"]
-_launchers: tuple[subprocess.Popen, str] | None = None
+_launchers: dict[tuple, tuple[subprocess.Popen, str]] = {}
 
 
-def _launcher_server() -> str | None:
-    """The socket of this process's server for launchers (``forkserver.start_launchers``: a
-    chaos suite's agents fork from it, one ``import torch`` for all of them), started at the
-    first job; None where launchers start ranks the usual way (``RESILIENT_FORK_RANKS=0``), so
-    that such a job is started as plain torchrun starts it.  It exits with this process."""
-    global _launchers
+def _launcher_server(env: dict[str, str]) -> str | None:
+    """The socket of this process's server for the launchers of jobs started with ``env``
+    (``forkserver.start_launchers``: a chaos suite's agents fork from it, one ``import torch``
+    for all of them), started at the first such job: one per start settings of the jobs'
+    environments (a scenario's ``job.env`` with a ``PYTHON*`` or ``TORCH*`` variable, say) and
+    working directory.  None where launchers start ranks the usual way
+    (``RESILIENT_FORK_RANKS=0``), so that such a job is started as plain torchrun starts it.
+    Each exits with this process."""
     if not forkserver.enabled():
         return None
-    if _launchers is None or _launchers[0].poll() is not None:
-        _launchers = forkserver.start_launchers([*_LAUNCHER_PRELOAD, *_PRELOAD.split(",")])
-    return _launchers[1]
+    key = (tuple(sorted(forkserver.start_settings(env).items())), os.getcwd())
+    if key not in _launchers or _launchers[key][0].poll() is not None:
+        preload = [*_LAUNCHER_PRELOAD, *_PRELOAD.split(",")]
+        _launchers[key] = forkserver.start_launchers(preload, env)
+    return _launchers[key][1]
 
 
 def _storage_rule(f: Fault) -> dict[str, Any]:
