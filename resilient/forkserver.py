@@ -61,6 +61,8 @@ __all__ = [
     "prefer_stand_ins",
     "rank_pid",
     "start",
+    "start_launchers",
+    "start_settings",
     "stop",
     "sweep",
 ]
@@ -725,11 +727,11 @@ def start_launchers(
 
     The server is a new interpreter started with ``env`` (the jobs' environment: the interpreter
     is set up from its ``PYTHON*`` variables) in ``cwd`` (the jobs' working directory; default
-    this process's), and forks
-    only for a job whose environment agrees with ``env`` on everything that a launcher's
-    modules or the interpreter read once, at their start (:func:`start_settings`), and whose
-    working directory is the same; any other job's stand-in runs its launcher itself (a
-    program that starts jobs of several such settings starts a server for each).  Its output
+    this process's), and forks only for a job whose environment agrees with ``env`` on
+    everything that a launcher's modules or the interpreter read once, at their start
+    (:func:`start_settings`), and whose working directory is the same; any other job's
+    stand-in runs its launcher itself (a program that starts jobs of several such settings
+    starts a server for each).  Its output
     goes nowhere: a launcher has its stand-in's streams, and a server that outlives a killed
     program must not hold the program's output open."""
     import subprocess
