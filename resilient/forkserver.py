@@ -492,7 +492,7 @@ def serve(path: str, preload: list[str], parent: int, *, launchers: bool = False
                         _refuse(got[0], got[2])  # its stand-in runs the launcher itself
                         continue
                     if not loaded:  # at the first worker, not before: see _preload
-                        _preload(preload, got[1], launchers)
+                        _preload(preload, got[1])
                         loaded = True
                     _fork(*got, listener, ranks, pids_dir, me, launchers)
                 _reap(ranks, pids_dir)
@@ -547,7 +547,7 @@ class _Rank:
         self.conn, self.stand_in = conn, stand_in
 
 
-def _preload(preload: list[str], request: dict, launchers: bool = False) -> None:
+def _preload(preload: list[str], request: dict) -> None:
     """Import ``preload`` in the first worker's environment (its ``OMP_NUM_THREADS``, which
     torchrun sets for its workers, sizes the thread pools libraries make at import).  Done when
     the first worker asks, not when the server starts: the launcher starts the server before its
@@ -561,9 +561,7 @@ def _preload(preload: list[str], request: dict, launchers: bool = False) -> None
         os.environ.update({k: v for k, v in env.items() if isinstance(v, str)})
     target = request.get("target")
     for name in preload:
-        if target == ["-m", name] and not launchers:
-            # it would run here, as itself, then again in every rank (a launcher module does
-            # nothing at its import: torchrun, resilient.cli)
+        if target == ["-m", name]:  # it would run here, as itself, then again in every rank
             print(f"resilient.forkserver: not preloading {name}: it is what the ranks run",
                   file=sys.stderr)  # fmt: skip
             continue

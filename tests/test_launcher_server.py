@@ -26,8 +26,9 @@ __all__ = ["where"]  # (a fixture, from test_forkserver.py)
 @pytest.fixture
 def launchers(where):
     """A server for launchers started with the jobs' environment (``_job``'s): it forks them."""
-    preload = ["torch.distributed.run", "resilient.cli"]
-    server, path = start_launchers(preload, _job_env(where), cwd=str(where / "wd"))
+    from resilient.chaos.harness import _LAUNCHER_PRELOAD
+
+    server, path = start_launchers(_LAUNCHER_PRELOAD, _job_env(where), cwd=str(where / "wd"))
     assert os.environ.get(ENV) != path  # this process's environment is left as it was
     yield server, path
     stop(server)
@@ -115,6 +116,7 @@ def test_a_launcher_forked_from_the_server_runs_its_job_as_torchrun_would(
     assert proc.returncode == 1, err
     # (a rank that had not started when another failed is stopped by torchrun before it could)
     assert "RuntimeError: boom in the probe" in err
+    assert "Warning" not in err, err  # (runpy's, had the server imported what it runs)
 
 
 def test_chaos_harness_jobs_are_launched_from_its_launcher_server(tmp_path):

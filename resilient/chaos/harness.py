@@ -508,8 +508,14 @@ _PRELOAD = ",".join(
     ]
 )
 # what a job's launcher imports (either launcher; `host` forks the ranks' server from it, which
-# then has the ranks' modules imported already)
-_LAUNCHER_PRELOAD = ["torch.distributed.run", "resilient.cli", "resilient.launch.agent"]
+# then has the ranks' modules imported already), less the modules it runs as __main__
+# (torch.distributed.run, resilient.cli: runpy warns when one was imported before)
+_LAUNCHER_PRELOAD = [
+    "torch.distributed.launcher.api",
+    "torch.distributed.argparse_util",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "resilient.launch.agent",
+]
 _launchers: dict[tuple, tuple[subprocess.Popen, str]] = {}
 
 
