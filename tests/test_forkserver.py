@@ -130,14 +130,20 @@ def _env(where: Path, **extra) -> dict[str, str]:
 
 def _host(where: Path, *launcher: str, preload: str = "json", **env) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "resilient.forkserver", "host", "--preload", preload, "--"]
+    return _spawn(where, [*cmd, *launcher], _env(where, **env))
+
+
+def _spawn(where: Path, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``cmd`` in the test's working directory, its output piped, in a session of its own (as
+    torchrun starts its workers); killed after the test if it is still running."""
     proc = subprocess.Popen(
-        [*cmd, *launcher],
+        cmd,
         cwd=where / "wd",
-        env=_env(where, **env),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # a session of its own, as torchrun starts its workers
+        start_new_session=True,
     )
     _started.append(proc.pid)
     return proc
@@ -432,17 +438,7 @@ def _torchrun(
     env = {k: v for k, v in _env(where).items() if k != "OMP_NUM_THREADS"}
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
-    proc = subprocess.Popen(
-        cmd,
-        cwd=where / "wd",
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    _started.append(proc.pid)
-    return proc
+    return _spawn(where, cmd, env)
 
 
 @pytest.mark.distributed

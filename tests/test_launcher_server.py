@@ -16,7 +16,7 @@ import pytest
 
 from resilient.chaos.faults import descendants, kill_tree
 from resilient.forkserver import ENV, rank_pid, start_launchers, stop
-from tests.test_forkserver import _cmdline, _env, _gone, _probes, _started, _wait_for, where
+from tests.test_forkserver import _cmdline, _env, _gone, _probes, _spawn, _wait_for, where
 
 pytestmark = pytest.mark.distributed
 
@@ -61,17 +61,7 @@ def _job(where: Path, path: str, mode: str, launcher: str) -> subprocess.Popen:
         if launcher == "host":
             cmd += ["-m", "resilient.forkserver", "run"]
         cmd += ["-m", "probe", *mode.split()]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=where / "wd",
-        env={**_job_env(where), ENV: path},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    _started.append(proc.pid)
-    return proc
+    return _spawn(where, cmd, {**_job_env(where), ENV: path})
 
 
 @pytest.mark.parametrize("launcher", ["host", "launch", "plain"])
