@@ -31,8 +31,9 @@ What a forked rank shares with its siblings: the modules the server imported (an
 module-level state, set before any rank existed) and the string hash seed.  Its own: random seeds
 (Python seeds ``random`` again in a forked child, this module numpy's global generator; torch's
 default generator starts where a new process's would), torch's thread count (from
-``OMP_NUM_THREADS``), and an interpreter's exit (its non-daemon threads waited for, ``atexit``
-handlers run, streams flushed).  The server imports and forks only: it starts no threads and runs
+``OMP_NUM_THREADS``), what its stand-in was started with (CPU affinity, niceness, umask,
+resource limits, the signals it ignores), and an interpreter's exit (its non-daemon threads
+waited for, ``atexit`` handlers run, streams flushed).  The server imports and forks only: it starts no threads and runs
 no torch operation, so no thread pool or CUDA context exists to be copied half-made.
 """
 
@@ -214,6 +215,11 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         "cwd": os.getcwd(),
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "nice": os.nice(0),
+        "umask": _umask(),
+        "limits": _limits(),
+        # signals it was started with ignored (nohup's SIGHUP, a shell's `&` SIGINT): ignored in
+        # the forked process too, and not forwarded
+        "ignored": [s for s in _FORWARDED if signal.getsignal(s) == signal.SIG_IGN],
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
     }
     body = json.dumps(request).encode()
@@ -242,7 +248,8 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         _signal_group(child, signum)  # the rank leads its own group: its children get it too
 
     for sig in _FORWARDED:
-        signal.signal(sig, forward)
+        if sig not in request["ignored"]:
+            signal.signal(sig, forward)
     try:
         line = reader.readline()
     except OSError:
@@ -277,6 +284,47 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         os.kill(os.getpid(), sig)
         return 128 + sig  # not reached for a deadly signal
     return os.waitstatus_to_exitcode(status)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _limits() -> dict[str, list[int]]:
+    """This process's resource limits (``ulimit``), by name: a forked process has them."""
+    try:
+        import resource
+    except ImportError:
+        return {}
+    out = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                out[name] = list(resource.getrlimit(getattr(resource, name)))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _take_limits(limits: object) -> None:
+    """The stand-in's resource limits, where this process may take them (a hard limit raised
+    above the server's needs the privilege a stand-in started with a higher one had)."""
+    if not isinstance(limits, dict):
+        return
+    import resource
+
+    for name, value in limits.items():
+        which = getattr(resource, str(name), None)
+        if not (str(name).startswith("RLIMIT_") and isinstance(which, int)):
+            continue
+        try:
+            soft, hard = (int(v) for v in value)
+            if (soft, hard) != resource.getrlimit(which):
+                resource.setrlimit(which, (soft, hard))
+        except (OSError, ValueError, TypeError):
+            pass
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -366,9 +414,12 @@ def _child(
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
+    ignored = request.get("ignored")
+    ignored = [s for s in _FORWARDED if isinstance(ignored, list) and s in ignored]
     for sig in (*_FORWARDED, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    if signal.SIGINT not in ignored:  # as a new interpreter has it (an ignored one stays so)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # what came meanwhile lands now
     os.environ.clear()
     os.environ.update(request["env"])
@@ -379,6 +430,9 @@ def _child(
         os.environ[ENV_STAND_IN] = str(stand_in)  # its launcher's child (see launcher_pid)
     os.chdir(request["cwd"])
     _take_placement(request)
+    if isinstance(request.get("umask"), int):
+        os.umask(request["umask"] & 0o777)
+    _take_limits(request.get("limits"))
     if request.get("unbuffered"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
@@ -754,10 +808,13 @@ def start_launchers(
 
 
 # what the interpreter and a launcher's modules read from the environment once, at their start:
-# the interpreter's settings; torch's (TORCH_DISTRIBUTED_DEBUG, ...), torchrun's LOGLEVEL; the
-# sizes of the thread pools numpy's and torch's libraries make at import; the loader's
+# the interpreter's settings (PYTHON*, the locale, the time zone); torch's (TORCH_*, PYTORCH_*),
+# torchrun's LOGLEVEL; fsspec's configuration (FSSPEC_*, the one under HOME or XDG_*); the
+# temporary directory tempfile settles on; the sizes of the thread pools numpy's and torch's
+# libraries make at import; the loader's
 _START_PREFIXES = (
-    "PYTHON", "TORCH", "LOGLEVEL", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "BLIS_", "KMP_", "GOMP_",
+    "PYTHON", "LANG", "LC_", "TZ", "TORCH", "PYTORCH_", "LOGLEVEL", "FSSPEC_", "HOME", "XDG_",
+    "TMPDIR", "TEMP", "TMP", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "BLIS_", "KMP_", "GOMP_",
     "NCCL_", "GLOO_", "CUDA_", "HIP_", "ROCR_", "HSA_", "LD_", "MALLOC_",
 )  # fmt: skip
 
@@ -924,7 +981,9 @@ def sweep(tmp: str | None = None) -> None:
 
 
 def stop(server) -> None:
-    """Stop a server :func:`start` started (the ranks it forked are left to their stand-ins)."""
+    """Stop a server :func:`start` or :func:`start_launchers` started (the ranks it forked are
+    left to their stand-ins); its directory goes with it, also where the stop came before the
+    server could remove it (a server stopped as it started dies outright)."""
     os.environ.pop(ENV, None)
     server.terminate()
     try:
@@ -932,6 +991,7 @@ def stop(server) -> None:
     except Exception:
         server.kill()
         server.wait()
+    sweep()
 
 
 def host(preload: list[str], launcher: list[str]) -> int:

@@ -516,7 +516,8 @@ _LAUNCHER_PRELOAD = [
     "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
     "resilient.launch.agent",
 ]
-_launchers: dict[tuple, tuple[subprocess.Popen, str]] = {}
+_launchers: dict[tuple, tuple[subprocess.Popen, str]] = {}  # the most recently used last
+_LAUNCHER_SERVERS = 2  # kept at most: a job whose start settings name its run has one to itself
 
 
 def _launcher_server(env: dict[str, str]) -> str | None:
@@ -524,16 +525,22 @@ def _launcher_server(env: dict[str, str]) -> str | None:
     (``forkserver.start_launchers``: a chaos suite's agents fork from it, one ``import torch``
     for all of them), started at the first such job: one per start settings of the jobs'
     environments (a scenario's ``job.env`` with a ``PYTHON*`` or ``TORCH*`` variable, say) and
-    working directory.  None where launchers start ranks the usual way
+    working directory, the two used last kept (an older one is stopped: it exits once its
+    launchers have).  None where ``env`` asks for ranks started the usual way
     (``RESILIENT_FORK_RANKS=0``), so that such a job is started as plain torchrun starts it.
     Each exits with this process."""
-    if not forkserver.enabled():
+    if env.get(forkserver.ENV_SWITCH, "1") == "0":
         return None
     key = (tuple(sorted(forkserver.start_settings(env).items())), os.getcwd())
-    if key not in _launchers or _launchers[key][0].poll() is not None:
+    got = _launchers.pop(key, None)
+    if got is None or got[0].poll() is not None:
         preload = [*_LAUNCHER_PRELOAD, *_PRELOAD.split(",")]
-        _launchers[key] = forkserver.start_launchers(preload, env)
-    return _launchers[key][1]
+        got = forkserver.start_launchers(preload, env)
+    _launchers[key] = got
+    while len(_launchers) > _LAUNCHER_SERVERS:
+        old, _path = _launchers.pop(next(iter(_launchers)))
+        old.terminate()  # (SIGTERM: no new launchers; those running go on)
+    return got[1]
 
 
 def _storage_rule(f: Fault) -> dict[str, Any]:
