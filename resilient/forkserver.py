@@ -33,8 +33,9 @@ module-level state, set before any rank existed) and the string hash seed.  Its 
 default generator starts where a new process's would), torch's thread count (from
 ``OMP_NUM_THREADS``), what its stand-in was started with (CPU affinity, niceness, umask,
 resource limits, the signals it ignores), and an interpreter's exit (its non-daemon threads
-waited for, ``atexit`` handlers run, streams flushed).  The server imports and forks only: it starts no threads and runs
-no torch operation, so no thread pool or CUDA context exists to be copied half-made.
+waited for, ``atexit`` handlers run, streams flushed).  The server imports and forks only: it
+starts no threads and runs no torch operation, so no thread pool or CUDA context exists to be
+copied half-made.
 """
 
 from __future__ import annotations
