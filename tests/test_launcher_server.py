@@ -16,6 +16,7 @@ import pytest
 
 from resilient.chaos.faults import descendants, kill_tree
 from resilient.forkserver import ENV, rank_pid, start_launchers, stop
+from resilient.health.heartbeat import proc_stat
 from tests.test_forkserver import _cmdline, _env, _gone, _probes, _spawn, _wait_for, where
 
 pytestmark = pytest.mark.distributed
@@ -39,7 +40,9 @@ def _job_env(where: Path) -> dict[str, str]:
 
 
 def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    stat = proc_stat(f"/proc/{pid}/stat")
+    assert stat is not None, f"process {pid} is gone"
+    return int(stat[1])
 
 
 def _job(where: Path, path: str, mode: str, launcher: str) -> subprocess.Popen:

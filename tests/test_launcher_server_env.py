@@ -192,15 +192,14 @@ print(json.dumps({"hash": hash("resilient"), "faulthandler": faulthandler.is_ena
 )
 @pytest.mark.parametrize("server_has_it", [True, False])
 def test_interpreter_settings_in_the_jobs_environment_reach_its_launcher(
-    mods, var, value, key, server_has_it
+    mods, var, value, key, server_has_it, monkeypatch
 ):
     """A job's PYTHON* variables (a scenario's ``job.env``: PYTHONHASHSEED for a reproducible
     run, PYTHONFAULTHANDLER to see where a hung rank is) set up the interpreter at its start:
     a launcher forked from the launchers' server has the server's interpreter (so do the ranks
     ``host`` forks from that launcher): forked from a server started with the same, or run by
     its stand-in, which the server leaves it to otherwise."""
-    if var in os.environ:
-        pytest.skip(f"{var} is set in this process's environment")
+    monkeypatch.delenv(var, raising=False)  # (the server without it has none of this process's)
     (mods / "interp.py").write_text(INTERP_PROBE)
     control = _run(mods, "interp", path=None, **{var: value})
     assert control.returncode == 0, control.stderr
