@@ -783,3 +783,76 @@ def test_a_skewed_node_that_holds_the_leader_is_seen_from_the_other_side():
     one = SimpleNamespace(id="skew", seconds=5.0, rank=3, node=None)
     assert _expected_skew(one, {"rank": 3, "leader": 0}, [], 2) == 5.0
     assert _expected_skew(one, {"rank": 2, "leader": 0}, [], 2) == 0.0
+
+
+# an agent standing for a node: its worker (a child with a rank's environment) starts once the
+# file named by its argument exists; it stands for an elastic node that reached the rendezvous
+# after the round closed and waits, with no worker, for the next one
+_LATE_AGENT = """
+import os, subprocess, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                 env=dict(os.environ, RANK=sys.argv[2], LOCAL_RANK="0"))
+time.sleep(120)
+"""
+
+
+def test_a_node_is_lost_only_once_it_is_in_the_job(tmp_path):
+    """``kill_node`` at a step already reached waits for the node's workers: losing a node that
+    never joined (late to an elastic rendezvous on a loaded machine) loses nothing and tests no
+    recovery; the harness fires it once the node has a worker."""
+    import threading
+
+    from resilient.chaos.faults import has_workers
+    from resilient.chaos.harness import RunPaths, _supervise
+    from resilient.chaos.scenario import Fault, Job
+
+    paths = RunPaths(tmp_path)
+    paths.metrics.write_text(json.dumps({"step": 20}) + "\n")  # past the fault's step
+    go = [tmp_path / "go0", tmp_path / "go1"]
+    go[0].touch()  # node 0 is in the job from the start
+    agents = [
+        subprocess.Popen([sys.executable, "-c", _LATE_AGENT, str(go[n]), str(2 * n)])
+        for n in range(2)
+    ]
+    memory = [tmp_path / "mem0", tmp_path / "mem1"]
+    for m in memory:
+        m.mkdir()
+    result: list = []
+    fault = Fault(id="lose-node-1", kind="kill_node", node=1, step=12)
+    supervisor = threading.Thread(
+        target=lambda: result.append(
+            _supervise(
+                Job(nproc=1, nodes=2, elastic=True, timeout_s=120),
+                paths,
+                agents,
+                [fault],
+                EventLog(str(paths.events)),
+                time.time(),
+                lambda *_: None,
+                memory,
+                None,
+            )
+        )
+    )
+    supervisor.start()
+    try:
+        deadline = time.time() + 60
+        while not has_workers(agents[0].pid) and time.time() < deadline:
+            time.sleep(0.05)
+        assert has_workers(agents[0].pid) and not has_workers(agents[1].pid)
+        time.sleep(1.0)  # some twenty of the supervisor's rounds with the fault due
+        assert agents[1].poll() is None and memory[1].exists()  # not in the job: not lost yet
+        assert not paths.events.exists() or "lose-node-1" not in paths.events.read_text()
+        go[1].touch()  # node 1 joins: now it is lost, with its memory
+        agents[1].wait(timeout=60)
+        assert not memory[1].exists() and memory[0].exists()
+        fired = [json.loads(line) for line in paths.events.read_text().splitlines()]
+        assert [(e["event"], e["node"]) for e in fired] == [("fault", 1)]
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+            a.wait()
+        supervisor.join(timeout=60)
+    assert result == [([1], False, None)]

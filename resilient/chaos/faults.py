@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ __all__ = [
     "damage_newest_checkpoint",
     "descendants",
     "worker_pid",
+    "has_workers",
     "kill_tree",
     "skew_clock",
     "slow_compute",
@@ -543,7 +545,20 @@ def worker_pid(agent: int, rank: int) -> int | None:
     a worker that stands in for a rank its node's fork server started gives that rank's pid)."""
     from resilient.forkserver import prefer_stand_ins, rank_pid
 
-    found = []
+    found = [p for p, env in _workers(agent) if f"RANK={rank}".encode() in env]
+    # a stand-in first (a forked rank's children share its environment, the rank does not)
+    return rank_pid(prefer_stand_ins(found)[0]) if found else None
+
+
+def has_workers(agent: int) -> bool:
+    """Whether ``agent`` runs workers now: its node is in the job (an elastic node that came
+    after the rendezvous round closed waits, with none, for the next one)."""
+    return next(_workers(agent), None) is not None
+
+
+def _workers(agent: int) -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, environment) of each worker process under ``agent``: a process torchrun started
+    for a rank (``LOCAL_RANK`` set), not a rank's persister."""
     for p in descendants(agent)[1:]:
         try:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
@@ -551,7 +566,5 @@ def worker_pid(agent: int, rank: int) -> int | None:
             continue
         if b"RESILIENT_PERSISTER_PROCESS=1" in env:  # a rank's child, not a rank
             continue
-        if f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
-            found.append(p)
-    # a stand-in first (a forked rank's children share its environment, the rank does not)
-    return rank_pid(prefer_stand_ins(found)[0]) if found else None
+        if any(e.startswith(b"LOCAL_RANK=") for e in env):
+            yield p, env

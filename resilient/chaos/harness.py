@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from resilient import forkserver
-from resilient.chaos.faults import IN_RANK_KINDS, kill_tree, persisters_of, worker_pid
+from resilient.chaos.faults import (
+    IN_RANK_KINDS,
+    has_workers,
+    kill_tree,
+    persisters_of,
+    worker_pid,
+)
 from resilient.chaos.jsonl import read_jsonl, records_of_line
 from resilient.chaos.scenario import COMMAND_PLACEHOLDERS, JOB_KILLS, NODE_KILLS, Fault, Job
 from resilient.health.events import EventLog
@@ -352,6 +358,11 @@ def _supervise(
                 f.at_s is not None and now - started >= f.at_s
             )
             if not due:
+                continue
+            if f.kind in NODE_KILLS and not has_workers(agents[f.node].pid):
+                # the node is not in the job (yet): an elastic node that reached the rendezvous
+                # after its round closed (a loaded machine) waits for the next; losing it now
+                # would lose nothing the job had
                 continue
             pending.remove(f)
             if f.kind in JOB_KILLS:
