@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # reference trainer's worker processes, and most of theirs in importing torch and torch._dynamo.
 TEST_WORKERS ?= 4
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench venv clean bytecode
 
 venv: $(STAMP)
 
@@ -29,10 +29,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev,plot]"
 	echo "$(TORCH)" > $(STAMP)
 
-demo: $(STAMP)
+# The toolkit's bytecode, compiled once before a run (into the __pycache__ folders git ignores).
+# Where the environment says PYTHONDONTWRITEBYTECODE (this workplace's machines do), Python
+# writes none itself, and every process compiled the modules it imports from their source: each
+# rank, persister and launcher the suite starts (some 1,500) a few tenths of a second of CPU,
+# a fifth of the suite's (BENCHMARKS.md).  An editable install leaves them to the first import.
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q -j0 resilient reference_trainer reshape examples benchmarks tests
+
+demo: $(STAMP) bytecode
 	$(BIN)/resilient demo --out runs/demo
 
-test: $(STAMP)
+test: $(STAMP) bytecode
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -44,3 +52,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+	find resilient reference_trainer reshape examples benchmarks tests -name __pycache__ -prune -exec rm -rf {} +
