@@ -1,8 +1,11 @@
 """Run a function on N real processes joined in a gloo process group.
 
 Processes fork from a forkserver that has torch imported already (and torch._dynamo, which every
-optimizer imports on construction: 1.5 s of CPU per process otherwise), so a world of 4 starts in well
-under a second and never inherits OpenMP thread pools from the pytest process.  A child's
+optimizer imports on construction: 1.5 s of CPU per process otherwise; and pytest, the toolkit's
+modules and the reference trainer: a child imports its test's module to unpickle its function), so
+a world of 4 starts in well under a second and never inherits OpenMP thread pools from the pytest
+process.  The preload is the process's: ``multiprocessing``'s other forkserver users
+(tests/integration/test_kill.py) take it too.  A child's
 exception comes back with its traceback and fails the test.
 """
 
@@ -20,7 +23,23 @@ from typing import Any
 from resilient.launch import free_port
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "resilient"])
+_CTX.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch._dynamo",
+        "resilient",
+        # what the ranks of most tests import, each otherwise for itself: the checkpointer, the
+        # training loop, the heartbeat and the reference trainer (0.15-0.3 s of CPU a rank)
+        "resilient.checkpoint.checkpointer",
+        "resilient.loop",
+        "resilient.health.heartbeat",
+        "reference_trainer.train",
+        # a child unpickles the test's function, which imports its test module, which imports
+        # pytest: 0.3 s of CPU a rank
+        "pytest",
+    ]
+)
 
 
 def _child(
