@@ -1006,9 +1006,13 @@ def host(preload: list[str], launcher: list[str]) -> int:
     them already imported.  That is one interpreter's ``import torch`` less per job (about
     1.5 s of CPU).  Otherwise the server is a new interpreter and the launcher is exec'd."""
     if any(launcher[: len(t)] == t for t in _TORCH_LAUNCHERS) and fork_ready():
+        import importlib
         import runpy
 
         start(preload, fork=True)
+        # (the toolkit's launcher module: torch's rendezvous names its records from the frame,
+        # not from inspect.stack(), in this process; resilient.launch.agent.name_records_by_frame)
+        importlib.import_module("resilient.launch.agent")
         sys.argv = [launcher[0], *launcher[1:]]
         # (its SystemExit goes up to the interpreter as it is: a message is printed, as for the
         # exec'd launcher)

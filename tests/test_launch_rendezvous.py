@@ -105,3 +105,32 @@ def test_free_ports_are_bindable_and_below_the_ephemeral_range():
             assert 1024 <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_the_rendezvous_records_name_the_methods_that_made_them(monkeypatch):
+    """``name_records_by_frame`` (applied when the launcher module is imported): every event a
+    real round records is named, as torch's ``inspect.stack()`` named it, after the method that
+    recorded it."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    assert getattr(dynamic_rendezvous.get_method_name, "__resilient__", False)
+    names: list[tuple[str, str]] = []
+    record = dynamic_rendezvous.construct_and_record_rdzv_event
+
+    def collect(**event: Any) -> None:
+        # called by _record: the method that called _record is two frames up, as torch looks
+        names.append((event["name"].rsplit(".", 1)[1], inspect.stack()[2].function))
+        record(**event)
+
+    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event", collect)
+    port, run_id = free_port(), str(uuid.uuid4())
+    handlers = {"a": _handler(port, run_id), "b": _handler(port, run_id)}
+    try:
+        _round(handlers)
+    finally:
+        for h in handlers.values():
+            h.shutdown()
+    assert len(names) >= 4 and all(got == torchs for got, torchs in names), names
+    assert {"next_rendezvous", "_add_to_participants"} <= {got for got, _ in names}, names
