@@ -75,8 +75,13 @@ ENV_SWITCH = "RESILIENT_FORK_RANKS"  # "0": launchers start every rank the usual
 # a worker that stands in for a rank: ``python [-u] *STAND_IN -m MODULE | SCRIPT ...``
 STAND_IN = ("-m", "resilient.forkserver", "run")
 ENV_STAND_IN = "RESILIENT_FORKSERVER_STAND_IN"  # in a forked rank: its stand-in's pid
+# a rank that joined through resilient.launch.init_process_group writes its Python stacks to its
+# stderr on this signal, then ends as the signal's default would have it (faulthandler, chained):
+# ``resilient launch --finish-timeout`` asks a rank it is about to kill (a real-time signal: no
+# library or scheduler sends it of its own accord)
+STACKS_SIGNAL = signal.SIGRTMIN + 5
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-              signal.SIGUSR2)  # fmt: skip
+              signal.SIGUSR2, STACKS_SIGNAL)  # fmt: skip
 _HEADER = struct.Struct("!I")
 _START_WAIT_S = 60.0  # how long a worker waits for a server that is still starting
 

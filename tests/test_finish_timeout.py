@@ -43,6 +43,12 @@ elif restart == 0 and rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "hang":
         time.sleep(3600)
+    elif mode == "hang-stacks":  # as a rank of the toolkit: it dumps its stacks when asked
+        from resilient.launch import dump_stacks_on_signal
+        dump_stacks_on_signal()
+        def stuck_in_teardown():
+            time.sleep(3600)
+        stuck_in_teardown()
     elif mode == "busy":  # working on alone (an export) for a few bounds' time, then done
         t = time.monotonic()
         while time.monotonic() - t < 4:
@@ -130,6 +136,44 @@ def test_a_frozen_rank_with_no_restart_left_fails_the_job_by_name_and_is_not_lef
     assert re.search(r"rank 1 \(pid \d+\) failed with exit code -9", log), log[-4000:]
     assert not (tmp_path / "start-1-1").exists()
     assert _gone(frozen), "the frozen rank was left behind"
+
+
+@pytest.mark.parametrize("preload", ["", "resilient.launch"], ids=["worker", "forked-rank"])
+def test_a_hung_rank_writes_its_python_stacks_before_it_is_killed(tmp_path, preload):
+    """A rank that joined through the toolkit (``dump_stacks_on_signal``) is asked for its
+    Python stacks before the kill (``STACKS_SIGNAL``; a fork server's stand-in passes it on to
+    the rank): the job's output says where it is stuck."""
+    p = _launch(tmp_path, "hang-stacks", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "0", "--finish-timeout", "1", "--preload", preload)  # fmt: skip
+    log = _finish(p)
+    assert p.returncode == 1, log[-4000:]
+    assert "rank 1 wrote its Python stacks to its stderr as it was killed" in log, log[-4000:]
+    assert re.search(r'File ".*w\.py", line \d+ in stuck_in_teardown', log), log[-4000:]
+    assert _gone(int((tmp_path / "start-1-0").read_text()))
+
+
+def test_a_worker_that_does_not_catch_the_stacks_signal_is_not_sent_it(tmp_path):
+    """Its default would end it without a word: ``ask_for_stacks`` leaves it alone, for the
+    kill.  Whatever catches the signal is asked (its ``SigCgt`` bit)."""
+    from resilient.forkserver import STACKS_SIGNAL
+    from resilient.launch.agent import ask_for_stacks
+
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    own = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, time\n"
+         f"signal.signal({int(STACKS_SIGNAL)}, lambda *a: sys.exit(3))\n"
+         "print('ready', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert own.stdout.readline() == "ready\n"
+        assert not ask_for_stacks(plain, wait_s=0.5) and plain.poll() is None
+        # a handler of the program's own is caught too (SigCgt): asked, it ends as it likes
+        assert ask_for_stacks(own, wait_s=30) and own.returncode == 3
+    finally:
+        for q in (plain, own):
+            q.kill()
+            q.wait()
 
 
 @pytest.mark.parametrize("mode", ["busy", "child-busy"], ids=["itself", "in-a-child"])

@@ -23,6 +23,7 @@ wraps the ring's wrappers; ``RESILIENT_COLLECTIVE_RING=0`` leaves torch's functi
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import random
@@ -43,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from resilient.errors import RankFailureError
+from resilient.forkserver import STACKS_SIGNAL
 from resilient.health import flight_recorder
 from resilient.health.attach import (
     agent_store,
@@ -74,6 +76,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "init_process_group",
+    "dump_stacks_on_signal",
     "regroup",
     "restart_count",
     "free_port",
@@ -105,6 +108,7 @@ def init_process_group(
     if dist.is_initialized():
         return
     install_ring()  # once per process; a new group (regroup) starts it over
+    dump_stacks_on_signal()
     timeout = timedelta(seconds=timeout_s)
     under_agent = shares_agent_store()
     if backend != "gloo" and injob_enabled():
@@ -169,6 +173,20 @@ def init_process_group(
         hand_over(monitor)
     if monitor is not None:
         monitor.progress(None, "setup")
+
+
+def dump_stacks_on_signal() -> None:
+    """From now on this process writes every thread's Python stacks to its stderr when it gets
+    ``STACKS_SIGNAL`` (resilient.forkserver: a real-time signal), then ends as the signal's
+    default would have it: ``resilient launch --finish-timeout`` asks a rank it is about to kill
+    (a rank hung in its teardown after its peers finished) why it is stuck, and the dump is in
+    the rank's output.  faulthandler writes from its signal handler in C, so a rank blocked in
+    C code or holding the GIL dumps too (not one that is stopped).  Best effort: a stderr with
+    no file descriptor (a test runner's capture) registers nothing."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=True)
+    except (ValueError, RuntimeError, OSError, AttributeError):
+        pass
 
 
 def _name_nccl_dump_file() -> None:

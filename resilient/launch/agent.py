@@ -48,6 +48,7 @@ log = logging.getLogger("resilient.launch")
 
 __all__ = [
     "launch_main",
+    "ask_for_stacks",
     "InJobAgent",
     "describe_process",
     "parse_args",
@@ -637,6 +638,11 @@ def _agent_class() -> Any:
                     now - max(since, self._busy_at.get(lr, since)), 100 * BUSY_SHARE,
                     self.finish_timeout, describe_process(p.pid),
                 )  # fmt: skip
+                if ask_for_stacks(p):
+                    log.error(
+                        "rank %d wrote its Python stacks to its stderr as it was killed (above, or "
+                        "in its log file under --log-dir)", w.global_rank,
+                    )  # fmt: skip
                 _signal_group(p, signal.SIGKILL)
                 try:
                     p.wait(10)  # (a process in an uninterruptible wait dies when it leaves it)
@@ -958,6 +964,45 @@ def describe_process(pid: int) -> str:
     except OSError:
         pass
     return text
+
+
+STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks has to write them and end
+
+
+def ask_for_stacks(p: subprocess.Popen, wait_s: float = STACKS_WAIT_S) -> bool:
+    """Have worker ``p`` write its Python stacks to its stderr before it is killed, where it
+    catches ``STACKS_SIGNAL`` (a rank that joined through ``resilient.launch.init_process_group``:
+    ``dump_stacks_on_signal``; the rank a fork server's stand-in stands for is the one asked,
+    through its stand-in).  True once it wrote them and ended (the signal's default, after the
+    dump), within ``wait_s``.  A worker that does not catch the signal is not sent it: its
+    default would end the process without a word.  One that catches it is taken for a rank of
+    the toolkit (a program with a handler of its own for this real-time signal gets it too)."""
+    from resilient import forkserver
+
+    rank = forkserver.rank_pid(p.pid)
+    if rank is None or not _catches(rank, forkserver.STACKS_SIGNAL):
+        return False
+    try:
+        os.kill(p.pid, forkserver.STACKS_SIGNAL)  # (a stand-in forwards it to its rank)
+    except ProcessLookupError:
+        return False
+    try:
+        p.wait(wait_s)
+    except subprocess.TimeoutExpired:  # stopped, or in an uninterruptible wait: no stacks
+        return False
+    return True
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
