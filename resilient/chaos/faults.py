@@ -551,14 +551,17 @@ def worker_pid(agent: int, rank: int) -> int | None:
 
 
 def has_workers(agent: int) -> bool:
-    """Whether ``agent`` runs workers now: its node is in the job (an elastic node that came
-    after the rendezvous round closed waits, with none, for the next one)."""
-    return next(_workers(agent), None) is not None
+    """Whether ``agent`` runs workers now, or ``resilient launch``'s spares: its node is in the
+    job (an elastic node that came after the rendezvous round closed waits, with none, for the
+    next one).  A spare counts: one that took a rank over has it in ``os.environ`` only, set
+    after its start, which ``/proc`` does not show."""
+    return next(_workers(agent, spares=True), None) is not None
 
 
-def _workers(agent: int) -> Iterator[tuple[int, list[bytes]]]:
+def _workers(agent: int, spares: bool = False) -> Iterator[tuple[int, list[bytes]]]:
     """(pid, environment) of each worker process under ``agent``: a process torchrun started
-    for a rank (``LOCAL_RANK`` set), not a rank's persister."""
+    for a rank (``LOCAL_RANK`` set), not a rank's persister; with ``spares``, the spares of
+    ``resilient launch`` too (``RESILIENT_SPARE`` set: resilient.launch.injob.ENV_SPARE)."""
     for p in descendants(agent)[1:]:
         try:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
@@ -566,5 +569,8 @@ def _workers(agent: int) -> Iterator[tuple[int, list[bytes]]]:
             continue
         if b"RESILIENT_PERSISTER_PROCESS=1" in env:  # a rank's child, not a rank
             continue
-        if any(e.startswith(b"LOCAL_RANK=") for e in env):
+        if any(
+            e.startswith(b"LOCAL_RANK=") or (spares and e.startswith(b"RESILIENT_SPARE="))
+            for e in env
+        ):
             yield p, env

@@ -359,10 +359,11 @@ def _supervise(
             )
             if not due:
                 continue
-            if f.kind in NODE_KILLS and not has_workers(agents[f.node].pid):
+            node = agents[f.node] if f.kind in NODE_KILLS else None
+            if node is not None and node.poll() is None and not has_workers(node.pid):
                 # the node is not in the job (yet): an elastic node that reached the rendezvous
                 # after its round closed (a loaded machine) waits for the next; losing it now
-                # would lose nothing the job had
+                # would lose nothing the job had (a node lost already is replaced at once)
                 continue
             pending.remove(f)
             if f.kind in JOB_KILLS:
