@@ -210,8 +210,9 @@ def name_records_by_frame() -> None:
     server for launchers); once."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    if getattr(dynamic_rendezvous.get_method_name, "__resilient__", False):
-        return
+    original = getattr(dynamic_rendezvous, "get_method_name", None)
+    if original is None or getattr(original, "__resilient__", False):
+        return  # (a torch that names its records some other way: nothing to do)
 
     def get_method_name(depth: int = 2) -> str:
         try:
