@@ -32,8 +32,8 @@ $(STAMP): pyproject.toml Makefile
 # The toolkit's bytecode, compiled once before a run (into the __pycache__ folders git ignores).
 # Where the environment says PYTHONDONTWRITEBYTECODE (this workplace's machines do), Python
 # writes none itself, and every process compiled the modules it imports from their source: each
-# rank, persister and launcher the suite starts (some 1,500) a few tenths of a second of CPU,
-# a fifth of the suite's (BENCHMARKS.md).  An editable install leaves them to the first import.
+# rank, persister and launcher the suite starts (some 1,500) a few tenths of a second of CPU
+# (BENCHMARKS.md, thirty-fifth session).  An editable install leaves them to the first import.
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j0 resilient reference_trainer reshape examples benchmarks tests
 
