@@ -78,10 +78,10 @@ ENV_STAND_IN = "RESILIENT_FORKSERVER_STAND_IN"  # in a forked rank: its stand-in
 # a rank that joined through resilient.launch.init_process_group writes its Python stacks to its
 # stderr on this signal, then ends as the signal's default would have it (faulthandler, chained):
 # ``resilient launch --finish-timeout`` asks a rank it is about to kill (a real-time signal: no
-# library or scheduler sends it of its own accord)
-STACKS_SIGNAL = signal.SIGRTMIN + 5
+# library or scheduler sends it of its own accord; Linux's: None where there are none)
+STACKS_SIGNAL: int | None = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-              signal.SIGUSR2, STACKS_SIGNAL)  # fmt: skip
+              signal.SIGUSR2, *([STACKS_SIGNAL] if STACKS_SIGNAL else []))  # fmt: skip
 _HEADER = struct.Struct("!I")
 _START_WAIT_S = 60.0  # how long a worker waits for a server that is still starting
 

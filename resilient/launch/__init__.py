@@ -183,6 +183,8 @@ def dump_stacks_on_signal() -> None:
     the rank's output.  faulthandler writes from its signal handler in C, so a rank blocked in
     C code or holding the GIL dumps too (not one that is stopped).  Best effort: a stderr with
     no file descriptor (a test runner's capture) registers nothing."""
+    if STACKS_SIGNAL is None:
+        return
     try:
         faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=True)
     except (ValueError, RuntimeError, OSError, AttributeError):

@@ -980,11 +980,12 @@ def ask_for_stacks(p: subprocess.Popen, wait_s: float = STACKS_WAIT_S) -> bool:
     the toolkit (a program with a handler of its own for this real-time signal gets it too)."""
     from resilient import forkserver
 
+    sig = forkserver.STACKS_SIGNAL
     rank = forkserver.rank_pid(p.pid)
-    if rank is None or not _catches(rank, forkserver.STACKS_SIGNAL):
+    if sig is None or rank is None or not _catches(rank, sig):
         return False
     try:
-        os.kill(p.pid, forkserver.STACKS_SIGNAL)  # (a stand-in forwards it to its rank)
+        os.kill(p.pid, sig)  # (a stand-in forwards it to its rank)
     except ProcessLookupError:
         return False
     try:
