@@ -1,6 +1,9 @@
-"""The chaos harness's node faults (``kill_node``, ``replace_node``) wait for the node to be in
-the job: repros of a review of that change (each failed before its fix).  Real processes:
-agents standing for nodes, a real spare taking a rank over through ``wait_for_rank``, a TCPStore."""
+"""The chaos harness's node faults (``kill_node``, ``replace_node``) fire once the node is in the
+job: it has workers, or spares of ``resilient launch`` (one that took a rank over has the rank in
+its ``os.environ`` only).  Losing a node that never joined (late to an elastic rendezvous on a
+loaded machine) would lose nothing and test no recovery.  Real processes throughout: agents
+standing for nodes, a real spare taking a rank over through ``wait_for_rank`` on a TCPStore, and
+the harness's own supervisor loop (``_supervise``)."""
 
 import json
 import os
@@ -9,169 +12,178 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from resilient.chaos.faults import kill_tree
+from torch.distributed import TCPStore
+
+from resilient.chaos.faults import has_workers, kill_tree
+from resilient.chaos.harness import RunPaths, _supervise
+from resilient.chaos.scenario import Fault, Job
 from resilient.health.events import EventLog
 from resilient.launch import free_port
 
-# An agent of `resilient launch` with in-job recovery on a node of one rank, after that rank was
-# lost and the node's spare took it over: its only worker is the spare, exec'd without RANK or
-# LOCAL_RANK (agent.py _start_spare), which resilient.launch.injob.wait_for_rank gives it in
-# os.environ, after exec (not in /proc/PID/environ).  argv: store port, key file, taken file.
+ROOT = Path(__file__).resolve().parents[1]
+
+# an agent with one worker (a child with a rank's environment, as torchrun starts it) once the
+# file argv[1] exists; argv[2]: the worker's rank
+_AGENT = """
+import os, subprocess, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                 env=dict(os.environ, RANK=sys.argv[2], LOCAL_RANK="0"))
+time.sleep(120)
+"""
+# An agent of `resilient launch` on a node of one rank, whose only worker is its spare, started
+# without RANK or LOCAL_RANK as the launcher starts one (agent.py _start_spare); given a rank,
+# resilient.launch.injob.wait_for_rank sets them in os.environ (not in /proc/PID/environ).
+# argv: the spare's program, then its arguments: store port, key file, taken file.
+_INJOB_AGENT = """
+import os, subprocess, sys, time
+env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "ROLE_RANK")}
+env.update(RESILIENT_SPARE="0:0", TORCHELASTIC_RUN_ID="node-loss", TORCHELASTIC_RESTART_COUNT="0")
+subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], env=env,
+                 start_new_session=True)
+time.sleep(120)
+"""
 _SPARE = """
-import json, os, sys, time
+import datetime, os, sys, time
 from pathlib import Path
 from torch.distributed import TCPStore
 from resilient.launch.injob import base_key, wait_for_rank
-store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
+                 timeout=datetime.timedelta(seconds=60))
 Path(sys.argv[2]).write_text(base_key())
 assert wait_for_rank(store)
 Path(sys.argv[3]).write_text(os.environ["RANK"] + " " + os.environ["LOCAL_RANK"])
 time.sleep(120)
 """
-_INJOB_AGENT = """
-import os, subprocess, sys, time
-env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "ROLE_RANK")}
-env.update(RESILIENT_SPARE="0:0", TORCHELASTIC_RUN_ID="review35", TORCHELASTIC_RESTART_COUNT="0")
-subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], env=env,
-                 start_new_session=True)
-time.sleep(120)
-"""
 
 
-def test_kill_node_fires_on_a_node_whose_rank_a_spare_took_over(tmp_path):
-    """``kill_node`` waits for ``has_workers``, which looks for ``LOCAL_RANK`` in
-    ``/proc/PID/environ``.  A spare that took a rank over (in-job recovery) got its RANK and
-    LOCAL_RANK in ``os.environ`` after exec, so a node whose rank(s) a spare runs now has "no
-    workers" and a node loss due then never fires (the run ends with the fault pending)."""
-    from torch.distributed import TCPStore
+def _agent(go: Path, rank: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _AGENT, str(go), str(rank)])
 
-    from resilient.chaos.harness import RunPaths, _supervise
-    from resilient.chaos.scenario import Fault, Job
 
+def _supervisor(
+    tmp: Path, agents: list[subprocess.Popen], faults: list[Fault], start: Any = None
+) -> tuple[threading.Thread, list, RunPaths, list[Path]]:
+    """The harness's supervisor loop over ``agents`` in a thread, the job past every fault's
+    step: (the thread, its result once it returned, the run's paths, each node's memory root)."""
+    paths = RunPaths(tmp)
+    paths.metrics.write_text(json.dumps({"step": 20}) + "\n")
+    memory = [tmp / f"mem{n}" for n in range(len(agents))]
+    for m in memory:
+        m.mkdir()
+    result: list = []
+    job = Job(nproc=1, nodes=len(agents), elastic=len(agents) > 1, timeout_s=120)
+    events = EventLog(str(paths.events))
+    thread = threading.Thread(
+        target=lambda: result.append(
+            _supervise(job, paths, agents, faults, events, time.time(), print, memory, start)
+        ),
+        daemon=True,
+    )
+    thread.start()
+    return thread, result, paths, memory
+
+
+def _fired(paths: RunPaths) -> list[tuple[str, Any]]:
+    if not paths.events.exists():
+        return []
+    records = [json.loads(line) for line in paths.events.read_text().splitlines()]
+    return [(e["event"], e.get("id")) for e in records]
+
+
+def _wait(what: Any, timeout_s: float = 60) -> bool:
+    deadline = time.time() + timeout_s
+    while not what() and time.time() < deadline:
+        time.sleep(0.05)
+    return bool(what())
+
+
+def test_a_node_is_lost_only_once_it_is_in_the_job(tmp_path):
+    """``kill_node`` at a step already reached waits for the node's workers, then fires."""
+    go = [tmp_path / "go0", tmp_path / "go1"]
+    go[0].touch()  # node 0 is in the job from the start; node 1 comes late
+    agents = [_agent(go[n], 2 * n) for n in range(2)]
+    supervisor = None
+    try:
+        assert _wait(lambda: has_workers(agents[0].pid))
+        assert not has_workers(agents[1].pid)
+        fault = Fault(id="lose-node-1", kind="kill_node", node=1, step=12)
+        supervisor, result, paths, memory = _supervisor(tmp_path, agents, [fault])
+        time.sleep(1.0)  # some twenty of the supervisor's rounds with the fault due
+        assert agents[1].poll() is None and memory[1].exists()  # not in the job: not lost yet
+        assert _fired(paths) == []
+        go[1].touch()  # node 1 joins: now it is lost, with its memory
+        agents[1].wait(timeout=60)
+        # (the supervisor drops the memory and writes the event once the agent is gone)
+        assert _wait(lambda: _fired(paths) == [("fault", "lose-node-1")]), _fired(paths)
+        assert not memory[1].exists() and memory[0].exists()
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+            a.wait()
+        if supervisor is not None:
+            supervisor.join(timeout=60)
+    assert result == [([1], False, None)]
+
+
+def test_a_node_whose_rank_a_spare_took_over_is_in_the_job(tmp_path):
+    """The node's only rank runs in the spare that took it over: the node is lost when due."""
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    paths = RunPaths(tmp_path)
-    paths.metrics.write_text(json.dumps({"step": 20}) + "\n")  # past the fault's step
     key_file, taken = tmp_path / "key", tmp_path / "taken"
     agent = subprocess.Popen(
         [sys.executable, "-c", _INJOB_AGENT, _SPARE, str(port), str(key_file), str(taken)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    memory = tmp_path / "mem0"
-    memory.mkdir()
-    result: list = []
     supervisor = None
     try:
-        deadline = time.time() + 120
-        while not key_file.exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert key_file.exists(), "the spare never came up"
+        assert _wait(key_file.exists, 120), "the spare never came up"
         # the agent hands rank 0 (local rank 0) to its spare: the spare is the node's rank now
-        store.set(
-            f"{key_file.read_text()}/assign/0/0",
-            json.dumps({"rank": 0, "local_rank": 0, "gen": 1}),
-        )
-        while not taken.exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert taken.read_text() == "0 0"
+        assignment = {"rank": 0, "local_rank": 0, "gen": 1}
+        store.set(f"{key_file.read_text()}/assign/0/0", json.dumps(assignment))
+        assert _wait(taken.exists) and taken.read_text() == "0 0"
         fault = Fault(id="lose-node-0", kind="kill_node", node=0, step=12)
-        supervisor = threading.Thread(
-            target=lambda: result.append(
-                _supervise(
-                    Job(nproc=1, nodes=1, timeout_s=60),
-                    paths,
-                    [agent],
-                    [fault],
-                    EventLog(str(paths.events)),
-                    time.time(),
-                    lambda *_: None,
-                    [memory],
-                    None,
-                )
-            ),
-            daemon=True,
-        )
-        supervisor.start()
-        try:
-            agent.wait(timeout=10)  # the node, which runs rank 0, is lost at once
-        except subprocess.TimeoutExpired:
-            pass
-        assert agent.poll() is not None, "kill_node never fired: the node's rank is a spare"
-        assert not memory.exists()
+        supervisor, _, paths, memory = _supervisor(tmp_path, [agent], [fault])
+        agent.wait(timeout=60)  # the node, which runs rank 0, is lost
+        assert _wait(lambda: _fired(paths) == [("fault", "lose-node-0")]), _fired(paths)
+        assert not memory[0].exists()
     finally:
         kill_tree(agent.pid)
         agent.wait()
         if supervisor is not None:
-            supervisor.join(timeout=30)
-
-
-# an agent with one worker (a child with a rank's environment, as torchrun starts it)
-_AGENT = """
-import os, subprocess, sys, time
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                 env=dict(os.environ, RANK=sys.argv[1], LOCAL_RANK="0"))
-time.sleep(120)
-"""
+            supervisor.join(timeout=60)
+        del store
 
 
 def test_a_lost_node_can_be_replaced_later(tmp_path):
-    """a node lost for good (``kill_node``) and replaced later (``replace_node`` on the
-    same node: the scenario parser takes it) is never replaced: the second fault waits for the
-    dead agent to have workers, which it never will (before, the new agent was started)."""
-    from resilient.chaos.harness import RunPaths, _supervise
-    from resilient.chaos.scenario import Fault, Job
-
-    paths = RunPaths(tmp_path)
-    paths.metrics.write_text(json.dumps({"step": 20}) + "\n")  # past both faults' steps
-    memory = [tmp_path / "mem0", tmp_path / "mem1"]
-    for m in memory:
-        m.mkdir()
-    agents = [subprocess.Popen([sys.executable, "-c", _AGENT, str(n)]) for n in range(2)]
+    """A node lost for good (``kill_node``) and replaced later (``replace_node`` on the same
+    node: the scenario parser takes it): the second fault does not wait for the dead agent's
+    workers; a new agent takes the node's place."""
+    go = tmp_path / "go"
+    go.touch()
+    agents = [_agent(go, n) for n in range(2)]
     started: list = []
 
     def start(node: int, mode: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", _AGENT, str(node)])
-        started.append(p)
-        return p
+        started.append(_agent(go, node))
+        return started[-1]
 
     faults = [
         Fault(id="lose-node-1", kind="kill_node", node=1, step=5),
         Fault(id="new-host-for-1", kind="replace_node", node=1, step=10),
     ]
-    result: list = []
-    supervisor = threading.Thread(
-        target=lambda: result.append(
-            _supervise(
-                Job(nproc=1, nodes=2, elastic=True, timeout_s=60),
-                paths,
-                agents,
-                faults,
-                EventLog(str(paths.events)),
-                time.time(),
-                lambda *_: None,
-                memory,
-                start,
-            )
-        ),
-        daemon=True,
-    )
+    supervisor = None
     try:
-        from resilient.chaos.faults import has_workers
-
-        deadline = time.time() + 60
-        while not all(has_workers(a.pid) for a in agents) and time.time() < deadline:
-            time.sleep(0.05)
-        supervisor.start()
-        deadline = time.time() + 15
-        while not started and time.time() < deadline:
-            time.sleep(0.05)
-        events = paths.events.read_text() if paths.events.exists() else ""
-        assert "lose-node-1" in events
-        assert started and "node_replaced" in events, "replace_node never fired"
+        assert _wait(lambda: all(has_workers(a.pid) for a in agents))
+        supervisor, _, paths, _ = _supervisor(tmp_path, agents, faults, start)
+        assert _wait(lambda: ("node_replaced", None) in _fired(paths)), "replace_node never fired"
+        assert ("fault", "lose-node-1") in _fired(paths) and len(started) == 1
     finally:
         for a in [*agents, *started]:
             kill_tree(a.pid)
             a.wait()
-        if supervisor.is_alive():
-            supervisor.join(timeout=30)
+        if supervisor is not None:
+            supervisor.join(timeout=60)
