@@ -1,6 +1,6 @@
 """The chaos harness's node faults (``kill_node``, ``replace_node``) fire once the node is in the
 job: it has workers, or spares of ``resilient launch`` (one that took a rank over has the rank in
-its ``os.environ`` only).  Losing a node that never joined (late to an elastic rendezvous on a
+its ``os.environ`` only, so the harness finds it by the pid its ChaosHook writes).  Losing a node that never joined (late to an elastic rendezvous on a
 loaded machine) would lose nothing and test no recovery.  Real processes throughout: agents
 standing for nodes, a real spare taking a rank over through ``wait_for_rank`` on a TCPStore, and
 the harness's own supervisor loop (``_supervise``)."""
@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from resilient.chaos.faults import has_workers, kill_tree
+from resilient.chaos.faults import SPARES_DIR, has_workers, kill_tree, worker_pid
 from resilient.chaos.harness import RunPaths, _supervise
 from resilient.chaos.scenario import Fault, Job
 from resilient.health.events import EventLog
@@ -46,16 +46,22 @@ subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], env=env,
                  start_new_session=True)
 time.sleep(120)
 """
+# the spare: given a rank, it calls the job's hooks as resilient.launch.init_process_group does
+# next (a chaos job's ChaosHook, with the run's marker directory, argv[4], when given)
 _SPARE = """
 import datetime, os, sys, time
 from pathlib import Path
 from torch.distributed import TCPStore
+from resilient.chaos.faults import ChaosHook
 from resilient.launch.injob import base_key, wait_for_rank
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
                  timeout=datetime.timedelta(seconds=60))
+hooks = [ChaosHook({"marker_dir": sys.argv[4], "faults": []}, None, None)] if sys.argv[4:] else []
 Path(sys.argv[2]).write_text(base_key())
 assert wait_for_rank(store)
-Path(sys.argv[3]).write_text(os.environ["RANK"] + " " + os.environ["LOCAL_RANK"])
+for hook in hooks:
+    hook.at_phase("init_process_group", None)
+Path(sys.argv[3]).write_text(os.environ["RANK"] + " " + os.environ["LOCAL_RANK"] + " " + str(os.getpid()))
 time.sleep(120)
 """
 
@@ -129,32 +135,74 @@ def test_a_node_is_lost_only_once_it_is_in_the_job(tmp_path):
     assert result == [([1], False, None)]
 
 
+def _spare_takes_rank_0(tmp: Path, store: TCPStore, port: int, *markers: str) -> Any:
+    """An agent whose spare is given rank 0 (local rank 0), as the launcher hands it over:
+    (the agent, the spare's pid)."""
+    key_file, taken = tmp / "key", tmp / "taken"
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _INJOB_AGENT,
+            _SPARE,
+            str(port),
+            str(key_file),
+            str(taken),
+            *markers,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert _wait(key_file.exists, 120), "the spare never came up"
+    assignment = {"rank": 0, "local_rank": 0, "gen": 1}
+    store.set(f"{key_file.read_text()}/assign/0/0", json.dumps(assignment))
+    assert _wait(lambda: taken.exists() and taken.read_text().count(" ") == 2)
+    rank, local_rank, pid = taken.read_text().split()
+    assert (rank, local_rank) == ("0", "0")
+    return agent, int(pid)
+
+
 def test_a_node_whose_rank_a_spare_took_over_is_in_the_job(tmp_path):
     """The node's only rank runs in the spare that took it over: the node is lost when due."""
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    key_file, taken = tmp_path / "key", tmp_path / "taken"
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _INJOB_AGENT, _SPARE, str(port), str(key_file), str(taken)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    agent = None
     supervisor = None
     try:
-        assert _wait(key_file.exists, 120), "the spare never came up"
-        # the agent hands rank 0 (local rank 0) to its spare: the spare is the node's rank now
-        assignment = {"rank": 0, "local_rank": 0, "gen": 1}
-        store.set(f"{key_file.read_text()}/assign/0/0", json.dumps(assignment))
-        assert _wait(taken.exists) and taken.read_text() == "0 0"
+        agent, _ = _spare_takes_rank_0(tmp_path, store, port)
         fault = Fault(id="lose-node-0", kind="kill_node", node=0, step=12)
         supervisor, _, paths, memory = _supervisor(tmp_path, [agent], [fault])
         agent.wait(timeout=60)  # the node, which runs rank 0, is lost
         assert _wait(lambda: _fired(paths) == [("fault", "lose-node-0")]), _fired(paths)
         assert not memory[0].exists()
     finally:
-        kill_tree(agent.pid)
-        agent.wait()
+        if agent is not None:
+            kill_tree(agent.pid)
+            agent.wait()
         if supervisor is not None:
             supervisor.join(timeout=60)
+        del store
+
+
+def test_the_rank_a_spare_took_over_is_found_through_the_runs_markers(tmp_path):
+    """``worker_pid``, which the harness's rank faults (``kill``/``stop`` by time) use, finds a
+    rank that a spare runs: not in /proc (the spare's rank is in its os.environ only) but in the
+    pid its ChaosHook wrote into the run's marker directory on taking the rank."""
+    markers = tmp_path / "faults"
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    agent = None
+    try:
+        agent, spare = _spare_takes_rank_0(tmp_path, store, port, str(markers))
+        assert worker_pid(agent.pid, 0) is None  # what /proc says
+        assert worker_pid(agent.pid, 0, markers) == spare
+        assert worker_pid(agent.pid, 1, markers) is None
+        # a pid left by a spare of an earlier attempt, no longer the agent's: not taken
+        (markers / SPARES_DIR / "rank0").write_text(str(os.getpid()))
+        assert worker_pid(agent.pid, 0, markers) is None
+    finally:
+        if agent is not None:
+            kill_tree(agent.pid)
+            agent.wait()
         del store
 
 

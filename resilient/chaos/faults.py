@@ -68,6 +68,7 @@ __all__ = [
     "LINK_KINDS",
 ]
 
+SPARES_DIR = ".spares"  # in a run's marker directory: the pid of each spare that took a rank
 IN_RANK_KINDS = ("kill", "stop", "raise", "hang", "pause", "slow", "corrupt", "truncate", "skew")
 # kinds a plan may hold that scenario files do not take (see the module docstring)
 LINK_KINDS = ("delay_link",)
@@ -110,6 +111,12 @@ class ChaosHook:
         if self.rank is None and "RANK" in os.environ:
             self.rank = int(os.environ["RANK"])
             self.faults = self._mine()
+            # where the harness finds the process that runs the rank now (``worker_pid``): a
+            # spare's rank is in its os.environ only, which /proc does not show
+            with contextlib.suppress(OSError):
+                spares = self.marker_dir / SPARES_DIR
+                spares.mkdir(exist_ok=True)
+                (spares / f"rank{self.rank}").write_text(str(os.getpid()))
 
     @classmethod
     def from_file(cls, path: str, rank: int | None = None) -> ChaosHook:
@@ -540,14 +547,25 @@ def persisters_of(roots: list[Path]) -> list[int]:
     return found
 
 
-def worker_pid(agent: int, rank: int) -> int | None:
+def worker_pid(agent: int, rank: int, markers: Path | None = None) -> int | None:
     """The pid of global rank ``rank`` among ``agent``'s workers (read from their environment;
-    a worker that stands in for a rank its node's fork server started gives that rank's pid)."""
+    a worker that stands in for a rank its node's fork server started gives that rank's pid).
+    ``markers``: a chaos run's marker directory, where a spare of ``resilient launch`` that took
+    the rank over wrote its pid (``ChaosHook``; its rank is not in its /proc environment)."""
     from resilient.forkserver import prefer_stand_ins, rank_pid
 
     found = [p for p, env in _workers(agent) if f"RANK={rank}".encode() in env]
     # a stand-in first (a forked rank's children share its environment, the rank does not)
-    return rank_pid(prefer_stand_ins(found)[0]) if found else None
+    if found:
+        return rank_pid(prefer_stand_ins(found)[0])
+    if markers is not None:
+        try:
+            spare = int((markers / SPARES_DIR / f"rank{rank}").read_text())
+        except (OSError, ValueError):
+            return None
+        if spare in descendants(agent)[1:]:  # (not a spare of an earlier attempt, gone)
+            return spare
+    return None
 
 
 def has_workers(agent: int) -> bool:

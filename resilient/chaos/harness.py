@@ -396,7 +396,12 @@ def _supervise(
                     say(f"  node {f.node} replaced by a new agent with empty memory")
             else:
                 pid = next(
-                    (p for a in agents if (p := worker_pid(a.pid, f.rank)) is not None), None
+                    (
+                        p
+                        for a in agents
+                        if (p := worker_pid(a.pid, f.rank, paths.markers)) is not None
+                    ),
+                    None,
                 )
                 if pid is None:
                     pending.append(f)  # between restarts: try again in a moment
