@@ -44,7 +44,6 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from resilient.errors import RankFailureError
-from resilient.forkserver import STACKS_SIGNAL
 from resilient.health import flight_recorder
 from resilient.health.attach import (
     agent_store,
@@ -183,6 +182,11 @@ def dump_stacks_on_signal() -> None:
     the rank's output.  faulthandler writes from its signal handler in C, so a rank blocked in
     C code or holding the GIL dumps too (not one that is stopped).  Best effort: a stderr with
     no file descriptor (a test runner's capture) registers nothing."""
+    # (not imported with this module: a launcher forked from a server for launchers, which
+    # preloads this module, runs resilient.forkserver as __main__, and runpy warns when the
+    # module it runs was imported before)
+    from resilient.forkserver import STACKS_SIGNAL
+
     if STACKS_SIGNAL is None:
         return
     try:
