@@ -251,6 +251,12 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         return 1
 
     def forward(signum, _frame):
+        if signum == STACKS_SIGNAL:  # the rank's stacks: its children are not asked
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass
+            return
         _signal_group(child, signum)  # the rank leads its own group: its children get it too
 
     for sig in _FORWARDED:

@@ -20,6 +20,7 @@ from resilient.chaos.faults import SPARES_DIR, has_workers, kill_tree, worker_pi
 from resilient.chaos.harness import RunPaths, _supervise
 from resilient.chaos.scenario import Fault, Job
 from resilient.health.events import EventLog
+from resilient.health.heartbeat import process_start, process_state
 from resilient.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,20 +191,58 @@ def test_the_rank_a_spare_took_over_is_found_through_the_runs_markers(tmp_path):
     markers = tmp_path / "faults"
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    agent = None
+    agent = supervisor = None
     try:
         agent, spare = _spare_takes_rank_0(tmp_path, store, port, str(markers))
+        process_start_of = {spare: process_start(spare)}
         assert worker_pid(agent.pid, 0) is None  # what /proc says
         assert worker_pid(agent.pid, 0, markers) == spare
         assert worker_pid(agent.pid, 1, markers) is None
-        # a pid left by a spare of an earlier attempt, no longer the agent's: not taken
-        (markers / SPARES_DIR / "rank0").write_text(str(os.getpid()))
+        # the harness's rank fault (by time) reaches it
+        fault = Fault(id="kill-rank-0", kind="kill", rank=0, at_s=0.0)
+        supervisor, _, paths, _ = _supervisor(tmp_path, [agent], [fault])
+        assert _wait(lambda: ("fault", "kill-rank-0") in _fired(paths)), _fired(paths)
+        assert _wait(lambda: process_state(spare, process_start_of[spare]) in ("gone", "Z"))
+        # a process left in the markers that is not the agent's (an earlier job's): not taken
+        me = os.getpid()
+        (markers / SPARES_DIR / "rank0").write_text(f"{me} {process_start(me)}")
         assert worker_pid(agent.pid, 0, markers) is None
     finally:
         if agent is not None:
             kill_tree(agent.pid)
             agent.wait()
+        if supervisor is not None:
+            supervisor.join(timeout=60)
         del store
+
+
+_AGENT_WITH_DEAD_SPARE = """
+import subprocess, sys, time
+spare = subprocess.Popen([sys.executable, "-c", "pass"])
+print(spare.pid, flush=True)
+time.sleep(120)  # not reaped: a zombie, still the agent's child
+"""
+
+
+def test_a_spare_that_ran_the_rank_and_died_is_not_taken_for_it(tmp_path):
+    """Its pid in the markers, its process a zombie the agent has not reaped yet (or the pid
+    used again by another process): nothing runs the rank now, and the fault waits."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT_WITH_DEAD_SPARE], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        spare = int(agent.stdout.readline())
+        start = process_start(spare)
+        assert _wait(lambda: process_state(spare, start) == "Z")
+        markers = tmp_path / "faults"
+        (markers / SPARES_DIR).mkdir(parents=True)
+        (markers / SPARES_DIR / "rank0").write_text(f"{spare} {start}")  # as its hook wrote it
+        assert worker_pid(agent.pid, 0, markers) is None
+        (markers / SPARES_DIR / "rank0").write_text(f"{spare} {start + 1}")  # another process's
+        assert worker_pid(agent.pid, 0, markers) is None
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 def test_a_lost_node_can_be_replaced_later(tmp_path):

@@ -7,6 +7,8 @@ ended).  The workers here are plain Python (no process group): the launcher is w
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -152,28 +154,129 @@ def test_a_hung_rank_writes_its_python_stacks_before_it_is_killed(tmp_path, prel
     assert _gone(int((tmp_path / "start-1-0").read_text()))
 
 
-def test_a_worker_that_does_not_catch_the_stacks_signal_is_not_sent_it(tmp_path):
-    """Its default would end it without a word: ``ask_for_stacks`` leaves it alone, for the
-    kill.  Whatever catches the signal is asked (its ``SigCgt`` bit)."""
+# a rank of the toolkit (it dumps its stacks when asked), ready, then idle; argv[1]: "stop" to
+# stop itself (SIGSTOP: a chaos stop fault, a debugger), "fork" to fork a child first (a
+# DataLoader worker forked from the rank: it inherits the registration)
+_TOOLKIT_RANK = """
+import os, signal, sys, time
+from resilient.forkserver import STACKS_SIGNAL
+from resilient.launch import dump_stacks_on_signal
+if sys.argv[1:] == ["fork"]:  # a handler before the toolkit's, which chains to it: the rank
+    # ends 5 s after its dump, not at once, so that a child asked too has the time to dump
+    signal.signal(STACKS_SIGNAL, lambda *a: (time.sleep(5), os._exit(0)))
+dump_stacks_on_signal()
+if sys.argv[1:] == ["fork"] and os.fork() == 0:
+    def forked_helper():
+        print("child ready", flush=True)
+        time.sleep(120)
+    forked_helper()
+def stuck_in_teardown():
+    print("ready", flush=True)  # (from here on its stack names this function)
+    if sys.argv[1:] == ["stop"]:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(120)
+stuck_in_teardown()
+"""
+
+
+def _pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` waits to be delivered to process ``pid`` (ShdPnd, SigPnd)."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(m >> (sig - 1) & 1 for m in masks)
+
+
+def test_workers_are_asked_for_stacks_together_and_only_those_that_can_answer(tmp_path):
+    """``ask_for_stacks``: a worker that does not catch the signal is not sent it (its default
+    would end it without a word); nor a stopped one (it could not answer before the kill); the
+    others are asked at once and waited for together.  Whatever catches it is asked (its
+    ``SigCgt`` bit), a program's own handler too."""
     from resilient.forkserver import STACKS_SIGNAL
     from resilient.launch.agent import ask_for_stacks
 
-    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    own = subprocess.Popen(
-        [sys.executable, "-c", "import signal, sys, time\n"
-         f"signal.signal({int(STACKS_SIGNAL)}, lambda *a: sys.exit(3))\n"
-         "print('ready', flush=True)\ntime.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    def start(*args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+
+    plain = start("-c", "import time; print('ready', flush=True); time.sleep(120)")
+    own = start("-c", "import signal, sys, time\n"
+                f"signal.signal({int(STACKS_SIGNAL)}, lambda *a: sys.exit(3))\n"
+                "print('ready', flush=True)\ntime.sleep(120)")  # fmt: skip
+    ranks = [start("-c", _TOOLKIT_RANK) for _ in range(2)]
+    stopped = start("-c", _TOOLKIT_RANK, "stop")
+    everyone = [plain, own, *ranks, stopped]
     try:
-        assert own.stdout.readline() == "ready\n"
-        assert not ask_for_stacks(plain, wait_s=0.5) and plain.poll() is None
-        # a handler of the program's own is caught too (SigCgt): asked, it ends as it likes
-        assert ask_for_stacks(own, wait_s=30) and own.returncode == 3
+        for q in everyone:
+            assert q.stdout.readline() == "ready\n"
+        deadline = time.time() + 60
+        while Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.time() < deadline, "the rank did not stop"
+            time.sleep(0.05)
+        dumped = ask_for_stacks(everyone, wait_s=60)
+        assert dumped == {own.pid, *(r.pid for r in ranks)}
+        assert own.returncode == 3 and [r.returncode for r in ranks] == [-STACKS_SIGNAL] * 2
+        for r in ranks:
+            err = r.stderr.read()
+            assert "in stuck_in_teardown" in err, err
+        assert plain.poll() is None and stopped.poll() is None
+        assert not _pending(stopped.pid, STACKS_SIGNAL)  # never sent: nothing waits for it
     finally:
-        for q in (plain, own):
+        for q in everyone:
             q.kill()
             q.wait()
+
+
+# a launcher (run by the fork server's ``host``, so its workers fork from a server): one
+# worker (a stand-in for the probe's rank, which forks a child), asked for its stacks
+_ASKING_LAUNCHER = """
+import json, os, subprocess, sys
+from resilient import forkserver
+from resilient.launch.agent import ask_for_stacks
+out = sys.argv[1]
+err = open(os.path.join(out, "rank.err"), "w")
+p = subprocess.Popen([sys.executable, *forkserver.STAND_IN, "-m", "probe", "fork"],
+                     stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+assert sorted(p.stdout.readline() for _ in range(2)) == ["child ready\\n", "ready\\n"]
+rank = forkserver.rank_pid(p.pid)
+with open(f"/proc/{rank}/task/{rank}/children") as f:
+    child = int(f.read().split()[0])
+dumped = ask_for_stacks([p], wait_s=60)
+with open(os.path.join(out, "result.json"), "w") as f:
+    json.dump({"stand_in": p.pid, "rank": rank, "child": child, "dumped": sorted(dumped)}, f)
+"""
+
+
+def test_a_forked_rank_is_asked_for_its_stacks_and_not_its_children(tmp_path):
+    """Through a fork server's stand-in (which passes other signals on to the rank's process
+    group): only the rank dumps; its forked child (which inherited the registration) does not
+    dump into the same output, read as the rank's."""
+    (tmp_path / "probe.py").write_text(_TOOLKIT_RANK)
+    (tmp_path / "asking.py").write_text(_ASKING_LAUNCHER)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    host = subprocess.Popen(
+        [sys.executable, "-m", "resilient.forkserver", "host", "--preload", "resilient.launch",
+         "--", "asking", str(tmp_path)], env=env, cwd=tmp_path, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        log = host.communicate(timeout=180)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(host.pid, signal.SIGKILL)
+        host.wait()
+    assert (tmp_path / "result.json").exists(), log[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    err = (tmp_path / "rank.err").read_text()
+    try:
+        assert result["rank"] != result["stand_in"], "not forked"
+        assert result["dumped"] == [result["stand_in"]], err
+        assert "in stuck_in_teardown" in err and "forked_helper" not in err, err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(result["child"], signal.SIGKILL)
 
 
 @pytest.mark.parametrize("mode", ["busy", "child-busy"], ids=["itself", "in-a-child"])

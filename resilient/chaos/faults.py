@@ -113,10 +113,13 @@ class ChaosHook:
             self.faults = self._mine()
             # where the harness finds the process that runs the rank now (``worker_pid``): a
             # spare's rank is in its os.environ only, which /proc does not show
+            from resilient.health.heartbeat import process_start
+
             with contextlib.suppress(OSError):
                 spares = self.marker_dir / SPARES_DIR
                 spares.mkdir(exist_ok=True)
-                (spares / f"rank{self.rank}").write_text(str(os.getpid()))
+                me = os.getpid()
+                (spares / f"rank{self.rank}").write_text(f"{me} {process_start(me)}")
 
     @classmethod
     def from_file(cls, path: str, rank: int | None = None) -> ChaosHook:
@@ -559,11 +562,20 @@ def worker_pid(agent: int, rank: int, markers: Path | None = None) -> int | None
     if found:
         return rank_pid(prefer_stand_ins(found)[0])
     if markers is not None:
+        from resilient.health.heartbeat import process_state
+
         try:
-            spare = int((markers / SPARES_DIR / f"rank{rank}").read_text())
+            spare, start = (
+                int(x) for x in (markers / SPARES_DIR / f"rank{rank}").read_text().split()
+            )
         except (OSError, ValueError):
             return None
-        if spare in descendants(agent)[1:]:  # (not a spare of an earlier attempt, gone)
+        # the same process (pid and start time: not a pid used again), running (not a dead
+        # spare its agent has not reaped yet), and the agent's (not a spare of an earlier job)
+        if (
+            process_state(spare, start) not in (None, "gone", "Z", "X")
+            and spare in descendants(agent)[1:]
+        ):
             return spare
     return None
 

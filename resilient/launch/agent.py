@@ -639,7 +639,10 @@ def _agent_class() -> Any:
                     now - max(since, self._busy_at.get(lr, since)), 100 * BUSY_SHARE,
                     self.finish_timeout, describe_process(p.pid),
                 )  # fmt: skip
-                if ask_for_stacks(p):
+            dumped = ask_for_stacks([self._procs[lr] for lr in stuck])  # (all at once)
+            for lr in stuck:
+                w, p = worker_group.workers[lr], self._procs[lr]
+                if p.pid in dumped:
                     log.error(
                         "rank %d wrote its Python stacks to its stderr as it was killed (above, or "
                         "in its log file under --log-dir)", w.global_rank,
@@ -970,29 +973,44 @@ def describe_process(pid: int) -> str:
 STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks has to write them and end
 
 
-def ask_for_stacks(p: subprocess.Popen, wait_s: float = STACKS_WAIT_S) -> bool:
-    """Have worker ``p`` write its Python stacks to its stderr before it is killed, where it
-    catches ``STACKS_SIGNAL`` (a rank that joined through ``resilient.launch.init_process_group``:
-    ``dump_stacks_on_signal``; the rank a fork server's stand-in stands for is the one asked,
-    through its stand-in).  True once it wrote them and ended (the signal's default, after the
-    dump), within ``wait_s``.  A worker that does not catch the signal is not sent it: its
-    default would end the process without a word.  One that catches it is taken for a rank of
-    the toolkit (a program with a handler of its own for this real-time signal gets it too)."""
+def ask_for_stacks(procs: list[subprocess.Popen], wait_s: float = STACKS_WAIT_S) -> set[int]:
+    """Have workers ``procs`` write their Python stacks to their stderr before they are killed,
+    those that catch ``STACKS_SIGNAL`` (a rank that joined through
+    ``resilient.launch.init_process_group``: ``dump_stacks_on_signal``; the rank a fork server's
+    stand-in stands for is the one asked, through its stand-in, and not its children): all asked
+    at once, then waited for together, ``wait_s`` at most.  The pids of those that wrote them
+    and ended (the signal's default, after the dump).  A worker that does not catch the signal
+    is not sent it (its default would end the process without a word), nor one that is stopped
+    (SIGSTOP, a debugger: it could not answer); one that catches it is taken for a rank of the
+    toolkit (a program with a handler of its own for this real-time signal gets it too)."""
     from resilient import forkserver
+    from resilient.health.heartbeat import proc_stat
 
     sig = forkserver.STACKS_SIGNAL
-    rank = forkserver.rank_pid(p.pid)
-    if sig is None or rank is None or not _catches(rank, sig):
-        return False
-    try:
-        os.kill(p.pid, sig)  # (a stand-in forwards it to its rank)
-    except ProcessLookupError:
-        return False
-    try:
-        p.wait(wait_s)
-    except subprocess.TimeoutExpired:  # stopped, or in an uninterruptible wait: no stacks
-        return False
-    return True
+    if sig is None:
+        return set()
+    asked = []
+    for p in procs:
+        rank = forkserver.rank_pid(p.pid)
+        if rank is None or not _catches(rank, sig):
+            continue
+        stat = proc_stat(f"/proc/{rank}/stat")
+        if stat is None or stat[0] in "TtZX":  # stopped, traced or gone: no answer will come
+            continue
+        try:
+            os.kill(p.pid, sig)  # (a stand-in forwards it to its rank)
+        except ProcessLookupError:
+            continue
+        asked.append(p)
+    deadline = time.monotonic() + wait_s
+    dumped = set()
+    for p in asked:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # in an uninterruptible wait, or slow: no stacks
+            continue
+        dumped.add(p.pid)
+    return dumped
 
 
 def _catches(pid: int, sig: int) -> bool:
