@@ -108,6 +108,17 @@ def _wait(what: Any, timeout_s: float = 60) -> bool:
     return bool(what())
 
 
+def _end(agents: list[subprocess.Popen | None], supervisor: threading.Thread | None) -> None:
+    """Every agent killed with all it started, then the supervisor, which returns once they
+    are gone."""
+    for a in agents:
+        if a is not None:
+            kill_tree(a.pid)
+            a.wait()
+    if supervisor is not None:
+        supervisor.join(timeout=60)
+
+
 def test_a_node_is_lost_only_once_it_is_in_the_job(tmp_path):
     """``kill_node`` at a step already reached waits for the node's workers, then fires."""
     go = [tmp_path / "go0", tmp_path / "go1"]
@@ -128,11 +139,7 @@ def test_a_node_is_lost_only_once_it_is_in_the_job(tmp_path):
         assert _wait(lambda: _fired(paths) == [("fault", "lose-node-1")]), _fired(paths)
         assert not memory[1].exists() and memory[0].exists()
     finally:
-        for a in agents:
-            kill_tree(a.pid)
-            a.wait()
-        if supervisor is not None:
-            supervisor.join(timeout=60)
+        _end(agents, supervisor)
     assert result == [([1], False, None)]
 
 
@@ -176,11 +183,7 @@ def test_a_node_whose_rank_a_spare_took_over_is_in_the_job(tmp_path):
         assert _wait(lambda: _fired(paths) == [("fault", "lose-node-0")]), _fired(paths)
         assert not memory[0].exists()
     finally:
-        if agent is not None:
-            kill_tree(agent.pid)
-            agent.wait()
-        if supervisor is not None:
-            supervisor.join(timeout=60)
+        _end([agent], supervisor)
         del store
 
 
@@ -208,11 +211,7 @@ def test_the_rank_a_spare_took_over_is_found_through_the_runs_markers(tmp_path):
         (markers / SPARES_DIR / "rank0").write_text(f"{me} {process_start(me)}")
         assert worker_pid(agent.pid, 0, markers) is None
     finally:
-        if agent is not None:
-            kill_tree(agent.pid)
-            agent.wait()
-        if supervisor is not None:
-            supervisor.join(timeout=60)
+        _end([agent], supervisor)
         del store
 
 
@@ -269,8 +268,4 @@ def test_a_lost_node_can_be_replaced_later(tmp_path):
         assert _wait(lambda: ("node_replaced", None) in _fired(paths)), "replace_node never fired"
         assert ("fault", "lose-node-1") in _fired(paths) and len(started) == 1
     finally:
-        for a in [*agents, *started]:
-            kill_tree(a.pid)
-            a.wait()
-        if supervisor is not None:
-            supervisor.join(timeout=60)
+        _end([*agents, *started], supervisor)
