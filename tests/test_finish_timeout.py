@@ -167,11 +167,11 @@ if sys.argv[1:] == ["fork"]:  # a handler before the toolkit's, which chains to 
 dump_stacks_on_signal()
 if sys.argv[1:] == ["fork"] and os.fork() == 0:
     def forked_helper():
-        print("child ready", flush=True)
+        os.write(1, b"child ready\\n")  # (one write: the rank writes to the same pipe)
         time.sleep(120)
     forked_helper()
 def stuck_in_teardown():
-    print("ready", flush=True)  # (from here on its stack names this function)
+    os.write(1, b"ready\\n")  # (from here on its stack names this function)
     if sys.argv[1:] == ["stop"]:
         os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(120)
@@ -238,7 +238,8 @@ out = sys.argv[1]
 err = open(os.path.join(out, "rank.err"), "w")
 p = subprocess.Popen([sys.executable, *forkserver.STAND_IN, "-m", "probe", "fork"],
                      stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-assert sorted(p.stdout.readline() for _ in range(2)) == ["child ready\\n", "ready\\n"]
+lines = sorted(p.stdout.readline() for _ in range(2))
+assert lines == ["child ready\\n", "ready\\n"], lines
 rank = forkserver.rank_pid(p.pid)
 with open(f"/proc/{rank}/task/{rank}/children") as f:
     child = int(f.read().split()[0])
