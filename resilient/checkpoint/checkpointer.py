@@ -585,6 +585,12 @@ class Checkpointer:
                     # persisters write theirs where rank 0's asks, joint_flush.py)
                     "nodes": self.nodes.nodes,
                     "node_ranks": list(self.nodes.ranks_of(self.nodes.node_of[self.rank])),
+                    "node": self.nodes.node_of[self.rank],
+                    # sealed snapshots across nodes: the flush seals with every node's
+                    # persister first, through the URL (joint_flush.seal_together)
+                    "sealed_nodes": self.nodes.nodes > 1
+                    and memory_commit_every == 0
+                    and self._memory._sealed_replicas,
                     # (rank 0's: its flush seals no staged step of a later run than this one)
                     "max_run": self._run,
                 }

@@ -58,7 +58,10 @@ from resilient.checkpoint.format import (
     step_dir_name,
 )
 from resilient.checkpoint.lease import _dead, _process_start
+from resilient.checkpoint.seal import wait_for_writers
+from resilient.checkpoint.seal_nodes import seal_across_nodes
 from resilient.checkpoint.storage import Storage
+from resilient.checkpoint.url_group import SEAL_DIR, GroupBroken, UrlGroup
 from resilient.checkpoint.writer import CommitError
 from resilient.errors import ResilientError
 
@@ -76,6 +79,8 @@ __all__ = [
     "persist_jointly",
     "mark_waiting",
     "publish_done",
+    "open_seal",
+    "seal_together",
     "seen_now",
 ]
 
@@ -87,6 +92,7 @@ JOIN_WAIT_S = 60.0
 # ... and, once a successor persister waits for its node's lock, a committer for a new file
 _SUCCESSOR_WAIT_S = 5.0
 _POLL_S = 0.5
+_WRITERS_WAIT_S = 15.0  # (a joiner's seal) as the persister's flush waits for its trainer's ranks
 _MAX_SEEN = 16  # the done record's manifests: the newest the committer's memory holds
 WAITING_PREFIX = "persister.waiting."  # <job>/persister.waiting.<pid>: a successor at the lock
 
@@ -322,6 +328,8 @@ def _parse(data: bytes) -> dict[str, Any] | None:
         return got
     if got.get("done") is not False:
         return None
+    if got.get("seal") is True:  # (a seal's session: its id names its folder)
+        return got
     step, generation = got.get("step"), got.get("generation")
     ints = all(type(v) is int and 0 <= v <= MAX_INT for v in (step, generation))
     return got if ints and _hex(got.get("manifest"), 64) else None
@@ -349,11 +357,95 @@ def record_id(storage: Storage) -> str | None:
     return (_read_record(storage, set()) or {}).get("id")
 
 
+def open_seal(promoter: Promoter, wait_s: float) -> UrlGroup | None:
+    """(the committer, its job on several nodes with sealed snapshots) Open a seal's session:
+    the other sessions' folders go, and the record names this one (the joiners take part as
+    they see it: join_flush).  None where the record cannot be published."""
+    storage = promoter.storage
+    session = secrets.token_hex(8)
+    try:
+        if storage.exists(SEAL_DIR):
+            storage.remove_tree(SEAL_DIR)
+        record = {
+            "format": _FORMAT,
+            "job_id": promoter.job_id,
+            "id": session,
+            "done": False,
+            "seal": True,
+            "seen": [],
+        }
+        storage.publish(FLUSH_NAME, json.dumps(record).encode())
+    except Exception as e:
+        log.warning("flush across nodes: could not open a seal at %s: %s", storage.display(), e)
+        return None
+    return _group(promoter, session, 0, wait_s)
+
+
+def _group(promoter: Promoter, session: str, node: int, wait_s: float) -> UrlGroup:
+    nodes = promoter.config.get("nodes", 1)
+    job_dir = promoter.job_dir
+    return UrlGroup(
+        promoter.storage, session, node, nodes, wait_s, hurry=lambda: successor_waiting(job_dir)
+    )
+
+
+def seal_together(promoter: Promoter, group: UrlGroup, writers_s: float) -> int | None:
+    """Commit in this node's memory the newest step every rank sealed, with the other nodes'
+    persisters (seal_nodes.seal_across_nodes, its collectives through the URL: url_group.py);
+    the step, or None (nothing whole newer than the newest durable step, or the seal broke
+    off: the staged records and pairs stay for the next run's load).  ``writers_s``: how long
+    this node's ranks that staged a step may take to be gone."""
+    try:
+        newest = scan(promoter.storage).newest()
+        newer_than = None if newest is None else newest.step
+        wait_for_writers(promoter.job_dir, writers_s, newer_than)
+        max_run = promoter.config.get("max_run")
+        return seal_across_nodes(
+            promoter.job_dir,
+            rank=group.rank,
+            leader=True,
+            group=group,
+            floor=0,
+            max_run=max_run if type(max_run) is int else None,
+            newer_than=newer_than,
+            clear=False,
+        )
+    except (GroupBroken, OSError, ResilientError) as e:
+        log.warning("flush across nodes: the seal with the other nodes broke off: %s", e)
+        return None
+
+
+def _await_seal(promoter: Promoter, baseline: str | None, deadline: float) -> str | None:
+    """(a joiner) The id of the seal's session the committer opens (open_seal), or None once
+    another record comes (its flush went on without one), a successor persister waits for this
+    node's lock, or ``deadline`` passes."""
+    warned: set[bytes] = set()
+    while time.monotonic() < deadline and not successor_waiting(promoter.job_dir):
+        record = _read_record(promoter.storage, warned)
+        if record is not None and record["job_id"] == promoter.job_id:
+            if record["id"] != baseline:
+                return record["id"] if record.get("seal") else None
+        time.sleep(_POLL_S)
+    return None
+
+
 def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
     """(a joiner) Serve the committer's invitations until a done record names this node's
     newest committed snapshot or is not ``baseline`` (record_id: one published since this
     persister started, by a flush that ended without this snapshot), a successor persister
-    waits for this node's lock, or ``wait_s`` is over; returns how many bytes it wrote."""
+    waits for this node's lock, or ``wait_s`` is over; returns how many bytes it wrote.  With
+    sealed snapshots, first the seal the committer opens, together (seal_together)."""
+    node = promoter.config.get("node")
+    if promoter.config.get("sealed_nodes") and type(node) is int and node > 0:
+        session = _await_seal(promoter, baseline, time.monotonic() + wait_s)
+        if session is not None:
+            group = _group(promoter, session, node, wait_s)
+            try:
+                sealed = seal_together(promoter, group, _WRITERS_WAIT_S)
+            finally:
+                group.close()
+            if sealed is not None:
+                log.info("flush across nodes: sealed step %d with the other nodes", sealed)
     try:
         line = scan(Storage(promoter.steps_dir)).line()
         target = _manifest_digest(promoter.steps_dir, line[0]) if line else None
@@ -382,7 +474,7 @@ def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
                     line[0],
                 )
                 return written
-            if not record["done"] and record["id"] not in served:
+            if not record["done"] and not record.get("seal") and record["id"] not in served:
                 served.add(record["id"])
                 try:
                     written += _serve(promoter, record)

@@ -86,9 +86,11 @@ from resilient.checkpoint.joint_flush import (
     held_files,
     join_flush,
     mark_waiting,
+    open_seal,
     persist_jointly,
     publish_done,
     record_id,
+    seal_together,
     seen_now,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
@@ -104,6 +106,7 @@ from resilient.checkpoint.snapshots import (
     stale_snapshot,
 )
 from resilient.checkpoint.storage import RetryPolicy, Storage
+from resilient.checkpoint.url_group import UrlGroup
 from resilient.checkpoint.writer import CommitError, next_generation, publish_commit
 from resilient.errors import (
     CheckpointCorruptError,
@@ -397,6 +400,7 @@ class Promoter:
         self._take_from: str | None = None  # the trainer's released lease (lease_returned)
         self._flushing = False
         self._seen: list[str] | None = None  # (across nodes) what the flush judges: _announce
+        self._seal_group: UrlGroup | None = None  # (sealed across nodes) the flush's seal
         self._sweep = Sweep()  # as the Checkpointer's
 
     @property
@@ -671,6 +675,9 @@ class Promoter:
             return self._flush()
         finally:
             self._announce()
+            if self._seal_group is not None:
+                self._seal_group.close()
+                self._seal_group = None
 
     def _announce(self) -> None:
         """(across nodes) The done record, once: the other nodes' persisters are not needed."""
@@ -695,10 +702,19 @@ class Promoter:
         newest = durable.newest()
         max_run = self.config.get("max_run")
         newer_than = None if newest is None else newest.step
-        if has_peer_pairs(self.job_dir):
-            # sealed on several nodes: this node may hold every rank's copy (two nodes: its own
-            # ranks' and the peer pairs of the other's); where it does not, the records and
-            # pairs stay for the next run's load, which seals across the nodes
+        if self.across_nodes and self.config.get("sealed_nodes"):
+            # sealed on several nodes: no node need hold every rank's copy (three nodes or
+            # more; a lost node): the nodes' persisters seal together, through the URL
+            wait_s = float(self.config.get("join_wait_s", JOIN_WAIT_S))
+            self._seal_group = open_seal(self, wait_s)
+            if self._seal_group is not None:
+                seal_together(self, self._seal_group, _SEAL_WAIT_S)
+                if self._seen is not None:  # (what the flush judges: this node's memory now)
+                    self._seen = seen_now(self)
+        elif has_peer_pairs(self.job_dir):
+            # sealed on several nodes once (a job on one node now, after an elastic shrink):
+            # this node may hold every rank's copy; where it does not, the records and pairs
+            # stay for the next run's load, which seals across the nodes
             wait_for_writers(self.job_dir, _SEAL_WAIT_S, newer_than)
             seal_across_nodes(
                 self.job_dir,

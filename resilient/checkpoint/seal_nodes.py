@@ -78,6 +78,7 @@ from resilient.checkpoint.seal import (
 )
 from resilient.checkpoint.snapshots import RUN_SHIFT, STAGING_DIR, STEPS_DIR
 from resilient.checkpoint.storage import Storage
+from resilient.checkpoint.url_group import UrlGroup
 from resilient.checkpoint.writer import next_generation, publish_commit
 
 if TYPE_CHECKING:  # (torch only where a group is: the persister runs this without it)
@@ -136,7 +137,7 @@ def seal_across_nodes(
     *,
     rank: int,
     leader: bool,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | UrlGroup | None,
     floor: int,
     max_run: int | None = None,
     newer_than: int | None = None,
@@ -155,7 +156,13 @@ def seal_across_nodes(
     else (the flush, whose next run may still need them) only once a step is sealed."""
     from resilient import __version__ as version
 
-    world = 1 if group is None else _dist().get_world_size(group)
+    world = (
+        1
+        if group is None
+        else group.size()
+        if isinstance(group, UrlGroup)
+        else _dist().get_world_size(group)
+    )
     staging = os.path.join(job_dir, STAGING_DIR)
     mem = Storage(os.path.join(job_dir, STEPS_DIR))
     copies: list[_Copy] = []
@@ -402,7 +409,7 @@ def _try(
     staging: str,
     mem: Storage,
     rank: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | UrlGroup | None,
     floor: int,
     max_run: int | None,
     version: str,
@@ -540,10 +547,15 @@ def _open_peer(c: _Copy) -> int:
 
 
 def _to_rank_0(
-    holder: list[int | None], mine: dict[int, _Copy], rank: int, group: dist.ProcessGroup | None
+    holder: list[int | None],
+    mine: dict[int, _Copy],
+    rank: int,
+    group: dist.ProcessGroup | UrlGroup | None,
 ) -> list[dict[str, Any]] | None:
     """(every rank) Each rank's report (and rank 0's record) sent to rank 0 by its holder, in
     rank order; rank 0's list of them, or None where one could not come (elsewhere: None)."""
+    if isinstance(group, UrlGroup):
+        return _to_root_through_url(holder, mine, rank, group)
     if group is not None:
         import torch
 
@@ -589,9 +601,38 @@ def _to_rank_0(
     return got
 
 
-def _broadcast_bytes(group: dist.ProcessGroup | None, data: bytes, rank: int) -> bytes:
+def _to_root_through_url(
+    holder: list[int | None], mine: dict[int, _Copy], rank: int, group: UrlGroup
+) -> list[dict[str, Any]] | None:
+    """_to_rank_0 through the URL: each node posts the items it holds, by rank (every node posts,
+    so the rounds stay numbered alike); the root waits only for the holders."""
+    items: dict[str, Any] = {}
+    for r, h in enumerate(holder):
+        if h == rank:
+            items[str(r)] = {"report": mine[r].report, "record": mine[r].rec if r == 0 else None}
+    try:
+        data = json.dumps(items).encode()
+    except (TypeError, ValueError, RecursionError):  # (the root hears nothing of this node)
+        data = b"{}"
+    holders = {h for h in holder if h is not None}
+    posts = group.gather_to_root(data, 2 * _MAX_RECORD, holders)
+    if posts is None:
+        return None
+    got: list[dict[str, Any]] = []
+    for r, h in enumerate(holder):
+        post = posts[h] if h is not None else None
+        item = post.get(str(r)) if isinstance(post, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("report"), dict):
+            return None
+        got.append(item)
+    return got
+
+
+def _broadcast_bytes(group: dist.ProcessGroup | UrlGroup | None, data: bytes, rank: int) -> bytes:
     if group is None:
         return data
+    if isinstance(group, UrlGroup):
+        return group.broadcast(data, MAX_MANIFEST_BYTES)
     import torch
 
     dist = _dist()
@@ -609,13 +650,15 @@ def _broadcast_bytes(group: dist.ProcessGroup | None, data: bytes, rank: int) ->
     return data if rank == 0 else bytes(buf.numpy())
 
 
-def _gather_json(group: dist.ProcessGroup | None, world: int, data: bytes) -> list[Any]:
+def _gather_json(group: dist.ProcessGroup | UrlGroup | None, world: int, data: bytes) -> list[Any]:
     """Every rank's ``data`` (JSON, or b""), parsed (None for b"" or bytes that do not parse)."""
     if group is None:
         try:
             return [json.loads(data) if data else None]
         except (ValueError, RecursionError):
             return [None]
+    if isinstance(group, UrlGroup):
+        return group.all_gather_json(data, _MAX_OFFER)
     import torch
 
     dist = _dist()
@@ -646,7 +689,9 @@ def _dist():  # (imported where a group is: see TYPE_CHECKING above)
     return dist
 
 
-def _all_gather_ints(group: dist.ProcessGroup, row: list[int]) -> list[list[int]]:
+def _all_gather_ints(group: dist.ProcessGroup | UrlGroup, row: list[int]) -> list[list[int]]:
+    if isinstance(group, UrlGroup):
+        return group.all_gather_ints(row)
     import torch
 
     dist = _dist()
