@@ -7,12 +7,16 @@ resumes from it.  Nodes are memory roots, as in test_memory_nodes.py."""
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from resilient import Checkpointer
+from resilient.checkpoint.joint_flush import seal_together
+from resilient.checkpoint.storage import Storage
+from resilient.checkpoint.url_group import GroupBroken, UrlGroup
 from tests.dist import run_distributed
 from tests.test_memory_nodes import _root
 from tests.test_sealed_nodes import _state
@@ -20,16 +24,19 @@ from tests.test_sealed_nodes import _state
 pytestmark = [pytest.mark.distributed]
 
 
-def _open(url: str, base: str, node: int, wait_s: float, job_id: str | None = None):
+def _open(
+    url: str, base: str, node: int, wait_s: float, job_id: str | None = None, persister=True
+) -> Checkpointer:
     ck = Checkpointer(
         url,
         memory_every=1,
         memory_root=_root(base, node),
-        persister=True,
+        persister=persister,
         memory_commit_every=0,
         job_id=job_id,
     )
-    ck._persister_config["join_wait_s"] = wait_s
+    if ck._persister_config is not None:
+        ck._persister_config["join_wait_s"] = wait_s
     return ck
 
 
@@ -157,8 +164,8 @@ def _alive(pid: int) -> bool:
 JOB = "torchrun:sealed-flush"  # (torchrun's run id: one job id across restarts of one run)
 
 
-def _restarted_and_saved(rank: int, world: int, url: str, base: str) -> dict:
-    ck = _open(url, base, rank, 60.0, JOB)
+def _restarted_and_saved(rank: int, world: int, url: str, base: str, persister: bool) -> dict:
+    ck = _open(url, base, rank, 60.0, JOB, persister)
     t = time.monotonic()
     got = ck.load(_state(rank, world, 0.0))
     ck.save(4, _state(rank, world, 4.0)).wait()
@@ -167,15 +174,98 @@ def _restarted_and_saved(rank: int, world: int, url: str, base: str) -> dict:
     return {"loaded": got, "source": ck.last_load.source, "save_s": took}
 
 
-def test_a_restart_is_not_held_up_by_its_predecessors_seal(tmp_path):
+@pytest.mark.parametrize("persister", [True, False], ids=["persisters", "load-alone"])
+def test_a_restart_is_not_held_up_by_its_predecessors_seal(tmp_path, persister):
     """torchrun restarts the workers at once: the predecessor's persisters open and join a seal
-    while the new ones wait for their node's lock; a seal's waits are cut short once a successor
-    waits (the job runs again here, and its load seals), so the restarted job restores the sealed
-    step 3 from memory, and its load and first durable save never wait out join_wait_s (60 s
-    here)."""
+    while the new ones wait for their node's lock (or, without persisters, the restarted ranks'
+    load waits for the seal lock); a seal's waits are cut short once a successor waits (the job
+    runs again here, and its load seals), so the restarted job restores the sealed step 3 from
+    memory, and its load and first durable save never wait out join_wait_s (60 s here)."""
     url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
     run_distributed(_sealed_job, 3, url, base, "", 60.0, False, JOB)
-    results = run_distributed(_restarted_and_saved, 3, url, base)
+    results = run_distributed(_restarted_and_saved, 3, url, base, persister)
     assert [(r["loaded"], r["source"]) for r in results] == [(3, "memory")] * 3, _logs(base)
     assert max(r["save_s"] for r in results) < 30.0, (results, _logs(base)[-6000:])
     assert 4 in Checkpointer(url).steps()
+
+
+def _two_nodes_node_1_lost(rank: int, world: int, url: str, base: str, wait_s: float):
+    """Durable step 1, sealed snapshots 2 and 3 on two nodes of one rank each; node 1 is then
+    lost whole (its persister killed, as its host would take it), and rank 0 says goodbye."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    ck = _open(url, base, rank, wait_s)
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    ck._memory._join_pending()  # (the last pair)
+    dist.barrier()
+    if rank == 1:
+        os.kill(ck._persister.pid, signal.SIGKILL)
+        ck._persister._proc.wait()
+    dist.barrier()
+    took = None
+    if rank == 0:
+        t = time.monotonic()
+        ck.close()  # (told goodbye, its persister flushes; the close waits for it)
+        took = time.monotonic() - t
+    return took
+
+
+def test_on_two_nodes_node_0_seals_alone_without_waiting_for_a_lost_node(tmp_path):
+    """Node 0 holds its own rank's copy of step 3 and node 1's pair: its persister seals step 3
+    alone and flushes it at once, without waiting for node 1's persister, which is gone with its
+    node (it waited out join_wait_s for it in a seal through the URL first; found by a review)."""
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    took = run_distributed(_two_nodes_node_1_lost, 2, url, base, 120.0)[0]
+    assert Checkpointer(url).steps() == [1, 3], _logs(base)[-3000:]
+    assert took < 60.0, f"rank 0's close (its persister's flush) took {took:.0f}s"
+    assert "the seal through" not in _logs(base)
+
+
+class _LeavesAtTheManifest(UrlGroup):
+    """A node whose wait for the root ran out just as the root sent the manifest (its successor
+    waits, or the root was slow): it leaves the seal there, having verified and offered its
+    copies."""
+
+    def broadcast(self, data: bytes, cap: int) -> bytes:
+        raise GroupBroken("(the test) this node left the seal")
+
+
+class _Promoter:  # (what seal_together reads of the persister's Promoter)
+    def __init__(self, url: str, job_dir: str, node: int, nodes: int) -> None:
+        self.storage = Storage(url)
+        self.job_dir = job_dir
+        self.config = {"nodes": nodes, "node": node}
+
+
+def test_a_node_that_leaves_the_seal_leaves_it_uncommitted_on_every_node(tmp_path):
+    """Node 2 leaves after its copies counted: the others must not commit the step (a step
+    committed on some nodes and not on the node holding a rank's only copy voids that copy's
+    record, and the next load would fall back past it); the next run's load seals it."""
+    from tests.test_sealed_nodes import _expected, _restore, _sealed_run
+
+    url, base = str(tmp_path / "ckpt"), str(tmp_path / "memory")
+    run_distributed(_sealed_run, 3, url, base, 1, [1, 2, 3])
+    jobs = [next(Path(_root(base, n)).glob("job-*")) for n in range(3)]
+    groups = [
+        (_LeavesAtTheManifest if n == 2 else UrlGroup)(Storage(url), "0" * 16, n, 3, 3.0)
+        for n in range(3)
+    ]
+    out: list = [None] * 3
+
+    def seal(n: int) -> None:
+        out[n] = seal_together(_Promoter(url, str(jobs[n]), n, 3), groups[n], 1.0)
+        groups[n].close()
+
+    threads = [threading.Thread(target=seal, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == [None, None, None]
+    assert [sorted((j / "steps").rglob("MANIFEST.json")) for j in jobs] == [[]] * 3
+    assert run_distributed(_restore, 3, url, base, [0, 1, 2]) == _expected(3, 3)

@@ -217,8 +217,12 @@ def test_the_candidates_are_the_newest_steps_every_rank_is_offered_for():
         "garbage",
         offer([[9, 1, "k", 2], ["9", 0, "k", 2], [9, 5, "k", 2], [9, -1, "k", 2]], {"9/k": [0, 0]}),
         offer([[7, 0, "k", 1 << 40]], {"7/k": [0, 0]}),  # a world beyond any job's
+        # (offers through the URL are anything: url_group.py) the wrong shapes
+        {"copies": 5, "rules": [1, 2]},
+        {"copies": {"a": 1}, "rules": "x"},
+        offer([[8, 0, "k", 1], "row"], {"\u00b2/k": [0, 0], "8/k": [0, 0], "-8/k": [0, 0]}),
     ]
-    assert _candidates(offers) == [(3, "k", 2, [5, 1]), (2, "k", 2, [5, 1])]
+    assert _candidates(offers) == [(8, "k", 1, [0, 0]), (3, "k", 2, [5, 1]), (2, "k", 2, [5, 1])]
 
 
 def _snapshot_then_save(rank: int, world: int, url: str, base: str) -> dict:

@@ -5,20 +5,100 @@ bucket can put in a session's folder."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from resilient.checkpoint.joint_flush import FLUSH_NAME, _parse
+from resilient.checkpoint.joint_flush import FLUSH_NAME, _parse, seal_together
+from resilient.checkpoint.snapshots import STAGING_DIR
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.url_group import SEAL_DIR, GroupBroken, UrlGroup
 from resilient.errors import ResilientError
 
+SESSION = "a1b2c3d4e5f60718"
+
+# each a JSON value a post (an offer) can be; _candidates iterates and calls .items() on them
+HOSTILE_OFFERS = [
+    {"rules": [1, 2]},  # .items() on a list: AttributeError
+    {"copies": 5},  # iterating an int: TypeError
+    {"rules": {"\u00b2/k": [0, 0]}},  # "²".isdigit() but int("²") fails: ValueError
+]
+IDS = ["rules-a-list", "copies-an-int", "unicode-digit-step"]
+
+
+class _Promoter:  # (what seal_together reads of the persister's Promoter)
+    def __init__(self, tmp: Path, node: int) -> None:
+        self.storage = Storage(str(tmp / "ckpt"))
+        self.job_id = "job"
+        self.job_dir = str(tmp / f"job{node}")
+        os.makedirs(os.path.join(self.job_dir, STAGING_DIR), exist_ok=True)  # (no copies)
+        self.config = {"nodes": 2, "node": node, "max_run": 1}
+
+
+@pytest.mark.parametrize("offer", HOSTILE_OFFERS, ids=IDS)
+def test_a_hostile_post_does_not_crash_the_roots_seal(tmp_path, offer):
+    """The root (node 0's persister, in Promoter._flush) reads node 1's round-0 post from the URL:
+    a post of the wrong shape counts as nothing offered (it raised AttributeError, TypeError or
+    ValueError out of the whole flush: nothing flushed, not even the steps committed in memory;
+    found by a review)."""
+    promoter = _Promoter(tmp_path, 0)
+    folder = tmp_path / "ckpt" / SEAL_DIR / SESSION
+    folder.mkdir(parents=True)
+    (folder / "0.1.json").write_text(json.dumps(offer))
+    group = UrlGroup(promoter.storage, SESSION, 0, 2, wait_s=2.0)
+    try:
+        got = seal_together(promoter, group, writers_s=0.1)
+    except Exception as e:  # noqa: BLE001 (the repro: what escapes)
+        pytest.fail(f"seal_together raised {type(e).__name__}: {e}")
+    assert got is None
+
+
+@pytest.mark.parametrize("offer", HOSTILE_OFFERS, ids=IDS)
+def test_a_hostile_outcome_does_not_crash_a_members_seal(tmp_path, offer):
+    """A member (join_flush on nodes 1..n-1) reads the root's round-0 outcome from the URL: a list
+    of the right length whose entries are anything (the same exceptions escaped join_flush, so
+    that node's persister never served the root's invitations)."""
+    promoter = _Promoter(tmp_path, 1)
+    folder = tmp_path / "ckpt" / SEAL_DIR / SESSION
+    folder.mkdir(parents=True)
+    (folder / "0.all.json").write_text(json.dumps([offer, None]))
+    group = UrlGroup(promoter.storage, SESSION, 1, 2, wait_s=2.0)
+    try:
+        got = seal_together(promoter, group, writers_s=0.1)
+    except Exception as e:  # noqa: BLE001 (the repro: what escapes)
+        pytest.fail(f"seal_together raised {type(e).__name__}: {e}")
+    assert got is None
+
+
+def test_a_member_whose_memory_is_gone_still_takes_part(tmp_path):
+    """A node whose memory is gone (its staging folder with it) has nothing to offer, and takes
+    part all the same (it returned before its first post, and the root waited out its whole
+    wait_s for it, holding node 0's seal lock)."""
+    import threading
+
+    root_p = _Promoter(tmp_path, 0)
+    member_p = _Promoter(tmp_path, 1)
+    shutil.rmtree(member_p.job_dir)  # node 1's memory is gone
+    root = UrlGroup(root_p.storage, SESSION, 0, 2, wait_s=3.0)
+    member = UrlGroup(member_p.storage, SESSION, 1, 2, wait_s=3.0)
+    out: dict[str, object] = {}
+    t = threading.Thread(target=lambda: out.setdefault("root", seal_together(root_p, root, 0.1)))
+    t.start()
+    out["member"] = seal_together(member_p, member, 0.1)
+    member.close()
+    t.join(60)
+    assert not t.is_alive()
+    assert out == {"root": None, "member": None}
+    # the member took part (posted round 0), so the root did not have to wait it out
+    assert root._awaited == {1}, "the root waited out wait_s for a member that had returned"
+
 
 def _members(url: str, n: int, wait_s: float = 20.0) -> list[UrlGroup]:
-    return [UrlGroup(Storage(url), "a1b2c3d4e5f60718", m, n, wait_s) for m in range(n)]
+    return [UrlGroup(Storage(url), SESSION, m, n, wait_s) for m in range(n)]
 
 
 def _each(groups: list[UrlGroup], fn) -> list[Any]:
@@ -144,3 +224,87 @@ def test_the_root_of_a_new_session_removes_the_old_ones(tmp_path):
     record = _parse((tmp_path / "ckpt" / FLUSH_NAME).read_bytes())
     assert record["seal"] is True and group.dir == f"{SEAL_DIR}/{record['id']}"
     assert Path(tmp_path / "ckpt" / group.dir).is_dir()
+
+
+def test_a_manifest_is_committed_only_where_it_describes_the_copy_verified_here(tmp_path):
+    """A manifest that came through the URL may be anyone's: a node commits it over the copies it
+    verified only where it gives each the size, byte ranges and checksums the copy has."""
+    import torch
+
+    from resilient import Checkpointer
+    from resilient.checkpoint.format import MANIFEST_NAME, manifest_of_step
+    from resilient.checkpoint.seal_nodes import _describes
+
+    url = str(tmp_path / "ckpt")
+    Checkpointer(url).save(1, {"w": torch.arange(8.0), "b": torch.ones(3)}).wait()
+    manifest = manifest_of_step(
+        (tmp_path / "ckpt" / "step_00000001" / MANIFEST_NAME).read_bytes(), "step 1", 1
+    )
+    (name,) = manifest.files
+    chunks = [c for t in manifest.tensors.values() for c in t.chunks if c.file == name]
+    report = {
+        "size_bytes": manifest.files[name].size_bytes,
+        "chunks": {
+            str(i): {"byte_range": list(c.byte_range), "checksums": list(c.checksums)}
+            for i, c in enumerate(reversed(chunks))
+        },
+    }
+    assert _describes(manifest, name, report)
+    first = next(iter(report["chunks"].values()))
+    for damaged in (
+        {**report, "size_bytes": report["size_bytes"] + 1},
+        {**report, "chunks": {**report["chunks"], "0": {**first, "checksums": [1]}}},
+        {**report, "chunks": dict(list(report["chunks"].items())[1:])},
+        {**report, "chunks": {"0": "not a chunk"}},
+        {"size_bytes": report["size_bytes"]},
+    ):
+        assert not _describes(manifest, name, damaged), damaged
+
+
+def test_a_member_heard_from_again_is_waited_for_again(tmp_path):
+    """A member late for one round (taken as holding nothing) whose next post comes in time is
+    waited for again: the seal may name it the holder of its ranks' copies."""
+    import time
+
+    root, member = _members(str(tmp_path / "ckpt"), 2, wait_s=2.0)
+    assert root.all_gather_ints([1]) == [[1], [0]]  # (the member is late)
+    assert root._awaited == set()
+    seen: list[Any] = []
+
+    def member_rounds() -> None:
+        seen.append(member.all_gather_ints([1]))  # (it reads the outcome all the same)
+        seen.append(member.all_gather_ints([2]))
+        time.sleep(0.5)
+        seen.append(member.gather_to_root(b'{"mine": 1}', 64, {1}))
+
+    t = threading.Thread(target=member_rounds)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30  # (its round 1 post is there before the root looks)
+        while not (tmp_path / "ckpt" / member.dir / "1.1.json").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert root.all_gather_ints([2]) == [[2], [2]]
+        assert root.gather_to_root(b"{}", 64, {1}) == [{}, {"mine": 1}]
+    finally:
+        t.join(30)
+    assert seen == [[[1], [0]], [[2], [2]], None]
+
+
+def test_a_patient_member_waits_for_the_roots_word_even_once_hurried(tmp_path):
+    """The word on whether to commit: a member whose post may already count waits for the
+    outcome however long the root takes, a successor waiting or not (else the others commit a
+    step it leaves uncommitted); for any other round a hurried member leaves after a few
+    seconds."""
+    import time
+
+    url = str(tmp_path / "ckpt")
+    root = UrlGroup(Storage(url), SESSION, 0, 2, 20.0)
+    member = UrlGroup(Storage(url), SESSION, 1, 2, 20.0, hurry=lambda: True)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(member.all_gather_ints([1], patient=True)))
+    t.start()
+    time.sleep(7.0)  # (past a hurried member's few seconds)
+    assert root.all_gather_ints([1]) == [[1], [1]]
+    t.join(30)
+    assert got == [[[1], [1]]]

@@ -58,10 +58,10 @@ from resilient.checkpoint.format import (
     step_dir_name,
 )
 from resilient.checkpoint.lease import _dead, _process_start
-from resilient.checkpoint.seal import wait_for_writers
+from resilient.checkpoint.seal import WAITING_PREFIX, wait_for_writers, write_waiting_marker
 from resilient.checkpoint.seal_nodes import seal_across_nodes
 from resilient.checkpoint.storage import Storage
-from resilient.checkpoint.url_group import SEAL_DIR, GroupBroken, UrlGroup
+from resilient.checkpoint.url_group import SEAL_DIR, UrlGroup
 from resilient.checkpoint.writer import CommitError
 from resilient.errors import ResilientError
 
@@ -82,6 +82,7 @@ __all__ = [
     "open_seal",
     "seal_together",
     "seen_now",
+    "with_sealed",
 ]
 
 FLUSH_NAME = "FLUSH.json"
@@ -94,7 +95,6 @@ _SUCCESSOR_WAIT_S = 5.0
 _POLL_S = 0.5
 _WRITERS_WAIT_S = 15.0  # (a joiner's seal) as the persister's flush waits for its trainer's ranks
 _MAX_SEEN = 16  # the done record's manifests: the newest the committer's memory holds
-WAITING_PREFIX = "persister.waiting."  # <job>/persister.waiting.<pid>: a successor at the lock
 
 
 def held_files(steps_dir: str, step: int, snap: Manifest) -> set[str]:
@@ -165,6 +165,16 @@ def seen_now(promoter: Promoter) -> list[str]:
     return seen
 
 
+def with_sealed(seen: list[str], steps_dir: str, step: int) -> list[str]:
+    """``seen`` (seen_now, at the flush's start) with the manifest of ``step`` first: the flush's
+    seal committed it since (not what a restarted run committed meanwhile)."""
+    try:
+        digest = _manifest_digest(steps_dir, step)
+    except (OSError, ResilientError):
+        return seen
+    return [digest, *(d for d in seen if d != digest)][:_MAX_SEEN]
+
+
 def publish_done(promoter: Promoter, seen: list[str]) -> None:
     """(the committer, once its flush needs no other node: before a flush it makes alone, or at
     its end) Say what it judged: ``seen`` (seen_now, at the flush's start)."""
@@ -215,20 +225,13 @@ def _marker_live(path: str, pid: int) -> bool:
 
 
 def mark_waiting(job_dir: str) -> str:
-    """``<job>/persister.waiting.<pid>``, holding this process's start time: this persister
-    waits for the node's lock.  Markers whose process is gone are removed first."""
+    """``<job>/persister.waiting.<pid>`` (seal.write_waiting_marker): this persister waits for
+    the node's lock (its path, made or not).  Markers whose process is gone are removed first."""
     for old, pid in _markers(job_dir):
         if not _marker_live(old, pid):
             with contextlib.suppress(OSError):
                 os.unlink(old)
-    path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(_process_start(os.getpid()))
-    except OSError as e:  # (a predecessor joining a flush waits out its time)
-        log.warning("could not mark this persister as waiting (%s): %s", path, e)
-    return path
+    return write_waiting_marker(job_dir) or os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
 
 
 def _write_held(
@@ -398,7 +401,8 @@ def seal_together(promoter: Promoter, group: UrlGroup, writers_s: float) -> int 
     try:
         newest = scan(promoter.storage).newest()
         newer_than = None if newest is None else newest.step
-        wait_for_writers(promoter.job_dir, writers_s, newer_than)
+        with contextlib.suppress(OSError):  # (this node's memory gone: it offers nothing)
+            wait_for_writers(promoter.job_dir, writers_s, newer_than)
         max_run = promoter.config.get("max_run")
         return seal_across_nodes(
             promoter.job_dir,
@@ -410,8 +414,12 @@ def seal_together(promoter: Promoter, group: UrlGroup, writers_s: float) -> int 
             newer_than=newer_than,
             clear=False,
         )
-    except (GroupBroken, OSError, ResilientError) as e:
-        log.warning("flush across nodes: the seal with the other nodes broke off: %s", e)
+    except Exception as e:  # (the URL is untrusted input: anything there ends the seal)
+        log.warning(
+            "flush across nodes: the seal with the other nodes broke off: %s: %s",
+            type(e).__name__,
+            e,
+        )
         return None
 
 

@@ -92,6 +92,7 @@ from resilient.checkpoint.joint_flush import (
     record_id,
     seal_together,
     seen_now,
+    with_sealed,
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
@@ -702,21 +703,14 @@ class Promoter:
         newest = durable.newest()
         max_run = self.config.get("max_run")
         newer_than = None if newest is None else newest.step
-        if self.across_nodes and self.config.get("sealed_nodes"):
-            # sealed on several nodes: no node need hold every rank's copy (three nodes or
-            # more; a lost node): the nodes' persisters seal together, through the URL
-            wait_s = float(self.config.get("join_wait_s", JOIN_WAIT_S))
-            self._seal_group = open_seal(self, wait_s)
-            if self._seal_group is not None:
-                seal_together(self, self._seal_group, _SEAL_WAIT_S)
-                if self._seen is not None:  # (what the flush judges: this node's memory now)
-                    self._seen = seen_now(self)
-        elif has_peer_pairs(self.job_dir):
-            # sealed on several nodes once (a job on one node now, after an elastic shrink):
-            # this node may hold every rank's copy; where it does not, the records and pairs
-            # stay for the next run's load, which seals across the nodes
+        sealed_nodes = self.across_nodes and self.config.get("sealed_nodes")
+        sealed = None
+        if has_peer_pairs(self.job_dir) and (not sealed_nodes or self.config.get("nodes") == 2):
+            # sealed on several nodes: this node may hold every rank's copy (two nodes: its own
+            # ranks' and the peer pairs of the other's, which may be gone with its node; a job
+            # on one node now, after an elastic shrink): sealed here, with no other node
             wait_for_writers(self.job_dir, _SEAL_WAIT_S, newer_than)
-            seal_across_nodes(
+            sealed = seal_across_nodes(
                 self.job_dir,
                 rank=0,
                 leader=True,
@@ -726,6 +720,16 @@ class Promoter:
                 newer_than=newer_than,
                 clear=False,
             )
+        if sealed_nodes and sealed is None:
+            # no node need hold every rank's copy (three nodes or more; a pair that did not
+            # arrive): the nodes' persisters seal together, through the URL; where they cannot,
+            # the records and pairs stay for the next run's load, which seals across the nodes
+            wait_s = float(self.config.get("join_wait_s", JOIN_WAIT_S))
+            self._seal_group = open_seal(self, wait_s)
+            if self._seal_group is not None:
+                sealed = seal_together(self, self._seal_group, _SEAL_WAIT_S)
+        if sealed is not None and self._seen is not None:  # (judged by this flush too)
+            self._seen = with_sealed(self._seen, self.steps_dir, sealed)
         else:
             seal_staged(
                 self.job_dir,

@@ -46,7 +46,7 @@ from resilient.checkpoint.format import (
     rank_file_name,
     step_dir_name,
 )
-from resilient.checkpoint.lease import _machine
+from resilient.checkpoint.lease import _machine, _process_start
 from resilient.checkpoint.retention import delete_dirs
 from resilient.checkpoint.snapshots import IMPLAUSIBLE_SEQ, RUN_SHIFT, STAGING_DIR, STEPS_DIR
 from resilient.checkpoint.storage import Storage
@@ -186,21 +186,49 @@ def newest_plausible_seq(catalog: Catalog) -> int:
 
 def _lock(path: str, timeout_s: float) -> int | None:
     """The seal lock (a persister flushing and a restarted rank 0 loading), or None when it is
-    still taken after ``timeout_s``."""
+    still taken after ``timeout_s``.  While it waits, its waiting marker (write_waiting_marker)
+    is in the lock's directory: a flush that holds the lock cuts its waits for other nodes short
+    (joint_flush.successor_waiting: the job runs again here, and its load seals)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
+    marker: str | None = None
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    return None
+                if marker is None:
+                    marker = write_waiting_marker(os.path.dirname(path)) or ""
+                time.sleep(0.05)
+            except BaseException:
                 os.close(fd)
-                return None
-            time.sleep(0.05)
-        except BaseException:
-            os.close(fd)
-            raise
+                raise
+    finally:
+        if marker:
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+
+
+WAITING_PREFIX = "persister.waiting."  # <job>/persister.waiting.<pid>: a successor at a lock
+
+
+def write_waiting_marker(job_dir: str) -> str | None:
+    """``<job>/persister.waiting.<pid>``, holding this process's start time: this process (a
+    persister at the node's lock, a restarted rank at the seal lock) waits for a predecessor's
+    flush; None where it cannot be written."""
+    path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(_process_start(os.getpid()))
+    except OSError as e:  # (a predecessor joining a flush waits out its time)
+        log.warning("could not mark this process as waiting (%s): %s", path, e)
+        return None
+    return path
 
 
 def writer_alive(pid: Any, start: Any, machine: Any) -> bool:

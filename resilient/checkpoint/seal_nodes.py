@@ -100,6 +100,7 @@ _PEER_RE = re.compile(r"^peer_(\d{5,9})\.step_(\d{1,19})\.(json|safetensors)$")
 _MAX_OFFER = 8 << 20  # the bytes of one leader's offer
 _CANDIDATES = 3  # the newest steps tried, one collective round each
 _PAIRS_PER_SOURCE = 2
+_STEP = re.compile(r"[0-9]{1,19}")
 
 
 def peer_record_name(source: int, step: int) -> str:
@@ -369,7 +370,9 @@ def _candidates(offers: list[Any]) -> list[tuple[int, str, int, list[Any]]]:
     for offer in offers:
         if not isinstance(offer, dict):
             continue
-        for row in offer.get("copies") or ():
+        copies, named = offer.get("copies"), offer.get("rules")
+        # (an offer through the URL is anything someone else's bucket holds: url_group.py)
+        for row in copies if isinstance(copies, list) else ():
             if (
                 isinstance(row, list)
                 and len(row) == 4
@@ -381,9 +384,9 @@ def _candidates(offers: list[Any]) -> list[tuple[int, str, int, list[Any]]]:
                 and row[0] >= 0
             ):
                 ranks.setdefault((row[0], row[2], row[3]), set()).add(row[1])
-        for name, rule in (offer.get("rules") or {}).items():
+        for name, rule in (named if isinstance(named, dict) else {}).items():
             step, _, key = str(name).partition("/")
-            if step.isdigit() and isinstance(rule, list) and len(rule) == 2:
+            if _STEP.fullmatch(step) and isinstance(rule, list) and len(rule) == 2:
                 rules.setdefault((int(step), key), rule)
     whole = [
         (step, key, world, rules[(step, key)])
@@ -494,6 +497,21 @@ def _try(
     data = _broadcast_bytes(group, data, rank)
     if not data:
         return None
+    if isinstance(group, UrlGroup):
+        # Through the URL a node may leave the seal at any round (its wait is over): it commits
+        # only once every node that holds copies said the manifest describes them, and that
+        # word is one outcome every node reads alike (a node waits for it however long the
+        # root takes), so that no node commits a step another left uncommitted
+        ready = 1
+        if mine:
+            try:
+                _describe_all(step, data, mine)
+            except Exception as e:
+                log.warning("memory step %d is not sealed on this node: %s", step, e)
+                ready = 0
+        words = group.all_gather_ints([ready], patient=True)
+        if not all(words[h][0] for h in set(holder) if h is not None):
+            return None
     done = 1
     if mine:
         try:
@@ -701,12 +719,27 @@ def _all_gather_ints(group: dist.ProcessGroup | UrlGroup, row: list[int]) -> lis
     return [[int(x) for x in t.tolist()] for t in every]
 
 
+def _describe_all(step: int, data: bytes, mine: dict[int, _Copy]) -> None:
+    """That the manifest rank 0 sent (``data``) describes every copy this node verified."""
+    manifest = manifest_of_step(data, f"sealed memory step {step}", step)
+    for r, c in mine.items():
+        name = rank_file_name(r, manifest.generation)
+        if name in manifest.files and (
+            c.report is None or not _describes(manifest, name, c.report)
+        ):
+            raise ValueError(
+                f"the manifest rank 0 sent does not describe rank {r}'s file as this node's "
+                f"verified copy is"
+            )
+
+
 def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> None:
     """(a leader) Link the verified files this node holds into the step's directory under the
     manifest's names, and commit the manifest rank 0 built in this node's memory."""
     step_rel = step_dir_name(step)
     manifest = manifest_of_step(data, mem.display(f"{step_rel}"), step)
     step_dir = os.path.join(mem.path(), step_rel)
+    _describe_all(step, data, mine)
     for r, c in mine.items():
         name = rank_file_name(r, manifest.generation)
         if name not in manifest.files:  # (a file the manifest does not name is not put there)
@@ -727,6 +760,25 @@ def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> Non
     )
     with contextlib.suppress(Exception):
         delete_dirs(mem, garbage)
+
+
+def _describes(manifest: Any, name: str, report: dict[str, Any]) -> bool:
+    """Whether ``manifest`` gives file ``name`` the size and chunks (byte ranges and checksums)
+    that this node's verified copy has (``report``): a manifest that came through the URL
+    (url_group.py) may be anyone's."""
+    theirs = sorted(
+        (tuple(c.byte_range), tuple(c.checksums))
+        for t in manifest.tensors.values()
+        for c in t.chunks
+        if c.file == name
+    )
+    try:
+        mine = sorted(
+            (tuple(c["byte_range"]), tuple(c["checksums"])) for c in report["chunks"].values()
+        )
+    except (KeyError, TypeError, AttributeError):
+        return False
+    return manifest.files[name].size_bytes == report.get("size_bytes") and theirs == mine
 
 
 def _clear(staging: str) -> None:

@@ -12,7 +12,8 @@ same data, so they call the same collectives in the same order):
 * the root reads the posts of the members it waits for, for as long as ``wait_s`` (a few seconds
   once a successor persister waits on its node: the job runs again, and its load seals), and
   takes a member that did not post in time as one that holds nothing (it is no longer waited
-  for in later rounds; a post that is there when the root looks still counts);
+  for in later rounds; a post that is there when the root looks still counts, and the member is
+  waited for again from then on);
 * where every member needs the outcome (an all-gather, a broadcast), the root publishes
   ``<k>.all.json``, and the members read it.
 
@@ -77,9 +78,10 @@ class UrlGroup:
     def size(self) -> int:
         return self._size
 
-    def all_gather_json(self, data: bytes, cap: int) -> list[Any]:
+    def all_gather_json(self, data: bytes, cap: int, *, patient: bool = False) -> list[Any]:
         """Every member's ``data`` parsed (None: nothing posted in time, more than ``cap``
-        bytes, or not JSON), the same list on every member."""
+        bytes, or not JSON), the same list on every member.  ``patient``: a member waits for the
+        outcome its full time even once hurried (its post may already count: see _read_all)."""
         posts = self._gather(data, cap)
         if self.rank == 0:
             assert posts is not None
@@ -91,15 +93,15 @@ class UrlGroup:
                 out = json.dumps(every).encode()
             self._publish_all(out)
             return every
-        got = _parse(self._read_all(_MAX_ALL))
+        got = _parse(self._read_all(_MAX_ALL, patient=patient))
         if not isinstance(got, list) or len(got) != self._size:
             raise GroupBroken(f"{self.storage.display(self.dir)}: the root's outcome is damaged")
         return got
 
-    def all_gather_ints(self, row: list[int]) -> list[list[int]]:
+    def all_gather_ints(self, row: list[int], *, patient: bool = False) -> list[list[int]]:
         """Every member's ``row`` (one length: a member that posted none, or another shape,
         counts as a row of zeros)."""
-        every = self.all_gather_json(json.dumps(row).encode(), 16 + 24 * len(row))
+        every = self.all_gather_json(json.dumps(row).encode(), 16 + 24 * len(row), patient=patient)
         zeros = [0] * len(row)
         return [r if _ints(r, len(row)) else list(zeros) for r in every]
 
@@ -165,6 +167,7 @@ class UrlGroup:
                     got[m] = post
                     waiting.discard(m)
                     patient.discard(m)
+                    self._awaited.add(m)  # (heard from again: waited for from now on)
             limit = _SHORT_WAIT_S if self._hurry() else self.wait_s
             if not patient or time.monotonic() - start > limit:
                 break
@@ -183,15 +186,21 @@ class UrlGroup:
     def _publish_all(self, data: bytes) -> None:
         self.storage.publish(self._name(self._round - 1, "all"), data)
 
-    def _read_all(self, cap: int, k: int | None = None) -> bytes:
+    def _read_all(self, cap: int, k: int | None = None, patient: bool = False) -> bytes:
+        """(a member) The root's outcome of round ``k``: waited for ``wait_s`` three times over,
+        or, once hurried (a successor waits on this node), a few seconds, unless ``patient``
+        (the root's word on whether to commit: a member that left after its post counted would
+        leave a step committed on the others and not here)."""
         k = self._round - 1 if k is None else k
         name = self._name(k, "all")
-        deadline = time.monotonic() + 3 * self.wait_s
+        start = time.monotonic()
         while True:
             got = self._read(name, cap)
             if got is not None:
                 return got
-            if time.monotonic() > deadline or self._hurry():
+            took = time.monotonic() - start
+            hurried = not patient and took > _SHORT_WAIT_S and self._hurry()
+            if took > 3 * self.wait_s or hurried:
                 raise GroupBroken(
                     f"{self.storage.display(name)} did not come within {3 * self.wait_s:.0f}s "
                     f"(node 0's persister, which publishes it, is gone or stuck)"
