@@ -18,6 +18,8 @@ from resilient.checkpoint.joint_flush import seal_together
 from resilient.checkpoint.storage import Storage
 from resilient.checkpoint.url_group import GroupBroken, UrlGroup
 from tests.dist import run_distributed
+from tests.test_joint_flush import _await_steps, _restore
+from tests.test_joint_flush import _persister_logs as _logs
 from tests.test_memory_nodes import _root
 from tests.test_sealed_nodes import _state
 
@@ -75,28 +77,6 @@ def _sealed_job(
     if close:
         ck.close()
     return pid
-
-
-def _await_steps(url: str, want: list[int], timeout_s: float = 120.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = Checkpointer(url).steps()
-        if got == want or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
-
-
-def _restore(rank: int, world: int, url: str, base: str) -> dict:
-    ck = Checkpointer(url, memory_every=1, memory_root=_root(base, rank), persister=False)
-    state = _state(rank, world, 0.0)
-    got = ck.load(state)
-    out = {"step": got, "source": ck.last_load.source, "w": state["w"].tolist()}
-    ck.close()
-    return out
-
-
-def _logs(base: str) -> str:
-    return "\n".join(p.read_text() for p in sorted(Path(base).rglob("persister.log")))
 
 
 def test_on_three_nodes_the_persisters_seal_and_flush_the_newest_sealed_step(tmp_path):

@@ -392,12 +392,13 @@ def _group(promoter: Promoter, session: str, node: int, wait_s: float) -> UrlGro
     )
 
 
-def seal_together(promoter: Promoter, group: UrlGroup, writers_s: float) -> int | None:
+def seal_together(promoter: Promoter, group: UrlGroup | None, writers_s: float) -> int | None:
     """Commit in this node's memory the newest step every rank sealed, with the other nodes'
     persisters (seal_nodes.seal_across_nodes, its collectives through the URL: url_group.py);
     the step, or None (nothing whole newer than the newest durable step, or the seal broke
-    off: the staged records and pairs stay for the next run's load).  ``writers_s``: how long
-    this node's ranks that staged a step may take to be gone."""
+    off: the staged records and pairs stay for the next run's load).  ``group`` None: this node
+    alone, from its own copies and pairs.  ``writers_s``: how long this node's ranks that staged
+    a step may take to be gone."""
     try:
         newest = scan(promoter.storage).newest()
         newer_than = None if newest is None else newest.step
@@ -406,7 +407,7 @@ def seal_together(promoter: Promoter, group: UrlGroup, writers_s: float) -> int 
         max_run = promoter.config.get("max_run")
         return seal_across_nodes(
             promoter.job_dir,
-            rank=group.rank,
+            rank=0 if group is None else group.rank,
             leader=True,
             group=group,
             floor=0,

@@ -96,8 +96,8 @@ from resilient.checkpoint.joint_flush import (
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
-from resilient.checkpoint.seal import seal_staged, wait_for_writers
-from resilient.checkpoint.seal_nodes import has_peer_pairs, seal_across_nodes
+from resilient.checkpoint.seal import seal_staged
+from resilient.checkpoint.seal_nodes import has_peer_pairs
 from resilient.checkpoint.snapshots import (
     PERSISTER_LOCK,
     RUN_SHIFT,
@@ -709,17 +709,7 @@ class Promoter:
             # sealed on several nodes: this node may hold every rank's copy (two nodes: its own
             # ranks' and the peer pairs of the other's, which may be gone with its node; a job
             # on one node now, after an elastic shrink): sealed here, with no other node
-            wait_for_writers(self.job_dir, _SEAL_WAIT_S, newer_than)
-            sealed = seal_across_nodes(
-                self.job_dir,
-                rank=0,
-                leader=True,
-                group=None,
-                floor=0,
-                max_run=max_run if type(max_run) is int else None,
-                newer_than=newer_than,
-                clear=False,
-            )
+            sealed = seal_together(self, None, _SEAL_WAIT_S)
         if sealed_nodes and sealed is None:
             # no node need hold every rank's copy (three nodes or more; a pair that did not
             # arrive): the nodes' persisters seal together, through the URL; where they cannot,
