@@ -96,7 +96,7 @@ from resilient.checkpoint.joint_flush import (
 )
 from resilient.checkpoint.lease import WriterLease, _dead, _gone, _process_start, is_process
 from resilient.checkpoint.retention import Sweep, delete_dirs
-from resilient.checkpoint.seal import seal_staged
+from resilient.checkpoint.seal import newest_staged_step, seal_staged
 from resilient.checkpoint.seal_nodes import has_peer_pairs
 from resilient.checkpoint.snapshots import (
     PERSISTER_LOCK,
@@ -705,11 +705,15 @@ class Promoter:
         newer_than = None if newest is None else newest.step
         sealed_nodes = self.across_nodes and self.config.get("sealed_nodes")
         sealed = None
-        if has_peer_pairs(self.job_dir) and (not sealed_nodes or self.config.get("nodes") == 2):
+        alone = has_peer_pairs(self.job_dir) and (not sealed_nodes or self.config.get("nodes") == 2)
+        if alone:
             # sealed on several nodes: this node may hold every rank's copy (two nodes: its own
             # ranks' and the peer pairs of the other's, which may be gone with its node; a job
-            # on one node now, after an elastic shrink): sealed here, with no other node
-            sealed = seal_together(self, None, _SEAL_WAIT_S)
+            # on one node now, after an elastic shrink): sealed here, with no other node; on
+            # two nodes only the newest step its own ranks staged (an older one whole here is
+            # no reason not to ask the other node for the newest)
+            own = newest_staged_step(self.job_dir) if sealed_nodes else None
+            sealed = seal_together(self, None, _SEAL_WAIT_S, only_from=own or 0)
         if sealed_nodes and sealed is None:
             # no node need hold every rank's copy (three nodes or more; a pair that did not
             # arrive): the nodes' persisters seal together, through the URL; where they cannot,
@@ -720,7 +724,7 @@ class Promoter:
                 sealed = seal_together(self, self._seal_group, _SEAL_WAIT_S)
         if sealed is not None and self._seen is not None:  # (judged by this flush too)
             self._seen = with_sealed(self._seen, self.steps_dir, sealed)
-        else:
+        if not alone and not sealed_nodes:  # (one node: its staged records, cut-short commits)
             seal_staged(
                 self.job_dir,
                 wait_s=_SEAL_WAIT_S,

@@ -256,6 +256,16 @@ def _live_writers(staging: str, newer_than: int | None = None) -> bool:
     return False
 
 
+def newest_staged_step(job_dir: str) -> int | None:
+    """The newest step of the staged records at ``job_dir`` (this node's ranks'), by name."""
+    try:
+        names = os.listdir(os.path.join(job_dir, STAGING_DIR))
+    except OSError:
+        return None
+    steps = [int(m.group(2)) for m in map(_RECORD_RE.match, names) if m]
+    return max(steps, default=None)
+
+
 def _records(
     staging: str,
 ) -> tuple[dict[int, dict[int, dict[str, Any]]], list[tuple[int, str]], list[str]]:

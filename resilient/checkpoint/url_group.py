@@ -45,6 +45,11 @@ _POLL_S = 0.2
 _MAX_ROW = 1 << 16  # the ints of one all-gathered row
 _MAX_ALL = 64 << 20  # the bytes of one round's published outcome
 _SHORT_WAIT_S = 5.0  # (the root, once ``hurry`` says so) for a member's post
+# a patient round (the word on whether to commit): the root waits this long at most for the
+# members' posts (each is a moment's work after the round before), and a member this much longer
+# for the outcome, hurried or not: under the seal lock a restarted load waits 120 s for
+_WORD_WAIT_S = 30.0
+_WORD_MARGIN_S = 30.0
 
 
 class GroupBroken(ResilientError):
@@ -82,7 +87,7 @@ class UrlGroup:
         """Every member's ``data`` parsed (None: nothing posted in time, more than ``cap``
         bytes, or not JSON), the same list on every member.  ``patient``: a member waits for the
         outcome its full time even once hurried (its post may already count: see _read_all)."""
-        posts = self._gather(data, cap)
+        posts = self._gather(data, cap, word=patient)
         if self.rank == 0:
             assert posts is not None
             every = [_parse(p) for p in posts]
@@ -149,7 +154,7 @@ class UrlGroup:
         return f"{self.dir}/{k}.{who}.json"
 
     def _gather(
-        self, data: bytes, cap: int, expect: set[int] | None = None
+        self, data: bytes, cap: int, expect: set[int] | None = None, word: bool = False
     ) -> list[bytes | None] | None:
         k = self._round
         self._round += 1
@@ -169,6 +174,8 @@ class UrlGroup:
                     patient.discard(m)
                     self._awaited.add(m)  # (heard from again: waited for from now on)
             limit = _SHORT_WAIT_S if self._hurry() else self.wait_s
+            if word:
+                limit = min(limit, _WORD_WAIT_S)
             if not patient or time.monotonic() - start > limit:
                 break
             time.sleep(_POLL_S)
@@ -188,9 +195,10 @@ class UrlGroup:
 
     def _read_all(self, cap: int, k: int | None = None, patient: bool = False) -> bytes:
         """(a member) The root's outcome of round ``k``: waited for ``wait_s`` three times over,
-        or, once hurried (a successor waits on this node), a few seconds, unless ``patient``
-        (the root's word on whether to commit: a member that left after its post counted would
-        leave a step committed on the others and not here)."""
+        or, once hurried (a successor waits on this node), a few seconds; ``patient`` (the root's
+        word on whether to commit: a member that left after its post counted would leave a step
+        committed on the others and not here), for as long as the root waits for the words and
+        half a minute more, hurried or not."""
         k = self._round - 1 if k is None else k
         name = self._name(k, "all")
         start = time.monotonic()
@@ -200,9 +208,10 @@ class UrlGroup:
                 return got
             took = time.monotonic() - start
             hurried = not patient and took > _SHORT_WAIT_S and self._hurry()
-            if took > 3 * self.wait_s or hurried:
+            limit = min(self.wait_s, _WORD_WAIT_S) + _WORD_MARGIN_S if patient else 3 * self.wait_s
+            if took > limit or hurried:
                 raise GroupBroken(
-                    f"{self.storage.display(name)} did not come within {3 * self.wait_s:.0f}s "
+                    f"{self.storage.display(name)} did not come within {took:.0f}s "
                     f"(node 0's persister, which publishes it, is gone or stuck)"
                 )
             time.sleep(_POLL_S)
