@@ -395,6 +395,7 @@ class _Promoter:
     def __init__(self, memory_dir: str, url: str, job_id: str) -> None:
         self.job_dir, self.steps_dir = memory_dir, os.path.join(memory_dir, "steps")
         self.storage, self.job_id, self.config = Storage(url), job_id, {}
+        self.flush_ids: list[str] = []
 
 
 def test_a_done_record_names_only_what_the_flush_found_when_it_began(tmp_path):

@@ -95,6 +95,7 @@ _SUCCESSOR_WAIT_S = 5.0
 _POLL_S = 0.5
 _WRITERS_WAIT_S = 15.0  # (a joiner's seal) as the persister's flush waits for its trainer's ranks
 _MAX_SEEN = 16  # the done record's manifests: the newest the committer's memory holds
+_MAX_OF = 8  # the done record's ids of the records its flush published before it
 
 
 def held_files(steps_dir: str, step: int, snap: Manifest) -> set[str]:
@@ -128,7 +129,7 @@ def persist_jointly(
     invitation = {
         "format": _FORMAT,
         "job_id": promoter.job_id,
-        "id": secrets.token_hex(8),
+        "id": _record_id(promoter),
         "done": False,
         "step": step,
         "generation": generation,
@@ -175,6 +176,19 @@ def with_sealed(seen: list[str], steps_dir: str, step: int) -> list[str]:
     return [digest, *(d for d in seen if d != digest)][:_MAX_SEEN]
 
 
+def _record_id(promoter: Promoter) -> str:
+    """A new record's id, kept by the flush that publishes it (the done record names them)."""
+    rid = secrets.token_hex(8)
+    promoter.flush_ids.append(rid)
+    return rid
+
+
+def _since(record: dict[str, Any], baseline: str | None) -> bool:
+    """Whether ``record`` comes from a flush other than the one whose record was ``baseline``
+    (the record there when this persister started: a predecessor's flush may end later)."""
+    return record["id"] != baseline and baseline not in record.get("of", ())
+
+
 def publish_done(promoter: Promoter, seen: list[str]) -> None:
     """(the committer, once its flush needs no other node: before a flush it makes alone, or at
     its end) Say what it judged: ``seen`` (seen_now, at the flush's start)."""
@@ -187,6 +201,9 @@ def publish_done(promoter: Promoter, seen: list[str]) -> None:
         "generation": None,
         "manifest": None,
         "seen": seen,
+        # the records this flush published before (its seal, its invitation): a joiner that
+        # started while they were there does not take this for a later flush's end
+        "of": list(promoter.flush_ids[-_MAX_OF:]),
     }
     try:
         promoter.storage.publish(FLUSH_NAME, json.dumps(done).encode())
@@ -327,6 +344,9 @@ def _parse(data: bytes) -> dict[str, Any] | None:
     seen = got.get("seen")
     if not isinstance(seen, list) or len(seen) > _MAX_SEEN or not all(_hex(d, 64) for d in seen):
         return None
+    of = got.get("of", [])
+    if not isinstance(of, list) or len(of) > _MAX_OF or not all(_hex(d, 16) for d in of):
+        return None
     if got.get("done") is True:
         return got
     if got.get("done") is not False:
@@ -365,7 +385,7 @@ def open_seal(promoter: Promoter, wait_s: float) -> UrlGroup | None:
     the other sessions' folders go, and the record names this one (the joiners take part as
     they see it: join_flush).  None where the record cannot be published."""
     storage = promoter.storage
-    session = secrets.token_hex(8)
+    session = _record_id(promoter)
     try:
         if storage.exists(SEAL_DIR):
             storage.remove_tree(SEAL_DIR)
@@ -434,7 +454,7 @@ def _await_seal(promoter: Promoter, baseline: str | None, deadline: float) -> st
     while time.monotonic() < deadline and not successor_waiting(promoter.job_dir):
         record = _read_record(promoter.storage, warned)
         if record is not None and record["job_id"] == promoter.job_id:
-            if record["id"] != baseline:
+            if _since(record, baseline):
                 return record["id"] if record.get("seal") else None
         time.sleep(_POLL_S)
     return None
@@ -476,7 +496,7 @@ def join_flush(promoter: Promoter, wait_s: float, baseline: str | None) -> int:
             if record["done"] and target in record["seen"]:
                 log.info("flush across nodes: rank 0's node judged this node's newest snapshot")
                 return written
-            if record["done"] and record["id"] != baseline:
+            if record["done"] and _since(record, baseline):
                 # a flush ended since this one began, and its node lacks this snapshot (its
                 # memory gone, a new host): nothing asks for it now
                 log.info(

@@ -402,6 +402,7 @@ class Promoter:
         self._flushing = False
         self._seen: list[str] | None = None  # (across nodes) what the flush judges: _announce
         self._seal_group: UrlGroup | None = None  # (sealed across nodes) the flush's seal
+        self.flush_ids: list[str] = []  # (across nodes) the records its flush published
         self._sweep = Sweep()  # as the Checkpointer's
 
     @property

@@ -221,10 +221,12 @@ def write_waiting_marker(job_dir: str) -> str | None:
     persister at the node's lock, a restarted rank at the seal lock) waits for a predecessor's
     flush; None where it cannot be written."""
     path = os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
+    part = f"{path}.part"  # (whole once at its name: a marker read empty counts as dead)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(_process_start(os.getpid()))
+        os.replace(part, path)
     except OSError as e:  # (a predecessor joining a flush waits out its time)
         log.warning("could not mark this process as waiting (%s): %s", path, e)
         return None

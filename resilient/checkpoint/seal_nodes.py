@@ -157,6 +157,7 @@ def seal_across_nodes(
     else (the flush, whose next run may still need them) only once a step is sealed."""
     from resilient import __version__ as version
 
+    through_url = isinstance(group, UrlGroup)
     world = (
         1
         if group is None
@@ -207,7 +208,9 @@ def seal_across_nodes(
             )
             if sealed is not None:
                 break
-        if catalog is not None and (clear or sealed is not None):
+        # (the persisters' seal through the URL commits a node's own ranks' files only: its
+        # pairs stay, until the next load, for a node lost before the step is durable)
+        if catalog is not None and (clear or (sealed is not None and not through_url)):
             _clear(staging)
     finally:
         for c in copies:
@@ -522,7 +525,10 @@ def _try(
     # Sealed only where every node that holds copies committed it: else the caller must not
     # count it (the flush keeps the records and pairs then, for the next run's load)
     if group is not None:
-        done = min(row[0] for row in _all_gather_ints(group, [done]))
+        every = _all_gather_ints(group, [done])
+        if isinstance(group, UrlGroup):  # (a node not heard from holds nothing: not counted)
+            every = [every[h] for h in set(holder) if h is not None]
+        done = min(row[0] for row in every)
     return step if done else None
 
 
