@@ -51,6 +51,7 @@ from resilient.checkpoint.catalog import Catalog, scan
 from resilient.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    Manifest,
     manifest_of_step,
     manifest_to_bytes,
     rank_file_name,
@@ -158,13 +159,7 @@ def seal_across_nodes(
     from resilient import __version__ as version
 
     through_url = isinstance(group, UrlGroup)
-    world = (
-        1
-        if group is None
-        else group.size()
-        if isinstance(group, UrlGroup)
-        else _dist().get_world_size(group)
-    )
+    world = 1 if group is None else group.size() if through_url else _dist().get_world_size(group)
     staging = os.path.join(job_dir, STAGING_DIR)
     mem = Storage(os.path.join(job_dir, STEPS_DIR))
     copies: list[_Copy] = []
@@ -503,12 +498,13 @@ def _try(
     if isinstance(group, UrlGroup):
         # Through the URL a node may leave the seal at any round (its wait is over): it commits
         # only once every node that holds copies said the manifest describes them, and that
-        # word is one outcome every node reads alike (a node waits for it however long the
-        # root takes), so that no node commits a step another left uncommitted
+        # word is one outcome every node reads alike (a node waits for it longer than the root
+        # waits for the words: url_group.py), so that no node commits a step another left
+        # uncommitted
         ready = 1
         if mine:
             try:
-                _describe_all(step, data, mine)
+                _describe_all(manifest_of_step(data, f"sealed memory step {step}", step), mine)
             except Exception as e:
                 log.warning("memory step %d is not sealed on this node: %s", step, e)
                 ready = 0
@@ -725,9 +721,8 @@ def _all_gather_ints(group: dist.ProcessGroup | UrlGroup, row: list[int]) -> lis
     return [[int(x) for x in t.tolist()] for t in every]
 
 
-def _describe_all(step: int, data: bytes, mine: dict[int, _Copy]) -> None:
-    """That the manifest rank 0 sent (``data``) describes every copy this node verified."""
-    manifest = manifest_of_step(data, f"sealed memory step {step}", step)
+def _describe_all(manifest: Manifest, mine: dict[int, _Copy]) -> None:
+    """That the manifest rank 0 sent describes every copy this node verified."""
     for r, c in mine.items():
         name = rank_file_name(r, manifest.generation)
         if name in manifest.files and (
@@ -745,7 +740,7 @@ def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> Non
     step_rel = step_dir_name(step)
     manifest = manifest_of_step(data, mem.display(f"{step_rel}"), step)
     step_dir = os.path.join(mem.path(), step_rel)
-    _describe_all(step, data, mine)
+    _describe_all(manifest, mine)
     for r, c in mine.items():
         name = rank_file_name(r, manifest.generation)
         if name not in manifest.files:  # (a file the manifest does not name is not put there)
@@ -768,7 +763,7 @@ def _commit(step: int, data: bytes, mine: dict[int, _Copy], mem: Storage) -> Non
         delete_dirs(mem, garbage)
 
 
-def _describes(manifest: Any, name: str, report: dict[str, Any]) -> bool:
+def _describes(manifest: Manifest, name: str, report: dict[str, Any]) -> bool:
     """Whether ``manifest`` gives file ``name`` the size and chunks (byte ranges and checksums)
     that this node's verified copy has (``report``): a manifest that came through the URL
     (url_group.py) may be anyone's."""

@@ -19,8 +19,11 @@ same data, so they call the same collectives in the same order):
 
 Everything read is untrusted (someone else's bucket): each read has a size cap, JSON that does
 not parse or has the wrong shape counts as nothing posted, and a member that waits longer than
-``wait_s`` three times over for the root raises ``GroupBroken`` (the seal gives up; nothing is
-committed that the members did not each verify).  The root removes the session's folder once
+``wait_s`` three times over for the root (a few seconds once hurried) raises ``GroupBroken``
+(the seal gives up; nothing is committed that the members did not each verify).  The round
+that decides whether to commit is *patient*: the root waits half a minute at most for the
+posts, and a member for the outcome half a minute longer, hurried or not, so that a member
+does not leave once its word may count (seal_nodes._try).  The root removes the session's folder once
 every member said it is done with it, or once its time is out (``close``), and any other
 session's folder when it opens one.
 """
@@ -85,8 +88,9 @@ class UrlGroup:
 
     def all_gather_json(self, data: bytes, cap: int, *, patient: bool = False) -> list[Any]:
         """Every member's ``data`` parsed (None: nothing posted in time, more than ``cap``
-        bytes, or not JSON), the same list on every member.  ``patient``: a member waits for the
-        outcome its full time even once hurried (its post may already count: see _read_all)."""
+        bytes, or not JSON), the same list on every member.  ``patient`` (the word on whether to
+        commit): the root waits for the posts ``_WORD_WAIT_S`` at most, and a member for the
+        outcome ``_WORD_MARGIN_S`` longer, hurried or not (its post may already count)."""
         posts = self._gather(data, cap, word=patient)
         if self.rank == 0:
             assert posts is not None
@@ -119,11 +123,10 @@ class UrlGroup:
     def broadcast(self, data: bytes, cap: int) -> bytes:
         """The root's ``data`` on every member (b"": nothing)."""
         k = self._round
+        self._round += 1
         if self.rank == 0:
-            self._round += 1
             self._publish_all(data)
             return data
-        self._round += 1
         return self._read_all(cap, k)
 
     def close(self) -> None:
