@@ -222,6 +222,23 @@ class _Promoter:  # (what seal_together reads of the persister's Promoter)
         self.config = {"nodes": nodes, "node": node}
 
 
+def seal_nodes(url: str, jobs: list[Path], groups: list[UrlGroup]) -> list:
+    """The persisters' seal through the URL, one thread a node (each closes its group after):
+    what each node's seal_together returned."""
+    out: list = [None] * len(groups)
+
+    def seal(n: int) -> None:
+        out[n] = seal_together(_Promoter(url, str(jobs[n]), n, len(groups)), groups[n], 1.0)
+        groups[n].close()
+
+    threads = [threading.Thread(target=seal, args=(n,)) for n in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
 def test_a_node_that_leaves_the_seal_leaves_it_uncommitted_on_every_node(tmp_path):
     """Node 2 leaves after its copies counted: the others must not commit the step (a step
     committed on some nodes and not on the node holding a rank's only copy voids that copy's
@@ -235,17 +252,6 @@ def test_a_node_that_leaves_the_seal_leaves_it_uncommitted_on_every_node(tmp_pat
         (_LeavesAtTheManifest if n == 2 else UrlGroup)(Storage(url), "0" * 16, n, 3, 3.0)
         for n in range(3)
     ]
-    out: list = [None] * 3
-
-    def seal(n: int) -> None:
-        out[n] = seal_together(_Promoter(url, str(jobs[n]), n, 3), groups[n], 1.0)
-        groups[n].close()
-
-    threads = [threading.Thread(target=seal, args=(n,)) for n in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert out == [None, None, None]
+    assert seal_nodes(url, jobs, groups) == [None, None, None]
     assert [sorted((j / "steps").rglob("MANIFEST.json")) for j in jobs] == [[]] * 3
     assert run_distributed(_restore, 3, url, base, [0, 1, 2]) == _expected(3, 3)

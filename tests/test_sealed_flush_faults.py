@@ -303,28 +303,10 @@ def test_on_two_nodes_the_seal_alone_does_not_flush_an_older_step_than_every_ran
 
 def _seal_three(url: str, base: str) -> list:
     """The persisters' seal through the URL on three nodes (as test_sealed_flush does it)."""
-    import threading
-    from pathlib import Path
-
-    from resilient.checkpoint.joint_flush import seal_together
-    from resilient.checkpoint.storage import Storage
-    from resilient.checkpoint.url_group import UrlGroup
-    from tests.test_sealed_flush import _Promoter
+    from tests.test_sealed_flush import seal_nodes
 
     jobs = [next(Path(_root(base, n)).glob("job-*")) for n in range(3)]
-    groups = [UrlGroup(Storage(url), "1" * 16, n, 3, 5.0) for n in range(3)]
-    out: list = [None] * 3
-
-    def seal(n: int) -> None:
-        out[n] = seal_together(_Promoter(url, str(jobs[n]), n, 3), groups[n], 1.0)
-        groups[n].close()
-
-    threads = [threading.Thread(target=seal, args=(n,)) for n in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    return seal_nodes(url, jobs, [UrlGroup(Storage(url), "1" * 16, n, 3, 5.0) for n in range(3)])
 
 
 @pytest.mark.parametrize("seal_first", [False, True])
