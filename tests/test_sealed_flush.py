@@ -255,3 +255,49 @@ def test_a_node_that_leaves_the_seal_leaves_it_uncommitted_on_every_node(tmp_pat
     assert seal_nodes(url, jobs, groups) == [None, None, None]
     assert [sorted((j / "steps").rglob("MANIFEST.json")) for j in jobs] == [[]] * 3
     assert run_distributed(_restore, 3, url, base, [0, 1, 2]) == _expected(3, 3)
+
+
+def _sealed_job_s3(rank: int, world: int, url: str, base: str, options: dict) -> None:
+    """_sealed_job with an s3:// URL: durable step 1, sealed snapshots 2 and 3, the close."""
+    import torch.distributed as dist
+
+    ck = Checkpointer(
+        url,
+        memory_every=1,
+        memory_root=_root(base, rank),
+        persister=True,
+        memory_commit_every=0,
+        storage_options=options,
+    )
+    ck._persister_config["join_wait_s"] = 20.0
+    ck.save(1, _state(rank, world, 1.0)).wait()
+    for s in (2, 3):
+        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
+    ck._memory._join_pending()
+    dist.barrier()
+    ck.close()
+
+
+def _restore_s3(rank: int, world: int, url: str, base: str, options: dict) -> dict:
+    ck = Checkpointer(url, memory_root=_root(base, rank), storage_options=options)
+    state = _state(rank, world, 0.0)
+    got = ck.load(state)
+    out = {"step": got, "w": state["w"].tolist()}
+    ck.close()
+    return out
+
+
+@pytest.mark.s3
+def test_on_three_nodes_the_seal_goes_through_an_object_store(tmp_path, s3):
+    """The persisters' seal through an s3:// URL (s3fs against a local S3 server over HTTP): the
+    rounds' posts are objects, the session's folder a prefix, removed after."""
+    url, base = f"s3://{s3.new_bucket()}/run1", str(tmp_path / "memory")
+    run_distributed(_sealed_job_s3, 3, url, base, s3.options)
+    deadline = time.monotonic() + 120
+    while Checkpointer(url, storage_options=s3.options).steps() != [1, 3]:
+        assert time.monotonic() < deadline, _logs(base)[-4000:]
+        time.sleep(0.5)
+    assert not Storage(url, s3.options).exists("FLUSH.seal")
+    shutil.rmtree(base)  # every node's memory gone: the job runs again elsewhere
+    results = run_distributed(_restore_s3, 3, url, base, s3.options)
+    assert [(r["step"], r["w"][0]) for r in results] == [(3, 3.0), (3, 4.0), (3, 5.0)]
