@@ -27,7 +27,13 @@ pytestmark = [pytest.mark.distributed]
 
 
 def _open(
-    url: str, base: str, node: int, wait_s: float, job_id: str | None = None, persister=True
+    url: str,
+    base: str,
+    node: int,
+    wait_s: float,
+    job_id: str | None = None,
+    persister=True,
+    options: dict | None = None,
 ) -> Checkpointer:
     ck = Checkpointer(
         url,
@@ -36,6 +42,7 @@ def _open(
         persister=persister,
         memory_commit_every=0,
         job_id=job_id,
+        storage_options=options,
     )
     if ck._persister_config is not None:
         ck._persister_config["join_wait_s"] = wait_s
@@ -51,17 +58,18 @@ def _sealed_job(
     wait_s: float = 20.0,
     close: bool = True,
     job_id: str | None = None,
+    options: dict | None = None,
 ) -> int | None:
     """Durable step 1, sealed snapshots 2 and 3 on nodes of one rank each, then the close (the
     persisters flush; ``close`` False: none, every rank's process ends as in a torchrun
     teardown).  ``then``: ``lost:N`` node N's memory is gone first; ``kill-persister-0`` node
-    0's persister (the seal's root) is killed."""
+    0's persister (the seal's root) is killed.  ``options``: the URL's storage options."""
     import os
     import signal
 
     import torch.distributed as dist
 
-    ck = _open(url, base, rank, wait_s, job_id)
+    ck = _open(url, base, rank, wait_s, job_id, options=options)
     ck.save(1, _state(rank, world, 1.0)).wait()
     for s in (2, 3):
         assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
@@ -257,27 +265,6 @@ def test_a_node_that_leaves_the_seal_leaves_it_uncommitted_on_every_node(tmp_pat
     assert run_distributed(_restore, 3, url, base, [0, 1, 2]) == _expected(3, 3)
 
 
-def _sealed_job_s3(rank: int, world: int, url: str, base: str, options: dict) -> None:
-    """_sealed_job with an s3:// URL: durable step 1, sealed snapshots 2 and 3, the close."""
-    import torch.distributed as dist
-
-    ck = Checkpointer(
-        url,
-        memory_every=1,
-        memory_root=_root(base, rank),
-        persister=True,
-        memory_commit_every=0,
-        storage_options=options,
-    )
-    ck._persister_config["join_wait_s"] = 20.0
-    ck.save(1, _state(rank, world, 1.0)).wait()
-    for s in (2, 3):
-        assert ck.snapshot(s, _state(rank, world, float(s))).stats.sealed
-    ck._memory._join_pending()
-    dist.barrier()
-    ck.close()
-
-
 def _restore_s3(rank: int, world: int, url: str, base: str, options: dict) -> dict:
     ck = Checkpointer(url, memory_root=_root(base, rank), storage_options=options)
     state = _state(rank, world, 0.0)
@@ -292,7 +279,7 @@ def test_on_three_nodes_the_seal_goes_through_an_object_store(tmp_path, s3):
     """The persisters' seal through an s3:// URL (s3fs against a local S3 server over HTTP): the
     rounds' posts are objects, the session's folder a prefix, removed after."""
     url, base = f"s3://{s3.new_bucket()}/run1", str(tmp_path / "memory")
-    run_distributed(_sealed_job_s3, 3, url, base, s3.options)
+    run_distributed(_sealed_job, 3, url, base, "", 20.0, True, None, s3.options)
     deadline = time.monotonic() + 120
     while Checkpointer(url, storage_options=s3.options).steps() != [1, 3]:
         assert time.monotonic() < deadline, _logs(base)[-4000:]
