@@ -413,17 +413,25 @@ def _group(promoter: Promoter, session: str, node: int, wait_s: float) -> UrlGro
 
 
 def seal_together(
-    promoter: Promoter, group: UrlGroup | None, writers_s: float, *, only_from: int = 0
+    promoter: Promoter,
+    group: UrlGroup | None,
+    writers_s: float,
+    *,
+    only_from: int = 0,
+    durable: int | None | str = "scan",
 ) -> int | None:
     """Commit in this node's memory the newest step every rank sealed, with the other nodes'
     persisters (seal_nodes.seal_across_nodes, its collectives through the URL: url_group.py);
     the step, or None (nothing whole newer than the newest durable step, or the seal broke
     off: the staged records and pairs stay for the next run's load).  ``group`` None: this node
     alone, from its own copies and pairs.  ``writers_s``: how long this node's ranks that staged
-    a step may take to be gone; ``only_from``: no older step is sealed."""
+    a step may take to be gone; ``only_from``: no older step is sealed; ``durable``: the newest
+    durable step (None: none), where the caller listed it already."""
     try:
-        newest = scan(promoter.storage).newest()
-        newer_than = max(-1 if newest is None else newest.step, only_from - 1)
+        if durable == "scan":
+            newest = scan(promoter.storage).newest()
+            durable = None if newest is None else newest.step
+        newer_than = max(-1 if durable is None else int(durable), only_from - 1)
         with contextlib.suppress(OSError):  # (this node's memory gone: it offers nothing)
             wait_for_writers(promoter.job_dir, writers_s, newer_than)
         max_run = promoter.config.get("max_run")

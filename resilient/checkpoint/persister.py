@@ -714,7 +714,7 @@ class Promoter:
             # two nodes only the newest step its own ranks staged (an older one whole here is
             # no reason not to ask the other node for the newest)
             own = newest_staged_step(self.job_dir) if sealed_nodes else None
-            sealed = seal_together(self, None, _SEAL_WAIT_S, only_from=own or 0)
+            sealed = seal_together(self, None, _SEAL_WAIT_S, only_from=own or 0, durable=newer_than)
         if sealed_nodes and sealed is None:
             # no node need hold every rank's copy (three nodes or more; a pair that did not
             # arrive): the nodes' persisters seal together, through the URL; where they cannot,
@@ -722,7 +722,7 @@ class Promoter:
             wait_s = float(self.config.get("join_wait_s", JOIN_WAIT_S))
             self._seal_group = open_seal(self, wait_s)
             if self._seal_group is not None:
-                sealed = seal_together(self, self._seal_group, _SEAL_WAIT_S)
+                sealed = seal_together(self, self._seal_group, _SEAL_WAIT_S, durable=newer_than)
         if sealed is not None and self._seen is not None:  # (judged by this flush too)
             self._seen = with_sealed(self._seen, self.steps_dir, sealed)
         if not alone and not sealed_nodes:  # (one node: its staged records, cut-short commits)
