@@ -15,8 +15,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 __all__ = [
     "CRC32_IMPL",
     "CRC_THREADS",
@@ -93,6 +91,8 @@ def _zstd():
 
 def compress(data: memoryview, itemsize: int, bytegroup: bool, level: int = 3) -> bytes:
     if bytegroup and itemsize > 1 and len(data) % itemsize == 0:
+        import numpy as np  # (here: a persister that writes no compressed file never imports it)
+
         arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
         data = memoryview(np.ascontiguousarray(arr.T).reshape(-1))
     return _zstd().ZstdCompressor(level=level, write_content_size=True).compress(data)
@@ -110,6 +110,8 @@ def decompress(data: bytes, raw_bytes: int, itemsize: int, bytegroup: bool) -> b
     if len(out) != raw_bytes:
         raise ValueError(f"decompressed to {len(out)} bytes, expected {raw_bytes}")
     if bytegroup and itemsize > 1 and raw_bytes % itemsize == 0:
+        import numpy as np
+
         arr = np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1)
         out = np.ascontiguousarray(arr.T).tobytes()
     return out
