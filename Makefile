@@ -40,8 +40,11 @@ bytecode: $(STAMP)
 demo: $(STAMP) bytecode
 	$(BIN)/resilient demo --out runs/demo
 
+# Python may write bytecode during the run (PYTHONDONTWRITEBYTECODE unset): pytest's cache of the
+# plugins it rewrites (anyio, xdist, hypothesis), written by the controller before the workers
+# start, which otherwise each rewrote them (tests/conftest.py writes the test modules' own).
 test: $(STAMP) bytecode
-	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

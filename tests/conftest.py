@@ -1,8 +1,47 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, the controller writes pytest's cache of the rewritten test modules
+    before its workers start: every worker collects every test file, and where nothing writes
+    bytecode (PYTHONDONTWRITEBYTECODE) each rewrote all of them, 10 s of CPU a worker."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        if config.getoption("assertmode", "rewrite") == "rewrite":
+            _cache_rewritten_tests(Path(__file__).parent)
+
+
+def _cache_rewritten_tests(tests: Path) -> None:
+    """pytest's own pyc of each test module (``_pytest.assertion.rewrite``, which reads it even
+    where it writes none), written as pytest writes it: a checked hash of the source, so a stale
+    one is never used.  The cache is a saving only: anything unexpected skips it."""
+    try:
+        from _pytest.assertion.rewrite import (
+            PYC_TAIL,
+            _read_pyc,
+            _rewrite_test,
+            _write_pyc_fp,
+            get_cache_dir,
+        )
+    except ImportError:  # (another pytest)
+        return
+    for fn in sorted([*tests.rglob("test_*.py"), *tests.rglob("conftest.py")]):
+        try:
+            pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
+            if _read_pyc(fn, pyc) is not None:
+                continue
+            source_hash, co = _rewrite_test(fn, None)
+            pyc.parent.mkdir(exist_ok=True)
+            part = pyc.with_name(f"{pyc.name}.{os.getpid()}")
+            with open(part, "wb") as fp:
+                _write_pyc_fp(fp, source_hash, co)
+            os.replace(part, pyc)
+        except Exception:  # a file that does not parse fails where pytest imports it
+            return
 
 
 def pytest_collection_modifyitems(config, items):
