@@ -88,7 +88,9 @@ def train(cfg: TrainConfig, *, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     # building its loader again after an in-job recovery.
     tokens = load_tokens(cfg.data)
     # the heartbeat starts here, before the process group: a rank stuck joining it is caught
-    init_process_group(backend, detector=detector, event_log=events, hooks=hooks)
+    init_process_group(
+        backend, detector=detector, event_log=events, hooks=hooks, warm_up=_warm_up_spare
+    )
     # under `resilient launch` with spares, a failed peer is replaced in this process: the
     # group forms again and training goes on from the node's memory (else: re-raised)
     recovery = InJobRecovery(backend, detector=detector, event_log=events, hooks=hooks)
@@ -129,6 +131,13 @@ class _Kept:
             self.pc.drop_groups()
         if isinstance(self.optim, ZeroAdamW):
             self.optim.drop_groups()
+
+
+def _warm_up_spare() -> None:
+    """A hot spare's warm-up before it waits for a rank: this trainer's modules are imported
+    already and its optimizer never imports torch._dynamo (optim.py), which the default warm-up
+    (for torch's optimizers) would: seconds of CPU taken from the ranks training beside it."""
+    import resilient.checkpoint.checkpointer  # noqa: F401
 
 
 def _train(

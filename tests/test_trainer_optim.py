@@ -188,3 +188,35 @@ def test_a_trainer_process_never_imports_torch_dynamo(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "no dynamo", proc.stderr[-3000:]
+
+
+# A hot spare of `resilient launch` warms up, then waits for a rank: here it is told at once that
+# the job is over.  argv[1]: the trainer's warm-up, or the default (torch's optimizers').
+_SPARE = """
+import datetime, json, os, sys
+from torch.distributed import TCPStore
+from reference_trainer.train import _warm_up_spare
+from resilient.launch.injob import base_key, wait_for_rank
+os.environ.update(RESILIENT_SPARE="0:0", TORCHELASTIC_RUN_ID="spare-warm-up")
+store = TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+store.set(f"{base_key()}/assign/0/0", json.dumps({"exit": True}))
+assert wait_for_rank(store, warm_up=_warm_up_spare if sys.argv[1] == "trainer" else None) is False
+print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
+"""
+
+
+@pytest.mark.parametrize("warm_up, expected", [("trainer", "no dynamo"), ("default", "dynamo")])
+def test_a_spare_of_the_trainer_warms_up_without_torch_dynamo(warm_up, expected):
+    """The default warm-up imports what torch's optimizers import on first use (torch._dynamo:
+    seconds of CPU, taken from the ranks training beside the spare); the trainer's, which never
+    needs it, does not."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPARE, warm_up],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == expected, proc.stderr[-3000:]

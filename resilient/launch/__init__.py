@@ -30,7 +30,7 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -97,13 +97,17 @@ def init_process_group(
     event_log: str | None = None,
     detect: bool | None = None,
     hooks: Sequence[Any] = (),
+    warm_up: Callable[[], object] | None = None,
 ) -> None:
     """``dist.init_process_group`` from the launcher's environment, safe across torchrun restarts.
 
     ``detector``: heartbeat and verdict settings for the monitor started here (under torchrun, or
     anywhere with ``detect=True``/``RESILIENT_DETECT=1`` when the launcher's store is reachable);
     ``event_log``: where verdicts and stacks go (a path; default: none);
-    ``hooks``: called with ``at_phase("init_process_group", None)`` before joining the group."""
+    ``hooks``: called with ``at_phase("init_process_group", None)`` before joining the group;
+    ``warm_up``: what a hot spare of ``resilient launch`` runs before it waits for a rank
+    (default ``resilient.launch.injob.warm_up_spare``: what torch's optimizers and the
+    checkpointer import on first use)."""
     if dist.is_initialized():
         return
     install_ring()  # once per process; a new group (regroup) starts it over
@@ -123,7 +127,7 @@ def init_process_group(
             raise SystemExit(0)
     if os.environ.get(ENV_SPARE) and injob_enabled():
         # a hot spare of ``resilient launch``: wait here, imports done, until given a rank
-        if not wait_for_rank(agent_store()):
+        if not wait_for_rank(agent_store(), warm_up=warm_up):
             raise SystemExit(0)  # the job finished without needing this spare
         EventLog(event_log).write(
             "spare_takeover", rank=int(os.environ["RANK"]), pid=os.getpid(), generation=generation()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from resilient.errors import RankFailureError
@@ -44,6 +45,7 @@ __all__ = [
     "generation",
     "base_key",
     "wait_for_rank",
+    "warm_up_spare",
     "wait_for_generation",
     "mark_formed",
 ]
@@ -72,11 +74,13 @@ def store_prefix(attempt: str, gen: int) -> str:
     return base if gen == 0 else f"{base}/gen_{gen}"
 
 
-def wait_for_rank(store: Any, poll_s: float = 0.01) -> bool:
+def wait_for_rank(
+    store: Any, poll_s: float = 0.01, warm_up: Callable[[], object] | None = None
+) -> bool:
     """(a spare) Wait for the agent to hand this process a rank; set RANK, LOCAL_RANK, ROLE_RANK
     and the generation in the environment and return True, or return False when the agent says
-    the job is over (or went away)."""
-    _warm_up()
+    the job is over (or went away).  ``warm_up`` runs first (default :func:`warm_up_spare`)."""
+    (warm_up or warm_up_spare)()
     node, index = os.environ[ENV_SPARE].split(":")
     key = f"{base_key()}/assign/{node}/{index}"
     from resilient.forkserver import launcher_pid
@@ -108,10 +112,12 @@ def wait_for_rank(store: Any, poll_s: float = 0.01) -> bool:
     return True
 
 
-def _warm_up() -> None:
-    """Load now what a rank's first steps load lazily, so that taking a rank over costs none of
-    it: torch's optimizers import torch._dynamo on first use (seconds), and the checkpointer
-    its storage and format modules."""
+def warm_up_spare() -> None:
+    """A spare's default warm-up: load now what a rank's first steps load lazily, so that taking
+    a rank over costs none of it: torch's optimizers import torch._dynamo on first use (seconds),
+    and the checkpointer its storage and format modules.  A program whose ranks never import
+    torch._dynamo (the reference trainer's optimizer does not) passes its own to
+    ``init_process_group``: a spare's seconds of CPU are taken from the ranks training beside it."""
     try:
         import torch
 
