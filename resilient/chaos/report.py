@@ -172,7 +172,8 @@ def draw_timeline(run_dir: Path, title: str) -> str | None:
     ax.set_title(f"{title}: steps, faults, verdicts, restarts and saves")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    # fixed margins: tight_layout measured every label first, a quarter of the drawing's CPU
+    fig.subplots_adjust(left=0.07, right=0.985, top=0.92, bottom=0.11)
     out = run_dir / "timeline.png"
     fig.savefig(out)
     plt.close(fig)
