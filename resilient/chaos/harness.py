@@ -46,7 +46,15 @@ from resilient.chaos.scenario import COMMAND_PLACEHOLDERS, JOB_KILLS, NODE_KILLS
 from resilient.health.events import EventLog
 from resilient.launch import free_port
 
-__all__ = ["RunPaths", "Launch", "launch_job", "run_reference", "reference_dir", "job_hash"]
+__all__ = [
+    "RunPaths",
+    "Launch",
+    "launch_job",
+    "run_reference",
+    "reference_dir",
+    "job_hash",
+    "forked_launcher",
+]
 
 
 @dataclass(frozen=True)
@@ -302,11 +310,8 @@ def _attempt(
             "RESILIENT_MEMORY_ROOT": str(memory[node]),
             **{k: v.replace("{run_dir}", str(paths.root)) for k, v in job.env.items()},
         }
-        cmd = cmds[node]
-        launchers = _launcher_server(node_env)
-        if launchers is not None:  # the agent forked from this process's server for launchers
-            node_env[forkserver.ENV] = launchers
-            cmd = [cmd[0], *forkserver.STAND_IN, *cmd[1:]]
+        # the agent forked from this process's server for launchers
+        cmd, node_env = forked_launcher(cmds[node], node_env)
         return subprocess.Popen(
             cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -535,6 +540,17 @@ _LAUNCHER_PRELOAD = [
 ]
 _launchers: dict[tuple, tuple[subprocess.Popen, str]] = {}  # the most recently used last
 _LAUNCHER_SERVERS = 2  # kept at most: a job whose start settings name its run has one to itself
+
+
+def forked_launcher(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` (``[python, -m, LAUNCHER, ...]``: torchrun, ``resilient launch``, the reference
+    trainer with ``--nproc``) and ``env`` made to start the launcher forked from this process's
+    server for launchers (:func:`_launcher_server`), through its stand-in (signals forwarded,
+    exit status taken); unchanged where ``env`` asks for processes started the usual way."""
+    launchers = _launcher_server(env)
+    if launchers is None:
+        return cmd, env
+    return [cmd[0], *forkserver.STAND_IN, *cmd[1:]], {**env, forkserver.ENV: launchers}
 
 
 def _launcher_server(env: dict[str, str]) -> str | None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from resilient.chaos.faults import worker_pid
+from resilient.chaos.harness import forked_launcher
 from resilient.health import EXIT_RANK_FAILURE
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -64,9 +65,16 @@ def run_and_signal(
     metrics: Path,
     at_step: int,
     hit: Callable[[int], Any],
+    *,
+    forked: bool = True,
 ) -> tuple[int, Any]:
     """Launch ``cmd`` in its own session, call ``hit(launcher_pid)`` once ``metrics`` reach
-    ``at_step``, wait for the job; returns (exit code, what ``hit`` returned)."""
+    ``at_step``, wait for the job; returns (exit code, what ``hit`` returned).  ``forked``: the
+    launcher forked from this process's server for launchers (``forked_launcher``: no
+    ``import torch`` of its own; ``launcher_pid`` is then its stand-in's), else a new
+    interpreter (a signal to the launcher's process group reaches the ranks too)."""
+    if forked:
+        cmd, env = forked_launcher(cmd, env)
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -128,9 +136,13 @@ REFERENCE_STEPS = 40
 def reference(tmp_path_factory) -> Path:
     """The fault-free run the recoveries must reproduce bit for bit (one for the module)."""
     root = tmp_path_factory.mktemp("reference")
-    ref = subprocess.run(
+    cmd, env = forked_launcher(
         trainer(root, "ref", REFERENCE_STEPS, 5, "--max-restarts", "2"),
-        env=dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1"),
+        dict(os.environ, OMP_NUM_THREADS="1", RESILIENT_DETECT="1"),
+    )
+    ref = subprocess.run(
+        cmd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -183,7 +195,7 @@ def test_sigterm_to_the_whole_job_saves_the_current_step_exits_0_and_resumes(tmp
         os.killpg(launcher, signal.SIGTERM)  # the scheduler preempts every process of the job
 
     rc, _ = run_and_signal(
-        tmp_path, trainer(tmp_path, "ck", 100_000, 1000), env, metrics, 8, preempt
+        tmp_path, trainer(tmp_path, "ck", 100_000, 1000), env, metrics, 8, preempt, forked=False
     )
     assert rc == 0, (tmp_path / "run.log").read_text()[-3000:]
     from resilient import Checkpointer
