@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from resilient.chaos.harness import forked_launcher
 from tests.test_launch_cli_errors import _alive
 
 JOB = Path(__file__).with_name("injob_job.py")
@@ -29,7 +30,8 @@ STEPS = 14
 # Ranks and spares forked from the launcher's fork server with torch and resilient imported
 # (``--preload``, the launcher's own option): each saves the 2 s of CPU an interpreter takes to
 # import them (the file took 169 s of CPU with every process its own interpreter, 136 s with all
-# but one test preloaded).  The tests marked ``plain=True`` start
+# but one test preloaded), and their launcher forked from this process's server for launchers
+# (``forked_launcher``: another ``import torch`` less a job).  The tests marked ``plain=True`` start
 # every process as its own interpreter, as plain torchrun does: among them the faults at the job's
 # end, whose order ("after rank 0's process is gone") is judged on the process the launcher
 # watches, which under --preload is the fork server's stand-in, not the rank's own process.
@@ -51,7 +53,7 @@ def run_job(
 ) -> tuple[int, str, Path]:
     """``resilient launch`` of the job on 2 ranks; (exit code, the launcher's stderr, the job's
     output folder).  ``job``: the job's other variables (``INJOB_HELPER="1"``, ...); ``plain``:
-    without ``PRELOAD``."""
+    without ``PRELOAD``, and the launcher a new interpreter."""
     out = tmp / name
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -64,6 +66,8 @@ def run_job(
         sys.executable, "-m", "resilient.cli", "launch", "--nproc-per-node", "2",
         *(() if plain else PRELOAD), *flags, str(JOB), str(out / "ckpt"), str(STEPS), str(out / "out.json"),
     ]  # fmt: skip
+    if not plain:  # the launcher too forked, from this process's server for launchers
+        cmd, env = forked_launcher(cmd, env)
     # a session of its own: at a timeout the launcher, its workers and spares go together
     p = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
