@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from resilient import Checkpointer
+from resilient.chaos.harness import forked_launcher
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -49,14 +50,13 @@ def launch(tmp: Path, nproc: int | None, *args: str, torchrun: bool = False) -> 
         "RESILIENT_MEMORY_ROOT": str(tmp / "memory-root"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.run(
-        [*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, (
-        f"{cmd} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
+    cmd = [*cmd, *args]
+    if nproc and not torchrun:  # the launcher forked from this process's server for launchers
+        cmd, env = forked_launcher(cmd, env)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     # (a process of the job that failed in a job that succeeded: a spare, say)
-    assert "Traceback" not in proc.stderr, f"{cmd} {args}:\n{proc.stderr[-5000:]}"
+    assert "Traceback" not in proc.stderr, f"{cmd}:\n{proc.stderr[-5000:]}"
     return proc.stdout
 
 
