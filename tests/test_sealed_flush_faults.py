@@ -402,3 +402,34 @@ def test_mark_waiting_never_removes_a_live_processs_marker(tmp_path):
         if child.poll() is None:
             child.kill()
     assert lost == 0, f"{lost} of 500 live markers were removed as a dead process's"
+
+
+def test_a_marker_gone_when_read_is_not_removed_once_written_again(tmp_path, monkeypatch):
+    """A waiting marker that is gone when mark_waiting reads it (its process's wait ended) is not
+    removed afterwards: its live process may have written its next one at that name meanwhile
+    (the race the test above found under load, once in 500, made certain here)."""
+    import subprocess
+    import sys
+
+    from resilient.checkpoint import joint_flush
+    from resilient.checkpoint.lease import _process_start
+    from resilient.checkpoint.seal import WAITING_PREFIX
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        marker = tmp_path / f"{WAITING_PREFIX}{live.pid}"
+        marker.write_text(_process_start(live.pid))
+        read = joint_flush._marker_state
+
+        def racing(path: str, pid: int) -> str:
+            os.unlink(path)  # its wait ends...
+            state = read(path, pid)
+            Path(path).write_text(_process_start(live.pid))  # ...and the next one begins
+            return state
+
+        monkeypatch.setattr(joint_flush, "_marker_state", racing)
+        os.unlink(joint_flush.mark_waiting(str(tmp_path)))  # (this process's own)
+        assert marker.read_text() == _process_start(live.pid)
+    finally:
+        live.kill()
+        live.wait()

@@ -233,19 +233,27 @@ def _markers(job_dir: str) -> list[tuple[str, int]]:
 
 
 def _marker_live(path: str, pid: int) -> bool:
+    return _marker_state(path, pid) == "live"
+
+
+def _marker_state(path: str, pid: int) -> str:
+    """ "live", "dead" (its process is gone, or it cannot be read), or "gone" (removed already:
+    its process may write its next marker at that name before anyone would remove this one)."""
     try:
         with open(path, "rb") as f:
             start = f.read(64).decode(errors="replace").strip()
+    except FileNotFoundError:
+        return "gone"
     except OSError:
-        return False
-    return bool(start) and _process_start(pid) == start and not _dead(pid)
+        return "dead"
+    return "live" if start and _process_start(pid) == start and not _dead(pid) else "dead"
 
 
 def mark_waiting(job_dir: str) -> str:
     """``<job>/persister.waiting.<pid>`` (seal.write_waiting_marker): this persister waits for
     the node's lock (its path, made or not).  Markers whose process is gone are removed first."""
     for old, pid in _markers(job_dir):
-        if not _marker_live(old, pid):
+        if _marker_state(old, pid) == "dead":
             with contextlib.suppress(OSError):
                 os.unlink(old)
     return write_waiting_marker(job_dir) or os.path.join(job_dir, f"{WAITING_PREFIX}{os.getpid()}")
