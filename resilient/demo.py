@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from resilient.chaos.harness import RunPaths, launch_job, run_reference
+from resilient.chaos.harness import RunPaths, forked_launcher, launch_job, run_reference
 from resilient.chaos.report import write_reports
 from resilient.chaos.scenario import parse_scenario
 from resilient.chaos.verify import lineage, read_jsonl, verify_run
@@ -364,14 +364,11 @@ def _reshape(args: list[str]) -> subprocess.CompletedProcess:
 def _trainer(args: list[str]) -> subprocess.CompletedProcess:
     import os
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "reference_trainer", "--nproc", "4", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    # forked from the server for launchers the chaos jobs above forked from (the same start
+    # settings as theirs: harness.py's job environment), not an interpreter importing torch
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd, env = forked_launcher([sys.executable, "-m", "reference_trainer", "--nproc", "4"], env)
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 def _fresh(out: Path) -> None:
