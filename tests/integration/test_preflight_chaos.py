@@ -28,6 +28,7 @@ import sys
 
 import pytest
 
+from resilient.chaos.harness import forked_launcher
 from resilient.errors import PreflightError
 from resilient.preflight import PreflightConfig
 from tests.dist import run_distributed
@@ -41,9 +42,9 @@ def _preflight(tmp_path, *extra: str, factor: float = 0.4, **env: str) -> tuple[
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "resilient.cli", "preflight", "--nproc", "3", "--quick"]
     cmd += ["--budget-s", "8", "--factor", str(factor), "--json", str(out), *extra]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **env}
-    )
+    # the command forked from this process's server for launchers (RESILIENT_FORK_RANKS=0: not)
+    cmd, env = forked_launcher(cmd, {**os.environ, **env})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     text = done.stdout + done.stderr
     assert out.exists(), text
     # (a review: the server was asked to preload the module its ranks run, and said so)
@@ -122,7 +123,8 @@ def test_a_very_slow_link_is_named_within_the_budget(tmp_path):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "resilient.cli", "preflight", "--nproc", "2", "--budget-s", "3"]
     cmd += ["--chaos", plan, "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    cmd, env = forked_launcher(cmd, dict(os.environ))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     text = done.stdout + done.stderr
     assert _fired(events) == [("crawl-0-1", 0)]
     assert done.returncode == 1, text
@@ -171,7 +173,8 @@ def test_the_trainer_refuses_to_train_on_a_slowed_rank(tmp_path):
     )
     cmd = [sys.executable, "-m", "reference_trainer", "--nproc", "2", "--dp", "2", "--steps", "2"]
     cmd += ["--preflight", "--ckpt", str(tmp_path / "ckpt"), "--chaos", plan]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    cmd, env = forked_launcher(cmd, dict(os.environ))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert _fired(events) == [("slow-1", 1)]
     assert done.returncode == 1, done.stdout + done.stderr
     assert "error: preflight refused to train: rank 1 (" in done.stderr
