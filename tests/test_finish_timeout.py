@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from resilient.chaos.harness import forked_launcher
 from resilient.launch import free_port
 from resilient.launch.agent import describe_process
 
@@ -82,10 +83,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch(tmp: Path, mode: str, *flags: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     (tmp / "w.py").write_text(_WORKER)
-    return subprocess.Popen(
+    # the launcher forked from this process's server for launchers (its workers as they were)
+    cmd, env = forked_launcher(
         [sys.executable, "-m", "resilient.cli", "launch", "--spares", "0", *flags,
          str(tmp / "w.py"), mode, str(tmp), *extra],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        _env(),
+    )  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
 
