@@ -237,8 +237,9 @@ def _marker_live(path: str, pid: int) -> bool:
 
 
 def _marker_state(path: str, pid: int) -> str:
-    """ "live", "dead" (its process is gone, or it cannot be read), or "gone" (removed already:
-    its process may write its next marker at that name before anyone would remove this one)."""
+    """The marker's state: live, dead (its process is gone, or it cannot be read), or gone
+    (removed already: its process may write its next marker at that name meanwhile, which a
+    removal by this name would take)."""
     try:
         with open(path, "rb") as f:
             start = f.read(64).decode(errors="replace").strip()
