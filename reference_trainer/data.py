@@ -38,7 +38,8 @@ def _corpus(data: str | None) -> list[str]:
     """The corpus's files, as strings, in ``Path`` order (by their parts: ``sorted`` of the same
     ``Path`` objects, without making and comparing 1,800 of them at every rank's start)."""
     if data is None:  # the standard library's *.py files, not the packages installed beside it
-        root = sysconfig.get_paths()["stdlib"]
+        # (no separator at its end: each file's path below is the root's and the rest of it)
+        root = sysconfig.get_paths()["stdlib"].rstrip(os.sep) or os.sep
         as_path = str(Path(root))  # (what Path(root, ...) would print)
         found = []
         for parent, dirs, names in os.walk(root):

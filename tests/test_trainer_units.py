@@ -2,6 +2,7 @@
 
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -418,3 +419,31 @@ def test_the_launchers_flags_are_not_taken_abbreviated(monkeypatch, capsys, flag
         trainer_main.main(["--nproc", "2", "--dp", "2", flag, "1", "--steps", "1"])
     assert e.value.code == 2
     assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def _corpus_as_listed_before(root: str) -> list[str]:
+    """The stdlib corpus as ``corpus_files(None)`` listed it before ``_corpus`` (sorted ``Path``
+    objects): the cache key and the training data depend on the exact list."""
+    found = []
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        found += [Path(parent, n) for n in names if n.endswith(".py")]
+    return [str(p) for p in sorted(found)]
+
+
+@pytest.mark.parametrize("spelling", ["{}", "{}/", "{}//", "{}/.", "{}/sub/.."])
+def test_the_corpus_lists_the_same_paths_in_the_same_order_however_its_root_is_spelled(
+    tmp_path, monkeypatch, spelling
+):
+    import sysconfig
+
+    from reference_trainer import data
+
+    for name in ("a.py", "a-b.py", "a.b.py", "A.py", "é.py", "sub/c.py", "sub-x/d.py", "s/e.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    root = spelling.format(tmp_path)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": root})
+    listed = data._corpus(None)
+    assert listed == _corpus_as_listed_before(root)
+    assert len(listed) == 8 and all(os.path.isfile(f) for f in listed)
