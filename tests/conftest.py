@@ -1,3 +1,4 @@
+import contextlib
 import os
 from pathlib import Path
 
@@ -12,10 +13,10 @@ def pytest_configure(config):
     bytecode (PYTHONDONTWRITEBYTECODE) each rewrote all of them, 10 s of CPU a worker."""
     if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
         if config.getoption("assertmode", "rewrite") == "rewrite":
-            _cache_rewritten_tests(Path(__file__).parent)
+            _cache_rewritten_tests(config, Path(__file__).parent)
 
 
-def _cache_rewritten_tests(tests: Path) -> None:
+def _cache_rewritten_tests(config, tests: Path) -> None:
     """pytest's own pyc of each test module (``_pytest.assertion.rewrite``, which reads it even
     where it writes none), written as pytest writes it: a checked hash of the source, so a stale
     one is never used.  The cache is a saving only: anything unexpected skips it."""
@@ -30,18 +31,21 @@ def _cache_rewritten_tests(tests: Path) -> None:
     except ImportError:  # (another pytest)
         return
     for fn in sorted([*tests.rglob("test_*.py"), *tests.rglob("conftest.py")]):
+        part = None
         try:
             pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
+            part = pyc.with_name(f"{pyc.name}.{os.getpid()}")
             if _read_pyc(fn, pyc) is not None:
                 continue
-            source_hash, co = _rewrite_test(fn, None)
+            source_hash, co = _rewrite_test(fn, config)  # (as pytest rewrites it, ini included)
             pyc.parent.mkdir(exist_ok=True)
-            part = pyc.with_name(f"{pyc.name}.{os.getpid()}")
             with open(part, "wb") as fp:
                 _write_pyc_fp(fp, source_hash, co)
             os.replace(part, pyc)
-        except Exception:  # a file that does not parse fails where pytest imports it
-            return
+        except Exception:  # (a file that does not parse fails where pytest imports it)
+            with contextlib.suppress(OSError):
+                if part is not None:
+                    part.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
