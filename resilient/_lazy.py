@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import importlib
 import threading
-from types import ModuleType
-from typing import Any
+
+TYPE_CHECKING = False  # (not typing's: a process that starts often, a stand-in, never imports it)
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import Any
 
 IMPORT_LOCK = threading.RLock()
 

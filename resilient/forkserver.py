@@ -48,7 +48,8 @@ import socket
 import struct
 import sys
 import time
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # (not typing's: a stand-in starts often, and never needs it)
 
 if TYPE_CHECKING:
     import subprocess
