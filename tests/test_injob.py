@@ -31,8 +31,9 @@ STEPS = 14
 # (``--preload``, the launcher's own option): each saves the 2 s of CPU an interpreter takes to
 # import them (the file took 169 s of CPU with every process its own interpreter, 136 s with all
 # but one test preloaded), and their launcher forked from this process's server for launchers
-# (``forked_launcher``: another ``import torch`` less a job).  The tests marked ``plain=True`` start
-# every process as its own interpreter, as plain torchrun does: among them the faults at the job's
+# (``forked_launcher``: another ``import torch`` less a job; every test's).  The tests marked
+# ``plain=True`` start every rank and spare as its own interpreter, as plain torchrun does (and
+# ``resilient launch`` without ``--preload``): among them the faults at the job's
 # end, whose order ("after rank 0's process is gone") is judged on the process the launcher
 # watches, which under --preload is the fork server's stand-in, not the rank's own process.
 # torch._dynamo is what torch.optim.AdamW imports when it is made: another 1.3 s in each rank.
@@ -53,7 +54,7 @@ def run_job(
 ) -> tuple[int, str, Path]:
     """``resilient launch`` of the job on 2 ranks; (exit code, the launcher's stderr, the job's
     output folder).  ``job``: the job's other variables (``INJOB_HELPER="1"``, ...); ``plain``:
-    without ``PRELOAD``, and the launcher a new interpreter."""
+    without ``PRELOAD``."""
     out = tmp / name
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -66,8 +67,9 @@ def run_job(
         sys.executable, "-m", "resilient.cli", "launch", "--nproc-per-node", "2",
         *(() if plain else PRELOAD), *flags, str(JOB), str(out / "ckpt"), str(STEPS), str(out / "out.json"),
     ]  # fmt: skip
-    if not plain:  # the launcher too forked, from this process's server for launchers
-        cmd, env = forked_launcher(cmd, env)
+    # the launcher forked from this process's server for launchers (its ranks and spares, with
+    # ``plain``, still each a new interpreter: what a launcher starts is what is tested)
+    cmd, env = forked_launcher(cmd, env)
     # a session of its own: at a timeout the launcher, its workers and spares go together
     p = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -223,8 +225,9 @@ def test_a_rank_killed_after_one_on_another_node_finished_falls_back_at_once(tmp
             str(JOB), str(out / "ckpt"), str(STEPS), str(out / "out.json"),
         ]  # fmt: skip
         mem = {"RESILIENT_MEMORY_ROOT": str(tmp_path / f"memory{node}")}
+        cmd, node_env = forked_launcher(cmd, {**env, **mem})  # (its ranks new interpreters)
         procs.append(subprocess.Popen(
-            cmd, env={**env, **mem}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         ))  # fmt: skip
         if node == 0:  # node 0's launcher hosts the rendezvous store, and outlives node 1's
