@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from resilient.chaos.harness import forked_launcher
 from tests.test_finish_timeout import _env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +54,14 @@ if what and not (out / f"did-{rank}").exists():
 
 def _launch(tmp: Path, plan: dict, *flags: str, env: dict | None = None) -> subprocess.Popen:
     (tmp / "w.py").write_text(_WORKER)
-    return subprocess.Popen(
+    # the launcher forked from this process's server for launchers (its workers as they were)
+    cmd, env = forked_launcher(
         [sys.executable, "-m", "resilient.cli", "launch", "--spares", "0", *flags,
          str(tmp / "w.py"), json.dumps(plan), str(tmp)],
-        env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env or _env(),
+    )  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
 
