@@ -53,6 +53,7 @@ TYPE_CHECKING = False  # (not typing's: a stand-in starts often, and never needs
 
 if TYPE_CHECKING:
     import subprocess
+    from typing import Any
 
 __all__ = [
     "ENV",
@@ -85,6 +86,7 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, sign
               signal.SIGUSR2, *([STACKS_SIGNAL] if STACKS_SIGNAL else []))  # fmt: skip
 _HEADER = struct.Struct("!I")
 _START_WAIT_S = 60.0  # how long a worker waits for a server that is still starting
+_SIGNALED_WAIT_S = 5.0  # how long a signalled stand-in waits for its rank's pid (_stand_in)
 
 
 # --- the worker's stand-in ------------------------------------------------------------------------
@@ -209,11 +211,58 @@ def _run_itself(path: str | None, target: list[str], args: list[str]) -> int:
     return 0
 
 
+def _reply(conn: socket.socket, reader: Any, waiting: list[int]) -> bytes | None:
+    """The server's reply line to a stand-in's request; None once a signal has waited for it
+    ``_SIGNALED_WAIT_S``."""
+    since = None
+    while not select.select([conn], [], [], 0.2)[0]:
+        if waiting:
+            since = time.monotonic() if since is None else since
+            if time.monotonic() - since > _SIGNALED_WAIT_S:
+                return None
+    return reader.readline()
+
+
 def _stand_in(target: list[str], args: list[str]) -> int:
     path = os.environ.get(ENV)
     conn = _connect(path) if path else None
     if conn is None:
         return _run_itself(path, target, args)
+    # signals it was started with ignored (nohup's SIGHUP, a shell's `&` SIGINT): ignored in the
+    # forked process too, and not forwarded
+    ignored = [s for s in _FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
+    # The others are forwarded to the rank, and taken from before the request on: one that came
+    # between the server's fork and handlers set only then (the rank already running, say ready
+    # to its launcher) ended this process as its default does, and never reached the rank (a
+    # SIGTERM meant to let it save; seen as a SIGINT's KeyboardInterrupt here, under load).
+    # Until the rank's pid is known they wait, then go to it in the order they came; a server
+    # that has not answered _SIGNALED_WAIT_S after one came (still importing its preload) has
+    # forked nothing for this process yet: it then ends by them, as it would have.
+    rank: dict[str, Any] = {"pid": None, "waiting": []}
+
+    def forward(signum, _frame):
+        child = rank["pid"]
+        if child is None:
+            rank["waiting"].append(signum)
+        elif signum == STACKS_SIGNAL:  # the rank's stacks: its children are not asked
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass
+        else:
+            _signal_group(child, signum)  # the rank leads its own group: its children too
+
+    before = {sig: signal.signal(sig, forward) for sig in _FORWARDED if sig not in ignored}
+
+    def run_itself() -> int:
+        """``_run_itself``, with this process's handlers as they were and the signals that came
+        meanwhile delivered to it (which may end it), as they would have been without the wait."""
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for sig in rank["waiting"]:
+            signal.raise_signal(sig)
+        return _run_itself(path, target, args)
+
     request = {
         "target": target,
         "args": args,
@@ -224,9 +273,7 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         "nice": os.nice(0),
         "umask": _umask(),
         "limits": _limits(),
-        # signals it was started with ignored (nohup's SIGHUP, a shell's `&` SIGINT): ignored in
-        # the forked process too, and not forwarded
-        "ignored": [s for s in _FORWARDED if signal.getsignal(s) == signal.SIG_IGN],
+        "ignored": ignored,
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
     }
     body = json.dumps(request).encode()
@@ -235,13 +282,17 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         conn.sendall(body)
     except OSError:
         conn.close()
-        return _run_itself(path, target, args)  # the server forks whole requests only
+        return run_itself()  # the server forks whole requests only
     try:
         reader = conn.makefile("rb")
-        reply = json.loads(reader.readline())
+        line = _reply(conn, reader, rank["waiting"])
+        if line is None:  # signalled, and no rank in sight: as before the request, it ends here
+            conn.close()
+            return run_itself()
+        reply = json.loads(line)
         if reply["pid"] is None:  # the server could not fork it: nothing started yet
             conn.close()
-            return _run_itself(path, target, args)
+            return run_itself()
         child = int(reply["pid"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         # the rank may have been forked: starting it here as well could make two of it
@@ -250,19 +301,9 @@ def _stand_in(target: list[str], args: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-
-    def forward(signum, _frame):
-        if signum == STACKS_SIGNAL:  # the rank's stacks: its children are not asked
-            try:
-                os.kill(child, signum)
-            except ProcessLookupError:
-                pass
-            return
-        _signal_group(child, signum)  # the rank leads its own group: its children get it too
-
-    for sig in _FORWARDED:
-        if sig not in request["ignored"]:
-            signal.signal(sig, forward)
+    rank["pid"] = child
+    while rank["waiting"]:
+        forward(rank["waiting"].pop(0), None)
     try:
         line = reader.readline()
     except OSError:
