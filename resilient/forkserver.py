@@ -235,7 +235,7 @@ def _stand_in(target: list[str], args: list[str]) -> int:
     # between the server's fork and handlers set only then (the rank already running, say ready
     # to its launcher) ended this process as its default does, and never reached the rank (a
     # SIGTERM meant to let it save; seen as a SIGINT's KeyboardInterrupt here, under load).
-    # Until the rank's pid is known they wait, then go to it in the order they came; a server
+    # Until the rank's pid is known they wait, then go to it; a server
     # that has not answered _SIGNALED_WAIT_S after one came (still importing its preload) has
     # forked nothing for this process yet: it then ends by them, as it would have.
     rank: dict[str, Any] = {"pid": None, "waiting": []}
@@ -254,13 +254,17 @@ def _stand_in(target: list[str], args: list[str]) -> int:
 
     before = {sig: signal.signal(sig, forward) for sig in _FORWARDED if sig not in ignored}
 
-    def run_itself() -> int:
-        """``_run_itself``, with this process's handlers as they were and the signals that came
-        meanwhile delivered to it (which may end it), as they would have been without the wait."""
+    def as_before() -> None:
+        """This process's handlers as they were, and the signals that came meanwhile delivered
+        to it (which end it, as their defaults do), as they would have been without the wait:
+        for a stand-in that has no rank to forward them to."""
         for sig, handler in before.items():
             signal.signal(sig, handler)
         for sig in rank["waiting"]:
             signal.raise_signal(sig)
+
+    def run_itself() -> int:
+        as_before()
         return _run_itself(path, target, args)
 
     request = {
@@ -295,6 +299,7 @@ def _stand_in(target: list[str], args: list[str]) -> int:
             return run_itself()
         child = int(reply["pid"])
     except (OSError, ValueError, KeyError, TypeError) as e:
+        as_before()  # told to stop meanwhile: it stops so, not as a failed start
         # the rank may have been forked: starting it here as well could make two of it
         print(
             f"resilient.forkserver: the server at {path} did not start the rank ({e!r})",

@@ -126,3 +126,27 @@ def test_a_signalled_stand_in_whose_server_never_answers_still_ends(tmp_path):
             stand_in.kill()
             stand_in.wait()
         server.close()
+
+
+@pytest.mark.parametrize("how", ["closed", "garbage"])
+def test_a_signalled_stand_in_whose_server_gives_no_pid_ends_by_the_signal(tmp_path, how):
+    """(A review's repro.)  The server gone before it forked (the connection closed, no reply)
+    or answering garbage: the stand-in was told to stop, so it ends by the signal, as it did
+    before it took signals early; not with exit code 1 and the signal dropped."""
+    server = _Server(tmp_path)
+    stand_in = _stand_in(server)
+    try:
+        server.take_request()
+        stand_in.send_signal(signal.SIGTERM)
+        _delivered(stand_in, signal.SIGTERM)
+        if how == "closed":
+            server.conn.close()
+        else:
+            server.conn.sendall(b"not json\n")
+        stand_in.wait(timeout=60)
+        assert stand_in.returncode == -signal.SIGTERM, stand_in.stderr.read()
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
+            stand_in.wait()
+        server.close()
