@@ -11,13 +11,14 @@ PYTEST_ARGS ?=
 # module's fixtures, such as a chaos reference run, keep them); TEST_WORKERS=0 runs it in one process.
 # Files are handed out in the order tests/conftest.py sorts them (the long ones first), not
 # pytest-xdist's default (the files with the most tests first, which put the real jobs last).
-# Four on two cores: the real jobs of the chaos files wait (for timeouts, verdicts, restarts) as
+# Five on two cores: the real jobs of the chaos files wait (for timeouts, verdicts, restarts) as
 # much as they compute, and more files fill those waits (on two cores under load, measured:
 # 976 s with three workers against 1311 s with two; unloaded, 848 s with four against 901 s with
-# three).  More than four gains nothing: with four the cores are busy throughout (measured with
-# 815 tests: 1059 s with four, 1035 s with six, vmstat idle 0%), two thirds of that CPU in the
-# reference trainer's worker processes, and most of theirs in importing torch and torch._dynamo.
-TEST_WORKERS ?= 4
+# three).  Beyond four the cores are busy throughout unloaded (measured with 815 tests: 1059 s
+# with four, 1035 s with six, vmstat idle 0%), but under load a fifth takes a larger share of
+# them from the other processes (1,765 tests with two busy loops: 944 and 958 s with five,
+# 963 and 995 s with four, BENCHMARKS.md, thirty-eighth session).
+TEST_WORKERS ?= 5
 
 .PHONY: demo test lint bench venv clean bytecode
 
