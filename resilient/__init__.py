@@ -4,7 +4,7 @@ The errors are imported with the package; the other public names when first used
 that a process that only reads and commits checkpoint files (the memory tier's persister) never
 imports torch, and one that only needs a module of the toolkit's, such as a fork server's stand-in
 (``python -m resilient.forkserver``, which imports the package first), imports little else: not
-even ``typing`` or ``dataclasses``, 35 ms of CPU at each start."""
+even ``typing`` or ``dataclasses`` (the package's import 37 ms of CPU to 8 ms, measured)."""
 
 from __future__ import annotations
 

@@ -235,9 +235,9 @@ def _stand_in(target: list[str], args: list[str]) -> int:
     # between the server's fork and handlers set only then (the rank already running, say ready
     # to its launcher) ended this process as its default does, and never reached the rank (a
     # SIGTERM meant to let it save; seen as a SIGINT's KeyboardInterrupt here, under load).
-    # Until the rank's pid is known they wait, then go to it; a server
-    # that has not answered _SIGNALED_WAIT_S after one came (still importing its preload) has
-    # forked nothing for this process yet: it then ends by them, as it would have.
+    # Until the rank's pid is known they wait, then go to it; a server that has not answered
+    # _SIGNALED_WAIT_S after one came (still importing its preload) has forked nothing for this
+    # process yet, and one that gives no pid none: it then ends by them, as it would have.
     rank: dict[str, Any] = {"pid": None, "waiting": []}
 
     def forward(signum, _frame):
