@@ -241,10 +241,14 @@ def _stand_in(target: list[str], args: list[str]) -> int:
     rank: dict[str, Any] = {"pid": None, "waiting": []}
 
     def forward(signum, _frame):
-        child = rank["pid"]
-        if child is None:
+        if rank["pid"] is None or rank["waiting"]:  # (behind those still waiting: in order)
             rank["waiting"].append(signum)
-        elif signum == STACKS_SIGNAL:  # the rank's stacks: its children are not asked
+        else:
+            deliver(signum)
+
+    def deliver(signum: int) -> None:
+        child = rank["pid"]
+        if signum == STACKS_SIGNAL:  # the rank's stacks: its children are not asked
             try:
                 os.kill(child, signum)
             except ProcessLookupError:
@@ -307,8 +311,9 @@ def _stand_in(target: list[str], args: list[str]) -> int:
         )
         return 1
     rank["pid"] = child
-    while rank["waiting"]:
-        forward(rank["waiting"].pop(0), None)
+    while rank["waiting"]:  # (one that comes meanwhile joins the queue: see forward)
+        deliver(rank["waiting"][0])
+        rank["waiting"].pop(0)
     try:
         line = reader.readline()
     except OSError:
