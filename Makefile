@@ -16,8 +16,9 @@ PYTEST_ARGS ?=
 # 976 s with three workers against 1311 s with two; unloaded, 848 s with four against 901 s with
 # three).  Beyond four the cores are busy throughout unloaded (measured with 815 tests: 1059 s
 # with four, 1035 s with six, vmstat idle 0%), but under load a fifth takes a larger share of
-# them from the other processes (1,765 tests with two busy loops: 944 and 958 s with five,
-# 963 and 995 s with four, BENCHMARKS.md, thirty-eighth session).
+# them from the other processes (1,765 tests with two busy loops: 944, 958, 974 and 988 s with
+# five, 963 and 995 s with four, as the machine slowed through the day: 1-2%, near the noise;
+# BENCHMARKS.md, thirty-eighth session).
 TEST_WORKERS ?= 5
 
 .PHONY: demo test lint bench venv clean bytecode
